@@ -1,0 +1,71 @@
+"""Command line: ``python -m lit_amp_det {fit,validate,test,predict} [hydra overrides]``.
+
+Hydra owns everything after the subcommand (overrides, ``-m`` for multirun, ``--cfg job``, ``--info``,
+``--hydra-help``); the subcommand itself is taken off ``argv`` and handed to Hydra as ``command=...``
+because Hydra has no notion of subcommands. ``--help`` prints the subcommands and config groups.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import hydra
+from omegaconf import DictConfig
+
+from lit_amp_det.config import COMMANDS, PRECISIONS, config_dir, config_groups
+
+__all__ = ["main", "usage"]
+
+_DESCRIPTIONS = {
+    "fit": "train (and validate every epoch); ckpt_path=last resumes",
+    "validate": "score a checkpoint (ckpt_path=... or model.checkpoint=...) on the validation split",
+    "test": "score a checkpoint on the test split",
+    "predict": "write COCO-format detections of data.predict_split to predictions.json",
+}
+
+
+def usage() -> str:
+    """The text of ``--help``: subcommands, config groups with their options, and examples."""
+    lines = ["usage: python -m lit_amp_det {fit,validate,test,predict} [-m] [--cfg job] [key=value ...]", "",
+             "subcommands:"]
+    lines += [f"  {name:<9} {_DESCRIPTIONS[name]}" for name in COMMANDS]
+    lines += ["", f"config groups (choose with group=option; tree at {config_dir()}):"]
+    lines += [f"  {group:<10} {', '.join(options)}" for group, options in config_groups().items()]
+    lines += [
+        "",
+        f"trainer.precision: {' | '.join(PRECISIONS)}",
+        "",
+        "examples:",
+        "  python -m lit_amp_det fit trainer.precision=16-mixed",
+        "  python -m lit_amp_det fit data=coco data.root=/data/coco experiment=coco_r50_fpn",
+        "  python -m lit_amp_det fit -m trainer.precision=32-true,bf16-mixed",
+        "  python -m lit_amp_det test ckpt_path=last",
+        "  python -m lit_amp_det fit --cfg job        (print the composed config and exit)",
+        "  python -m lit_amp_det fit --hydra-help     (Hydra's own flags)",
+    ]
+    return "\n".join(lines)
+
+
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
+def _hydra_entry(cfg: DictConfig) -> object:
+    from lit_amp_det.tasks import run  # heavy imports only once Hydra has parsed the command line
+
+    return run(cfg)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m lit_amp_det`` and the ``lit-amp-det`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        sys.exit(f"lit_amp_det: unknown subcommand {command!r}; the first argument must be one of "
+                 f"{', '.join(COMMANDS)} (see --help)")
+    if "-h" in rest or "--help" in rest:
+        print(usage())
+        return
+    sys.argv = [sys.argv[0], f"command={command}", *rest]
+    _hydra_entry()

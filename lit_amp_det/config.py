@@ -1,0 +1,58 @@
+"""Where the Hydra configuration lives, and the checks that run before anything is built.
+
+The YAML tree sits in the repository's ``conf/`` folder and is installed as the package
+``lit_amp_det.conf``, so ``python -m lit_amp_det`` finds it from a source checkout and from a wheel alike.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["COMMANDS", "PRECISIONS", "config_dir", "config_groups", "check_config"]
+
+#: Subcommands of ``python -m lit_amp_det``.
+COMMANDS = ("fit", "validate", "test", "predict")
+#: ``trainer.precision`` values the package supports.
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+
+
+def _headline_kind(mask: bool) -> str:
+    """``segm`` when the model predicts masks, else ``bbox``: picks the metric checkpoints monitor."""
+    return "segm" if mask else "bbox"
+
+
+OmegaConf.register_new_resolver("headline_kind", _headline_kind, replace=True)
+
+
+def config_dir() -> Path:
+    """Absolute path of the config tree (``conf/`` in a checkout, ``lit_amp_det/conf`` when installed)."""
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "config.yaml").is_file():
+        return checkout
+    return Path(str(resources.files("lit_amp_det.conf")))
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Config groups and their options, e.g. ``{"data": ["coco", "shapes"], ...}``."""
+    root = config_dir()
+    return {
+        group.name: sorted(p.stem for p in group.glob("*.yaml"))
+        for group in sorted(root.iterdir())
+        if group.is_dir() and not group.name.startswith(("_", "."))
+    }
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Rejects values that would otherwise fail deep inside Lightning with a less helpful message."""
+    command = cfg.get("command")
+    if command not in COMMANDS:
+        raise ValueError(f"command={command!r}; choose one of {', '.join(COMMANDS)}")
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    seed = cfg.get("seed")
+    if seed is not None and not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} must be an integer or null")

@@ -1,0 +1,254 @@
+"""Lightning data modules: any COCO-format folder, and the embedded synthetic "shapes" dataset.
+
+:class:`CocoDataModule` reads a COCO-style tree (image folders plus ``instances_*.json``) through
+:class:`~lit_amp_det.data.coco.CocoInstances`; :class:`ShapesDataModule` first generates the synthetic
+dataset into a cache directory and then runs exactly the same code, so the default path exercises the
+real COCO loader. Training batches come from a resumable, deterministic sampler (see
+:mod:`lit_amp_det.data.sampler`), so a run killed mid-epoch resumes onto the same batches.
+Images stay ``uint8`` through the loader (4x less to pin and copy); the model converts them on device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+from lit_amp_det.data.coco import CocoInstances
+from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
+from lit_amp_det.data.shapes import SHAPE_CLASSES, ensure_shapes, shapes_dataset_dir
+from lit_amp_det.data.transforms import RandomHorizontalFlip, collate_detection
+
+__all__ = ["CocoDataModule", "ShapesDataModule"]
+
+Split = Literal["train", "val", "test"]
+
+
+class _SeededAugmentation(Dataset):
+    """Applies training augmentation with the per-sample seed carried by the sampler's ``(index, seed)`` key."""
+
+    def __init__(self, dataset: CocoInstances, transform: Any) -> None:
+        self.dataset = dataset
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        index, seed = key
+        image, target = self.dataset[index]
+        return self.transform(image, target, generator=torch.Generator().manual_seed(seed))
+
+
+class CocoDataModule(LightningDataModule):
+    """Train/val/test/predict loaders over a COCO-format folder.
+
+    Args:
+        root: dataset folder; relative image and annotation paths below are resolved against it.
+        train_images, val_images, test_images: image folders of each split.
+        train_annotations, val_annotations, test_annotations: ``instances_*.json`` of each split. A test
+            split left as ``None`` reuses the validation split.
+        predict_split: which split ``predict`` runs on.
+        batch_size: training images per batch and process; ``eval_batch_size`` defaults to it.
+        num_workers, pin_memory, persistent_workers: ``DataLoader`` settings.
+        flip_prob: probability of a horizontal flip of a training image.
+        aspect_ratio_grouping: batch portrait and landscape images separately (less padding).
+        invalid_boxes: ``error`` stops at the first degenerate box with its file and annotation id;
+            ``skip`` drops such boxes and counts them.
+        skip_empty_train: drop training images that have no annotations.
+        with_masks: decode instance masks (``False`` for Faster R-CNN).
+        seed: seed of the training order and augmentation.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        train_images: str = "train2017",
+        train_annotations: str = "annotations/instances_train2017.json",
+        val_images: str = "val2017",
+        val_annotations: str = "annotations/instances_val2017.json",
+        test_images: str | None = None,
+        test_annotations: str | None = None,
+        predict_split: Split = "val",
+        batch_size: int = 2,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        flip_prob: float = 0.5,
+        aspect_ratio_grouping: bool = True,
+        invalid_boxes: Literal["error", "skip"] = "error",
+        skip_empty_train: bool = False,
+        with_masks: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if predict_split not in ("train", "val", "test"):
+            raise ValueError(f"data.predict_split={predict_split!r}; choose train, val or test")
+        if invalid_boxes not in ("error", "skip"):
+            raise ValueError(f"data.invalid_boxes={invalid_boxes!r}; choose error or skip")
+        self.root = Path(root).expanduser()
+        self.split_paths: dict[str, tuple[str, str]] = {
+            "train": (train_images, train_annotations),
+            "val": (val_images, val_annotations),
+            "test": (test_images or val_images, test_annotations or val_annotations),
+        }
+        self.predict_split = predict_split
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.loader_options = dict(
+            num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0
+        )
+        self.flip = RandomHorizontalFlip(flip_prob)
+        self.aspect_ratio_grouping = aspect_ratio_grouping
+        self.invalid_boxes = invalid_boxes
+        self.skip_empty_train = skip_empty_train
+        self.with_masks = with_masks
+        self.seed = seed
+        self.datasets: dict[str, CocoInstances] = {}
+        self.category_ids: list[int] | None = None
+        self._train_loader: ResumableDataLoader | None = None
+
+    # ----------------------------------------------------------------------------------------- splits
+    def _path(self, relative: str) -> Path:
+        path = Path(relative).expanduser()
+        return path if path.is_absolute() else self.root / path
+
+    def dataset(self, split: Split) -> CocoInstances:
+        """The split's dataset, built on first use with the category mapping of the first split built."""
+        if split not in self.datasets:
+            images, annotations = self.split_paths[split]
+            dataset = CocoInstances(
+                self._path(images),
+                self._path(annotations),
+                with_masks=self.with_masks,
+                invalid_boxes=self.invalid_boxes,
+                skip_empty=self.skip_empty_train and split == "train",
+                category_ids=self.category_ids,
+            )
+            self.category_ids = self.category_ids or list(dataset.category_ids)
+            self.datasets[split] = dataset
+        return self.datasets[split]
+
+    @property
+    def num_classes(self) -> int:
+        """Classes including background, read from the annotations (builds the first needed split)."""
+        return self._reference_dataset().num_classes
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self._reference_dataset().class_names)
+
+    def _reference_dataset(self) -> CocoInstances:
+        if not self.datasets:
+            self.dataset("train")
+        return next(iter(self.datasets.values()))
+
+    def setup(self, stage: str | None = None) -> None:
+        """Builds the splits ``stage`` needs (idempotent)."""
+        needed: dict[str | None, Sequence[Split]] = {
+            "fit": ("train", "val"),
+            "validate": ("val",),
+            "test": ("test",),
+            "predict": (self.predict_split,),
+            None: ("train", "val", "test"),
+        }
+        for split in needed[stage]:
+            self.dataset(split)
+
+    # ---------------------------------------------------------------------------------------- loaders
+    def train_dataloader(self) -> ResumableDataLoader:
+        dataset = self.dataset("train")
+        groups = aspect_ratio_groups(dataset.aspect_ratios()) if self.aspect_ratio_grouping else None
+        sampler = ResumableBatchSampler(len(dataset), self.batch_size, seed=self.seed, group_ids=groups)
+        self._train_loader = ResumableDataLoader(
+            _SeededAugmentation(dataset, self.flip),
+            sampler,
+            collate_fn=collate_detection,
+            generator=torch.Generator().manual_seed(self.seed),  # keeps the global RNG untouched
+            **self.loader_options,
+        )
+        return self._train_loader
+
+    def _eval_loader(self, split: Split) -> DataLoader:
+        return DataLoader(
+            self.dataset(split),
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            collate_fn=collate_detection,
+            generator=torch.Generator().manual_seed(self.seed),
+            **self.loader_options,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.predict_split)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Counts training batches the loop really takes, for exact mid-epoch resume."""
+        if self.trainer is not None and self.trainer.training and self._train_loader is not None:
+            self._train_loader.mark_consumed()
+        return batch
+
+
+class ShapesDataModule(CocoDataModule):
+    """The embedded synthetic dataset, generated into ``cache_dir`` on first use, then read as COCO.
+
+    Args:
+        cache_dir: where generated datasets live; one sub-folder per set of generation parameters.
+        train_size, val_size, test_size: images per split.
+        image_size: side of the square images in pixels.
+        min_objects, max_objects: objects per image.
+        data_seed: seed of the generated content (``seed`` seeds the training order).
+        **kwargs: :class:`CocoDataModule` loader options.
+    """
+
+    classes = SHAPE_CLASSES
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike = "~/.cache/lit_amp_det",
+        *,
+        train_size: int = 800,
+        val_size: int = 100,
+        test_size: int = 100,
+        image_size: int = 160,
+        min_objects: int = 1,
+        max_objects: int = 6,
+        data_seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        self.generation = dict(
+            splits={"train": train_size, "val": val_size, "test": test_size},
+            image_size=image_size,
+            min_objects=min_objects,
+            max_objects=max_objects,
+            seed=data_seed,
+        )
+        self.cache_dir = Path(cache_dir).expanduser()
+        paths = {
+            f"{split}_{kind}": path
+            for split in ("train", "val", "test")
+            for kind, path in (("images", f"images/{split}"), ("annotations", f"annotations/instances_{split}.json"))
+        }
+        super().__init__(shapes_dataset_dir(self.cache_dir, **self.generation), **paths, **kwargs)
+
+    def prepare_data(self) -> None:
+        """Generates the dataset once (atomically; later runs reuse it)."""
+        ensure_shapes(self.cache_dir, **self.generation)
+
+    def dataset(self, split: Split) -> CocoInstances:
+        if not self.datasets:
+            self.prepare_data()  # also when used outside a Trainer
+        return super().dataset(split)

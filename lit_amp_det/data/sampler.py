@@ -1,0 +1,161 @@
+"""Deterministic, resumable training batches with optional aspect-ratio grouping.
+
+Exact mid-epoch resume needs three things the stock ``DataLoader`` does not give: the epoch's order must be
+a pure function of (seed, epoch), the random augmentation of a sample must not depend on which worker or
+process loaded it, and the loader must remember how many batches the training loop really consumed (not
+how many it prefetched). :class:`ResumableBatchSampler` yields ``(index, sample_seed)`` keys so the
+augmentation seed travels with the sample; :class:`ResumableDataLoader` implements Lightning's
+``state_dict``/``load_state_dict`` protocol on top of it. The sampler also shards itself across
+distributed ranks, so the trainer runs with ``use_distributed_sampler=False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Sampler
+
+__all__ = ["ResumableBatchSampler", "ResumableDataLoader", "aspect_ratio_groups"]
+
+SampleKey = tuple[int, int]
+
+
+def aspect_ratio_groups(aspect_ratios: Sequence[float]) -> list[int]:
+    """Group id per image: 0 for portrait (w < h), 1 for landscape or square, as Detectron does."""
+    return [int(ratio >= 1.0) for ratio in aspect_ratios]
+
+
+def _distributed_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _splitmix64(value: int) -> int:
+    """SplitMix64 finaliser: a cheap, well-mixed 64-bit hash for deriving per-sample seeds."""
+    value = (value + 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return value ^ (value >> 31)
+
+
+class ResumableBatchSampler(Sampler[list[SampleKey]]):
+    """Shuffled batches of ``(dataset_index, sample_seed)`` keys, reproducible from (seed, epoch).
+
+    Args:
+        dataset_size: number of samples.
+        batch_size: samples per batch on each rank.
+        seed: base seed; epoch ``e`` uses the permutation drawn from ``seed + e``.
+        group_ids: optional group per sample; a batch then holds samples of one group only
+            (aspect-ratio grouping keeps padding small).
+        drop_last: drop the last incomplete batch of the epoch.
+        shuffle: shuffle (training) or keep dataset order.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        group_ids: Sequence[int] | None = None,
+        drop_last: bool = False,
+        shuffle: bool = True,
+    ) -> None:
+        if dataset_size < 1:
+            raise ValueError(f"the training split is empty (dataset_size={dataset_size}); check data.root")
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if group_ids is not None and len(group_ids) != dataset_size:
+            raise ValueError(f"group_ids has {len(group_ids)} entries for {dataset_size} samples")
+        self.dataset_size = dataset_size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.group_ids = list(group_ids) if group_ids is not None else None
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.epoch = 0
+        self._skip = 0  # batches of `self.epoch` already consumed before a resume
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at every epoch start; a pending resume offset only applies to its own epoch."""
+        if epoch != self.epoch:
+            self._skip = 0
+        self.epoch = epoch
+
+    def resume(self, epoch: int, consumed_batches: int) -> None:
+        """Makes the next iteration of ``epoch`` start after ``consumed_batches`` batches."""
+        self.epoch = epoch
+        self._skip = consumed_batches
+
+    def _rank_indices(self) -> list[int]:
+        rank, world = _distributed_rank_and_size()
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=generator).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        per_rank = -(-self.dataset_size // world)
+        order += order[: per_rank * world - len(order)]  # pad so every rank gets the same count
+        return order[rank::world]
+
+    def _batches(self) -> list[list[int]]:
+        indices = self._rank_indices()
+        if self.group_ids is None:
+            batches = [indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
+        else:
+            batches, buckets = [], {}
+            for index in indices:
+                bucket = buckets.setdefault(self.group_ids[index], [])
+                bucket.append(index)
+                if len(bucket) == self.batch_size:
+                    batches.append(bucket.copy())
+                    bucket.clear()
+            batches += [bucket for _, bucket in sorted(buckets.items()) if bucket]  # partial, still one group
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        return batches
+
+    def _sample_seed(self, index: int) -> int:
+        # one seed per (seed, epoch, index), independent of worker, rank and Python's hash randomisation
+        return _splitmix64(_splitmix64(_splitmix64(self.seed) ^ self.epoch) ^ index) >> 1
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        batches, skip = self._batches(), self._skip
+        self._skip = 0
+        for batch in batches[skip:]:
+            yield [(index, self._sample_seed(index)) for index in batch]
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableBatchSampler` that Lightning can checkpoint mid-epoch.
+
+    Lightning prefetches a batch ahead, so "batches yielded" overstates progress; the count kept here is
+    advanced by :meth:`mark_consumed`, which the data module calls when the training loop takes a batch.
+    """
+
+    def __init__(self, dataset: Any, batch_sampler: ResumableBatchSampler, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self.consumed_batches = 0
+        self._consumed_epoch = batch_sampler.epoch
+
+    def mark_consumed(self) -> None:
+        """Records that the training loop took one more batch of the current epoch."""
+        sampler: ResumableBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        if sampler.epoch != self._consumed_epoch:
+            self._consumed_epoch, self.consumed_batches = sampler.epoch, 0
+        self.consumed_batches += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._consumed_epoch, "consumed_batches": self.consumed_batches}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._consumed_epoch = int(state_dict["epoch"])
+        self.consumed_batches = int(state_dict["consumed_batches"])
+        self.batch_sampler.resume(self._consumed_epoch, self.consumed_batches)  # type: ignore[union-attr]

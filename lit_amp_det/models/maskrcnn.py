@@ -1,0 +1,234 @@
+"""Builds torchvision Mask R-CNN / Faster R-CNN models from plain configuration values.
+
+Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, RPN and RoI-head
+settings, head widths) is an argument here, so the Hydra ``model`` node maps one to one onto these
+functions and :class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Nothing is
+downloaded: pretrained weights are refused with an error that says how to load local ones instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torchvision.models import resnet
+from torchvision.models.detection import FasterRCNN, MaskRCNN
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.backbone_utils import BackboneWithFPN
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
+from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+
+__all__ = ["BACKBONES", "NORM_LAYERS", "build_backbone", "build_detector"]
+
+
+def _resnet10(*, weights: None = None, **kwargs: Any) -> resnet.ResNet:
+    """A one-block-per-stage ResNet: the small, fast trunk for tests and CPU runs."""
+    return resnet.ResNet(resnet.BasicBlock, [1, 1, 1, 1], **kwargs)
+
+
+#: Backbone trunks by config name. ``resnet10`` is the small fast option.
+BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {
+    "resnet10": _resnet10,
+    "resnet18": resnet.resnet18,
+    "resnet34": resnet.resnet34,
+    "resnet50": resnet.resnet50,
+    "resnet101": resnet.resnet101,
+}
+
+#: Normalisation layers by config name. ``frozen_bn`` is torchvision's buffers-only BatchNorm.
+NORM_LAYERS: dict[str, Callable[..., nn.Module]] = {
+    "bn": nn.BatchNorm2d,
+    "frozen_bn": FrozenBatchNorm2d,
+}
+
+_STAGES_BY_DEPTH = ["layer4", "layer3", "layer2", "layer1", "conv1"]
+
+
+def _check_no_download(weights: Any, field: str) -> None:
+    if weights not in (None, "", "none", "None"):
+        raise ValueError(
+            f"{field}={weights!r}: lit_amp_det never downloads weights (machines may be offline). "
+            "Set model.checkpoint=PATH to a local state dict or Lightning checkpoint instead, "
+            f"and leave {field}=null."
+        )
+
+
+def build_backbone(
+    name: str = "resnet18",
+    *,
+    fpn_channels: int = 256,
+    trainable_layers: int = 5,
+    norm: str = "bn",
+    returned_layers: Sequence[int] = (1, 2, 3, 4),
+    weights: str | None = None,
+) -> BackboneWithFPN:
+    """Builds a ResNet trunk with an FPN on top.
+
+    Args:
+        name: one of :data:`BACKBONES`.
+        fpn_channels: channels of every FPN output (torchvision uses 256; 64 is plenty for small data).
+        trainable_layers: how many stages, counted from the top (layer4 ... conv1), get gradients;
+            5 trains everything, 0 freezes the whole trunk.
+        norm: one of :data:`NORM_LAYERS`.
+        returned_layers: which ResNet stages (1..4) feed the FPN.
+        weights: must be None; present so a request for hub weights fails loudly.
+    """
+    _check_no_download(weights, "model.backbone.weights")
+    if name not in BACKBONES:
+        raise ValueError(f"model.backbone.name={name!r} is unknown; choose one of {sorted(BACKBONES)}")
+    if norm not in NORM_LAYERS:
+        raise ValueError(f"model.backbone.norm={norm!r} is unknown; choose one of {sorted(NORM_LAYERS)}")
+    if not 0 <= trainable_layers <= 5:
+        raise ValueError(f"model.backbone.trainable_layers must be in [0, 5], got {trainable_layers}")
+    if not returned_layers or not all(1 <= k <= 4 for k in returned_layers):
+        raise ValueError(f"model.backbone.returned_layers must be stages in 1..4, got {list(returned_layers)}")
+
+    trunk = BACKBONES[name](weights=None, norm_layer=NORM_LAYERS[norm])
+    trained = _STAGES_BY_DEPTH[:trainable_layers] + (["bn1"] if trainable_layers == 5 else [])
+    for param_name, param in trunk.named_parameters():
+        if not any(param_name.startswith(stage) for stage in trained):
+            param.requires_grad_(False)
+
+    stage1_channels = trunk.inplanes // 8
+    return BackboneWithFPN(
+        trunk,
+        return_layers={f"layer{k}": str(i) for i, k in enumerate(returned_layers)},
+        in_channels_list=[stage1_channels * 2 ** (k - 1) for k in returned_layers],
+        out_channels=fpn_channels,
+        extra_blocks=LastLevelMaxPool(),
+    )
+
+
+def _anchor_generator(sizes: Sequence[int], aspect_ratios: Sequence[float], levels: int) -> AnchorGenerator:
+    if len(sizes) != levels:
+        raise ValueError(
+            f"model.rpn.anchor_sizes has {len(sizes)} entries but the FPN has {levels} levels; give one size per level"
+        )
+    return AnchorGenerator(sizes=tuple((int(s),) for s in sizes), aspect_ratios=(tuple(aspect_ratios),) * levels)
+
+
+def build_detector(
+    num_classes: int,
+    *,
+    mask: bool = True,
+    backbone: Mapping[str, Any] | None = None,
+    transform: Mapping[str, Any] | None = None,
+    rpn: Mapping[str, Any] | None = None,
+    roi_heads: Mapping[str, Any] | None = None,
+) -> FasterRCNN:
+    """Builds a torchvision Mask R-CNN (``mask=True``) or Faster R-CNN (``mask=False``).
+
+    Args:
+        num_classes: number of classes including background.
+        backbone: keyword arguments of :func:`build_backbone`.
+        transform: ``min_size``, ``max_size``, ``image_mean``, ``image_std``, ``size_divisible``.
+        rpn: ``anchor_sizes`` (one per FPN level), ``aspect_ratios``, ``pre_nms_top_n_train/test``,
+            ``post_nms_top_n_train/test``, ``nms_thresh``, ``fg_iou_thresh``, ``bg_iou_thresh``,
+            ``batch_size_per_image``, ``positive_fraction``, ``score_thresh``.
+        roi_heads: ``box_head_width``, ``box_score_thresh``, ``box_nms_thresh``, ``detections_per_img``,
+            ``fg_iou_thresh``, ``bg_iou_thresh``, ``batch_size_per_image``, ``positive_fraction``,
+            ``mask_head_layers`` (channels per mask-head conv), ``sampling_ratio``.
+    """
+    if num_classes < 2:
+        raise ValueError(f"model.num_classes must count background plus at least one class, got {num_classes}")
+    body = build_backbone(**dict(backbone or {}))
+    levels = len(dict(backbone or {}).get("returned_layers", (1, 2, 3, 4))) + 1  # + LastLevelMaxPool
+    channels = body.out_channels
+    rpn_cfg = dict(rpn or {})
+    roi_cfg = dict(roi_heads or {})
+    tf_cfg = dict(transform or {})
+
+    anchors = _anchor_generator(
+        rpn_cfg.pop("anchor_sizes", (32, 64, 128, 256, 512)), rpn_cfg.pop("aspect_ratios", (0.5, 1.0, 2.0)), levels
+    )
+    feature_names = [str(i) for i in range(levels - 1)]
+    sampling_ratio = roi_cfg.pop("sampling_ratio", 2)
+    box_width = roi_cfg.pop("box_head_width", 1024)
+    mask_layers = tuple(roi_cfg.pop("mask_head_layers", (256, 256, 256, 256)))
+    box_pool = MultiScaleRoIAlign(feature_names, output_size=7, sampling_ratio=sampling_ratio)
+
+    kwargs: dict[str, Any] = dict(
+        min_size=tf_cfg.pop("min_size", 800),
+        max_size=tf_cfg.pop("max_size", 1333),
+        image_mean=tf_cfg.pop("image_mean", None),
+        image_std=tf_cfg.pop("image_std", None),
+        size_divisible=tf_cfg.pop("size_divisible", 32),
+        rpn_anchor_generator=anchors,
+        box_roi_pool=box_pool,
+        box_head=TwoMLPHead(channels * 7 * 7, box_width),
+        box_predictor=FastRCNNPredictor(box_width, num_classes),
+        **{_rpn_kwarg(k): v for k, v in rpn_cfg.items()},
+        **{_roi_kwarg(k): v for k, v in roi_cfg.items()},
+    )
+    _reject_leftovers("model.transform", tf_cfg)
+    if not mask:
+        return FasterRCNN(body, num_classes=None, **kwargs)
+    return MaskRCNN(
+        body,
+        num_classes=None,
+        mask_roi_pool=MultiScaleRoIAlign(feature_names, output_size=14, sampling_ratio=sampling_ratio),
+        mask_head=MaskRCNNHeads(channels, mask_layers, 1),
+        mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
+        **kwargs,
+    )
+
+
+_ROI_KWARGS = {
+    "box_score_thresh",
+    "box_nms_thresh",
+    "box_detections_per_img",
+    "box_fg_iou_thresh",
+    "box_bg_iou_thresh",
+    "box_batch_size_per_image",
+    "box_positive_fraction",
+    "bbox_reg_weights",
+}
+
+
+_RPN_KWARGS = {
+    "pre_nms_top_n_train",
+    "pre_nms_top_n_test",
+    "post_nms_top_n_train",
+    "post_nms_top_n_test",
+    "nms_thresh",
+    "fg_iou_thresh",
+    "bg_iou_thresh",
+    "batch_size_per_image",
+    "positive_fraction",
+    "score_thresh",
+}
+
+
+def _rpn_kwarg(key: str) -> str:
+    if key not in _RPN_KWARGS:
+        raise ValueError(f"model.rpn.{key} is not a known RPN setting; known: {sorted(_RPN_KWARGS)}")
+    return f"rpn_{key}"
+
+
+def _roi_kwarg(key: str) -> str:
+    """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*`` names."""
+    name = key if key.startswith("box_") or key == "bbox_reg_weights" else f"box_{key}"
+    if name not in _ROI_KWARGS:
+        raise ValueError(f"model.roi_heads.{key} is not a known RoI-head setting; known: {sorted(_ROI_KWARGS)}")
+    return name
+
+
+def _reject_leftovers(node: str, leftovers: Mapping[str, Any]) -> None:
+    if leftovers:
+        raise ValueError(f"{node} has unknown keys {sorted(leftovers)}")
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """Returns (trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total
+
+
+if __name__ == "__main__":  # pragma: no cover - quick manual size check
+    net = build_detector(6, backbone={"name": "resnet18", "fpn_channels": 64})
+    print(count_parameters(net), torch.__version__)

@@ -1,0 +1,218 @@
+"""The LightningModule that trains and evaluates torchvision Mask R-CNN (or Faster R-CNN).
+
+:class:`MaskRCNNModule` owns the model, the losses, COCO-style evaluation and the optimizer. Research code
+subclasses it and overrides one of the documented hooks instead of copying the training loop:
+
+* :meth:`MaskRCNNModule.build_model` -- construct the detector (new heads, other backbones);
+* :meth:`MaskRCNNModule.compute_loss` -- turn torchvision's loss dict into the scalar to optimise;
+* :meth:`MaskRCNNModule.postprocess` -- turn raw detections into the fp32 predictions that are scored;
+* :meth:`MaskRCNNModule.configure_optimizers` -- optimizer and schedule (defaults come from ``conf/optim``).
+
+Every constructor argument is plain data (numbers, strings, lists, mappings), so hyper-parameters are saved in
+checkpoints that load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import Tensor, nn
+from torchmetrics.detection import MeanAveragePrecision
+
+from lit_amp_det.checkpoints import load_model_weights
+from lit_amp_det.data.coco import drop_crowd
+from lit_amp_det.models.maskrcnn import build_detector
+from lit_amp_det.optim import build_optimizer, warmup_schedule
+
+__all__ = ["MaskRCNNModule"]
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[Sequence[Tensor], Sequence[dict[str, Tensor]]]
+
+_DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
+_DEFAULT_SCHEDULER = {"_target_": "lit_amp_det.optim.warmup_schedule", "warmup_steps": 100}
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers -> builtin dicts/lists, so hyper-parameters pickle without OmegaConf."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+class MaskRCNNModule(LightningModule):
+    """Mask R-CNN (``mask=True``) or Faster R-CNN on a ResNet-FPN backbone.
+
+    Args:
+        num_classes: classes including background (the CLI fills it in from the data).
+        class_names: names of classes 1..K, for logs and predictions.
+        category_ids: dataset category id of each class 1..K, so predictions map back to the dataset.
+        mask: predict instance masks (Mask R-CNN); ``False`` gives Faster R-CNN.
+        backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
+        optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
+        scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
+        mask_threshold: mask probability above which a pixel belongs to the instance when scoring.
+        checkpoint: local state dict or Lightning checkpoint to initialise from (``weights_only`` loading).
+        checkpoint_strict: if ``False``, tensors whose shapes differ (e.g. a new class count) are skipped.
+        weights: must stay ``None``: nothing is downloaded.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        class_names: Sequence[str] | None = None,
+        category_ids: Sequence[int] | None = None,
+        mask: bool = True,
+        backbone: Mapping[str, Any] | None = None,
+        transform: Mapping[str, Any] | None = None,
+        rpn: Mapping[str, Any] | None = None,
+        roi_heads: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        scheduler: Mapping[str, Any] | None = None,
+        mask_threshold: float = 0.5,
+        checkpoint: str | None = None,
+        checkpoint_strict: bool = True,
+        weights: str | None = None,
+    ) -> None:
+        super().__init__()
+        if weights not in (None, "", "none", "None"):
+            raise ValueError(
+                f"model.weights={weights!r}: lit_amp_det never downloads weights (machines may be offline). "
+                "Use model.checkpoint=PATH with a local state dict or Lightning checkpoint."
+            )
+        self.save_hyperparameters({k: _plain(v) for k, v in locals().items() if k not in ("self", "__class__")})
+        self.model = self.build_model()
+        if checkpoint:
+            load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict)
+        self.val_metric = self.build_metric()
+        self.test_metric = self.build_metric()
+
+    # ------------------------------------------------------------------------------ override points
+    def build_model(self) -> nn.Module:
+        """Constructs the detector from ``self.hparams``. Override to change the architecture."""
+        hp = self.hparams
+        return build_detector(
+            hp.num_classes,
+            mask=hp.mask,
+            backbone=hp.backbone,
+            transform=hp.transform,
+            rpn=hp.rpn,
+            roi_heads=hp.roi_heads,
+        )
+
+    def compute_loss(self, loss_dict: Mapping[str, Tensor]) -> Tensor:
+        """Reduces torchvision's loss dict to the training loss. Override to weight or add terms."""
+        return torch.stack([value.float() for value in loss_dict.values()]).sum()
+
+    def postprocess(self, detections: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """Turns raw detections into fp32 boxes/scores, int64 labels and boolean ``[N, H, W]`` masks."""
+        results = []
+        for det in detections:
+            out = {"boxes": det["boxes"].float(), "scores": det["scores"].float(), "labels": det["labels"].long()}
+            if "masks" in det:
+                out["masks"] = det["masks"][:, 0].float() > self.hparams.mask_threshold
+            results.append(out)
+        return results
+
+    def build_metric(self) -> MeanAveragePrecision:
+        """COCO mAP for boxes, and masks when the model predicts them."""
+        iou_types = ("bbox", "segm") if self.hparams.mask else ("bbox",)
+        return MeanAveragePrecision(iou_type=iou_types, backend="pycocotools")
+
+    def configure_optimizers(self) -> Any:
+        """Optimizer from ``hparams.optimizer`` and a per-step schedule from ``hparams.scheduler``."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = build_optimizer(self.hparams.optimizer or _DEFAULT_OPTIMIZER, params)
+        scheduler_cfg = self.hparams.scheduler if self.hparams.scheduler is not None else _DEFAULT_SCHEDULER
+        if not scheduler_cfg:
+            return optimizer
+        from hydra.utils import instantiate
+
+        scheduler = instantiate(
+            dict(scheduler_cfg), optimizer=optimizer, total_steps=max(int(self.trainer.estimated_stepping_batches), 1)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------ forward
+    @staticmethod
+    def prepare_images(images: Sequence[Tensor]) -> list[Tensor]:
+        """``uint8`` images (as the loaders deliver them) become float in [0, 1] on their device."""
+        return [img.float().div_(255) if img.dtype == torch.uint8 else img for img in images]
+
+    @staticmethod
+    def training_targets(targets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """Crowd regions are not objects to learn: they only matter for evaluation."""
+        return [
+            {k: v for k, v in drop_crowd(t).items() if k in ("boxes", "labels", "masks")} for t in targets
+        ]
+
+    def forward(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
+        """Detections (post-processed, fp32) for a list of ``[3, H, W]`` images."""
+        return self.postprocess(self.model(self.prepare_images(images)))
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        images, targets = batch
+        loss_dict = self.model(self.prepare_images(images), self.training_targets(targets))
+        loss = self.compute_loss(loss_dict)
+        batch_size = len(images)
+        self.log_dict({f"train/{k}": v.detach().float() for k, v in loss_dict.items()}, batch_size=batch_size)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
+        return loss
+
+    def _evaluate(self, batch: Batch, metric: MeanAveragePrecision) -> None:
+        images, targets = batch
+        predictions = self(images)
+        metric.update(predictions, [self._metric_target(t) for t in targets])
+
+    def _metric_target(self, target: dict[str, Tensor]) -> dict[str, Tensor]:
+        out = {"boxes": target["boxes"].float(), "labels": target["labels"].long()}
+        if "iscrowd" in target:
+            out["iscrowd"] = target["iscrowd"].long()
+        if "area" in target:
+            out["area"] = target["area"].float()
+        if self.hparams.mask:
+            out["masks"] = target["masks"].bool()
+        return out
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_metric)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.test_metric)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metric("val", self.val_metric)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metric("test", self.test_metric)
+
+    def _log_metric(self, stage: str, metric: MeanAveragePrecision) -> None:
+        results = metric.compute()
+        metric.reset()
+        wanted = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_100")
+        values = {
+            f"{stage}/{key.replace('map', 'mAP', 1) if key.startswith(('bbox_map', 'segm_map')) else key}": value
+            for key, value in results.items()
+            if key.split("_", 1)[-1] in wanted and value.numel() == 1
+        }
+        self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=False, sync_dist=False)
+
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
+        """Detections with the dataset's image ids and category ids, ready for a COCO results file."""
+        images, targets = batch
+        predictions = self(images)
+        category_ids = self.hparams.category_ids
+        for pred, target in zip(predictions, targets):
+            pred["image_id"] = int(target["image_id"])
+            if category_ids:
+                pred["category_ids"] = torch.tensor([category_ids[int(i) - 1] for i in pred["labels"]])
+        return predictions

@@ -1,0 +1,170 @@
+"""The four jobs behind the CLI -- ``train``, ``validate``, ``test``, ``predict`` -- as importable functions.
+
+Each takes a composed Hydra config, builds data module, model, callbacks, loggers and trainer from its
+``_target_`` nodes, runs, and writes ``metrics.json`` (and ``config_resolved.yaml``) into the run
+directory. They are separate from the Hydra entry point so notebooks, tests and sweepers can call them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from lit_amp_det.checkpoints import resolve_ckpt_path
+from lit_amp_det.config import check_config
+
+__all__ = ["train", "validate", "test", "predict", "run", "summary_line"]
+
+log = logging.getLogger(__name__)
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    path = Path(cfg.paths.output_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
+    """Instantiates ``cfg.data`` and prepares it (the shapes dataset is generated on first use)."""
+    datamodule = instantiate(cfg.data)
+    datamodule.prepare_data()
+    return datamodule
+
+
+def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule) -> pl.LightningModule:
+    """Instantiates ``cfg.model``; class count, names and category ids come from the data unless set."""
+    from_data: dict[str, Any] = {}
+    for key in ("num_classes", "class_names", "category_ids"):
+        if cfg.model.get(key) is None and hasattr(datamodule, key):
+            value = getattr(datamodule, key)
+            from_data[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return instantiate(cfg.model, **from_data)
+
+
+def _instantiate_all(nodes: DictConfig | None) -> list[Any]:
+    """Instantiates every ``_target_`` node of a group such as ``callbacks``; ``null`` entries are skipped."""
+    if not nodes:
+        return []
+    return [instantiate(node) for node in nodes.values() if node is not None and "_target_" in node]
+
+
+def build_trainer(cfg: DictConfig) -> pl.Trainer:
+    """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks and loggers."""
+    loggers = _instantiate_all(cfg.get("logger"))
+    return instantiate(cfg.trainer, callbacks=_instantiate_all(cfg.get("callbacks")), logger=loggers or False)
+
+
+def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    return {
+        key: float(value)
+        for key, value in sorted(trainer.callback_metrics.items())
+        if isinstance(value, torch.Tensor) and value.numel() == 1
+    }
+
+
+@rank_zero_only
+def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+    out = _output_dir(cfg)
+    record = {**record, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+    checkpoint = getattr(trainer, "checkpoint_callback", None)
+    if checkpoint is not None:
+        record["best_model_path"] = checkpoint.best_model_path or None
+        record["last_model_path"] = checkpoint.last_model_path or None
+    tmp = out / "metrics.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out / "metrics.json")  # atomic: a crash never leaves a half-written file
+    print(summary_line(record["metrics"]), flush=True)
+    print(f"run directory: {out}", flush=True)
+
+
+def summary_line(metrics: dict[str, float]) -> str:
+    """One line with the headline COCO numbers of whichever stage ran last."""
+    parts = []
+    for stage in ("test", "val"):
+        for kind in ("bbox", "segm"):
+            key = f"{stage}/{kind}_mAP"
+            if key in metrics:
+                parts.append(
+                    f"{stage} {kind} mAP {metrics[key]:.3f} (mAP@0.5 {metrics.get(key + '_50', float('nan')):.3f})"
+                )
+        if parts:
+            break
+    return " | ".join(parts) if parts else "no mAP computed (no validation ran)"
+
+
+def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
+    check_config(cfg)
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+    out = _output_dir(cfg)
+    if rank_zero_only.rank == 0:
+        OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
+    datamodule = build_datamodule(cfg)
+    model = build_model(cfg, datamodule)
+    trainer = build_trainer(cfg)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out, Path(cfg.paths.runs_root))
+    return datamodule, model, trainer, ckpt_path
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fits the model (resuming from ``cfg.ckpt_path`` if set); returns the final metrics."""
+    started = time.perf_counter()
+    datamodule, model, trainer, ckpt_path = _start(cfg)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    metrics = _scalar_metrics(trainer)
+    _write_outputs(cfg, trainer, {"command": "fit", "metrics": metrics, "time_s": time.perf_counter() - started})
+    return metrics
+
+
+def _evaluate(cfg: DictConfig, stage: str) -> dict[str, float]:
+    started = time.perf_counter()
+    datamodule, model, trainer, ckpt_path = _start(cfg)
+    if ckpt_path is None and not cfg.model.get("checkpoint"):
+        log.warning("%s without ckpt_path or model.checkpoint scores a randomly initialised model", stage)
+    getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    metrics = _scalar_metrics(trainer)
+    _write_outputs(cfg, trainer, {"command": stage, "metrics": metrics, "time_s": time.perf_counter() - started})
+    return metrics
+
+
+def validate(cfg: DictConfig) -> dict[str, float]:
+    """Scores the model on the validation split; returns the metrics."""
+    return _evaluate(cfg, "validate")
+
+
+def test(cfg: DictConfig) -> dict[str, float]:
+    """Scores the model on the test split; returns the metrics."""
+    return _evaluate(cfg, "test")
+
+
+def predict(cfg: DictConfig) -> Path:
+    """Writes COCO-format detections of ``data.predict_split`` to ``predictions.json``; returns its path."""
+    started = time.perf_counter()
+    datamodule, model, trainer, ckpt_path = _start(cfg)
+    if ckpt_path is None and not cfg.model.get("checkpoint"):
+        log.warning("predict without ckpt_path or model.checkpoint uses a randomly initialised model")
+    trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=False, weights_only=True)
+    _write_outputs(cfg, trainer, {"command": "predict", "metrics": {}, "time_s": time.perf_counter() - started})
+    return _output_dir(cfg) / "predictions.json"
+
+
+_TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict}
+
+
+def run(cfg: DictConfig) -> Any:
+    """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises."""
+    check_config(cfg)
+    result = _TASKS[cfg.command](cfg)
+    if isinstance(result, dict) and cfg.get("optimized_metric"):
+        return result.get(cfg.optimized_metric)
+    return None

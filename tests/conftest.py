@@ -1,0 +1,61 @@
+"""Shared fixtures: an isolated dataset cache and run root, Hydra composition, and the CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig
+
+from lit_amp_det.config import config_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: What a bad config value raises: our error, or Hydra's wrapper around it (which keeps our message).
+CONFIG_ERRORS = (ValueError, FileNotFoundError, InstantiationException)
+
+#: Overrides that make every run tiny: small images, few images, tiny model, 2 epochs.
+SMOKE = ["experiment=smoke"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One dataset cache for the whole session (generated datasets are reused across tests)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_paths(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIT_AMP_DET_CACHE", str(cache_dir))
+    monkeypatch.setenv("LIT_AMP_DET_RUNS", str(tmp_path / "runs"))
+
+
+def compose_config(overrides: Sequence[str] = (), output_dir: Path | None = None) -> DictConfig:
+    """Composes ``conf/config.yaml`` like the CLI does, with ``paths.output_dir`` pinned (no Hydra run)."""
+    extra = [f"paths.output_dir={output_dir}"] if output_dir is not None else []
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=[*overrides, *extra])
+
+
+def run_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Runs ``python -m lit_amp_det ...`` in a subprocess, as a user would."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "lit_amp_det", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"CLI failed ({proc.returncode}):\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def only_run_dir(root: Path) -> Path:
+    """The single run directory below ``root`` (``runs/<command>/<timestamp>``)."""
+    dirs = [p.parent for p in root.glob("*/*/metrics.json")]
+    assert len(dirs) == 1, f"expected one run under {root}, found {dirs}"
+    return dirs[0]

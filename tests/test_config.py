@@ -1,0 +1,118 @@
+"""Every config group composes and instantiates; bad values fail early with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+from hydra.utils import instantiate
+
+from lit_amp_det import MaskRCNNModule
+from lit_amp_det.config import check_config, config_groups
+from lit_amp_det.tasks import build_trainer
+
+from conftest import CONFIG_ERRORS, compose_config
+
+GROUPS = config_groups()
+
+
+def test_expected_groups_exist() -> None:
+    for group in ("model", "data", "trainer", "callbacks", "logger", "optim", "experiment", "hydra", "paths"):
+        assert group in GROUPS and GROUPS[group], group
+
+
+@pytest.mark.parametrize("option", GROUPS["model"])
+def test_every_model_instantiates(option: str, tmp_path: Path) -> None:
+    cfg = compose_config([f"model={option}"], tmp_path)
+    module = instantiate(cfg.model, num_classes=3)
+    assert isinstance(module, MaskRCNNModule)
+    assert module.hparams.mask == (option != "fasterrcnn_light")
+    assert hasattr(module.model.roi_heads, "mask_head") and (module.model.roi_heads.mask_head is None) == (
+        option == "fasterrcnn_light"
+    )
+
+
+@pytest.mark.parametrize("option", GROUPS["data"])
+def test_every_data_module_instantiates(option: str, tmp_path: Path) -> None:
+    overrides = [f"data={option}"] + ([f"data.root={tmp_path}"] if option == "coco" else [])
+    datamodule = instantiate(compose_config(overrides, tmp_path).data)
+    assert isinstance(datamodule, pl.LightningDataModule)
+
+
+@pytest.mark.parametrize("group", ["trainer", "callbacks", "logger", "optim"])
+def test_every_option_of_runtime_groups_instantiates(group: str, tmp_path: Path) -> None:
+    for option in GROUPS[group]:
+        cfg = compose_config([f"{group}={option}"], tmp_path)
+        if group == "optim":
+            module = instantiate(cfg.model, num_classes=3)
+            module._trainer = SimpleNamespace(estimated_stepping_batches=10)  # all the schedule needs
+            out = module.configure_optimizers()
+            assert type(out["optimizer"]).__name__ == cfg.optim.optimizer._target_.rsplit(".", 1)[1]
+            assert out["lr_scheduler"]["interval"] == "step"
+        elif group == "trainer" and option == "gpu":
+            continue  # needs a GPU to instantiate; composes above
+        else:
+            trainer = build_trainer(cfg)
+            assert isinstance(trainer, pl.Trainer)
+            callback_names = {type(c).__name__ for c in trainer.callbacks}
+            if group == "callbacks" and option == "default":
+                assert {"ModelCheckpoint", "RNGStateCheckpoint", "CocoPredictionWriter"} <= callback_names
+            if group == "logger" and option != "none":
+                assert trainer.loggers, option
+
+
+@pytest.mark.parametrize("option", GROUPS["experiment"])
+def test_every_experiment_composes(option: str, tmp_path: Path) -> None:
+    root = ["data.root=/data/coco"] if option.startswith("coco") else []
+    cfg = compose_config([f"experiment={option}", *root], tmp_path)
+    check_config(cfg)
+    instantiate(cfg.model, num_classes=3)
+
+
+def test_coco_r50_fpn_is_the_real_setting(tmp_path: Path) -> None:
+    cfg = compose_config(["experiment=coco_r50_fpn", "data.root=/data/coco"], tmp_path)
+    assert cfg.model.backbone.name == "resnet50" and cfg.model.transform.min_size == 800
+    assert cfg.model.transform.max_size == 1333 and cfg.trainer.accelerator == "gpu"
+    assert cfg.data._target_.endswith("CocoDataModule")
+
+
+def test_headline_metric_follows_the_mask_switch(tmp_path: Path) -> None:
+    assert compose_config([], tmp_path).optimized_metric == "val/segm_mAP"
+    assert compose_config(["model.mask=false"], tmp_path).optimized_metric == "val/bbox_mAP"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
+def test_precisions_are_accepted(precision: str, tmp_path: Path) -> None:
+    check_config(compose_config([f"trainer.precision={precision}"], tmp_path))
+
+
+def test_bad_precision_names_the_field(tmp_path: Path) -> None:
+    with pytest.raises(CONFIG_ERRORS, match=r"trainer.precision='16'.*32-true, 16-mixed, bf16-mixed"):
+        check_config(compose_config(["trainer.precision=16"], tmp_path))
+
+
+def test_hub_weights_are_refused_with_the_fix(tmp_path: Path) -> None:
+    cfg = compose_config(["model.weights=DEFAULT"], tmp_path)
+    with pytest.raises(CONFIG_ERRORS, match=r"model.weights='DEFAULT'.*never downloads.*model.checkpoint=PATH"):
+        instantiate(cfg.model, num_classes=3)
+    cfg = compose_config(["model.backbone.weights=IMAGENET1K_V1"], tmp_path)
+    with pytest.raises(CONFIG_ERRORS, match=r"model.backbone.weights='IMAGENET1K_V1'.*never downloads"):
+        instantiate(cfg.model, num_classes=3)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.backbone.name=resnet7", r"model.backbone.name='resnet7' is unknown"),
+        ("model.backbone.trainable_layers=6", r"trainable_layers must be in \[0, 5\], got 6"),
+        ("model.rpn.anchor_sizes=[16,32]", r"anchor_sizes has 2 entries but the FPN has 5 levels"),
+        ("+model.rpn.nms_threshold=0.5", r"model.rpn.nms_threshold is not a known RPN setting"),
+        ("+model.roi_heads.box_width=5", r"model.roi_heads.box_width is not a known RoI-head setting"),
+    ],
+)
+def test_bad_model_settings_name_the_field(override: str, message: str, tmp_path: Path) -> None:
+    cfg = compose_config([override], tmp_path)
+    with pytest.raises(CONFIG_ERRORS, match=message):
+        instantiate(cfg.model, num_classes=3)
