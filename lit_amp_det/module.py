@@ -88,7 +88,11 @@ class MaskRCNNModule(LightningModule):
                 f"model.weights={weights!r}: lit_amp_det never downloads weights (machines may be offline). "
                 "Use model.checkpoint=PATH with a local state dict or Lightning checkpoint."
             )
-        self.save_hyperparameters({k: _plain(v) for k, v in locals().items() if k not in ("self", "__class__")})
+        # every __init__ argument, a subclass's too; OmegaConf nodes become plain data so that
+        # checkpoints load with weights_only=True
+        self.save_hyperparameters()
+        for key, value in list(self.hparams.items()):
+            self.hparams[key] = _plain(value)
         self.model = self.build_model()
         if checkpoint:
             load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict)

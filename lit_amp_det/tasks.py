@@ -48,7 +48,7 @@ def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule) -> pl.Light
         if cfg.model.get(key) is None and hasattr(datamodule, key):
             value = getattr(datamodule, key)
             from_data[key] = list(value) if isinstance(value, (list, tuple)) else value
-    return instantiate(cfg.model, **from_data)
+    return instantiate(cfg.model, _convert_="all", **from_data)  # plain dicts: checkpoints stay weights_only-safe
 
 
 def _instantiate_all(nodes: DictConfig | None) -> list[Any]:

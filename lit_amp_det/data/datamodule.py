@@ -114,6 +114,7 @@ class CocoDataModule(LightningDataModule):
         self.datasets: dict[str, CocoInstances] = {}
         self.category_ids: list[int] | None = None
         self._train_loader: ResumableDataLoader | None = None
+        self._resume_state: dict[str, int] | None = None
 
     # ----------------------------------------------------------------------------------------- splits
     def _path(self, relative: str) -> Path:
@@ -167,6 +168,10 @@ class CocoDataModule(LightningDataModule):
         dataset = self.dataset("train")
         groups = aspect_ratio_groups(dataset.aspect_ratios()) if self.aspect_ratio_grouping else None
         sampler = ResumableBatchSampler(len(dataset), self.batch_size, seed=self.seed, group_ids=groups)
+        if self._resume_state:
+            # before the loader exists, so even eagerly prefetching workers start at the right batch
+            sampler.resume(self._resume_state["epoch"], self._resume_state["consumed_batches"])
+            self._resume_state = None
         self._train_loader = ResumableDataLoader(
             _SeededAugmentation(dataset, self.flip),
             sampler,
@@ -195,6 +200,14 @@ class CocoDataModule(LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         return self._eval_loader(self.predict_split)
 
+    def state_dict(self) -> dict[str, int]:
+        """Training-order progress, saved in every checkpoint for exact mid-epoch resume."""
+        return self._train_loader.state_dict() if self._train_loader is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Lightning restores this before it builds the loaders; the next training loader resumes there."""
+        self._resume_state = dict(state_dict) or None
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts training batches the loop really takes, for exact mid-epoch resume."""
         if self.trainer is not None and self.trainer.training and self._train_loader is not None:
@@ -210,6 +223,7 @@ class ShapesDataModule(CocoDataModule):
         train_size, val_size, test_size: images per split.
         image_size: side of the square images in pixels.
         min_objects, max_objects: objects per image.
+        min_object_size, max_object_size: object diameter as a fraction of the image side.
         data_seed: seed of the generated content (``seed`` seeds the training order).
         **kwargs: :class:`CocoDataModule` loader options.
     """
@@ -226,6 +240,8 @@ class ShapesDataModule(CocoDataModule):
         image_size: int = 160,
         min_objects: int = 1,
         max_objects: int = 6,
+        min_object_size: float = 0.12,
+        max_object_size: float = 0.45,
         data_seed: int = 0,
         **kwargs: Any,
     ) -> None:
@@ -234,6 +250,8 @@ class ShapesDataModule(CocoDataModule):
             image_size=image_size,
             min_objects=min_objects,
             max_objects=max_objects,
+            min_size=min_object_size,
+            max_size=max_object_size,
             seed=data_seed,
         )
         self.cache_dir = Path(cache_dir).expanduser()

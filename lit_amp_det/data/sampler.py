@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
-__all__ = ["ResumableBatchSampler", "ResumableDataLoader", "aspect_ratio_groups"]
+__all__ = ["EpochSampler", "ResumableBatchSampler", "ResumableDataLoader", "aspect_ratio_groups"]
 
 SampleKey = tuple[int, int]
 
@@ -42,8 +42,40 @@ def _splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+class EpochSampler(Sampler[int]):
+    """This rank's sample indices for one epoch: a permutation drawn from ``seed + epoch``, sharded by rank.
+
+    Lightning calls :meth:`set_epoch` on ``dataloader.batch_sampler.sampler`` at every epoch start.
+    """
+
+    def __init__(self, dataset_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        if dataset_size < 1:
+            raise ValueError(f"the training split is empty (dataset_size={dataset_size}); check data.root")
+        self.dataset_size = dataset_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        rank, world = _distributed_rank_and_size()
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=generator).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        per_rank = -(-self.dataset_size // world)
+        order += order[: per_rank * world - len(order)]  # pad so every rank gets the same count
+        return iter(order[rank::world])
+
+    def __len__(self) -> int:
+        return -(-self.dataset_size // _distributed_rank_and_size()[1])
+
+
 class ResumableBatchSampler(Sampler[list[SampleKey]]):
-    """Shuffled batches of ``(dataset_index, sample_seed)`` keys, reproducible from (seed, epoch).
+    """Batches of ``(dataset_index, sample_seed)`` keys over an :class:`EpochSampler`, resumable mid-epoch.
 
     Args:
         dataset_size: number of samples.
@@ -65,45 +97,30 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         drop_last: bool = False,
         shuffle: bool = True,
     ) -> None:
-        if dataset_size < 1:
-            raise ValueError(f"the training split is empty (dataset_size={dataset_size}); check data.root")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if group_ids is not None and len(group_ids) != dataset_size:
             raise ValueError(f"group_ids has {len(group_ids)} entries for {dataset_size} samples")
-        self.dataset_size = dataset_size
+        self.sampler = EpochSampler(dataset_size, seed=seed, shuffle=shuffle)
         self.batch_size = batch_size
-        self.seed = seed
         self.group_ids = list(group_ids) if group_ids is not None else None
         self.drop_last = drop_last
-        self.shuffle = shuffle
-        self.epoch = 0
-        self._skip = 0  # batches of `self.epoch` already consumed before a resume
+        self._resume_at: tuple[int, int] | None = None  # (epoch, batches already consumed in it)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at every epoch start; a pending resume offset only applies to its own epoch."""
-        if epoch != self.epoch:
-            self._skip = 0
-        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
 
     def resume(self, epoch: int, consumed_batches: int) -> None:
         """Makes the next iteration of ``epoch`` start after ``consumed_batches`` batches."""
-        self.epoch = epoch
-        self._skip = consumed_batches
-
-    def _rank_indices(self) -> list[int]:
-        rank, world = _distributed_rank_and_size()
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_size, generator=generator).tolist()
-        else:
-            order = list(range(self.dataset_size))
-        per_rank = -(-self.dataset_size // world)
-        order += order[: per_rank * world - len(order)]  # pad so every rank gets the same count
-        return order[rank::world]
+        self.sampler.set_epoch(epoch)
+        self._resume_at = (epoch, consumed_batches)
 
     def _batches(self) -> list[list[int]]:
-        indices = self._rank_indices()
+        indices = list(self.sampler)
         if self.group_ids is None:
             batches = [indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
         else:
@@ -121,12 +138,14 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
 
     def _sample_seed(self, index: int) -> int:
         # one seed per (seed, epoch, index), independent of worker, rank and Python's hash randomisation
-        return _splitmix64(_splitmix64(_splitmix64(self.seed) ^ self.epoch) ^ index) >> 1
+        return _splitmix64(_splitmix64(_splitmix64(self.sampler.seed) ^ self.epoch) ^ index) >> 1
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
-        batches, skip = self._batches(), self._skip
-        self._skip = 0
-        for batch in batches[skip:]:
+        skip = 0
+        if self._resume_at is not None and self._resume_at[0] == self.epoch:
+            skip = self._resume_at[1]
+        self._resume_at = None
+        for batch in self._batches()[skip:]:
             yield [(index, self._sample_seed(index)) for index in batch]
 
     def __len__(self) -> int:

@@ -57,7 +57,7 @@ MARKER_NAME = "DONE"
 """File written last into a dataset dir; its presence means the dataset is complete."""
 
 # Bump whenever rendering changes, so cached datasets from older code are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # Instances hidden below these limits are still drawn but not labelled, as a human
 # annotator would not label a shape they cannot recognise.
@@ -288,8 +288,9 @@ def _pattern(rng: np.random.Generator, yy: np.ndarray, xx: np.ndarray) -> np.nda
     else:  # linear gradient across the image
         t = along - along.min()
         t = t / max(float(t.max()), 1e-9)
+    # the two pattern colours stay within +-60 of each other: a textured but not shape-like background
     c1 = rng.random(3) * 255.0
-    c2 = rng.random(3) * 255.0
+    c2 = np.clip(c1 + (rng.random(3) * 2.0 - 1.0) * 60.0, 0.0, 255.0)
     return c1 * (1.0 - t[..., None]) + c2 * t[..., None]
 
 

@@ -1,0 +1,129 @@
+"""The command line end to end: fit -> validate/test/predict, multirun, research subclass, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from pycocotools.coco import COCO
+
+from conftest import REPO, SMOKE, only_run_dir, run_cli
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, str]:
+    """One smoke fit shared by the tests below: (run directory, its stdout)."""
+    work = tmp_path_factory.mktemp("trained")
+    env = {"LIT_AMP_DET_CACHE": str(cache_dir), "LIT_AMP_DET_RUNS": str(work / "runs")}
+    proc = run_cli(["fit", *SMOKE], cwd=work, env=env)
+    return only_run_dir(work / "runs"), proc.stdout
+
+
+def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str]) -> None:
+    run_dir, stdout = trained
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["command"] == "fit" and metrics["global_step"] == 8
+    for key in ("val/bbox_mAP", "val/bbox_mAP_50", "val/segm_mAP", "val/segm_mAP_50"):
+        assert 0.0 <= metrics["metrics"][key] <= 1.0
+    assert f"val segm mAP {metrics['metrics']['val/segm_mAP']:.3f}" in stdout
+    resolved = OmegaConf.load(run_dir / "config_resolved.yaml")
+    assert resolved.command == "fit" and resolved.model.num_classes is None
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    header = (run_dir / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
+    for column in ("train/loss", "train/lr", "train/loss_mask", "train/loss_objectness", "val/segm_mAP"):
+        assert column in header
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["hyper_parameters"]["num_classes"] == 7
+    assert checkpoint["hyper_parameters"]["class_names"][0] == "circle"
+
+
+def test_validate_reproduces_the_final_fit_metrics(trained: tuple[Path, str], tmp_path: Path) -> None:
+    run_dir, _ = trained
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    run_cli(["validate", *SMOKE, f"ckpt_path={ckpt}"], cwd=tmp_path)
+    validated = json.loads((only_run_dir(tmp_path / "runs") / "metrics.json").read_text())["metrics"]
+    fitted = json.loads((run_dir / "metrics.json").read_text())["metrics"]
+    for key in ("val/bbox_mAP", "val/segm_mAP", "val/segm_mAP_50"):
+        assert validated[key] == pytest.approx(fitted[key], abs=1e-6)
+
+
+def test_test_and_predict_from_checkpoint(trained: tuple[Path, str], tmp_path: Path, cache_dir: Path) -> None:
+    run_dir, _ = trained
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    run_cli(["test", *SMOKE, f"ckpt_path={ckpt}"], cwd=tmp_path)
+    tested = json.loads(next((tmp_path / "runs" / "test").glob("*/metrics.json")).read_text())
+    assert tested["command"] == "test" and "test/segm_mAP" in tested["metrics"]
+
+    run_cli(["predict", *SMOKE, f"ckpt_path={ckpt}", "callbacks.prediction_writer.score_threshold=0.0"], cwd=tmp_path)
+    predictions = next((tmp_path / "runs" / "predict").glob("*/predictions.json"))
+    records = json.loads(predictions.read_text())
+    assert records and {"image_id", "category_id", "bbox", "score", "segmentation"} <= records[0].keys()
+    (annotations,) = cache_dir.glob("shapes-*/annotations/instances_val.json")
+    ground_truth = COCO(str(annotations))
+    results = ground_truth.loadRes(str(predictions))  # the official loader accepts the file
+    assert set(results.getImgIds()) <= set(ground_truth.getImgIds())
+    assert {r["category_id"] for r in records} <= set(ground_truth.getCatIds())
+
+
+def test_help_lists_subcommands_and_groups(tmp_path: Path) -> None:
+    out = run_cli(["--help"], cwd=tmp_path).stdout
+    for word in ("fit", "validate", "test", "predict", "model", "data", "trainer", "callbacks", "logger",
+                 "optim", "experiment", "maskrcnn_light", "coco_r50_fpn", "bf16-mixed"):
+        assert word in out
+    script = Path(sys.executable).parent / "lit-amp-det"
+    assert script.is_file(), "the console script is installed with the package"
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
+    out = run_cli(["test", "--cfg", "job", "trainer.precision=16-mixed"], cwd=tmp_path).stdout
+    cfg = OmegaConf.create(out)
+    assert cfg.command == "test" and cfg.trainer.precision == "16-mixed"
+    assert cfg.model._target_ == "lit_amp_det.MaskRCNNModule"
+
+
+def test_unknown_subcommand_and_bad_precision_fail_clearly(tmp_path: Path) -> None:
+    proc = run_cli(["train"], cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "unknown subcommand 'train'" in proc.stderr
+    proc = run_cli(["fit", *SMOKE, "trainer.precision=fp16"], cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "trainer.precision='fp16'" in proc.stderr
+
+
+def test_multirun_sweeps_precision(tmp_path: Path) -> None:
+    run_cli(["fit", "-m", *SMOKE, "trainer.max_epochs=1", "trainer.precision=32-true,16-mixed"], cwd=tmp_path)
+    jobs = sorted((tmp_path / "runs" / "multirun").glob("*/*/metrics.json"))
+    assert len(jobs) == 2
+    precisions = {OmegaConf.load(j.parent / "config_resolved.yaml").trainer.precision for j in jobs}
+    assert precisions == {"32-true", "16-mixed"}
+
+
+def test_research_subclass_runs_from_the_cli(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "examples"), os.environ.get("PYTHONPATH", "")])}
+    run_cli(["fit", *SMOKE, "trainer.max_epochs=1", "model._target_=weighted_loss.WeightedLossMaskRCNN",
+             "+model.loss_weights.loss_mask=2.0"], cwd=tmp_path, env=env)
+    run_dir = only_run_dir(tmp_path / "runs")
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["hyper_parameters"]["loss_weights"] == {"loss_mask": 2.0}
+    assert any("mask_head.0.1.weight" in key for key in checkpoint["state_dict"])  # its GroupNorm head
+
+
+def test_bad_annotations_fail_clearly_and_keep_earlier_outputs(tmp_path: Path) -> None:
+    root = tmp_path / "coco"
+    (root / "annotations").mkdir(parents=True)
+    (root / "train2017").mkdir()
+    (root / "val2017").mkdir()
+    (root / "annotations" / "instances_train2017.json").write_text('{"images": [}')
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"earlier checkpoint")
+    (run_dir / "metrics.json").write_text('{"earlier": true}')
+    proc = run_cli(["fit", *SMOKE, "data=coco", f"data.root={root}", f"hydra.run.dir={run_dir}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "instances_train2017.json" in proc.stderr and "not valid JSON" in proc.stderr
+    assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == b"earlier checkpoint"
+    assert json.loads((run_dir / "metrics.json").read_text()) == {"earlier": True}
