@@ -67,5 +67,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:
         print(usage())
         return
-    sys.argv = [sys.argv[0], f"command={command}", *rest]
+    sys.argv = [sys.argv[0], *rest, f"command={command}"]  # after Hydra flags: argparse wants overrides last
     _hydra_entry()

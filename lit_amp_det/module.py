@@ -98,6 +98,7 @@ class MaskRCNNModule(LightningModule):
             load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict)
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()
+        self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
 
     # ------------------------------------------------------------------------------ override points
     def build_model(self) -> nn.Module:
@@ -195,6 +196,8 @@ class MaskRCNNModule(LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         self._log_metric("val", self.val_metric)
+        if not self.trainer.sanity_checking:
+            self.last_validated_step = self.trainer.global_step
 
     def on_test_epoch_end(self) -> None:
         self._log_metric("test", self.test_metric)

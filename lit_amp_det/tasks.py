@@ -76,10 +76,9 @@ def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
 def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any]) -> None:
     out = _output_dir(cfg)
     record = {**record, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
-    checkpoint = getattr(trainer, "checkpoint_callback", None)
-    if checkpoint is not None:
-        record["best_model_path"] = checkpoint.best_model_path or None
-        record["last_model_path"] = checkpoint.last_model_path or None
+    checkpoints = trainer.checkpoint_callbacks
+    record["best_model_path"] = next((c.best_model_path for c in checkpoints if c.best_model_path), None)
+    record["last_model_path"] = next((c.last_model_path for c in checkpoints if c.last_model_path), None)
     tmp = out / "metrics.json.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, out / "metrics.json")  # atomic: a crash never leaves a half-written file
@@ -122,6 +121,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule, model, trainer, ckpt_path = _start(cfg)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics = _scalar_metrics(trainer)
+    if getattr(model, "last_validated_step", None) != trainer.global_step and trainer.limit_val_batches:
+        # the last epoch did not validate (check_val_every_n_epoch): score the final weights
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+        metrics.update(_scalar_metrics(trainer))
     _write_outputs(cfg, trainer, {"command": "fit", "metrics": metrics, "time_s": time.perf_counter() - started})
     return metrics
 

@@ -59,6 +59,7 @@ def test_every_option_of_runtime_groups_instantiates(group: str, tmp_path: Path)
             callback_names = {type(c).__name__ for c in trainer.callbacks}
             if group == "callbacks" and option == "default":
                 assert {"ModelCheckpoint", "RNGStateCheckpoint", "CocoPredictionWriter"} <= callback_names
+                assert len(trainer.checkpoint_callbacks) == 2  # best-by-metric and last
             if group == "logger" and option != "none":
                 assert trainer.loggers, option
 

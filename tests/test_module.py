@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,9 +70,11 @@ def test_validation_computes_coco_map(tmp_path: Path) -> None:
     images, targets = _batch()
     logged = {}
     module.log_dict = lambda values, **kw: logged.update(values)  # capture without a Trainer
+    module._trainer = SimpleNamespace(sanity_checking=False, global_step=5)
     with torch.no_grad():
         module.validation_step((images, targets), 0)
     module.on_validation_epoch_end()
+    assert module.last_validated_step == 5
     for key in ("val/bbox_mAP", "val/bbox_mAP_50", "val/segm_mAP", "val/segm_mAP_50"):
         assert key in logged and 0.0 <= float(logged[key]) <= 1.0
 

@@ -14,7 +14,7 @@ COMMON = [
     *SMOKE,
     "trainer.max_epochs=3",
     "trainer.deterministic=true",
-    "callbacks.model_checkpoint.every_n_train_steps=2",
+    "callbacks.last_checkpoint.every_n_train_steps=2",
 ]
 
 
