@@ -6,7 +6,9 @@ subclasses it and overrides one of the documented hooks instead of copying the t
 * :meth:`MaskRCNNModule.build_model` -- construct the detector (new heads, other backbones);
 * :meth:`MaskRCNNModule.compute_loss` -- turn torchvision's loss dict into the scalar to optimise;
 * :meth:`MaskRCNNModule.postprocess` -- turn raw detections into the fp32 predictions that are scored;
-* :meth:`MaskRCNNModule.configure_optimizers` -- optimizer and schedule (defaults come from ``conf/optim``).
+* :meth:`MaskRCNNModule.configure_optimizers` -- optimizer and schedule (defaults come from ``conf/optim``);
+* :meth:`MaskRCNNModule.fp32_regions` -- what runs in fp32 under mixed precision (methods decorated with
+  :func:`lit_amp_det.precision.force_fp32` / ``auto_fp16`` take effect too).
 
 Every constructor argument is plain data (numbers, strings, lists, mappings), so hyper-parameters are saved in
 checkpoints that load with ``weights_only=True``.
@@ -126,6 +128,28 @@ class MaskRCNNModule(LightningModule):
                 out["masks"] = det["masks"][:, 0].float() > self.hparams.mask_threshold
             results.append(out)
         return results
+
+    def fp32_regions(self) -> dict[str, str]:
+        """Methods that run in fp32 under mixed precision (paths relative to this module).
+
+        ``fp32``: inputs cast to fp32 and autocast disabled inside; ``fp32_outputs``: computed as usual,
+        outputs cast to fp32 (so the losses and post-processing that consume them run in fp32). Override to
+        add regions of your own model; ``precision.fp32_regions`` in the config replaces the whole mapping.
+        """
+        regions = {
+            "model.rpn.compute_loss": "fp32",  # objectness and RPN box-regression losses
+            "model.rpn.filter_proposals": "fp32",  # sigmoid, per-level top-k, clipping, NMS
+            "model.rpn.box_coder.encode": "fp32",  # box coding: regression targets
+            "model.rpn.box_coder.decode": "fp32",
+            "model.roi_heads.box_coder.encode": "fp32",
+            "model.roi_heads.box_coder.decode": "fp32",
+            "model.roi_heads.box_predictor.forward": "fp32_outputs",  # classification and box losses in fp32
+            "model.roi_heads.postprocess_detections": "fp32",  # score thresholds and NMS
+            "model.transform.postprocess": "fp32",  # box rescaling and mask pasting
+        }
+        if self.hparams.mask:
+            regions["model.roi_heads.mask_predictor.forward"] = "fp32_outputs"  # mask loss and mask inference
+        return regions
 
     def build_metric(self) -> MeanAveragePrecision:
         """COCO mAP for boxes, and masks when the model predicts them."""

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_amp_det.checkpoints import resolve_ckpt_path
 from lit_amp_det.config import check_config
+from lit_amp_det.precision.plugin import build_precision_plugin
 
 __all__ = ["train", "validate", "test", "predict", "run", "summary_line"]
 
@@ -59,9 +60,21 @@ def _instantiate_all(nodes: DictConfig | None) -> list[Any]:
 
 
 def build_trainer(cfg: DictConfig) -> pl.Trainer:
-    """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks and loggers."""
+    """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision plugin.
+
+    ``trainer.precision`` is translated into a plugin (Lightning refuses a precision string and a
+    precision plugin together), configured by the ``precision`` node.
+    """
     loggers = _instantiate_all(cfg.get("logger"))
-    return instantiate(cfg.trainer, callbacks=_instantiate_all(cfg.get("callbacks")), logger=loggers or False)
+    precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
+    plugin = build_precision_plugin(
+        str(cfg.trainer.get("precision", "32-true")), str(cfg.trainer.get("accelerator", "auto")), **precision_options
+    )
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_cfg.pop("precision", None)
+    return instantiate(
+        trainer_cfg, callbacks=_instantiate_all(cfg.get("callbacks")), logger=loggers or False, plugins=[plugin]
+    )
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:

@@ -1,0 +1,439 @@
+"""Mixed-precision casting helpers: recursive dtype casts, per-module opt-in, and fp32/fp16 regions.
+
+Autocast picks a dtype per operator, but detection heads contain numerically fragile code (box
+decoding, IoU, losses, sampling) that must run in float32 even when the rest of the network runs in
+float16 or bfloat16, and some backbones are best run wholly in low precision. Following MMCV's
+``fp16_utils``, a module opts in to mixed precision through an attribute (:func:`set_mixed_precision`)
+and its methods mark regions with :func:`force_fp32` / :func:`auto_fp16`; :func:`wrap_method` does the
+same for methods of third-party objects (e.g. torchvision's heads) without touching their class. Unlike
+MMCV this works with ``torch.autocast`` on CUDA and CPU, knows bfloat16, keeps autograd intact, and is
+traceable by ``torch.compile`` without graph breaks (no ExitStack, no per-call signature binding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = [
+    "LOW_PRECISION_DTYPES",
+    "AMP_DTYPE_ATTR",
+    "REGION_ATTR",
+    "cast_tensor_type",
+    "mixed_precision_dtype",
+    "set_mixed_precision",
+    "force_fp32",
+    "auto_fp16",
+    "wrap_method",
+    "unwrap_method",
+]
+
+#: The dtypes a module may run in when mixed precision is on for it.
+LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+#: Attribute holding the low-precision dtype of a module (or plain object) with mixed precision on.
+AMP_DTYPE_ATTR = "_lit_amp_dtype"
+
+#: Attribute marking a decorated or instance-wrapped callable: "fp32", "fp16" or "fp32_outputs".
+REGION_ATTR = "__lit_amp_region__"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# --------------------------------------------------------------------------------------------- casting
+
+
+def _check_dtype(value: object, argument: str) -> torch.dtype:
+    """Returns ``value`` if it is a ``torch.dtype``; otherwise a TypeError naming ``argument``."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{argument} must be a torch.dtype such as torch.float32, got {value!r}")
+    return value
+
+
+def _source_dtypes(src_type: torch.dtype | Sequence[torch.dtype] | None) -> tuple[torch.dtype, ...] | None:
+    """Normalises ``src_type`` to a tuple of dtypes, or None for "any floating dtype"."""
+    if src_type is None:
+        return None
+    if isinstance(src_type, torch.dtype):
+        return (src_type,)
+    if isinstance(src_type, (str, bytes)) or not isinstance(src_type, Iterable):
+        raise TypeError(
+            "src_type must be a torch.dtype, a sequence of them or None (any floating dtype), "
+            f"got {src_type!r}"
+        )
+    return tuple(_check_dtype(d, "every entry of src_type") for d in src_type)
+
+
+def _rebuild_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
+    """A mapping of ``original``'s type holding ``items``; a plain dict when that type cannot be rebuilt."""
+    try:
+        if isinstance(original, defaultdict):  # its constructor takes the factory first
+            return type(original)(original.default_factory, items)
+        return type(original)(items)
+    except Exception:  # custom mappings with other constructors (MappingProxyType subclasses, configs, ...)
+        return dict(items)
+
+
+def _rebuild_sequence(original: list[Any] | tuple[Any, ...], items: list[Any]) -> list[Any] | tuple[Any, ...]:
+    """A list/tuple/namedtuple of ``original``'s type holding ``items``; plain list/tuple as a fallback."""
+    if isinstance(original, tuple) and hasattr(type(original), "_fields"):
+        return type(original)(*items)  # namedtuples take their fields positionally
+    try:
+        return type(original)(items)
+    except Exception:  # list/tuple subclasses with other constructors
+        return list(items) if isinstance(original, list) else tuple(items)
+
+
+def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) -> Any:
+    """The recursion behind :func:`cast_tensor_type`, with arguments already validated."""
+    if isinstance(inputs, torch.Tensor):
+        matches = inputs.is_floating_point() if src is None else inputs.dtype in src
+        return inputs.to(dst) if matches and inputs.dtype != dst else inputs
+    if isinstance(inputs, nn.Module):  # parameters are cast by the caller's precision policy, not here
+        return inputs
+    if isinstance(inputs, Mapping):
+        return _rebuild_mapping(inputs, {k: _cast(v, src, dst) for k, v in inputs.items()})
+    if isinstance(inputs, (list, tuple)):
+        return _rebuild_sequence(inputs, [_cast(v, src, dst) for v in inputs])
+    return inputs  # str, bytes, numpy arrays, numbers, None, arbitrary objects
+
+
+def cast_tensor_type(
+    inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] | None, dst_type: torch.dtype
+) -> Any:
+    """Returns ``inputs`` with every tensor of dtype ``src_type`` converted to ``dst_type``.
+
+    Recurses through mappings (their type kept where it can be rebuilt, else a dict), lists, tuples and
+    namedtuples; leaves modules, strings, numpy arrays, numbers, None and tensors of other dtypes (int64
+    labels, bool masks) alone. ``src_type`` may be one dtype, several, or None for any floating dtype.
+    Containers are rebuilt, never mutated, and the casts are differentiable.
+    """
+    return _cast(inputs, _source_dtypes(src_type), _check_dtype(dst_type, "dst_type"))
+
+
+# ------------------------------------------------------------------------------------- module opt-in
+
+
+def mixed_precision_dtype(obj: object) -> torch.dtype | None:
+    """The low-precision dtype ``obj`` runs in, or None when mixed precision is off for it."""
+    return getattr(obj, AMP_DTYPE_ATTR, None)
+
+
+def _set_attr(obj: object, dtype: torch.dtype | None) -> None:
+    """Sets (or, for None, removes) the mixed-precision attribute on one object."""
+    if dtype is not None:
+        setattr(obj, AMP_DTYPE_ATTR, dtype)
+        return
+    with contextlib.suppress(AttributeError):
+        delattr(obj, AMP_DTYPE_ATTR)
+    if mixed_precision_dtype(obj) is not None:  # a class-level default still shows through: shadow it
+        setattr(obj, AMP_DTYPE_ATTR, None)
+
+
+def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> None:
+    """Turns mixed precision on (``dtype`` float16/bfloat16) or off (None) for ``obj``.
+
+    For a module this applies to it and all its submodules, so every decorated method below it sees the
+    same setting; for any other object just to that object.
+    """
+    if dtype is not None and dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or None (off), got {dtype!r}")
+    targets = obj.modules() if isinstance(obj, nn.Module) else (obj,)
+    for target in targets:
+        _set_attr(target, dtype)
+
+
+# ------------------------------------------------------------------------------------------- regions
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """A context switching autocast off for ``device_type`` if it is on now, else a no-op context.
+
+    Used as ``with _autocast_off("cuda"), _autocast_off("cpu"):`` rather than through an ExitStack or a
+    composite context manager, because torch.compile traces only autocast contexts entered by ``with``.
+    """
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _first_tensor(values: Any) -> torch.Tensor | None:
+    """The first tensor found depth-first in ``values``, or None."""
+    if isinstance(values, torch.Tensor):
+        return values
+    if isinstance(values, Mapping):
+        values = values.values()
+    elif not isinstance(values, (list, tuple)):
+        return None
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _autocast_device_type(args: Any) -> str:
+    """The device type autocast should target: that of the first tensor argument, else the default one."""
+    tensor = _first_tensor(args)
+    if tensor is not None:
+        return tensor.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _checked_apply_to(
+    decorator: str, func: Callable[..., Any], signature: inspect.Signature, apply_to: Iterable[str] | None
+) -> frozenset[str] | None:
+    """Validates ``apply_to`` against ``func``'s parameters (self excluded); None means all arguments."""
+    if apply_to is None:
+        return None
+    if isinstance(apply_to, (str, bytes)):
+        raise TypeError(
+            f"{decorator}(apply_to={apply_to!r}) must be a list of names, e.g. apply_to=[{apply_to!r}]"
+        )
+    names = list(apply_to)
+    parameters = list(signature.parameters)[1:]  # the first one is self
+    for name in names:
+        if name not in parameters:
+            raise ValueError(
+                f"{decorator}(apply_to={names!r}) names {name!r}, which is not a parameter of "
+                f"{func.__qualname__}{signature}; use only the names after self, or apply_to=None for all"
+            )
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArgumentPlan:
+    """Which positions and keywords of a call to cast, worked out once from the signature.
+
+    Per-call ``Signature.bind`` would be simpler, but torch.compile traces into ``inspect`` and breaks
+    the graph there as soon as the traced code has mutated any dict (e.g. a loss dict); tuple and dict
+    lookups against this plan trace cleanly. ``None`` in place of a plan means "cast all but self".
+    """
+
+    positions: frozenset[int]  # indices into args, self being index 0
+    keywords: frozenset[str]  # keyword arguments to cast
+    var_positional_from: int | None  # cast args[i:] when *args is named
+    var_keyword: bool  # cast keywords that match no parameter when **kwargs is named
+    parameter_keywords: frozenset[str]  # keywords that bind to a named parameter
+
+    @classmethod
+    def build(cls, signature: inspect.Signature, names: frozenset[str]) -> _ArgumentPlan:
+        """The plan casting the parameters ``names`` of ``signature``."""
+        kind = inspect.Parameter
+        positions, keywords, parameter_keywords = set(), set(), set()
+        var_positional_from, var_keyword = None, False
+        for index, parameter in enumerate(signature.parameters.values()):
+            wanted = parameter.name in names
+            if parameter.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD) and wanted:
+                positions.add(index)
+            if parameter.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY):
+                parameter_keywords.add(parameter.name)
+                if wanted:
+                    keywords.add(parameter.name)
+            if parameter.kind is kind.VAR_POSITIONAL and wanted:
+                var_positional_from = index  # positional parameters all come before *args
+            if parameter.kind is kind.VAR_KEYWORD:
+                var_keyword = wanted
+        return cls(
+            positions=frozenset(positions),
+            keywords=frozenset(keywords),
+            var_positional_from=var_positional_from,
+            var_keyword=var_keyword,
+            parameter_keywords=frozenset(parameter_keywords),
+        )
+
+    def casts_position(self, index: int) -> bool:
+        """Whether ``args[index]`` of a call (self at 0) is to be cast."""
+        start = self.var_positional_from
+        return index in self.positions or (start is not None and index >= start)
+
+    def casts_keyword(self, name: str) -> bool:
+        """Whether the keyword argument ``name`` of a call is to be cast."""
+        return name in self.keywords or (self.var_keyword and name not in self.parameter_keywords)
+
+
+def _plan(decorator: str, func: Callable[..., Any], apply_to: Iterable[str] | None) -> _ArgumentPlan | None:
+    """Validates ``apply_to`` and turns it into an argument plan (None: cast all arguments but self)."""
+    signature = inspect.signature(func)
+    names = _checked_apply_to(decorator, func, signature, apply_to)
+    return None if names is None else _ArgumentPlan.build(signature, names)
+
+
+def _cast_call_arguments(
+    plan: _ArgumentPlan | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    src: tuple[torch.dtype, ...],
+    dst: torch.dtype,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Casts the call's arguments selected by ``plan`` from ``src`` to ``dst``; ``args[0]`` is self."""
+    if plan is None:
+        return (args[0], *_cast(args[1:], src, dst)), _cast(kwargs, src, dst)
+    args = tuple(_cast(a, src, dst) if plan.casts_position(i) else a for i, a in enumerate(args))
+    kwargs = {k: _cast(v, src, dst) if plan.casts_keyword(k) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _mark(wrapper: _F, region: str) -> _F:
+    """Tags ``wrapper`` so callers can tell it is already a precision region and not wrap it again."""
+    setattr(wrapper, REGION_ATTR, region)
+    return wrapper
+
+
+def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) -> Callable[[_F], _F]:
+    """Decorates a method to run in float32 when mixed precision is on for its instance.
+
+    The arguments named in ``apply_to`` (all but self when None) have their float16/bfloat16 tensors cast
+    to float32 and the body runs with autocast off, so losses and box arithmetic keep full precision.
+    ``out_fp16`` casts float32 outputs back to the instance's low dtype. With mixed precision off for the
+    instance the method runs unchanged.
+    """
+
+    def decorator(func: _F) -> _F:
+        plan = _plan("force_fp32", func, apply_to)  # once here, not per call
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            low = mixed_precision_dtype(args[0])
+            if low is None:
+                return func(*args, **kwargs)
+            args, kwargs = _cast_call_arguments(plan, args, kwargs, LOW_PRECISION_DTYPES, torch.float32)
+            with _autocast_off("cuda"), _autocast_off("cpu"):
+                output = func(*args, **kwargs)
+            return _cast(output, (torch.float32,), low) if out_fp16 else output
+
+        return _mark(wrapper, "fp32")
+
+    return decorator
+
+
+def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> Callable[[_F], _F]:
+    """Decorates a method to run in its instance's low dtype when mixed precision is on for it.
+
+    The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the
+    low dtype and the body runs under ``torch.autocast`` with that dtype, on the device type of the first
+    tensor argument. ``out_fp32`` casts low-precision outputs to float32 for fp32 consumers. With mixed
+    precision off for the instance the method runs unchanged.
+    """
+
+    def decorator(func: _F) -> _F:
+        plan = _plan("auto_fp16", func, apply_to)  # once here, not per call
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            low = mixed_precision_dtype(args[0])
+            if low is None:
+                return func(*args, **kwargs)
+            args, kwargs = _cast_call_arguments(plan, args, kwargs, (torch.float32,), low)
+            with torch.autocast(device_type=_autocast_device_type((args[1:], kwargs)), dtype=low):
+                output = func(*args, **kwargs)
+            return _cast(output, LOW_PRECISION_DTYPES, torch.float32) if out_fp32 else output
+
+        return _mark(wrapper, "fp16")
+
+    return decorator
+
+
+# --------------------------------------------------------------------------------- instance wrapping
+
+WrapMode = Literal["fp32", "fp32_outputs"]
+_WRAP_MODES: tuple[str, ...] = ("fp32", "fp32_outputs")
+
+
+class _InstanceRegion:
+    """Callable stored on one instance in place of its method ``name``, running it as a precision region.
+
+    A class rather than a closure so that ``copy.deepcopy`` and pickling of the owner keep working: the
+    owner and the plain function are ordinary attributes, so a deep copy calls the copied owner.
+    """
+
+    def __init__(self, owner: object, name: str, mode: WrapMode) -> None:
+        bound = getattr(owner, name)
+        # store the unbound function where possible, so copies of the owner are not tied to this one
+        is_method = inspect.ismethod(bound) and bound.__self__ is owner
+        self.owner, self.name, self.mode = owner, name, mode
+        # an instance-level callable to put back on unwrap (a flag, not a sentinel: sentinels do not
+        # survive deepcopy or pickling)
+        self.shadowed_instance_attr = name in vars(owner)
+        self.previous = vars(owner).get(name)
+        self.function = bound.__func__ if is_method else bound
+        self.is_method = is_method
+        setattr(self, REGION_ATTR, mode)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The original callable, so ``inspect.signature`` reports the wrapped method's parameters."""
+        return self.function.__get__(self.owner) if self.is_method else self.function
+
+    def _call_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.is_method:
+            return self.function(self.owner, *args, **kwargs)
+        return self.function(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if mixed_precision_dtype(self.owner) is None:  # decided per call: the policy may change later
+            return self._call_original(args, kwargs)
+        if self.mode == "fp32":
+            args, kwargs = _cast((args, kwargs), LOW_PRECISION_DTYPES, torch.float32)
+            with _autocast_off("cuda"), _autocast_off("cpu"):
+                return self._call_original(args, kwargs)
+        return _cast(self._call_original(args, kwargs), LOW_PRECISION_DTYPES, torch.float32)
+
+    def __repr__(self) -> str:
+        return f"<{self.mode} region around {type(self.owner).__name__}.{self.name}>"
+
+
+def _current(owner: object, name: str) -> Any:
+    """``owner.<name>``, or an AttributeError naming the owner type, the name and the fix."""
+    value = getattr(owner, name, None)
+    if not callable(value):
+        raise AttributeError(
+            f"{type(owner).__name__} has no method {name!r} to wrap; pass the name of one of its methods"
+        )
+    return value
+
+
+def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
+    """Makes ``owner.<name>`` a precision region on this instance only (its class is untouched).
+
+    ``mode="fp32"`` behaves like :func:`force_fp32` (low-precision inputs to float32, autocast off);
+    ``mode="fp32_outputs"`` runs the method as usual and casts its float16/bfloat16 outputs to float32.
+    Both do nothing while ``mixed_precision_dtype(owner)`` is None, checked at call time. Wrapping again
+    in the same mode is a no-op; for ``name="forward"`` on a module, ``module(x)`` goes through it.
+    """
+    if mode not in _WRAP_MODES:
+        raise ValueError(f"mode must be one of {_WRAP_MODES}, got {mode!r}")
+    current = _current(owner, name)
+    if isinstance(current, _InstanceRegion):
+        if current.mode != mode:
+            raise ValueError(
+                f"{type(owner).__name__}.{name} is already wrapped with mode={current.mode!r}; "
+                f"call unwrap_method first to switch to mode={mode!r}"
+            )
+        return
+    if not hasattr(owner, "__dict__"):
+        raise TypeError(
+            f"cannot wrap {type(owner).__name__}.{name}: it has no instance __dict__ (uses __slots__); "
+            "decorate the class method with force_fp32 instead"
+        )
+    setattr(owner, name, _InstanceRegion(owner, name, mode))
+
+
+def unwrap_method(owner: object, name: str) -> None:
+    """Undoes :func:`wrap_method` on ``owner.<name>``; a no-op when it is not wrapped."""
+    current = _current(owner, name)
+    if not isinstance(current, _InstanceRegion):
+        return
+    if current.shadowed_instance_attr:
+        setattr(owner, name, current.previous)
+    else:
+        delattr(owner, name)  # the class attribute shows through again
+
