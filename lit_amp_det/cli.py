@@ -22,6 +22,7 @@ _DESCRIPTIONS = {
     "validate": "score a checkpoint (ckpt_path=... or model.checkpoint=...) on the validation split",
     "test": "score a checkpoint on the test split",
     "predict": "write COCO-format detections of data.predict_split to predictions.json",
+    "bench": "benchmarks: `bench precision` (step time and peak memory per precision; not Hydra-configured)",
 }
 
 
@@ -29,7 +30,7 @@ def usage() -> str:
     """The text of ``--help``: subcommands, config groups with their options, and examples."""
     lines = ["usage: python -m lit_amp_det {fit,validate,test,predict} [-m] [--cfg job] [key=value ...]", "",
              "subcommands:"]
-    lines += [f"  {name:<9} {_DESCRIPTIONS[name]}" for name in COMMANDS]
+    lines += [f"  {name:<9} {_DESCRIPTIONS[name]}" for name in (*COMMANDS, "bench")]
     lines += ["", f"config groups (choose with group=option; tree at {config_dir()}):"]
     lines += [f"  {group:<10} {', '.join(options)}" for group, options in config_groups().items()]
     lines += [
@@ -61,9 +62,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(usage())
         return
     command, rest = args[0], args[1:]
+    if command == "bench":
+        from lit_amp_det.bench import main as bench_main
+
+        bench_main(rest)
+        return
     if command not in COMMANDS:
         sys.exit(f"lit_amp_det: unknown subcommand {command!r}; the first argument must be one of "
-                 f"{', '.join(COMMANDS)} (see --help)")
+                 f"{', '.join(COMMANDS)}, bench (see --help)")
     if "-h" in rest or "--help" in rest:
         print(usage())
         return

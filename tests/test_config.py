@@ -19,7 +19,7 @@ GROUPS = config_groups()
 
 
 def test_expected_groups_exist() -> None:
-    for group in ("model", "data", "trainer", "callbacks", "logger", "optim", "experiment", "hydra", "paths"):
+    for group in ("model", "data", "trainer", "precision", "callbacks", "logger", "optim", "experiment", "hydra", "paths"):
         assert group in GROUPS and GROUPS[group], group
 
 
@@ -41,7 +41,7 @@ def test_every_data_module_instantiates(option: str, tmp_path: Path) -> None:
     assert isinstance(datamodule, pl.LightningDataModule)
 
 
-@pytest.mark.parametrize("group", ["trainer", "callbacks", "logger", "optim"])
+@pytest.mark.parametrize("group", ["trainer", "precision", "callbacks", "logger", "optim"])
 def test_every_option_of_runtime_groups_instantiates(group: str, tmp_path: Path) -> None:
     for option in GROUPS[group]:
         cfg = compose_config([f"{group}={option}"], tmp_path)
