@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from lightning.pytorch import LightningModule
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
@@ -163,8 +164,6 @@ class MaskRCNNModule(LightningModule):
         scheduler_cfg = self.hparams.scheduler if self.hparams.scheduler is not None else _DEFAULT_SCHEDULER
         if not scheduler_cfg:
             return optimizer
-        from hydra.utils import instantiate
-
         scheduler = instantiate(
             dict(scheduler_cfg), optimizer=optimizer, total_steps=max(int(self.trainer.estimated_stepping_batches), 1)
         )
