@@ -43,6 +43,7 @@ def test_every_data_module_instantiates(option: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("group", ["trainer", "precision", "callbacks", "logger", "optim"])
 def test_every_option_of_runtime_groups_instantiates(group: str, tmp_path: Path) -> None:
+    assert GROUPS[group], f"conf/{group}/ has no options"
     for option in GROUPS[group]:
         cfg = compose_config([f"{group}={option}"], tmp_path)
         if group == "optim":

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
-import torch
 from torch import nn
 from torchvision.models import resnet
 from torchvision.models.detection import FasterRCNN, MaskRCNN
@@ -220,15 +219,3 @@ def _roi_kwarg(key: str) -> str:
 def _reject_leftovers(node: str, leftovers: Mapping[str, Any]) -> None:
     if leftovers:
         raise ValueError(f"{node} has unknown keys {sorted(leftovers)}")
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """Returns (trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, total
-
-
-if __name__ == "__main__":  # pragma: no cover - quick manual size check
-    net = build_detector(6, backbone={"name": "resnet18", "fpn_channels": 64})
-    print(count_parameters(net), torch.__version__)
