@@ -5,15 +5,23 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lit_amp_det-installed
 ARGS   ?=
 
-.PHONY: install fit test clean-runs
+.PHONY: install ext fit test clean-runs
 
-install: $(STAMP)
+install: $(STAMP) ext
 
-# Idempotent: reuses .venv and anything already installed; reruns only when the pins change.
-$(STAMP): pyproject.toml constraints.txt
+# Idempotent: reuses .venv and anything already installed; reruns only when the pins change. torch comes
+# first because the extension is compiled against it (hence --no-build-isolation).
+$(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt setuptools ninja torch torchvision
+	LIT_AMP_DET_BUILD_EXT=0 $(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation \
+		-c constraints.txt -e ".[test]"
 	touch $(STAMP)
+
+# Compiles lit_amp_det/_C*.so in place: CPU kernels always, CUDA kernels (sm_90 unless TORCH_CUDA_ARCH_LIST
+# says otherwise) when torch is a CUDA build and nvcc is found. Incremental: a no-op when nothing changed.
+ext: $(STAMP)
+	$(PY) setup.py --quiet build_ext --inplace
 
 # Trains the default light Mask R-CNN on the embedded shapes dataset and prints bbox and segm mAP.
 fit: install

@@ -53,6 +53,11 @@ def check_config(cfg: DictConfig) -> None:
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    ops = cfg.get("model", {}).get("ops", "ext")
+    from lit_amp_det.models.ext_ops import OPS_BACKENDS  # deferred: pulls in torchvision
+
+    if ops not in OPS_BACKENDS:
+        raise ValueError(f"model.ops={ops!r}; choose one of {', '.join(OPS_BACKENDS)}")
     seed = cfg.get("seed")
     if seed is not None and not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer or null")

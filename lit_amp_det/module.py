@@ -58,6 +58,7 @@ class MaskRCNNModule(LightningModule):
         class_names: names of classes 1..K, for logs and predictions.
         category_ids: dataset category id of each class 1..K, so predictions map back to the dataset.
         mask: predict instance masks (Mask R-CNN); ``False`` gives Faster R-CNN.
+        ops: ``"ext"`` (lit_amp_det's NMS, RoIAlign and IoU kernels) or ``"torchvision"`` (its own ops, for A/B).
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
         scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
@@ -74,6 +75,7 @@ class MaskRCNNModule(LightningModule):
         class_names: Sequence[str] | None = None,
         category_ids: Sequence[int] | None = None,
         mask: bool = True,
+        ops: str = "ext",
         backbone: Mapping[str, Any] | None = None,
         transform: Mapping[str, Any] | None = None,
         rpn: Mapping[str, Any] | None = None,
@@ -110,6 +112,7 @@ class MaskRCNNModule(LightningModule):
         return build_detector(
             hp.num_classes,
             mask=hp.mask,
+            ops=hp.get("ops", "ext"),
             backbone=hp.backbone,
             transform=hp.transform,
             rpn=hp.rpn,

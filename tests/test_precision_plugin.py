@@ -11,10 +11,10 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 from torchvision.models.detection._utils import BoxCoder
-from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
+from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads
 from lit_amp_det.precision.casting import mixed_precision_dtype
 from lit_amp_det.precision.plugin import (
     DetectionMixedPrecision,
@@ -63,12 +63,13 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
+# the default model runs on lit_amp_det's ops (model.ops=ext), whose heads re-implement two of these
 REGION_METHODS = [
     (RegionProposalNetwork, "compute_loss"),
-    (RegionProposalNetwork, "filter_proposals"),
+    (ExtRegionProposalNetwork, "filter_proposals"),
     (BoxCoder, "encode"),
     (BoxCoder, "decode"),
-    (RoIHeads, "postprocess_detections"),
+    (ExtRoIHeads, "postprocess_detections"),
     (GeneralizedRCNNTransform, "postprocess"),
 ]
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 __all__ = ["main", "BENCHMARKS"]
 
 #: benchmark name -> module with a ``main(argv)``
-BENCHMARKS = {"precision": "lit_amp_det.bench.precision"}
+BENCHMARKS = {"precision": "lit_amp_det.bench.precision", "ops": "lit_amp_det.bench.ops"}
 
 
 def main(argv: Sequence[str]) -> None:

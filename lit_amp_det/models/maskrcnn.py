@@ -21,6 +21,8 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
+from lit_amp_det.models.ext_ops import OPS_BACKENDS, use_extension_ops
+
 __all__ = ["BACKBONES", "NORM_LAYERS", "build_backbone", "build_detector"]
 
 
@@ -114,6 +116,7 @@ def build_detector(
     num_classes: int,
     *,
     mask: bool = True,
+    ops: str = "ext",
     backbone: Mapping[str, Any] | None = None,
     transform: Mapping[str, Any] | None = None,
     rpn: Mapping[str, Any] | None = None,
@@ -123,6 +126,8 @@ def build_detector(
 
     Args:
         num_classes: number of classes including background.
+        ops: ``"ext"`` runs NMS, RoIAlign and the matchers' IoU on lit_amp_det's kernels
+            (:func:`lit_amp_det.models.ext_ops.use_extension_ops`); ``"torchvision"`` keeps torchvision's.
         backbone: keyword arguments of :func:`build_backbone`.
         transform: ``min_size``, ``max_size``, ``image_mean``, ``image_std``, ``size_divisible``.
         rpn: ``anchor_sizes`` (one per FPN level), ``aspect_ratios``, ``pre_nms_top_n_train/test``,
@@ -134,6 +139,8 @@ def build_detector(
     """
     if num_classes < 2:
         raise ValueError(f"model.num_classes must count background plus at least one class, got {num_classes}")
+    if ops not in OPS_BACKENDS:
+        raise ValueError(f"model.ops={ops!r} is unknown; choose one of {list(OPS_BACKENDS)}")
     body = build_backbone(**dict(backbone or {}))
     levels = len(dict(backbone or {}).get("returned_layers", (1, 2, 3, 4))) + 1  # + LastLevelMaxPool
     channels = body.out_channels
@@ -165,15 +172,17 @@ def build_detector(
     )
     _reject_leftovers("model.transform", tf_cfg)
     if not mask:
-        return FasterRCNN(body, num_classes=None, **kwargs)
-    return MaskRCNN(
-        body,
-        num_classes=None,
-        mask_roi_pool=MultiScaleRoIAlign(feature_names, output_size=14, sampling_ratio=sampling_ratio),
-        mask_head=MaskRCNNHeads(channels, mask_layers, 1),
-        mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
-        **kwargs,
-    )
+        detector = FasterRCNN(body, num_classes=None, **kwargs)
+    else:
+        detector = MaskRCNN(
+            body,
+            num_classes=None,
+            mask_roi_pool=MultiScaleRoIAlign(feature_names, output_size=14, sampling_ratio=sampling_ratio),
+            mask_head=MaskRCNNHeads(channels, mask_layers, 1),
+            mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
+            **kwargs,
+        )
+    return use_extension_ops(detector) if ops == "ext" else detector
 
 
 _ROI_KWARGS = {

@@ -1,0 +1,161 @@
+"""Runs torchvision's R-CNN heads on lit_amp_det's own ops.
+
+:class:`ExtRegionProposalNetwork` and :class:`ExtRoIHeads` are torchvision's RPN and RoI heads with three
+methods re-implemented around :mod:`lit_amp_det.ops`: NMS that stops at the number of boxes kept afterwards
+(``post_nms_top_n`` proposals, ``detections_per_img`` detections) instead of NMS-then-slice, and the fused fp32
+IoU kernel for the anchor and proposal matchers. They add no parameters, buffers or attributes, so
+:func:`use_extension_ops` switches an already built torchvision model over by changing the class of its
+``rpn`` and ``roi_heads`` (torchvision builds both inside ``FasterRCNN.__init__`` and offers no hook to pass
+others); ``state_dict`` keys, checkpoints and the fp32 regions of the precision plugin are unchanged.
+The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which also has no state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
+from torchvision.models.detection.roi_heads import RoIHeads
+from torchvision.models.detection.rpn import RegionProposalNetwork
+from torchvision.ops import MultiScaleRoIAlign as TorchvisionMultiScaleRoIAlign
+from torchvision.ops import boxes as box_ops
+
+from lit_amp_det.ops import MultiScaleRoIAlign, batched_nms, box_iou
+
+__all__ = ["OPS_BACKENDS", "ExtRegionProposalNetwork", "ExtRoIHeads", "use_extension_ops"]
+
+#: values of ``model.ops``: lit_amp_det's kernels, or torchvision's own (for A/B comparisons)
+OPS_BACKENDS = ("ext", "torchvision")
+
+
+class ExtRegionProposalNetwork(RegionProposalNetwork):
+    """torchvision's RPN; proposal filtering stops NMS at ``post_nms_top_n`` and matching uses the fused IoU."""
+
+    def filter_proposals(
+        self,
+        proposals: Tensor,
+        objectness: Tensor,
+        image_shapes: list[tuple[int, int]],
+        num_anchors_per_level: list[int],
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Per image: best ``pre_nms_top_n`` anchors of each level -> clip, drop small and low-scoring boxes ->
+        NMS per level, stopped at ``post_nms_top_n`` kept proposals."""
+        num_images = proposals.shape[0]
+        objectness = objectness.detach().reshape(num_images, -1)  # proposals never backprop into objectness
+        candidates, levels = self._top_anchors_per_level(objectness, num_anchors_per_level)
+        rows = torch.arange(num_images, device=proposals.device)[:, None]
+        scores = torch.sigmoid(objectness[rows, candidates])
+        boxes = proposals[rows, candidates]
+        kept = [self._select(b, s, levels, shape) for b, s, shape in zip(boxes, scores, image_shapes)]
+        return [b for b, _ in kept], [s for _, s in kept]
+
+    def _top_anchors_per_level(self, objectness: Tensor, num_anchors_per_level: list[int]) -> tuple[Tensor, Tensor]:
+        """Indices ``[B, T]`` of each level's best anchors (into all anchors) and the level ``[T]`` of each."""
+        indices, levels, offset = [], [], 0
+        for level, scores in enumerate(objectness.split(num_anchors_per_level, dim=1)):
+            top = scores.topk(min(self.pre_nms_top_n(), scores.shape[1]), dim=1).indices
+            indices.append(top + offset)
+            levels.append(torch.full((top.shape[1],), level, dtype=torch.int64, device=objectness.device))
+            offset += scores.shape[1]
+        return torch.cat(indices, dim=1), torch.cat(levels)
+
+    def _select(
+        self, boxes: Tensor, scores: Tensor, levels: Tensor, image_shape: tuple[int, int]
+    ) -> tuple[Tensor, Tensor]:
+        boxes = box_ops.clip_boxes_to_image(boxes, image_shape)
+        keep = box_ops.remove_small_boxes(boxes, self.min_size)
+        keep = keep[scores[keep] >= self.score_thresh]
+        boxes, scores, levels = boxes[keep], scores[keep], levels[keep]
+        keep = batched_nms(boxes, scores, levels, self.nms_thresh, max_output=self.post_nms_top_n())
+        return boxes[keep], scores[keep]
+
+
+class ExtRoIHeads(RoIHeads):
+    """torchvision's RoI heads; proposal matching uses the fused IoU, detection NMS stops at ``detections_per_img``."""
+
+    def assign_targets_to_proposals(
+        self, proposals: list[Tensor], gt_boxes: list[Tensor], gt_labels: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Matched ground-truth index and class (0 background, -1 ignored) of every proposal."""
+        matched_idxs, labels = [], []
+        for proposals_in_image, gt_boxes_in_image, gt_labels_in_image in zip(proposals, gt_boxes, gt_labels):
+            if gt_boxes_in_image.numel() == 0:  # background-only image
+                matched = proposals_in_image.new_zeros(proposals_in_image.shape[0], dtype=torch.int64)
+                matched_idxs.append(matched)
+                labels.append(torch.zeros_like(matched))
+                continue
+            matches = self.proposal_matcher(box_iou(gt_boxes_in_image, proposals_in_image))
+            matched = matches.clamp(min=0)
+            image_labels = gt_labels_in_image[matched].to(torch.int64)
+            image_labels[matches == self.proposal_matcher.BELOW_LOW_THRESHOLD] = 0
+            image_labels[matches == self.proposal_matcher.BETWEEN_THRESHOLDS] = -1  # ignored by the sampler
+            matched_idxs.append(matched)
+            labels.append(image_labels)
+        return matched_idxs, labels
+
+    def postprocess_detections(
+        self,
+        class_logits: Tensor,
+        box_regression: Tensor,
+        proposals: list[Tensor],
+        image_shapes: list[tuple[int, int]],
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """Decoded, clipped, per-class NMS'd detections: at most ``detections_per_img`` per image."""
+        per_image = [p.shape[0] for p in proposals]
+        all_boxes = self.box_coder.decode(box_regression, proposals).split(per_image)
+        all_scores = F.softmax(class_logits, -1).split(per_image)
+        results = [self._detections_in_image(b, s, shape) for b, s, shape in zip(all_boxes, all_scores, image_shapes)]
+        return [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
+
+    def _detections_in_image(
+        self, boxes: Tensor, scores: Tensor, image_shape: tuple[int, int]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        num_classes = scores.shape[-1]
+        boxes = box_ops.clip_boxes_to_image(boxes, image_shape)[:, 1:].reshape(-1, 4)  # every (box, class) pair
+        labels = torch.arange(1, num_classes, device=scores.device).repeat(scores.shape[0])
+        scores = scores[:, 1:].reshape(-1)  # column 0 is background
+        keep = torch.where(scores > self.score_thresh)[0]
+        keep = keep[box_ops.remove_small_boxes(boxes[keep], min_size=1e-2)]
+        boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+        keep = batched_nms(boxes, scores, labels, self.nms_thresh, max_output=self.detections_per_img)
+        return boxes[keep], scores[keep], labels[keep]
+
+
+def _lit_pooler(pooler: TorchvisionMultiScaleRoIAlign) -> MultiScaleRoIAlign:
+    return MultiScaleRoIAlign(
+        pooler.featmap_names,
+        pooler.output_size,
+        pooler.sampling_ratio,
+        canonical_scale=pooler.canonical_scale,
+        canonical_level=pooler.canonical_level,
+    )
+
+
+def use_extension_ops(model: GeneralizedRCNN) -> GeneralizedRCNN:
+    """Switches a torchvision Faster/Mask R-CNN over to lit_amp_det's ops, in place; returns it.
+
+    Only exact torchvision classes are converted: a subclass of torchvision's RPN or RoI heads has its own
+    behaviour that a class change would silently drop, so it raises instead.
+    """
+    for name, expected, replacement in (
+        ("rpn", RegionProposalNetwork, ExtRegionProposalNetwork),
+        ("roi_heads", RoIHeads, ExtRoIHeads),
+    ):
+        module = getattr(model, name)
+        if type(module) is replacement:
+            continue
+        if type(module) is not expected:
+            raise TypeError(
+                f"model.{name} is a {type(module).__qualname__}, not torchvision's {expected.__qualname__}; "
+                "use_extension_ops only converts torchvision's own heads. Call lit_amp_det.ops from your "
+                "subclass instead, or set model.ops=torchvision."
+            )
+        module.__class__ = replacement
+        module.box_similarity = box_iou
+    heads = model.roi_heads
+    for attr in ("box_roi_pool", "mask_roi_pool"):
+        pooler = getattr(heads, attr, None)
+        if isinstance(pooler, TorchvisionMultiScaleRoIAlign):
+            setattr(heads, attr, _lit_pooler(pooler))
+    return model

@@ -1,0 +1,79 @@
+"""Non-maximum suppression that stops as soon as it has kept enough boxes.
+
+The RPN keeps only the ``post_nms_top_n`` best proposals and the detector only ``detections_per_img``
+boxes after NMS, yet torchvision's NMS always runs to the end and the caller slices afterwards. With
+``max_output`` the greedy pass stops at the k-th kept box, which is where most of its time went
+(TVM folded this "top-k after NMS" into NMS' ``max_output_size`` for the same reason).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lit_amp_det.ops import reference
+from lit_amp_det.ops._extension import extension_available, has_kernel
+
+__all__ = ["batched_nms", "nms"]
+
+
+def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
+    """Greedy non-maximum suppression.
+
+    Args:
+        boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)`` boxes, any float dtype (IoU is computed in fp32, fp64 for fp64).
+        scores (Tensor[N]): scores, any float dtype.
+        iou_threshold: a box is dropped when a kept box overlaps it with IoU strictly greater than this.
+        max_output: stop once this many boxes are kept; negative keeps all survivors.
+
+    Returns:
+        Tensor[M] (int64): indices of the kept boxes in decreasing score order (ties: lower index first),
+        equal to the first ``max_output`` of the unlimited result.
+    """
+    if has_kernel("nms", boxes.device):
+        return torch.ops.lit_amp_det.nms(boxes, scores, float(iou_threshold), int(max_output))
+    return reference.nms(boxes, scores, iou_threshold, max_output)
+
+
+def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
+    """Non-maximum suppression within each category of ``idxs``, with one global ``max_output``.
+
+    Args:
+        boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)`` boxes.
+        scores (Tensor[N]): scores.
+        idxs (Tensor[N]): integer category of each box (class label, or FPN level in the RPN); boxes of
+            different categories never suppress each other.
+        iou_threshold: IoU above which a lower-scored box of the same category is dropped.
+        max_output: stop once this many boxes are kept over all categories; negative keeps all.
+
+    Returns:
+        Tensor[M] (int64): kept indices in decreasing score order (ties: lower index first).
+    """
+    if has_kernel("batched_nms", boxes.device):
+        return torch.ops.lit_amp_det.batched_nms(boxes, scores, idxs, float(iou_threshold), int(max_output))
+    return reference.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
+
+
+def _fake_kept_indices(boxes: Tensor, scores: Tensor, max_output: int) -> Tensor:
+    torch._check(boxes.dim() == 2 and boxes.shape[-1] == 4, lambda: f"boxes must be [N, 4], got {tuple(boxes.shape)}")
+    torch._check(scores.dim() == 1, lambda: f"scores must be [N], got {tuple(scores.shape)}")
+    torch._check(scores.shape[0] == boxes.shape[0], lambda: "boxes and scores must have the same length")
+    kept = torch.library.get_ctx().new_dynamic_size()
+    torch._check(kept <= boxes.shape[0])
+    if max_output >= 0:
+        torch._check(kept <= max_output)
+    return boxes.new_empty((kept,), dtype=torch.int64)
+
+
+if extension_available():
+
+    @torch.library.register_fake("lit_amp_det::nms")
+    def _nms_fake(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
+        return _fake_kept_indices(boxes, scores, max_output)
+
+    @torch.library.register_fake("lit_amp_det::batched_nms")
+    def _batched_nms_fake(
+        boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1
+    ) -> Tensor:
+        torch._check(idxs.shape == scores.shape, lambda: "idxs must have one entry per box")
+        return _fake_kept_indices(boxes, scores, max_output)

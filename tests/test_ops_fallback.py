@@ -1,0 +1,47 @@
+"""Without the compiled extension, lit_amp_det imports, every op still works and one warning says how to build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from conftest import REPO
+
+SCRIPT = textwrap.dedent(
+    """
+    import warnings
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        import torch, torchvision
+        import lit_amp_det, lit_amp_det.ops as ops
+        assert not ops.extension_available(), ops.extension_error()
+        boxes = torch.rand(200, 4) * 100
+        boxes[:, 2:] += boxes[:, :2]
+        scores = torch.rand(200)
+        idxs = torch.randint(3, (200,))
+        assert torch.equal(ops.nms(boxes, scores, 0.5), torchvision.ops.nms(boxes, scores, 0.5))
+        assert torch.equal(ops.batched_nms(boxes, scores, idxs, 0.5, 20),
+                           torchvision.ops.batched_nms(boxes, scores, idxs, 0.5)[:20])
+        torch.testing.assert_close(ops.box_iou(boxes, boxes), torchvision.ops.box_iou(boxes, boxes))
+        x = torch.randn(2, 4, 32, 32, requires_grad=True)
+        rois = torch.cat([torch.randint(2, (200, 1)).float(), boxes / 4], dim=1)
+        torch.testing.assert_close(ops.roi_align(x, rois, 7, 0.25, 2), torchvision.ops.roi_align(x, rois, 7, 0.25, 2))
+        pooled = ops.multi_level_roi_align([x, x[:, :, ::2, ::2]], rois, idxs.clamp(max=1), [0.25, 0.125], 7, 2)
+        pooled.sum().backward()
+        assert x.grad.abs().sum() > 0
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "lit_amp_det" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "make install" in messages[0] and "LIT_AMP_DET_NO_EXT=1" in messages[0], messages[0]
+    print("ok")
+    """
+)
+
+
+def test_ops_fall_back_to_pure_pytorch_with_one_warning():
+    env = {**os.environ, "LIT_AMP_DET_NO_EXT": "1"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("ok")
