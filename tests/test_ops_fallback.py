@@ -45,3 +45,17 @@ def test_ops_fall_back_to_pure_pytorch_with_one_warning():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_the_extension_is_built_for_this_machine():
+    """`make install` must leave a loadable extension, with CUDA kernels wherever torch and nvcc can build them
+    (CI compiles them for sm_90 without a GPU); otherwise every op test above would be skipped, not failed."""
+    import shutil
+
+    import torch
+
+    import lit_amp_det.ops as ops
+
+    assert ops.extension_available(), f"lit_amp_det._C failed to import: {ops.extension_error()}; run `make install`"
+    if torch.version.cuda and shutil.which("nvcc") and os.environ.get("LIT_AMP_DET_CUDA") != "0":
+        assert ops.compiled_cuda_version() > 0, "nvcc is here but the CUDA kernels were not compiled in"

@@ -13,6 +13,9 @@ and ``speed-up = torchvision median / ours median``. Sizes are Mask R-CNN's at 8
   channels; forward and forward+backward; fp32, channels_last fp32, and bf16/fp16 (torchvision under
   autocast, which is how it gets half inputs).
 * ``MultiScaleRoIAlign``: 4 FPN levels, 1024 RoIs, 256 channels, forward+backward.
+* ``model`` (end to end, the ``model.ops`` A/B): the light Mask R-CNN (``conf/model/maskrcnn_light.yaml``,
+  224 px, batch 4) built with ``ops=ext`` and ``ops=torchvision`` with identical weights; a bf16-autocast
+  training step (forward + backward) and an eval forward. On a GPU, ``maskrcnn_r50_fpn`` at 800 px, batch 2.
 
 Targets (issue 3): every op >= 1.3x, NMS with max_output at RPN sizes >= 2x, MultiScaleRoIAlign
 forward+backward >= 1.5x.
@@ -177,6 +180,49 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, C
     return cases
 
 
+def _model_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
+    from hydra import compose, initialize_config_dir
+
+    from lit_amp_det.config import config_dir
+    from lit_amp_det.models.maskrcnn import build_detector
+
+    name, batch, side = ("maskrcnn_r50_fpn", 2, 800) if device == "cuda" else ("maskrcnn_light", 4, 224)
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={name}"])
+    settings = {k: cfg.model[k] for k in ("backbone", "transform", "rpn", "roi_heads")}
+    torch.manual_seed(0)
+    ext = build_detector(7, ops="ext", **settings).to(device)
+    plain = build_detector(7, ops="torchvision", **settings).to(device)
+    plain.load_state_dict(ext.state_dict())
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, side, side, generator=g).to(device) for _ in range(batch)]
+    targets = []
+    for _ in range(batch):
+        xy = torch.rand(3, 2, generator=g) * side * 0.6
+        boxes = torch.cat([xy, xy + side * (0.15 + 0.25 * torch.rand(3, 2, generator=g))], 1)
+        masks = torch.zeros(3, side, side, dtype=torch.uint8)
+        for k, (x0, y0, x1, y1) in enumerate(boxes.int().tolist()):
+            masks[k, y0:y1, x0:x1] = 1
+        targets.append({"boxes": boxes.to(device), "labels": torch.tensor([1, 2, 3], device=device),
+                        "masks": masks.to(device)})
+
+    def train_step(model):
+        model.train()
+        with torch.autocast(device, dtype=half):
+            losses = model(images, targets)
+        sum(losses.values()).backward()
+
+    def infer(model):
+        model.eval()
+        with torch.no_grad(), torch.autocast(device, dtype=half):
+            model(images)
+
+    size = f"{name}, batch {batch}, {side} px, {str(half).split('.')[-1]} autocast"
+    return [("Mask R-CNN train step (model.ops)", size, "ext vs torchvision",
+             lambda: train_step(ext), lambda: train_step(plain)),
+            ("Mask R-CNN inference (model.ops)", size, "ext vs torchvision", lambda: infer(ext), lambda: infer(plain))]
+
+
 def _table(rows: list[dict[str, Any]], header: str) -> str:
     lines = [header, "| op | size | dtype / layout | ours ms | torchvision ms | speed-up |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -191,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per op (default 15 CPU, 50 CUDA)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default="", help="comma-separated groups: nms,iou,roi_align,pooler (default all)")
+    parser.add_argument("--only", default="", help="comma-separated groups: nms,iou,roi_align,pooler,model (default all)")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if not ops.extension_available():
@@ -203,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     half = torch.float16 if args.device == "cuda" else torch.bfloat16
     groups = {"nms": lambda: _nms_cases(args.device), "iou": lambda: _iou_cases(args.device),
               "roi_align": lambda: _roi_align_cases(args.device, half),
-              "pooler": lambda: _pooler_cases(args.device, half)}
+              "pooler": lambda: _pooler_cases(args.device, half), "model": lambda: _model_cases(args.device, half)}
     chosen = [g.strip() for g in args.only.split(",") if g.strip()] or list(groups)
     unknown = sorted(set(chosen) - set(groups))
     if unknown:
