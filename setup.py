@@ -83,7 +83,7 @@ def extensions() -> tuple[list, dict]:
     cxx_flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP-backed: without -fopenmp it runs serially
     kwargs = dict(
         name="lit_amp_det._C",
-        depends=_files("**/*.h"),
+        depends=_files("**/*.h", "**/*.cuh"),
         extra_link_args=["-fopenmp"],
     )
     if _want_cuda(torch, CUDA_HOME):

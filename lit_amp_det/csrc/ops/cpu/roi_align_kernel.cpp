@@ -843,6 +843,21 @@ at::Tensor roi_align_backward_kernel(
   return backward(grad, rois, nullptr, scales, {{sizes, grad.scalar_type(), format}}, format, p)[0];
 }
 
+// The checks both multi-level entry points share.
+void check_multi_level_inputs(
+    const char* op,
+    at::TensorList features,
+    const at::Tensor& rois,
+    const at::Tensor& levels,
+    at::ArrayRef<double> spatial_scales,
+    int64_t pooled_height,
+    int64_t pooled_width) {
+  check_features(op, features);
+  check_rois(op, rois);
+  check_levels(op, levels, rois.size(0), features.size(), spatial_scales.size());
+  check_pool_params(op, pooled_height, pooled_width);
+}
+
 at::Tensor multi_level_roi_align_forward_kernel(
     at::TensorList features,
     const at::Tensor& rois,
@@ -853,10 +868,7 @@ at::Tensor multi_level_roi_align_forward_kernel(
     int64_t sampling_ratio,
     bool aligned) {
   constexpr const char* op = "multi_level_roi_align";
-  check_features(op, features);
-  check_rois(op, rois);
-  check_levels(op, levels, rois.size(0), features.size(), spatial_scales.size());
-  check_pool_params(op, pooled_height, pooled_width);
+  check_multi_level_inputs(op, features, rois, levels, spatial_scales, pooled_height, pooled_width);
   const at::Tensor levels_ = levels.contiguous();
   return forward(
       features, rois, levels_.const_data_ptr<int64_t>(), spatial_scales,
@@ -874,10 +886,7 @@ std::vector<at::Tensor> multi_level_roi_align_backward_kernel(
     int64_t sampling_ratio,
     bool aligned) {
   constexpr const char* op = "_multi_level_roi_align_backward";
-  check_features(op, features);
-  check_rois(op, rois);
-  check_levels(op, levels, rois.size(0), features.size(), spatial_scales.size());
-  check_pool_params(op, pooled_height, pooled_width);
+  check_multi_level_inputs(op, features, rois, levels, spatial_scales, pooled_height, pooled_width);
   const PoolParams p{pooled_height, pooled_width, sampling_ratio, aligned};
   check_grad(op, grad, rois.size(0), features[0].size(1), p);
   TORCH_CHECK(

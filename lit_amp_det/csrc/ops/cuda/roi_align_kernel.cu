@@ -22,25 +22,17 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "exact_math.cuh"
+
 #include <limits>
 #include <vector>
 
 namespace {
 
+using namespace lit_amp_det::ops::cuda_math;  // NOLINT: exact add/sub/mul/div, box IoU
+
 constexpr int kThreads = 256;
 constexpr int kMaxLevels = 8;
-
-// IEEE round-to-nearest arithmetic the compiler may not contract into FMAs, for the sampling
-// coordinates only: the in-image test (-1 <= y <= H) is discontinuous, so a sample that lands exactly
-// on -1 or H must land there on the GPU as on the CPU (torchvision's operation order).
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
 // One feature level as a kernel sees it. ptr_t is `const scalar_t*` (features, forward) or
 // `acc_t*` (gradient buffer, backward); strides are in elements.
