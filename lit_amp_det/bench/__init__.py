@@ -8,7 +8,8 @@ from collections.abc import Sequence
 __all__ = ["main", "BENCHMARKS"]
 
 #: benchmark name -> module with a ``main(argv)``
-BENCHMARKS = {"precision": "lit_amp_det.bench.precision", "ops": "lit_amp_det.bench.ops"}
+BENCHMARKS = {"precision": "lit_amp_det.bench.precision", "ops": "lit_amp_det.bench.ops",
+              "convbn": "lit_amp_det.bench.convbn"}
 
 
 def main(argv: Sequence[str]) -> None:

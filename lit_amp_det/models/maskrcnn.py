@@ -18,10 +18,11 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
-from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
+from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from lit_amp_det.models.ext_ops import OPS_BACKENDS, use_extension_ops
+from lit_amp_det.models.norms import FrozenBatchNorm2d
 
 __all__ = ["BACKBONES", "NORM_LAYERS", "build_backbone", "build_detector"]
 
@@ -40,7 +41,8 @@ BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {
     "resnet101": resnet.resnet101,
 }
 
-#: Normalisation layers by config name. ``frozen_bn`` is torchvision's buffers-only BatchNorm.
+#: Normalisation layers by config name. ``frozen_bn`` is a buffers-only BatchNorm (a subclass of torchvision's)
+#: that keeps bf16/fp16 activations in their dtype under autocast.
 NORM_LAYERS: dict[str, Callable[..., nn.Module]] = {
     "bn": nn.BatchNorm2d,
     "frozen_bn": FrozenBatchNorm2d,

@@ -1,0 +1,354 @@
+"""``python -m lit_amp_det bench convbn``: what tune-mode conv-BN (the ``ConvBNEval`` callback) saves, side by side.
+
+Every BatchNorm is in eval mode (``norm_eval``; FrozenBatchNorm2d where a case says so). For each case the
+same weights and batch run side by side in this one process: ``plain``, then with
+:func:`~lit_amp_det.models.conv_bn.enable_conv_bn_eval` (``only_when_cheaper`` on; for ResNet-50 also off).
+Columns, with ratios to the ``plain`` row of the same case:
+
+* saved MB: bytes autograd keeps for backward, device independent: distinct storages packed by
+  ``torch.autograd.graph.saved_tensors_hooks`` during the forward, parameters and buffers excluded, counted
+  for the backbone (the ResNet; ``model.backbone``, i.e. trunk + FPN, for detectors) and for the whole model;
+* peak MB: one forward + backward above what was held before it (CUDA: ``max_memory_allocated``; CPU: the
+  resident-set high-water mark ``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``, with glibc's mmap
+  threshold pinned so freed tensors leave the resident set);
+* step ms: forward + backward, median of the timed repeats after warm-up, variants interleaved per repeat.
+
+Cases: ResNet-50 at 2x3x512x512 and 4x3x128x128 (where the folded weight copies outweigh the small late-stage
+activations), Mask R-CNN R50-FPN as in ``conf/model/maskrcnn_r50_fpn.yaml`` (2 images; 512 px on a CPU,
+800 x 1333 on CUDA) with BatchNorm in eval mode and with its FrozenBatchNorm2d, and the light model
+(``conf/model/maskrcnn_light.yaml``: ResNet-18, 224 px, batch 4). Target: >= 25 % fewer saved bytes in the
+backbone under norm_eval with no slowdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torchvision
+from torch import Tensor, nn
+
+from lit_amp_det.models.conv_bn import NORM_TYPES, enable_conv_bn_eval
+
+__all__ = ["CASES", "main", "saved_bytes"]
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], Tensor]
+
+
+@dataclass
+class Case:
+    """One model and input; ``variants`` are ``(label, only_when_cheaper or None for plain)``."""
+
+    name: str
+    input: str
+    build: Callable[[str], tuple[nn.Module, nn.Module, Batch, LossFn]]  # device -> model, backbone, batch, loss
+    variants: tuple[tuple[str, bool | None], ...] = (("plain", None), ("ConvBNEval", True))
+
+
+# ----------------------------------------------------------------------------------------- the cases
+
+def _norm_eval(model: nn.Module) -> nn.Module:
+    model.train()
+    for module in model.modules():
+        if isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm)):
+            module.eval()
+    return model
+
+
+def _resnet50(batch: int, size: int) -> Callable[[str], tuple[nn.Module, nn.Module, Batch, LossFn]]:
+    def build(device: str) -> tuple[nn.Module, nn.Module, Batch, LossFn]:
+        torch.manual_seed(0)
+        model = _norm_eval(torchvision.models.resnet50().to(device))
+        images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device)
+        return model, model, images, lambda m, x: m(x).float().logsumexp(dim=1).mean()
+
+    return build
+
+
+def _detection_batch(batch: int, height: int, width: int, device: str) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
+    gen = torch.Generator().manual_seed(0)
+    images, targets = [], []
+    for _ in range(batch):
+        images.append(torch.rand(3, height, width, generator=gen).to(device))
+        boxes, masks = [], torch.zeros(3, height, width, dtype=torch.uint8)
+        for k in range(3):
+            x0, y0 = (torch.rand(2, generator=gen) * torch.tensor([width, height]) * 0.6).tolist()
+            w, h = ((0.15 + 0.25 * torch.rand(2, generator=gen)) * torch.tensor([width, height])).tolist()
+            boxes.append([x0, y0, x0 + w, y0 + h])
+            masks[k, int(y0): int(y0 + h), int(x0): int(x0 + w)] = 1
+        targets.append({"boxes": torch.tensor(boxes, device=device), "labels": torch.tensor([1, 2, 3], device=device),
+                        "masks": masks.to(device)})
+    return images, targets
+
+
+def _detection_loss(model: nn.Module, batch: Batch) -> Tensor:
+    torch.manual_seed(0)  # the RPN and RoI samplers draw from the global RNG: same samples for every variant
+    return torch.stack([v.float() for v in model(*batch).values()]).sum()
+
+
+def _detector(config: str, batch: int, overrides: Sequence[str],
+              size: Callable[[str], tuple[int, int]]) -> Callable[[str], tuple[nn.Module, nn.Module, Batch, LossFn]]:
+    def build(device: str) -> tuple[nn.Module, nn.Module, Batch, LossFn]:
+        from hydra import compose, initialize_config_dir
+        from hydra.utils import instantiate
+
+        from lit_amp_det.config import config_dir
+
+        height, width = size(device)
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=[f"model={config}", "paths.output_dir=/tmp", "paths.cache_dir=/tmp",
+                                               f"model.transform.min_size={min(height, width)}",
+                                               f"model.transform.max_size={max(height, width)}", *overrides])
+        torch.manual_seed(0)
+        model = _norm_eval(instantiate(cfg.model, _convert_="all", num_classes=4).model.to(device))
+        return model, model.backbone, _detection_batch(batch, height, width, device), _detection_loss
+
+    return build
+
+
+def _r50_fpn_size(device: str) -> tuple[int, int]:
+    return (800, 1333) if device == "cuda" else (512, 512)
+
+
+_BOTH = (("plain", None), ("ConvBNEval", True), ("ConvBNEval all", False))
+
+#: name -> case; ``--cases`` picks a subset.
+CASES: dict[str, Case] = {
+    "r50-512": Case("ResNet-50", "2x3x512x512", _resnet50(2, 512), _BOTH),
+    "r50-128": Case("ResNet-50", "4x3x128x128", _resnet50(4, 128), _BOTH),
+    "maskrcnn-r50": Case("Mask R-CNN R50-FPN, BN eval", "2 images, 512 px (CPU) / 800x1333 (CUDA)",
+                         _detector("maskrcnn_r50_fpn", 2, ["model.backbone.norm=bn"], _r50_fpn_size)),
+    "maskrcnn-r50-frozen": Case("Mask R-CNN R50-FPN, FrozenBN", "2 images, 512 px (CPU) / 800x1333 (CUDA)",
+                                _detector("maskrcnn_r50_fpn", 2, [], _r50_fpn_size), _BOTH),
+    "maskrcnn-light": Case("Mask R-CNN light (R18-FPN), BN eval", "4 images, 224 px",
+                           _detector("maskrcnn_light", 4, [], lambda device: (224, 224))),
+}
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+def saved_bytes(model: nn.Module, backbone: nn.Module, step: Callable[[], Tensor]) -> tuple[int, int, Tensor]:
+    """Bytes saved for backward by ``step()`` (a forward returning the loss): ``(backbone, total, loss)``.
+
+    Distinct storages only (views and repeated saves of one tensor count once), parameters and buffers
+    excluded; a storage counts for the backbone when the backbone's forward saved it first.
+    """
+    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, tuple[int, bool]] = {}
+    inside = [False]
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()  # saved tensors stay alive until backward, so pointers cannot be reused
+        if ptr not in owned and ptr not in seen:
+            seen[ptr] = (storage.nbytes(), inside[0])
+        return t
+
+    def enter(*_: Any) -> None:
+        inside[0] = True
+
+    def leave(*_: Any) -> None:
+        inside[0] = False
+
+    handles = [backbone.register_forward_pre_hook(enter), backbone.register_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(n for n, b in seen.values() if b), sum(n for n, _ in seen.values()), loss
+
+
+class _Peak:
+    """Peak memory of a block above what was held when it started, in MB."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.method = "max_memory_allocated" if device == "cuda" else "VmHWM (clear_refs)"
+        if device != "cuda":
+            self._pin_malloc()
+            try:
+                self._clear_refs()
+            except OSError:
+                self.method = "ru_maxrss (not resettable: later rows only show growth past earlier peaks)"
+
+    @staticmethod
+    def _pin_malloc() -> None:
+        """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and RSS stays up)."""
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so it no longer adapts upwards
+            libc.malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+    @staticmethod
+    def _clear_refs() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+
+    @staticmethod
+    def _status_mb(field: str) -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+        raise OSError(f"/proc/self/status has no {field}")
+
+    @contextmanager
+    def measure(self) -> Iterator[dict[str, float]]:
+        result: dict[str, float] = {}
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            yield result
+            torch.cuda.synchronize()
+            result["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            return
+        self._pin_malloc()
+        if self.method.startswith("VmHWM"):
+            self._clear_refs()
+            base = self._status_mb("VmRSS")
+            yield result
+            result["peak_mb"] = self._status_mb("VmHWM") - base
+            return
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        yield result
+        result["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _count_folds(model: nn.Module) -> tuple[list[Any], list[int]]:
+    """Forward hooks counting norm calls that passed the folded conv output through unchanged."""
+    count = [0]
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        count[0] += int(output is args[0])
+
+    return [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, NORM_TYPES)], count
+
+
+def run_case(case: Case, *, device: str, warmup: int, repeats: int,
+             autocast: torch.dtype | None) -> list[dict[str, Any]]:
+    """Measures every variant of ``case``; returns one row per variant."""
+    model, backbone, batch, loss_fn = case.build(device)
+    path = {id(m): name for name, m in model.named_modules()}[id(backbone)]
+    norm = next(type(m) for m in model.modules() if isinstance(m, NORM_TYPES))
+    variants = []
+    for label, cheaper in case.variants:
+        clone = copy.deepcopy(model)
+        pairs = [] if cheaper is None else enable_conv_bn_eval(clone, only_when_cheaper=cheaper)
+        variants.append({"label": label, "model": clone, "backbone": clone.get_submodule(path), "pairs": pairs})
+    context = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None else nullcontext
+    peak = _Peak(device)
+
+    def step(v: dict[str, Any]) -> Tensor:
+        with context():
+            return loss_fn(v["model"], batch)
+
+    rows = []
+    for v in variants:
+        for _ in range(warmup):
+            step(v).backward()
+            v["model"].zero_grad(set_to_none=True)
+        handles, folds = _count_folds(v["model"])
+        with peak.measure() as memory:
+            backbone_bytes, total_bytes, loss = saved_bytes(v["model"], v["backbone"], lambda v=v: step(v))
+            loss.backward()
+            v["model"].zero_grad(set_to_none=True)
+            del loss
+        for handle in handles:
+            handle.remove()
+        rows.append({"case": case.name, "input": case.input, "norm": f"{norm.__module__}.{norm.__qualname__}",
+                     "variant": v["label"], "pairs": len(v["pairs"]),
+                     "folded_calls": folds[0], "saved_backbone_mb": backbone_bytes / 2**20,
+                     "saved_total_mb": total_bytes / 2**20, "peak_mb": memory["peak_mb"], "times": []})
+    for _ in range(repeats):
+        for v, row in zip(variants, rows):
+            _sync(device)
+            start = time.perf_counter()
+            step(v).backward()
+            _sync(device)
+            row["times"].append(time.perf_counter() - start)
+            v["model"].zero_grad(set_to_none=True)
+    for row in rows:
+        row["step_ms"] = 1000 * statistics.median(row.pop("times"))
+    del variants, model
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- report
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base > 0 else "-"
+
+
+def table(rows: list[dict[str, Any]], header: str) -> str:
+    """Markdown table; ratios against the ``plain`` row of the same case and input."""
+    lines = [header,
+             "| model | input | variant | pairs (folded calls) | saved backbone MB | vs plain | saved total MB | "
+             "vs plain | peak MB | vs plain | step ms | vs plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(b for b in rows if b["case"] == r["case"] and b["input"] == r["input"] and b["variant"] == "plain")
+        lines.append(
+            f"| {r['case']} | {r['input']} | {r['variant']} | {r['pairs']} ({r['folded_calls']}) | "
+            f"{r['saved_backbone_mb']:.1f} | {_ratio(r['saved_backbone_mb'], base['saved_backbone_mb'])} | "
+            f"{r['saved_total_mb']:.1f} | {_ratio(r['saved_total_mb'], base['saved_total_mb'])} | "
+            f"{r['peak_mb']:.0f} | {_ratio(r['peak_mb'], base['peak_mb'])} | "
+            f"{r['step_ms']:.0f} | {_ratio(r['step_ms'], base['step_ms'])} |"
+        )
+    norms = {r["case"]: r["norm"] for r in rows}
+    lines.append("")
+    lines.append("norm layers: " + "; ".join(f"{case}: `{norm}`" for case, norm in norms.items()))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lit_amp_det bench convbn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per variant (median reported)")
+    parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed", "16-mixed"],
+                        help="32: fp32; *-mixed: the step runs under torch.autocast with that dtype")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.cases.split(",")) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    autocast = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[args.precision]
+    rows = []
+    for name in args.cases.split(","):
+        rows += run_case(CASES[name], device=args.device, warmup=args.warmup, repeats=args.repeats, autocast=autocast)
+    header = (f"device={args.device} precision={args.precision} threads={torch.get_num_threads()} "
+              f"warm-up={args.warmup} repeats={args.repeats} (median) peak={_Peak(args.device).method} "
+              f"torch={torch.__version__}")
+    print(table(rows, header))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Trains ``Conv2d -> BatchNorm`` pairs in tune mode while their norms are in eval mode (``norm_eval``).
+
+With the norm on its running statistics (BatchNorm in eval mode, or FrozenBatchNorm2d), each pair runs as one
+convolution whose weight is folded on the fly from the conv and norm parameters: same outputs and gradients,
+but the conv output is no longer kept for BatchNorm's backward (see :mod:`lit_amp_det.models.conv_bn`).
+Nothing is added to the module tree or the ``state_dict``, so checkpoints load with and without this
+callback. BatchNorms in training mode are left alone, call by call.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lit_amp_det.models.conv_bn import (
+    conv_bn_eval_pairs,
+    disable_conv_bn_eval,
+    enable_conv_bn_eval,
+    fold_conv_bn,
+)
+
+__all__ = ["ConvBNEval"]
+
+
+def _target(pl_module: LightningModule) -> nn.Module:
+    """``pl_module.model`` (the detector of :class:`lit_amp_det.MaskRCNNModule`), else the module itself."""
+    model = getattr(pl_module, "model", None)
+    return model if isinstance(model, nn.Module) else pl_module
+
+
+class ConvBNEval(Callback):
+    """Folds each conv-BN pair of ``pl_module.model`` on the fly whenever its norm uses running statistics.
+
+    Installed in ``setup()`` (an error if the model has no pair), checked again when fit, validation, test or
+    prediction starts (a strategy may have replaced norms, e.g. ``sync_batchnorm``), removed in ``teardown()``.
+
+    Args:
+        only_when_cheaper: fold a call only when that saves memory kept for backward: a BatchNorm pair whose
+            conv output outweighs the folded weight copy, or any pair without gradients (see
+            :func:`~lit_amp_det.models.conv_bn.enable_conv_bn_eval`); ``False`` folds every call.
+        fold_on_predict: before ``trainer.predict``, fold the pairs permanently (conv weight and bias folded,
+            norms replaced by ``nn.Identity``): one conv per pair at inference. The model stays folded.
+    """
+
+    def __init__(self, only_when_cheaper: bool = True, fold_on_predict: bool = False) -> None:
+        for name, value in (("only_when_cheaper", only_when_cheaper), ("fold_on_predict", fold_on_predict)):
+            if not isinstance(value, bool):
+                raise ValueError(f"callbacks.conv_bn_eval.{name}={value!r} must be true or false")
+        self.only_when_cheaper = only_when_cheaper
+        self.fold_on_predict = fold_on_predict
+        self._pairs: list[tuple[str, str]] = []
+
+    def _enable(self, model: nn.Module) -> None:
+        self._pairs = enable_conv_bn_eval(model, only_when_cheaper=self.only_when_cheaper)
+        if not self._pairs:
+            raise ValueError(
+                f"ConvBNEval found no Conv2d -> BatchNorm2d/FrozenBatchNorm2d pair in {type(model).__name__} (the "
+                "conv output must feed nothing but the norm); remove the callback (callbacks.conv_bn_eval=null) "
+                "or use a backbone with conv-BN blocks (model.backbone.norm=bn or frozen_bn); a model folded by "
+                "fold_on_predict has no pair left"
+            )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._enable(_target(pl_module))
+        mode = "when it saves memory: BatchNorm pairs whose output outweighs the conv weight" if (
+            self.only_when_cheaper) else "on every call"
+        rank_zero_info(f"ConvBNEval: {len(self._pairs)} conv-BN pairs fold while their norm uses running statistics "
+                       f"({mode})")
+
+    def _refresh(self, pl_module: LightningModule) -> None:
+        """Re-installs when the strategy replaced modules after ``setup`` (e.g. BatchNorm -> SyncBatchNorm)."""
+        model = _target(pl_module)
+        if conv_bn_eval_pairs(model) != self._pairs:
+            self._enable(model)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refresh(pl_module)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refresh(pl_module)
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refresh(pl_module)
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.fold_on_predict:
+            self._refresh(pl_module)
+            return
+        model = _target(pl_module)  # Lightning has put the model in eval mode already
+        fold_conv_bn(model)
+        rank_zero_info(f"ConvBNEval: folded {len(self._pairs)} conv-BN pairs permanently for prediction")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        disable_conv_bn_eval(_target(pl_module))
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(only_when_cheaper={self.only_when_cheaper}, "
+                f"fold_on_predict={self.fold_on_predict})")
