@@ -7,10 +7,12 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from lit_amp_det.config import config_dir
@@ -59,3 +61,28 @@ def only_run_dir(root: Path) -> Path:
     dirs = [p.parent for p in root.glob("*/*/metrics.json")]
     assert len(dirs) == 1, f"expected one run under {root}, found {dirs}"
     return dirs[0]
+
+
+class CaptureLogger(Logger):
+    """Keeps every ``log_metrics`` call as ``(step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def values(self, key: str) -> list[float]:
+        return [metrics[key] for _, metrics in self.calls if key in metrics]

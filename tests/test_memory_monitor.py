@@ -16,43 +16,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor, SavedTensorBytes
 from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader
 from lit_amp_det.tasks import build_datamodule, build_model, build_trainer
 
-from conftest import SMOKE, compose_config
+from conftest import SMOKE, CaptureLogger, compose_config
 
 #: Two steps per epoch, no validation, no checkpoints: only the monitor's behaviour is under test.
 SHORT = [*SMOKE, "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=0", "logger=none"]
 RAM_MB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
-
-
-class CaptureLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``(step, metrics)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.calls.append((step, dict(metrics)))
-
-    def values(self, key: str) -> list[float]:
-        return [metrics[key] for _, metrics in self.calls if key in metrics]
 
 
 class Snapshot(Callback):

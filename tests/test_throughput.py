@@ -10,42 +10,16 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_amp_det.callbacks.throughput import Throughput, count_images
 from lit_amp_det.tasks import build_trainer
 
-from conftest import SMOKE, compose_config
+from conftest import SMOKE, CaptureLogger, compose_config
 
 STEP_KEYS = ("train/step_ms", "train/images_per_s")
 EPOCH_KEYS = ("train/step_ms_epoch", "train/images_per_s_epoch")
-
-
-class CaptureLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``(step, metrics)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.calls.append((step, dict(metrics)))
-
-    def values(self, key: str) -> list[float]:
-        return [metrics[key] for _, metrics in self.calls if key in metrics]
 
 
 class TinyStep(pl.LightningModule):
