@@ -266,7 +266,7 @@ class MemoryMonitor(Callback):
         warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning).
     """
 
-    def __init__(self, compare_baseline: bool = False, baseline_steps: int = 3, warmup_steps: int = 1) -> None:
+    def __init__(self, compare_baseline: bool = False, baseline_steps: int = 3, warmup_steps: int = 3) -> None:
         self.compare_baseline = compare_baseline
         self.baseline_steps = baseline_steps
         self.warmup_steps = warmup_steps
