@@ -571,6 +571,20 @@ void axpy(acc_t* C10_RESTRICT y, const acc_t* C10_RESTRICT x, acc_t a, int64_t n
   }
 }
 
+// Adds g (n channel values of one output bin's gradient) times each of the bin's bilinear weights into the
+// four corner pixels of every sample; image offsets come from the taps, channels are contiguous.
+template <typename acc_t>
+inline void scatter_bin(acc_t* image, const BinTaps<acc_t>& bin, const acc_t* g, int64_t n) {
+  for (const Tap<acc_t>* ty = bin.y_begin; ty != bin.y_end; ++ty) {
+    for (const Tap<acc_t>* tx = bin.x_begin; tx != bin.x_end; ++tx) {
+      axpy(image + ty->lo + tx->lo, g, ty->w_lo * tx->w_lo, n);
+      axpy(image + ty->lo + tx->hi, g, ty->w_lo * tx->w_hi, n);
+      axpy(image + ty->hi + tx->lo, g, ty->w_hi * tx->w_lo, n);
+      axpy(image + ty->hi + tx->hi, g, ty->w_hi * tx->w_hi, n);
+    }
+  }
+}
+
 // Scatters one roi's gradient for channels [c, c + num_channels) (grad points at grad[k, c, 0, 0],
 // num_channels <= kChannelBlock) into a channel-minor scratch image: kChannelBlock accumulators per pixel, so
 // each corner is one short vector update.
@@ -591,14 +605,7 @@ void scatter_block(
         g[b] = static_cast<acc_t>(gij[b * grad_strides[0]]) / roi.count;
       }
       const BinTaps<acc_t> bin = bin_taps(plan, roi, i, j);
-      for (const Tap<acc_t>* ty = bin.y_begin; ty != bin.y_end; ++ty) {
-        for (const Tap<acc_t>* tx = bin.x_begin; tx != bin.x_end; ++tx) {
-          axpy(image + ty->lo + tx->lo, g, ty->w_lo * tx->w_lo, kChannelBlock);
-          axpy(image + ty->lo + tx->hi, g, ty->w_lo * tx->w_hi, kChannelBlock);
-          axpy(image + ty->hi + tx->lo, g, ty->w_hi * tx->w_lo, kChannelBlock);
-          axpy(image + ty->hi + tx->hi, g, ty->w_hi * tx->w_hi, kChannelBlock);
-        }
-      }
+      scatter_bin(image, bin, g, kChannelBlock);
     }
   }
 }
@@ -706,14 +713,7 @@ void scatter_roi_channels_last(
         g_row[c] = static_cast<acc_t>(g[c * grad_strides[0]]) / roi.count;
       }
       const BinTaps<acc_t> bin = bin_taps(plan, roi, i, j);
-      for (const Tap<acc_t>* ty = bin.y_begin; ty != bin.y_end; ++ty) {
-        for (const Tap<acc_t>* tx = bin.x_begin; tx != bin.x_end; ++tx) {
-          axpy(image + ty->lo + tx->lo, g_row, ty->w_lo * tx->w_lo, n);
-          axpy(image + ty->lo + tx->hi, g_row, ty->w_lo * tx->w_hi, n);
-          axpy(image + ty->hi + tx->lo, g_row, ty->w_hi * tx->w_lo, n);
-          axpy(image + ty->hi + tx->hi, g_row, ty->w_hi * tx->w_hi, n);
-        }
-      }
+      scatter_bin(image, bin, g_row, n);
     }
   }
 }
