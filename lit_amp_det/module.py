@@ -31,7 +31,7 @@ from torchmetrics.detection import MeanAveragePrecision
 from lit_amp_det.checkpoints import load_model_weights
 from lit_amp_det.data.coco import drop_crowd
 from lit_amp_det.models.maskrcnn import build_detector
-from lit_amp_det.optim import build_optimizer, warmup_schedule
+from lit_amp_det.optim import build_optimizer
 
 __all__ = ["MaskRCNNModule"]
 

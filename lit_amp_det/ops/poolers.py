@@ -31,13 +31,14 @@ def infer_spatial_scale(feature: Tensor, image_size: Sequence[int]) -> float:
 
 
 def assign_fpn_levels(
-    boxes: Sequence[Tensor], k_min: int, k_max: int, canonical_scale: int = 224, canonical_level: int = 4
+    boxes: Tensor | Sequence[Tensor], k_min: int, k_max: int, canonical_scale: int = 224, canonical_level: int = 4
 ) -> Tensor:
     """FPN level of each box, relative to ``k_min`` (int64 ``[K]``): ``floor(k0 + log2(sqrt(area) / 224))``.
 
-    Boxes of all images are concatenated in order; the result is clamped to ``[k_min, k_max]``.
+    ``boxes`` is one ``Tensor[K, 4]`` or one tensor per image (taken in order); the result is clamped to
+    ``[k_min, k_max]``.
     """
-    all_boxes = torch.cat(list(boxes))
+    all_boxes = boxes if isinstance(boxes, Tensor) else torch.cat(list(boxes))
     dtype = torch.promote_types(all_boxes.dtype, torch.float32)
     area = ((all_boxes[:, 2] - all_boxes[:, 0]) * (all_boxes[:, 3] - all_boxes[:, 1])).to(dtype)
     # the 1e-6 keeps boxes of exactly canonical size on the canonical level despite rounding
@@ -87,7 +88,8 @@ class MultiScaleRoIAlign(nn.Module):
         if len(features) == 1:
             return roi_align(features[0], rois, self.output_size, scales[0], self.sampling_ratio, self.aligned)
         k_min, k_max = int(-math.log2(scales[0])), int(-math.log2(scales[-1]))
-        levels = assign_fpn_levels(boxes, k_min, k_max, self.canonical_scale, self.canonical_level)
+        # the RoIs already hold every image's boxes in order: no second concatenation
+        levels = assign_fpn_levels(rois[:, 1:], k_min, k_max, self.canonical_scale, self.canonical_level)
         return multi_level_roi_align(
             features, rois, levels, scales, self.output_size, self.sampling_ratio, self.aligned
         )
