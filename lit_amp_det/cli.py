@@ -15,14 +15,14 @@ from omegaconf import DictConfig
 
 from lit_amp_det.config import COMMANDS, PRECISIONS, config_dir, config_groups
 
-__all__ = ["main", "usage"]
+__all__ = ["hydra_argv", "main", "usage"]
 
 _DESCRIPTIONS = {
     "fit": "train (and validate every epoch); ckpt_path=last resumes",
     "validate": "score a checkpoint (ckpt_path=... or model.checkpoint=...) on the validation split",
     "test": "score a checkpoint on the test split",
     "predict": "write COCO-format detections of data.predict_split to predictions.json",
-    "bench": "benchmarks: `bench precision` (step time and peak memory per precision; not Hydra-configured)",
+    "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), `bench precision|ops|convbn`",
 }
 
 
@@ -73,5 +73,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:
         print(usage())
         return
-    sys.argv = [sys.argv[0], *rest, f"command={command}"]  # after Hydra flags: argparse wants overrides last
+    sys.argv = [sys.argv[0], *hydra_argv(rest, command)]
     _hydra_entry()
+
+
+#: Hydra's flags that take a value (``--cfg job``); ``--info`` takes one of ``_INFO_TOPICS`` optionally.
+_FLAGS_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                     "--config-dir", "--experimental-rerun"}
+_INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def hydra_argv(args: Sequence[str], command: str) -> list[str]:
+    """Hydra's argv for ``args``: flags (with their values) first, then the overrides, then ``command=...``.
+
+    Hydra parses with argparse, which rejects overrides on both sides of a flag (``seed=1 --cfg job x=2``);
+    moving the flags to the front accepts any order, and ``command=`` goes last so it is one more override.
+    """
+    flags: list[str] = []
+    overrides: list[str] = []
+    position = 0
+    while position < len(args):
+        token = args[position]
+        position += 1
+        if not token.startswith("-"):
+            overrides.append(token)
+            continue
+        flags.append(token)
+        takes_value = token in _FLAGS_WITH_VALUE
+        takes_topic = token in ("-i", "--info") and position < len(args) and args[position] in _INFO_TOPICS
+        if (takes_value or takes_topic) and position < len(args):
+            flags.append(args[position])
+            position += 1
+    return [*flags, *overrides, f"command={command}"]

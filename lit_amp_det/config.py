@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_amp_det.distributed import rank_suffix
+
 __all__ = ["COMMANDS", "PRECISIONS", "config_dir", "config_groups", "check_config"]
 
 #: Subcommands of ``python -m lit_amp_det``.
@@ -25,6 +27,7 @@ def _headline_kind(mask: bool) -> str:
 
 
 OmegaConf.register_new_resolver("headline_kind", _headline_kind, replace=True)
+OmegaConf.register_new_resolver("rank_suffix", rank_suffix, replace=True)  # per-rank log files under DDP
 
 
 def config_dir() -> Path:
@@ -58,6 +61,22 @@ def check_config(cfg: DictConfig) -> None:
 
     if ops not in OPS_BACKENDS:
         raise ValueError(f"model.ops={ops!r}; choose one of {', '.join(OPS_BACKENDS)}")
+    _check_sync_batchnorm(cfg)
     seed = cfg.get("seed")
     if seed is not None and not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer or null")
+
+
+def _check_sync_batchnorm(cfg: DictConfig) -> None:
+    """SyncBatchNorm only has GPU kernels: say so before Lightning converts the model and training fails."""
+    if not cfg.trainer.get("sync_batchnorm", False):
+        return
+    import torch  # deferred: config checks run before anything heavy is imported
+
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu:
+        raise ValueError(
+            "trainer.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm has no CPU kernel. On CPUs leave it "
+            "false (each process keeps its own batch statistics), or freeze the norms (callbacks=fast)."
+        )

@@ -30,7 +30,9 @@ from torchmetrics.detection import MeanAveragePrecision
 
 from lit_amp_det.checkpoints import load_model_weights
 from lit_amp_det.data.coco import drop_crowd
+from lit_amp_det.distributed import gather_list_states
 from lit_amp_det.models.maskrcnn import build_detector
+from lit_amp_det.models.speed import COMPILE_TARGETS, compile_detector, use_channels_last
 from lit_amp_det.optim import build_optimizer
 
 __all__ = ["MaskRCNNModule"]
@@ -59,6 +61,9 @@ class MaskRCNNModule(LightningModule):
         category_ids: dataset category id of each class 1..K, so predictions map back to the dataset.
         mask: predict instance masks (Mask R-CNN); ``False`` gives Faster R-CNN.
         ops: ``"ext"`` (lit_amp_det's NMS, RoIAlign and IoU kernels) or ``"torchvision"`` (its own ops, for A/B).
+        channels_last: run the detector in the channels_last (NHWC) memory format
+            (:func:`lit_amp_det.models.speed.use_channels_last`).
+        compile: ``"backbone"`` compiles the ResNet+FPN with ``torch.compile``; ``None`` stays eager.
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
         scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
@@ -76,6 +81,8 @@ class MaskRCNNModule(LightningModule):
         category_ids: Sequence[int] | None = None,
         mask: bool = True,
         ops: str = "ext",
+        channels_last: bool = False,
+        compile: str | None = None,
         backbone: Mapping[str, Any] | None = None,
         transform: Mapping[str, Any] | None = None,
         rpn: Mapping[str, Any] | None = None,
@@ -98,9 +105,14 @@ class MaskRCNNModule(LightningModule):
         self.save_hyperparameters()
         for key, value in list(self.hparams.items()):
             self.hparams[key] = _plain(value)
+        if compile not in COMPILE_TARGETS:
+            raise ValueError(f"model.compile={compile!r}; choose one of {list(COMPILE_TARGETS)} (null: eager)")
         self.model = self.build_model()
         if checkpoint:
             load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict)
+        if channels_last:
+            use_channels_last(self.model)
+        compile_detector(self.model, compile)
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()
         self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
@@ -156,9 +168,13 @@ class MaskRCNNModule(LightningModule):
         return regions
 
     def build_metric(self) -> MeanAveragePrecision:
-        """COCO mAP for boxes, and masks when the model predicts them."""
+        """COCO mAP for boxes, and masks when the model predicts them.
+
+        Under DDP each rank scores its shard; :meth:`_log_metric` gathers the shards before computing
+        (``sync_on_compute=False``: torchmetrics' own gather needs equally long shards).
+        """
         iou_types = ("bbox", "segm") if self.hparams.mask else ("bbox",)
-        return MeanAveragePrecision(iou_type=iou_types, backend="pycocotools")
+        return MeanAveragePrecision(iou_type=iou_types, backend="pycocotools", sync_on_compute=False)
 
     def configure_optimizers(self) -> Any:
         """Optimizer from ``hparams.optimizer`` and a per-step schedule from ``hparams.scheduler``."""
@@ -229,6 +245,7 @@ class MaskRCNNModule(LightningModule):
         self._log_metric("test", self.test_metric)
 
     def _log_metric(self, stage: str, metric: MeanAveragePrecision) -> None:
+        gather_list_states(metric)  # every rank then computes mAP over the whole split
         results = metric.compute()
         metric.reset()
         wanted = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_100")
@@ -237,7 +254,10 @@ class MaskRCNNModule(LightningModule):
             for key, value in results.items()
             if key.split("_", 1)[-1] in wanted and value.numel() == 1
         }
-        self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=False, sync_dist=False)
+        # torchmetrics already gathered every rank's images before compute(), so the values are global and equal
+        # on all ranks; sync_dist averages equal numbers (a few scalars once per epoch) and keeps every rank's
+        # checkpoint callback seeing the same value
+        self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=False, sync_dist=True)
 
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
         """Detections with the dataset's image ids and category ids, ready for a COCO results file."""

@@ -20,8 +20,10 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lit_amp_det.callbacks.run_stats import RunStats
 from lit_amp_det.checkpoints import resolve_ckpt_path
 from lit_amp_det.config import check_config
+from lit_amp_det.distributed import ddp_child_command
 from lit_amp_det.precision.plugin import build_precision_plugin
 
 __all__ = ["train", "validate", "test", "predict", "run", "summary_line"]
@@ -63,7 +65,8 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
     """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision plugin.
 
     ``trainer.precision`` is translated into a plugin (Lightning refuses a precision string and a
-    precision plugin together), configured by the ``precision`` node.
+    precision plugin together), configured by the ``precision`` node. A :class:`RunStats` callback is always
+    added (it only measures) so that ``metrics.json`` records speed and peak memory whatever ``callbacks`` holds.
     """
     loggers = _instantiate_all(cfg.get("logger"))
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
@@ -72,9 +75,8 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
     )
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cfg.pop("precision", None)
-    return instantiate(
-        trainer_cfg, callbacks=_instantiate_all(cfg.get("callbacks")), logger=loggers or False, plugins=[plugin]
-    )
+    callbacks = [*_instantiate_all(cfg.get("callbacks")), RunStats()]
+    return instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, plugins=[plugin])
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -134,11 +136,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule, model, trainer, ckpt_path = _start(cfg)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics = _scalar_metrics(trainer)
+    perf = next((c.summary() for c in trainer.callbacks if isinstance(c, RunStats)), None)
     if getattr(model, "last_validated_step", None) != trainer.global_step and trainer.limit_val_batches:
         # the last epoch did not validate (check_val_every_n_epoch): score the final weights
         trainer.validate(model, datamodule=datamodule, verbose=False)
         metrics.update(_scalar_metrics(trainer))
-    _write_outputs(cfg, trainer, {"command": "fit", "metrics": metrics, "time_s": time.perf_counter() - started})
+    record = {"command": "fit", "metrics": metrics, "time_s": time.perf_counter() - started, "perf": perf}
+    _write_outputs(cfg, trainer, record)
     return metrics
 
 
@@ -180,7 +184,8 @@ _TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict}
 def run(cfg: DictConfig) -> Any:
     """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises."""
     check_config(cfg)
-    result = _TASKS[cfg.command](cfg)
+    with ddp_child_command(cfg):  # so that DDP's other ranks start as this job (also inside a sweep)
+        result = _TASKS[cfg.command](cfg)
     if isinstance(result, dict) and cfg.get("optimized_metric"):
         return result.get(cfg.optimized_metric)
     return None

@@ -20,7 +20,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
 from lit_amp_det.data.coco import CocoInstances
-from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
+from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ensure_shapes, shapes_dataset_dir
 from lit_amp_det.data.transforms import RandomHorizontalFlip, collate_detection
 
@@ -182,10 +182,11 @@ class CocoDataModule(LightningDataModule):
         return self._train_loader
 
     def _eval_loader(self, split: Split) -> DataLoader:
+        dataset = self.dataset(split)
         return DataLoader(
-            self.dataset(split),
+            dataset,
             batch_size=self.eval_batch_size,
-            shuffle=False,
+            sampler=EvalShardSampler(len(dataset)),  # one shard per DDP rank; the whole split otherwise
             collate_fn=collate_detection,
             generator=torch.Generator().manual_seed(self.seed),
             **self.loader_options,

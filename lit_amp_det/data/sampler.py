@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
-__all__ = ["EpochSampler", "ResumableBatchSampler", "ResumableDataLoader", "aspect_ratio_groups"]
+__all__ = ["EpochSampler", "EvalShardSampler", "ResumableBatchSampler", "ResumableDataLoader", "aspect_ratio_groups"]
 
 SampleKey = tuple[int, int]
 
@@ -40,6 +40,25 @@ def _splitmix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
     return value ^ (value >> 31)
+
+
+class EvalShardSampler(Sampler[int]):
+    """Evaluation order for this rank: every ``world``-th image from ``rank``, no padding, no shuffling.
+
+    Each image is scored exactly once across the ranks (the metrics and the prediction writer gather the
+    ranks' results), unlike padded training shards, whose repeated images would be counted twice.
+    """
+
+    def __init__(self, dataset_size: int) -> None:
+        self.dataset_size = dataset_size
+
+    def __iter__(self) -> Iterator[int]:
+        rank, world = _distributed_rank_and_size()
+        return iter(range(rank, self.dataset_size, world))
+
+    def __len__(self) -> int:
+        rank, world = _distributed_rank_and_size()
+        return len(range(rank, self.dataset_size, world))
 
 
 class EpochSampler(Sampler[int]):

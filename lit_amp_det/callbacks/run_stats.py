@@ -1,0 +1,93 @@
+"""Records a fit's training speed and peak memory for ``metrics.json`` (and so for sweep summaries).
+
+Every ``fit`` gets this callback from :func:`lit_amp_det.tasks.build_trainer`, whatever the ``callbacks``
+group holds, so that runs of a sweep that toggles callbacks (``callbacks=none,fast``) are measured the same
+way. It logs nothing and prints nothing: it keeps totals that ``train`` writes under ``perf`` in
+``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput` (batch start to
+batch end, CUDA-synchronised, the first ``warmup_steps`` of the fit left out); memory is the largest per-step
+peak (the peak is reset before each timed step), read with
+:class:`~lit_amp_det.callbacks.memory_monitor.MemoryProbe`, so one-off work before training (building the
+model, generating data, MemoryMonitor's baseline rows) does not count.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch import Callback
+from typing_extensions import override
+
+from lit_amp_det.callbacks.memory_monitor import MemoryProbe
+from lit_amp_det.callbacks.throughput import count_images
+
+__all__ = ["RunStats"]
+
+
+class RunStats(Callback):
+    """Training images/s, median step time and peak memory of a fit (see :meth:`summary`).
+
+    Args:
+        warmup_steps: steps at the start of the fit that are not timed or measured.
+    """
+
+    def __init__(self, warmup_steps: int = 2) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"RunStats warmup_steps={warmup_steps!r} must be an integer >= 0")
+        self.warmup_steps = warmup_steps
+        self._probe: MemoryProbe | None = None
+        self._steps_seen = 0
+        self._started: float | None = None
+        self._step_seconds: list[float] = []
+        self._images = 0
+        self._peak_bytes = 0
+        self._world_size = 1
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._probe = MemoryProbe(trainer.strategy.root_device)
+        self._world_size = trainer.world_size
+        self._steps_seen, self._started, self._step_seconds, self._images, self._peak_bytes = 0, None, [], 0, 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._started = None
+        if self._probe is not None and self._steps_seen >= self.warmup_steps:
+            self._probe.synchronize()
+            self._probe.reset_peak()
+            self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._steps_seen += 1
+        if self._started is None or self._probe is None:
+            return
+        self._probe.synchronize()
+        self._step_seconds.append(time.perf_counter() - self._started)
+        self._started = None
+        self._images += count_images(batch)
+        self._peak_bytes = max(self._peak_bytes, self._probe.peak_bytes())
+
+    def summary(self) -> dict[str, Any]:
+        """``device``, ``world_size``, ``timed_steps``, ``train_images_per_s``, ``train_step_ms_median``,
+        ``peak_memory_mb``, ``memory_source``.
+
+        Speed and memory are ``None`` when no step was timed (a fit shorter than the warm-up). Under DDP,
+        images/s counts every process (this rank's rate times the world size: ranks step in lockstep) and the
+        peak memory is this process's (rank 0 writes ``metrics.json``).
+        """
+        timed = len(self._step_seconds)
+        probe = self._probe
+        return {
+            "device": None if probe is None else str(probe.device),
+            "world_size": self._world_size,
+            "timed_steps": timed,
+            "train_images_per_s": self._world_size * self._images / sum(self._step_seconds) if timed else None,
+            "train_step_ms_median": 1000.0 * statistics.median(self._step_seconds) if timed else None,
+            "peak_memory_mb": self._peak_bytes / 2**20 if timed else None,
+            "memory_source": None if probe is None else probe.source,
+        }

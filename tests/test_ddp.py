@@ -1,0 +1,77 @@
+"""Lightning DDP with 2 CPU processes (gloo) on the tiny config: ranks, shards, precision, regions, callbacks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import REPO, compose_config, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _probe(run_dir: Path, rank: int) -> dict:
+    return json.loads((run_dir / f"ddp_probe_rank{rank}.json").read_text())
+
+
+def test_two_process_ddp_fit_on_cpu(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    run_cli(["fit", "experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+             "trainer.precision=bf16-mixed", "callbacks=fast", "logger=none",
+             "data.train_size=16", "data.val_size=7", "trainer.max_epochs=2",
+             "+callbacks.ddp_probe._target_=ddp_probe.DDPProbe", "+callbacks.ddp_probe.dirpath=${paths.output_dir}"],
+            cwd=tmp_path, env=env)
+    runs = sorted((tmp_path / "runs" / "fit").iterdir())
+    assert len(runs) == 1, f"the second rank must write into the first one's run directory, found {runs}"
+    run_dir = runs[0]
+    ranks = [_probe(run_dir, 0), _probe(run_dir, 1)]
+    for rank, probe in enumerate(ranks):
+        assert probe["global_rank"] == rank and probe["world_size"] == 2
+        assert probe["strategy"] == "DDPStrategy" and probe["wrapped_model"] == "DistributedDataParallel"
+        assert probe["backend"] == "gloo"
+        # the precision plugin under DDP: autocast reaches the backbone, the fp32 regions stay fp32
+        assert probe["precision_plugin"] == "DetectionMixedPrecision" and probe["precision"] == "bf16-mixed"
+        assert probe["backbone_dtype"] == "torch.bfloat16"
+        assert probe["box_predictor_dtype"] == "torch.float32"
+        assert probe["fp32_region_installed"]
+        # callbacks=fast under DDP: frozen norms with the conv-bn eval fold on every rank
+        assert probe["conv_bn_eval"] and probe["norms_in_train_mode"] == 0
+        # each rank trains on its half of the data and scores its shard of the 7 validation images
+        assert probe["train_images"] == 16  # 2 epochs x 8
+    assert sorted(p["val_images"] for p in ranks) == [3, 4]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 4
+    assert ranks[0]["weights_checksum"] == pytest.approx(ranks[1]["weights_checksum"], rel=1e-12), \
+        "gradients are all-reduced: both ranks must end with the same weights"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["perf"]["world_size"] == 2 and metrics["global_step"] == 4
+    assert "val/segm_mAP" in metrics["metrics"]
+    assert (run_dir / "fit.log").is_file() and (run_dir / "fit_rank1.log").is_file()
+
+
+def test_sync_batchnorm_on_cpu_is_refused_with_the_reason(tmp_path: Path) -> None:
+    proc = run_cli(["fit", "experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu",
+                    "trainer.sync_batchnorm=true"], cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "trainer.sync_batchnorm=true needs GPUs" in proc.stderr
+
+
+def test_ddp_trainer_config_composes() -> None:
+    cfg = compose_config(["trainer=ddp"], output_dir=Path("/tmp/unused"))
+    assert cfg.trainer.strategy._target_ == "lightning.pytorch.strategies.DDPStrategy"
+    assert cfg.trainer.devices == 2 and cfg.trainer.num_nodes == 1 and cfg.trainer.sync_batchnorm is False
+    assert cfg.trainer.use_distributed_sampler is False  # the data modules shard themselves
+
+
+def test_ddp_jobs_of_a_sweep_each_start_their_own_ranks(tmp_path: Path) -> None:
+    """Two DDP jobs in one multirun: the second must not wait for the first one's ranks or reuse its group."""
+    run_cli(["fit", "-m", "experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "logger=none",
+             "callbacks=none", "trainer.precision=32-true,bf16-mixed", "trainer.max_epochs=1",
+             "trainer.check_val_every_n_epoch=1"], cwd=tmp_path)
+    (sweep,) = (tmp_path / "runs" / "multirun").iterdir()
+    for job in ("0", "1"):
+        metrics = json.loads((sweep / job / "metrics.json").read_text())
+        assert metrics["perf"]["world_size"] == 2 and metrics["global_step"] == 2
+        assert (sweep / job / "fit_rank1.log").is_file(), "rank 1 must log into its own job's directory"
+    assert "bf16-mixed" in (sweep / "summary.md").read_text()
