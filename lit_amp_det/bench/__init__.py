@@ -9,7 +9,8 @@ __all__ = ["main", "BENCHMARKS"]
 
 #: benchmark name -> module with a ``main(argv)``
 BENCHMARKS = {"precision": "lit_amp_det.bench.precision", "ops": "lit_amp_det.bench.ops",
-              "convbn": "lit_amp_det.bench.convbn"}
+              "convbn": "lit_amp_det.bench.convbn", "train": "lit_amp_det.bench.train",
+              "infer": "lit_amp_det.bench.infer"}
 
 
 def main(argv: Sequence[str]) -> None:

@@ -1,0 +1,131 @@
+"""``python -m lit_amp_det bench infer``: Mask R-CNN inference latency and throughput as optimisations add up.
+
+Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_amp_det.bench.e2e`):
+
+1. torchvision fp32 eager: torchvision's own ops, ``trainer.precision=32-true``, no callbacks;
+2. ``trainer.precision=16-mixed`` (CUDA; ``bf16-mixed`` on a CPU); with the baseline's
+   ``precision.fp32_regions={}`` that is plain ``torch.autocast`` around the forward;
+3. ``precision.fp32_regions=null``: the precision plugin's fp32 regions (proposal filtering, box decoding,
+   detection post-processing and mask pasting in fp32);
+4. ``model.ops=ext``: lit_amp_det's NMS and RoIAlign kernels;
+5. ``model.channels_last=true``;
+6. ``callbacks=[conv_bn_eval]``: ConvBNEval as ``predict`` runs it by default, each conv-BN pair folded on
+   the fly (without an autograd graph every pair folds);
+7. ``callbacks.conv_bn_eval.fold_on_predict=true``: the pairs folded once, permanently, before prediction
+   (:func:`lit_amp_det.models.conv_bn.fold_conv_bn`; norms become ``nn.Identity``), the inference-time
+   conv-BN switch;
+8. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
+   batch size).
+
+A call is what ``predict`` runs per batch: ``MaskRCNNModule.forward`` (detector and post-processing: fp32
+boxes, scores, thresholded masks pasted at image size) inside the plugin's context under
+``torch.inference_mode()``, the model in eval mode after the callbacks' ``setup`` and ``on_predict_start``.
+Columns: latency at batch 1 (median and IQR), throughput at ``--batch`` (images per second from the median
+call), peak memory above the built model during the timed calls, ratios to the first row, warm-up time.
+Untrained weights make proposal counts, hence post-processing work, differ between rows a little.
+Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls on CUDA; the light model at 224 px, batch 4, 3 + 10
+calls on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lit_amp_det.bench import e2e
+from lit_amp_det.bench.e2e import Row, Setting
+from lit_amp_det.bench.train import ROWS as TRAIN_ROWS
+from lit_amp_det.models.conv_bn import NORM_TYPES
+
+__all__ = ["BENCH", "ROWS", "main", "run_row"]
+
+ROWS = (
+    *TRAIN_ROWS[:5],  # torchvision fp32, autocast, fp32 regions, ext ops, channels_last
+    Row("convbn-eval", "+ ConvBNEval (fold on the fly)", "callbacks=[conv_bn_eval]"),
+    Row("convbn-fold", "+ conv-BN folded once", "callbacks.conv_bn_eval.fold_on_predict=true"),
+    Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
+)
+
+
+def run_row(index: int, setting: Setting) -> dict[str, Any]:
+    """Times ``setting.steps`` eval calls at batch 1 and at ``setting.batch`` of ``ROWS[index]`` in this process."""
+    cfg = e2e.compose_row(e2e.row_overrides(ROWS, index, setting))
+    start = time.perf_counter()
+    built = e2e.build(cfg, setting.device, "predict")
+    module, plugin = built.module, built.plugin
+    module.eval()  # Lightning's predict loop does this before on_predict_start
+    for callback in built.callbacks:
+        callback.on_predict_start(None, module)
+    images, _ = e2e.synthetic_batch(setting, setting.batch)
+    memory = e2e.PeakMemory(setting.device)
+    build_s = time.perf_counter() - start
+    detections: list[int] = []
+
+    def call(batch: list[torch.Tensor]) -> None:
+        with torch.inference_mode(), plugin.forward_context():
+            predictions = module(batch)
+        detections.append(sum(len(p["boxes"]) for p in predictions))
+
+    warmup = setting.compile_warmup if cfg.model.compile else setting.warmup
+    # every batch size warms up before anything is timed (compile traces each input shape)
+    warmup_s = sum(e2e.timed(lambda: call(images[:1]), setting.device) for _ in range(warmup))
+    warmup_s += sum(e2e.timed(lambda: call(images), setting.device) for _ in range(warmup))
+    memory.reset()
+    latency = e2e.summarise([e2e.timed(lambda: call(images[:1]), setting.device) for _ in range(setting.steps)],
+                            "latency")
+    throughput = e2e.summarise([e2e.timed(lambda: call(images), setting.device) for _ in range(setting.steps)],
+                               "batch")
+    return {
+        **latency,
+        **throughput,
+        "images_per_s": setting.batch * 1000 / throughput["batch_ms_median"],
+        **memory.peak(),
+        "memory_method": memory.method,
+        "build_s": build_s,
+        "warmup_steps": warmup,
+        "warmup_s": warmup_s,
+        "detections_per_call": detections[-1],
+        "norm_layers": sum(isinstance(m, NORM_TYPES) for m in module.modules()),  # 0 once folded
+        "switches": e2e.switches(cfg, built),
+    }
+
+
+def _ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    memory = row["peak_memory_mb"] / base["peak_memory_mb"] if base["peak_memory_mb"] > 0 else None
+    return {"latency_speedup": base["latency_ms_median"] / row["latency_ms_median"],
+            "throughput_speedup": row["images_per_s"] / base["images_per_s"], "memory_ratio": memory}
+
+
+
+BENCH = e2e.Bench(
+    kind="infer",
+    doc=__doc__,
+    rows=ROWS,
+    run_row=run_row,
+    ratios=_ratios,
+    columns=(
+        ("latency ms (batch 1, median)", lambda r: f"{r['latency_ms_median']:.1f}"),
+        ("IQR ms", lambda r: f"{r['latency_ms_iqr']:.1f}"),
+        ("latency speed-up", lambda r: e2e.ratio_text(r.get("latency_speedup"), suffix="x")),
+        ("images/s (batch)", lambda r: f"{r['images_per_s']:.2f}"),
+        ("batch ms (median, IQR)", lambda r: f"{r['batch_ms_median']:.0f} ({r['batch_ms_iqr']:.0f})"),
+        ("throughput speed-up", lambda r: e2e.ratio_text(r.get("throughput_speedup"), suffix="x")),
+        ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
+        ("memory ratio", lambda r: e2e.ratio_text(r.get("memory_ratio"), suffix="x")),
+        ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']}+{r['warmup_steps']} calls)"),
+    ),
+    panels=(("latency_speedup", "batch-1 latency speed-up vs first row"),
+            ("throughput_speedup", "images/s vs first row (higher is better)"),
+            ("memory_ratio", "peak memory vs first row (lower is better)")),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    e2e.main(BENCH, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""``python -m lit_amp_det bench train``: Mask R-CNN training throughput as lit_amp_det's optimisations add up.
+
+Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_amp_det.bench.e2e`):
+
+1. torchvision fp32 eager: torchvision's own ops, ``trainer.precision=32-true``, SGD (momentum 0.9,
+   ``conf/optim/sgd.yaml``) without the fused kernel, no callbacks;
+2. ``trainer.precision=16-mixed`` (CUDA; ``bf16-mixed`` on a CPU); with the baseline's
+   ``precision.fp32_regions={}`` that is plain ``torch.autocast`` around the forward and loss (plus a
+   GradScaler for fp16), what a torchvision user would write;
+3. ``precision.fp32_regions=null``: lit_amp_det's precision plugin with its fp32 regions (losses, box
+   coding, proposal filtering in fp32);
+4. ``model.ops=ext``: lit_amp_det's NMS, RoIAlign and IoU kernels;
+5. ``model.channels_last=true``;
+6. ``callbacks=[freeze_norm,conv_bn_eval]``: BatchNorm kept in eval mode (``norm_eval``; the R50-FPN's
+   FrozenBatchNorm2d is frozen already, while the light/tiny models' trainable BatchNorm stops using batch
+   statistics here, the fine-tuning recipe) and tune-mode conv-BN folding on top;
+7. ``optim.optimizer.fused=auto``: the fused SGD kernel;
+8. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+
+A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
+FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
+backward (scaled for fp16), optimizer step, scheduler step; Lightning's own overhead (logging, the
+plugin's non-finite-gradient check) is left out. Columns: images/s (batch / median step time), step time
+median and IQR, peak memory above the built model, ratios to the first row, and the warm-up time (which
+holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA; the light model
+(ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lit_amp_det.bench import e2e
+from lit_amp_det.bench.e2e import Row, Setting
+
+__all__ = ["BENCH", "ROWS", "main", "run_row"]
+
+ROWS = (
+    Row("torchvision-fp32", "torchvision fp32 eager", None),
+    Row("autocast", "+ torch.autocast", "trainer.precision={mixed}"),
+    Row("fp32-regions", "+ precision plugin (fp32 regions)", "precision.fp32_regions=null"),
+    Row("ext-ops", "+ lit_amp_det ops", "model.ops=ext"),
+    Row("channels-last", "+ channels_last", "model.channels_last=true"),
+    Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", "callbacks=[freeze_norm,conv_bn_eval]"),
+    Row("fused-optim", "+ fused SGD", "optim.optimizer.fused=auto"),
+    Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
+)
+
+
+def run_row(index: int, setting: Setting) -> dict[str, Any]:
+    """Times ``setting.steps`` training steps of ``ROWS[index]`` in this process."""
+    from hydra.utils import instantiate
+
+    from lit_amp_det.optim import build_optimizer
+
+    cfg = e2e.compose_row(e2e.row_overrides(ROWS, index, setting))
+    start = time.perf_counter()
+    built = e2e.build(cfg, setting.device, "fit")
+    module, plugin, callbacks = built.module, built.plugin, built.callbacks
+    # configure_optimizers' optimizer and schedule (it needs a Trainer for the step count)
+    optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
+    warmup = setting.compile_warmup if cfg.model.compile else setting.warmup
+    scheduler = None
+    if module.hparams.scheduler:
+        scheduler = instantiate(dict(module.hparams.scheduler), optimizer=optimizer,
+                                total_steps=warmup + setting.steps)
+    scaler = getattr(plugin, "scaler", None)
+    images, targets = e2e.synthetic_batch(setting, setting.batch)
+    module.train()
+    for callback in callbacks:
+        callback.on_fit_start(None, module)
+        callback.on_train_epoch_start(None, module)
+    memory = e2e.PeakMemory(setting.device)
+    build_s = time.perf_counter() - start
+    losses: list[torch.Tensor] = []
+
+    def step(batch_idx: int) -> None:
+        for callback in callbacks:
+            callback.on_train_batch_start(None, module, (images, targets), batch_idx)
+        with plugin.forward_context():
+            loss_dict = module.model(module.prepare_images(images), module.training_targets(targets))
+            loss = module.compute_loss(loss_dict)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.detach())
+
+    warmup_s = sum(e2e.timed(lambda i=i: step(i), setting.device) for i in range(warmup))
+    memory.reset()
+    times = [e2e.timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
+    stats = e2e.summarise(times)
+    return {
+        **stats,
+        "images_per_s": setting.batch * 1000 / stats["step_ms_median"],
+        **memory.peak(),
+        "memory_method": memory.method,
+        "build_s": build_s,
+        "warmup_steps": warmup,
+        "warmup_s": warmup_s,
+        "losses": [float(loss) for loss in losses],
+        "switches": e2e.switches(cfg, built),
+        "optimizer": {"type": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
+                      "foreach": optimizer.defaults.get("foreach")},
+    }
+
+
+def _ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    memory = row["peak_memory_mb"] / base["peak_memory_mb"] if base["peak_memory_mb"] > 0 else None
+    return {"speedup": row["images_per_s"] / base["images_per_s"], "memory_ratio": memory}
+
+
+
+BENCH = e2e.Bench(
+    kind="train",
+    doc=__doc__,
+    rows=ROWS,
+    run_row=run_row,
+    ratios=_ratios,
+    columns=(
+        ("images/s", lambda r: f"{r['images_per_s']:.2f}"),
+        ("speed-up", lambda r: e2e.ratio_text(r.get("speedup"), suffix="x")),
+        ("step ms (median)", lambda r: f"{r['step_ms_median']:.0f}"),
+        ("IQR ms", lambda r: f"{r['step_ms_iqr']:.0f}"),
+        ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
+        ("memory ratio", lambda r: e2e.ratio_text(r.get("memory_ratio"), suffix="x")),
+        ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} steps)"),
+    ),
+    panels=(("speedup", "images/s vs first row (higher is better)"),
+            ("memory_ratio", "peak memory vs first row (lower is better)")),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    e2e.main(BENCH, argv)
+
+
+if __name__ == "__main__":
+    main()

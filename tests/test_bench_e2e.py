@@ -1,0 +1,179 @@
+"""``bench train`` and ``bench infer``: how rows are built, what the reports hold, bad arguments. No timing tests.
+
+The runs use the tiny model at 64 px, batch 2, one warm-up and two timed steps; the row subsets skip the
+compile row except in the one test marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from lit_amp_det.bench import e2e, infer, train
+
+SMALL = ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=1", "--steps=2"]
+SETTING = e2e.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=4, steps=1,
+                      warmup=0, compile_warmup=1)
+BENCHES = pytest.mark.parametrize("bench", [train.BENCH, infer.BENCH], ids=["train", "infer"])
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        if not node and prefix:
+            return {prefix: {}}
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: node}
+
+
+@BENCHES
+def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e.Bench) -> None:
+    """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
+    assert bench.rows[0].override is None and len(bench.rows) == 8
+    names = [row.name for row in bench.rows]
+    assert len(set(names)) == len(names)
+    previous: list[str] = []
+    previous_cfg: dict[str, Any] = {}
+    for index, row in enumerate(bench.rows):
+        overrides = e2e.row_overrides(bench.rows, index, SETTING)
+        flat = _flat(OmegaConf.to_container(e2e.compose_row(overrides), resolve=False))
+        if index == 0:
+            assert flat["model.ops"] == "torchvision" and flat["trainer.precision"] == "32-true"
+            assert flat["callbacks"] == {} and flat["optim.optimizer.fused"] is None
+            assert flat["model.channels_last"] is False and flat["model.compile"] is None
+        else:
+            assert overrides[: len(previous)] == previous and len(overrides) == len(previous) + 1
+            key = overrides[-1].split("=", 1)[0]
+            changed = {k for k in flat.keys() | previous_cfg.keys() if flat.get(k, "?") != previous_cfg.get(k, "?")}
+            assert changed, f"row {row.name}: {overrides[-1]} changed nothing in the composed config"
+            outside = sorted(k for k in changed if k != key and not k.startswith(key + "."))
+            assert not outside, f"row {row.name}: {overrides[-1]} also changed {outside}"
+        previous, previous_cfg = overrides, flat
+
+
+def test_mixed_precision_row_follows_the_device() -> None:
+    cuda = dataclasses.replace(SETTING, device="cuda")
+    assert e2e.row_overrides(train.ROWS, 1, SETTING)[-1] == "trainer.precision=bf16-mixed"
+    assert e2e.row_overrides(train.ROWS, 1, cuda)[-1] == "trainer.precision=16-mixed"
+
+
+@BENCHES
+def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e.Bench) -> None:
+    """Each row's switches reach the built module (the compile row is covered by the slow test below)."""
+    results = {row.name: bench.run_row(i, SETTING) for i, row in enumerate(bench.rows) if row.name != "compile"}
+    assert len(results) == 7
+    for name, result in results.items():
+        speed = result["images_per_s"]
+        assert speed > 0 and result["peak_memory_abs_mb"] > 0, (name, result)
+    first, last = results["torchvision-fp32"]["switches"], results[bench.rows[-2].name]["switches"]
+    assert first == {"trainer.precision": "32-true", "precision.fp32_regions": {}, "model.ops": "torchvision",
+                     "model.channels_last": False, "model.compile": None, "callbacks": [],
+                     "optim.optimizer.fused": None}
+    assert last["trainer.precision"] == "bf16-mixed" and last["precision.fp32_regions"] is None
+    assert last["model.ops"] == "ext" and last["model.channels_last"] is True
+    if bench is train.BENCH:
+        assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval"]
+        assert results["fused-optim"]["optimizer"]["fused"] is True
+        assert results["freeze-norm-convbn"]["optimizer"]["fused"] is False
+    else:
+        assert last["callbacks"] == ["ConvBNEval(only_when_cheaper=True, fold_on_predict=True)"]
+        assert results["convbn-eval"]["norm_layers"] > 0 and results["convbn-fold"]["norm_layers"] == 0
+
+
+def _run(kind: str, args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    env = {**os.environ, "LIT_AMP_DET_RUNS": str(tmp_path / "runs")}
+    proc = subprocess.run([sys.executable, "-m", "lit_amp_det", "bench", kind, *SMALL, *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (out,) = (tmp_path / "runs" / "bench" / kind).iterdir()
+    return proc, out
+
+
+def _check_report(kind: str, proc: subprocess.CompletedProcess, out: Path, names: list[str]) -> dict[str, Any]:
+    assert out.name[:4].isdigit() and str(out) in proc.stdout
+    report = json.loads((out / f"bench_{kind}.json").read_text())
+    table = (out / f"bench_{kind}.md").read_text()
+    assert (out / f"bench_{kind}.png").read_bytes()[:8] == PNG
+    assert [row["name"] for row in report["rows"]] == names
+    labels = {row.name: row.label for row in (train.ROWS if kind == "train" else infer.ROWS)}
+    for name in names:
+        assert f"| {labels[name]} |" in table and f"| {labels[name]} |" in proc.stdout
+    assert "--steps=2" in report["command"] and f"`{report['command']}`" in table
+    assert report["setting"]["model"] == "maskrcnn_tiny" and report["environment"]["torch"] in table
+    assert all(row["status"] == "ok" and row["images_per_s"] > 0 for row in report["rows"])
+    return report
+
+
+def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
+    names = ["torchvision-fp32", "fused-optim"]  # fused-optim carries every switch but compile
+    proc, out = _run("train", [f"--rows={','.join(reversed(names))}"], tmp_path)
+    rows = _check_report("train", proc, out, names)["rows"]
+    assert rows[0]["speedup"] == 1.0 and rows[0]["memory_ratio"] in (1.0, None)
+    assert rows[1]["speedup"] > 0 and len(rows[1]["step_ms_all"]) == 2 and rows[1]["warmup_steps"] == 1
+    assert rows[1]["overrides"][-1] == "optim.optimizer.fused=auto"
+    base = rows[0]["overrides"]  # the skipped rows' switches are still in: each row keeps those above it
+    assert rows[1]["overrides"][: len(base)] == base and len(rows[1]["overrides"]) == len(base) + 6
+    assert rows[1]["switches"]["model.ops"] == "ext" and rows[1]["optimizer"]["fused"] is True
+
+
+def test_bench_infer_writes_table_json_and_plot(tmp_path: Path) -> None:
+    names = ["torchvision-fp32", "convbn-fold"]
+    proc, out = _run("infer", [f"--rows={','.join(names)}"], tmp_path)
+    rows = _check_report("infer", proc, out, names)["rows"]
+    assert rows[0]["latency_speedup"] == 1.0 and rows[0]["throughput_speedup"] == 1.0
+    assert rows[1]["latency_ms_median"] > 0 and rows[1]["norm_layers"] == 0
+    assert len(rows[1]["latency_ms_all"]) == len(rows[1]["batch_ms_all"]) == 2
+
+
+@pytest.mark.slow
+def test_compile_row_runs(tmp_path: Path) -> None:
+    """The compile row alone: about 55 s on 2 CPU cores with a cold Inductor cache (compiling forward and
+    backward), about 15 s with a warm one."""
+    _, out = _run("train", ["--rows=compile", "--compile-warmup=2", "--steps=1"], tmp_path)
+    (row,) = json.loads((out / "bench_train.json").read_text())["rows"]
+    assert row["status"] == "ok", row.get("stderr_tail")
+    assert row["switches"]["model.compile"] == "backbone" and row["warmup_steps"] == 2 and row["speedup"] == 1.0
+
+
+def test_failed_row_becomes_a_table_line(tmp_path: Path) -> None:
+    """A row whose process fails is reported with its error's last line; the other rows still are."""
+    broken = dataclasses.replace(SETTING, model="no_such_model")
+    failed = e2e.run_row_process(train.BENCH, 1, broken)
+    assert failed["status"] == "failed" and "no_such_model" in failed["error"] and failed["returncode"] == 2
+    ok = train.run_row(0, SETTING)
+    rows = [{"name": "torchvision-fp32", "label": "torchvision fp32 eager", "override": None, "status": "ok", **ok},
+            {"name": "autocast", "label": "+ torch.autocast", "override": "trainer.precision=bf16-mixed", **failed}]
+    text = e2e.write_report(train.BENCH, rows, SETTING, e2e.environment("cpu"), "python -m lit_amp_det bench train",
+                            tmp_path)
+    assert f"| 2 | + torch.autocast | `trainer.precision=bf16-mixed` | **failed**: {failed['error']}" in text
+    report = json.loads((tmp_path / "bench_train.json").read_text())
+    assert [row["status"] for row in report["rows"]] == ["ok", "failed"] and report["rows"][0]["speedup"] == 1.0
+    assert (tmp_path / "bench_train.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize(("argv", "option", "message"), [
+    (["--rows=torchvision-fp32,warp-drive"], "--rows", "warp-drive"),
+    (["--batch=0"], "--batch", "must be >= 1, got 0"),
+    (["--steps=0"], "--steps", "must be >= 1"),
+    (["--size=big"], "--size", "HEIGHTxWIDTH"),
+    (["--model=resnet9000"], "--model", "conf/model/resnet9000.yaml"),
+])
+@pytest.mark.parametrize("bench", [train, infer], ids=["train", "infer"])
+def test_bad_arguments_name_the_option(bench: Any, argv: list[str], option: str, message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and message in err, err
