@@ -40,7 +40,8 @@ STATUSES = ("ok", "failed", "missing", "unreadable")
 FAILURE_FILE = "failure.txt"
 
 # summary column -> key of metrics.json's "perf" record
-_PERF = {"images_per_s": "train_images_per_s", "step_ms": "train_step_ms_median", "peak_memory_mb": "peak_memory_mb"}
+_PERF = {"images_per_s": "train_images_per_s", "step_ms": "train_step_ms_median", "peak_memory_mb": "peak_memory_mb",
+         "step_memory_mb": "step_memory_mb"}
 _NAN = float("nan")
 
 
@@ -108,7 +109,7 @@ def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
 
     Columns: ``job``, ``status`` (one of :data:`STATUSES`), ``overrides`` (the job's Hydra overrides as
     one string), one column per overridden key, ``objective`` (the value of ``metric``), every metric
-    whose name contains ``mAP``, ``images_per_s``, ``step_ms``, ``peak_memory_mb``, ``device``,
+    whose name contains ``mAP``, ``images_per_s``, ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``, ``device``,
     ``time_s``, ``error``. Absent numbers are NaN, absent text is ``""``.
     """
     sweep_dir = Path(sweep_dir)
@@ -181,7 +182,8 @@ def _markdown(rows: Sequence[dict[str, Any]], sweep_dir: Path, metric: str | Non
             if not k.endswith(("_small", "_medium", "_large"))]
     # (column, decimals): None for text, left-aligned; numbers are right-aligned
     columns = [("job", None), ("status", None), *((k, None) for k in varying), ("objective", 4),
-               *((k, 4) for k in maps), ("images_per_s", 1), ("step_ms", 1), ("peak_memory_mb", 0), ("time_s", 1)]
+               *((k, 4) for k in maps), ("images_per_s", 1), ("step_ms", 1), ("peak_memory_mb", 0),
+               ("step_memory_mb", 0), ("time_s", 1)]
     if any(r["error"] for r in rows):
         columns.append(("error", None))
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(r["status"] == s for r in rows)))

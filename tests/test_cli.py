@@ -34,6 +34,7 @@ def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str
     perf = metrics["perf"]  # RunStats: 8 steps, the first 2 untimed
     assert perf["device"] == "cpu" and perf["world_size"] == 1 and perf["timed_steps"] == 6
     assert perf["train_images_per_s"] > 0 and perf["train_step_ms_median"] > 0 and perf["peak_memory_mb"] > 0
+    assert 0 <= perf["step_memory_mb"] <= perf["peak_memory_mb"]
     resolved = OmegaConf.load(run_dir / "config_resolved.yaml")
     assert resolved.command == "fit" and resolved.model.num_classes is None
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()

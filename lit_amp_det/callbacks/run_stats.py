@@ -43,13 +43,16 @@ class RunStats(Callback):
         self._step_seconds: list[float] = []
         self._images = 0
         self._peak_bytes = 0
+        self._step_bytes = 0
+        self._in_use_at_start: int | None = None
         self._world_size = 1
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._probe = MemoryProbe(trainer.strategy.root_device)
         self._world_size = trainer.world_size
-        self._steps_seen, self._started, self._step_seconds, self._images, self._peak_bytes = 0, None, [], 0, 0
+        self._steps_seen, self._started, self._step_seconds, self._images = 0, None, [], 0
+        self._peak_bytes = self._step_bytes = 0
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -58,6 +61,7 @@ class RunStats(Callback):
         if self._probe is not None and self._steps_seen >= self.warmup_steps:
             self._probe.synchronize()
             self._probe.reset_peak()
+            self._in_use_at_start = self._probe.in_use_bytes()
             self._started = time.perf_counter()
 
     @override
@@ -70,11 +74,19 @@ class RunStats(Callback):
         self._step_seconds.append(time.perf_counter() - self._started)
         self._started = None
         self._images += count_images(batch)
-        self._peak_bytes = max(self._peak_bytes, self._probe.peak_bytes())
+        peak = self._probe.peak_bytes()
+        self._peak_bytes = max(self._peak_bytes, peak)
+        if self._in_use_at_start is not None:
+            self._step_bytes = max(self._step_bytes, peak - self._in_use_at_start)
 
     def summary(self) -> dict[str, Any]:
         """``device``, ``world_size``, ``timed_steps``, ``train_images_per_s``, ``train_step_ms_median``,
-        ``peak_memory_mb``, ``memory_source``.
+        ``peak_memory_mb``, ``step_memory_mb``, ``memory_source``.
+
+        ``peak_memory_mb`` is the largest step peak: the allocator's on a GPU, the whole process's resident
+        set on a CPU (libraries and data included, so on a CPU it moves little between settings).
+        ``step_memory_mb`` is what a step added on top of what was in use when it started (activations,
+        gradients, optimizer state growth): the figure that shows what mixed precision and conv-bn eval save.
 
         Speed and memory are ``None`` when no step was timed (a fit shorter than the warm-up). Under DDP,
         images/s counts every process (this rank's rate times the world size: ranks step in lockstep) and the
@@ -89,5 +101,6 @@ class RunStats(Callback):
             "train_images_per_s": self._world_size * self._images / sum(self._step_seconds) if timed else None,
             "train_step_ms_median": 1000.0 * statistics.median(self._step_seconds) if timed else None,
             "peak_memory_mb": self._peak_bytes / 2**20 if timed else None,
+            "step_memory_mb": self._step_bytes / 2**20 if timed else None,
             "memory_source": None if probe is None else probe.source,
         }
