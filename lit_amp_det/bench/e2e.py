@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import subprocess
@@ -254,54 +253,32 @@ def summarise(times: Sequence[float], prefix: str = "step") -> dict[str, Any]:
             f"{prefix}_ms_all": [1000 * t for t in times]}
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise OSError(f"/proc/self/status has no {field}")
-
-
 class PeakMemory:
-    """Peak memory of the timed steps above what the process held right after building the model (MB)."""
+    """Peak memory of the timed steps above what the process held right after building the model (MB).
+
+    Measured with :class:`~lit_amp_det.callbacks.memory_monitor.MemoryProbe`, as ``MemoryMonitor`` and
+    ``RunStats`` measure ``fit``: the CUDA allocator, or the process's ``VmHWM`` (``ru_maxrss`` where it
+    cannot be reset, which then includes the warm-up).
+    """
 
     def __init__(self, device: str) -> None:
-        self.device = device
-        if device == "cuda":
-            self.method = "CUDA max_memory_allocated, reset after warm-up"
-            self.baseline = torch.cuda.memory_allocated() / 2**20
-            return
-        try:
-            self.baseline = _status_mb("VmRSS")
-            self.method = "VmHWM (reset after warm-up) - VmRSS after build"
-            self._clear()
-        except OSError:  # no procfs: ru_maxrss cannot be reset, so warm-up peaks count too
-            from lit_amp_det.bench.precision import _peak_memory_mb
+        from lit_amp_det.callbacks.memory_monitor import MemoryProbe
 
-            self.baseline = _peak_memory_mb(device)
-            self.method = "ru_maxrss growth since build (not resettable: includes warm-up)"
-
-    @staticmethod
-    def _clear() -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current VmRSS
+        self.probe = MemoryProbe(torch.device(device))
+        in_use = self.probe.in_use_bytes()
+        resettable = self.probe.resettable and in_use is not None
+        self.baseline = (in_use if resettable else self.probe.peak_bytes()) / 2**20
+        self.method = f"{self.probe.source}, reset after warm-up, minus what was in use after building"
+        self.probe.reset_peak()
 
     def reset(self) -> None:
         """Forget the peaks so far (call after warm-up)."""
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        elif self.method.startswith("VmHWM"):
-            self._clear()
+        self.probe.synchronize()
+        self.probe.reset_peak()
 
     def peak(self) -> dict[str, float]:
         """``peak_memory_mb`` (above the built model) and ``peak_memory_abs_mb`` (the whole process/device)."""
-        if self.device == "cuda":
-            absolute = torch.cuda.max_memory_allocated() / 2**20
-        elif self.method.startswith("VmHWM"):
-            absolute = _status_mb("VmHWM")
-        else:
-            absolute = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        absolute = self.probe.peak_bytes() / 2**20
         return {"peak_memory_mb": absolute - self.baseline, "peak_memory_abs_mb": absolute}
 
 
