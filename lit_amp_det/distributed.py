@@ -38,13 +38,12 @@ def rank_suffix() -> str:
     """
     if "SLURM_PROCID" in os.environ and "LOCAL_RANK" not in os.environ:
         rank = int(os.environ["SLURM_PROCID"])
-    else:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
-        rank = local if node == 0 else -1  # other nodes: no world size here, name by node and local rank
-        if rank == -1:
-            return f"_node{node}_rank{local}"
-    return "" if rank == 0 else f"_rank{rank}"
+        return "" if rank == 0 else f"_rank{rank}"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
+    if node:  # no world size here to make a global rank: name other nodes' processes by node and local rank
+        return f"_node{node}_rank{local}"
+    return "" if local == 0 else f"_rank{local}"
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["main", "run_row"]
+__all__ = ["main", "run_row", "train_step"]
 
 ROWS = [
     ("32-true", "regions"),
@@ -56,6 +56,24 @@ def _peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def train_step(module: Any, plugin: Any, optimizer: torch.optim.Optimizer, images: list[torch.Tensor],
+               targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """One training step as Lightning runs it for ``MaskRCNNModule``: forward and loss in the plugin's
+    autocast context, then backward and optimizer step (through the plugin's GradScaler for fp16)."""
+    with plugin.forward_context():
+        loss = module.compute_loss(module.model(module.prepare_images(images), module.training_targets(targets)))
+    optimizer.zero_grad(set_to_none=True)
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    return loss
+
+
 def run_row(precision: str, regions: str, *, model: str, batch: int, size: int, steps: int, warmup: int,
             device: str, fp16_on_cpu: bool) -> dict[str, Any]:
     """Times ``steps`` training steps of one configuration in this process."""
@@ -73,7 +91,6 @@ def run_row(precision: str, regions: str, *, model: str, batch: int, size: int, 
                                     fp32_regions=None if regions == "regions" else {})
     plugin.convert_module(module)
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
-    scaler = getattr(plugin, "scaler", None)
     images, targets = _batch(batch, size, device)
     module.train()
     base_memory = _peak_memory_mb(device)
@@ -82,18 +99,7 @@ def run_row(precision: str, regions: str, *, model: str, batch: int, size: int, 
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        context = plugin.forward_context()
-        with context:
-            losses = module.model(module.prepare_images(images), module.training_targets(targets))
-            loss = module.compute_loss(losses)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        loss = train_step(module, plugin, optimizer, images, targets)
         if device == "cuda":
             torch.cuda.synchronize()
         if step >= warmup:

@@ -36,6 +36,7 @@ import torch
 
 from lit_amp_det.bench import e2e
 from lit_amp_det.bench.e2e import Row, Setting
+from lit_amp_det.bench.precision import train_step
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]
 
@@ -68,7 +69,6 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     if module.hparams.scheduler:
         scheduler = instantiate(dict(module.hparams.scheduler), optimizer=optimizer,
                                 total_steps=warmup + setting.steps)
-    scaler = getattr(plugin, "scaler", None)
     images, targets = e2e.synthetic_batch(setting, setting.batch)
     module.train()
     for callback in callbacks:
@@ -81,17 +81,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     def step(batch_idx: int) -> None:
         for callback in callbacks:
             callback.on_train_batch_start(None, module, (images, targets), batch_idx)
-        with plugin.forward_context():
-            loss_dict = module.model(module.prepare_images(images), module.training_targets(targets))
-            loss = module.compute_loss(loss_dict)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        loss = train_step(module, plugin, optimizer, images, targets)
         if scheduler is not None:
             scheduler.step()
         losses.append(loss.detach())
