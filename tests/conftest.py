@@ -86,3 +86,13 @@ class CaptureLogger(Logger):
 
     def values(self, key: str) -> list[float]:
         return [metrics[key] for _, metrics in self.calls if key in metrics]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` run only when the ``-m`` expression names them (``pytest -m long``)."""
+    if "long" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="a longer variant; run with `pytest -m long`")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)

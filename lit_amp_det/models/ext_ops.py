@@ -7,7 +7,8 @@ IoU kernel for the anchor and proposal matchers. They add no parameters, buffers
 :func:`use_extension_ops` switches an already built torchvision model over by changing the class of its
 ``rpn`` and ``roi_heads`` (torchvision builds both inside ``FasterRCNN.__init__`` and offers no hook to pass
 others); ``state_dict`` keys, checkpoints and the fp32 regions of the precision plugin are unchanged.
-The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which also has no state.
+The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which has no state beyond the
+level scales torchvision's pooler infers on its first call (carried over).
 """
 
 from __future__ import annotations
@@ -123,13 +124,16 @@ class ExtRoIHeads(RoIHeads):
 
 
 def _lit_pooler(pooler: TorchvisionMultiScaleRoIAlign) -> MultiScaleRoIAlign:
-    return MultiScaleRoIAlign(
+    lit = MultiScaleRoIAlign(
         pooler.featmap_names,
         pooler.output_size,
         pooler.sampling_ratio,
         canonical_scale=pooler.canonical_scale,
         canonical_level=pooler.canonical_level,
     )
+    if pooler.scales is not None:  # a model that already ran keeps the scales torchvision inferred
+        lit.scales = list(pooler.scales)
+    return lit
 
 
 def use_extension_ops(model: GeneralizedRCNN) -> GeneralizedRCNN:

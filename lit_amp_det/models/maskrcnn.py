@@ -8,6 +8,7 @@ downloaded: pretrained weights are refused with an error that says how to load l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHe
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+from torchvision.ops.poolers import initLevelMapper  # not in torchvision's __all__; pinned and tested
 
 from lit_amp_det.models.ext_ops import OPS_BACKENDS, use_extension_ops
 from lit_amp_det.models.norms import FrozenBatchNorm2d
@@ -184,7 +186,27 @@ def build_detector(
             mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
             **kwargs,
         )
+    _fix_pooler_scales(detector, dict(backbone or {}).get("returned_layers", (1, 2, 3, 4)))
     return use_extension_ops(detector) if ops == "ext" else detector
+
+
+def _fix_pooler_scales(detector: FasterRCNN, returned_layers: Sequence[int]) -> None:
+    """Sets the poolers' level scales from the backbone's strides (ResNet stage k: stride 2 ** (k + 1)).
+
+    torchvision infers them from the first batch it pools, by the height ratio alone, which is a power of two
+    off when that batch is much wider than tall; the strides are known here, so neither op set has to guess.
+    """
+    scales = [2.0 ** -(k + 1) for k in returned_layers]
+    for pooler in (detector.roi_heads.box_roi_pool, getattr(detector.roi_heads, "mask_roi_pool", None)):
+        if pooler is None:
+            continue
+        level_scales = [scales[int(name)] for name in pooler.featmap_names]
+        pooler.scales = level_scales
+        k_min, k_max = round(-math.log2(level_scales[0])), round(-math.log2(level_scales[-1]))
+        # torchvision's pooler skips its own inference only when it has both the scales and a level mapper
+        pooler.map_levels = initLevelMapper(
+            k_min, k_max, canonical_scale=pooler.canonical_scale, canonical_level=pooler.canonical_level
+        )
 
 
 _ROI_KWARGS = {

@@ -24,12 +24,28 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
         boxes2 (Tensor[M, 4]): ``(x1, y1, x2, y2)`` boxes.
 
     Returns:
-        Tensor[N, M]: float32 (float64 when an input is float64). A pair whose union is not positive
-        (two zero-area boxes) has IoU 0, where torchvision gives NaN. Not differentiable.
+        Tensor[N, M]: float32 (float64 when an input is float64). Integer boxes are accepted, as by
+        torchvision: their areas are formed exactly (in float64) and the IoU is returned in float32. IoU is
+        never NaN: a pair whose union is not positive (two zero-area boxes) or whose boxes have infinite
+        coordinates has IoU 0, where torchvision gives NaN. Not differentiable.
+
+    Scriptable with ``torch.jit.script`` when the compiled extension is loaded, like torchvision's.
     """
-    if has_kernel("box_iou", boxes1.device):
-        return torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
-    return reference.box_iou(boxes1, boxes2)
+    integer_input = not (boxes1.is_floating_point() and boxes2.is_floating_point())
+    if integer_input:
+        boxes1, boxes2 = _exact_float(boxes1), _exact_float(boxes2)
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only
+        iou = torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
+    elif has_kernel("box_iou", boxes1.device):
+        iou = torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
+    else:
+        iou = reference.box_iou(boxes1, boxes2)
+    return iou.float() if integer_input else iou
+
+
+def _exact_float(boxes: Tensor) -> Tensor:
+    """Integer coordinates in float64 (exact up to 2**53); float boxes as they are."""
+    return boxes if boxes.is_floating_point() else boxes.double()
 
 
 if extension_available():

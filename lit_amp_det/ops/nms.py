@@ -28,8 +28,14 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -
 
     Returns:
         Tensor[M] (int64): indices of the kept boxes in decreasing score order (ties: lower index first),
-        equal to the first ``max_output`` of the unlimited result.
+        equal to the first ``max_output`` of the unlimited result; empty when ``boxes`` is.
+
+    Scriptable with ``torch.jit.script`` when the compiled extension is loaded, like torchvision's.
     """
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only
+        return torch.ops.lit_amp_det.nms(boxes, scores, iou_threshold, max_output)
+    if _is_empty(boxes):
+        return _no_boxes(boxes)
     if has_kernel("nms", boxes.device):
         return torch.ops.lit_amp_det.nms(boxes, scores, float(iou_threshold), int(max_output))
     return reference.nms(boxes, scores, iou_threshold, max_output)
@@ -47,11 +53,26 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
         max_output: stop once this many boxes are kept over all categories; negative keeps all.
 
     Returns:
-        Tensor[M] (int64): kept indices in decreasing score order (ties: lower index first).
+        Tensor[M] (int64): kept indices in decreasing score order (ties: lower index first); empty when
+        ``boxes`` is, whatever ``scores`` and ``idxs`` hold (as torchvision).
     """
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only
+        return torch.ops.lit_amp_det.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
+    if _is_empty(boxes):  # like torchvision: whatever the other arguments hold
+        return _no_boxes(boxes)
     if has_kernel("batched_nms", boxes.device):
         return torch.ops.lit_amp_det.batched_nms(boxes, scores, idxs, float(iou_threshold), int(max_output))
     return reference.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
+
+
+def _is_empty(boxes: Tensor) -> bool:
+    """``boxes`` holds no box, decided only for concrete sizes (a symbolic one must not be specialised)."""
+    numel = boxes.numel()
+    return isinstance(numel, int) and numel == 0
+
+
+def _no_boxes(boxes: Tensor) -> Tensor:
+    return torch.empty((0,), dtype=torch.int64, device=boxes.device)
 
 
 def _fake_kept_indices(boxes: Tensor, scores: Tensor, max_output: int) -> Tensor:

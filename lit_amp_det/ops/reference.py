@@ -29,7 +29,8 @@ def _area(boxes: Tensor) -> Tensor:
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     """IoU of every pair: ``boxes1 (Tensor[N, 4])``, ``boxes2 (Tensor[M, 4])`` -> ``Tensor[N, M]``.
 
-    Computed in fp32 (fp64 if an input is fp64); a pair whose union is not positive has IoU 0.
+    Computed in fp32 (fp64 if an input is fp64); a pair whose union is not positive, or whose IoU is not a
+    number (infinite coordinates), has IoU 0.
     """
     dtype = _iou_dtype(boxes1, boxes2)
     a, b = boxes1.to(dtype), boxes2.to(dtype)
@@ -38,7 +39,8 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     wh = (bottom_right - top_left).clamp(min=0)
     inter = wh[..., 0] * wh[..., 1]
     union = _area(a)[:, None] + _area(b)[None, :] - inter
-    return torch.where(union > 0, inter / union.where(union > 0, 1), 0)
+    iou = torch.where(union > 0, inter / union.where(union > 0, 1), 0)
+    return iou.where(iou == iou, 0)  # inf / inf from infinite coordinates: 0, never NaN
 
 
 def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
@@ -121,7 +123,9 @@ def _roi_align_chunk(
     y_low, y_high, wy_low, wy_high = _sample_axis(y1, roi_h, pooled[0], grid_h, max_h, height)
     x_low, x_high, wx_low, wx_high = _sample_axis(x1, roi_w, pooled[1], grid_w, max_w, width)
 
-    image = rois[:, 0].long()[:, None, None, None, None]
+    # a roi whose batch index is outside [0, N) (NaN included) pools to zeros, as in the kernels
+    addressable = (rois[:, 0] > -1) & (rois[:, 0] < feature.shape[0])
+    image = rois[:, 0].where(addressable, 0).long()[:, None, None, None, None]
     values = feature.to(dtype)
     out = 0
     for ys, wy in ((y_low, wy_low), (y_high, wy_high)):
@@ -130,7 +134,7 @@ def _roi_align_chunk(
             taps = values[image, :, ys[:, :, :, None, None], xs[:, None, None, :, :]]
             out = out + taps * (wy[:, :, :, None, None] * wx[:, None, None, :, :])[..., None]
     count = (grid_h * grid_w).clamp(min=1)
-    pooled_out = out.sum(dim=(2, 4)) / count[:, None, None, None]
+    pooled_out = out.sum(dim=(2, 4)) / count[:, None, None, None] * addressable[:, None, None, None]
     return pooled_out.permute(0, 3, 1, 2)
 
 

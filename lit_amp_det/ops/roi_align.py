@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 
 from lit_amp_det.ops import reference
@@ -28,6 +29,11 @@ def _pair(size: int | Sequence[int]) -> tuple[int, int]:
     if len(pair) != 2 or min(pair) <= 0:
         raise ValueError(f"output_size must be a positive int or (height, width), got {size!r}")
     return pair  # type: ignore[return-value]
+
+
+def _rois_from_list(boxes: list[Tensor]) -> Tensor:
+    batch_index = torch.cat([torch.full_like(b[:, :1], i) for i, b in enumerate(boxes)])
+    return torch.cat([batch_index, torch.cat(boxes)], dim=1)
 
 
 def boxes_to_rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
@@ -45,16 +51,14 @@ def boxes_to_rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
             raise ValueError(f"boxes[{i}] must be [L, 4] (x1, y1, x2, y2), got {list(per_image.shape)}")
     if len(boxes) == 0:
         raise ValueError("boxes is an empty list; give one [L, 4] tensor per image")
-    batch_index = torch.cat(
-        [torch.full_like(b[:, :1], i) for i, b in enumerate(boxes)]
-    )
-    return torch.cat([batch_index, torch.cat(list(boxes))], dim=1)
+    return _rois_from_list(list(boxes))
 
 
+@torch.fx.wrap  # a leaf for symbolic_trace, as torchvision's roi_align: the list handling is not traceable
 def roi_align(
     input: Tensor,
-    boxes: Tensor | Sequence[Tensor],
-    output_size: int | Sequence[int],
+    boxes: Tensor | list[Tensor],
+    output_size: int | tuple[int, int],
     spatial_scale: float = 1.0,
     sampling_ratio: int = -1,
     aligned: bool = False,
@@ -63,15 +67,27 @@ def roi_align(
 
     Args:
         input (Tensor[N, C, H, W]): features, fp16/bf16/fp32/fp64, contiguous or channels_last.
-        boxes (Tensor[K, 5] or List[Tensor[L, 4]]): RoIs in input-image coordinates, any float dtype.
-        output_size: ``(height, width)`` of the pooled output, or one int for both.
+        boxes (Tensor[K, 5] or List[Tensor[L, 4]]): RoIs in input-image coordinates, any float dtype. A RoI
+            whose batch index is outside ``[0, N)`` pools to zeros and gets no gradient, on every device.
+        output_size: ``(height, width)`` of the pooled output (any sequence of two ints), or one int for both.
         spatial_scale: feature size / image size (1/stride).
         sampling_ratio: bilinear samples per bin along each axis; <= 0 adapts to the RoI size.
         aligned: shift by -0.5 pixel (the pixel-model fix of detectron2's ``ROIAlignV2``).
 
     Returns:
         Tensor[K, C, output_size[0], output_size[1]] in the input dtype (channels_last if the input is).
+
+    Scriptable with ``torch.jit.script`` when the compiled extension is loaded, like torchvision's.
     """
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only
+        scripted_rois = boxes if isinstance(boxes, Tensor) else _rois_from_list(boxes)
+        if isinstance(output_size, int):
+            return torch.ops.lit_amp_det.roi_align(
+                input, scripted_rois, spatial_scale, output_size, output_size, sampling_ratio, aligned
+            )
+        return torch.ops.lit_amp_det.roi_align(
+            input, scripted_rois, spatial_scale, output_size[0], output_size[1], sampling_ratio, aligned
+        )
     rois = boxes_to_rois(boxes)
     height, width = _pair(output_size)
     if has_kernel("roi_align", input.device):
@@ -125,6 +141,7 @@ class RoIAlign(nn.Module):
         self.aligned = aligned
 
     def forward(self, input: Tensor, rois: Tensor | list[Tensor]) -> Tensor:
+        """Pools ``rois`` (``Tensor[K, 5]`` or one ``Tensor[L, 4]`` per image) -> ``Tensor[K, C, *output_size]``."""
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
 
     def __repr__(self) -> str:

@@ -55,7 +55,8 @@ Boxes<acc_t> to_soa(const acc_t* p, int64_t m) {
 
 // IoU of box `a` (x1, y1, x2, y2) with boxes2[j0:j1], written to out[j0:j1]. torchvision's operation
 // order, so fp32/fp64 results match it bit for bit, except 0 instead of NaN/inf when the union is not
-// positive: the union is then replaced by +inf, which sends the finite intersection to 0. Selecting the
+// positive: the union is then replaced by +inf, which sends the finite intersection to 0 (and a NaN quotient,
+// from infinite or NaN coordinates, becomes 0 too). Selecting the
 // divisor rather than the quotient keeps the loop branch-free, hence vectorised (GCC sinks a quotient
 // used in one arm of a select into a branch).
 template <typename acc_t>
@@ -72,7 +73,8 @@ void iou_row(const acc_t* a, const Boxes<acc_t>& b, int64_t j0, int64_t j1, acc_
     const acc_t h = std::max(acc_t(0), std::min(ay2, y2[j]) - std::max(ay1, y1[j]));
     const acc_t inter = w * h;
     const acc_t uni = a_area + area[j] - inter;
-    out[j] = inter / (uni > acc_t(0) ? uni : std::numeric_limits<acc_t>::infinity());
+    const acc_t ratio = inter / (uni > acc_t(0) ? uni : std::numeric_limits<acc_t>::infinity());
+    out[j] = ratio == ratio ? ratio : acc_t(0);  // inf / inf from infinite coordinates: 0, never NaN
   }
 }
 

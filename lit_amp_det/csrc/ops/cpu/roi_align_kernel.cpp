@@ -256,37 +256,24 @@ void append_axis_taps(
   }
 }
 
-// Reads roi k, checks its image index and level, and appends its taps.
+// Reads roi k and appends its taps. A roi that addresses no feature map -- a batch index (truncated toward
+// zero, as torchvision does) outside [0, N), NaN included, or a level outside [0, L) -- gets no taps at all,
+// so it pools to zeros and receives no gradient: the behaviour of every device (a GPU kernel cannot raise
+// without a host sync), and the one padding rows with batch index -1 rely on.
 template <typename acc_t>
 void append_roi(
     const acc_t* box,
-    int64_t k,
     int64_t level,
     c10::ArrayRef<double> spatial_scales,
     const std::vector<LevelLayout>& layouts,
     int64_t batch_size,
     const PoolParams& p,
     SamplingPlan<acc_t>& plan) {
-  TORCH_CHECK(
-      level >= 0 && level < static_cast<int64_t>(layouts.size()),
-      "multi_level_roi_align: levels[",
-      k,
-      "] = ",
-      level,
-      " is out of range for ",
-      layouts.size(),
-      " feature levels");
-  // torchvision truncates the index toward zero; anything that does not land in [0, N) would read
-  // outside the input.
-  TORCH_CHECK(
-      box[0] > -1 && box[0] < static_cast<acc_t>(batch_size),
-      "roi_align: rois[",
-      k,
-      ", 0] = ",
-      box[0],
-      " is not a batch index in [0, ",
-      batch_size,
-      "); column 0 of rois must index the input's batch dimension");
+  const bool addressable = level >= 0 && level < static_cast<int64_t>(layouts.size()) && box[0] > -1 &&
+      box[0] < static_cast<acc_t>(batch_size);
+  if (!addressable) {
+    level = 0;
+  }
   const acc_t scale = static_cast<acc_t>(spatial_scales[level]);
   const acc_t offset = p.aligned ? acc_t(0.5) : acc_t(0);
   const acc_t start_w = box[1] * scale - offset;
@@ -300,21 +287,22 @@ void append_roi(
   const int64_t grid_h = grid_size(roi_h, p.pooled_height, p.sampling_ratio);
   const int64_t grid_w = grid_size(roi_w, p.pooled_width, p.sampling_ratio);
   const LevelLayout& layout = layouts[level];
+  // a map of extent 0 yields no taps (see append_axis_taps)
+  const int64_t height = addressable ? layout.height : 0;
+  const int64_t width = addressable ? layout.width : 0;
 
   RoiSamples<acc_t> roi;
-  roi.batch = static_cast<int64_t>(box[0]);
+  roi.batch = addressable ? static_cast<int64_t>(box[0]) : 0;
   roi.level = level;
   roi.count = static_cast<acc_t>(std::max<int64_t>(grid_h * grid_w, 1));
   roi.y_bounds = static_cast<int64_t>(plan.bounds.size());
   plan.bounds.push_back(static_cast<int64_t>(plan.taps.size()));
   append_axis_taps(
-      start_h, roi_h / static_cast<acc_t>(p.pooled_height), p.pooled_height, grid_h, layout.height,
-      layout.stride_h, plan);
+      start_h, roi_h / static_cast<acc_t>(p.pooled_height), p.pooled_height, grid_h, height, layout.stride_h, plan);
   roi.x_bounds = static_cast<int64_t>(plan.bounds.size());
   plan.bounds.push_back(static_cast<int64_t>(plan.taps.size()));
   append_axis_taps(
-      start_w, roi_w / static_cast<acc_t>(p.pooled_width), p.pooled_width, grid_w, layout.width, layout.stride_w,
-      plan);
+      start_w, roi_w / static_cast<acc_t>(p.pooled_width), p.pooled_width, grid_w, width, layout.stride_w, plan);
   plan.rois.push_back(roi);
 }
 
@@ -332,7 +320,7 @@ SamplingPlan<acc_t> make_plan(
   SamplingPlan<acc_t> plan;
   plan.rois.reserve(num_rois);
   for (int64_t k = 0; k < num_rois; ++k) {
-    append_roi(boxes + 5 * k, k, levels ? levels[k] : 0, spatial_scales, layouts, batch_size, p, plan);
+    append_roi(boxes + 5 * k, levels ? levels[k] : 0, spatial_scales, layouts, batch_size, p, plan);
   }
   return plan;
 }
