@@ -41,17 +41,26 @@ class CocoPredictionWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer: Trainer, pl_module: LightningModule, prediction: Any,
                            batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         for det in prediction:
-            keep = det["scores"] >= self.score_threshold
-            boxes = det["boxes"][keep].cpu()
-            categories = det.get("category_ids", det["labels"])[keep].tolist()
-            masks = det["masks"][keep].cpu().numpy() if "masks" in det else None
-            for i, (x1, y1, x2, y2) in enumerate(boxes.tolist()):
-                record = {"image_id": det["image_id"], "category_id": int(categories[i]),
-                          "bbox": [x1, y1, x2 - x1, y2 - y1], "score": float(det["scores"][keep][i])}
-                if masks is not None:
-                    rle = mask_utils.encode(np.asfortranarray(masks[i].astype(np.uint8)))
-                    record["segmentation"] = {"size": rle["size"], "counts": rle["counts"].decode("ascii")}
-                self._records.append(record)
+            self._records.extend(self._image_records(det))
+
+    def _image_records(self, det: dict[str, Any]) -> list[dict[str, Any]]:
+        """One image's detections above the threshold as COCO result records (one device->host copy per field)."""
+        keep = det["scores"] >= self.score_threshold
+        boxes = det["boxes"][keep].tolist()
+        scores = det["scores"][keep].tolist()
+        categories = det.get("category_ids", det["labels"])[keep].tolist()
+        records = [
+            {"image_id": det["image_id"], "category_id": int(category), "bbox": [x1, y1, x2 - x1, y2 - y1],
+             "score": float(score)}
+            for (x1, y1, x2, y2), score, category in zip(boxes, scores, categories)
+        ]
+        if "masks" in det and records:
+            masks = det["masks"][keep].reshape(len(records), *det["masks"].shape[-2:])
+            # pycocotools encodes a Fortran-ordered [H, W, N] stack in one call
+            stack = np.asfortranarray(masks.to(torch.uint8).permute(1, 2, 0).cpu().numpy())
+            for record, rle in zip(records, mask_utils.encode(stack)):
+                record["segmentation"] = {"size": rle["size"], "counts": rle["counts"].decode("ascii")}
+        return records
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         records: list[Any] = [self._records]
