@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lit_amp_det-installed
 ARGS   ?=
 
-.PHONY: install ext fit test clean-runs
+.PHONY: install ext fit test gpu-check clean-runs
 
 install: $(STAMP) ext
 
@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 		-c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
-# Compiles lit_amp_det/_C*.so in place: CPU kernels always, CUDA kernels (sm_90 unless TORCH_CUDA_ARCH_LIST
-# says otherwise) when torch is a CUDA build and nvcc is found. Incremental: a no-op when nothing changed.
+# Compiles lit_amp_det/_C*.so in place: the op schemas and their C++ CPU kernels (no nvcc: the CUDA kernels are
+# Triton kernels in lit_amp_det/ops/triton, compiled at run time). Incremental: a no-op when nothing changed.
 ext: $(STAMP)
 	$(PY) setup.py --quiet build_ext --inplace
 
@@ -29,6 +29,11 @@ fit: install
 
 test: install
 	$(PY) -m pytest -q tests $(ARGS)
+
+# On a GPU machine: the op tests on CUDA (compiled Triton kernels), bench ops/train/infer (R50-FPN 800x1333,
+# batch 8); writes runs/gpu_check/<timestamp>/gpu_check.md. Stops at once, measuring nothing, without a GPU.
+gpu-check: install
+	$(PY) -m lit_amp_det.bench.gpu_check $(ARGS)
 
 clean-runs:
 	rm -rf runs

@@ -1,8 +1,10 @@
 """Loads the compiled ``lit_amp_det._C`` extension and decides, per call, whether an op can use it.
 
-Importing registers the C++/CUDA kernels under ``torch.ops.lit_amp_det``. When the extension was not built
-(or was built without kernels for the device a tensor lives on), the ops fall back to the pure-PyTorch
-implementations in :mod:`lit_amp_det.ops.reference` and say so once, with the command that builds it.
+Importing registers the C++ CPU kernels under ``torch.ops.lit_amp_det`` and, for CUDA tensors, the Triton
+kernels of :mod:`lit_amp_det.ops.triton` (registered without importing triton; it is imported on the first CUDA
+call). When the extension was not built, or a device has no kernels (CUDA without triton installed), the ops fall
+back to the pure-PyTorch implementations in :mod:`lit_amp_det.ops.reference` and say so once, with the command
+that builds it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,19 @@ import warnings
 
 import torch
 
-__all__ = ["BUILD_HINT", "compiled_cuda_version", "extension_available", "extension_error", "has_kernel"]
+__all__ = [
+    "BUILD_HINT",
+    "compiled_cuda_version",
+    "extension_available",
+    "extension_error",
+    "has_kernel",
+    "triton_cuda_kernels",
+]
 
 BUILD_HINT = (
     "Build it with `make install` (or `pip install --no-build-isolation -e .` in an environment that already "
-    "has torch); CUDA kernels are compiled when nvcc is found, or with LIT_AMP_DET_CUDA=1."
+    "has torch); no CUDA toolkit is needed: the CUDA kernels are Triton kernels (the `triton` package that comes "
+    "with torch)."
 )
 
 _LOAD_ERROR: str | None = None
@@ -42,6 +52,17 @@ _LOADED = _load()
 _CUDA_VERSION = int(torch.ops.lit_amp_det._cuda_version()) if _LOADED else -1
 
 
+def _register_triton() -> bool:
+    if not _LOADED:
+        return False
+    from lit_amp_det.ops.triton._register import register_cuda_kernels
+
+    return register_cuda_kernels()
+
+
+_TRITON_CUDA = _register_triton()
+
+
 def extension_available() -> bool:
     """Whether the compiled extension was imported (its kernels are registered)."""
     return _LOADED
@@ -53,8 +74,14 @@ def extension_error() -> str | None:
 
 
 def compiled_cuda_version() -> int:
-    """CUDA version the extension's kernels were compiled for (e.g. 13000), or -1 (CPU-only build or none)."""
+    """CUDA version compiled into ``lit_amp_det._C``: -1, as the extension holds C++ CPU kernels only (the CUDA
+    kernels are Triton kernels, compiled at run time; :func:`triton_cuda_kernels` says whether they are registered)."""
     return _CUDA_VERSION
+
+
+def triton_cuda_kernels() -> bool:
+    """Whether the Triton kernels are registered as the CUDA kernels of ``torch.ops.lit_amp_det``."""
+    return _TRITON_CUDA
 
 
 def has_kernel(op_name: str, device: torch.device) -> bool:
@@ -66,9 +93,11 @@ def has_kernel(op_name: str, device: torch.device) -> bool:
     if not _LOADED:
         _warn_once("missing", op_name, f"the compiled extension lit_amp_det._C is missing ({_LOAD_ERROR})")
         return False
-    if device.type in ("cpu", "meta") or (device.type == "cuda" and _CUDA_VERSION > 0):
+    if device.type in ("cpu", "meta") or (device.type == "cuda" and _TRITON_CUDA):
         return True
-    _warn_once(device.type, op_name, f"lit_amp_det._C was built without {device.type} kernels")
+    reason = "triton is not installed, so there are no CUDA kernels" if device.type == "cuda" else (
+        f"lit_amp_det has no {device.type} kernels")
+    _warn_once(device.type, op_name, reason)
     return False
 
 

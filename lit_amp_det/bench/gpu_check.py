@@ -1,0 +1,105 @@
+"""``make gpu-check`` (``python -m lit_amp_det.bench.gpu_check``): everything that needs a GPU, in one command.
+
+On a machine with a CUDA GPU it runs, each step in its own process and in this order:
+
+1. the op tests on CUDA, compiled (not interpreted): ``tests/test_ops_nms.py``, ``tests/test_ops_roi_align.py``
+   (parametrised over ``cuda`` whenever a GPU is visible, so ``torch.ops.lit_amp_det`` runs the Triton kernels)
+   and ``tests/test_triton_sync_free.py`` (host-sync counts);
+2. ``bench ops --device cuda``;
+3. ``bench train`` and ``bench infer`` at their GPU defaults: R50-FPN, 800x1333, batch 8.
+
+It writes ``gpu_check.md`` (the test summary and the three tables in BENCHMARKS.md's format, with the device,
+torch and triton versions) into ``--out`` (default ``runs/gpu_check/<timestamp>``), for pasting into the GPU
+section of BENCHMARKS.md. Without a GPU it stops at once and says so: it never writes a figure it did not measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["main"]
+
+REPO = Path(__file__).resolve().parents[2]
+OP_TESTS = ["tests/test_ops_nms.py", "tests/test_ops_roi_align.py", "tests/test_triton_sync_free.py"]
+
+
+def _run(title: str, command: list[str], log: Path) -> tuple[int, str]:
+    """Runs one step, streaming it to the terminal and ``log``; returns (exit code, output)."""
+    print(f"\n== {title}: {' '.join(command)}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    log.write_text(output)
+    print(output[-3000:], flush=True)
+    return proc.returncode, output
+
+
+def _newest(directory: Path, name: str) -> str:
+    found = sorted(directory.rglob(name), key=lambda p: p.stat().st_mtime)
+    return found[-1].read_text() if found else f"({name} was not written; see the step's log)"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lit_amp_det.bench.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="output directory (default runs/gpu_check/<timestamp>)")
+    parser.add_argument("--skip", default="", help="comma-separated steps to skip: tests,ops,train,infer")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu-check needs a CUDA GPU and torch sees none: nothing was run or measured. Run "
+                         "`make gpu-check` on a GPU machine (after `make install`).")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - {"tests", "ops", "train", "infer"}
+    if unknown:
+        raise SystemExit(f"--skip: unknown step(s) {sorted(unknown)}; choose from tests, ops, train, infer")
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    out = (args.out or Path(os.environ.get("LIT_AMP_DET_RUNS", "runs")) / "gpu_check" / stamp).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    python = sys.executable
+    sections = [
+        "# gpu-check",
+        f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
+        f"torch {torch.__version__}, triton {triton.__version__}, {stamp}",
+    ]
+    failed = []
+    if "tests" not in skip:
+        code, output = _run("op tests on CUDA", [python, "-m", "pytest", "-q", *OP_TESTS], out / "tests.log")
+        summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+        sections += ["## Op tests on CUDA (compiled Triton kernels)", f"`pytest -q {' '.join(OP_TESTS)}`: "
+                     + (summary[-1] if summary else f"exit code {code}")]
+        failed += ["tests"] if code else []
+    if "ops" not in skip:
+        code, output = _run("bench ops", [python, "-m", "lit_amp_det", "bench", "ops", "--device", "cuda",
+                                          "--json", str(out / "ops_cuda.json")], out / "ops.log")
+        table = [line for line in output.splitlines() if line.startswith("|")]
+        sections += ["## Ops (`python -m lit_amp_det bench ops --device cuda`)", "\n".join(table) or "(no table)"]
+        failed += ["ops"] if code else []
+    for bench in ("train", "infer"):
+        if bench in skip:
+            continue
+        directory = out / f"bench_{bench}"
+        code, _ = _run(f"bench {bench}", [python, "-m", "lit_amp_det", "bench", bench, "--device", "cuda",
+                                          "--out", str(directory)], out / f"{bench}.log")
+        sections += [f"## `python -m lit_amp_det bench {bench}` (R50-FPN, 800x1333, batch 8)",
+                     _newest(directory, f"bench_{bench}.md")]
+        failed += [bench] if code else []
+    report = out / "gpu_check.md"
+    report.write_text("\n\n".join(sections) + "\n")
+    print(f"\nwrote {report}")
+    if failed:
+        raise SystemExit(f"gpu-check: these steps failed: {', '.join(failed)} (logs in {out})")
+
+
+if __name__ == "__main__":
+    main()

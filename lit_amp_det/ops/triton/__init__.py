@@ -1,0 +1,266 @@
+"""lit_amp_det's ops as Triton kernels, callable directly on any device Triton runs on.
+
+The same public names as :mod:`lit_amp_det.ops` (``nms``, ``batched_nms``, ``box_iou``, ``roi_align``,
+``RoIAlign``, ``MultiScaleRoIAlign``, plus ``multi_level_roi_align``) and the host-sync-free
+``nms_padded`` / ``batched_nms_padded``, all calling the Triton kernels of :mod:`._kernels` directly. These
+kernels are also what ``torch.ops.lit_amp_det.*`` runs on CUDA tensors (:mod:`._register`), so
+``lit_amp_det.ops`` on a GPU and this module compute the same thing. On CUDA tensors the kernels are compiled;
+on CPU tensors they run through Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment
+(slow: it is how CI executes every GPU kernel on a machine without one). RoIAlign is differentiable here too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lit_amp_det.ops.triton import _launch
+
+__all__ = [
+    "MultiScaleRoIAlign",
+    "RoIAlign",
+    "batched_nms",
+    "batched_nms_padded",
+    "box_iou",
+    "multi_level_roi_align",
+    "nms",
+    "nms_padded",
+    "roi_align",
+]
+
+
+# The front-end helpers are imported when first needed: lit_amp_det.ops imports this package's _register while
+# it is itself being imported, and lit_amp_det.ops.roi_align imports lit_amp_det.ops.
+def _pair(size: int | Sequence[int]) -> tuple[int, int]:
+    from lit_amp_det.ops.roi_align import _pair as pair
+
+    return pair(size)
+
+
+def _rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
+    from lit_amp_det.ops.roi_align import boxes_to_rois
+
+    return boxes_to_rois(boxes)
+
+
+def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
+    """IoU of every pair: ``boxes1 (Tensor[N, 4])``, ``boxes2 (Tensor[M, 4])`` -> ``Tensor[N, M]``.
+
+    float32 (float64 if an input is float64; integer boxes are computed exactly, float32 out); a pair whose
+    union is not positive, or whose ratio is NaN, has IoU 0.
+    """
+    return _launch.box_iou(boxes1, boxes2)
+
+
+def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
+    """Greedy NMS, the semantics of :func:`lit_amp_det.ops.nms`.
+
+    Args:
+        boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)``, any float dtype (IoU in fp32, fp64 for fp64).
+        scores (Tensor[N]): any float dtype.
+        iou_threshold: a box is dropped when a kept box overlaps it with IoU strictly greater than this.
+        max_output: stop once this many boxes are kept; negative keeps all survivors.
+
+    Returns:
+        Tensor[M] (int64): kept indices by decreasing score (ties: lower index first). Sizing it reads the
+        kept count once; :func:`nms_padded` does not.
+    """
+    return _launch.nms(boxes, scores, iou_threshold, max_output)
+
+
+def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
+    """NMS within each class of ``idxs (Tensor[N], integer)``, one global ``max_output``; see :func:`nms`."""
+    return _launch.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
+
+
+def nms_padded(
+    boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1, *, valid: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """:func:`nms` without any host synchronisation.
+
+    Args:
+        valid (Tensor[N], bool, optional): boxes to consider; the others are neither kept nor suppress anything
+            (a filter such as ``scores > threshold`` applied without a data-dependent gather).
+
+    Returns:
+        (keep, count): ``keep`` is ``Tensor[L]`` int64 with ``L = min(N, max_output)`` (``N`` when
+        ``max_output < 0``), the kept indices by decreasing score followed by ``-1`` padding; ``count`` is a
+        0-d int64 tensor on the same device, the number of kept boxes (``keep[:count]`` is :func:`nms`).
+    """
+    return _launch.nms_padded(boxes, scores, iou_threshold, max_output, valid=valid)
+
+
+def batched_nms_padded(
+    boxes: Tensor,
+    scores: Tensor,
+    idxs: Tensor,
+    iou_threshold: float,
+    max_output: int = -1,
+    *,
+    valid: Tensor | None = None,
+    max_class_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`batched_nms` without any host synchronisation; ``valid`` and the result as in :func:`nms_padded`.
+
+    ``max_class_size``: an upper bound on the number of boxes of any one class, when the caller knows it (the
+    RPN's per-level top-k, the detector's proposals per class). It bounds the IoU mask to ``N`` rows of
+    ``max_class_size / 64 + 2`` words instead of ``N / 64``; a class larger than the bound gives wrong results.
+    """
+    return _launch.batched_nms_padded(
+        boxes, scores, idxs, iou_threshold, max_output, valid=valid, max_class_size=max_class_size
+    )
+
+
+class _RoIAlignFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input: Tensor, rois: Tensor, spatial_scale: float, pooled: tuple[int, int], sampling_ratio: int,
+                aligned: bool) -> Tensor:
+        ctx.save_for_backward(rois)
+        ctx.input_shape = tuple(input.shape)
+        ctx.params = (spatial_scale, pooled, sampling_ratio, aligned)
+        return _launch.roi_align(input, rois, spatial_scale, pooled[0], pooled[1], sampling_ratio, aligned)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (rois,) = ctx.saved_tensors
+        spatial_scale, pooled, sampling_ratio, aligned = ctx.params
+        grad_input = _launch.roi_align_backward(
+            grad, rois, spatial_scale, pooled[0], pooled[1], *ctx.input_shape, sampling_ratio, aligned
+        )
+        return grad_input, None, None, None, None, None
+
+
+class _MultiLevelRoIAlignFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rois: Tensor, levels: Tensor, spatial_scales: tuple[float, ...], pooled: tuple[int, int],
+                sampling_ratio: int, aligned: bool, *features: Tensor) -> Tensor:
+        ctx.save_for_backward(rois, levels, *features)
+        ctx.params = (spatial_scales, pooled, sampling_ratio, aligned)
+        return _launch.multi_level_roi_align(
+            features, rois, levels, spatial_scales, pooled[0], pooled[1], sampling_ratio, aligned
+        )
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rois, levels, *features = ctx.saved_tensors
+        spatial_scales, pooled, sampling_ratio, aligned = ctx.params
+        grads = _launch.multi_level_roi_align_backward(
+            grad, features, rois, levels, spatial_scales, pooled[0], pooled[1], sampling_ratio, aligned
+        )
+        return (None, None, None, None, None, None, *grads)
+
+
+def roi_align(
+    input: Tensor,
+    boxes: Tensor | Sequence[Tensor],
+    output_size: int | Sequence[int],
+    spatial_scale: float = 1.0,
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+) -> Tensor:
+    """torchvision's RoIAlign; arguments and result as :func:`lit_amp_det.ops.roi_align`.
+
+    Args:
+        input (Tensor[N, C, H, W]): fp16/bf16/fp32/fp64 features, contiguous or channels_last (read in place).
+        boxes (Tensor[K, 5] or List[Tensor[L, 4]]): RoIs, any float dtype; a RoI whose batch index is outside
+            ``[0, N)`` pools to zeros.
+
+    Returns:
+        Tensor[K, C, output_size[0], output_size[1]] in the input dtype and layout, differentiable w.r.t. input.
+    """
+    rois = _rois(boxes)
+    return _RoIAlignFunction.apply(input, rois, float(spatial_scale), _pair(output_size), int(sampling_ratio),
+                                   bool(aligned))
+
+
+def multi_level_roi_align(
+    features: Sequence[Tensor],
+    rois: Tensor,
+    levels: Tensor,
+    spatial_scales: Sequence[float],
+    output_size: int | Sequence[int],
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+) -> Tensor:
+    """Row k is RoIAlign of ``rois[k]`` on ``features[levels[k]]``.
+
+    Arguments and result as :func:`lit_amp_det.ops.multi_level_roi_align`; differentiable w.r.t. every level.
+    """
+    return _MultiLevelRoIAlignFunction.apply(
+        rois, levels, tuple(float(s) for s in spatial_scales), _pair(output_size), int(sampling_ratio), bool(aligned),
+        *features,
+    )
+
+
+class RoIAlign(nn.Module):
+    """Module form of :func:`roi_align`, a drop-in for ``torchvision.ops.RoIAlign``."""
+
+    def __init__(
+        self, output_size: int | Sequence[int], spatial_scale: float, sampling_ratio: int, aligned: bool = False
+    ) -> None:
+        super().__init__()
+        self.output_size = _pair(output_size)
+        self.spatial_scale = spatial_scale
+        self.sampling_ratio = sampling_ratio
+        self.aligned = aligned
+
+    def forward(self, input: Tensor, rois: Tensor | list[Tensor]) -> Tensor:
+        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
+            f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned})"
+        )
+
+
+class MultiScaleRoIAlign(nn.Module):
+    """:class:`lit_amp_det.ops.MultiScaleRoIAlign` (torchvision's constructor, forward and level mapping) on the
+    Triton kernels."""
+
+    def __init__(
+        self,
+        featmap_names: list[str],
+        output_size: int | Sequence[int],
+        sampling_ratio: int,
+        *,
+        canonical_scale: int = 224,
+        canonical_level: int = 4,
+        aligned: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(featmap_names, str):
+            raise TypeError(f"featmap_names must be a list of names, got the string {featmap_names!r}")
+        self.featmap_names = list(featmap_names)
+        self.output_size = _pair(output_size)
+        self.sampling_ratio = sampling_ratio
+        self.canonical_scale = canonical_scale
+        self.canonical_level = canonical_level
+        self.aligned = aligned
+
+    def forward(self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]) -> Tensor:
+        """Pools ``boxes`` (one ``Tensor[L_i, 4]`` per image) -> ``Tensor[sum L_i, C, *output_size]``."""
+        features = [v for k, v in x.items() if k in self.featmap_names]
+        if not features:
+            raise KeyError(f"none of featmap_names {self.featmap_names} is among the feature maps {list(x)}")
+        from lit_amp_det.ops.poolers import assign_fpn_levels, infer_spatial_scale
+
+        image_size = (max(s[0] for s in image_shapes), max(s[1] for s in image_shapes))
+        scales = [infer_spatial_scale(f, image_size) for f in features]
+        rois = _rois(boxes)
+        if len(features) == 1:
+            return roi_align(features[0], rois, self.output_size, scales[0], self.sampling_ratio, self.aligned)
+        k_min, k_max = int(-math.log2(scales[0])), int(-math.log2(scales[-1]))
+        levels = assign_fpn_levels(rois[:, 1:], k_min, k_max, self.canonical_scale, self.canonical_level)
+        return multi_level_roi_align(
+            features, rois, levels, scales, self.output_size, self.sampling_ratio, self.aligned
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(featmap_names={self.featmap_names}, output_size={self.output_size}, "
+            f"sampling_ratio={self.sampling_ratio})"
+        )

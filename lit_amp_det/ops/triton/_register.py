@@ -1,0 +1,91 @@
+"""Registers the Triton launchers as the CUDA kernels of the ``lit_amp_det::`` ops defined in ``lit_amp_det/csrc``.
+
+The schemas, CPU kernels, fake kernels and autograd formulas stay where they are; only the CUDA dispatch key is
+filled here, once per process, by :func:`register_cuda_kernels` (called by :mod:`lit_amp_det.ops._extension`
+after the compiled extension has defined the ops). It imports neither triton nor the kernels: that happens on
+the first call with a CUDA tensor, so CPU-only machines pay nothing at import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = ["register_cuda_kernels", "registered"]
+
+_LIBRARY: torch.library.Library | None = None
+
+
+def _launchers():
+    from lit_amp_det.ops.triton import _launch
+
+    return _launch
+
+
+def _nms(boxes, scores, iou_threshold, max_output=-1):
+    return _launchers().nms(boxes, scores, iou_threshold, max_output)
+
+
+def _batched_nms(boxes, scores, idxs, iou_threshold, max_output=-1):
+    return _launchers().batched_nms(boxes, scores, idxs, iou_threshold, max_output)
+
+
+def _box_iou(boxes1, boxes2):
+    return _launchers().box_iou(boxes1, boxes2)
+
+
+def _roi_align(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
+    return _launchers().roi_align(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+
+
+def _roi_align_backward(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width,
+                        sampling_ratio, aligned):
+    return _launchers().roi_align_backward(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
+                                           channels, height, width, sampling_ratio, aligned)
+
+
+def _multi_level_roi_align(features, rois, levels, spatial_scales, pooled_height, pooled_width, sampling_ratio,
+                           aligned):
+    return _launchers().multi_level_roi_align(features, rois, levels, spatial_scales, pooled_height, pooled_width,
+                                              sampling_ratio, aligned)
+
+
+def _multi_level_roi_align_backward(grad, features, rois, levels, spatial_scales, pooled_height, pooled_width,
+                                    sampling_ratio, aligned):
+    return _launchers().multi_level_roi_align_backward(grad, features, rois, levels, spatial_scales, pooled_height,
+                                                       pooled_width, sampling_ratio, aligned)
+
+
+_KERNELS = {
+    "nms": _nms,
+    "batched_nms": _batched_nms,
+    "box_iou": _box_iou,
+    "roi_align": _roi_align,
+    "_roi_align_backward": _roi_align_backward,
+    "multi_level_roi_align": _multi_level_roi_align,
+    "_multi_level_roi_align_backward": _multi_level_roi_align_backward,
+}
+
+
+def register_cuda_kernels() -> bool:
+    """Fills the CUDA key of every ``lit_amp_det::`` op with its Triton launcher; idempotent.
+
+    Returns whether the kernels are registered: False when triton is not installed (the ops then fall back to
+    their reference implementation on CUDA tensors). The ops must already be defined (extension loaded).
+    """
+    global _LIBRARY
+    if _LIBRARY is not None:
+        return True
+    if importlib.util.find_spec("triton") is None:
+        return False
+    library = torch.library.Library("lit_amp_det", "IMPL")
+    for name, kernel in _KERNELS.items():
+        library.impl(name, kernel, "CUDA")
+    _LIBRARY = library
+    return True
+
+
+def registered() -> bool:
+    """Whether :func:`register_cuda_kernels` has registered the kernels in this process."""
+    return _LIBRARY is not None

@@ -1,0 +1,373 @@
+"""The Triton kernels (the CUDA kernels of every op) executed by Triton's interpreter on CPU tensors.
+
+Each op of :mod:`lit_amp_det.ops.triton` is compared with the C++ CPU kernel (``torch.ops.lit_amp_det``) and
+with :mod:`lit_amp_det.ops.reference` on every dtype and layout, at sizes small enough for the interpreter but
+large enough to span several tiles. Interpreter facts these tests rely on: the kernels upcast right after every
+load (bf16 arithmetic inside an interpreted kernel is wrong), and interpreted bf16 stores truncate instead of
+rounding, so bf16 outputs are compared to within 1 ulp; fp16 stores round, so they are compared exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torchvision
+import triton
+import triton.language as tl
+
+import lit_amp_det.ops as ops
+from lit_amp_det.ops import reference
+from lit_amp_det.ops import triton as tops
+from lit_amp_det.ops.triton import _launch, _register
+from ops_inputs import distinct_scores, needs_extension, random_boxes, random_rois
+
+pytestmark = needs_extension
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+LAYOUTS = [torch.contiguous_format, torch.channels_last]
+cpu_kernels = torch.ops.lit_amp_det
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    """CPU tensors reach the kernels only through Triton's interpreter, which TRITON_INTERPRET=1 turns on."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, atol: float = 0.0) -> None:
+    """got (in ``dtype``) against expected (accumulation precision): exact rounding for fp16/fp32/fp64 up to
+    ``atol``, within 1 ulp for bf16 (the interpreter truncates bf16 stores)."""
+    assert got.dtype == dtype
+    got, expected = got.double(), expected.double()
+    if dtype == torch.bfloat16:
+        magnitude = expected.abs().clamp(min=2.0**-126)
+        ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - 7)
+        excess = (got - expected).abs() - ulp - atol
+        assert excess.max().item() <= 0, f"bf16 off by more than 1 ulp: {excess.max().item()}"
+    elif dtype == torch.float16:
+        torch.testing.assert_close(got, expected.half().double(), rtol=0, atol=atol)
+    else:
+        torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+
+
+# --------------------------------------------------------------------------------------------------------
+# box_iou
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int64, torch.int32])
+def test_box_iou_matches_the_cpu_kernel_across_tiles(dtype):
+    # 70 x 150 outputs: two row tiles and two column tiles of the interpreter's 64 x 128 blocks
+    a = random_boxes(70, image=(200, 300), max_size=80)
+    b = random_boxes(150, image=(200, 300), max_size=80, generator=torch.Generator().manual_seed(5))
+    a[:3] = torch.tensor([[5.0, 5, 5, 9], [0, 0, 0, 0], [300, 10, 400, 20]])  # zero-area, empty, out of image
+    b[:2] = torch.tensor([[0.0, 0, 0, 0], [5, 5, 5, 9]])
+    if dtype.is_floating_point:
+        a, b = a.to(dtype), b.to(dtype)
+    else:
+        a, b = a.round().to(dtype), b.round().to(dtype)
+    got = tops.box_iou(a, b)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    if dtype.is_floating_point:
+        assert torch.equal(got, cpu_kernels.box_iou(a, b))
+        torch.testing.assert_close(got, reference.box_iou(a, b), rtol=0, atol=0)
+    else:  # torchvision's integer semantics: exact integer areas, one float32 division
+        expected = torchvision.ops.box_iou(a, b).nan_to_num(0.0)
+        assert torch.equal(got, expected)
+    assert got[1, 0] == 0 and got[0, 1] == 0  # zero-area pairs: 0, never NaN
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # numpy: inf - inf
+def test_box_iou_is_never_nan():
+    inf, nan = math.inf, math.nan
+    a = torch.tensor([[0.0, 0, 1, 1], [0, 0, inf, 1], [-inf, 0, inf, 1], [nan, 0, 1, 1], [0, 0, 0, 0]])
+    got = tops.box_iou(a, a)
+    assert not got.isnan().any()
+    assert got[0, 0] == 1 and got[0, 1] == 0 and got[2, 2] == 0 and got[3, 3] == 0 and got[4, 4] == 0
+
+
+def test_box_iou_empty_and_fp64_mixed():
+    assert tops.box_iou(torch.zeros(0, 4), torch.rand(3, 4)).shape == (0, 3)
+    a, b = random_boxes(5).double(), random_boxes(4)
+    got = tops.box_iou(a, b)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, reference.box_iou(a, b))
+
+
+# --------------------------------------------------------------------------------------------------------
+# NMS
+
+
+def _nms_inputs(n: int, dtype: torch.dtype, clusters: int = 0):
+    boxes = random_boxes(n, image=(300, 400), max_size=120, clusters=clusters).to(dtype)
+    return boxes, distinct_scores(n)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("clusters", [0, 6])
+def test_nms_matches_the_cpu_kernel_and_torchvision(dtype, clusters):
+    boxes, scores = _nms_inputs(200, dtype, clusters)  # 4 mask words: tiles off the diagonal too
+    got = tops.nms(boxes, scores, 0.5)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, cpu_kernels.nms(boxes, scores, 0.5))
+    expected = torchvision.ops.nms(boxes.to(_acc(dtype)), scores.to(_acc(dtype)), 0.5)
+    assert torch.equal(got, expected)
+    assert torch.equal(reference.nms(boxes, scores, 0.5), expected)
+
+
+@pytest.mark.parametrize("max_output", [0, 1, 7, 10_000])
+def test_nms_max_output_is_a_prefix_and_padded_agrees(max_output):
+    boxes, scores = _nms_inputs(200, torch.float32, clusters=10)
+    full = cpu_kernels.nms(boxes, scores, 0.6)
+    assert full.numel() > 7
+    got = tops.nms(boxes, scores, 0.6, max_output)
+    assert torch.equal(got, full[:max_output])
+    keep, count = tops.nms_padded(boxes, scores, 0.6, max_output)
+    assert keep.shape == (min(200, max_output),) and count.dim() == 0 and count.dtype == torch.int64
+    assert torch.equal(keep[: int(count)], got)
+    assert (keep[int(count):] == -1).all()
+
+
+def test_nms_ties_nan_scores_and_threshold_rounding():
+    boxes = random_boxes(150, image=(100, 100), max_size=60)
+    tied = torch.randint(0, 4, (150,), generator=torch.Generator().manual_seed(3)).float()
+    assert torch.equal(tops.nms(boxes, tied, 0.3), torchvision.ops.nms(boxes, tied, 0.3))
+    tied[::7] = math.nan
+    assert torch.equal(tops.nms(boxes, tied, 0.3), cpu_kernels.nms(boxes, tied, 0.3))
+    # IoU 1/10 in fp32 is above the double 0.1: torchvision suppresses, so must we
+    pair = torch.tensor([[0.0, 0, 10, 1], [0, 0, 1, 1]])
+    two = torch.tensor([0.9, 0.8])
+    assert tops.nms(pair, two, 0.1).tolist() == torchvision.ops.nms(pair, two, 0.1).tolist() == [0]
+    # IoU exactly at the threshold does not suppress (fp64 keeps the double threshold)
+    exact = torch.tensor([[0.0, 0, 2, 1], [0, 0, 1, 1]])
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        assert tops.nms(exact.to(dtype), two, 0.5).tolist() == [0, 1]
+        assert tops.nms(exact.to(dtype), two, 0.4999).tolist() == [0]
+
+
+def test_nms_empty_zero_area_and_out_of_image():
+    empty = tops.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
+    assert empty.dtype == torch.int64 and empty.numel() == 0
+    keep, count = tops.nms_padded(torch.zeros(0, 4), torch.zeros(0), 0.5)
+    assert keep.numel() == 0 and int(count) == 0
+    boxes = torch.tensor([[3.0, 3, 3, 3], [3, 3, 3, 3], [-50, -50, -10, -10], [-49, -50, -10, -10], [0, 0, 5, 5]])
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5])
+    assert tops.nms(boxes, scores, 0.5).tolist() == cpu_kernels.nms(boxes, scores, 0.5).tolist() == [0, 1, 2, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("max_output", [-1, 1, 9])
+def test_batched_nms_keeps_classes_apart(dtype, max_output):
+    boxes, scores = _nms_inputs(180, dtype, clusters=5)
+    g = torch.Generator().manual_seed(4)
+    # a few large and negative class ids, unevenly sized classes
+    classes = torch.tensor([-7, 0, 3, 10**12])[torch.randint(4, (180,), generator=g)]
+    got = tops.batched_nms(boxes, scores, classes, 0.4, max_output)
+    assert torch.equal(got, cpu_kernels.batched_nms(boxes, scores, classes, 0.4, max_output))
+    # torchvision's coordinate-offset trick loses precision with ids like 1e12: the per-class reference is the oracle
+    assert torch.equal(got, reference.batched_nms(boxes, scores, classes, 0.4, max_output))
+    keep, count = tops.batched_nms_padded(boxes, scores, classes, 0.4, max_output)
+    assert torch.equal(keep[: int(count)], got)
+
+
+def test_nms_inputs_are_checked():
+    with pytest.raises(ValueError, match=r"boxes should be a 2-D tensor of shape \[N, 4\], got shape \[3, 5\]"):
+        tops.nms(torch.zeros(3, 5), torch.zeros(3), 0.5)
+    with pytest.raises(ValueError, match="scores should be a 1-D tensor of shape"):
+        tops.nms(torch.zeros(3, 4), torch.zeros(2), 0.5)
+    with pytest.raises(TypeError, match="idxs should be an integer tensor"):
+        tops.batched_nms(torch.zeros(3, 4), torch.zeros(3), torch.zeros(3), 0.5)
+
+
+def test_cpu_tensors_without_the_interpreter_say_what_to_do(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        tops.box_iou(torch.zeros(1, 4), torch.zeros(1, 4))
+
+
+# --------------------------------------------------------------------------------------------------------
+# RoIAlign
+
+
+def _features(shape, dtype, layout, seed=0):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return x.to(dtype).contiguous(memory_format=layout)
+
+
+def _rois(k=12, batch=2, image=(64, 80)):
+    rois = random_rois(k, batch, image)
+    rois[0, 1:] = torch.tensor([10.0, 10, 10, 10])  # zero area
+    rois[1, 1:] = torch.tensor([70.0, 60, 120, 90])  # mostly outside the image
+    rois[2, 1:] = torch.tensor([-30.0, -20, 5, 4])  # starts outside
+    return rois
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio", [-1, 2])
+def test_roi_align_forward_matches_the_cpu_kernel(dtype, layout, aligned, sampling_ratio):
+    x = _features((2, 6, 16, 20), dtype, layout)
+    rois = _rois()
+    args = (0.25, 3, 2, sampling_ratio, aligned)
+    got = tops.roi_align(x, rois, (3, 2), 0.25, sampling_ratio, aligned)
+    assert got.shape == (12, 6, 3, 2) and got.is_contiguous(memory_format=layout)
+    # the same values in the accumulation precision: the sums are the CPU kernel's, bit for bit
+    expected = cpu_kernels.roi_align(x.to(_acc(dtype)), rois.to(_acc(dtype)), *args)
+    assert_matches(got, expected, dtype)
+    reference_out = reference.roi_align(x, rois, (3, 2), 0.25, sampling_ratio, aligned).double()
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.double(), reference_out, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_roi_align_backward_matches_the_cpu_kernel_and_keeps_the_layout(dtype, layout):
+    x = _features((2, 5, 12, 14), dtype, layout, seed=1)
+    rois = _rois(10, 2, (48, 56))
+    grad = _features((10, 5, 2, 3), dtype, layout, seed=2)
+    args = (0.25, 2, 3, 2, 5, 12, 14, -1, True)
+    got = _launch.roi_align_backward(grad, rois, *args)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert got.is_contiguous(memory_format=layout), "the gradient must follow the layout of grad (and the input)"
+    expected = cpu_kernels._roi_align_backward(grad.to(_acc(dtype)), rois, *args)
+    assert_matches(got, expected, dtype, atol=1e-5 if dtype != torch.float64 else 1e-12)
+
+
+def test_roi_align_deterministic_backward_is_the_same(monkeypatch):
+    x = _features((2, 4, 10, 12), torch.float64, torch.channels_last, seed=3)
+    rois = _rois(6, 2, (40, 48))
+    grad = _features((6, 4, 2, 2), torch.float64, torch.channels_last, seed=4)
+    args = (0.25, 2, 2, 2, 4, 10, 12, 2, False)
+    atomic = _launch.roi_align_backward(grad, rois, *args)
+    with _deterministic():
+        owned = _launch.roi_align_backward(grad, rois, *args)
+    assert owned.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(owned, atomic, rtol=0, atol=1e-13)
+    torch.testing.assert_close(owned, cpu_kernels._roi_align_backward(grad, rois, *args), rtol=0, atol=1e-13)
+
+
+class _deterministic:
+    def __enter__(self):
+        self.previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.previous)
+
+
+def test_rois_of_other_images_and_bad_batch_indices():
+    x = _features((3, 4, 12, 12), torch.float32, torch.contiguous_format).requires_grad_()
+    rois = torch.tensor([[0, 1.0, 1, 20, 20], [2, 4, 4, 30, 40], [3, 1, 1, 9, 9], [-1, 1, 1, 9, 9],
+                         [1, 0, 0, 40, 40], [2.9, 2, 2, 12, 12]])
+    got = tops.roi_align(x, rois, 2, 0.25, 2)
+    assert torch.equal(got[2:4], torch.zeros_like(got[2:4]))  # index 3 and -1 are outside [0, 3)
+    good = torch.tensor([0, 1, 4, 5])
+    torch.testing.assert_close(got[good], torchvision.ops.roi_align(x, rois[good], 2, 0.25, 2), rtol=0, atol=1e-6)
+    got.sum().backward()
+    expected = torch.autograd.grad(torchvision.ops.roi_align(x, rois[good], 2, 0.25, 2).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-6)
+
+
+def test_roi_align_empty_inputs():
+    x = _features((1, 3, 8, 8), torch.float16, torch.channels_last).requires_grad_()
+    out = tops.roi_align(x, torch.zeros(0, 5), 7, 1.0)
+    assert out.shape == (0, 3, 7, 7) and out.dtype == torch.float16
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and x.grad.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_roi_align_gradcheck_fp64():
+    x = _features((1, 2, 4, 5), torch.float64, torch.contiguous_format, seed=7).requires_grad_()
+    rois = torch.tensor([[0, 0.3, 0.6, 4.1, 3.7], [0, 1.2, -0.5, 6.5, 4.2]], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda t: tops.roi_align(t, rois, 2, 1.0, 2, True), (x,), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_multi_level_matches_the_cpu_kernel(dtype, layout):
+    features = [_features((2, 4, 16, 20), dtype, layout, 0), _features((2, 4, 8, 10), dtype, layout, 1),
+                _features((2, 4, 4, 5), dtype, layout, 2)]
+    rois = _rois(14, 2, (64, 80))
+    levels = torch.randint(3, (14,), generator=torch.Generator().manual_seed(9))
+    scales, args = [0.25, 0.125, 0.0625], (3, 3, -1, False)
+    got = tops.multi_level_roi_align(features, rois, levels, scales, 3)
+    assert got.is_contiguous(memory_format=layout)
+    acc = [f.float() for f in features]
+    assert_matches(got, cpu_kernels.multi_level_roi_align(acc, rois, levels, scales, *args), dtype)
+    grad = _features(tuple(got.shape), dtype, layout, 5)
+    grads = _launch.multi_level_roi_align_backward(grad, features, rois, levels, scales, *args)
+    expected = cpu_kernels._multi_level_roi_align_backward(grad.float(), acc, rois, levels, scales, *args)
+    for g, e, f in zip(grads, expected, features):
+        assert g.shape == f.shape and g.is_contiguous(memory_format=layout)
+        assert_matches(g, e, dtype, atol=1e-5)
+
+
+def test_multi_scale_roi_align_module_matches_the_extension_one():
+    names = ["0", "1"]
+    features = {"0": _features((2, 3, 16, 16), torch.float32, torch.contiguous_format, 0).requires_grad_(),
+                "1": _features((2, 3, 8, 8), torch.float32, torch.contiguous_format, 1),
+                "pool": torch.zeros(2, 3, 4, 4)}
+    boxes = [random_boxes(5, image=(64, 64), max_size=60), random_boxes(4, image=(64, 64), max_size=60)]
+    ours = tops.MultiScaleRoIAlign(names, 3, 2)
+    assert repr(ours).startswith("MultiScaleRoIAlign(featmap_names=['0', '1']")
+    got = ours(features, boxes, [(64, 64), (60, 64)])
+    expected = ops.MultiScaleRoIAlign(names, 3, 2)(features, boxes, [(64, 64), (60, 64)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    got.sum().backward()
+    assert features["0"].grad is not None and features["0"].grad.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# Registration as the CUDA kernels of torch.ops.lit_amp_det
+
+
+def test_triton_launchers_are_the_cuda_kernels():
+    assert _register.registered() and ops._extension.triton_cuda_kernels()
+    for name in ("nms", "batched_nms", "box_iou", "roi_align", "_roi_align_backward", "multi_level_roi_align",
+                 "_multi_level_roi_align_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"lit_amp_det::{name}", "CUDA"), name
+    assert ops._extension.has_kernel("nms", torch.device("cuda"))
+    assert _register.register_cuda_kernels()  # idempotent: no second registration
+
+
+def test_registered_cuda_kernels_follow_the_schemas():
+    """The functions registered for CUDA, called with the schema's arguments (interpreted on CPU tensors)."""
+    kernels = _register._KERNELS
+    boxes, scores = _nms_inputs(70, torch.float32, clusters=3)
+    assert torch.equal(kernels["nms"](boxes, scores, 0.5, 5), cpu_kernels.nms(boxes, scores, 0.5, 5))
+    x = _features((1, 3, 8, 8), torch.float32, torch.contiguous_format)
+    rois = _rois(4, 1, (32, 32))
+    out = kernels["roi_align"](x, rois, 0.25, 2, 2, 2, False)
+    torch.testing.assert_close(out, cpu_kernels.roi_align(x, rois, 0.25, 2, 2, 2, False), rtol=0, atol=1e-6)
+    grads = kernels["_multi_level_roi_align_backward"](
+        torch.ones(4, 3, 2, 2), [x, x[:, :, ::2, ::2].contiguous()], rois, torch.tensor([0, 1, 1, 0]),
+        [0.25, 0.125], 2, 2, 2, False,
+    )
+    assert isinstance(grads, list) and [tuple(g.shape) for g in grads] == [(1, 3, 8, 8), (1, 3, 4, 4)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The interpreter facts the tolerances above rest on
+
+
+def _store_source(src, dst):
+    tl.store(dst, tl.load(src).to(dst.dtype.element_ty))
+
+
+def test_interpreter_truncates_bf16_stores():
+    """Interpreted bf16 stores truncate where a GPU rounds to nearest: the reason bf16 outputs are compared to
+    1 ulp above. If a Triton upgrade makes them round, those comparisons can become exact."""
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        kernel = triton.jit(_store_source)
+    value = torch.tensor([1 + 2**-8 + 2**-9])  # above the midpoint of the bf16 neighbours 1 and 1 + 2^-7
+    out = torch.empty(1, dtype=torch.bfloat16)
+    kernel[(1,)](value, out)
+    assert value.bfloat16().item() == 1 + 2**-7  # round to nearest
+    assert out.item() == 1.0, "the interpreter now rounds bf16 stores: compare bf16 outputs exactly"
