@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from lit_amp_det.bench import e2e, infer, train
+from lit_amp_det.bench import e2e, e2e_report, e2e_rows, infer, train
+from lit_amp_det.bench.common import compose
 
 SMALL = ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=1", "--steps=2"]
-SETTING = e2e.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=4, steps=1,
-                      warmup=0, compile_warmup=1)
+SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=4,
+                           steps=1, warmup=0, compile_warmup=1)
 BENCHES = pytest.mark.parametrize("bench", [train.BENCH, infer.BENCH], ids=["train", "infer"])
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -38,7 +39,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 @BENCHES
-def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e.Bench) -> None:
+def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
     assert bench.rows[0].override is None and len(bench.rows) == 8
     names = [row.name for row in bench.rows]
@@ -46,8 +47,8 @@ def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e.Benc
     previous: list[str] = []
     previous_cfg: dict[str, Any] = {}
     for index, row in enumerate(bench.rows):
-        overrides = e2e.row_overrides(bench.rows, index, SETTING)
-        flat = _flat(OmegaConf.to_container(e2e.compose_row(overrides), resolve=False))
+        overrides = e2e_rows.row_overrides(bench.rows, index, SETTING)
+        flat = _flat(OmegaConf.to_container(compose(overrides), resolve=False))
         if index == 0:
             assert flat["model.ops"] == "torchvision" and flat["trainer.precision"] == "32-true"
             assert flat["callbacks"] == {} and flat["optim.optimizer.fused"] is None
@@ -64,12 +65,12 @@ def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e.Benc
 
 def test_mixed_precision_row_follows_the_device() -> None:
     cuda = dataclasses.replace(SETTING, device="cuda")
-    assert e2e.row_overrides(train.ROWS, 1, SETTING)[-1] == "trainer.precision=bf16-mixed"
-    assert e2e.row_overrides(train.ROWS, 1, cuda)[-1] == "trainer.precision=16-mixed"
+    assert e2e_rows.row_overrides(train.ROWS, 1, SETTING)[-1] == "trainer.precision=bf16-mixed"
+    assert e2e_rows.row_overrides(train.ROWS, 1, cuda)[-1] == "trainer.precision=16-mixed"
 
 
 @BENCHES
-def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e.Bench) -> None:
+def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench) -> None:
     """Each row's switches reach the built module (the compile row is covered by the slow test below)."""
     results = {row.name: bench.run_row(i, SETTING) for i, row in enumerate(bench.rows) if row.name != "compile"}
     assert len(results) == 7
@@ -138,8 +139,7 @@ def test_bench_infer_writes_table_json_and_plot(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_compile_row_runs(tmp_path: Path) -> None:
-    """The compile row alone: about 55 s on 2 CPU cores with a cold Inductor cache (compiling forward and
-    backward), about 15 s with a warm one."""
+    """The compile row alone (slow: Inductor compiles the backbone's forward and backward)."""
     _, out = _run("train", ["--rows=compile", "--compile-warmup=2", "--steps=1"], tmp_path)
     (row,) = json.loads((out / "bench_train.json").read_text())["rows"]
     assert row["status"] == "ok", row.get("stderr_tail")
@@ -154,8 +154,8 @@ def test_failed_row_becomes_a_table_line(tmp_path: Path) -> None:
     ok = train.run_row(0, SETTING)
     rows = [{"name": "torchvision-fp32", "label": "torchvision fp32 eager", "override": None, "status": "ok", **ok},
             {"name": "autocast", "label": "+ torch.autocast", "override": "trainer.precision=bf16-mixed", **failed}]
-    text = e2e.write_report(train.BENCH, rows, SETTING, e2e.environment("cpu"), "python -m lit_amp_det bench train",
-                            tmp_path)
+    text = e2e_report.write_report(train.BENCH, rows, SETTING, e2e_report.environment("cpu"),
+                                   "python -m lit_amp_det bench train", tmp_path)
     assert f"| 2 | + torch.autocast | `trainer.precision=bf16-mixed` | **failed**: {failed['error']}" in text
     report = json.loads((tmp_path / "bench_train.json").read_text())
     assert [row["status"] for row in report["rows"]] == ["ok", "failed"] and report["rows"][0]["speedup"] == 1.0

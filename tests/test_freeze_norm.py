@@ -215,6 +215,18 @@ def test_frozen_stages_with_frozen_bn(tmp_path: Path) -> None:
                               _names(module, "layer3.", "layer4."))
 
 
+@pytest.mark.parametrize(("frozen_stages", "frozen"), [(0, ("conv1.", "layer1.")), (2, ("conv1.", "layer1.", "layer2."))])
+def test_model_config_and_freeze_norm_together_freeze_the_union(tmp_path: Path, frozen_stages: int,
+                                                                 frozen: tuple[str, ...]) -> None:
+    """Both homes can freeze: ``model.backbone.trainable_layers`` / ``norm`` build the model, FreezeNorm acts on
+    it in setup() and only ever freezes more, so the stricter of the two wins for each stage."""
+    module = _module(tmp_path, "model.backbone.trainable_layers=3", "model.backbone.norm=frozen_bn")
+    assert not any(p.requires_grad for n, p in module.named_parameters() if n.startswith(BODY + "layer1."))
+    _fit(module, FreezeNorm(mode="frozen_bn", frozen_stages=frozen_stages))  # frozen_bn again: nothing to swap
+    assert _names(module, *frozen) == {n for n, p in module.named_parameters()
+                                       if n.startswith(BODY) and not p.requires_grad}
+
+
 # ---------------------------------------------------------------------------------- FrozenBatchNorm2d
 def test_frozen_batchnorm_matches_batchnorm_in_fp32() -> None:
     bn = _random_bn()

@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lit_amp_det.callbacks.memory_monitor import MemoryMonitor, SavedTensorBytes
+from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
+from lit_amp_det.callbacks.memory_savings import draw_batches
 from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader
 from lit_amp_det.tasks import build_datamodule, build_model, build_trainer
 
@@ -186,7 +187,7 @@ def test_conv_bn_eval_row_measures_copies_and_keeps_it_on_the_model(tmp_path: Pa
     from lit_amp_det.callbacks.conv_bn_eval import ConvBNEval
     from lit_amp_det.callbacks.freeze_norm import FreezeNorm
 
-    overrides = ["trainer.max_epochs=1", "trainer.precision=32-true", "+trainer.max_steps=1",
+    overrides = ["trainer.max_epochs=1", "trainer.precision=32-true", "trainer.max_steps=1",
                  "callbacks.memory_monitor.compare_baseline=true", "callbacks.memory_monitor.baseline_steps=1",
                  "callbacks.memory_monitor.warmup_steps=0"]
     seen: list[bool] = []
@@ -204,23 +205,6 @@ def test_conv_bn_eval_row_measures_copies_and_keeps_it_on_the_model(tmp_path: Pa
     assert folded.saved_for_backward_mb < base.saved_for_backward_mb
     assert "| + conv-bn eval (this run) |" in (tmp_path / "memory_savings.md").read_text()
     assert seen == [True]  # the baselines disabled it on their copies only
-
-
-def test_saved_tensor_bytes_counts_distinct_storages_and_skips_model_state() -> None:
-    weight = torch.nn.Parameter(torch.randn(8, 8))
-    x = torch.randn(4, 8, requires_grad=True)
-    with SavedTensorBytes(exclude=[weight]) as counter:
-        hidden = x @ weight  # saves x and weight: x counted, the parameter not
-        out = (hidden.sin() * hidden.sin()).sum()  # saves hidden (once) and the two sin outputs
-    out.backward()
-    expected = x.nbytes + hidden.nbytes + 2 * hidden.nbytes
-    assert counter.bytes == expected and counter.weight_cast_bytes == 0
-
-    with SavedTensorBytes(exclude=[weight]) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
-        out = (x @ weight).float().sum()  # saves bf16 copies of x and of the weight
-    out.backward()
-    assert counter.weight_cast_bytes == weight.numel() * 2  # the bf16 weight copy, recognised as one
-    assert counter.bytes == x.numel() * 2 + weight.numel() * 2
 
 
 class _ByKey(Dataset):
@@ -241,12 +225,11 @@ def _image_ids(batches: Sequence[Any]) -> list[list[int]]:
 
 
 def test_batches_are_the_first_training_batches_and_the_loader_is_not_consumed() -> None:
-    monitor = MemoryMonitor(compare_baseline=True, baseline_steps=2)
     samples = [(torch.full((3, 4, 4), float(i)), {"labels": torch.tensor([1])}) for i in range(8)]
     sampler = ResumableBatchSampler(len(samples), 2, seed=3)
     loader = ResumableDataLoader(_ByKey(samples), sampler, collate_fn=lambda b: tuple(zip(*b)))
     loader.load_state_dict({"epoch": 0, "consumed_batches": 1})  # a resumed run: the first batch was consumed
-    batches = monitor._draw_batches(SimpleNamespace(train_dataloader=loader))
+    batches = draw_batches(loader, 2)
     assert batches is not None and len(batches) == 2
     training = list(loader)  # what training then gets: the resume position is still there
     assert len(training) == 3
@@ -259,7 +242,7 @@ def test_streaming_loaders_fall_back_to_the_first_real_batch() -> None:
             return iter([(torch.zeros(3, 4, 4), {})] * 4)
 
     stream = DataLoader(Stream(), batch_size=2, collate_fn=lambda b: tuple(zip(*b)))
-    assert MemoryMonitor(compare_baseline=True)._draw_batches(SimpleNamespace(train_dataloader=stream)) is None
+    assert draw_batches(stream, 3) is None
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from pycocotools.coco import COCO
 
-from lit_amp_det.data import shapes
+from lit_amp_det.data import shapes, shapes_spec
 from lit_amp_det.data.shapes import (
     MARKER_NAME,
     SHAPE_CLASSES,
@@ -90,7 +90,7 @@ def test_masks_bbox_area_and_both_encodings(cocos: dict[str, COCO]) -> None:
                 xs, ys = np.array(seg[0][0::2]), np.array(seg[0][1::2])
                 assert xs.min() >= 0 and ys.min() >= 0 and xs.max() <= 160 and ys.max() <= 160
             mask = coco.annToMask(ann).astype(bool)
-            assert mask.sum() >= shapes.MIN_VISIBLE_PIXELS
+            assert mask.sum() >= shapes_spec.MIN_VISIBLE_PIXELS
             assert ann["iscrowd"] == 0
             assert np.allclose(ann["bbox"], _tight_box(mask), atol=1.0)
             assert abs(ann["area"] - mask.sum()) <= 0.03 * mask.sum()
@@ -122,8 +122,8 @@ def test_annotations_match_rendered_visible_masks(dataset: Path, cocos: dict[str
                     occluded_labelled += hidden
             for inst in rendered.instances:
                 visible = int(inst.visible_mask.sum())
-                expect = visible >= shapes.MIN_VISIBLE_PIXELS and (
-                    visible >= shapes.MIN_VISIBLE_FRACTION * inst.full_mask.sum()
+                expect = visible >= shapes_spec.MIN_VISIBLE_PIXELS and (
+                    visible >= shapes_spec.MIN_VISIBLE_FRACTION * inst.full_mask.sum()
                 )
                 assert inst.labelled == expect
     assert occluded_labelled > 0
@@ -223,7 +223,7 @@ def test_cache_dir_depends_on_every_parameter(tmp_path: Path) -> None:
     assert base == shapes_dataset_dir(tmp_path, splits={"val": 100, "test": 100, "train": 800}, seed=0)
     variants = [
         dict(splits={"train": 801, "val": 100, "test": 100}), dict(image_size=128),
-        dict(min_objects=2), dict(max_objects=5), dict(min_size=0.2), dict(max_size=0.4),
+        dict(min_objects=2), dict(max_objects=4), dict(min_size=0.2), dict(max_size=0.4),
         dict(seed=1), dict(empty_prob=0.0),
     ]
     names = {shapes_dataset_dir(tmp_path, **kw).name for kw in variants}
@@ -313,3 +313,27 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert str(tmp_path / "cli") in capsys.readouterr().out
     marker = json.loads((tmp_path / "cli" / MARKER_NAME).read_text())
     assert marker["params"]["seed"] == 2 and marker["splits"]["train"]["images"] == 2
+
+
+def test_the_yaml_and_the_code_share_the_generators_defaults():
+    """``conf/data/shapes.yaml`` repeats ShapesSpec's defaults for the command line; they must not drift."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from lit_amp_det.config import config_dir
+    from lit_amp_det.data import ShapesDataModule
+    from lit_amp_det.data.shapes import ShapesSpec
+
+    yaml = OmegaConf.load(config_dir() / "data" / "shapes.yaml")
+    spec = ShapesSpec()
+    assert (yaml.image_size, yaml.min_objects, yaml.max_objects, yaml.min_object_size, yaml.max_object_size,
+            yaml.data_seed) == (spec.image_size, spec.min_objects, spec.max_objects, spec.min_size, spec.max_size,
+                                spec.seed)
+    defaults = {k: p.default for k, p in inspect.signature(ShapesDataModule).parameters.items()}
+    assert (defaults["max_objects"], defaults["min_object_size"]) == (spec.max_objects, spec.min_size)
+    for function in (generate_shapes, ensure_shapes, shapes_dataset_dir, render_shapes_image):
+        params = inspect.signature(function).parameters
+        keys = ("min_objects", "max_objects", "min_size", "max_size", "empty_prob", "seed", "image_size")
+        assert all(params[k].default == getattr(spec, k) for k in keys
+                   if k in params and params[k].default is not inspect.Parameter.empty), function

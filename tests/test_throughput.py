@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_amp_det.callbacks.throughput import Throughput, count_images
+from lit_amp_det.callbacks.throughput import Throughput
 from lit_amp_det.tasks import build_trainer
 
 from conftest import SMOKE, CaptureLogger, compose_config
@@ -113,13 +113,6 @@ def test_an_epoch_of_warmup_steps_logs_no_epoch_values() -> None:
 def test_bad_arguments_fail_in_setup_with_the_field_named(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _fit(Throughput(**kwargs), epochs=1)
-
-
-def test_count_images_reads_detection_batches_and_names_the_fix_otherwise() -> None:
-    assert count_images(([torch.zeros(3, 4, 4)] * 3, [{}] * 3)) == 3
-    assert count_images((torch.zeros(5, 3, 4, 4), [{}] * 5)) == 5
-    with pytest.raises(TypeError, match=r"training batch is a dict.*batch_size_fn"):
-        count_images({"images": []})
 
 
 def test_config_adds_the_callback_to_the_default_ones(tmp_path: Path) -> None:

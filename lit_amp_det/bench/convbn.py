@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import json
-import resource
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -38,9 +34,11 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
+from lit_amp_det.bench.common import compose, detection_batch, write_json
 from lit_amp_det.models.conv_bn import NORM_TYPES, enable_conv_bn_eval
+from lit_amp_det.profiling import MB, MemoryProbe, SavedTensorBytes, pin_malloc_threshold, timed
 
-__all__ = ["CASES", "main", "saved_bytes"]
+__all__ = ["CASES", "main"]
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], Tensor]
@@ -76,22 +74,6 @@ def _resnet50(batch: int, size: int) -> Callable[[str], tuple[nn.Module, nn.Modu
     return build
 
 
-def _detection_batch(batch: int, height: int, width: int, device: str) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
-    gen = torch.Generator().manual_seed(0)
-    images, targets = [], []
-    for _ in range(batch):
-        images.append(torch.rand(3, height, width, generator=gen).to(device))
-        boxes, masks = [], torch.zeros(3, height, width, dtype=torch.uint8)
-        for k in range(3):
-            x0, y0 = (torch.rand(2, generator=gen) * torch.tensor([width, height]) * 0.6).tolist()
-            w, h = ((0.15 + 0.25 * torch.rand(2, generator=gen)) * torch.tensor([width, height])).tolist()
-            boxes.append([x0, y0, x0 + w, y0 + h])
-            masks[k, int(y0): int(y0 + h), int(x0): int(x0 + w)] = 1
-        targets.append({"boxes": torch.tensor(boxes, device=device), "labels": torch.tensor([1, 2, 3], device=device),
-                        "masks": masks.to(device)})
-    return images, targets
-
-
 def _detection_loss(model: nn.Module, batch: Batch) -> Tensor:
     torch.manual_seed(0)  # the RPN and RoI samplers draw from the global RNG: same samples for every variant
     return torch.stack([v.float() for v in model(*batch).values()]).sum()
@@ -100,19 +82,15 @@ def _detection_loss(model: nn.Module, batch: Batch) -> Tensor:
 def _detector(config: str, batch: int, overrides: Sequence[str],
               size: Callable[[str], tuple[int, int]]) -> Callable[[str], tuple[nn.Module, nn.Module, Batch, LossFn]]:
     def build(device: str) -> tuple[nn.Module, nn.Module, Batch, LossFn]:
-        from hydra import compose, initialize_config_dir
         from hydra.utils import instantiate
 
-        from lit_amp_det.config import config_dir
-
         height, width = size(device)
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            cfg = compose("config", overrides=[f"model={config}", "paths.output_dir=/tmp", "paths.cache_dir=/tmp",
-                                               f"model.transform.min_size={min(height, width)}",
-                                               f"model.transform.max_size={max(height, width)}", *overrides])
+        cfg = compose([f"model={config}", "paths.output_dir=/tmp", "paths.cache_dir=/tmp",
+                       f"model.transform.min_size={min(height, width)}",
+                       f"model.transform.max_size={max(height, width)}", *overrides])
         torch.manual_seed(0)
         model = _norm_eval(instantiate(cfg.model, _convert_="all", num_classes=4).model.to(device))
-        return model, model.backbone, _detection_batch(batch, height, width, device), _detection_loss
+        return model, model.backbone, detection_batch(batch, height, width, device), _detection_loss
 
     return build
 
@@ -138,101 +116,30 @@ CASES: dict[str, Case] = {
 
 # ------------------------------------------------------------------------------------------- measuring
 
-def saved_bytes(model: nn.Module, backbone: nn.Module, step: Callable[[], Tensor]) -> tuple[int, int, Tensor]:
-    """Bytes saved for backward by ``step()`` (a forward returning the loss): ``(backbone, total, loss)``.
-
-    Distinct storages only (views and repeated saves of one tensor count once), parameters and buffers
-    excluded; a storage counts for the backbone when the backbone's forward saved it first.
-    """
-    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, tuple[int, bool]] = {}
-    inside = [False]
-
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()  # saved tensors stay alive until backward, so pointers cannot be reused
-        if ptr not in owned and ptr not in seen:
-            seen[ptr] = (storage.nbytes(), inside[0])
-        return t
-
-    def enter(*_: Any) -> None:
-        inside[0] = True
-
-    def leave(*_: Any) -> None:
-        inside[0] = False
-
-    handles = [backbone.register_forward_pre_hook(enter), backbone.register_forward_hook(leave)]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = step()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sum(n for n, b in seen.values() if b), sum(n for n, _ in seen.values()), loss
-
-
 class _Peak:
-    """Peak memory of a block above what was held when it started, in MB."""
+    """Peak memory of a block above what was held when it started, in MB (a :class:`MemoryProbe` window).
+
+    On a CPU glibc's mmap threshold is pinned first, so that freed tensors leave the resident set.
+    """
 
     def __init__(self, device: str) -> None:
-        self.device = device
-        self.method = "max_memory_allocated" if device == "cuda" else "VmHWM (clear_refs)"
         if device != "cuda":
-            self._pin_malloc()
-            try:
-                self._clear_refs()
-            except OSError:
-                self.method = "ru_maxrss (not resettable: later rows only show growth past earlier peaks)"
-
-    @staticmethod
-    def _pin_malloc() -> None:
-        """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and RSS stays up)."""
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so it no longer adapts upwards
-            libc.malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
-    @staticmethod
-    def _clear_refs() -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-
-    @staticmethod
-    def _status_mb(field: str) -> float:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-        raise OSError(f"/proc/self/status has no {field}")
+            pin_malloc_threshold()
+        self.probe = MemoryProbe(device)
+        self.method = ("max_memory_allocated" if self.probe.cuda else "VmHWM (clear_refs)" if self.probe.resettable
+                       else "ru_maxrss (not resettable: later rows only show growth past earlier peaks)")
 
     @contextmanager
     def measure(self) -> Iterator[dict[str, float]]:
         result: dict[str, float] = {}
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            yield result
-            torch.cuda.synchronize()
-            result["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            return
-        self._pin_malloc()
-        if self.method.startswith("VmHWM"):
-            self._clear_refs()
-            base = self._status_mb("VmRSS")
-            yield result
-            result["peak_mb"] = self._status_mb("VmHWM") - base
-            return
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if not self.probe.cuda:
+            pin_malloc_threshold()
+        self.probe.synchronize()
+        self.probe.reset_peak()
+        base = self.probe.baseline_bytes()
         yield result
-        result["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+        self.probe.synchronize()
+        result["peak_mb"] = (self.probe.peak_bytes() - base) / MB
 
 
 def _count_folds(model: nn.Module) -> tuple[list[Any], list[int]]:
@@ -270,7 +177,9 @@ def run_case(case: Case, *, device: str, warmup: int, repeats: int,
             v["model"].zero_grad(set_to_none=True)
         handles, folds = _count_folds(v["model"])
         with peak.measure() as memory:
-            backbone_bytes, total_bytes, loss = saved_bytes(v["model"], v["backbone"], lambda v=v: step(v))
+            state = [*v["model"].parameters(), *v["model"].buffers()]
+            with SavedTensorBytes(exclude=state, within=v["backbone"]) as saved:
+                loss = step(v)
             loss.backward()
             v["model"].zero_grad(set_to_none=True)
             del loss
@@ -278,15 +187,11 @@ def run_case(case: Case, *, device: str, warmup: int, repeats: int,
             handle.remove()
         rows.append({"case": case.name, "input": case.input, "norm": f"{norm.__module__}.{norm.__qualname__}",
                      "variant": v["label"], "pairs": len(v["pairs"]),
-                     "folded_calls": folds[0], "saved_backbone_mb": backbone_bytes / 2**20,
-                     "saved_total_mb": total_bytes / 2**20, "peak_mb": memory["peak_mb"], "times": []})
+                     "folded_calls": folds[0], "saved_backbone_mb": saved.within_bytes / MB,
+                     "saved_total_mb": saved.bytes / MB, "peak_mb": memory["peak_mb"], "times": []})
     for _ in range(repeats):
         for v, row in zip(variants, rows):
-            _sync(device)
-            start = time.perf_counter()
-            step(v).backward()
-            _sync(device)
-            row["times"].append(time.perf_counter() - start)
+            row["times"].append(timed(lambda v=v: step(v).backward(), device))
             v["model"].zero_grad(set_to_none=True)
     for row in rows:
         row["step_ms"] = 1000 * statistics.median(row.pop("times"))
@@ -345,9 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"warm-up={args.warmup} repeats={args.repeats} (median) peak={_Peak(args.device).method} "
               f"torch={torch.__version__}")
     print(table(rows, header))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

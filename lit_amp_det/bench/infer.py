@@ -1,6 +1,6 @@
 """``python -m lit_amp_det bench infer``: Mask R-CNN inference latency and throughput as optimisations add up.
 
-Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_amp_det.bench.e2e`):
+Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_amp_det.bench.e2e_rows`):
 
 1. torchvision fp32 eager: torchvision's own ops, ``trainer.precision=32-true``, no callbacks;
 2. ``trainer.precision=16-mixed`` (CUDA; ``bf16-mixed`` on a CPU); with the baseline's
@@ -35,10 +35,13 @@ from typing import Any
 
 import torch
 
-from lit_amp_det.bench import e2e
-from lit_amp_det.bench.e2e import Row, Setting
+from lit_amp_det.bench import e2e, e2e_rows
+from lit_amp_det.bench.common import compose
+from lit_amp_det.bench.e2e_report import ratio_text
+from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.bench.train import ROWS as TRAIN_ROWS
 from lit_amp_det.models.conv_bn import NORM_TYPES
+from lit_amp_det.profiling import timed
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]
 
@@ -52,15 +55,15 @@ ROWS = (
 
 def run_row(index: int, setting: Setting) -> dict[str, Any]:
     """Times ``setting.steps`` eval calls at batch 1 and at ``setting.batch`` of ``ROWS[index]`` in this process."""
-    cfg = e2e.compose_row(e2e.row_overrides(ROWS, index, setting))
+    cfg = compose(e2e_rows.row_overrides(ROWS, index, setting))
     start = time.perf_counter()
-    built = e2e.build(cfg, setting.device, "predict")
+    built = e2e_rows.build(cfg, setting.device, "predict")
     module, plugin = built.module, built.plugin
     module.eval()  # Lightning's predict loop does this before on_predict_start
     for callback in built.callbacks:
         callback.on_predict_start(None, module)
-    images, _ = e2e.synthetic_batch(setting, setting.batch)
-    memory = e2e.PeakMemory(setting.device)
+    images, _ = e2e_rows.synthetic_batch(setting, setting.batch)
+    memory = e2e_rows.PeakMemory(setting.device)
     build_s = time.perf_counter() - start
     detections: list[int] = []
 
@@ -71,13 +74,13 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
 
     warmup = setting.compile_warmup if cfg.model.compile else setting.warmup
     # every batch size warms up before anything is timed (compile traces each input shape)
-    warmup_s = sum(e2e.timed(lambda: call(images[:1]), setting.device) for _ in range(warmup))
-    warmup_s += sum(e2e.timed(lambda: call(images), setting.device) for _ in range(warmup))
+    warmup_s = sum(timed(lambda: call(images[:1]), setting.device) for _ in range(warmup))
+    warmup_s += sum(timed(lambda: call(images), setting.device) for _ in range(warmup))
     memory.reset()
-    latency = e2e.summarise([e2e.timed(lambda: call(images[:1]), setting.device) for _ in range(setting.steps)],
-                            "latency")
-    throughput = e2e.summarise([e2e.timed(lambda: call(images), setting.device) for _ in range(setting.steps)],
-                               "batch")
+    latency = e2e_rows.summarise([timed(lambda: call(images[:1]), setting.device) for _ in range(setting.steps)],
+                                 "latency")
+    throughput = e2e_rows.summarise([timed(lambda: call(images), setting.device) for _ in range(setting.steps)],
+                                    "batch")
     return {
         **latency,
         **throughput,
@@ -89,18 +92,17 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "warmup_s": warmup_s,
         "detections_per_call": detections[-1],
         "norm_layers": sum(isinstance(m, NORM_TYPES) for m in module.modules()),  # 0 once folded
-        "switches": e2e.switches(cfg, built),
+        "switches": e2e_rows.switches(cfg, built),
     }
 
 
 def _ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
-    memory = row["peak_memory_mb"] / base["peak_memory_mb"] if base["peak_memory_mb"] > 0 else None
     return {"latency_speedup": base["latency_ms_median"] / row["latency_ms_median"],
-            "throughput_speedup": row["images_per_s"] / base["images_per_s"], "memory_ratio": memory}
+            "throughput_speedup": row["images_per_s"] / base["images_per_s"],
+            "memory_ratio": e2e_rows.memory_ratio(row, base)}
 
 
-
-BENCH = e2e.Bench(
+BENCH = e2e_rows.Bench(
     kind="infer",
     doc=__doc__,
     rows=ROWS,
@@ -109,12 +111,12 @@ BENCH = e2e.Bench(
     columns=(
         ("latency ms (batch 1, median)", lambda r: f"{r['latency_ms_median']:.1f}"),
         ("IQR ms", lambda r: f"{r['latency_ms_iqr']:.1f}"),
-        ("latency speed-up", lambda r: e2e.ratio_text(r.get("latency_speedup"), suffix="x")),
+        ("latency speed-up", lambda r: ratio_text(r.get("latency_speedup"), suffix="x")),
         ("images/s (batch)", lambda r: f"{r['images_per_s']:.2f}"),
         ("batch ms (median, IQR)", lambda r: f"{r['batch_ms_median']:.0f} ({r['batch_ms_iqr']:.0f})"),
-        ("throughput speed-up", lambda r: e2e.ratio_text(r.get("throughput_speedup"), suffix="x")),
+        ("throughput speed-up", lambda r: ratio_text(r.get("throughput_speedup"), suffix="x")),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
-        ("memory ratio", lambda r: e2e.ratio_text(r.get("memory_ratio"), suffix="x")),
+        ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']}+{r['warmup_steps']} calls)"),
     ),
     panels=(("latency_speedup", "batch-1 latency speed-up vs first row"),

@@ -24,9 +24,7 @@ forward+backward >= 1.5x.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,6 +35,8 @@ import torchvision
 from torch import Tensor
 
 import lit_amp_det.ops as ops
+from lit_amp_det.bench.common import compose, write_json
+from lit_amp_det.profiling import timed
 
 __all__ = ["main"]
 
@@ -61,23 +61,14 @@ def _rois(k: int, seed: int) -> Tensor:
     return torch.cat([torch.randint(2, (k, 1), generator=torch.Generator().manual_seed(seed)).float(), boxes], 1)
 
 
-def _time(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
-
-
 def _compare(name: str, size: str, dtype: str, ours: Callable[[], Any], theirs: Callable[[], Any], *,
              device: str, repeats: int, warmup: int) -> dict[str, Any]:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
         ours(), theirs()
     ours_s, theirs_s = [], []
     for _ in range(repeats):
-        ours_s.append(_time(ours, sync))
-        theirs_s.append(_time(theirs, sync))
+        ours_s.append(timed(ours, device))
+        theirs_s.append(timed(theirs, device))
     mine, tv = statistics.median(ours_s), statistics.median(theirs_s)
     return {"op": name, "size": size, "dtype": dtype, "device": device, "ours_ms": 1000 * mine,
             "torchvision_ms": 1000 * tv, "speedup": tv / mine,
@@ -181,14 +172,10 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, C
 
 
 def _model_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
-    from hydra import compose, initialize_config_dir
-
-    from lit_amp_det.config import config_dir
     from lit_amp_det.models.maskrcnn import build_detector
 
     name, batch, side = ("maskrcnn_r50_fpn", 2, 800) if device == "cuda" else ("maskrcnn_light", 4, 224)
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=[f"model={name}"])
+    cfg = compose([f"model={name}"])
     settings = {k: cfg.model[k] for k in ("backbone", "transform", "rpn", "roi_heads")}
     torch.manual_seed(0)
     ext = build_detector(7, ops="ext", **settings).to(device)
@@ -265,9 +252,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     header = (f"device={args.device} ({device_name}) torch={torch.__version__} torchvision={torchvision.__version__} "
               f"repeats={repeats} (median; warm-up {args.warmup} excluded)")
     print(_table(rows, header))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+    write_json(args.json, {"header": header, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["main", "run_row", "train_step"]
+from lit_amp_det.bench.common import compose, train_step, write_json
+from lit_amp_det.profiling import MB, MemoryProbe, StepTimer
+
+__all__ = ["main", "run_row"]
 
 ROWS = [
     ("32-true", "regions"),
@@ -49,42 +50,16 @@ def _batch(batch: int, size: int, device: str) -> tuple[list[torch.Tensor], list
     return images, targets
 
 
-def _peak_memory_mb(device: str) -> float:
-    """Peak memory so far: CUDA allocator peak, or the process's peak resident set on a CPU."""
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def train_step(module: Any, plugin: Any, optimizer: torch.optim.Optimizer, images: list[torch.Tensor],
-               targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """One training step as Lightning runs it for ``MaskRCNNModule``: forward and loss in the plugin's
-    autocast context, then backward and optimizer step (through the plugin's GradScaler for fp16)."""
-    with plugin.forward_context():
-        loss = module.compute_loss(module.model(module.prepare_images(images), module.training_targets(targets)))
-    optimizer.zero_grad(set_to_none=True)
-    scaler = getattr(plugin, "scaler", None)
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        loss.backward()
-        optimizer.step()
-    return loss
-
-
 def run_row(precision: str, regions: str, *, model: str, batch: int, size: int, steps: int, warmup: int,
             device: str, fp16_on_cpu: bool) -> dict[str, Any]:
     """Times ``steps`` training steps of one configuration in this process."""
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lit_amp_det.config import config_dir
     from lit_amp_det.precision import build_precision_plugin
 
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=[f"model={model}", "paths.output_dir=/tmp", "paths.cache_dir=/tmp"])
+    # never reset: its peak is the process's since here, the building of the model included
+    probe = MemoryProbe(device)
+    cfg = compose([f"model={model}", "paths.output_dir=/tmp", "paths.cache_dir=/tmp"])
     torch.manual_seed(0)
     module = instantiate(cfg.model, _convert_="all", num_classes=4).to(device)
     plugin = build_precision_plugin(precision, "gpu" if device == "cuda" else "cpu", fp16_on_cpu=fp16_on_cpu,
@@ -93,25 +68,23 @@ def run_row(precision: str, regions: str, *, model: str, batch: int, size: int, 
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
     images, targets = _batch(batch, size, device)
     module.train()
-    base_memory = _peak_memory_mb(device)
+    base_memory = probe.peak_bytes() / MB
+    timer = StepTimer(device, warmup)
     times = []
-    for step in range(warmup + steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    for _ in range(warmup + steps):
+        timer.start()
         loss = train_step(module, plugin, optimizer, images, targets)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+        seconds = timer.stop()
+        if seconds is not None:
+            times.append(seconds)
     return {
         "precision": getattr(plugin, "precision", precision),
         "fp32_regions": regions,
         "step_ms_median": 1000 * statistics.median(times),
         "step_ms_spread": 1000 * (max(times) - min(times)),
         "images_per_s": batch / statistics.median(times),
-        "peak_memory_mb": _peak_memory_mb(device),
-        "peak_memory_growth_mb": _peak_memory_mb(device) - base_memory,
+        "peak_memory_mb": probe.peak_bytes() / MB,
+        "peak_memory_growth_mb": probe.peak_bytes() / MB - base_memory,
         "final_loss": float(loss),
     }
 
@@ -165,9 +138,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise RuntimeError(f"bench row {precision}/{regions} failed:\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(_table(rows, args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``python -m lit_amp_det bench train``: Mask R-CNN training throughput as lit_amp_det's optimisations add up.
 
-Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_amp_det.bench.e2e`):
+Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_amp_det.bench.e2e_rows`):
 
 1. torchvision fp32 eager: torchvision's own ops, ``trainer.precision=32-true``, SGD (momentum 0.9,
    ``conf/optim/sgd.yaml``) without the fused kernel, no callbacks;
@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
-from lit_amp_det.bench import e2e
-from lit_amp_det.bench.e2e import Row, Setting
-from lit_amp_det.bench.precision import train_step
+from lit_amp_det.bench import e2e, e2e_rows
+from lit_amp_det.bench.common import compose, train_step
+from lit_amp_det.bench.e2e_report import ratio_text
+from lit_amp_det.bench.e2e_rows import Row, Setting
+from lit_amp_det.profiling import timed
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]
 
@@ -58,9 +60,9 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
 
     from lit_amp_det.optim import build_optimizer
 
-    cfg = e2e.compose_row(e2e.row_overrides(ROWS, index, setting))
+    cfg = compose(e2e_rows.row_overrides(ROWS, index, setting))
     start = time.perf_counter()
-    built = e2e.build(cfg, setting.device, "fit")
+    built = e2e_rows.build(cfg, setting.device, "fit")
     module, plugin, callbacks = built.module, built.plugin, built.callbacks
     # configure_optimizers' optimizer and schedule (it needs a Trainer for the step count)
     optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
@@ -69,12 +71,12 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     if module.hparams.scheduler:
         scheduler = instantiate(dict(module.hparams.scheduler), optimizer=optimizer,
                                 total_steps=warmup + setting.steps)
-    images, targets = e2e.synthetic_batch(setting, setting.batch)
+    images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
     module.train()
     for callback in callbacks:
         callback.on_fit_start(None, module)
         callback.on_train_epoch_start(None, module)
-    memory = e2e.PeakMemory(setting.device)
+    memory = e2e_rows.PeakMemory(setting.device)
     build_s = time.perf_counter() - start
     losses: list[torch.Tensor] = []
 
@@ -86,10 +88,10 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
             scheduler.step()
         losses.append(loss.detach())
 
-    warmup_s = sum(e2e.timed(lambda i=i: step(i), setting.device) for i in range(warmup))
+    warmup_s = sum(timed(lambda i=i: step(i), setting.device) for i in range(warmup))
     memory.reset()
-    times = [e2e.timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
-    stats = e2e.summarise(times)
+    times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
+    stats = e2e_rows.summarise(times)
     return {
         **stats,
         "images_per_s": setting.batch * 1000 / stats["step_ms_median"],
@@ -99,19 +101,18 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "warmup_steps": warmup,
         "warmup_s": warmup_s,
         "losses": [float(loss) for loss in losses],
-        "switches": e2e.switches(cfg, built),
+        "switches": e2e_rows.switches(cfg, built),
         "optimizer": {"type": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
                       "foreach": optimizer.defaults.get("foreach")},
     }
 
 
 def _ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
-    memory = row["peak_memory_mb"] / base["peak_memory_mb"] if base["peak_memory_mb"] > 0 else None
-    return {"speedup": row["images_per_s"] / base["images_per_s"], "memory_ratio": memory}
+    return {"speedup": row["images_per_s"] / base["images_per_s"],
+            "memory_ratio": e2e_rows.memory_ratio(row, base)}
 
 
-
-BENCH = e2e.Bench(
+BENCH = e2e_rows.Bench(
     kind="train",
     doc=__doc__,
     rows=ROWS,
@@ -119,11 +120,11 @@ BENCH = e2e.Bench(
     ratios=_ratios,
     columns=(
         ("images/s", lambda r: f"{r['images_per_s']:.2f}"),
-        ("speed-up", lambda r: e2e.ratio_text(r.get("speedup"), suffix="x")),
+        ("speed-up", lambda r: ratio_text(r.get("speedup"), suffix="x")),
         ("step ms (median)", lambda r: f"{r['step_ms_median']:.0f}"),
         ("IQR ms", lambda r: f"{r['step_ms_iqr']:.0f}"),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
-        ("memory ratio", lambda r: e2e.ratio_text(r.get("memory_ratio"), suffix="x")),
+        ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} steps)"),
     ),
     panels=(("speedup", "images/s vs first row (higher is better)"),

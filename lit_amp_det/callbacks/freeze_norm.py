@@ -18,6 +18,12 @@ nothing, 0 the stem (conv1 + bn1), k the stem and layer1..layerk (parameters wit
 in eval mode). detectron2's ``FREEZE_AT=2`` is ``frozen_stages=1``. State-dict keys do not change (frozen_bn
 only drops ``num_batches_tracked``, which both directions of loading handle), so checkpoints load into models
 trained with or without this callback.
+
+Frozen norms and stages have two homes on purpose: ``model.backbone.norm`` / ``trainable_layers`` say what the
+model *is* (torchvision's recipes build FrozenBN in, so pretrained weights load as they were trained), this
+callback is a training policy applied to whatever was built. It only ever freezes more, so when both are set
+the stricter wins for each stage (their union is frozen), and ``frozen_bn`` on a model built with FrozenBN is a
+no-op.
 """
 
 from __future__ import annotations

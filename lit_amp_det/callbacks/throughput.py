@@ -1,12 +1,9 @@
 """Logs training step time and images per second, for spotting input stalls and comparing optimisations.
 
-Each training step is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward and the
-optimizer step; not data loading, not validation), with ``torch.cuda.synchronize()`` at both ends on a GPU so
-the queued kernels are counted. The first ``warmup_steps`` steps of a fit are left out: they pay for allocator
-growth, cuDNN autotuning, lazy optimizer state and, with :class:`~lit_amp_det.callbacks.memory_monitor.
-MemoryMonitor` ``compare_baseline``, its measurement. The progress bar shows a moving median, which a single
-slow step (a checkpoint write, a garbage collection) does not move. Modelled on Lightning's ``ThroughputMonitor``,
-but counting images of detection batches (``(images, targets)`` sequences) and needing no FLOP counts.
+A thin adapter over :class:`~lit_amp_det.profiling.StepTimer`, as Lightning's ``ThroughputMonitor`` is over
+``lightning.fabric.utilities.throughput``, but counting images of detection batches and needing no FLOP counts.
+A step runs from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer; not data
+loading or validation); the progress bar shows a moving median, which one slow step does not move.
 """
 
 from __future__ import annotations
@@ -14,33 +11,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-__all__ = ["Throughput", "count_images"]
+from lit_amp_det.profiling import StepTimer, count_images
+
+__all__ = ["Throughput"]
 
 _FIELD = "callbacks.throughput"
-
-
-def count_images(batch: Any) -> int:
-    """Images in a detection batch ``(images, targets)``: ``[3, H, W]`` tensors in a sequence, or ``[N, 3, H, W]``."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        images = batch[0]
-        if isinstance(images, torch.Tensor) and images.dim() == 4:
-            return int(images.shape[0])
-        if isinstance(images, Sequence) and not isinstance(images, (str, bytes)):
-            return len(images)
-    kind = type(batch).__name__
-    length = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-    raise TypeError(
-        f"Throughput counts images in (images, targets) batches, but the training batch is a {kind}{length}; "
-        "pass Throughput(batch_size_fn=...) returning the number of images of your batches"
-    )
 
 
 class Throughput(Callback):
@@ -69,8 +51,7 @@ class Throughput(Callback):
         self.warmup_steps = warmup_steps
         self.batch_size_fn = batch_size_fn or count_images
         self._clock: Callable[[], float] = time.perf_counter  # tests swap in a fake clock
-        self._steps_seen = 0
-        self._started: float | None = None
+        self._timer: StepTimer | None = None
         self._rates: deque[float] = deque()
         self._reset_epoch()
 
@@ -94,14 +75,9 @@ class Throughput(Callback):
         if not callable(self.batch_size_fn):
             raise ValueError(f"{_FIELD}.batch_size_fn={self.batch_size_fn!r} must be callable (batch -> images)")
 
-    def _synchronize(self, trainer: pl.Trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)  # time the queued kernels, not their launch
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._steps_seen = 0
-        self._started = None
+        self._timer = StepTimer(trainer.strategy.root_device, self.warmup_steps, clock=self._clock)
         self._rates = deque(maxlen=self.window)
 
     @override
@@ -111,20 +87,16 @@ class Throughput(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._started = None
-        if self._steps_seen >= self.warmup_steps:
-            self._synchronize(trainer)
-            self._started = self._clock()
+        assert self._timer is not None
+        self._timer.start()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._steps_seen += 1
-        if self._started is None:
+        assert self._timer is not None
+        seconds = self._timer.stop()
+        if seconds is None:
             return  # warm-up step
-        self._synchronize(trainer)
-        seconds = self._clock() - self._started
-        self._started = None
         images = int(self.batch_size_fn(batch))
         self._rates.append(images / seconds)
         self._epoch_steps += 1

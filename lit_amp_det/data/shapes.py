@@ -16,24 +16,29 @@ an interrupted or concurrent generation never leaves a dataset that only looks c
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
-import re
 import secrets
 import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
+
+from lit_amp_det.data.shapes_draw import RenderedImage, ShapeInstance, _rasterise, _render, render_shapes_image
+from lit_amp_det.data.shapes_spec import (
+    DEFAULT_SPLITS,
+    FORMAT_VERSION,
+    SHAPE_CLASSES,
+    ShapesSpec,
+    _make_params,
+    _Params,
+)
 
 __all__ = [
     "DEFAULT_SPLITS",
@@ -45,434 +50,13 @@ __all__ = [
     "generate_shapes",
     "render_shapes_image",
     "shapes_dataset_dir",
+    "ShapesSpec",
 ]
-
-SHAPE_CLASSES: tuple[str, ...] = ("circle", "square", "triangle", "star", "ring", "cross")
-"""Category names; category id ``i + 1`` is ``SHAPE_CLASSES[i]``."""
-
-DEFAULT_SPLITS: Mapping[str, int] = MappingProxyType({"train": 800, "val": 100, "test": 100})
-"""Images per split used when ``splits`` is not given (read-only)."""
 
 MARKER_NAME = "DONE"
 """File written last into a dataset dir; its presence means the dataset is complete."""
 
-# Bump whenever rendering changes, so cached datasets from older code are not reused.
-FORMAT_VERSION = 2
-
-# Instances hidden below these limits are still drawn but not labelled, as a human
-# annotator would not label a shape they cannot recognise.
-MIN_VISIBLE_FRACTION = 0.3
-MIN_VISIBLE_PIXELS = 20
-
-DEFAULT_EMPTY_PROB = 0.02
-MIN_IMAGE_SIDE = 32
-CIRCLE_VERTICES = 32
-_SPLIT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PNG_COMPRESS_LEVEL = 1  # ~2x faster than the default, files barely larger (noise dominates)
-
-
-# --------------------------------------------------------------------------- params
-
-
-@dataclass(frozen=True)
-class _Params:
-    """Validated, normalised generation parameters (what the cache hash is taken of)."""
-
-    splits: tuple[tuple[str, int], ...]
-    height: int
-    width: int
-    min_objects: int
-    max_objects: int
-    min_size: float
-    max_size: float
-    seed: int
-    empty_prob: float
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain-JSON form; stable key order so hashes and markers are reproducible."""
-        return {
-            "format_version": FORMAT_VERSION,
-            "splits": dict(self.splits),
-            "image_size": [self.height, self.width],
-            "min_objects": self.min_objects,
-            "max_objects": self.max_objects,
-            "min_size": self.min_size,
-            "max_size": self.max_size,
-            "seed": self.seed,
-            "empty_prob": self.empty_prob,
-        }
-
-    def short_hash(self) -> str:
-        """12 hex chars identifying these parameters, used to name cache folders."""
-        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:12]
-
-
-def _is_int(value: object) -> bool:
-    # bool is an int subclass, but `splits={"train": True}` is surely a mistake.
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _check_image_size(image_size: int | Sequence[int]) -> tuple[int, int]:
-    """Return (height, width) from an int or a (height, width) pair."""
-    if _is_int(image_size):
-        size = (int(image_size), int(image_size))  # type: ignore[arg-type]
-    elif (
-        isinstance(image_size, Sequence)
-        and not isinstance(image_size, str)
-        and len(image_size) == 2
-        and all(_is_int(v) for v in image_size)
-    ):
-        size = (int(image_size[0]), int(image_size[1]))
-    else:
-        raise ValueError(
-            f"image_size must be an int or a (height, width) pair of ints, got {image_size!r}"
-        )
-    if min(size) < MIN_IMAGE_SIDE:
-        raise ValueError(f"image_size must be >= {MIN_IMAGE_SIDE} on each side, got {image_size!r}")
-    return size
-
-
-def _check_splits(splits: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    """Validate split names (used as folder/file names) and their image counts."""
-    if not isinstance(splits, Mapping) or len(splits) == 0:
-        raise ValueError(f"splits must be a non-empty mapping of split name to image count, got {splits!r}")
-    for name, count in splits.items():
-        if not isinstance(name, str) or not _SPLIT_NAME_RE.match(name):
-            raise ValueError(
-                f"splits key {name!r} must be a simple name (letters, digits, '_', '-', '.')"
-            )
-        if not _is_int(count):
-            raise ValueError(f"splits[{name!r}] must be an int, got {count!r}")
-        if count < 1:
-            raise ValueError(f"splits[{name!r}] must be >= 1, got {count}")
-    return tuple(sorted((name, int(count)) for name, count in splits.items()))
-
-
-def _make_params(
-    *,
-    splits: Mapping[str, int],
-    image_size: int | Sequence[int],
-    min_objects: int,
-    max_objects: int,
-    min_size: float,
-    max_size: float,
-    seed: int,
-    empty_prob: float,
-) -> _Params:
-    """Validate every generation argument, raising ValueError naming the bad one."""
-    split_items = _check_splits(splits)
-    height, width = _check_image_size(image_size)
-    if not _is_int(min_objects) or min_objects < 0:
-        raise ValueError(f"min_objects must be an int >= 0, got {min_objects!r}")
-    if not _is_int(max_objects) or max_objects < 1:
-        raise ValueError(f"max_objects must be an int >= 1, got {max_objects!r}")
-    if min_objects > max_objects:
-        raise ValueError(
-            f"min_objects must be <= max_objects, got min_objects={min_objects}, max_objects={max_objects}"
-        )
-    for name, value in (("min_size", min_size), ("max_size", max_size)):
-        if not _is_real(value) or not (0.0 < float(value) <= 1.0) or math.isnan(float(value)):
-            raise ValueError(f"{name} must be a fraction of the image side in (0, 1], got {value!r}")
-    if min_size > max_size:
-        raise ValueError(f"min_size must be <= max_size, got min_size={min_size}, max_size={max_size}")
-    if not _is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    if not _is_real(empty_prob) or not (0.0 <= float(empty_prob) <= 1.0):
-        raise ValueError(f"empty_prob must be in [0, 1], got {empty_prob!r}")
-    return _Params(
-        splits=split_items,
-        height=height,
-        width=width,
-        min_objects=int(min_objects),
-        max_objects=int(max_objects),
-        min_size=float(min_size),
-        max_size=float(max_size),
-        seed=int(seed),
-        empty_prob=float(empty_prob),
-    )
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-@dataclass(frozen=True)
-class ShapeInstance:
-    """One drawn shape: its class, geometry and masks (bool HxW arrays).
-
-    ``full_mask`` is the shape clipped to the image but ignoring occlusion;
-    ``visible_mask`` is what remains after later shapes were drawn over it. Instances
-    with ``labelled=False`` were drawn but are too hidden to be annotated.
-    """
-
-    category_id: int
-    colour: tuple[int, int, int]
-    vertices: tuple[float, ...]
-    hole_vertices: tuple[float, ...] | None
-    full_mask: np.ndarray
-    visible_mask: np.ndarray
-    labelled: bool
-
-    @property
-    def name(self) -> str:
-        """Class name of the shape."""
-        return SHAPE_CLASSES[self.category_id - 1]
-
-
-@dataclass(frozen=True)
-class RenderedImage:
-    """An RGB uint8 HxWx3 image and every shape drawn into it, in drawing order."""
-
-    image: np.ndarray
-    instances: tuple[ShapeInstance, ...]
-
-
-def _split_key(split: str) -> int:
-    """Stable 64-bit integer for a split name (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.sha256(split.encode("utf-8")).digest()[:8], "little")
-
-
-def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
-    """Independent stream per image, so splits and images can be drawn in any order."""
-    seq = np.random.SeedSequence([FORMAT_VERSION, seed, _split_key(split), index])
-    return np.random.Generator(np.random.PCG64(seq))
-
-
-def _unit_direction(rng: np.random.Generator) -> tuple[float, float]:
-    """Random direction from a small integer vector.
-
-    Normalising by sqrt (correctly rounded by IEEE 754) instead of cos/sin of a random
-    angle keeps background pixels bit-identical across libm implementations.
-    """
-    while True:
-        a, b = (int(v) for v in rng.integers(-4, 5, size=2))
-        if a or b:
-            norm = math.sqrt(a * a + b * b)
-            return a / norm, b / norm
-
-
-def _upsample_bilinear(grid: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Bilinearly stretch a coarse (gh, gw, C) grid to (height, width, C) with numpy."""
-    gh, gw = grid.shape[:2]
-    ys = np.arange(height, dtype=np.float64) * ((gh - 1) / (height - 1))
-    xs = np.arange(width, dtype=np.float64) * ((gw - 1) / (width - 1))
-    y0 = np.minimum(ys.astype(np.int64), gh - 2)
-    x0 = np.minimum(xs.astype(np.int64), gw - 2)
-    fy = (ys - y0)[:, None, None]
-    fx = (xs - x0)[None, :, None]
-    rows = grid[y0] * (1.0 - fy) + grid[y0 + 1] * fy
-    return rows[:, x0] * (1.0 - fx) + rows[:, x0 + 1] * fx
-
-
-def _pattern(rng: np.random.Generator, yy: np.ndarray, xx: np.ndarray) -> np.ndarray:
-    """A random two-colour pattern (stripes, checker or gradient), shape (H, W, 3)."""
-    dx, dy = _unit_direction(rng)
-    along = xx * dx + yy * dy
-    kind = int(rng.integers(0, 4))
-    if kind == 0:  # soft stripes (triangle wave avoids sin for cross-platform bit-exactness)
-        period = 6.0 + 18.0 * rng.random()
-        u = along / period + rng.random()
-        t = np.abs(2.0 * (u - np.floor(u)) - 1.0)
-    elif kind == 1:  # hard stripes
-        period = 5.0 + 15.0 * rng.random()
-        u = along / period + rng.random()
-        t = ((u - np.floor(u)) < 0.5).astype(np.float64)
-    elif kind == 2:  # rotated checkerboard
-        cell = 5.0 + 15.0 * rng.random()
-        across = -xx * dy + yy * dx
-        t = np.mod(np.floor(along / cell) + np.floor(across / cell), 2.0)
-    else:  # linear gradient across the image
-        t = along - along.min()
-        t = t / max(float(t.max()), 1e-9)
-    # the two pattern colours stay within +-60 of each other: a textured but not shape-like background
-    c1 = rng.random(3) * 255.0
-    c2 = np.clip(c1 + (rng.random(3) * 2.0 - 1.0) * 60.0, 0.0, 255.0)
-    return c1 * (1.0 - t[..., None]) + c2 * t[..., None]
-
-
-def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
-    """Textured float background: low-frequency colour noise blended with a pattern."""
-    gh, gw = (int(v) for v in rng.integers(2, 7, size=2))
-    lowfreq = _upsample_bilinear(rng.random((gh, gw, 3)) * 255.0, height, width)
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
-    pattern = _pattern(rng, yy, xx)
-    alpha = 0.25 + 0.5 * rng.random()
-    return alpha * lowfreq + (1.0 - alpha) * pattern
-
-
-def _regular_polygon(n: int, radius: float, phase: float) -> np.ndarray:
-    """(n, 2) vertices of a regular n-gon centred on the origin."""
-    angles = [phase + 2.0 * math.pi * k / n for k in range(n)]
-    return np.array([[radius * math.cos(a), radius * math.sin(a)] for a in angles])
-
-
-def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
-    """Rotate (n, 2) points about the origin."""
-    c, s = math.cos(angle), math.sin(angle)
-    return points @ np.array([[c, s], [-s, c]])
-
-
-def _shape_outline(
-    name: str, radius: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and
-    the outline of its hole (rings only)."""
-    angle = 2.0 * math.pi * rng.random()
-    if name == "circle":
-        return _regular_polygon(CIRCLE_VERTICES, radius, angle), None
-    if name == "square":
-        return _regular_polygon(4, radius, angle), None
-    if name == "triangle":
-        return _regular_polygon(3, radius, angle), None
-    if name == "star":
-        outer = _regular_polygon(10, radius, angle)
-        inner_ratio = 0.38 + 0.14 * rng.random()
-        outer[1::2] *= inner_ratio  # every other vertex pulled in makes a 5-point star
-        return outer, None
-    if name == "ring":
-        inner_ratio = 0.45 + 0.2 * rng.random()
-        return (
-            _regular_polygon(CIRCLE_VERTICES, radius, angle),
-            _regular_polygon(CIRCLE_VERTICES, radius * inner_ratio, angle),
-        )
-    if name == "cross":
-        arm = radius * (0.2 + 0.1 * rng.random())
-        r = radius
-        plus = np.array(
-            [
-                [arm, -r], [arm, -arm], [r, -arm], [r, arm], [arm, arm], [arm, r],
-                [-arm, r], [-arm, arm], [-r, arm], [-r, -arm], [-arm, -arm], [-arm, -r],
-            ]
-        )
-        return _rotate(plus, angle), None
-    raise ValueError(f"unknown shape name {name!r}")
-
-
-def _flat(points: np.ndarray) -> tuple[float, ...]:
-    """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...].
-
-    Rounding before both rasterising and writing makes the JSON exactly describe the
-    drawn shape and hides last-bit differences between libm implementations.
-    """
-    return tuple(round(float(v), 2) for v in points.reshape(-1))
-
-
-def _rasterise(flat: Sequence[float], height: int, width: int) -> np.ndarray:
-    """Bool mask of a polygon via pycocotools, without antialiasing.
-
-    The COCO rasteriser is used (not PIL) so a written polygon decodes with
-    ``annToMask`` to exactly the pixels painted into the image; PIL's fill convention
-    differs by about half a pixel, a large error for 20 px shapes.
-    """
-    rles = mask_utils.frPyObjects([list(flat)], height, width)
-    return mask_utils.decode(rles)[:, :, 0].astype(bool)
-
-
-def _shape_colour(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Random RGB colour (class-independent) with some contrast to what lies beneath."""
-    colour = np.floor(rng.random(3) * 256.0)
-    if mask.any():
-        under = canvas[mask].mean(axis=0)
-        if float(np.sqrt(np.sum((colour - under) ** 2))) < 80.0:
-            colour = np.mod(colour + 128.0, 256.0)
-    return colour
-
-
-def _paint(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray,
-           colour: np.ndarray, cx: float, cy: float, radius: float) -> None:
-    """Fill ``mask`` with ``colour`` plus a linear shading, like a lit flat object."""
-    ys, xs = np.nonzero(mask)
-    dx, dy = _unit_direction(rng)
-    strength = 40.0 * rng.random()
-    shade = ((xs - cx) * dx + (ys - cy) * dy) * (strength / radius)
-    canvas[ys, xs] = colour[None, :] + shade[:, None]
-
-
-def render_shapes_image(
-    seed: int,
-    split: str,
-    index: int,
-    *,
-    image_size: int | tuple[int, int] = 160,
-    min_objects: int = 1,
-    max_objects: int = 6,
-    min_size: float = 0.12,
-    max_size: float = 0.45,
-    empty_prob: float = DEFAULT_EMPTY_PROB,
-) -> RenderedImage:
-    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it.
-
-    Exposed so callers and tests can inspect full (unoccluded) and visible masks,
-    which the COCO files do not carry. ``image_size`` is an int or (height, width).
-    """
-    if not _is_int(index) or index < 0:
-        raise ValueError(f"index must be an int >= 0, got {index!r}")
-    params = _make_params(
-        splits={split: index + 1}, image_size=image_size, min_objects=min_objects,
-        max_objects=max_objects, min_size=min_size, max_size=max_size, seed=seed,
-        empty_prob=empty_prob,
-    )
-    return _render(params, split, index)
-
-
-def _render(params: _Params, split: str, index: int) -> RenderedImage:
-    """Draw background then shapes in order; later shapes occlude earlier ones."""
-    rng = _image_rng(params.seed, split, index)
-    height, width = params.height, params.width
-    canvas = _background(rng, height, width)
-    if rng.random() < params.empty_prob:
-        n_objects = 0
-    else:
-        n_objects = int(rng.integers(params.min_objects, params.max_objects + 1))
-    # owner[y, x] = 1 + index of the topmost shape covering the pixel (0 = background)
-    owner = np.zeros((height, width), dtype=np.int32)
-    drawn: list[tuple[int, np.ndarray, tuple[float, ...], tuple[float, ...] | None, np.ndarray]] = []
-    side = min(height, width)
-    for k in range(n_objects):
-        category = int(rng.integers(0, len(SHAPE_CLASSES)))
-        diameter = (params.min_size + (params.max_size - params.min_size) * rng.random()) * side
-        radius = diameter / 2.0
-        # centre inside the image: shapes may hang over the border but stay recognisable
-        centre = np.array([rng.random() * width, rng.random() * height])
-        outline, hole = _shape_outline(SHAPE_CLASSES[category], radius, rng)
-        vertices = _flat(outline + centre)
-        mask = _rasterise(vertices, height, width)
-        hole_vertices = None
-        if hole is not None:
-            hole_vertices = _flat(hole + centre)
-            mask &= ~_rasterise(hole_vertices, height, width)
-        colour = _shape_colour(rng, canvas, mask)
-        _paint(rng, canvas, mask, colour, float(centre[0]), float(centre[1]), radius)
-        owner[mask] = k + 1
-        drawn.append((category + 1, mask, vertices, hole_vertices, colour))
-    noise_amp = int(rng.integers(2, 7))
-    noise = rng.integers(-noise_amp, noise_amp + 1, size=(height, width, 3))
-    image = np.clip(np.rint(canvas + noise), 0, 255).astype(np.uint8)
-    instances = []
-    for k, (category_id, mask, vertices, hole_vertices, colour) in enumerate(drawn):
-        visible = owner == k + 1
-        full_area = int(mask.sum())
-        visible_area = int(visible.sum())
-        labelled = (
-            visible_area >= MIN_VISIBLE_PIXELS and visible_area >= MIN_VISIBLE_FRACTION * full_area
-        )
-        instances.append(
-            ShapeInstance(
-                category_id=category_id,
-                colour=(int(colour[0]), int(colour[1]), int(colour[2])),
-                vertices=vertices,
-                hole_vertices=hole_vertices,
-                full_mask=mask,
-                visible_mask=visible,
-                labelled=labelled,
-            )
-        )
-    return RenderedImage(image=image, instances=tuple(instances))
-
 
 # --------------------------------------------------------------------------- annotation
 
@@ -670,13 +254,13 @@ def generate_shapes(
     root: str | os.PathLike[str],
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
-    image_size: int | tuple[int, int] = 160,
-    min_objects: int = 1,
-    max_objects: int = 6,
-    min_size: float = 0.12,
-    max_size: float = 0.45,
-    seed: int = 0,
-    empty_prob: float = DEFAULT_EMPTY_PROB,
+    image_size: int | tuple[int, int] = ShapesSpec.image_size,
+    min_objects: int = ShapesSpec.min_objects,
+    max_objects: int = ShapesSpec.max_objects,
+    min_size: float = ShapesSpec.min_size,
+    max_size: float = ShapesSpec.max_size,
+    seed: int = ShapesSpec.seed,
+    empty_prob: float = ShapesSpec.empty_prob,
     overwrite: bool = False,
 ) -> Path:
     """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path.
@@ -730,13 +314,13 @@ def shapes_dataset_dir(
     cache_dir: str | os.PathLike[str],
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
-    image_size: int | tuple[int, int] = 160,
-    min_objects: int = 1,
-    max_objects: int = 6,
-    min_size: float = 0.12,
-    max_size: float = 0.45,
-    seed: int = 0,
-    empty_prob: float = DEFAULT_EMPTY_PROB,
+    image_size: int | tuple[int, int] = ShapesSpec.image_size,
+    min_objects: int = ShapesSpec.min_objects,
+    max_objects: int = ShapesSpec.max_objects,
+    min_size: float = ShapesSpec.min_size,
+    max_size: float = ShapesSpec.max_size,
+    seed: int = ShapesSpec.seed,
+    empty_prob: float = ShapesSpec.empty_prob,
 ) -> Path:
     """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created).
 
@@ -754,13 +338,13 @@ def ensure_shapes(
     cache_dir: str | os.PathLike[str],
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
-    image_size: int | tuple[int, int] = 160,
-    min_objects: int = 1,
-    max_objects: int = 6,
-    min_size: float = 0.12,
-    max_size: float = 0.45,
-    seed: int = 0,
-    empty_prob: float = DEFAULT_EMPTY_PROB,
+    image_size: int | tuple[int, int] = ShapesSpec.image_size,
+    min_objects: int = ShapesSpec.min_objects,
+    max_objects: int = ShapesSpec.max_objects,
+    min_size: float = ShapesSpec.min_size,
+    max_size: float = ShapesSpec.max_size,
+    seed: int = ShapesSpec.seed,
+    empty_prob: float = ShapesSpec.empty_prob,
 ) -> Path:
     """Return the dataset dir for these parameters, generating it only if incomplete.
 
@@ -798,14 +382,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("outdir", help="dataset folder (or cache folder with --cache)")
     parser.add_argument("--split", action="append", type=_parse_split, metavar="NAME=COUNT",
                         help="split and image count, repeatable (default train=800 val=100 test=100)")
-    parser.add_argument("--image-size", type=int, nargs="+", default=[160], metavar="PX",
+    parser.add_argument("--image-size", type=int, nargs="+", default=[ShapesSpec.image_size], metavar="PX",
                         help="side, or height width")
-    parser.add_argument("--min-objects", type=int, default=1)
-    parser.add_argument("--max-objects", type=int, default=6)
-    parser.add_argument("--min-size", type=float, default=0.12)
-    parser.add_argument("--max-size", type=float, default=0.45)
-    parser.add_argument("--empty-prob", type=float, default=DEFAULT_EMPTY_PROB)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-objects", type=int, default=ShapesSpec.min_objects)
+    parser.add_argument("--max-objects", type=int, default=ShapesSpec.max_objects)
+    parser.add_argument("--min-size", type=float, default=ShapesSpec.min_size)
+    parser.add_argument("--max-size", type=float, default=ShapesSpec.max_size)
+    parser.add_argument("--empty-prob", type=float, default=ShapesSpec.empty_prob)
+    parser.add_argument("--seed", type=int, default=ShapesSpec.seed)
     parser.add_argument("--cache", action="store_true",
                         help="treat OUTDIR as a cache folder and use a parameter-hashed subfolder")
     parser.add_argument("--overwrite", action="store_true")

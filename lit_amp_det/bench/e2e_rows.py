@@ -1,0 +1,226 @@
+"""The rows of ``bench train`` and ``bench infer``: what a row is, how its config is composed and built, and
+how its steps are measured.
+
+A row is a list of Hydra overrides: the first switches every optimisation off (:data:`BASELINE`), every
+later one adds exactly one override to the row above, so each row's gain is that one switch's. A row is built
+the way ``fit``/``predict`` build it, so the bench measures what a user runs. Methodology and figures:
+BENCHMARKS.md, "End to end".
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+from lit_amp_det.bench.common import detection_batch
+from lit_amp_det.profiling import MB, MemoryProbe
+
+__all__ = [
+    "BASELINE",
+    "Bench",
+    "Built",
+    "Column",
+    "PeakMemory",
+    "Row",
+    "Setting",
+    "build",
+    "device_defaults",
+    "memory_ratio",
+    "mixed_precision",
+    "row_overrides",
+    "summarise",
+    "switches",
+    "synthetic_batch",
+]
+
+#: Overrides of the first row: every optimisation off. ``precision.fp32_regions={}`` has no effect in fp32;
+#: it makes the autocast row plain autocast, so that the next row can switch the regions on by itself.
+BASELINE = (
+    "callbacks=none",
+    "optim=sgd",
+    "optim.optimizer.fused=null",
+    "trainer.precision=32-true",
+    "precision.fp32_regions={}",
+    "model.ops=torchvision",
+    "model.channels_last=false",
+    "model.compile=null",
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: ``override`` (``None`` for the baseline row) switches one optimisation on.
+
+    ``{mixed}`` in the override stands for the device's mixed precision (see :func:`mixed_precision`).
+    """
+
+    name: str
+    label: str
+    override: str | None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every row of one run shares."""
+
+    device: str
+    model: str
+    batch: int
+    height: int
+    width: int
+    num_classes: int
+    steps: int
+    warmup: int
+    compile_warmup: int
+
+    @property
+    def size(self) -> str:
+        return f"{self.height}x{self.width}"
+
+
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What distinguishes ``bench train`` from ``bench infer``."""
+
+    kind: str  # train | infer
+    doc: str
+    rows: tuple[Row, ...]
+    run_row: Callable[[int, Setting], dict[str, Any]]  # row index -> measurements, in this process
+    ratios: Callable[[dict[str, Any], dict[str, Any]], dict[str, float | None]]  # (row, base) -> ratios
+    columns: tuple[Column, ...]  # table columns after "# | row | adds"
+    panels: tuple[tuple[str, str], ...]  # (ratio key, title) per plot panel
+
+
+# --------------------------------------------------------------------------------------------- config
+
+def mixed_precision(device: str) -> str:
+    """``16-mixed`` on CUDA (fp16 tensor cores, GradScaler); ``bf16-mixed`` on a CPU."""
+    return "16-mixed" if device == "cuda" else "bf16-mixed"
+
+
+def device_defaults(device: str) -> dict[str, Any]:
+    """R50-FPN at COCO size on CUDA; on a CPU the light model (ResNet-18 FPN) at 224 px, a few minutes in all."""
+    if device == "cuda":
+        return {"model": "maskrcnn_r50_fpn", "batch": 8, "size": (800, 1333), "steps": 20, "warmup": 5}
+    return {"model": "maskrcnn_light", "batch": 4, "size": (224, 224), "steps": 10, "warmup": 3}
+
+
+def _setting_overrides(setting: Setting) -> list[str]:
+    # trainer=gpu|cpu: the device's trainer settings (cudnn.benchmark on a GPU); min/max size equal to the
+    # image sides: the transform keeps the synthetic images at their size
+    return [f"trainer={'gpu' if setting.device == 'cuda' else 'cpu'}", f"model={setting.model}",
+            f"model.num_classes={setting.num_classes}",
+            f"model.transform.min_size={min(setting.height, setting.width)}",
+            f"model.transform.max_size={max(setting.height, setting.width)}"]
+
+
+def row_overrides(rows: Sequence[Row], index: int, setting: Setting) -> list[str]:
+    """The overrides of ``rows[index]``: the setting, :data:`BASELINE`, then one override per row up to it."""
+    added = [row.override.format(mixed=mixed_precision(setting.device)) for row in rows[1: index + 1]
+             if row.override is not None]
+    return [*_setting_overrides(setting), *BASELINE, *added]
+
+
+@dataclass
+class Built:
+    """A row's module on its device, with its precision plugin and callbacks."""
+
+    module: Any  # MaskRCNNModule
+    plugin: Any  # lightning Precision
+    callbacks: list[Any]
+
+
+def build(cfg: DictConfig, device: str, stage: str) -> Built:
+    """Module, callbacks and precision plugin of ``cfg`` in the order ``Trainer.fit``/``predict`` sets them up.
+
+    The callbacks' ``setup`` runs first (FreezeNorm's swaps, ConvBNEval's install), then the plugin's
+    ``convert_module`` (fp32 regions), then the move to ``device``. The callbacks used here (FreezeNorm,
+    ConvBNEval) never touch the trainer argument of their hooks, so ``None`` stands in for it. On CUDA,
+    ``trainer.benchmark`` sets ``torch.backends.cudnn.benchmark`` as the Trainer would.
+    """
+    from hydra.utils import instantiate
+
+    from lit_amp_det.precision import build_precision_plugin
+    from lit_amp_det.tasks import instantiate_all
+
+    if cfg.trainer.get("benchmark") is not None and device == "cuda":
+        torch.backends.cudnn.benchmark = bool(cfg.trainer.benchmark)  # what the Trainer sets from trainer.benchmark
+    torch.manual_seed(0)
+    module = instantiate(cfg.model, _convert_="all")
+    callbacks = instantiate_all(cfg.get("callbacks"))
+    for callback in callbacks:
+        callback.setup(None, module, stage)
+    options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
+    plugin = build_precision_plugin(str(cfg.trainer.precision), "gpu" if device == "cuda" else "cpu", **options)
+    plugin.convert_module(module)
+    module.to(device)
+    return Built(module, plugin, callbacks)
+
+
+def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
+    """The values of the switches the rows turn on, as this row's process built them."""
+    return {
+        "trainer.precision": getattr(built.plugin, "precision", str(cfg.trainer.precision)),
+        "precision.fp32_regions": OmegaConf.to_container(cfg.precision, resolve=True).get("fp32_regions"),
+        "model.ops": cfg.model.ops,
+        "model.channels_last": cfg.model.channels_last,
+        "model.compile": cfg.model.compile,
+        "callbacks": [repr(c) for c in built.callbacks],
+        "optim.optimizer.fused": cfg.optim.optimizer.get("fused"),
+    }
+
+
+# -------------------------------------------------------------------------------------------- measuring
+
+def synthetic_batch(setting: Setting, batch: int) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
+    """``batch`` seeded ``uint8`` images (as the loaders deliver them) with 3 boxes and masks each."""
+    images, targets = detection_batch(batch, setting.height, setting.width, setting.device)
+    return [(image * 255).to(torch.uint8) for image in images], targets
+
+
+def summarise(times: Sequence[float], prefix: str = "step") -> dict[str, Any]:
+    """Median, quartiles, IQR, min and max of ``times`` (seconds), in ms."""
+    ms = sorted(1000 * t for t in times)
+    q1, q3 = statistics.quantiles(ms, n=4, method="inclusive")[0::2] if len(ms) > 1 else (ms[0], ms[0])
+    return {f"{prefix}_ms_median": statistics.median(ms), f"{prefix}_ms_q1": q1, f"{prefix}_ms_q3": q3,
+            f"{prefix}_ms_iqr": q3 - q1, f"{prefix}_ms_min": ms[0], f"{prefix}_ms_max": ms[-1],
+            f"{prefix}_ms_all": [1000 * t for t in times]}
+
+
+def memory_ratio(row: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """A row's peak memory over the base row's; None where the base needed none (a CPU step on warm pages)."""
+    return row["peak_memory_mb"] / base["peak_memory_mb"] if base["peak_memory_mb"] > 0 else None
+
+
+class PeakMemory:
+    """Peak memory of the timed steps above what the process held right after building the model (MB).
+
+    Measured with :class:`~lit_amp_det.profiling.MemoryProbe`, as ``MemoryMonitor`` and ``RunStats`` measure
+    ``fit``: the CUDA allocator, or the process's ``VmHWM`` (``ru_maxrss`` where it cannot be reset, which then
+    includes the warm-up).
+    """
+
+    def __init__(self, device: str) -> None:
+        self.probe = MemoryProbe(device)
+        self.baseline = self.probe.baseline_bytes() / MB
+        self.method = f"{self.probe.source}, reset after warm-up, minus what was in use after building"
+        self.probe.reset_peak()
+
+    def reset(self) -> None:
+        """Forget the peaks so far (call after warm-up)."""
+        self.probe.synchronize()
+        self.probe.reset_peak()
+
+    def peak(self) -> dict[str, float]:
+        """``peak_memory_mb`` (above the built model) and ``peak_memory_abs_mb`` (the whole process/device)."""
+        absolute = self.probe.peak_bytes() / MB
+        return {"peak_memory_mb": absolute - self.baseline, "peak_memory_abs_mb": absolute}

@@ -1,0 +1,306 @@
+"""Drawing one image of the synthetic shapes dataset: textured background, occluding shapes, their masks.
+
+Every image is drawn from its own ``numpy`` PCG64 stream keyed by (seed, split, index), so the output is
+byte-identical across runs and independent per split; :mod:`lit_amp_det.data.shapes` writes the images
+and their COCO annotations to disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from pycocotools import mask as mask_utils
+
+from lit_amp_det.data.shapes_spec import (
+    CIRCLE_VERTICES,
+    ShapesSpec,
+    _is_int,
+    _make_params,
+    FORMAT_VERSION,
+    MIN_VISIBLE_FRACTION,
+    MIN_VISIBLE_PIXELS,
+    SHAPE_CLASSES,
+    _Params,
+)
+
+__all__ = ["RenderedImage", "ShapeInstance", "render_shapes_image"]
+
+
+
+@dataclass(frozen=True)
+class ShapeInstance:
+    """One drawn shape: its class, geometry and masks (bool HxW arrays).
+
+    ``full_mask`` is the shape clipped to the image but ignoring occlusion;
+    ``visible_mask`` is what remains after later shapes were drawn over it. Instances
+    with ``labelled=False`` were drawn but are too hidden to be annotated.
+    """
+
+    category_id: int
+    colour: tuple[int, int, int]
+    vertices: tuple[float, ...]
+    hole_vertices: tuple[float, ...] | None
+    full_mask: np.ndarray
+    visible_mask: np.ndarray
+    labelled: bool
+
+    @property
+    def name(self) -> str:
+        """Class name of the shape."""
+        return SHAPE_CLASSES[self.category_id - 1]
+
+
+@dataclass(frozen=True)
+class RenderedImage:
+    """An RGB uint8 HxWx3 image and every shape drawn into it, in drawing order."""
+
+    image: np.ndarray
+    instances: tuple[ShapeInstance, ...]
+
+
+def _split_key(split: str) -> int:
+    """Stable 64-bit integer for a split name (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(split.encode("utf-8")).digest()[:8], "little")
+
+
+def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """Independent stream per image, so splits and images can be drawn in any order."""
+    seq = np.random.SeedSequence([FORMAT_VERSION, seed, _split_key(split), index])
+    return np.random.Generator(np.random.PCG64(seq))
+
+
+def _unit_direction(rng: np.random.Generator) -> tuple[float, float]:
+    """Random direction from a small integer vector.
+
+    Normalising by sqrt (correctly rounded by IEEE 754) instead of cos/sin of a random
+    angle keeps background pixels bit-identical across libm implementations.
+    """
+    while True:
+        a, b = (int(v) for v in rng.integers(-4, 5, size=2))
+        if a or b:
+            norm = math.sqrt(a * a + b * b)
+            return a / norm, b / norm
+
+
+def _upsample_bilinear(grid: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Bilinearly stretch a coarse (gh, gw, C) grid to (height, width, C) with numpy."""
+    gh, gw = grid.shape[:2]
+    ys = np.arange(height, dtype=np.float64) * ((gh - 1) / (height - 1))
+    xs = np.arange(width, dtype=np.float64) * ((gw - 1) / (width - 1))
+    y0 = np.minimum(ys.astype(np.int64), gh - 2)
+    x0 = np.minimum(xs.astype(np.int64), gw - 2)
+    fy = (ys - y0)[:, None, None]
+    fx = (xs - x0)[None, :, None]
+    rows = grid[y0] * (1.0 - fy) + grid[y0 + 1] * fy
+    return rows[:, x0] * (1.0 - fx) + rows[:, x0 + 1] * fx
+
+
+def _pattern(rng: np.random.Generator, yy: np.ndarray, xx: np.ndarray) -> np.ndarray:
+    """A random two-colour pattern (stripes, checker or gradient), shape (H, W, 3)."""
+    dx, dy = _unit_direction(rng)
+    along = xx * dx + yy * dy
+    kind = int(rng.integers(0, 4))
+    if kind == 0:  # soft stripes (triangle wave avoids sin for cross-platform bit-exactness)
+        period = 6.0 + 18.0 * rng.random()
+        u = along / period + rng.random()
+        t = np.abs(2.0 * (u - np.floor(u)) - 1.0)
+    elif kind == 1:  # hard stripes
+        period = 5.0 + 15.0 * rng.random()
+        u = along / period + rng.random()
+        t = ((u - np.floor(u)) < 0.5).astype(np.float64)
+    elif kind == 2:  # rotated checkerboard
+        cell = 5.0 + 15.0 * rng.random()
+        across = -xx * dy + yy * dx
+        t = np.mod(np.floor(along / cell) + np.floor(across / cell), 2.0)
+    else:  # linear gradient across the image
+        t = along - along.min()
+        t = t / max(float(t.max()), 1e-9)
+    # the two pattern colours stay within +-60 of each other: a textured but not shape-like background
+    c1 = rng.random(3) * 255.0
+    c2 = np.clip(c1 + (rng.random(3) * 2.0 - 1.0) * 60.0, 0.0, 255.0)
+    return c1 * (1.0 - t[..., None]) + c2 * t[..., None]
+
+
+def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """Textured float background: low-frequency colour noise blended with a pattern."""
+    gh, gw = (int(v) for v in rng.integers(2, 7, size=2))
+    lowfreq = _upsample_bilinear(rng.random((gh, gw, 3)) * 255.0, height, width)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
+    pattern = _pattern(rng, yy, xx)
+    alpha = 0.25 + 0.5 * rng.random()
+    return alpha * lowfreq + (1.0 - alpha) * pattern
+
+
+def _regular_polygon(n: int, radius: float, phase: float) -> np.ndarray:
+    """(n, 2) vertices of a regular n-gon centred on the origin."""
+    angles = [phase + 2.0 * math.pi * k / n for k in range(n)]
+    return np.array([[radius * math.cos(a), radius * math.sin(a)] for a in angles])
+
+
+def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
+    """Rotate (n, 2) points about the origin."""
+    c, s = math.cos(angle), math.sin(angle)
+    return points @ np.array([[c, s], [-s, c]])
+
+
+def _shape_outline(
+    name: str, radius: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and
+    the outline of its hole (rings only)."""
+    angle = 2.0 * math.pi * rng.random()
+    if name == "circle":
+        return _regular_polygon(CIRCLE_VERTICES, radius, angle), None
+    if name == "square":
+        return _regular_polygon(4, radius, angle), None
+    if name == "triangle":
+        return _regular_polygon(3, radius, angle), None
+    if name == "star":
+        outer = _regular_polygon(10, radius, angle)
+        inner_ratio = 0.38 + 0.14 * rng.random()
+        outer[1::2] *= inner_ratio  # every other vertex pulled in makes a 5-point star
+        return outer, None
+    if name == "ring":
+        inner_ratio = 0.45 + 0.2 * rng.random()
+        return (
+            _regular_polygon(CIRCLE_VERTICES, radius, angle),
+            _regular_polygon(CIRCLE_VERTICES, radius * inner_ratio, angle),
+        )
+    if name == "cross":
+        arm = radius * (0.2 + 0.1 * rng.random())
+        r = radius
+        plus = np.array(
+            [
+                [arm, -r], [arm, -arm], [r, -arm], [r, arm], [arm, arm], [arm, r],
+                [-arm, r], [-arm, arm], [-r, arm], [-r, -arm], [-arm, -arm], [-arm, -r],
+            ]
+        )
+        return _rotate(plus, angle), None
+    raise ValueError(f"unknown shape name {name!r}")
+
+
+def _flat(points: np.ndarray) -> tuple[float, ...]:
+    """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...].
+
+    Rounding before both rasterising and writing makes the JSON exactly describe the
+    drawn shape and hides last-bit differences between libm implementations.
+    """
+    return tuple(round(float(v), 2) for v in points.reshape(-1))
+
+
+def _rasterise(flat: Sequence[float], height: int, width: int) -> np.ndarray:
+    """Bool mask of a polygon via pycocotools, without antialiasing.
+
+    The COCO rasteriser is used (not PIL) so a written polygon decodes with
+    ``annToMask`` to exactly the pixels painted into the image; PIL's fill convention
+    differs by about half a pixel, a large error for 20 px shapes.
+    """
+    rles = mask_utils.frPyObjects([list(flat)], height, width)
+    return mask_utils.decode(rles)[:, :, 0].astype(bool)
+
+
+def _shape_colour(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Random RGB colour (class-independent) with some contrast to what lies beneath."""
+    colour = np.floor(rng.random(3) * 256.0)
+    if mask.any():
+        under = canvas[mask].mean(axis=0)
+        if float(np.sqrt(np.sum((colour - under) ** 2))) < 80.0:
+            colour = np.mod(colour + 128.0, 256.0)
+    return colour
+
+
+def _paint(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray,
+           colour: np.ndarray, cx: float, cy: float, radius: float) -> None:
+    """Fill ``mask`` with ``colour`` plus a linear shading, like a lit flat object."""
+    ys, xs = np.nonzero(mask)
+    dx, dy = _unit_direction(rng)
+    strength = 40.0 * rng.random()
+    shade = ((xs - cx) * dx + (ys - cy) * dy) * (strength / radius)
+    canvas[ys, xs] = colour[None, :] + shade[:, None]
+
+
+def render_shapes_image(
+    seed: int,
+    split: str,
+    index: int,
+    *,
+    image_size: int | tuple[int, int] = ShapesSpec.image_size,
+    min_objects: int = ShapesSpec.min_objects,
+    max_objects: int = ShapesSpec.max_objects,
+    min_size: float = ShapesSpec.min_size,
+    max_size: float = ShapesSpec.max_size,
+    empty_prob: float = ShapesSpec.empty_prob,
+) -> RenderedImage:
+    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it.
+
+    Exposed so callers and tests can inspect full (unoccluded) and visible masks,
+    which the COCO files do not carry. ``image_size`` is an int or (height, width).
+    """
+    if not _is_int(index) or index < 0:
+        raise ValueError(f"index must be an int >= 0, got {index!r}")
+    params = _make_params(
+        splits={split: index + 1}, image_size=image_size, min_objects=min_objects,
+        max_objects=max_objects, min_size=min_size, max_size=max_size, seed=seed,
+        empty_prob=empty_prob,
+    )
+    return _render(params, split, index)
+
+
+def _render(params: _Params, split: str, index: int) -> RenderedImage:
+    """Draw background then shapes in order; later shapes occlude earlier ones."""
+    rng = _image_rng(params.seed, split, index)
+    height, width = params.height, params.width
+    canvas = _background(rng, height, width)
+    if rng.random() < params.empty_prob:
+        n_objects = 0
+    else:
+        n_objects = int(rng.integers(params.min_objects, params.max_objects + 1))
+    # owner[y, x] = 1 + index of the topmost shape covering the pixel (0 = background)
+    owner = np.zeros((height, width), dtype=np.int32)
+    drawn: list[tuple[int, np.ndarray, tuple[float, ...], tuple[float, ...] | None, np.ndarray]] = []
+    side = min(height, width)
+    for k in range(n_objects):
+        category = int(rng.integers(0, len(SHAPE_CLASSES)))
+        diameter = (params.min_size + (params.max_size - params.min_size) * rng.random()) * side
+        radius = diameter / 2.0
+        # centre inside the image: shapes may hang over the border but stay recognisable
+        centre = np.array([rng.random() * width, rng.random() * height])
+        outline, hole = _shape_outline(SHAPE_CLASSES[category], radius, rng)
+        vertices = _flat(outline + centre)
+        mask = _rasterise(vertices, height, width)
+        hole_vertices = None
+        if hole is not None:
+            hole_vertices = _flat(hole + centre)
+            mask &= ~_rasterise(hole_vertices, height, width)
+        colour = _shape_colour(rng, canvas, mask)
+        _paint(rng, canvas, mask, colour, float(centre[0]), float(centre[1]), radius)
+        owner[mask] = k + 1
+        drawn.append((category + 1, mask, vertices, hole_vertices, colour))
+    noise_amp = int(rng.integers(2, 7))
+    noise = rng.integers(-noise_amp, noise_amp + 1, size=(height, width, 3))
+    image = np.clip(np.rint(canvas + noise), 0, 255).astype(np.uint8)
+    instances = []
+    for k, (category_id, mask, vertices, hole_vertices, colour) in enumerate(drawn):
+        visible = owner == k + 1
+        full_area = int(mask.sum())
+        visible_area = int(visible.sum())
+        labelled = (
+            visible_area >= MIN_VISIBLE_PIXELS and visible_area >= MIN_VISIBLE_FRACTION * full_area
+        )
+        instances.append(
+            ShapeInstance(
+                category_id=category_id,
+                colour=(int(colour[0]), int(colour[1]), int(colour[2])),
+                vertices=vertices,
+                hole_vertices=hole_vertices,
+                full_mask=mask,
+                visible_mask=visible,
+                labelled=labelled,
+            )
+        )
+    return RenderedImage(image=image, instances=tuple(instances))
+

@@ -1,0 +1,117 @@
+"""The import graph: no cycles, and every module imports only from its own layer or the layers below it.
+
+Layers, bottom up: ``profiling`` and ``ops`` (kernels and their front end) -> ``precision``, ``data``, ``models``
+-> ``module``, ``optim``, ``checkpoints``, ``distributed`` -> ``callbacks`` (each on its own: no callback imports
+another) -> the application: ``tasks``, ``config``, ``runs``, ``sweep`` (Hydra and launch plumbing), ``bench`` and ``cli``.
+Read from the source (``ast``), so nothing is imported and lazy imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lit_amp_det"
+
+#: module prefix -> the prefixes it may import from (besides itself and its own package)
+ALLOWED = {
+    "lit_amp_det.profiling": (),
+    "lit_amp_det.ops": (),
+    "lit_amp_det.precision": (),
+    "lit_amp_det.data": (),
+    "lit_amp_det.models": ("lit_amp_det.ops",),
+    "lit_amp_det.optim": (),
+    "lit_amp_det.distributed": (),
+    "lit_amp_det.checkpoints": (),
+    "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim",
+                           "lit_amp_det.checkpoints", "lit_amp_det.distributed", "lit_amp_det.precision"),
+    "lit_amp_det.callbacks": ("lit_amp_det.profiling", "lit_amp_det.models", "lit_amp_det.precision",
+                              "lit_amp_det.distributed"),
+}
+APPLICATION = ("lit_amp_det.tasks", "lit_amp_det.config", "lit_amp_det.runs", "lit_amp_det.sweep", "lit_amp_det.bench",
+               "lit_amp_det.cli")
+#: modules in callbacks/ that are not callbacks, but the measuring or reporting parts of one
+CALLBACK_HELPERS = ("lit_amp_det.callbacks.memory_savings",)
+#: the package face (lazy re-exports) and the ``python -m`` entry sit on top of everything
+TOP = ("lit_amp_det", "lit_amp_det.__main__")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports; importing through one's own parent package does not count."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            candidates = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in modules:
+                candidate = candidate.rpartition(".")[0]
+            if candidate.startswith("lit_amp_det") and candidate != name and not name.startswith(candidate + "."):
+                targets.add(candidate)
+    return targets
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layer(name: str) -> str | None:
+    matches = [prefix for prefix in ALLOWED if name == prefix or name.startswith(prefix + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            assert state.get(target) != 1, " -> ".join(path[path.index(target):] + [target])
+            if target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_library_modules_import_only_from_their_layer_or_below():
+    graph = _graph()
+    checked = 0
+    for name, targets in sorted(graph.items()):
+        layer = _layer(name)
+        if layer is None:
+            assert name in TOP or name.startswith(APPLICATION), f"{name} belongs to no layer; add it to ALLOWED or app"
+            continue
+        checked += 1
+        for target in targets:
+            if layer == "lit_amp_det.callbacks" and target.startswith("lit_amp_det.callbacks") \
+                    and target not in CALLBACK_HELPERS:
+                assert name == "lit_amp_det.callbacks", f"callback {name} imports callback {target}"
+                continue
+            assert target == layer or target.startswith(layer + ".") or target.startswith(ALLOWED[layer]), (
+                f"{name} ({layer} layer) imports {target}, which is not below it"
+            )
+    assert checked > 30

@@ -1,0 +1,73 @@
+"""lit_amp_det.profiling: saved-tensor bytes (whole model and one module), the step timer's warm-up and clock,
+the memory probe's baseline, and image counting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lit_amp_det.profiling import MemoryProbe, SavedTensorBytes, StepTimer, count_images, timed
+
+
+def test_saved_tensor_bytes_counts_distinct_storages_and_skips_model_state() -> None:
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorBytes(exclude=[weight]) as counter:
+        hidden = x @ weight  # saves x and weight: x counted, the parameter not
+        out = (hidden.sin() * hidden.sin()).sum()  # saves hidden (once) and the two sin outputs
+    out.backward()
+    expected = x.nbytes + hidden.nbytes + 2 * hidden.nbytes
+    assert counter.bytes == expected and counter.weight_cast_bytes == 0 and counter.within_bytes == 0
+
+    with SavedTensorBytes(exclude=[weight]) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = (x @ weight).float().sum()  # saves bf16 copies of x and of the weight
+    out.backward()
+    assert counter.weight_cast_bytes == weight.numel() * 2  # the bf16 weight copy, recognised as one
+    assert counter.bytes == x.numel() * 2 + weight.numel() * 2
+
+
+def test_saved_tensor_bytes_attributes_storages_to_the_module_that_saved_them_first() -> None:
+    first, second = nn.Linear(8, 16), nn.Linear(16, 4)
+    model = nn.Sequential(first, nn.Sigmoid(), second)
+    x = torch.randn(5, 8, requires_grad=True)
+    with SavedTensorBytes(exclude=[*model.parameters()], within=first) as counter:
+        out = model(x).sum()
+    out.backward()
+    # first saves x; the sigmoid saves its output, which second saves again (counted once, outside first)
+    assert counter.within_bytes == x.nbytes
+    assert counter.bytes == x.nbytes + 5 * 16 * 4
+    assert not first._forward_hooks and not first._forward_pre_hooks  # the hooks are gone after the context
+
+
+def test_step_timer_skips_warmup_steps_without_reading_the_clock() -> None:
+    reads = iter([10.0, 10.25, 20.0, 20.5])
+    timer = StepTimer("cpu", warmup=2, clock=lambda: next(reads))
+    seconds = []
+    for _ in range(4):
+        timer.start()
+        seconds.append(timer.stop())
+    assert seconds == [None, None, 0.25, 0.5] and timer.steps_seen == 4
+    assert next(reads, None) is None  # two reads per timed step, none for warm-up steps
+
+
+def test_timed_measures_the_call() -> None:
+    calls = []
+    assert timed(lambda: calls.append(1), "cpu") >= 0 and calls == [1]
+
+
+def test_cpu_probe_baseline_is_what_a_later_peak_is_measured_above() -> None:
+    probe = MemoryProbe("cpu")
+    assert probe.peak_reserved_bytes() is None
+    probe.reset_peak()
+    base = probe.baseline_bytes()
+    assert 0 < base <= probe.peak_bytes()
+    if probe.resettable:
+        assert base == pytest.approx(probe.in_use_bytes(), rel=0.05)  # the resident set, not an old peak
+
+
+def test_count_images_reads_detection_batches_and_names_the_fix_otherwise() -> None:
+    assert count_images(([torch.zeros(3, 4, 4)] * 3, [{}] * 3)) == 3
+    assert count_images((torch.zeros(5, 3, 4, 4), [{}] * 5)) == 5
+    with pytest.raises(TypeError, match=r"training batch is a dict.*batch_size_fn"):
+        count_images({"images": []})
