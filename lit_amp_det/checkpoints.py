@@ -1,83 +1,258 @@
-"""Loading local weights safely and finding the checkpoint a run should resume from.
+"""Loading local weights safely and checking checkpoints before a run uses them.
+
+Which run ``ckpt_path=last`` resumes is decided in :mod:`lit_amp_det.runs`.
 
 Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint is data, never code. Both a bare
 ``state_dict`` of the torchvision model and a Lightning checkpoint (whose ``state_dict`` keys carry the
-module's ``model.`` prefix) are accepted.
+module's ``model.`` prefix) are accepted as ``model.checkpoint``; ``ckpt_path`` takes Lightning checkpoints and
+is checked by :func:`check_checkpoint` before Lightning restores it. Every problem is one
+:class:`CheckpointError` that names the file, says what is wrong (empty, truncated, not a checkpoint, made for
+another model -- with the hyper-parameters that differ, read from the checkpoint) and what to pass instead,
+rather than torch's unpickler text or the full list of missing and unexpected keys.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["load_model_weights", "resolve_ckpt_path"]
+__all__ = ["CheckpointError", "check_checkpoint", "load_model_weights", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
+#: Top-level hyper-parameters that change no tensor's name or shape (never blamed for a mismatch).
+_RUNTIME_HPARAMS = {"optimizer", "scheduler", "checkpoint", "checkpoint_strict", "weights", "class_names",
+                    "category_ids", "transform", "mask_threshold", "compile", "channels_last", "ops"}
+#: The nested ones that do (the rest of ``rpn``/``roi_heads`` are thresholds and sample counts).
+_STRUCTURAL_NESTED = {"rpn.anchor_sizes", "rpn.aspect_ratios", "roi_heads.box_head_width", "roi_heads.mask_head_layers"}
+_EXAMPLES = 3  # key names quoted per kind of mismatch
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with the file, the reason and the fix in its message.
+
+    Its ``repr`` is the message itself: Hydra reports an error raised inside ``instantiate`` (the module's
+    constructor loads ``model.checkpoint``) by the exception's ``repr``, which would otherwise quote and escape it.
+    """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}: {self}"
+
+
+def _unreadable(source: str, path: Path, err: Exception) -> CheckpointError:
+    """What to say when ``torch.load`` fails: truncated, code inside, or not a checkpoint at all."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        head = handle.read(8)
+    if (head.startswith(b"PK\x03\x04") and not zipfile.is_zipfile(path)) or isinstance(err, EOFError):
+        return CheckpointError(
+            f"{source}={str(path)!r} is truncated or corrupted ({size} bytes, the end of the archive is missing): "
+            "was it copied while still being written? Use a complete copy, e.g. checkpoints/last.ckpt of a finished "
+            "run, or the best-*.ckpt next to it"
+        )
+    unsafe = re.search(r"GLOBAL ([\w.]+)", str(err))
+    if unsafe:
+        return CheckpointError(
+            f"{source}={str(path)!r} could not be loaded with weights_only=True: it holds Python objects "
+            f"({unsafe.group(1)}), not only tensors and plain data; save model.state_dict() (or a Lightning "
+            "checkpoint whose hyper-parameters are plain data) and pass that file"
+        )
+    return CheckpointError(
+        f"{source}={str(path)!r} is not a PyTorch checkpoint (it starts with {head!r}; torch.load with "
+        f"weights_only=True raised {type(err).__name__}); pass a .ckpt written by Lightning or a file written by "
+        "torch.save(model.state_dict(), path)"
+    )
+
+
+def read_checkpoint(path: str | Path, source: str = "model.checkpoint") -> Any:
+    """Loads ``path`` once with ``weights_only=True``; ``source`` is the config key that named it, for messages."""
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.glob("**/last.ckpt")) or sorted(path.glob("**/*.ckpt"))
+        hint = f"e.g. {str(found[0])!r}" if found else "e.g. runs/fit/<timestamp>/checkpoints/last.ckpt"
+        raise CheckpointError(f"{source}={str(path)!r} is a directory; pass the checkpoint file inside it, {hint}")
     if not path.is_file():
-        raise FileNotFoundError(f"model.checkpoint={str(path)!r} does not exist or is not a file")
+        raise FileNotFoundError(f"{source}={str(path)!r} does not exist or is not a file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(
+            f"{source}={str(path)!r} is empty (0 bytes), not a checkpoint: the run that wrote it probably died "
+            "while saving; pass another checkpoint, e.g. the best-*.ckpt next to it"
+        )
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for corrupt or unsafe files
-        raise ValueError(
-            f"model.checkpoint={str(path)!r} could not be loaded with weights_only=True ({err}); "
-            "pass a state dict or a Lightning checkpoint that holds only tensors and plain data"
-        ) from err
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises EOFError, RuntimeError, UnpicklingError, KeyError ... for bad files
+        raise _unreadable(source, path, err) from err
+
+
+def _state_dict_of(payload: Any, source: str, path: Path) -> dict[str, torch.Tensor]:
     state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"model.checkpoint={str(path)!r} holds no state dict of tensors")
-    if all(key.startswith("model.") for key in state):
-        state = {key[len("model.") :]: value for key, value in state.items()}
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(
+            f"{source}={str(path)!r} holds a {type(payload).__name__} but no state dict of tensors; pass a Lightning "
+            ".ckpt or a file written by torch.save(model.state_dict(), path)"
+        )
     return state
 
 
-def load_model_weights(model: nn.Module, path: Path, *, strict: bool = True) -> None:
-    """Loads ``path`` into ``model``.
+def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The detector's tensors (``model.`` prefix removed) and the saved hyper-parameters (empty if none)."""
+    payload = read_checkpoint(path, "model.checkpoint")
+    state = _state_dict_of(payload, "model.checkpoint", path)
+    if all(key.startswith("model.") for key in state):
+        state = {key[len("model.") :]: value for key, value in state.items()}
+    hparams = payload.get("hyper_parameters") if isinstance(payload, dict) else None
+    return state, dict(hparams) if isinstance(hparams, Mapping) else {}
 
-    With ``strict=False``, tensors missing from the file or of another shape (a head for another class
-    count, say) keep their initialisation and are listed in the log; with ``strict=True`` they are an error.
+
+def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _is_structural(key: str) -> bool:
+    top = key.split(".", 1)[0]
+    if top in _RUNTIME_HPARAMS or key in ("backbone.trainable_layers", "backbone.weights"):
+        return False
+    return "." not in key or top not in ("rpn", "roi_heads") or key in _STRUCTURAL_NESTED
+
+
+def _override_value(value: Any) -> str:
+    """``value`` as it is written on the command line (``true``, ``null``, ``[16,32]``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _hparam_differences(saved: Mapping[str, Any], configured: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(model.key, saved, configured)`` for every architecture hyper-parameter that differs."""
+    old, new = _flatten(saved), _flatten(configured)
+    keys = [k for k in old if k in new and _is_structural(k) and old[k] != new[k]]
+    return [(f"model.{k}", old[k], new[k]) for k in keys]
+
+
+def _tensor_mismatch(saved: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    return {
+        # BatchNorm fills a missing step counter itself (a FrozenBN checkpoint has none): not a mismatch
+        "missing from the file": [k for k in own if k not in saved and not k.endswith(".num_batches_tracked")],
+        "unexpected": [k for k in saved if k not in own],
+        "of other shapes": [k for k in saved if k in own and saved[k].shape != own[k].shape],
+    }
+
+
+def _summary(mismatch: Mapping[str, list[str]], saved: Mapping[str, torch.Tensor],
+             own: Mapping[str, torch.Tensor], *, examples: bool = True) -> str:
+    """``6 tensors of other shapes (roi_heads...weight [7, 64] in the file, [4, 64] here, ...)``: a few names."""
+    parts = []
+    for kind, keys in mismatch.items():
+        if not keys:
+            continue
+        if kind == "of other shapes":
+            shown = [f"{k} {list(saved[k].shape)} in the file, {list(own[k].shape)} here" for k in keys[:_EXAMPLES]]
+        else:
+            shown = keys[:_EXAMPLES]
+        more = ", ..." if len(keys) > _EXAMPLES else ""
+        parts.append(f"{len(keys)} tensors {kind}" + (f" ({', '.join(shown)}{more})" if examples else ""))
+    return "; ".join(parts)
+
+
+def _mismatch(source: str, path: Path, mismatch: Mapping[str, list[str]], saved: Mapping[str, torch.Tensor],
+              own: Mapping[str, torch.Tensor], saved_hparams: Mapping[str, Any],
+              configured: Mapping[str, Any]) -> tuple[str, list[tuple[str, Any, Any]]]:
+    """The first half of the error: which file, and what differs (hyper-parameters if known, else a few tensors)."""
+    differences = _hparam_differences(saved_hparams, configured)
+    name = f"{source}={str(path)!r}"
+    if not differences:
+        return f"{name} does not fit the configured model: {_summary(mismatch, saved, own)}", differences
+    counts = _summary(mismatch, saved, own, examples=False)
+    if [k for k, _, _ in differences] == ["model.num_classes"]:
+        (_, made, now), = differences
+        return f"{name} was made with model.num_classes={made}, {now} configured ({counts})", differences
+    made = ", ".join(f"{k}={_override_value(a)} in the checkpoint, {_override_value(b)} configured"
+                     for k, a, b in differences)
+    return f"{name} was made for another model: {made} ({counts})", differences
+
+
+def load_model_weights(model: nn.Module, path: Path, *, strict: bool = True,
+                       hparams: Mapping[str, Any] | None = None) -> None:
+    """Loads ``path`` (``model.checkpoint``) into the detector ``model``.
+
+    With ``strict=True`` any tensor missing from the file, unknown to the model or of another shape is one
+    :class:`CheckpointError` that names the differing hyper-parameters (when the file is a Lightning checkpoint
+    and ``hparams``, the module's own, are given) and the fix. With ``strict=False`` the tensors that fit are
+    loaded, the others keep their initialisation (a head for another class count, say), and one log line says so.
     """
-    state = _read_state_dict(path)
+    state, saved_hparams = _read_state_dict(path)
     own = model.state_dict()
-    mismatched = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    if mismatched and strict:
-        raise ValueError(
-            f"model.checkpoint={str(path)!r} has tensors of other shapes for {mismatched[:5]} "
-            f"({len(mismatched)} in all); set model.checkpoint_strict=false to skip them (e.g. a new class count)"
-        )
-    state = {k: v for k, v in state.items() if k not in mismatched}
-    result = model.load_state_dict(state, strict=strict)
-    skipped = mismatched + list(result.missing_keys)
-    if skipped:
-        log.warning("model.checkpoint: %d tensors kept their initialisation: %s", len(skipped), skipped[:10])
-    if result.unexpected_keys:
-        log.warning("model.checkpoint: ignored %d unknown keys: %s", len(result.unexpected_keys), result.unexpected_keys[:10])
+    mismatch = _tensor_mismatch(state, own)
+    if strict and any(mismatch.values()):
+        what, differences = _mismatch("model.checkpoint", path, mismatch, state, own, saved_hparams, hparams or {})
+        fixes = " ".join(f"{k}={_override_value(a)}" for k, a, _ in differences if k != "model.num_classes")
+        if differences and not fixes:  # only the class count differs
+            advice = ("to fine-tune it on these classes pass model.checkpoint_strict=false (the class-specific "
+                      "layers are then newly initialised)")
+        else:
+            build = f"{fixes} to build the model it was made for" if fixes else "the model settings it was made with"
+            advice = f"pass {build}, or model.checkpoint_strict=false to load only the tensors that fit"
+        raise CheckpointError(f"{what}; {advice}")
+    skipped = set(mismatch["of other shapes"])
+    model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
+    if any(mismatch.values()):
+        loaded = len(state) - len(skipped) - len(mismatch["unexpected"])
+        log.warning("model.checkpoint=%r: loaded %d of the model's %d tensors, the others keep their "
+                    "initialisation (checkpoint_strict=false): %s", str(path), loaded, len(own),
+                    _summary(mismatch, state, own))
 
 
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path, runs_root: Path) -> str | None:
-    """Turns ``ckpt_path=last`` into a file: this run's ``last.ckpt``, else the newest one under ``runs_root``.
+def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module) -> None:
+    """Checks ``ckpt_path`` before Lightning restores it into ``module`` (the configured LightningModule).
 
-    Any other value is returned unchanged (a path, ``best``, or ``None``), after checking a path exists.
+    Reads the file once (``weights_only=True``) and compares its ``state_dict`` with the module's (the class
+    count comes from the data, so the built module is the reference, not the config); a mismatch is one
+    :class:`CheckpointError` naming the hyper-parameters that differ (Lightning saves the module's init
+    arguments in the checkpoint) and the overrides that fix it. ``None`` and ``"best"`` are left to Lightning.
     """
-    if ckpt_path is None or ckpt_path in ("best",):
-        return ckpt_path
-    if ckpt_path == "last":
-        own = run_dir / "checkpoints" / "last.ckpt"
-        if own.is_file():
-            return str(own)
-        candidates = sorted(runs_root.glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not candidates:
-            raise FileNotFoundError(
-                f"ckpt_path=last: no checkpoints/last.ckpt under {run_dir} or {runs_root}; "
-                "train first, or pass ckpt_path=/path/to/file.ckpt"
-            )
-        log.info("ckpt_path=last resolved to %s", candidates[-1])
-        return str(candidates[-1])
-    if not Path(ckpt_path).is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist; pass a .ckpt file or 'last'")
-    return ckpt_path
+    if ckpt_path is None or str(ckpt_path) == "best":
+        return
+    path = Path(ckpt_path)
+    payload = read_checkpoint(path, "ckpt_path")
+    if not isinstance(payload, dict) or "state_dict" not in payload:
+        _state_dict_of(payload, "ckpt_path", path)  # raises unless it is a bare state dict
+        raise CheckpointError(
+            f"ckpt_path={str(path)!r} is a bare state dict, not a Lightning checkpoint (ckpt_path restores the "
+            f"whole training state); pass it as model.checkpoint={str(path)!r} instead"
+        )
+    state = _state_dict_of(payload, "ckpt_path", path)
+    own = module.state_dict()
+    mismatch = _tensor_mismatch(state, own)
+    if not any(mismatch.values()) or not getattr(module, "strict_loading", True):
+        return
+    configured = getattr(module, "hparams", {})
+    what, differences = _mismatch("ckpt_path", path, mismatch, state, own,
+                                  payload.get("hyper_parameters") or {}, configured)
+    fixes = " ".join(f"{k}={_override_value(a)}" for k, a, _ in differences)
+    restart = f"model.checkpoint={str(path)!r} model.checkpoint_strict=false"
+    if [k for k, _, _ in differences] == ["model.num_classes"]:
+        advice = (f"a checkpoint resumes or scores only the model it was made for: to fine-tune its weights on "
+                  f"these classes start a new run with {restart} instead of ckpt_path, or pass {fixes} with the "
+                  "data it was trained on")
+    elif fixes:
+        advice = f"pass {fixes} to use it"
+    else:
+        advice = f"pass the model settings it was made with, or start a new run from the tensors that fit: {restart}"
+    raise CheckpointError(f"{what}; {advice}")

@@ -7,18 +7,21 @@ because Hydra has no notion of subcommands. ``--help`` prints the subcommands an
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from lit_amp_det.config import COMMANDS, PRECISIONS, config_dir, config_groups
+from lit_amp_det.runs import holds_a_run
 
 __all__ = ["hydra_argv", "main", "usage"]
 
 _DESCRIPTIONS = {
-    "fit": "train (and validate every epoch); ckpt_path=last resumes",
+    "fit": "train (and validate every epoch); ckpt_path=last resumes the newest unfinished fit",
     "validate": "score a checkpoint (ckpt_path=... or model.checkpoint=...) on the validation split",
     "test": "score a checkpoint on the test split",
     "predict": "write COCO-format detections of data.predict_split to predictions.json",
@@ -38,7 +41,9 @@ def usage() -> str:
         f"trainer.precision: {' | '.join(PRECISIONS)}",
         "",
         "examples:",
+        "  python -m lit_amp_det fit trainer.max_steps=50          (a quick run)",
         "  python -m lit_amp_det fit trainer.precision=16-mixed",
+        "  python -m lit_amp_det fit ckpt_path=last                (resume the newest unfinished fit)",
         "  python -m lit_amp_det fit data=coco data.root=/data/coco experiment=coco_r50_fpn",
         "  python -m lit_amp_det fit -m trainer.precision=32-true,bf16-mixed",
         "  python -m lit_amp_det test ckpt_path=last",
@@ -73,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:
         print(usage())
         return
+    used = _used_run_dir(rest)
+    if used is not None:
+        sys.exit(f"lit_amp_det: hydra.run.dir={used} already holds a run (run.json, metrics.json or checkpoints); "
+                 f"runs never write into an earlier run's folder. Choose another folder (or leave hydra.run.dir out: "
+                 f"each run gets a new one), or resume that run into a new folder with ckpt_path={used}")
     sys.argv = [sys.argv[0], *hydra_argv(rest, command)]
     _hydra_entry()
 
@@ -81,6 +91,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 _FLAGS_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                      "--config-dir", "--experimental-rerun"}
 _INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def _used_run_dir(args: Sequence[str]) -> str | None:
+    """An explicit ``hydra.run.dir=`` that already holds a run, checked before Hydra writes ``.hydra/`` into it.
+
+    DDP's other ranks are started with the first rank's folder on purpose (Lightning sets ``LOCAL_RANK``)."""
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) > 0:
+        return None
+    for arg in args:
+        if arg.startswith("hydra.run.dir="):
+            path = arg.split("=", 1)[1].strip().strip("'\"")
+            return path if holds_a_run(Path(path)) else None
+    return None
 
 
 def hydra_argv(args: Sequence[str], command: str) -> list[str]:

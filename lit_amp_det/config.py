@@ -6,12 +6,14 @@ The YAML tree sits in the repository's ``conf/`` folder and is installed as the 
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from lit_amp_det.distributed import rank_suffix
+from lit_amp_det.runs import unique_dir
 
 __all__ = ["COMMANDS", "PRECISIONS", "config_dir", "config_groups", "check_config"]
 
@@ -26,8 +28,32 @@ def _headline_kind(mask: bool) -> str:
     return "segm" if mask else "bbox"
 
 
+def _loader_workers(requested: int) -> int:
+    """``data.num_workers``: ``requested``, but no more than the CPUs this process may use (torch warns above)."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        available = os.cpu_count() or 1
+    return max(0, min(int(requested), available))
+
+
+def _pin_memory(accelerator: str) -> bool:
+    """``data.pin_memory``: only when batches go to a GPU (on a CPU pinning is wasted and Lightning warns)."""
+    if str(accelerator) in ("gpu", "cuda"):
+        return True
+    if str(accelerator) != "auto":
+        return False
+    import torch  # deferred: only when a config asks
+
+    return torch.cuda.is_available()
+
+
 OmegaConf.register_new_resolver("headline_kind", _headline_kind, replace=True)
 OmegaConf.register_new_resolver("rank_suffix", rank_suffix, replace=True)  # per-rank log files under DDP
+# run folders created exclusively, once per run (cached: Hydra copies the cache into each sweep job's config)
+OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replace=True)
+OmegaConf.register_new_resolver("loader_workers", _loader_workers, replace=True)
+OmegaConf.register_new_resolver("pin_memory", _pin_memory, replace=True)
 
 
 def config_dir() -> Path:

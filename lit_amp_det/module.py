@@ -109,7 +109,7 @@ class MaskRCNNModule(LightningModule):
             raise ValueError(f"model.compile={compile!r}; choose one of {list(COMPILE_TARGETS)} (null: eager)")
         self.model = self.build_model()
         if checkpoint:
-            load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict)
+            load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict, hparams=self.hparams)
         if channels_last:
             use_channels_last(self.model)
         compile_detector(self.model, compile)

@@ -194,6 +194,10 @@ def _markdown(rows: Sequence[dict[str, Any]], sweep_dir: Path, metric: str | Non
     if scored:
         best = max(scored, key=lambda r: r["objective"])
         lines += [f"Highest `{metric}`: {best['objective']:.4f}, job {_label(best, varying)}.", ""]
+    if any(str(r.get("device", "")).startswith("cpu") for r in rows):
+        lines += ["CPU memory is the process's resident set, and a sweep's jobs share one process: each job starts "
+                  "after what earlier jobs freed is handed back to the OS, yet peaks can still differ by tens of MB "
+                  "with job order. Compare memory across settings with separate runs (or `bench train`).", ""]
     if common:
         lines += ["Overrides shared by all jobs: " + " ".join(f"`{k}={v}`" for k, v in common.items()), ""]
     lines.append("| " + " | ".join(name for name, _ in columns) + " |")

@@ -3,6 +3,10 @@
 Each takes a composed Hydra config, builds data module, model, callbacks, loggers and trainer from its
 ``_target_`` nodes, runs, and writes ``metrics.json`` (and ``config_resolved.yaml``) into the run
 directory. They are separate from the Hydra entry point so notebooks, tests and sweepers can call them.
+
+Every run folder also gets ``run.json`` (:mod:`lit_amp_det.runs`): ``running`` while it runs, then ``finished``,
+``interrupted`` (Ctrl-C or SIGTERM: a checkpoint and the metrics so far are saved, and the command that
+resumes is printed) or ``failed``. ``ckpt_path=last`` reads these records to find the run to resume.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,13 +26,16 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
+from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
-from lit_amp_det.checkpoints import resolve_ckpt_path
+from lit_amp_det.checkpoints import check_checkpoint
 from lit_amp_det.config import check_config
 from lit_amp_det.distributed import ddp_child_command
 from lit_amp_det.precision.plugin import build_precision_plugin
+from lit_amp_det.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
 
-__all__ = ["train", "validate", "test", "predict", "run", "summary_line"]
+__all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "resume_command", "summary_line"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +63,7 @@ def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule) -> pl.Light
     return instantiate(cfg.model, _convert_="all", **from_data)  # plain dicts: checkpoints stay weights_only-safe
 
 
-def _instantiate_all(nodes: DictConfig | None) -> list[Any]:
+def instantiate_all(nodes: DictConfig | None) -> list[Any]:
     """Instantiates every ``_target_`` node of a group such as ``callbacks``; ``null`` entries are skipped."""
     if not nodes:
         return []
@@ -68,14 +77,19 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
     precision plugin together), configured by the ``precision`` node. A :class:`RunStats` callback is always
     added (it only measures) so that ``metrics.json`` records speed and peak memory whatever ``callbacks`` holds.
     """
-    loggers = _instantiate_all(cfg.get("logger"))
+    loggers = instantiate_all(cfg.get("logger"))
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
     plugin = build_precision_plugin(
         str(cfg.trainer.get("precision", "32-true")), str(cfg.trainer.get("accelerator", "auto")), **precision_options
     )
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cfg.pop("precision", None)
-    callbacks = [*_instantiate_all(cfg.get("callbacks")), RunStats()]
+    callbacks = [*instantiate_all(cfg.get("callbacks")), RunStats()]
+    if trainer_cfg.get("enable_progress_bar", True):
+        if not stdout_is_terminal() and any(isinstance(c, ConsoleLog) for c in callbacks):
+            trainer_cfg["enable_progress_bar"] = False  # a bar in a file keeps only its last state: lines instead
+        elif not any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks):
+            callbacks.append(ReadableProgressBar())
     return instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, plugins=[plugin])
 
 
@@ -94,11 +108,16 @@ def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any])
     checkpoints = trainer.checkpoint_callbacks
     record["best_model_path"] = next((c.best_model_path for c in checkpoints if c.best_model_path), None)
     record["last_model_path"] = next((c.last_model_path for c in checkpoints if c.last_model_path), None)
+    record.setdefault("status", "finished")
     tmp = out / "metrics.json.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, out / "metrics.json")  # atomic: a crash never leaves a half-written file
-    print(summary_line(record["metrics"]), flush=True)
-    print(f"run directory: {out}", flush=True)
+    update_run_record(out, status=record["status"], global_step=trainer.global_step)
+    if record["command"] == "predict":
+        emit(f"predictions: {out / 'predictions.json'}")
+    elif record["status"] != "interrupted" or any("mAP" in key for key in record["metrics"]):
+        emit(summary_line(record["metrics"]))
+    emit(f"run directory: {out}")
 
 
 def summary_line(metrics: dict[str, float]) -> str:
@@ -116,17 +135,34 @@ def summary_line(metrics: dict[str, float]) -> str:
     return " | ".join(parts) if parts else "no mAP computed (no validation ran)"
 
 
+def _pin_ckpt_path_for_ddp_children(ckpt_path: str | None) -> None:
+    """DDP's other ranks re-run this command line: give them the file rank 0 resolved, not ``last`` again."""
+    if ckpt_path is None or not any(arg.startswith("ckpt_path=") for arg in sys.argv):
+        return
+    sys.argv = [f"ckpt_path={ckpt_path}" if arg.startswith("ckpt_path=") else arg for arg in sys.argv]
+
+
 def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
     check_config(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     out = _output_dir(cfg)
+    ckpt_path = None
     if rank_zero_only.rank == 0:
+        if holds_a_run(out):
+            raise FileExistsError(f"{out} already holds a run (run.json, metrics.json or checkpoints); runs never "
+                                  f"write into an earlier run's folder: choose another hydra.run.dir, or resume it "
+                                  f"into a new folder with ckpt_path={out}")
+        ckpt_path = resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root))
+        write_run_record(out, str(cfg.command), resumed_from=ckpt_path if ckpt_path != "best" else None)
         OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
+        _pin_ckpt_path_for_ddp_children(ckpt_path)
+    else:  # rank 0 resolved ``last`` and pinned the file on this process's command line
+        ckpt_path = cfg.get("ckpt_path")
     datamodule = build_datamodule(cfg)
     model = build_model(cfg, datamodule)
     trainer = build_trainer(cfg)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out, Path(cfg.paths.runs_root))
+    check_checkpoint(ckpt_path, model)  # a bad or mismatched file fails here, with the fix, not in Lightning
     return datamodule, model, trainer, ckpt_path
 
 
@@ -134,7 +170,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fits the model (resuming from ``cfg.ckpt_path`` if set); returns the final metrics."""
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except RunInterrupted as stop:  # Ctrl-C / SIGTERM: the checkpoint is saved; keep the metrics so far too
+        perf = next((c.summary() for c in trainer.callbacks if isinstance(c, RunStats)), None)
+        command = resume_command(cfg)
+        record = {"command": "fit", "status": "interrupted", "interrupted_by": stop.signal_name,
+                  "metrics": _scalar_metrics(trainer), "time_s": time.perf_counter() - started, "perf": perf,
+                  "resume_command": command}
+        _write_outputs(cfg, trainer, record)
+        _announce_interrupt(stop, command)
+        raise
     metrics = _scalar_metrics(trainer)
     perf = next((c.summary() for c in trainer.callbacks if isinstance(c, RunStats)), None)
     if getattr(model, "last_validated_step", None) != trainer.global_step and trainer.limit_val_batches:
@@ -144,6 +190,28 @@ def train(cfg: DictConfig) -> dict[str, float]:
     record = {"command": "fit", "metrics": metrics, "time_s": time.perf_counter() - started, "perf": perf}
     _write_outputs(cfg, trainer, record)
     return metrics
+
+
+def resume_command(cfg: DictConfig) -> str:
+    """The command line that continues this fit: its overrides, with ``ckpt_path`` set to its run folder."""
+    overrides: list[str] = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            overrides = [o for o in HydraConfig.get().overrides.task
+                         if not o.startswith(("ckpt_path=", "command=", "hydra.", "~hydra.", "+hydra."))]
+    except ValueError:
+        overrides = []
+    args = [*overrides, f"ckpt_path={Path(cfg.paths.output_dir).resolve()}"]
+    return "python -m lit_amp_det fit " + " ".join(shlex.quote(a) for a in args)
+
+
+@rank_zero_only
+def _announce_interrupt(stop: RunInterrupted, command: str) -> None:
+    where = f"checkpoint saved at step {stop.global_step}: {stop.checkpoint}" if stop.checkpoint else "no checkpoint"
+    emit(f"stopped by {stop.signal_name}; {where}")
+    emit(f"resume with: {command}")
 
 
 def _evaluate(cfg: DictConfig, stage: str) -> dict[str, float]:
@@ -181,11 +249,36 @@ def predict(cfg: DictConfig) -> Path:
 _TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict}
 
 
+def _route_lightning_logs() -> None:
+    """Lets Lightning's messages reach the run's log file: under Hydra's logging its own console handler (added
+    when ``lightning`` was imported before logging was configured) is dropped and its records propagate."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+            logger.removeHandler(handler)
+        logger.propagate = True
+
+
 def run(cfg: DictConfig) -> Any:
-    """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises."""
+    """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises.
+
+    A fit stopped by SIGINT/SIGTERM exits with 128 + the signal's number (130 for Ctrl-C) once its checkpoint
+    and metrics are written; a run that raised is marked ``failed`` in its ``run.json``.
+    """
     check_config(cfg)
+    _route_lightning_logs()
     with ddp_child_command(cfg):  # so that DDP's other ranks start as this job (also inside a sweep)
-        result = _TASKS[cfg.command](cfg)
+        try:
+            result = _TASKS[cfg.command](cfg)
+        except RunInterrupted as stop:
+            sys.exit(stop.exit_code)
+        except BaseException as err:
+            if rank_zero_only.rank == 0 and not isinstance(err, FileExistsError):
+                status = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed"
+                update_run_record(Path(cfg.paths.output_dir), status=status, error=f"{type(err).__name__}: {err}")
+            raise
     if isinstance(result, dict) and cfg.get("optimized_metric"):
         return result.get(cfg.optimized_metric)
     return None

@@ -38,6 +38,10 @@ def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str
     resolved = OmegaConf.load(run_dir / "config_resolved.yaml")
     assert resolved.command == "fit" and resolved.model.num_classes is None
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    (best,) = (run_dir / "checkpoints").glob("best-*.ckpt")  # weights only: no optimizer state, a third the size
+    assert "optimizer_states" not in torch.load(best, map_location="cpu", weights_only=True)
+    assert best.stat().st_size < 0.5 * (run_dir / "checkpoints" / "last.ckpt").stat().st_size
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     header = (run_dir / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
     for column in ("train/loss", "train/lr", "train/loss_mask", "train/loss_objectness", "val/segm_mAP"):
         assert column in header
@@ -121,12 +125,11 @@ def test_bad_annotations_fail_clearly_and_keep_earlier_outputs(tmp_path: Path) -
     (root / "train2017").mkdir()
     (root / "val2017").mkdir()
     (root / "annotations" / "instances_train2017.json").write_text('{"images": [}')
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "runs" / "fit" / "earlier"  # an earlier run, next to the one that fails
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"earlier checkpoint")
     (run_dir / "metrics.json").write_text('{"earlier": true}')
-    proc = run_cli(["fit", "model=maskrcnn_tiny", "data=coco", f"data.root={root}", f"hydra.run.dir={run_dir}"],
-                   cwd=tmp_path, check=False)
+    proc = run_cli(["fit", "model=maskrcnn_tiny", "data=coco", f"data.root={root}"], cwd=tmp_path, check=False)
     assert proc.returncode != 0
     assert "instances_train2017.json" in proc.stderr and "not valid JSON" in proc.stderr
     assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == b"earlier checkpoint"

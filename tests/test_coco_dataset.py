@@ -486,3 +486,58 @@ def test_collate_detection_keeps_lists(folder):
     assert isinstance(images, list) and isinstance(targets, list)
     assert [tuple(i.shape) for i in images] == [(3, H, W), (3, 50, 20)]
     assert [t["image_id"].item() for t in targets] == [1, 3]
+
+
+# ---------------------------------------------------------------------- a training split with nothing to learn
+
+
+def _datamodule(tmp_path: Path, data: dict[str, Any], **options: Any):
+    from lit_amp_det.data import CocoDataModule
+
+    _write(tmp_path, data)
+    return CocoDataModule(tmp_path, train_images="images", train_annotations="instances_train.json",
+                          val_images="images", val_annotations="instances_train.json", **options)
+
+
+def _no_annotations(data: dict[str, Any]) -> None:
+    data.update(annotations=[])
+
+
+def _crowd_only(data: dict[str, Any]) -> None:
+    data.update(annotations=[_ann(data, 13)])
+
+
+@pytest.mark.parametrize("mutate", [_no_annotations, _crowd_only], ids=["no_annotations", "crowd_only"])
+def test_training_split_without_annotations_stops_fit(tmp_path, mutate):
+    data = _coco_dict()
+    mutate(data)
+    dm = _datamodule(tmp_path, data)
+    dm.setup("validate")  # scoring such a split is not training on it
+    path = tmp_path / "instances_train.json"
+    with pytest.raises(ValueError, match=re.escape(f"the training split {path} has no annotations to learn from "
+                                                   "(3 images, 0 non-crowd annotations)")) as info:
+        dm.setup("fit")
+    assert "mAP 0" in str(info.value) and "set data.allow_empty_train=true" in str(info.value)
+
+
+def test_allow_empty_train_trains_with_a_warning(tmp_path):
+    dm = _datamodule(tmp_path, {**_coco_dict(), "annotations": []}, allow_empty_train=True)
+    with pytest.warns(UserWarning, match=r"training anyway because data\.allow_empty_train=true"):
+        dm.setup("fit")
+    assert len(dm.dataset("train")) == 3 and dm.dataset("train").num_instances == 0
+
+
+def test_allow_empty_train_is_silent_when_there_are_annotations(tmp_path, recwarn):
+    dm = _datamodule(tmp_path, _coco_dict(), allow_empty_train=True)
+    dm.setup("fit")
+    assert dm.dataset("train").num_instances == 4  # ann 13 is a crowd region
+    assert not [w for w in recwarn if "allow_empty_train" in str(w.message)]
+
+
+def test_skip_empty_train_on_a_split_without_annotations(tmp_path):
+    dm = _datamodule(tmp_path, {**_coco_dict(), "annotations": []}, skip_empty_train=True, allow_empty_train=True)
+    path = tmp_path / "instances_train.json"
+    with pytest.raises(ValueError, match=re.escape(f"{path} has no images with annotations, so skip_empty=True "
+                                                   "(data.skip_empty_train=true) leaves no image at all")) as info:
+        dm.setup("fit")
+    assert "set data.skip_empty_train=false data.allow_empty_train=true" in str(info.value)

@@ -10,7 +10,6 @@ import torch
 from hydra.utils import instantiate
 
 from lit_amp_det import MaskRCNNModule
-from lit_amp_det.checkpoints import resolve_ckpt_path
 
 from conftest import CONFIG_ERRORS, compose_config
 
@@ -138,18 +137,3 @@ def test_unsafe_or_missing_checkpoints_are_refused(tmp_path: Path) -> None:
         _tiny(tmp_path, f"model.checkpoint={tmp_path / 'nope.pt'}")
 
 
-def test_ckpt_path_last_resolution(tmp_path: Path) -> None:
-    runs = tmp_path / "runs"
-    older, newer = runs / "fit" / "a" / "checkpoints", runs / "fit" / "b" / "checkpoints"
-    for folder in (older, newer):
-        folder.mkdir(parents=True)
-        (folder / "last.ckpt").write_bytes(b"x")
-    import os
-    os.utime(older / "last.ckpt", (1, 1))
-    assert resolve_ckpt_path("last", tmp_path / "new", runs) == str(newer / "last.ckpt")
-    assert resolve_ckpt_path("last", runs / "fit" / "a", runs) == str(older / "last.ckpt")
-    assert resolve_ckpt_path(None, tmp_path, runs) is None
-    with pytest.raises(FileNotFoundError, match="ckpt_path='missing.ckpt' does not exist"):
-        resolve_ckpt_path("missing.ckpt", tmp_path, runs)
-    with pytest.raises(FileNotFoundError, match="no checkpoints/last.ckpt"):
-        resolve_ckpt_path("last", tmp_path, tmp_path / "empty")

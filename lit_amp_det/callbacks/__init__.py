@@ -1,10 +1,13 @@
 """Lightning callbacks shipped with lit_amp_det (one module per callback, one YAML each in conf/callbacks/)."""
 
+from lit_amp_det.callbacks.console_log import ConsoleLog
 from lit_amp_det.callbacks.conv_bn_eval import ConvBNEval
 from lit_amp_det.callbacks.freeze_norm import FreezeNorm
+from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint, RunInterrupted
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
 from lit_amp_det.callbacks.prediction_writer import CocoPredictionWriter
 from lit_amp_det.callbacks.rng_state import RNGStateCheckpoint
 from lit_amp_det.callbacks.throughput import Throughput
 
-__all__ = ["CocoPredictionWriter", "ConvBNEval", "FreezeNorm", "MemoryMonitor", "RNGStateCheckpoint", "Throughput"]
+__all__ = ["CocoPredictionWriter", "ConsoleLog", "ConvBNEval", "FreezeNorm", "LastCheckpoint", "MemoryMonitor",
+           "RNGStateCheckpoint", "RunInterrupted", "Throughput"]

@@ -20,8 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from lit_amp_det.callbacks.memory_monitor import MemoryProbe
-from lit_amp_det.callbacks.throughput import count_images
+from lit_amp_det.profiling import MemoryProbe, count_images, release_freed_cpu_memory
 
 __all__ = ["RunStats"]
 
@@ -53,6 +52,10 @@ class RunStats(Callback):
         self._world_size = trainer.world_size
         self._steps_seen, self._started, self._step_seconds, self._images = 0, None, [], 0
         self._peak_bytes = self._step_bytes = 0
+        if not self._probe.cuda:
+            # jobs of a sweep share the process: hand what earlier jobs freed back to the OS, or their leftovers
+            # count in this job's resident-set peak (and the figure would rank settings by job order)
+            release_freed_cpu_memory()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

@@ -150,6 +150,7 @@ class CocoInstances(torch.utils.data.Dataset):
         num_classes: ``len(category_ids) + 1`` (background included).
         image_ids: COCO image ids, one per item, in item order.
         skipped_boxes: degenerate annotations dropped under ``invalid_boxes="skip"``.
+        num_instances: kept annotations that are not crowd regions: what training learns from.
     """
 
     def __init__(
@@ -190,6 +191,7 @@ class CocoInstances(torch.utils.data.Dataset):
                 self.annotation_file,
             )
         self._records = self._build_records(images, per_image)
+        self.num_instances = sum(not ann.get("iscrowd", 0) for anns in per_image.values() for ann, _ in anns)
         self.image_ids = [rec.image_id for rec in self._records]
         self._check_files_exist()
         # Built after validation (pycocotools fails cryptically on bad records) and from the
@@ -373,8 +375,9 @@ class CocoInstances(torch.utils.data.Dataset):
             records.append(self._make_record(img, anns))
         if not records:
             raise ValueError(
-                f"{self.annotation_file} has no images with annotations (skip_empty=True); "
-                "check data.root / the split paths"
+                f"{self.annotation_file} has no images with annotations, so skip_empty=True "
+                "(data.skip_empty_train=true) leaves no image at all; check data.root / the split paths, or, to "
+                "train on negative images only, set data.skip_empty_train=false data.allow_empty_train=true"
             )
         return records
 

@@ -17,11 +17,13 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lit_amp_det.data.coco import CocoInstances
 from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
-from lit_amp_det.data.shapes import SHAPE_CLASSES, ensure_shapes, shapes_dataset_dir
+from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
+from lit_amp_det.data.verify import check_splits
 from lit_amp_det.data.transforms import RandomHorizontalFlip, collate_detection
 
 __all__ = ["CocoDataModule", "ShapesDataModule"]
@@ -61,8 +63,13 @@ class CocoDataModule(LightningDataModule):
         invalid_boxes: ``error`` stops at the first degenerate box with its file and annotation id;
             ``skip`` drops such boxes and counts them.
         skip_empty_train: drop training images that have no annotations.
+        allow_empty_train: accept a training split without a single (non-crowd) annotation, with a warning
+            (negative-only data); by default ``fit`` stops before training, naming the file.
         with_masks: decode instance masks (``False`` for Faster R-CNN).
         seed: seed of the training order and augmentation.
+        verify_images: decode every image of the splits a stage reads before it starts (cached by file size
+            and modification time under ``verify_cache_dir``, default ``$LIT_AMP_DET_CACHE``).
+        bad_images: ``error`` stops with every unreadable image listed; ``skip`` leaves them out with a warning.
     """
 
     def __init__(
@@ -85,8 +92,12 @@ class CocoDataModule(LightningDataModule):
         aspect_ratio_grouping: bool = True,
         invalid_boxes: Literal["error", "skip"] = "error",
         skip_empty_train: bool = False,
+        allow_empty_train: bool = False,
         with_masks: bool = True,
         seed: int = 0,
+        verify_images: bool = True,
+        bad_images: Literal["error", "skip"] = "error",
+        verify_cache_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if predict_split not in ("train", "val", "test"):
@@ -109,8 +120,14 @@ class CocoDataModule(LightningDataModule):
         self.aspect_ratio_grouping = aspect_ratio_grouping
         self.invalid_boxes = invalid_boxes
         self.skip_empty_train = skip_empty_train
+        self.allow_empty_train = allow_empty_train
         self.with_masks = with_masks
         self.seed = seed
+        self.verify_images = verify_images
+        self.bad_images = bad_images
+        cache = verify_cache_dir or os.environ.get("LIT_AMP_DET_CACHE", "~/.cache/lit_amp_det")
+        self.verify_cache_dir = Path(cache).expanduser()
+        self._verified: set[str] = set()
         self.datasets: dict[str, CocoInstances] = {}
         self.category_ids: list[int] | None = None
         self._train_loader: ResumableDataLoader | None = None
@@ -162,6 +179,29 @@ class CocoDataModule(LightningDataModule):
         }
         for split in needed[stage]:
             self.dataset(split)
+        if stage == "fit":
+            self._check_train_annotations()
+        unverified = {split: self.dataset(split) for split in needed[stage] if split not in self._verified}
+        if self.verify_images and unverified:  # before training: a corrupt file must not surface hours in
+            check_splits(unverified, self.bad_images, self.verify_cache_dir)
+        self._verified.update(unverified)
+
+    def _check_train_annotations(self) -> None:
+        """A training split with nothing to learn would run the whole schedule to mAP 0 without a word."""
+        dataset = self.dataset("train")
+        if dataset.num_instances:
+            return
+        message = (
+            f"the training split {dataset.annotation_file} has no annotations to learn from ({len(dataset)} images, "
+            "0 non-crowd annotations)"
+        )
+        if not self.allow_empty_train:
+            raise ValueError(
+                f"{message}: training would run the whole schedule to mAP 0. Check data.root and "
+                "data.train_annotations; to train on negative images only, set data.allow_empty_train=true"
+            )
+        rank_zero_warn(f"{message}; training anyway because data.allow_empty_train=true (negative-only data): "
+                       "the model will learn to detect nothing")
 
     # ---------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> ResumableDataLoader:
@@ -226,6 +266,7 @@ class ShapesDataModule(CocoDataModule):
         min_objects, max_objects: objects per image.
         min_object_size, max_object_size: object diameter as a fraction of the image side.
         data_seed: seed of the generated content (``seed`` seeds the training order).
+        The generation defaults are :class:`~lit_amp_det.data.shapes.ShapesSpec`'s.
         **kwargs: :class:`CocoDataModule` loader options.
     """
 
@@ -238,12 +279,12 @@ class ShapesDataModule(CocoDataModule):
         train_size: int = 800,
         val_size: int = 100,
         test_size: int = 100,
-        image_size: int = 160,
-        min_objects: int = 1,
-        max_objects: int = 6,
-        min_object_size: float = 0.12,
-        max_object_size: float = 0.45,
-        data_seed: int = 0,
+        image_size: int = ShapesSpec.image_size,
+        min_objects: int = ShapesSpec.min_objects,
+        max_objects: int = ShapesSpec.max_objects,
+        min_object_size: float = ShapesSpec.min_size,
+        max_object_size: float = ShapesSpec.max_size,
+        data_seed: int = ShapesSpec.seed,
         **kwargs: Any,
     ) -> None:
         self.generation = dict(
@@ -261,6 +302,7 @@ class ShapesDataModule(CocoDataModule):
             for split in ("train", "val", "test")
             for kind, path in (("images", f"images/{split}"), ("annotations", f"annotations/instances_{split}.json"))
         }
+        kwargs.setdefault("verify_cache_dir", self.cache_dir)
         super().__init__(shapes_dataset_dir(self.cache_dir, **self.generation), **paths, **kwargs)
 
     def prepare_data(self) -> None:

@@ -1,0 +1,147 @@
+"""Plain-text training progress: one line every N steps and the metrics of every validation.
+
+A progress bar is useless in a file (``nohup``, ``sbatch``, CI logs): only its last state survives. This
+callback writes lines instead -- ``step 120/2000  epoch 1  loss 0.7341  lr 1.20e-04  14.2 images/s`` every
+``every_n_steps`` steps and ``validation after epoch 1 (step 400): val/segm_mAP 0.4123 ...`` after every
+validation -- through the ``lit_amp_det.progress`` logger, so they reach the console and the run's log file
+(``fit.log``) alike. With ``console: auto`` they go to the console only when stdout is not a terminal (or the
+progress bar is off); the log file always gets them. :func:`lit_amp_det.tasks.build_trainer` turns the
+progress bar off when stdout is not a terminal and this callback is present.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from lit_amp_det.profiling import count_images
+
+__all__ = ["ConsoleLog", "ReadableProgressBar", "emit", "stdout_is_terminal"]
+
+log = logging.getLogger("lit_amp_det.progress")
+
+
+def stdout_is_terminal() -> bool:
+    """Whether stdout is an interactive terminal (``False`` under nohup, sbatch, CI, pipes, files)."""
+    return bool(getattr(sys.stdout, "isatty", None) and sys.stdout.isatty())
+
+
+def _file_handlers() -> list[logging.Handler]:
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+
+
+def emit(message: str, console: bool = True) -> None:
+    """Writes ``message`` to the run's log file and, if ``console``, to stdout.
+
+    Under the CLI, Hydra's logging sends ``lit_amp_det.progress`` records to stdout and to ``<command>.log``;
+    without configured logging (a notebook calling :func:`~lit_amp_det.tasks.train`) the message is printed.
+    """
+    if not logging.getLogger().handlers:
+        if console:
+            print(message, flush=True)
+        return
+    if console:
+        log.info(message)
+        return
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, None, None)
+    for handler in _file_handlers():
+        handler.handle(record)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.2e}" if value != 0 and abs(value) < 1e-2 else f"{value:.4f}"
+
+
+class ConsoleLog(Callback):
+    """Writes a progress line every ``every_n_steps`` training steps and one per validation.
+
+    Args:
+        every_n_steps: steps between two lines (step, loss, learning rate, images/s since the last line).
+        console: ``auto`` (only when stdout is not a terminal or there is no progress bar), ``true``, ``false``;
+            the run's log file gets every line in any case.
+    """
+
+    def __init__(self, every_n_steps: int = 50, console: bool | str = "auto") -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"ConsoleLog every_n_steps={every_n_steps!r} must be an integer >= 1")
+        if console not in ("auto", True, False):
+            raise ValueError(f"ConsoleLog console={console!r}; choose auto, true or false")
+        self.every_n_steps = every_n_steps
+        self.console = console
+        self._to_console = True
+        self._images = 0
+        self._since = time.perf_counter()
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.console == "auto":
+            self._to_console = not stdout_is_terminal() or trainer.progress_bar_callback is None
+        else:
+            self._to_console = bool(self.console)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._images, self._since = 0, time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._images += count_images(batch) * trainer.world_size
+        step = trainer.global_step
+        if step % self.every_n_steps != 0 and not (trainer.max_steps and step == trainer.max_steps):
+            return
+        now = time.perf_counter()
+        rate = self._images / max(now - self._since, 1e-9)
+        self._images, self._since = 0, now
+        metrics = trainer.callback_metrics
+        total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
+        parts = [f"step {step}{total}", f"epoch {trainer.current_epoch}"]
+        for key, label in (("train/loss", "loss"), ("train/lr", "lr")):
+            value = metrics.get(key)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                parts.append(f"{label} {_fmt(float(value))}")
+        parts.append(f"{rate:.1f} images/s")
+        self._write("  ".join(parts))
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        when = f" after epoch {trainer.current_epoch} (step {trainer.global_step})" if trainer.state.fn == "fit" else ""
+        self._write_metrics(trainer, "val/", f"validation{when}")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_metrics(trainer, "test/", "test")
+
+    def _write_metrics(self, trainer: pl.Trainer, prefix: str, title: str) -> None:
+        values = {k: float(v) for k, v in sorted(trainer.callback_metrics.items())
+                  if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.numel() == 1
+                  and not k.endswith(("_small", "_medium", "_large"))}
+        if values:
+            self._write(f"{title}: " + "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+    @rank_zero_only
+    def _write(self, message: str) -> None:
+        emit(message, console=self._to_console)
+
+
+class ReadableProgressBar(TQDMProgressBar):
+    """Lightning's progress bar with the learning rate in scientific notation (``lr=1.2e-04``, not ``0.000``)."""
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float | dict]:
+        metrics = super().get_metrics(trainer, pl_module)
+        for key, value in metrics.items():
+            if key.endswith("lr") and isinstance(value, float):
+                metrics[key] = f"{value:.2e}"
+        return metrics

@@ -1,0 +1,174 @@
+"""``checkpoints/last.ckpt``: saved every N steps or M minutes (whichever comes first), at every epoch end, and
+when the run is stopped with Ctrl-C or SIGTERM.
+
+A run killed at any point loses at most ``every_n_train_steps`` steps or ``every_n_minutes`` of work, and
+``fit ckpt_path=last`` continues it exactly (checkpoints are taken at batch ends, where the data module
+records how many batches of the epoch were consumed). The file is written next to itself and renamed over
+the old one, so a kill during the save leaves the previous checkpoint intact.
+
+On the first SIGINT (Ctrl-C) or SIGTERM (SLURM preemption, ``kill``) during training the step in progress
+completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; :func:`lit_amp_det.tasks.train`
+then writes the metrics so far and prints the command that resumes. A second signal stops at once, as
+before. Under DDP every rank stops after the same step (the decision is reduced over ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+__all__ = ["LastCheckpoint", "RunInterrupted"]
+
+log = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunInterrupted(Exception):
+    """A fit stopped by SIGINT or SIGTERM after saving ``checkpoint`` (``None`` if saving was off)."""
+
+    def __init__(self, signum: int, checkpoint: str | None, global_step: int) -> None:
+        self.signum = signum
+        self.checkpoint = checkpoint
+        self.global_step = global_step
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"{self.signal_name} received: stopped after step {global_step}"
+                         + (f", checkpoint {checkpoint}" if checkpoint else ""))
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by a signal: 128 + its number (130 for Ctrl-C)."""
+        return 128 + self.signum
+
+
+class LastCheckpoint(Checkpoint):
+    """Keeps ``<dirpath>/last.ckpt`` up to date and turns Ctrl-C/SIGTERM into a saved, resumable stop.
+
+    Args:
+        dirpath: folder of ``last.ckpt`` (the run's ``checkpoints/``).
+        every_n_train_steps: save after every N optimizer steps; ``None`` or 0: not by steps.
+        every_n_minutes: save when this many minutes of training passed since the last save; ``None``: not by time.
+        save_on_signal: on SIGINT/SIGTERM during training, save after the current step and stop.
+        filename: name of the file in ``dirpath``.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike, every_n_train_steps: int | None = 1000,
+                 every_n_minutes: float | None = 10.0, save_on_signal: bool = True, filename: str = "last.ckpt") -> None:
+        if every_n_train_steps is not None and (isinstance(every_n_train_steps, bool) or every_n_train_steps < 0):
+            raise ValueError(f"LastCheckpoint every_n_train_steps={every_n_train_steps!r} must be >= 0 or null")
+        if every_n_minutes is not None and every_n_minutes <= 0:
+            raise ValueError(f"LastCheckpoint every_n_minutes={every_n_minutes!r} must be > 0 or null")
+        self.dirpath = Path(dirpath)
+        self.every_n_train_steps = every_n_train_steps or 0
+        self.every_n_minutes = every_n_minutes
+        self.save_on_signal = save_on_signal
+        self.filename = filename
+        self.last_model_path = ""
+        self.best_model_path = ""  # Lightning's ``Checkpoint`` interface; this callback keeps no "best"
+        self._last_saved_step = -1
+        self._last_saved_time = time.monotonic()
+        self._signal: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / self.filename
+
+    # ---------------------------------------------------------------------------------------- saving
+    def save(self, trainer: pl.Trainer) -> str:
+        """Writes ``last.ckpt`` now (all ranks must call it: the save is collective under DDP)."""
+        tmp = self.path.with_name(f".{self.filename}.tmp")
+        trainer.save_checkpoint(tmp, weights_only=False)
+        if trainer.is_global_zero:
+            os.replace(tmp, self.path)
+        trainer.strategy.barrier("LastCheckpoint.save")
+        self.last_model_path = str(self.path)
+        self._last_saved_step = trainer.global_step
+        self._last_saved_time = time.monotonic()
+        return self.last_model_path
+
+    def _due(self, trainer: pl.Trainer) -> bool:
+        if trainer.global_step == self._last_saved_step:
+            return False
+        by_steps = self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0
+        by_time = (self.every_n_minutes is not None
+                   and time.monotonic() - self._last_saved_time >= 60.0 * self.every_n_minutes)
+        if trainer.world_size > 1:  # clocks differ between ranks: rank 0 decides for all
+            by_time = bool(trainer.strategy.broadcast(by_time))
+        return by_steps or by_time
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_saved_time = time.monotonic()
+        self._last_saved_step = trainer.global_step  # a resumed run does not save its starting point again
+        if self.save_on_signal:
+            self._install_handlers()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        stop = self._signal is not None
+        if trainer.world_size > 1 and self.save_on_signal:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled: all stop
+        if stop:
+            signum = self._signal if self._signal is not None else signal.SIGTERM
+            saved = self.save(trainer)
+            self._restore_handlers()
+            raise RunInterrupted(signum, saved, trainer.global_step)
+        if self._due(trainer):
+            self.save(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after the epoch's validation (and the best checkpoint's update), so the resumed run knows both
+        self.save(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handlers()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_model_path": self.last_model_path}
+
+    # --------------------------------------------------------------------------------------- signals
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        self._signal = None
+        for signum in _SIGNALS:
+            self._previous_handlers[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous_handlers = {}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signal is not None:  # the second signal: stop now, without saving
+            self._restore_handlers()
+            raise KeyboardInterrupt
+        self._signal = signum
+        _announce(f"{signal.Signals(signum).name} received: saving {self.path} after this step, then stopping "
+                  "(send it again to stop at once without saving)")
+
+
+@rank_zero_only
+def _announce(message: str) -> None:
+    log.warning(message)

@@ -1,0 +1,158 @@
+"""Decode every image a run will read before it starts, so a corrupt file stops the run at once, not hours in.
+
+:func:`verify_images` decodes the files with the loader's own reader (:func:`~lit_amp_det.data.coco.read_rgb_image`,
+so whatever would fail in training fails here), in a thread pool (the decoders release the GIL), and checks
+each image's size against its annotation record. Files that decoded before are remembered in a cache keyed
+by path, size and modification time, so the second run over the same data reads nothing.
+:func:`check_splits` runs it over the splits of a stage and raises one :class:`BadImagesError` that lists every
+unreadable file, or -- with ``bad_images="skip"`` -- drops them from their split with one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+from lit_amp_det.data.coco import CocoInstances, read_rgb_image
+
+__all__ = ["BadImagesError", "check_splits", "drop_images", "verify_images"]
+
+log = logging.getLogger(__name__)
+
+#: bump when what "verified" means changes, so old caches are ignored
+_CACHE_VERSION = 1
+_MAX_LISTED = 20
+
+
+class BadImagesError(OSError):
+    """Images that cannot be decoded (or whose size is not the annotated one); ``problems`` maps path -> reason."""
+
+    def __init__(self, problems: Mapping[str, str], total: int) -> None:
+        self.problems = dict(problems)
+        listed = [f"  {path}: {reason}" for path, reason in list(self.problems.items())[:_MAX_LISTED]]
+        more = [f"  ... and {len(self.problems) - _MAX_LISTED} more"] if len(self.problems) > _MAX_LISTED else []
+        super().__init__(
+            f"{len(self.problems)} of {total} images cannot be used:\n" + "\n".join(listed + more) + "\n"
+            "Re-extract or replace these files, remove them from the annotation file, or set "
+            "data.bad_images=skip to leave them out with a warning (data.verify_images=false skips this check)."
+        )
+
+
+def _signature(path: str) -> str | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _check_one(path: str, size: tuple[int, int] | None) -> str | None:
+    """``None`` if ``path`` decodes (to ``size`` = (width, height) when given), else the reason it does not."""
+    try:
+        image = read_rgb_image(path)
+    except Exception as err:  # noqa: BLE001 -- decoders raise many types; each becomes a listed reason
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    if size is not None and (image.shape[2], image.shape[1]) != tuple(size):
+        return f"is {image.shape[2]}x{image.shape[1]} pixels but the annotations say {size[0]}x{size[1]}"
+    return None
+
+
+def _cache_file(cache_dir: Path, paths: Sequence[str]) -> Path:
+    folders = sorted({os.path.dirname(os.path.abspath(p)) for p in paths})
+    digest = hashlib.sha1("\n".join(folders).encode()).hexdigest()[:16]
+    return cache_dir / "verified_images" / f"{digest}.json"
+
+
+def _load_cache(path: Path) -> dict[str, str]:
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return payload.get("files", {}) if payload.get("version") == _CACHE_VERSION else {}
+
+
+def _save_cache(path: Path, files: dict[str, str]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": _CACHE_VERSION, "files": files}))
+        os.replace(tmp, path)  # atomic: concurrent runs (or DDP ranks) never read half a file
+    except OSError as err:  # a read-only cache costs time on the next run, nothing else
+        log.warning("could not write the image verification cache %s: %s", path, err)
+
+
+def verify_images(images: Iterable[tuple[str, tuple[int, int] | None]], cache_dir: Path | None = None,
+                  workers: int | None = None) -> dict[str, str]:
+    """Decodes every ``(path, (width, height) or None)``; returns ``{path: reason}`` for those that fail.
+
+    With ``cache_dir``, files whose path, size and modification time match an earlier successful check are not
+    read again, and the successes of this call are added to the cache.
+    """
+    items = list(dict.fromkeys((str(p), tuple(s) if s is not None else None) for p, s in images))
+    if not items:
+        return {}
+    cache_path = _cache_file(Path(cache_dir), [p for p, _ in items]) if cache_dir is not None else None
+    cache = _load_cache(cache_path) if cache_path is not None else {}
+    signatures = {path: _signature(path) for path, _ in items}
+    todo = [(path, size) for path, size in items
+            if signatures[path] is None or cache.get(f"{path}|{size}") != signatures[path]]
+    problems: dict[str, str] = {}
+    if todo:
+        workers = workers or min(16, os.cpu_count() or 1)
+        log.info("verifying %d images (%d already verified) with %d threads", len(todo), len(items) - len(todo), workers)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(lambda item: _check_one(*item), todo))
+        for (path, size), reason in zip(todo, results):
+            if reason is not None:
+                problems[path] = reason
+            elif signatures[path] is not None:
+                cache[f"{path}|{size}"] = signatures[path]
+        if cache_path is not None:
+            _save_cache(cache_path, cache)
+    return problems
+
+
+def _entries(dataset: CocoInstances) -> list[tuple[str, tuple[int, int]]]:
+    # the records are CocoInstances' own index (path and annotated size of every item)
+    return [(str(rec.path), (int(rec.width), int(rec.height))) for rec in dataset._records]
+
+
+def drop_images(dataset: CocoInstances, paths: Iterable[str]) -> int:
+    """Removes the items whose file is in ``paths`` from ``dataset``; returns how many were removed."""
+    bad = set(paths)
+    kept = [rec for rec in dataset._records if str(rec.path) not in bad]
+    removed = len(dataset._records) - len(kept)
+    if removed:
+        dataset._records = kept
+        dataset.image_ids = [rec.image_id for rec in kept]
+    return removed
+
+
+def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "skip"] = "error",
+                 cache_dir: Path | None = None, workers: int | None = None) -> None:
+    """Verifies every image of ``datasets`` (split name -> dataset) before training or evaluation starts.
+
+    ``mode="error"`` raises one :class:`BadImagesError` listing every bad file of every split; ``"skip"`` drops
+    them from their splits and logs one warning per split.
+    """
+    if mode not in ("error", "skip"):
+        raise ValueError(f"data.bad_images={mode!r}; choose error or skip")
+    entries = {split: _entries(dataset) for split, dataset in datasets.items()}
+    problems = verify_images([e for split_entries in entries.values() for e in split_entries], cache_dir, workers)
+    if not problems:
+        return
+    if mode == "error":
+        raise BadImagesError(problems, sum(len(e) for e in entries.values()))
+    for split, dataset in datasets.items():
+        removed = drop_images(dataset, problems)
+        if removed:
+            if len(dataset) == 0:
+                raise BadImagesError({p: r for p, r in problems.items()}, removed)
+            log.warning("data.bad_images=skip: left out %d unreadable image(s) of the %s split: %s", removed, split,
+                        ", ".join(sorted(p for p, _ in entries[split] if p in problems)[:_MAX_LISTED]))

@@ -1,0 +1,332 @@
+"""Run folders: created exclusively, recorded in ``run.json``, and found again by ``ckpt_path=last``.
+
+Every command writes into its own folder (``runs/<command>/<timestamp>``, a ``_1``, ``_2`` ... suffix when
+two runs start in the same second) and never into one an earlier run used. Rank 0 keeps a small
+``run.json`` there: the command, its state (``running``, ``finished``, ``interrupted``, ``failed``), the
+process id and host, and the checkpoint it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are
+resolved from these records here, so that ``fit ckpt_path=last`` only ever continues the newest unfinished
+fit made with the same model and data -- and says why when it will not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "RUN_RECORD",
+    "RunInfo",
+    "ResumeError",
+    "config_differences",
+    "holds_a_run",
+    "list_runs",
+    "read_run",
+    "resolve_ckpt_path",
+    "resume_point",
+    "unique_dir",
+    "update_run_record",
+    "write_run_record",
+]
+
+log = logging.getLogger(__name__)
+
+#: The record every run folder gets (rank 0 writes it; atomically replaced on every update).
+RUN_RECORD = "run.json"
+#: Data-module keys that change how data is loaded, not which data: they may differ between a run and its resume.
+_LOADER_KEYS = frozenset({"num_workers", "pin_memory", "persistent_workers", "eval_batch_size", "cache_dir",
+                          "predict_split", "verify_images", "bad_images", "verify_workers", "verify_cache_dir"})
+#: Model keys that only matter when training starts from scratch.
+_INIT_KEYS = frozenset({"checkpoint", "checkpoint_strict"})
+
+
+class ResumeError(FileNotFoundError):
+    """``ckpt_path`` names nothing that can be resumed or scored; the message says why and what to pass instead."""
+
+
+# ------------------------------------------------------------------------------------------ run folders
+def unique_dir(path: str) -> str:
+    """Creates ``path`` -- or ``path_1``, ``path_2``, ... when it exists -- exclusively, and returns it.
+
+    Registered as the ``unique_dir`` resolver (``hydra.run.dir: ${unique_dir:...}``) with caching, so it runs
+    once per run; ``os.mkdir`` fails when another process created the folder first, so two runs started in
+    the same second can never share one.
+    """
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(10_000):
+        candidate = base if attempt == 0 else base.with_name(f"{base.name}_{attempt}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return str(candidate)
+    raise FileExistsError(f"could not create a new run folder next to {base}: 10000 names taken")
+
+
+def holds_a_run(path: Path) -> bool:
+    """Whether ``path`` already holds the outputs of a run (its record, metrics, config or checkpoints)."""
+    path = Path(path)
+    markers = (RUN_RECORD, "metrics.json", "config_resolved.yaml", "checkpoints")
+    return path.is_dir() and any((path / name).exists() for name in markers)
+
+
+def _write_json(path: Path, record: Mapping[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)  # atomic: a kill never leaves half a record
+
+
+def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None) -> dict[str, Any]:
+    """Writes the ``running`` record of a run that starts now; returns it."""
+    record = {
+        "command": command,
+        "status": "running",
+        "started": time.time(),
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "resumed_from": resumed_from,
+    }
+    _write_json(Path(run_dir) / RUN_RECORD, record)
+    return record
+
+
+def update_run_record(run_dir: Path, **fields: Any) -> None:
+    """Updates fields of ``run.json`` (e.g. ``status="finished"``); a folder without one is left alone."""
+    path = Path(run_dir) / RUN_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    record.update(fields, ended=time.time())
+    _write_json(path, record)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One earlier run folder as ``ckpt_path`` resolution sees it."""
+
+    path: Path
+    command: str
+    status: str  # running | finished | interrupted | failed | killed (running, but its process is gone)
+    started: float
+    resumed_from: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_run(path: Path) -> RunInfo | None:
+    """The run in folder ``path``; ``None`` when it holds none. Folders of older versions (no ``run.json``)
+    count as finished when they hold ``metrics.json``, else as killed."""
+    path = Path(path)
+    try:
+        record = json.loads((path / RUN_RECORD).read_text())
+    except FileNotFoundError:
+        if not (path / "config_resolved.yaml").is_file():
+            return None
+        command = str(OmegaConf.load(path / "config_resolved.yaml").get("command", "fit"))
+        status = "finished" if (path / "metrics.json").is_file() else "killed"
+        return RunInfo(path, command, status, (path / "config_resolved.yaml").stat().st_mtime, None)
+    except (OSError, ValueError):
+        return None
+    status = str(record.get("status", "running"))
+    if status == "running" and record.get("host") == socket.gethostname() and record.get("pid") != os.getpid():
+        if not _process_alive(int(record.get("pid", -1))):
+            status = "killed"
+    return RunInfo(path, str(record.get("command")), status, float(record.get("started", 0.0)),
+                   record.get("resumed_from"))
+
+
+def list_runs(runs_root: Path, command: str, exclude: Path | None = None) -> list[RunInfo]:
+    """Runs of ``command`` under ``runs_root`` (single runs and multirun jobs), newest first."""
+    runs_root = Path(runs_root)
+    folders = {*runs_root.glob(f"{command}/*"), *runs_root.glob("multirun/*/*")}
+    excluded = Path(exclude).resolve() if exclude is not None else None
+    runs = [info for folder in folders if folder.is_dir() and folder.resolve() != excluded
+            and (info := read_run(folder)) is not None and info.command == command]
+    return sorted(runs, key=lambda info: (info.started, info.path.name), reverse=True)
+
+
+def resume_point(run_dir: Path, seen: Iterable[Path] = ()) -> Path | None:
+    """The checkpoint that continues ``run_dir``: its ``checkpoints/last.ckpt``, or, when it saved none yet,
+    the checkpoint it had itself resumed from (a resumed run killed before its first save)."""
+    own = Path(run_dir) / "checkpoints" / "last.ckpt"
+    if own.is_file():
+        return own
+    info = read_run(run_dir)
+    if info is None or not info.resumed_from:
+        return None
+    origin = Path(info.resumed_from)
+    if origin.is_file():
+        return origin
+    if origin.is_dir() and origin not in set(seen):
+        return resume_point(origin, [*seen, Path(run_dir)])
+    return None
+
+
+# -------------------------------------------------------------------------------------- config matching
+def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        flat: dict[str, Any] = {}
+        for key, value in node.items():
+            flat.update(_flatten(value, f"{prefix}.{key}"))
+        return flat
+    return {prefix: node}
+
+
+def _comparable(cfg: Mapping[str, Any], sections: Iterable[str]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section in sections:
+        node = cfg.get(section) or {}
+        ignored = _LOADER_KEYS if section == "data" else _INIT_KEYS
+        flat.update(_flatten({k: v for k, v in node.items() if k not in ignored}, section))
+    return flat
+
+
+def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:
+    """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
+    ``config_resolved.yaml`` (loader settings such as ``num_workers`` left out)."""
+    sections = tuple(sections)
+    saved_file = Path(run_dir) / "config_resolved.yaml"
+    if not saved_file.is_file():
+        return [f"{saved_file} is missing"]
+    saved = _comparable(OmegaConf.to_container(OmegaConf.load(saved_file), resolve=False), sections)
+    now = _comparable({s: OmegaConf.to_container(cfg[s], resolve=True) for s in sections if cfg.get(s) is not None},
+                      sections)
+    return [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
+            for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
+
+
+# ----------------------------------------------------------------------------------- ckpt_path resolution
+def _describe(checkpoint: Path) -> str:
+    """``step N, epoch E`` of a checkpoint (read without the tensors where possible)."""
+    import torch  # deferred: resolving runs happens before anything heavy is imported
+
+    try:
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 -- any unreadable file is reported, not fatal here
+        return f"unreadable: {err}"
+    return f"step {payload.get('global_step', '?')}, epoch {payload.get('epoch', '?')}"
+
+
+def _continued(runs: list[RunInfo]) -> set[Path]:
+    """Folders of runs whose resume point a later run already resumed from: that later run carries on their work."""
+    resumed_at: dict[Path, float] = {}
+    for info in runs:
+        if info.resumed_from:
+            key = Path(info.resumed_from).resolve()
+            resumed_at[key] = max(resumed_at.get(key, 0.0), info.started)
+    continued = set()
+    for info in runs:
+        point = resume_point(info.path)
+        if point is not None and resumed_at.get(point.resolve(), -1.0) > info.started:
+            continued.add(info.path.resolve())
+    return continued
+
+
+def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
+    """``fit ckpt_path=last``: the newest fit, if it is unfinished, made with this model and data, and saved."""
+    runs = list_runs(runs_root, "fit", exclude=run_dir)
+    continued = _continued(runs)
+    runs = [info for info in runs if info.path.resolve() not in continued]  # resumed already: its successor counts
+    if not runs:
+        raise ResumeError(f"ckpt_path=last: no earlier fit under {runs_root} to resume; start a new run "
+                          "(leave ckpt_path out) or pass ckpt_path=/path/to/run_dir or /path/to/file.ckpt")
+    newest = runs[0]
+    matching = next((r for r in runs if r.status not in ("finished", "running") and resume_point(r.path) is not None
+                     and not config_differences(r.path, cfg)), None)
+    hint = (f"; the newest unfinished fit with this model and data is {matching.path}: resume it with "
+            f"ckpt_path={matching.path}") if matching is not None and matching is not newest else ""
+    if newest.status == "running":
+        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, is still running; stop it first{hint}")
+    if newest.finished:
+        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. "
+                          f"Start a new run (leave ckpt_path out), or fine-tune from its weights with "
+                          f"model.checkpoint={newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
+    differences = config_differences(newest.path, cfg)
+    if differences:
+        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path} ({newest.status}), was made with a "
+                          f"different model or data: {'; '.join(differences[:8])}. Run with the same settings "
+                          f"to resume it{hint}")
+    checkpoint = resume_point(newest.path)
+    if checkpoint is None:
+        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it "
+                          f"saved a checkpoint: there is nothing to resume. Start a new run, or lower "
+                          f"callbacks.last_checkpoint.every_n_train_steps / every_n_minutes{hint}")
+    return checkpoint
+
+
+def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
+    """``validate|test|predict ckpt_path=last``: the final weights of the newest fit, if its model matches."""
+    for info in list_runs(runs_root, "fit", exclude=run_dir):
+        checkpoint = resume_point(info.path)
+        if checkpoint is None:
+            continue
+        differences = config_differences(info.path, cfg, sections=("model",))
+        if differences:
+            raise ResumeError(f"ckpt_path=last: the newest fit with a checkpoint, {info.path}, has a different "
+                              f"model: {'; '.join(differences[:8])}; pass the same model settings or "
+                              "ckpt_path=/path/to/file.ckpt")
+        return checkpoint
+    raise ResumeError(f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
+                      "ckpt_path=/path/to/file.ckpt")
+
+
+def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | None:
+    """Turns ``cfg.ckpt_path`` into a checkpoint file (or Lightning's ``best``/``None``) and says what it picked.
+
+    * ``last``: for ``fit``, the newest unfinished fit under ``runs_root`` whose saved config has the same model
+      and data; a :class:`ResumeError` with the reason and the folder when the newest fit finished, is still
+      running, used other settings or saved nothing. For the other commands, the newest fit's last weights.
+    * a run folder: that run's ``checkpoints/last.ckpt`` (or the checkpoint it had resumed from).
+    * a file: itself, once checked that it exists.
+    """
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None or ckpt_path == "best":
+        return ckpt_path
+    runs_root = Path(runs_root).expanduser().resolve()
+    command = str(cfg.get("command", "fit"))
+    if ckpt_path == "last":
+        if command == "fit":
+            checkpoint = _resume_last(cfg, run_dir, runs_root)
+        else:
+            checkpoint = _newest_weights(cfg, run_dir, runs_root)
+    else:
+        path = Path(str(ckpt_path)).expanduser()
+        if path.is_dir():
+            checkpoint = resume_point(path)
+            if checkpoint is None:
+                raise ResumeError(f"ckpt_path={str(path)!r} is a folder without checkpoints/last.ckpt; pass a run "
+                                  "folder that saved a checkpoint, or a .ckpt file")
+            sections = ("model", "data") if command == "fit" else ("model",)
+            differences = config_differences(checkpoint.parent.parent, cfg, sections)
+            if differences and (checkpoint.parent.parent / "config_resolved.yaml").is_file():
+                log.warning("ckpt_path=%s: settings differ from that run's: %s", path, "; ".join(differences[:8]))
+        elif path.is_file():
+            checkpoint = path
+        else:
+            raise ResumeError(f"ckpt_path={str(ckpt_path)!r} does not exist; pass a .ckpt file, a run folder or 'last'")
+    verb = "resuming" if command == "fit" else "loading"
+    log.info("ckpt_path=%s: %s %s (%s)", ckpt_path, verb, checkpoint, _describe(checkpoint))
+    return str(checkpoint.resolve())

@@ -1,0 +1,227 @@
+"""Run folders and ``ckpt_path``: unique folders, never reused, and ``last`` resuming only the run it should."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import REPO, SMOKE, compose_config, run_cli
+from lit_amp_det.runs import ResumeError, read_run, resolve_ckpt_path, unique_dir, write_run_record, update_run_record
+
+
+# ------------------------------------------------------------------------------------------ unit level
+def _fake_run(root: Path, name: str, *, status: str, overrides: list[str] = (), step: int | None = 3,
+              started: float, resumed_from: str | None = None, pid: int | None = None) -> Path:
+    """A run folder as a fit leaves it: run.json, config_resolved.yaml and (optionally) checkpoints/last.ckpt."""
+    run_dir = root / "fit" / name
+    run_dir.mkdir(parents=True)
+    cfg = compose_config([*SMOKE, *overrides], output_dir=run_dir)
+    OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
+    write_run_record(run_dir, "fit", resumed_from=resumed_from)
+    record = json.loads((run_dir / "run.json").read_text())
+    record.update(status=status, started=started, pid=pid if pid is not None else record["pid"])
+    (run_dir / "run.json").write_text(json.dumps(record))
+    if step is not None:
+        (run_dir / "checkpoints").mkdir()
+        torch.save({"global_step": step, "epoch": 0}, run_dir / "checkpoints" / "last.ckpt")
+    return run_dir
+
+
+def _resolve(root: Path, ckpt_path: str, overrides: list[str] = (), command: str = "fit") -> str | None:
+    me = root / command / "now"
+    cfg = compose_config([*SMOKE, *overrides, f"ckpt_path={ckpt_path}", f"command={command}"], output_dir=me)
+    return resolve_ckpt_path(cfg, me, root)
+
+
+def test_unique_dir_never_hands_out_an_existing_folder(tmp_path: Path) -> None:
+    base = tmp_path / "runs" / "fit" / "2026-11-23_10-00-00"
+    got = [unique_dir(str(base)) for _ in range(3)]
+    assert got == [str(base), f"{base}_1", f"{base}_2"]
+    assert all(Path(p).is_dir() for p in got)
+
+
+def test_last_resumes_the_newest_killed_run_not_an_older_finished_one(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "runs"
+    _fake_run(root, "a", status="finished", overrides=["data.train_size=12"], step=8, started=1.0)
+    killed = _fake_run(root, "b", status="running", step=2, started=2.0, pid=2**22 + 17)  # no such process
+    assert read_run(killed).status == "killed"
+    with caplog.at_level("INFO", logger="lit_amp_det.runs"):
+        assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
+    assert "resuming" in caplog.text and "step 2" in caplog.text and str(killed.resolve()) in caplog.text
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("finished", "finished: there is nothing to resume"),
+    ("other_data", "data.train_size: 12 -> 16"),
+    ("no_checkpoint", "before it saved a checkpoint"),
+    ("still_running", "is still running"),
+])
+def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, expected: str) -> None:
+    root = tmp_path / "runs"
+    older = _fake_run(root, "a", status="interrupted", step=2, started=1.0)
+    sleeper = None
+    if case == "finished":
+        newest = _fake_run(root, "b", status="finished", step=8, started=2.0)
+    elif case == "other_data":
+        newest = _fake_run(root, "b", status="interrupted", overrides=["data.train_size=12"], started=2.0)
+    elif case == "no_checkpoint":
+        newest = _fake_run(root, "b", status="failed", step=None, started=2.0)
+    else:
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        newest = _fake_run(root, "b", status="running", started=2.0, pid=sleeper.pid)
+    try:
+        with pytest.raises(ResumeError) as err:
+            _resolve(root, "last")
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+    message = str(err.value)
+    assert expected in message and str(newest.resolve()) in message
+    assert f"ckpt_path={older.resolve()}" in message  # and it names the run that could be resumed
+
+
+def test_explicit_run_dir_and_resumed_chains(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    first = _fake_run(root, "a", status="interrupted", step=4, started=1.0)
+    _fake_run(root, "b", status="finished", step=8, started=2.0)
+    first_ckpt = str((first / "checkpoints" / "last.ckpt").resolve())
+    assert _resolve(root, str(first)) == first_ckpt  # ckpt_path=RUN_DIR, whatever is newer
+    # a run that resumed `first` and was killed before its own first save: resuming it continues first's checkpoint
+    _fake_run(root, "c", status="killed", step=None, started=3.0, resumed_from=first_ckpt)
+    assert _resolve(root, "last") == first_ckpt
+    # once a later run resumed it, `first` itself is no longer offered
+    _fake_run(root, "d", status="finished", step=8, started=4.0, resumed_from=first_ckpt)
+    with pytest.raises(ResumeError, match="finished") as err:
+        _resolve(root, "last")
+    assert "resume it with" not in str(err.value)
+
+
+def test_last_for_evaluation_takes_the_newest_fit_with_the_same_model(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    _fake_run(root, "a", status="finished", step=8, started=1.0)
+    newest = _fake_run(root, "b", status="finished", overrides=["data.train_size=12"], step=8, started=2.0)
+    assert _resolve(root, "last", command="test") == str((newest / "checkpoints" / "last.ckpt").resolve())
+    with pytest.raises(ResumeError, match="different model"):
+        _resolve(root, "last", overrides=["model.backbone.fpn_channels=16"], command="predict")
+
+
+def test_run_record_updates_keep_the_rest(tmp_path: Path) -> None:
+    write_run_record(tmp_path, "fit", resumed_from="/x/last.ckpt")
+    update_run_record(tmp_path, status="finished", global_step=8)
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["status"] == "finished" and record["resumed_from"] == "/x/last.ckpt" and record["global_step"] == 8
+
+
+# ------------------------------------------------------------------------------------------- end to end
+def test_an_earlier_run_folder_is_never_written_into(tmp_path: Path) -> None:
+    used = tmp_path / "used"
+    (used / "checkpoints").mkdir(parents=True)
+    (used / "checkpoints" / "last.ckpt").write_bytes(b"earlier checkpoint")
+    (used / "metrics.json").write_text('{"earlier": true}')
+    proc = run_cli(["fit", *SMOKE, f"hydra.run.dir={used}"], cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr and f"ckpt_path={used}" in proc.stderr
+    assert sorted(p.name for p in used.iterdir()) == ["checkpoints", "metrics.json"]  # not even .hydra/
+    assert (used / "checkpoints" / "last.ckpt").read_bytes() == b"earlier checkpoint"
+
+
+def _popen_fit(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.Popen([sys.executable, "-m", "lit_amp_det", "fit", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_fits_started_together_get_their_own_folders_and_plain_text_logs(tmp_path: Path) -> None:
+    # both ask for the same folder name, as two runs started in the same second do
+    same_second = "hydra.run.dir=${unique_dir:" + str(tmp_path / "runs" / "fit" / "2026-11-23_10-00-00") + "}"
+    common = [*SMOKE, "trainer.max_epochs=1", "trainer.check_val_every_n_epoch=1", same_second,
+              "callbacks.console_log.every_n_steps=2"]
+    procs = [_popen_fit([*common, f"data.train_size={size}"], tmp_path) for size in (12, 16)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    runs = sorted((tmp_path / "runs" / "fit").iterdir())
+    assert [p.name for p in runs] == ["2026-11-23_10-00-00", "2026-11-23_10-00-00_1"]
+    steps = set()
+    for run_dir in runs:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        config = OmegaConf.load(run_dir / "config_resolved.yaml")
+        size = config.data.train_size
+        assert metrics["global_step"] == size // 4  # each folder holds its own run's metrics and config
+        steps.add(metrics["global_step"])
+        rows = (run_dir / "logs" / "metrics.csv").read_text().splitlines()
+        loss_column = rows[0].split(",").index("train/loss")
+        assert sum(1 for row in rows[1:] if row.split(",")[loss_column]) == size // 4  # no rows of the other run
+        assert torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
+                          weights_only=True)["global_step"] == size // 4
+        log_text = (run_dir / "fit.log").read_text()
+        assert "step 2" in log_text and "lr " in log_text and "images/s" in log_text
+        assert "validation after epoch 0" in log_text and "val/segm_mAP" in log_text
+    assert steps == {3, 4}
+    out = outputs[1][0]  # stdout is a pipe here: lines instead of a progress bar
+    assert "step 2/" not in out and "step 2  epoch 0" in out and "validation after epoch 0" in out
+    assert "Epoch 0:" not in out and "it/s" not in out
+    assert "lr 0.000 " not in out
+
+
+def test_kill_9_then_last_resumes_that_run_and_not_a_finished_one(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    fast = [*SMOKE, "trainer.max_epochs=1"]
+    run_cli(["fit", *fast, "data.train_size=12"], cwd=tmp_path)  # an earlier, finished run on other data
+    killed = run_cli(["fit", *fast, "callbacks.last_checkpoint.every_n_train_steps=2",
+                      "+callbacks.killer._target_=killer.KillAtStep", "+callbacks.killer.step=3"],
+                     cwd=tmp_path, env=env, check=False)
+    assert killed.returncode == -9
+    (killed_ckpt,) = [p for p in (tmp_path / "runs").glob("fit/*/checkpoints/last.ckpt")
+                      if not (p.parent.parent / "metrics.json").exists()]
+    resumed = run_cli(["fit", *fast, "ckpt_path=last"], cwd=tmp_path)
+    assert f"resuming {killed_ckpt.resolve()} (step 2" in resumed.stdout
+    newest = max((tmp_path / "runs").glob("fit/*/metrics.json"), key=lambda p: p.stat().st_mtime)
+    assert json.loads(newest.read_text())["global_step"] == 4
+    assert json.loads((newest.parent / "run.json").read_text())["resumed_from"] == str(killed_ckpt.resolve())
+    again = run_cli(["fit", *fast, "ckpt_path=last"], cwd=tmp_path, check=False)
+    assert again.returncode != 0 and "finished: there is nothing to resume" in again.stderr
+
+
+def test_ddp_fit_stopped_by_ctrl_c_resumes_with_last_on_every_rank(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    ddp = [*SMOKE, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none"]
+    stopped = run_cli(["fit", *ddp, "+callbacks.sig._target_=signaller.SignalAtStep", "+callbacks.sig.step=1"],
+                      cwd=tmp_path, env=env, check=False)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "fit").iterdir()
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
+    # rank 0 resolves `last`; the second rank is started with that file, not with `last` again
+    resumed = run_cli(["fit", *ddp, "ckpt_path=last"], cwd=tmp_path, env=env)
+    assert f"resuming {run_dir.resolve() / 'checkpoints' / 'last.ckpt'} (step 2" in resumed.stdout
+    (final,) = [p for p in (tmp_path / "runs" / "fit").iterdir() if p != run_dir]
+    assert json.loads((final / "metrics.json").read_text())["global_step"] == 4  # 16 images / (4 x 2 ranks) x 2 epochs
+    assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == sorted([run_dir.name, final.name])
+
+
+# ------------------------------------------------------------------------------------------ small things
+def test_progress_bar_shows_the_learning_rate_readably(monkeypatch) -> None:
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lit_amp_det.callbacks.console_log import ReadableProgressBar
+
+    monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, trainer, module: {"train/lr": 0.000123,
+                                                                                       "train/loss": 0.5})
+    metrics = ReadableProgressBar().get_metrics(None, None)
+    assert metrics == {"train/lr": "1.23e-04", "train/loss": 0.5}
+
+
+def test_coco_loader_defaults_follow_the_device() -> None:
+    cpu = compose_config(["data=coco", "data.root=/x", "trainer.accelerator=cpu"], output_dir=Path("/tmp/x"))
+    assert cpu.data.pin_memory is False and 0 < cpu.data.num_workers <= min(4, len(os.sched_getaffinity(0)))
+    gpu = compose_config(["data=coco", "data.root=/x", "trainer=gpu"], output_dir=Path("/tmp/x"))
+    assert gpu.data.pin_memory is True
+    quick = compose_config(["trainer.max_steps=50", "data.predict_split=test"], output_dir=Path("/tmp/x"))
+    assert quick.trainer.max_steps == 50 and quick.data.predict_split == "test"  # keys a user sets often exist
