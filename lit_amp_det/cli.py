@@ -15,7 +15,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from lit_amp_det.config import COMMANDS, PRECISIONS, config_dir, config_groups
+from lit_amp_det.config import COMMANDS, config_dir, config_groups
+from lit_amp_det.precision.modes import PRECISIONS
 from lit_amp_det.runs import holds_a_run
 
 __all__ = ["hydra_argv", "main", "usage"]

@@ -13,14 +13,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lit_amp_det.distributed import rank_suffix
+from lit_amp_det.precision.modes import PRECISIONS
 from lit_amp_det.runs import unique_dir
 
-__all__ = ["COMMANDS", "PRECISIONS", "config_dir", "config_groups", "check_config"]
+__all__ = ["COMMANDS", "config_dir", "config_groups", "check_command", "check_config"]
 
 #: Subcommands of ``python -m lit_amp_det``.
 COMMANDS = ("fit", "validate", "test", "predict")
-#: ``trainer.precision`` values the package supports.
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 
 
 def _headline_kind(mask: bool) -> str:
@@ -74,11 +73,15 @@ def config_groups() -> dict[str, list[str]]:
     }
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Rejects values that would otherwise fail deep inside Lightning with a less helpful message."""
-    command = cfg.get("command")
+def check_command(command: object) -> None:
+    """``command`` is one of :data:`COMMANDS`."""
     if command not in COMMANDS:
         raise ValueError(f"command={command!r}; choose one of {', '.join(COMMANDS)}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Rejects values that would otherwise fail deep inside Lightning with a less helpful message."""
+    check_command(cfg.get("command"))
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")

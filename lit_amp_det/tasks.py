@@ -30,7 +30,7 @@ from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, e
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
 from lit_amp_det.checkpoints import check_checkpoint
-from lit_amp_det.config import check_config
+from lit_amp_det.config import check_command, check_config
 from lit_amp_det.distributed import ddp_child_command
 from lit_amp_det.precision.plugin import build_precision_plugin
 from lit_amp_det.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
@@ -267,7 +267,7 @@ def run(cfg: DictConfig) -> Any:
     A fit stopped by SIGINT/SIGTERM exits with 128 + the signal's number (130 for Ctrl-C) once its checkpoint
     and metrics are written; a run that raised is marked ``failed`` in its ``run.json``.
     """
-    check_config(cfg)
+    check_command(cfg.get("command"))  # the rest of the config is checked once, when the job starts
     _route_lightning_logs()
     with ddp_child_command(cfg):  # so that DDP's other ranks start as this job (also inside a sweep)
         try:

@@ -17,7 +17,7 @@ def _modules_after(code: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["lit_amp_det", "lit_amp_det.ops", "lit_amp_det.models"])
+@pytest.mark.parametrize("module", ["lit_amp_det", "lit_amp_det.ops", "lit_amp_det.models", "lit_amp_det.precision.modes"])
 def test_library_modules_import_without_the_training_stack(module):
     loaded = _modules_after(f"import {module}")
     assert not loaded & set(HEAVY), f"import {module} pulled in {sorted(loaded & set(HEAVY))}"

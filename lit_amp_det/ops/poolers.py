@@ -13,7 +13,7 @@ model that holds this module records them as leaves instead of failing on the Py
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lit_amp_det.ops.roi_align import _pair, boxes_to_rois, multi_level_roi_align, roi_align
 
-__all__ = ["MultiScaleRoIAlign", "assign_fpn_levels", "infer_spatial_scale"]
+__all__ = ["MultiScaleRoIAlign", "assign_fpn_levels", "infer_spatial_scale", "pool_levels"]
 
 
 def infer_spatial_scale(feature: Tensor, image_size: Sequence[int]) -> float:
@@ -69,6 +69,34 @@ def _infer_scales(features: list[Tensor], image_shapes: list[tuple[int, int]]) -
     return [infer_spatial_scale(f, image_size) for f in features]
 
 
+def pool_levels(
+    features: list[Tensor],
+    boxes: list[Tensor],
+    scales: list[float],
+    output_size: tuple[int, int],
+    sampling_ratio: int,
+    canonical_scale: int,
+    canonical_level: int,
+    aligned: bool,
+    *,
+    roi_align_fn: Callable[..., Tensor] = roi_align,
+    multi_level_fn: Callable[..., Tensor] = multi_level_roi_align,
+) -> Tensor:
+    """The pooling step of :class:`MultiScaleRoIAlign`: levels assigned as torchvision does, then one kernel call.
+
+    ``roi_align_fn`` / ``multi_level_fn`` are the kernels' front ends (:mod:`lit_amp_det.ops.triton` passes its own).
+    """
+    rois = boxes_to_rois(boxes)
+    if len(features) == 1:
+        return roi_align_fn(features[0], rois, output_size, scales[0], sampling_ratio, aligned)
+    # autocast can leave levels in different dtypes; torchvision's output takes the first level's
+    features = [f.to(features[0].dtype) for f in features]
+    k_min, k_max = int(-math.log2(scales[0])), int(-math.log2(scales[-1]))
+    # the RoIs already hold every image's boxes in order: no second concatenation
+    levels = assign_fpn_levels(rois[:, 1:], k_min, k_max, canonical_scale, canonical_level)
+    return multi_level_fn(features, rois, levels, scales, output_size, sampling_ratio, aligned)
+
+
 @torch.fx.wrap
 def _multi_scale_roi_align(
     features: list[Tensor],
@@ -80,15 +108,7 @@ def _multi_scale_roi_align(
     canonical_level: int,
     aligned: bool,
 ) -> Tensor:
-    rois = boxes_to_rois(boxes)
-    if len(features) == 1:
-        return roi_align(features[0], rois, output_size, scales[0], sampling_ratio, aligned)
-    # autocast can leave levels in different dtypes; torchvision's output takes the first level's
-    features = [f.to(features[0].dtype) for f in features]
-    k_min, k_max = int(-math.log2(scales[0])), int(-math.log2(scales[-1]))
-    # the RoIs already hold every image's boxes in order: no second concatenation
-    levels = assign_fpn_levels(rois[:, 1:], k_min, k_max, canonical_scale, canonical_level)
-    return multi_level_roi_align(features, rois, levels, scales, output_size, sampling_ratio, aligned)
+    return pool_levels(features, boxes, scales, output_size, sampling_ratio, canonical_scale, canonical_level, aligned)
 
 
 class MultiScaleRoIAlign(nn.Module):
@@ -133,6 +153,10 @@ class MultiScaleRoIAlign(nn.Module):
         scales = self.scales if self.scales is not None else _infer_scales(features, image_shapes)
         if self.scales is None and not isinstance(scales, torch.fx.Proxy):  # never keep a tracer's placeholder
             self.scales = scales
+        return self._pool(features, boxes, scales)
+
+    def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
+        """Pools with the compiled ops (an fx leaf); :mod:`lit_amp_det.ops.triton` overrides it with its kernels."""
         return _multi_scale_roi_align(
             features, boxes, scales, self.output_size, self.sampling_ratio, self.canonical_scale,
             self.canonical_level, self.aligned,

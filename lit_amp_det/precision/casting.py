@@ -18,10 +18,12 @@ import functools
 import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from lit_amp_det.precision.modes import REGION_MODES, RegionMode
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
@@ -344,8 +346,7 @@ def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> 
 
 # --------------------------------------------------------------------------------- instance wrapping
 
-WrapMode = Literal["fp32", "fp32_outputs"]
-_WRAP_MODES: tuple[str, ...] = ("fp32", "fp32_outputs")
+WrapMode = RegionMode
 
 
 class _InstanceRegion:
@@ -409,8 +410,8 @@ def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
     Both do nothing while ``mixed_precision_dtype(owner)`` is None, checked at call time. Wrapping again
     in the same mode is a no-op; for ``name="forward"`` on a module, ``module(x)`` goes through it.
     """
-    if mode not in _WRAP_MODES:
-        raise ValueError(f"mode must be one of {_WRAP_MODES}, got {mode!r}")
+    if mode not in REGION_MODES:
+        raise ValueError(f"mode must be one of {REGION_MODES}, got {mode!r}")
     current = _current(owner, name)
     if isinstance(current, _InstanceRegion):
         if current.mode != mode:

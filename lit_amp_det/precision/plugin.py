@@ -23,6 +23,7 @@ from torch import nn
 from typing_extensions import override
 
 from lit_amp_det.precision.casting import set_mixed_precision, wrap_method
+from lit_amp_det.precision.modes import MIXED_PRECISIONS, PRECISIONS, REGION_MODES, RegionMode
 
 __all__ = [
     "DetectionMixedPrecision",
@@ -34,7 +35,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RegionMode = Literal["fp32", "fp32_outputs"]
 
 
 class NonFiniteStepGuard:
@@ -123,8 +123,8 @@ def install_fp32_regions(module: nn.Module, regions: Mapping[str, RegionMode], d
     """Marks ``module`` for mixed precision in ``dtype`` and wraps each region method in place (idempotent)."""
     set_mixed_precision(module, dtype)  # also switches on the module's own @force_fp32/@auto_fp16 methods
     for path, mode in regions.items():
-        if mode not in ("fp32", "fp32_outputs"):
-            raise ValueError(f"precision.fp32_regions[{path!r}]={mode!r}; choose fp32 or fp32_outputs")
+        if mode not in REGION_MODES:
+            raise ValueError(f"precision.fp32_regions[{path!r}]={mode!r}; choose one of {', '.join(REGION_MODES)}")
         owner, name = _resolve(module, path)
         if not isinstance(owner, nn.Module):
             set_mixed_precision(owner, dtype)  # plain helpers such as torchvision's BoxCoder
@@ -176,8 +176,10 @@ class DetectionMixedPrecision(MixedPrecision):
         growth_interval: int = 2000,
         max_consecutive_skips: int = 20,
     ) -> None:
-        if precision not in ("16-mixed", "bf16-mixed"):
-            raise ValueError(f"trainer.precision={precision!r}; DetectionMixedPrecision takes 16-mixed or bf16-mixed")
+        if precision not in MIXED_PRECISIONS:
+            raise ValueError(
+                f"trainer.precision={precision!r}; DetectionMixedPrecision takes {' or '.join(MIXED_PRECISIONS)}"
+            )
         scaler = None
         if precision == "16-mixed":
             scaler = torch.amp.GradScaler(device, init_scale=init_scale, growth_interval=growth_interval)
@@ -246,8 +248,8 @@ def build_precision_plugin(
     """The plugin for ``trainer.precision`` (Lightning refuses a precision string and a plugin together)."""
     if precision == "32-true":
         return FiniteStepPrecision(max_consecutive_skips)
-    if precision not in ("16-mixed", "bf16-mixed"):
-        raise ValueError(f"trainer.precision={precision!r}; choose one of 32-true, 16-mixed, bf16-mixed")
+    if precision not in MIXED_PRECISIONS:
+        raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     device = _autocast_device(str(accelerator))
     if precision == "16-mixed" and device == "cpu" and not fp16_on_cpu:
         rank_zero_warn(

@@ -11,11 +11,10 @@ on CPU tensors they run through Triton's interpreter, which needs ``TRITON_INTER
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lit_amp_det.ops.triton import _launch
 
@@ -195,72 +194,10 @@ def multi_level_roi_align(
     )
 
 
-class RoIAlign(nn.Module):
-    """Module form of :func:`roi_align`, a drop-in for ``torchvision.ops.RoIAlign``."""
+def __getattr__(name: str) -> type:
+    # the module classes subclass lit_amp_det.ops' own, which cannot be imported while lit_amp_det.ops is
+    if name in ("RoIAlign", "MultiScaleRoIAlign"):
+        from lit_amp_det.ops.triton import modules
 
-    def __init__(
-        self, output_size: int | Sequence[int], spatial_scale: float, sampling_ratio: int, aligned: bool = False
-    ) -> None:
-        super().__init__()
-        self.output_size = _pair(output_size)
-        self.spatial_scale = spatial_scale
-        self.sampling_ratio = sampling_ratio
-        self.aligned = aligned
-
-    def forward(self, input: Tensor, rois: Tensor | list[Tensor]) -> Tensor:
-        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
-            f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned})"
-        )
-
-
-class MultiScaleRoIAlign(nn.Module):
-    """:class:`lit_amp_det.ops.MultiScaleRoIAlign` (torchvision's constructor, forward and level mapping) on the
-    Triton kernels."""
-
-    def __init__(
-        self,
-        featmap_names: list[str],
-        output_size: int | Sequence[int],
-        sampling_ratio: int,
-        *,
-        canonical_scale: int = 224,
-        canonical_level: int = 4,
-        aligned: bool = False,
-    ) -> None:
-        super().__init__()
-        if isinstance(featmap_names, str):
-            raise TypeError(f"featmap_names must be a list of names, got the string {featmap_names!r}")
-        self.featmap_names = list(featmap_names)
-        self.output_size = _pair(output_size)
-        self.sampling_ratio = sampling_ratio
-        self.canonical_scale = canonical_scale
-        self.canonical_level = canonical_level
-        self.aligned = aligned
-
-    def forward(self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]) -> Tensor:
-        """Pools ``boxes`` (one ``Tensor[L_i, 4]`` per image) -> ``Tensor[sum L_i, C, *output_size]``."""
-        features = [v for k, v in x.items() if k in self.featmap_names]
-        if not features:
-            raise KeyError(f"none of featmap_names {self.featmap_names} is among the feature maps {list(x)}")
-        from lit_amp_det.ops.poolers import assign_fpn_levels, infer_spatial_scale
-
-        image_size = (max(s[0] for s in image_shapes), max(s[1] for s in image_shapes))
-        scales = [infer_spatial_scale(f, image_size) for f in features]
-        rois = _rois(boxes)
-        if len(features) == 1:
-            return roi_align(features[0], rois, self.output_size, scales[0], self.sampling_ratio, self.aligned)
-        k_min, k_max = int(-math.log2(scales[0])), int(-math.log2(scales[-1]))
-        levels = assign_fpn_levels(rois[:, 1:], k_min, k_max, self.canonical_scale, self.canonical_level)
-        return multi_level_roi_align(
-            features, rois, levels, scales, self.output_size, self.sampling_ratio, self.aligned
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(featmap_names={self.featmap_names}, output_size={self.output_size}, "
-            f"sampling_ratio={self.sampling_ratio})"
-        )
+        return getattr(modules, name)
+    raise AttributeError(f"module 'lit_amp_det.ops.triton' has no attribute {name!r}")

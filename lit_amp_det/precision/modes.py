@@ -1,0 +1,21 @@
+"""The precision settings' accepted values, in one place (plain constants: the CLI's help reads them too).
+
+``trainer.precision`` values, the mixed ones among them, and the modes of an fp32 region. The plugin and the
+casting helpers check against these; :mod:`lit_amp_det.config` checks a composed config against them before
+anything is built.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["MIXED_PRECISIONS", "PRECISIONS", "REGION_MODES", "RegionMode"]
+
+#: ``trainer.precision`` values with autocast (the plugin's ``DetectionMixedPrecision``)
+MIXED_PRECISIONS: tuple[str, ...] = ("16-mixed", "bf16-mixed")
+#: every ``trainer.precision`` value the package supports
+PRECISIONS: tuple[str, ...] = ("32-true", *MIXED_PRECISIONS)
+
+RegionMode = Literal["fp32", "fp32_outputs"]
+#: ``fp32``: inputs cast to fp32 and autocast off inside; ``fp32_outputs``: half outputs cast to fp32
+REGION_MODES: tuple[str, ...] = ("fp32", "fp32_outputs")
