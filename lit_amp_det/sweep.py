@@ -41,7 +41,7 @@ FAILURE_FILE = "failure.txt"
 
 # summary column -> key of metrics.json's "perf" record
 _PERF = {"images_per_s": "train_images_per_s", "step_ms": "train_step_ms_median", "peak_memory_mb": "peak_memory_mb",
-         "step_memory_mb": "step_memory_mb"}
+         "step_memory_mb": "step_memory_mb", "tensor_memory_mb": "tensor_memory_mb"}
 _NAN = float("nan")
 
 
@@ -109,8 +109,8 @@ def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
 
     Columns: ``job``, ``status`` (one of :data:`STATUSES`), ``overrides`` (the job's Hydra overrides as
     one string), one column per overridden key, ``objective`` (the value of ``metric``), every metric
-    whose name contains ``mAP``, ``images_per_s``, ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``, ``device``,
-    ``time_s``, ``error``. Absent numbers are NaN, absent text is ``""``.
+    whose name contains ``mAP``, ``images_per_s``, ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``,
+    ``tensor_memory_mb``, ``device``, ``time_s``, ``error``. Absent numbers are NaN, absent text is ``""``.
     """
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -183,7 +183,7 @@ def _markdown(rows: Sequence[dict[str, Any]], sweep_dir: Path, metric: str | Non
     # (column, decimals): None for text, left-aligned; numbers are right-aligned
     columns = [("job", None), ("status", None), *((k, None) for k in varying), ("objective", 4),
                *((k, 4) for k in maps), ("images_per_s", 1), ("step_ms", 1), ("peak_memory_mb", 0),
-               ("step_memory_mb", 0), ("time_s", 1)]
+               ("step_memory_mb", 0), ("tensor_memory_mb", 0), ("time_s", 1)]
     if any(r["error"] for r in rows):
         columns.append(("error", None))
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(r["status"] == s for r in rows)))
@@ -195,9 +195,9 @@ def _markdown(rows: Sequence[dict[str, Any]], sweep_dir: Path, metric: str | Non
         best = max(scored, key=lambda r: r["objective"])
         lines += [f"Highest `{metric}`: {best['objective']:.4f}, job {_label(best, varying)}.", ""]
     if any(str(r.get("device", "")).startswith("cpu") for r in rows):
-        lines += ["CPU memory is the process's resident set, and a sweep's jobs share one process: each job starts "
-                  "after what earlier jobs freed is handed back to the OS, yet peaks can still differ by tens of MB "
-                  "with job order. Compare memory across settings with separate runs (or `bench train`).", ""]
+        lines += ["On a CPU, `peak_memory_mb` is the process's resident set, shared by a sweep's jobs, so it depends "
+                  "on job order; compare settings by `tensor_memory_mb` (parameters, gradients, optimizer state and "
+                  "the activations saved for backward of one step), which does not, and which the plot uses.", ""]
     if common:
         lines += ["Overrides shared by all jobs: " + " ".join(f"`{k}={v}`" for k, v in common.items()), ""]
     lines.append("| " + " | ".join(name for name, _ in columns) + " |")
@@ -218,7 +218,7 @@ def _csv(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: Path) -> None:
-    """Two panels: objective against train images/s, and against peak memory.
+    """Two panels: objective against train images/s, and against memory (the tensor total on a CPU, the peak on a GPU).
 
     Each point carries its job number; the legend below maps it to the job's varying overrides (labels
     written next to the points overlap as soon as two jobs run at the same speed). A job keeps its colour
@@ -230,8 +230,12 @@ def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: 
     varying, _ = _varying_keys(rows)
     style = {id(r): {"color": f"C{i % 10}", "marker": "os^Dv"[i // 10 % 5]} for i, r in enumerate(rows)}
     fig = Figure(figsize=(13, 5.5 + 0.2 * len(rows) / 2), layout="constrained")
-    for ax, column, xlabel in zip(fig.subplots(1, 2), ("images_per_s", "peak_memory_mb"),
-                                  ("train images/s (higher is better)", "peak memory MB (lower is better)")):
+    # a CPU's resident-set peak ranks a sweep's jobs by their order; the tensor total does not
+    on_cpu = any(str(r.get("device", "")).startswith("cpu") for r in rows)
+    memory = ("tensor_memory_mb", "training tensors MB (lower is better)") if on_cpu else (
+        "peak_memory_mb", "peak memory MB (lower is better)")
+    for ax, column, xlabel in zip(fig.subplots(1, 2), ("images_per_s", memory[0]),
+                                  ("train images/s (higher is better)", memory[1])):
         points = [r for r in rows if not math.isnan(r[column]) and not math.isnan(r["objective"])]
         for row in points:
             ax.scatter(row[column], row["objective"], s=40, **style[id(row)])

@@ -37,7 +37,8 @@ def _metrics(job: int) -> dict[str, float]:
 
 def _perf(job: int) -> dict[str, Any]:
     return {"device": "cpu", "train_images_per_s": 10.0 + job, "train_step_ms_median": 400.0 - job,
-            "peak_memory_mb": 800.0 + 10 * job, "step_memory_mb": 100.0 + job, "timed_steps": 6}
+            "peak_memory_mb": 800.0 + 10 * job, "step_memory_mb": 100.0 + job, "tensor_memory_mb": 50.0 + job,
+            "timed_steps": 6}
 
 
 def _job(sweep: Path, num: int, overrides: list[str], record: dict[str, Any] | str | None) -> Path:
@@ -87,8 +88,8 @@ def test_rows_have_status_overrides_metrics_and_perf(sweep: Path, caplog: pytest
     assert columns[:5] == ["job", "status", "overrides", "experiment", "command"]
     assert columns[5:8] == ["trainer.precision", "callbacks", "callbacks.extra"]  # leading + dropped
     assert columns[8] == "objective" and "val/segm_mAP_large" in columns and "train/loss" not in columns
-    assert columns[-7:] == ["images_per_s", "step_ms", "peak_memory_mb", "step_memory_mb", "device", "time_s",
-                            "error"]
+    assert columns[-8:] == ["images_per_s", "step_ms", "peak_memory_mb", "step_memory_mb", "tensor_memory_mb",
+                            "device", "time_s", "error"]
     assert all(list(r) == columns for r in rows)
 
     first = rows[0]
@@ -96,7 +97,7 @@ def test_rows_have_status_overrides_metrics_and_perf(sweep: Path, caplog: pytest
     assert (first["trainer.precision"], first["callbacks"], first["callbacks.extra"]) == ("32-true", "none", "")
     assert first["objective"] == first["val/segm_mAP"] == 0.11 and first["val/bbox_mAP_50"] == 0.1
     assert (first["images_per_s"], first["step_ms"], first["peak_memory_mb"]) == (10.0, 400.0, 800.0)
-    assert first["step_memory_mb"] == 100.0
+    assert first["step_memory_mb"] == 100.0 and first["tensor_memory_mb"] == 50.0
     assert (first["device"], first["time_s"], first["error"]) == ("cpu", 10.0, "")
     assert rows[2]["objective"] == 0.31 and rows[2]["peak_memory_mb"] == 820.0
 
@@ -131,7 +132,9 @@ def test_summary_files_csv_markdown_png(sweep: Path) -> None:
     assert "val/segm_mAP_50" in header and "_small" not in header and "| error |" in header
     assert "| 0 | ok | 32-true | none |  | 0.1100 |" in md
     assert "| 1 | ok | 32-true | fast |  | 0.2100 |" in md
-    assert "| 10.0 | 400.0 | 800 | 100 | 10.0 |  |" in md  # job 0: images/s, step ms, peak MB, step MB, time, no error
+    # job 0: images/s, step ms, peak MB, step MB, tensor MB, time, no error
+    assert "| 10.0 | 400.0 | 800 | 100 | 50 | 10.0 |  |" in md
+    assert "compare settings by `tensor_memory_mb`" in md  # CPU jobs: the order-free memory figure
     assert "| 10 | failed | 16-mixed |  | 1 |" in md and "RuntimeError: CUDA out of memory" in md
 
     png = (sweep / "summary.png").read_bytes()
@@ -247,6 +250,16 @@ def test_multirun_writes_the_summary(tmp_path: Path) -> None:
     md = (sweep / "summary.md").read_text()
     assert "4 jobs (4 ok)" in md and "| trainer.precision | callbacks |" in md
     assert (sweep / "summary.png").read_bytes().startswith(b"\x89PNG")
+
+    # the same settings in the opposite order: the tensor total of each setting does not move (the resident-set
+    # peak does: each later job starts on what earlier ones left in the process)
+    run_cli(["fit", "-m", "trainer.precision=bf16-mixed,32-true", "callbacks=none", *TINY], cwd=tmp_path,
+            env={"LIT_AMP_DET_RUNS": str(tmp_path / "reversed")})
+    (reversed_sweep,) = (tmp_path / "reversed" / "multirun").iterdir()
+    forward = {r["trainer.precision"]: float(r["tensor_memory_mb"]) for r in table if r["callbacks"] == "none"}
+    backward = {r["trainer.precision"]: float(r["tensor_memory_mb"])
+                for r in csv.DictReader((reversed_sweep / "summary.csv").open())}
+    assert forward == backward and forward["32-true"] > 0
 
 
 @pytest.mark.slow

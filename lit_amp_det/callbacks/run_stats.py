@@ -5,9 +5,12 @@ group holds, so that runs of a sweep that toggles callbacks (``callbacks=none,fa
 way. It logs nothing and prints nothing: it keeps totals that ``train`` writes under ``perf`` in
 ``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput` (batch start to
 batch end, CUDA-synchronised, the first ``warmup_steps`` of the fit left out); memory is the largest per-step
-peak (the peak is reset before each timed step), read with
-:class:`~lit_amp_det.callbacks.memory_monitor.MemoryProbe`, so one-off work before training (building the
-model, generating data, MemoryMonitor's baseline rows) does not count.
+peak (the peak is reset before each timed step), read with :class:`~lit_amp_det.profiling.MemoryProbe`, so
+one-off work before training (building the model, generating data, MemoryMonitor's baseline rows) does not count.
+
+A CPU process's resident set also holds what earlier jobs of a sweep left behind, so it ranks settings by job
+order. ``tensor_memory_mb`` does not: it adds up the tensors a training step needs -- parameters, gradients,
+optimizer state and what autograd saved for backward -- counted once, on the first timed step.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from lit_amp_det.profiling import MemoryProbe, count_images, release_freed_cpu_memory
+from lit_amp_det.profiling import MemoryProbe, SavedTensorBytes, count_images, release_freed_cpu_memory
 
 __all__ = ["RunStats"]
 
@@ -45,6 +49,8 @@ class RunStats(Callback):
         self._step_bytes = 0
         self._in_use_at_start: int | None = None
         self._world_size = 1
+        self._saved: SavedTensorBytes | None = None
+        self._tensor_bytes: int | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -52,6 +58,7 @@ class RunStats(Callback):
         self._world_size = trainer.world_size
         self._steps_seen, self._started, self._step_seconds, self._images = 0, None, [], 0
         self._peak_bytes = self._step_bytes = 0
+        self._tensor_bytes = None
         if not self._probe.cuda:
             # jobs of a sweep share the process: hand what earlier jobs freed back to the OS, or their leftovers
             # count in this job's resident-set peak (and the figure would rank settings by job order)
@@ -65,6 +72,8 @@ class RunStats(Callback):
             self._probe.synchronize()
             self._probe.reset_peak()
             self._in_use_at_start = self._probe.in_use_bytes()
+            if self._tensor_bytes is None:  # the first timed step also counts its tensors
+                self._saved = SavedTensorBytes(exclude=[*pl_module.parameters(), *pl_module.buffers()]).__enter__()
             self._started = time.perf_counter()
 
     @override
@@ -76,6 +85,10 @@ class RunStats(Callback):
         self._probe.synchronize()
         self._step_seconds.append(time.perf_counter() - self._started)
         self._started = None
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self._tensor_bytes = self._saved.bytes + _resident_training_bytes(pl_module, trainer.optimizers)
+            self._saved = None
         self._images += count_images(batch)
         peak = self._probe.peak_bytes()
         self._peak_bytes = max(self._peak_bytes, peak)
@@ -90,6 +103,8 @@ class RunStats(Callback):
         set on a CPU (libraries and data included, so on a CPU it moves little between settings).
         ``step_memory_mb`` is what a step added on top of what was in use when it started (activations,
         gradients, optimizer state growth): the figure that shows what mixed precision and conv-bn eval save.
+        ``tensor_memory_mb`` is parameters + gradients + optimizer state + the activations saved for backward of
+        the first timed step: independent of what ran before in the process, so a sweep's jobs compare in any order.
 
         Speed and memory are ``None`` when no step was timed (a fit shorter than the warm-up). Under DDP,
         images/s counts every process (this rank's rate times the world size: ranks step in lockstep) and the
@@ -105,5 +120,29 @@ class RunStats(Callback):
             "train_step_ms_median": 1000.0 * statistics.median(self._step_seconds) if timed else None,
             "peak_memory_mb": self._peak_bytes / 2**20 if timed else None,
             "step_memory_mb": self._step_bytes / 2**20 if timed else None,
+            "tensor_memory_mb": None if self._tensor_bytes is None else self._tensor_bytes / 2**20,
             "memory_source": None if probe is None else probe.source,
         }
+
+
+def _resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -> int:
+    """Bytes of the parameters, their gradients and the optimizers' state tensors (each storage once)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: Any) -> None:
+        nonlocal total
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+
+    for parameter in module.parameters():
+        add(parameter)
+        add(parameter.grad)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                add(value)
+    return total
