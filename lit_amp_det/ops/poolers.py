@@ -69,6 +69,7 @@ def _infer_scales(features: list[Tensor], image_shapes: list[tuple[int, int]]) -
     return [infer_spatial_scale(f, image_size) for f in features]
 
 
+@torch.fx.wrap  # a leaf for symbolic_trace, as torchvision's pooling step
 def pool_levels(
     features: list[Tensor],
     boxes: list[Tensor],
@@ -95,20 +96,6 @@ def pool_levels(
     # the RoIs already hold every image's boxes in order: no second concatenation
     levels = assign_fpn_levels(rois[:, 1:], k_min, k_max, canonical_scale, canonical_level)
     return multi_level_fn(features, rois, levels, scales, output_size, sampling_ratio, aligned)
-
-
-@torch.fx.wrap
-def _multi_scale_roi_align(
-    features: list[Tensor],
-    boxes: list[Tensor],
-    scales: list[float],
-    output_size: tuple[int, int],
-    sampling_ratio: int,
-    canonical_scale: int,
-    canonical_level: int,
-    aligned: bool,
-) -> Tensor:
-    return pool_levels(features, boxes, scales, output_size, sampling_ratio, canonical_scale, canonical_level, aligned)
 
 
 class MultiScaleRoIAlign(nn.Module):
@@ -157,7 +144,7 @@ class MultiScaleRoIAlign(nn.Module):
 
     def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
         """Pools with the compiled ops (an fx leaf); :mod:`lit_amp_det.ops.triton` overrides it with its kernels."""
-        return _multi_scale_roi_align(
+        return pool_levels(
             features, boxes, scales, self.output_size, self.sampling_ratio, self.canonical_scale,
             self.canonical_level, self.aligned,
         )
