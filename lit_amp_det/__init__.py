@@ -18,15 +18,15 @@ __version__ = "0.1.0"
 #: public name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {
     "MaskRCNNModule": "lit_amp_det.module",
-    "train": "lit_amp_det.tasks",
-    "validate": "lit_amp_det.tasks",
-    "test": "lit_amp_det.tasks",
-    "predict": "lit_amp_det.tasks",
+    "train": "lit_amp_det.app.tasks",
+    "validate": "lit_amp_det.app.tasks",
+    "test": "lit_amp_det.app.tasks",
+    "predict": "lit_amp_det.app.tasks",
 }
 
 if TYPE_CHECKING:
     from lit_amp_det.module import MaskRCNNModule
-    from lit_amp_det.tasks import predict, test, train, validate
+    from lit_amp_det.app.tasks import predict, test, train, validate
 
 
 def __getattr__(name: str) -> Any:

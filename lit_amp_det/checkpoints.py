@@ -1,6 +1,6 @@
 """Loading local weights safely and checking checkpoints before a run uses them.
 
-Which run ``ckpt_path=last`` resumes is decided in :mod:`lit_amp_det.runs`.
+Which run ``ckpt_path=last`` resumes is decided in :mod:`lit_amp_det.app.runs`.
 
 Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint is data, never code. Both a bare
 ``state_dict`` of the torchvision model and a Lightning checkpoint (whose ``state_dict`` keys carry the

@@ -15,9 +15,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from lit_amp_det.config import COMMANDS, config_dir, config_groups
+from lit_amp_det.app.config import COMMANDS, config_dir, config_groups
 from lit_amp_det.precision.modes import PRECISIONS
-from lit_amp_det.runs import holds_a_run
+from lit_amp_det.app.runs import holds_a_run
 
 __all__ = ["hydra_argv", "main", "usage"]
 
@@ -56,7 +56,7 @@ def usage() -> str:
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> object:
-    from lit_amp_det.tasks import run  # heavy imports only once Hydra has parsed the command line
+    from lit_amp_det.app.tasks import run  # heavy imports only once Hydra has parsed the command line
 
     return run(cfg)
 

@@ -1,87 +1,10 @@
-"""Multi-process runs under Hydra: what Lightning's DDP launcher needs to start the other processes right.
-
-With ``strategy=ddp`` on one node, Lightning starts ranks 1..N-1 by re-running the command line
-(``python -m lit_amp_det <sys.argv[1:]> hydra.run.dir=<parent run dir> ...``). Two things break that for a
-Hydra app with a subcommand:
-
-* ``sys.argv`` at that point is Hydra's (the subcommand was taken off; a sweep's ``-m`` and comma lists are
-  still there), so the children would re-launch the whole sweep, or fail on the missing subcommand;
-* in a multirun job Lightning passes ``hydra.run.dir`` -- the *single-run* directory pattern -- so the
-  children would write to a different directory than the job they belong to.
-
-:func:`ddp_child_command` fixes both for the duration of a task: ``sys.argv`` becomes this job's own command
-(subcommand, this job's overrides, ``hydra.mode=RUN``), the run directory Lightning reads is this job's
-output directory, and at the job's end its process group is destroyed and the environment variables
-Lightning set (``LOCAL_RANK``, ``MASTER_PORT``, ...) are undone, so the next job of a sweep starts its own
-ranks instead of waiting for the last job's. On SLURM (``hydra/launcher=submitit_slurm``) every rank is started by the scheduler and none
-of this is used.
-"""
+"""Distributed helpers the library needs at evaluation time (the launch plumbing is in :mod:`lit_amp_det.app.launch`)."""
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from omegaconf import DictConfig, open_dict, read_write
-
-__all__ = ["ddp_child_command", "gather_list_states", "rank_suffix"]
-
-
-def rank_suffix() -> str:
-    """``""`` in the first process of a run, ``"_rank<K>"`` in the others (for per-rank log files).
-
-    Reads the environment Lightning's launcher (``LOCAL_RANK``, ``NODE_RANK``) or SLURM (``SLURM_PROCID``)
-    sets before the process starts, so it works while Hydra composes the config, before Lightning runs.
-    """
-    if "SLURM_PROCID" in os.environ and "LOCAL_RANK" not in os.environ:
-        rank = int(os.environ["SLURM_PROCID"])
-        return "" if rank == 0 else f"_rank{rank}"
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
-    if node:  # no world size here to make a global rank: name other nodes' processes by node and local rank
-        return f"_node{node}_rank{local}"
-    return "" if local == 0 else f"_rank{local}"
-
-
-@contextmanager
-def ddp_child_command(cfg: DictConfig) -> Iterator[None]:
-    """Within the block, Lightning's DDP launcher starts the other ranks as this job, in this job's directory.
-
-    A no-op outside a Hydra app (notebooks, tests calling the task functions). ``sys.argv`` and the Hydra
-    run directory are restored on exit, so a sweep's next job starts from the original state.
-    """
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        yield
-        return
-    hydra_cfg = HydraConfig.get()
-    saved_argv, saved_run_dir, saved_environ = list(sys.argv), hydra_cfg.run.dir, dict(os.environ)
-    task_overrides = list(hydra_cfg.overrides.task)
-    sys.argv = [saved_argv[0], str(cfg.command), *task_overrides, "hydra.mode=RUN"]
-    with read_write(hydra_cfg), open_dict(hydra_cfg):
-        hydra_cfg.run.dir = str(cfg.paths.output_dir)  # Lightning sends the children to hydra.run.dir
-    try:
-        yield
-    finally:
-        _end_process_group()  # the next job of a sweep starts its own ranks and process group
-        sys.argv = saved_argv
-        # Lightning leaves LOCAL_RANK, MASTER_PORT, ... in the environment; with them the next job of a sweep
-        # would take its ranks as started by someone else and wait for them forever
-        os.environ.clear()
-        os.environ.update(saved_environ)
-        with read_write(hydra_cfg), open_dict(hydra_cfg):
-            hydra_cfg.run.dir = saved_run_dir
-
-
-def _end_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+__all__ = ["gather_list_states"]
 
 
 def gather_list_states(metric: Any) -> None:

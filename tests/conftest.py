@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from lit_amp_det.config import config_dir
+from lit_amp_det.app.config import config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 

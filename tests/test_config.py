@@ -10,8 +10,8 @@ import pytest
 from hydra.utils import instantiate
 
 from lit_amp_det import MaskRCNNModule
-from lit_amp_det.config import check_config, config_groups
-from lit_amp_det.tasks import build_trainer
+from lit_amp_det.app.config import check_config, config_groups
+from lit_amp_det.app.tasks import build_trainer
 
 from conftest import CONFIG_ERRORS, compose_config
 

@@ -21,7 +21,7 @@ from lit_amp_det.callbacks.freeze_norm import FreezeNorm
 from lit_amp_det.data.transforms import collate_detection
 from lit_amp_det.models.maskrcnn import BACKBONES, build_backbone
 from lit_amp_det.models.norms import FrozenBatchNorm2d, convert_frozen_batchnorm
-from lit_amp_det.tasks import build_trainer
+from lit_amp_det.app.tasks import build_trainer
 
 from conftest import CONFIG_ERRORS, SMOKE, compose_config
 

@@ -35,7 +35,7 @@ def test_help_imports_neither_torch_nor_lightning():
 def test_public_names_resolve_on_first_access():
     import lit_amp_det
     from lit_amp_det.module import MaskRCNNModule
-    from lit_amp_det.tasks import train
+    from lit_amp_det.app.tasks import train
 
     assert lit_amp_det.MaskRCNNModule is MaskRCNNModule and lit_amp_det.train is train
     assert {"MaskRCNNModule", "train", "validate", "test", "predict"} <= set(dir(lit_amp_det))

@@ -2,7 +2,8 @@
 
 Layers, bottom up: ``profiling`` and ``ops`` (kernels and their front end) -> ``precision``, ``data``, ``models``
 -> ``module``, ``optim``, ``checkpoints``, ``distributed`` -> ``callbacks`` (each on its own: no callback imports
-another) -> the application: ``tasks``, ``config``, ``runs``, ``sweep`` (Hydra and launch plumbing), ``bench`` and ``cli``.
+another) -> the application: the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and
+launch plumbing), ``bench`` and ``cli``.
 Read from the source (``ast``), so nothing is imported and lazy imports inside functions count too.
 """
 
@@ -28,8 +29,7 @@ ALLOWED = {
     "lit_amp_det.callbacks": ("lit_amp_det.profiling", "lit_amp_det.models", "lit_amp_det.precision",
                               "lit_amp_det.distributed"),
 }
-APPLICATION = ("lit_amp_det.tasks", "lit_amp_det.config", "lit_amp_det.runs", "lit_amp_det.sweep", "lit_amp_det.bench",
-               "lit_amp_det.cli")
+APPLICATION = ("lit_amp_det.app", "lit_amp_det.bench", "lit_amp_det.cli")
 #: modules in callbacks/ that are not callbacks, but the measuring or reporting parts of one
 CALLBACK_HELPERS = ("lit_amp_det.callbacks.memory_savings",)
 #: the package face (lazy re-exports) and the ``python -m`` entry sit on top of everything
@@ -115,3 +115,13 @@ def test_library_modules_import_only_from_their_layer_or_below():
                 f"{name} ({layer} layer) imports {target}, which is not below it"
             )
     assert checked > 30
+
+
+def test_application_modules_live_in_the_app_package():
+    """Hydra/launch plumbing stays out of the library's top level: only the package face, ``cli`` and the library
+    layers sit directly in ``lit_amp_det``."""
+    top_level = {name for name in _graph() if name.count(".") == 1}
+    misplaced = {name for name in top_level if _layer(name) is None and name not in TOP + APPLICATION}
+    assert not misplaced, f"move {sorted(misplaced)} into lit_amp_det/app/ or give them a library layer"
+    assert {"lit_amp_det.app.tasks", "lit_amp_det.app.config", "lit_amp_det.app.runs", "lit_amp_det.app.sweep",
+            "lit_amp_det.app.launch"} <= set(_graph())

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
 from lit_amp_det.callbacks.memory_savings import draw_batches
 from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader
-from lit_amp_det.tasks import build_datamodule, build_model, build_trainer
+from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer
 
 from conftest import SMOKE, CaptureLogger, compose_config
 

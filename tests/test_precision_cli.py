@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMOKE, compose_config, only_run_dir, run_cli
-from lit_amp_det.tasks import train
+from lit_amp_det.app.tasks import train
 
 
 def test_research_force_fp32_method_takes_effect_under_the_plugin(tmp_path: Path) -> None:

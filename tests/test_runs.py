@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, SMOKE, compose_config, run_cli
-from lit_amp_det.runs import ResumeError, read_run, resolve_ckpt_path, unique_dir, write_run_record, update_run_record
+from lit_amp_det.app.runs import ResumeError, read_run, resolve_ckpt_path, unique_dir, write_run_record, update_run_record
 
 
 # ------------------------------------------------------------------------------------------ unit level
@@ -52,7 +52,7 @@ def test_last_resumes_the_newest_killed_run_not_an_older_finished_one(tmp_path: 
     _fake_run(root, "a", status="finished", overrides=["data.train_size=12"], step=8, started=1.0)
     killed = _fake_run(root, "b", status="running", step=2, started=2.0, pid=2**22 + 17)  # no such process
     assert read_run(killed).status == "killed"
-    with caplog.at_level("INFO", logger="lit_amp_det.runs"):
+    with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
         assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
     assert "resuming" in caplog.text and "step 2" in caplog.text and str(killed.resolve()) in caplog.text
 

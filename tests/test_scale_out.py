@@ -12,9 +12,9 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from lit_amp_det.cli import hydra_argv
-from lit_amp_det.config import config_dir
+from lit_amp_det.app.config import config_dir
 from lit_amp_det.data.sampler import EvalShardSampler
-from lit_amp_det.distributed import ddp_child_command, rank_suffix
+from lit_amp_det.app.launch import ddp_child_command, rank_suffix
 
 
 def _hydra_config(overrides: list[str]):

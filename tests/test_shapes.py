@@ -321,7 +321,7 @@ def test_the_yaml_and_the_code_share_the_generators_defaults():
 
     from omegaconf import OmegaConf
 
-    from lit_amp_det.config import config_dir
+    from lit_amp_det.app.config import config_dir
     from lit_amp_det.data import ShapesDataModule
     from lit_amp_det.data.shapes import ShapesSpec
 

@@ -17,8 +17,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from lit_amp_det.config import config_dir
-from lit_amp_det.sweep import FAILURE_FILE, SweepSummary, collect_rows, summarize_sweep
+from lit_amp_det.app.config import config_dir
+from lit_amp_det.app.sweep import FAILURE_FILE, SweepSummary, collect_rows, summarize_sweep
 
 from conftest import SMOKE, run_cli
 
@@ -77,7 +77,7 @@ def _is_nan(value: Any) -> bool:
 
 
 def test_rows_have_status_overrides_metrics_and_perf(sweep: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="lit_amp_det.sweep"):
+    with caplog.at_level(logging.WARNING, logger="lit_amp_det.app.sweep"):
         rows = collect_rows(sweep, METRIC)
     assert [r["job"] for r in rows] == [0, 1, 2, 3, 4, 5, 10]
     assert [r["status"] for r in rows] == ["ok", "ok", "ok", "ok", "missing", "unreadable", "failed"]
@@ -145,7 +145,7 @@ def test_summary_files_csv_markdown_png(sweep: Path) -> None:
 def test_no_matplotlib_skips_the_png_with_one_warning(sweep: Path, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it looks like
-    with caplog.at_level(logging.WARNING, logger="lit_amp_det.sweep"):
+    with caplog.at_level(logging.WARNING, logger="lit_amp_det.app.sweep"):
         summarize_sweep(sweep, METRIC)
     assert (sweep / "summary.csv").is_file() and not (sweep / "summary.png").exists()
     assert sum("matplotlib is not installed" in rec.getMessage() for rec in caplog.records) == 1
@@ -167,7 +167,7 @@ def test_callback_writes_and_prints_at_multirun_end(sweep: Path, capsys: pytest.
 
 def test_callback_never_raises_at_the_end_of_a_sweep(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "gone")}}, "optimized_metric": METRIC})
-    with caplog.at_level(logging.WARNING, logger="lit_amp_det.sweep"):
+    with caplog.at_level(logging.WARNING, logger="lit_amp_det.app.sweep"):
         SweepSummary().on_multirun_end(config=config)
     assert any("gone" in rec.getMessage() and "FileNotFoundError" in rec.getMessage() for rec in caplog.records)
 
@@ -208,7 +208,7 @@ def _compose(overrides: list[str]) -> Any:
 
 def test_default_config_registers_the_callback_and_keeps_the_basic_sweeper() -> None:
     cfg = _compose([])
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "lit_amp_det.sweep.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "lit_amp_det.app.sweep.SweepSummary"
     assert cfg.hydra.sweeper._target_.endswith("BasicSweeper") and cfg.hydra.mode is None
 
 
@@ -222,7 +222,7 @@ def test_optuna_search_config_composes() -> None:
     assert sweeper.params["optim.optimizer.lr"] == "tag(log, interval(1e-4, 3e-3))"
     assert {"trainer.precision", "model.rpn.nms_thresh", "optim.optimizer.weight_decay"} <= set(sweeper.params)
     assert cfg.optimized_metric == METRIC  # kept from config.yaml
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "lit_amp_det.sweep.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "lit_amp_det.app.sweep.SweepSummary"
 
 
 # Every job as short as metrics.json's perf allows: 4 training steps (RunStats leaves 2 out as warm-up,

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_amp_det.callbacks.throughput import Throughput
-from lit_amp_det.tasks import build_trainer
+from lit_amp_det.app.tasks import build_trainer
 
 from conftest import SMOKE, CaptureLogger, compose_config
 

@@ -22,7 +22,7 @@ def compose(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from lit_amp_det.config import config_dir
+    from lit_amp_det.app.config import config_dir
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))

@@ -95,7 +95,7 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
 
 
 def _setting(bench: Bench, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setting:
-    from lit_amp_det.config import config_groups
+    from lit_amp_det.app.config import config_groups
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

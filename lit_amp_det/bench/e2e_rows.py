@@ -150,7 +150,7 @@ def build(cfg: DictConfig, device: str, stage: str) -> Built:
     from hydra.utils import instantiate
 
     from lit_amp_det.precision import build_precision_plugin
-    from lit_amp_det.tasks import instantiate_all
+    from lit_amp_det.app.tasks import instantiate_all
 
     if cfg.trainer.get("benchmark") is not None and device == "cuda":
         torch.backends.cudnn.benchmark = bool(cfg.trainer.benchmark)  # what the Trainer sets from trainer.benchmark

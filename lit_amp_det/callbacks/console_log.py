@@ -5,7 +5,7 @@ callback writes lines instead -- ``step 120/2000  epoch 1  loss 0.7341  lr 1.20e
 ``every_n_steps`` steps and ``validation after epoch 1 (step 400): val/segm_mAP 0.4123 ...`` after every
 validation -- through the ``lit_amp_det.progress`` logger, so they reach the console and the run's log file
 (``fit.log``) alike. With ``console: auto`` they go to the console only when stdout is not a terminal (or the
-progress bar is off); the log file always gets them. :func:`lit_amp_det.tasks.build_trainer` turns the
+progress bar is off); the log file always gets them. :func:`lit_amp_det.app.tasks.build_trainer` turns the
 progress bar off when stdout is not a terminal and this callback is present.
 """
 
@@ -43,7 +43,7 @@ def emit(message: str, console: bool = True) -> None:
     """Writes ``message`` to the run's log file and, if ``console``, to stdout.
 
     Under the CLI, Hydra's logging sends ``lit_amp_det.progress`` records to stdout and to ``<command>.log``;
-    without configured logging (a notebook calling :func:`~lit_amp_det.tasks.train`) the message is printed.
+    without configured logging (a notebook calling :func:`~lit_amp_det.app.tasks.train`) the message is printed.
     """
     if not logging.getLogger().handlers:
         if console:

@@ -7,7 +7,7 @@ records how many batches of the epoch were consumed). The file is written next t
 the old one, so a kill during the save leaves the previous checkpoint intact.
 
 On the first SIGINT (Ctrl-C) or SIGTERM (SLURM preemption, ``kill``) during training the step in progress
-completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; :func:`lit_amp_det.tasks.train`
+completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; :func:`lit_amp_det.app.tasks.train`
 then writes the metrics so far and prints the command that resumes. A second signal stops at once, as
 before. Under DDP every rank stops after the same step (the decision is reduced over ranks).
 """

@@ -1,6 +1,6 @@
 """Records a fit's training speed and peak memory for ``metrics.json`` (and so for sweep summaries).
 
-Every ``fit`` gets this callback from :func:`lit_amp_det.tasks.build_trainer`, whatever the ``callbacks``
+Every ``fit`` gets this callback from :func:`lit_amp_det.app.tasks.build_trainer`, whatever the ``callbacks``
 group holds, so that runs of a sweep that toggles callbacks (``callbacks=none,fast``) are measured the same
 way. It logs nothing and prints nothing: it keeps totals that ``train`` writes under ``perf`` in
 ``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput` (batch start to

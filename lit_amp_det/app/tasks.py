@@ -4,7 +4,7 @@ Each takes a composed Hydra config, builds data module, model, callbacks, logger
 ``_target_`` nodes, runs, and writes ``metrics.json`` (and ``config_resolved.yaml``) into the run
 directory. They are separate from the Hydra entry point so notebooks, tests and sweepers can call them.
 
-Every run folder also gets ``run.json`` (:mod:`lit_amp_det.runs`): ``running`` while it runs, then ``finished``,
+Every run folder also gets ``run.json`` (:mod:`lit_amp_det.app.runs`): ``running`` while it runs, then ``finished``,
 ``interrupted`` (Ctrl-C or SIGTERM: a checkpoint and the metrics so far are saved, and the command that
 resumes is printed) or ``failed``. ``ckpt_path=last`` reads these records to find the run to resume.
 """
@@ -30,10 +30,10 @@ from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, e
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
 from lit_amp_det.checkpoints import check_checkpoint
-from lit_amp_det.config import check_command, check_config
-from lit_amp_det.distributed import ddp_child_command
+from lit_amp_det.app.config import check_command, check_config
+from lit_amp_det.app.launch import ddp_child_command
 from lit_amp_det.precision.plugin import build_precision_plugin
-from lit_amp_det.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
+from lit_amp_det.app.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
 
 __all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "resume_command", "summary_line"]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_amp_det.distributed import rank_suffix
+from lit_amp_det.app.launch import rank_suffix
 from lit_amp_det.precision.modes import PRECISIONS
-from lit_amp_det.runs import unique_dir
+from lit_amp_det.app.runs import unique_dir
 
 __all__ = ["COMMANDS", "config_dir", "config_groups", "check_command", "check_config"]
 
