@@ -186,7 +186,7 @@ def test_compressed_rle_with_bytes_counts(folder, monkeypatch):
     data = _coco_dict()
     seg = _ann(data, 12)["segmentation"]
     seg["counts"] = seg["counts"].encode("ascii")
-    monkeypatch.setattr(coco_module, "_load_json", lambda path: copy.deepcopy(data))
+    monkeypatch.setattr(coco_module, "load_annotation_file", lambda path: copy.deepcopy(data))
     _, target = CocoInstances(*folder)[1]
     assert torch.equal(target["masks"][0], torch.from_numpy(MASK_12))
 

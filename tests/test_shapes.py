@@ -15,6 +15,7 @@ from pycocotools.coco import COCO
 from lit_amp_det.data import shapes, shapes_spec
 from lit_amp_det.data.shapes import (
     MARKER_NAME,
+    ShapesSpec,
     SHAPE_CLASSES,
     ensure_shapes,
     generate_shapes,
@@ -31,7 +32,7 @@ SMALL = {"train": 6, "val": 3}
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate_shapes(tmp_path_factory.mktemp("shapes") / "ds", splits=SPLITS, seed=3)
+    return generate_shapes(tmp_path_factory.mktemp("shapes") / "ds", ShapesSpec(seed=3), splits=SPLITS)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_annotations_match_rendered_visible_masks(dataset: Path, cocos: dict[str
     occluded_labelled = 0
     for split, coco in cocos.items():
         for image_id in coco.getImgIds():
-            rendered = render_shapes_image(3, split, image_id - 1)
+            rendered = render_shapes_image(split, image_id - 1, ShapesSpec(seed=3))
             file_name = coco.loadImgs(image_id)[0]["file_name"]
             pixels = np.asarray(Image.open(dataset / "images" / split / file_name))
             np.testing.assert_array_equal(pixels, rendered.image)
@@ -132,7 +133,7 @@ def test_annotations_match_rendered_visible_masks(dataset: Path, cocos: dict[str
 def test_occlusion_hides_earlier_shapes() -> None:
     seen_overlap = False
     for index in range(30):
-        rendered = render_shapes_image(0, "train", index)
+        rendered = render_shapes_image("train", index)
         for a, b in itertools.combinations(range(len(rendered.instances)), 2):
             lower, upper = rendered.instances[a], rendered.instances[b]
             overlap = lower.full_mask & upper.full_mask
@@ -171,9 +172,9 @@ def test_classes_differ_in_shape_not_colour(dataset: Path, cocos: dict[str, COCO
 
 
 def test_deterministic_and_seed_dependent(tmp_path: Path) -> None:
-    a = generate_shapes(tmp_path / "a", splits=SMALL, seed=5)
-    b = generate_shapes(tmp_path / "b", splits=SMALL, seed=5)
-    c = generate_shapes(tmp_path / "c", splits=SMALL, seed=6)
+    a = generate_shapes(tmp_path / "a", ShapesSpec(seed=5), splits=SMALL)
+    b = generate_shapes(tmp_path / "b", ShapesSpec(seed=5), splits=SMALL)
+    c = generate_shapes(tmp_path / "c", ShapesSpec(seed=6), splits=SMALL)
     for split in SMALL:
         name = f"annotations/instances_{split}.json"
         assert (a / name).read_bytes() == (b / name).read_bytes()
@@ -183,29 +184,29 @@ def test_deterministic_and_seed_dependent(tmp_path: Path) -> None:
     assert all(np.array_equal(pa[k], pb[k]) for k in pa)
     assert not any(np.array_equal(pa[k], pc[k]) for k in pa)
     # Splits are drawn independently: dropping "val" leaves "train" untouched.
-    d = generate_shapes(tmp_path / "d", splits={"train": SMALL["train"]}, seed=5)
+    d = generate_shapes(tmp_path / "d", ShapesSpec(seed=5), splits={"train": SMALL["train"]})
     ja = json.loads((a / "annotations/instances_train.json").read_text())
     jd = json.loads((d / "annotations/instances_train.json").read_text())
     assert ja["images"] == jd["images"] and ja["annotations"] == jd["annotations"]
 
 
 def test_empty_images_are_valid_coco(tmp_path: Path) -> None:
-    root = generate_shapes(tmp_path / "e", splits={"train": 3}, empty_prob=1.0)
+    root = generate_shapes(tmp_path / "e", ShapesSpec(empty_prob=1.0), splits={"train": 3})
     coco = COCO(str(root / "annotations" / "instances_train.json"))
     assert len(coco.getImgIds()) == 3 and coco.getAnnIds() == []
 
 
 def test_ensure_shapes_reuses_and_regenerates(tmp_path: Path) -> None:
-    root = ensure_shapes(tmp_path, splits=SMALL, image_size=64)
-    assert root == shapes_dataset_dir(tmp_path, splits=SMALL, image_size=64)
+    root = ensure_shapes(tmp_path, ShapesSpec(image_size=64), splits=SMALL)
+    assert root == shapes_dataset_dir(tmp_path, ShapesSpec(image_size=64), splits=SMALL)
     assert root.parent == tmp_path and root.name.startswith("shapes-")
     ann = root / "annotations" / "instances_train.json"
     before = (ann.stat().st_mtime_ns, ann.stat().st_ino)
 
-    assert ensure_shapes(tmp_path, splits=SMALL, image_size=64) == root
+    assert ensure_shapes(tmp_path, ShapesSpec(image_size=64), splits=SMALL) == root
     assert (ann.stat().st_mtime_ns, ann.stat().st_ino) == before
 
-    other = ensure_shapes(tmp_path, splits=SMALL, image_size=(64, 80))
+    other = ensure_shapes(tmp_path, ShapesSpec(image_size=(64, 80)), splits=SMALL)
     assert other != root and (other / MARKER_NAME).is_file()
     with Image.open(other / "images" / "train" / "000001.png") as im:
         assert im.size == (80, 64)
@@ -213,35 +214,42 @@ def test_ensure_shapes_reuses_and_regenerates(tmp_path: Path) -> None:
 
     (root / MARKER_NAME).unlink()
     ann.write_text("truncated")
-    assert ensure_shapes(tmp_path, splits=SMALL, image_size=64) == root
+    assert ensure_shapes(tmp_path, ShapesSpec(image_size=64), splits=SMALL) == root
     assert (root / MARKER_NAME).is_file()
     COCO(str(ann))  # a complete, loadable file again
 
 
+def _as_call(fields: dict) -> dict:
+    """``splits`` stays a keyword; every other field goes into the ShapesSpec."""
+    fields = dict(fields)
+    splits = fields.pop("splits", None)
+    return {"spec": ShapesSpec(**fields), **({"splits": splits} if splits is not None else {})}
+
+
 def test_cache_dir_depends_on_every_parameter(tmp_path: Path) -> None:
     base = shapes_dataset_dir(tmp_path)
-    assert base == shapes_dataset_dir(tmp_path, splits={"val": 100, "test": 100, "train": 800}, seed=0)
+    assert base == shapes_dataset_dir(tmp_path, ShapesSpec(seed=0), splits={"val": 100, "test": 100, "train": 800})
     variants = [
         dict(splits={"train": 801, "val": 100, "test": 100}), dict(image_size=128),
         dict(min_objects=2), dict(max_objects=4), dict(min_size=0.2), dict(max_size=0.4),
         dict(seed=1), dict(empty_prob=0.0),
     ]
-    names = {shapes_dataset_dir(tmp_path, **kw).name for kw in variants}
+    names = {shapes_dataset_dir(tmp_path, **_as_call(kw)).name for kw in variants}
     assert len(names) == len(variants) and base.name not in names
 
 
 def test_generate_refuses_to_clobber(tmp_path: Path) -> None:
-    root = generate_shapes(tmp_path / "ds", splits=SMALL, image_size=48)
+    root = generate_shapes(tmp_path / "ds", ShapesSpec(image_size=48), splits=SMALL)
     with pytest.raises(FileExistsError, match="other parameters"):
-        generate_shapes(root, splits=SMALL, image_size=48, seed=1)
-    generate_shapes(root, splits=SMALL, image_size=48, seed=1, overwrite=True)
+        generate_shapes(root, ShapesSpec(image_size=48, seed=1), splits=SMALL)
+    generate_shapes(root, ShapesSpec(image_size=48, seed=1), splits=SMALL, overwrite=True)
     assert json.loads((root / MARKER_NAME).read_text())["params"]["seed"] == 1
 
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("precious")
     with pytest.raises(FileExistsError, match="not a shapes dataset"):
-        generate_shapes(foreign, splits=SMALL, image_size=48)
+        generate_shapes(foreign, ShapesSpec(image_size=48), splits=SMALL)
     assert (foreign / "thesis.tex").read_text() == "precious"
 
 
@@ -256,7 +264,7 @@ def test_interrupted_generation_leaves_nothing(tmp_path: Path, monkeypatch: pyte
 
     monkeypatch.setattr(shapes, "_render", flaky)
     with pytest.raises(KeyboardInterrupt):
-        ensure_shapes(tmp_path, splits=SMALL, image_size=48)
+        ensure_shapes(tmp_path, ShapesSpec(image_size=48), splits=SMALL)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -266,7 +274,7 @@ def test_concurrent_generation_is_safe(tmp_path: Path) -> None:
 
     def work() -> None:
         try:
-            results.append(ensure_shapes(tmp_path, splits=SMALL, image_size=48))
+            results.append(ensure_shapes(tmp_path, ShapesSpec(image_size=48), splits=SMALL))
         except BaseException as err:  # noqa: BLE001 - surfaced by the assert below
             errors.append(err)
 
@@ -302,9 +310,9 @@ def test_concurrent_generation_is_safe(tmp_path: Path) -> None:
 )
 def test_bad_arguments(tmp_path: Path, kwargs: dict, argument: str) -> None:
     with pytest.raises(ValueError, match=argument.replace("[", r"\[").replace("]", r"\]")):
-        generate_shapes(tmp_path / "x", **kwargs)
+        generate_shapes(tmp_path / "x", **_as_call(kwargs))
     with pytest.raises(ValueError, match=argument.replace("[", r"\[").replace("]", r"\]")):
-        ensure_shapes(tmp_path, **kwargs)
+        ensure_shapes(tmp_path, **_as_call(kwargs))
     assert list(tmp_path.iterdir()) == []
 
 

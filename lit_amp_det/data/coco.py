@@ -14,9 +14,6 @@ before the target reaches the model.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import logging
 import math
 import os
@@ -28,15 +25,18 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from PIL import Image
 from pycocotools import mask as mask_utils
-from pycocotools.coco import COCO
 from torch import Tensor
 
-try:  # deprecated in torchvision 0.29 (moving to TorchCodec); PIL takes over once it is gone
-    from torchvision.io import ImageReadMode, decode_image
-except ImportError:  # pragma: no cover - depends on the installed torchvision
-    decode_image = None
+from lit_amp_det.data.coco_format import (
+    compressed_rle_runs,
+    index_with_pycocotools,
+    is_number,
+    load_annotation_file,
+    runs_problem,
+    segmentation_problem,
+)
+from lit_amp_det.data.image_io import read_rgb_image
 
 __all__ = ["CocoInstances", "PER_INSTANCE_KEYS", "drop_crowd", "read_rgb_image"]
 
@@ -46,10 +46,8 @@ logger = logging.getLogger(__name__)
 #: removes instances (`drop_crowd`, ...) must index all of them together.
 PER_INSTANCE_KEYS: tuple[str, ...] = ("boxes", "labels", "masks", "area", "iscrowd")
 
-_REQUIRED_KEYS = ("images", "annotations", "categories")
 _MAX_LISTED_MISSING = 5
 _SKIP_HINT = "set data.invalid_boxes=skip to drop such boxes"
-_TV_DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
 _NUMPY_COPY_WARNING = "__array__ implementation doesn't accept a copy keyword"
 
 
@@ -85,43 +83,6 @@ def drop_crowd(target: dict[str, Tensor]) -> dict[str, Tensor]:
         if key in out:
             out[key] = out[key][keep]
     return out
-
-
-def read_rgb_image(path: str | Path) -> Tensor:
-    """Decode ``path`` to a contiguous uint8 ``[3, H, W]`` RGB tensor.
-
-    Uses ``torchvision.io.decode_image`` (libjpeg-turbo/libpng; measured ~1.5x faster
-    than PIL for JPEG and already channel-first), converting greyscale, palette, RGBA and
-    CMYK to RGB.  torchvision 0.29 deprecates its decoders in favour of TorchCodec, so
-    that one warning is silenced here; formats torchvision does not read (BMP, TIFF, ...)
-    and torchvision builds without decoders fall back to PIL.  A missing, empty or
-    corrupt file raises ``OSError`` naming the path.
-    """
-    if decode_image is None:  # pragma: no cover - torchvision without image decoding
-        return _read_with_pil(path, None)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_TV_DEPRECATION, category=DeprecationWarning)
-            image = decode_image(str(path), mode=ImageReadMode.RGB)
-    except RuntimeError as tv_err:
-        image = _read_with_pil(path, tv_err)
-    if image.dtype == torch.uint16:  # 16-bit PNG: keep the 8 most significant bits
-        image = (image.to(torch.int32) >> 8).to(torch.uint8)
-    return image
-
-
-def _read_with_pil(path: str | Path, tv_err: Exception | None) -> Tensor:
-    """PIL fallback for `read_rgb_image`; raises ``OSError`` naming the file if it fails too."""
-    try:
-        with Image.open(path) as pil_image:
-            array = np.array(pil_image.convert("RGB"))
-    except Exception as err:  # PIL raises several unrelated types for bad files
-        raise OSError(
-            f"cannot read image {path}: {err}{_first_line(tv_err)}; "
-            "the file is missing, truncated or not an image -- re-extract the dataset or "
-            "remove the image from the annotation file"
-        ) from err
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
 class CocoInstances(torch.utils.data.Dataset):
@@ -173,7 +134,7 @@ class CocoInstances(torch.utils.data.Dataset):
         self.invalid_boxes = invalid_boxes
         self.skip_empty = skip_empty
 
-        dataset = _load_json(self.annotation_file)
+        dataset = load_annotation_file(self.annotation_file)
         file_categories = self._check_categories(dataset["categories"])
         self._file_category_ids = set(file_categories)
         self.category_ids = self._resolve_category_ids(file_categories, category_ids)
@@ -197,7 +158,7 @@ class CocoInstances(torch.utils.data.Dataset):
         # Built after validation (pycocotools fails cryptically on bad records) and from the
         # kept annotations only, so COCO evaluation sees the same ground truth as the targets.
         kept = [ann for anns in per_image.values() for ann, _ in anns]
-        self.coco = _build_coco({**dataset, "annotations": kept})
+        self.coco = index_with_pycocotools({**dataset, "annotations": kept})
 
     # ------------------------------------------------------------------ validation
 
@@ -310,7 +271,7 @@ class CocoInstances(torch.utils.data.Dataset):
     def _clipped_box(self, ann: dict[str, Any], ann_id: Any, img: dict[str, Any]) -> list[float] | None:
         """Convert COCO ``[x, y, w, h]`` to a clipped xyxy box; ``None`` if degenerate and skipping."""
         bbox = ann.get("bbox")
-        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(_is_number(v) for v in bbox):
+        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(is_number(v) for v in bbox):
             raise ValueError(
                 f"annotation {ann_id} in {self.annotation_file} has bbox {bbox!r}; "
                 "boxes must be a list of 4 numbers [x, y, w, h]"
@@ -349,7 +310,7 @@ class CocoInstances(torch.utils.data.Dataset):
         3 points, or no polygon at all) is treated like a degenerate box: an error, or
         ``False`` (drop the annotation) under ``invalid_boxes="skip"``.
         """
-        problem, degenerate = _segmentation_problem(ann.get("segmentation"), img["height"], img["width"])
+        problem, degenerate = segmentation_problem(ann.get("segmentation"), img["height"], img["width"])
         if problem is None:
             return True
         if degenerate and self.invalid_boxes == "skip":
@@ -387,7 +348,7 @@ class CocoInstances(torch.utils.data.Dataset):
         areas = []
         for ann, box in anns:
             area = ann.get("area")
-            areas.append(float(area) if _is_number(area) else (box[2] - box[0]) * (box[3] - box[1]))
+            areas.append(float(area) if is_number(area) else (box[2] - box[0]) * (box[3] - box[1]))
         return _ImageRecord(
             image_id=img["id"],
             path=self.image_dir / img["file_name"],
@@ -482,7 +443,7 @@ class CocoInstances(torch.utils.data.Dataset):
             if isinstance(seg["counts"], list):
                 return mask_utils.frPyObjects(seg, rec.height, rec.width)
             # pycocotools decodes a too-short run list into uninitialised memory, so check first.
-            problem = _runs_problem(_compressed_rle_runs(seg["counts"]), rec.height, rec.width)
+            problem = runs_problem(compressed_rle_runs(seg["counts"]), rec.height, rec.width)
             if problem is not None:
                 raise ValueError(problem)
             return {"size": list(seg["size"]), "counts": seg["counts"]}
@@ -501,135 +462,3 @@ class CocoInstances(torch.utils.data.Dataset):
             f"{type(self).__name__}(annotation_file={str(self.annotation_file)!r}, images={len(self)}, "
             f"num_classes={self.num_classes}, with_masks={self.with_masks}, skipped_boxes={self.skipped_boxes})"
         )
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _load_json(path: Path) -> dict[str, Any]:
-    """Parse the annotation file, turning missing files and bad JSON into actionable errors."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            dataset = json.load(fh)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(
-            f"annotation file {path} does not exist; check data.root and the split's annotation path"
-        ) from err
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; "
-            "the file is truncated or corrupt -- re-download or re-export it"
-        ) from err
-    if not isinstance(dataset, dict):
-        raise ValueError(f"{path} must contain a JSON object with 'images', 'annotations' and 'categories'")
-    for key in _REQUIRED_KEYS:
-        if key not in dataset:
-            raise ValueError(
-                f"{path} has no top-level key {key!r}; a COCO instances file needs "
-                f"{', '.join(repr(k) for k in _REQUIRED_KEYS)}"
-            )
-    return dataset
-
-
-def _build_coco(dataset: dict[str, Any]) -> COCO:
-    """Index an already parsed dict with pycocotools without its progress prints."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco = COCO()
-        coco.dataset = dataset
-        coco.createIndex()
-    return coco
-
-
-def _first_line(err: Exception | None) -> str:
-    """`` (torchvision: <first line of err>)`` for error messages, or nothing."""
-    return f" (torchvision: {str(err).splitlines()[0]})" if err is not None and str(err) else ""
-
-
-def _finite_sum(values: list[Any]) -> bool:
-    """True if ``values`` are all numbers and finite (NaN/inf propagate through the sum)."""
-    try:
-        return math.isfinite(sum(values))
-    except TypeError:
-        return False
-
-
-def _is_number(value: Any) -> bool:
-    """True for int/float JSON values (bools are not numbers here)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _segmentation_problem(seg: Any, height: int, width: int) -> tuple[str | None, bool]:
-    """Describe what is wrong with a COCO segmentation: ``(problem or None, is_merely_degenerate)``."""
-    if isinstance(seg, list):
-        return _polygons_problem(seg)
-    if isinstance(seg, dict):
-        if "counts" not in seg or "size" not in seg:
-            return f"RLE without 'counts' and 'size' (keys {sorted(seg)})", False
-        size = seg["size"]
-        if not isinstance(size, (list, tuple)) or list(size) != [height, width]:
-            return f"RLE size {size!r} does not match the image's [height, width] [{height}, {width}]", False
-        counts = seg["counts"]
-        if isinstance(counts, list):
-            if not all(isinstance(v, int) for v in counts):
-                return "uncompressed RLE counts must be integers", False
-            return _runs_problem(counts, height, width), False
-        if not isinstance(counts, (str, bytes)):
-            return f"RLE counts of type {type(counts).__name__} (expected list, str or bytes)", False
-        return None, False  # compressed strings are checked when decoded (cost stays in __getitem__)
-    return f"segmentation {str(seg)[:60]!r} of type {type(seg).__name__}", False
-
-
-def _polygons_problem(polygons: list[Any]) -> tuple[str | None, bool]:
-    """`_segmentation_problem` for the polygon-list form."""
-    if not polygons:
-        return "empty polygon list (no mask)", True
-    for poly in polygons:
-        if not isinstance(poly, list) or len(poly) % 2:
-            return f"polygon {str(poly)[:60]} is not a flat list of (x, y) coordinate pairs", False
-        if not _finite_sum(poly):  # one C-level pass; a per-coordinate check dominated load time
-            return f"polygon {str(poly)[:60]} contains non-numeric or non-finite coordinates", False
-    if any(len(poly) < 6 for poly in polygons):
-        return f"a polygon with fewer than 3 points ({min(len(p) for p in polygons) // 2})", True
-    return None, False
-
-
-def _runs_problem(runs: Sequence[int] | np.ndarray | None, height: int, width: int) -> str | None:
-    """Check RLE run lengths: non-negative and covering exactly ``height * width`` pixels."""
-    if runs is None:
-        return "RLE counts string is not in COCO's compressed format"
-    if len(runs) and min(runs) < 0:
-        return "RLE has negative run lengths"
-    total = int(sum(runs)) if isinstance(runs, list) else int(np.sum(runs))
-    if total != height * width:
-        return f"RLE runs cover {total} pixels but the image has {height}x{width} = {height * width}"
-    return None
-
-
-def _compressed_rle_runs(counts: str | bytes) -> np.ndarray | None:
-    """Decode a compressed COCO RLE string into run lengths, vectorised; ``None`` if malformed.
-
-    Format (pycocotools ``rleFrString``): each run is a little-endian sequence of 5-bit
-    groups, one per character ``48 + bits`` with 0x20 as the continuation flag and 0x10
-    of the last group as the sign; runs from the fourth on are stored as deltas to the
-    run two before.  ~20-70 us per mask, far less than decoding the image.
-    """
-    raw = counts.encode("ascii") if isinstance(counts, str) else bytes(counts)
-    chars = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) - 48
-    if chars.size == 0:
-        return chars
-    if chars.min() < 0 or chars.max() > 63:
-        return None
-    last = (chars & 0x20) == 0  # the final character of each value has no continuation flag
-    if not last[-1]:
-        return None
-    group = np.concatenate(([0], np.cumsum(last)[:-1]))
-    starts = np.flatnonzero(np.concatenate(([True], last[:-1])))
-    shift = 5 * (np.arange(chars.size) - starts[group])
-    values = np.zeros(int(last.sum()), dtype=np.int64)
-    np.add.at(values, group, (chars & 0x1F) << shift)
-    negative = (chars[last] & 0x10) != 0
-    values[negative] -= np.int64(1) << (shift[last][negative] + 5)
-    runs = values.copy()
-    runs[1::2] = np.cumsum(values[1::2])
-    runs[2::2] = np.cumsum(values[2::2])
-    return runs

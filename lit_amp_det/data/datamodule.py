@@ -287,15 +287,9 @@ class ShapesDataModule(CocoDataModule):
         data_seed: int = ShapesSpec.seed,
         **kwargs: Any,
     ) -> None:
-        self.generation = dict(
-            splits={"train": train_size, "val": val_size, "test": test_size},
-            image_size=image_size,
-            min_objects=min_objects,
-            max_objects=max_objects,
-            min_size=min_object_size,
-            max_size=max_object_size,
-            seed=data_seed,
-        )
+        self.spec = ShapesSpec(image_size=image_size, min_objects=min_objects, max_objects=max_objects,
+                               min_size=min_object_size, max_size=max_object_size, seed=data_seed)
+        self.splits = {"train": train_size, "val": val_size, "test": test_size}
         self.cache_dir = Path(cache_dir).expanduser()
         paths = {
             f"{split}_{kind}": path
@@ -303,11 +297,11 @@ class ShapesDataModule(CocoDataModule):
             for kind, path in (("images", f"images/{split}"), ("annotations", f"annotations/instances_{split}.json"))
         }
         kwargs.setdefault("verify_cache_dir", self.cache_dir)
-        super().__init__(shapes_dataset_dir(self.cache_dir, **self.generation), **paths, **kwargs)
+        super().__init__(shapes_dataset_dir(self.cache_dir, self.spec, splits=self.splits), **paths, **kwargs)
 
     def prepare_data(self) -> None:
         """Generates the dataset once (atomically; later runs reuse it)."""
-        ensure_shapes(self.cache_dir, **self.generation)
+        ensure_shapes(self.cache_dir, self.spec, splits=self.splits)
 
     def dataset(self, split: Split) -> CocoInstances:
         if not self.datasets:

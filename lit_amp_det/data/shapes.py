@@ -252,31 +252,20 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
 
 def generate_shapes(
     root: str | os.PathLike[str],
+    spec: ShapesSpec = ShapesSpec(),
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
-    image_size: int | tuple[int, int] = ShapesSpec.image_size,
-    min_objects: int = ShapesSpec.min_objects,
-    max_objects: int = ShapesSpec.max_objects,
-    min_size: float = ShapesSpec.min_size,
-    max_size: float = ShapesSpec.max_size,
-    seed: int = ShapesSpec.seed,
-    empty_prob: float = ShapesSpec.empty_prob,
     overwrite: bool = False,
 ) -> Path:
     """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path.
 
-    ``image_size`` is an int or (height, width); shape diameters are drawn uniformly in
-    ``[min_size, max_size] * min(height, width)``; each image holds
-    ``min_objects..max_objects`` shapes, except that a fraction ``empty_prob`` of images
-    holds none (as in real COCO). If ``root`` already holds a complete dataset with the
+    ``spec`` says what is drawn (:class:`ShapesSpec`: image size, shapes per image and their sizes, the share
+    of empty images, the seed), ``splits`` how many images each split gets. If ``root`` already holds a complete dataset with the
     same parameters nothing is done; a complete one with other parameters raises
     FileExistsError unless ``overwrite``. A ``root`` without the completion marker (an
     interrupted write by older code, or a deleted marker) is regenerated.
     """
-    params = _make_params(
-        splits=splits, image_size=image_size, min_objects=min_objects, max_objects=max_objects,
-        min_size=min_size, max_size=max_size, seed=seed, empty_prob=empty_prob,
-    )
+    params = _make_params(spec, splits)
     root = Path(root)
     params_json = params.to_json()
     if root.exists() and not overwrite:
@@ -312,54 +301,35 @@ def generate_shapes(
 
 def shapes_dataset_dir(
     cache_dir: str | os.PathLike[str],
+    spec: ShapesSpec = ShapesSpec(),
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
-    image_size: int | tuple[int, int] = ShapesSpec.image_size,
-    min_objects: int = ShapesSpec.min_objects,
-    max_objects: int = ShapesSpec.max_objects,
-    min_size: float = ShapesSpec.min_size,
-    max_size: float = ShapesSpec.max_size,
-    seed: int = ShapesSpec.seed,
-    empty_prob: float = ShapesSpec.empty_prob,
 ) -> Path:
     """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created).
 
     The hash covers every generation parameter and the format version, so changing any
     of them selects a fresh folder instead of silently reusing stale data.
     """
-    params = _make_params(
-        splits=splits, image_size=image_size, min_objects=min_objects, max_objects=max_objects,
-        min_size=min_size, max_size=max_size, seed=seed, empty_prob=empty_prob,
-    )
+    params = _make_params(spec, splits)
     return Path(cache_dir) / f"shapes-{params.short_hash()}"
 
 
 def ensure_shapes(
     cache_dir: str | os.PathLike[str],
+    spec: ShapesSpec = ShapesSpec(),
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
-    image_size: int | tuple[int, int] = ShapesSpec.image_size,
-    min_objects: int = ShapesSpec.min_objects,
-    max_objects: int = ShapesSpec.max_objects,
-    min_size: float = ShapesSpec.min_size,
-    max_size: float = ShapesSpec.max_size,
-    seed: int = ShapesSpec.seed,
-    empty_prob: float = ShapesSpec.empty_prob,
 ) -> Path:
     """Return the dataset dir for these parameters, generating it only if incomplete.
 
     Cheap when the dataset exists (one small file read), so training can call it on
     every start.
     """
-    kwargs: dict[str, Any] = dict(
-        splits=splits, image_size=image_size, min_objects=min_objects, max_objects=max_objects,
-        min_size=min_size, max_size=max_size, seed=seed, empty_prob=empty_prob,
-    )
-    root = shapes_dataset_dir(cache_dir, **kwargs)
+    root = shapes_dataset_dir(cache_dir, spec, splits=splits)
     if _read_marker(root) is not None:
         return root
     # No marker: whatever is there is a leftover of ours and generate_shapes replaces it.
-    return generate_shapes(root, **kwargs)
+    return generate_shapes(root, spec, splits=splits)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -396,18 +366,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one or two integers")
-    kwargs: dict[str, Any] = dict(
-        splits=dict(args.split) if args.split else DEFAULT_SPLITS,
+    spec = ShapesSpec(
         image_size=args.image_size[0] if len(args.image_size) == 1 else tuple(args.image_size),
         min_objects=args.min_objects, max_objects=args.max_objects, min_size=args.min_size,
         max_size=args.max_size, seed=args.seed, empty_prob=args.empty_prob,
     )
+    splits = dict(args.split) if args.split else DEFAULT_SPLITS
     start = time.perf_counter()
     try:
         if args.cache:
-            root = ensure_shapes(args.outdir, **kwargs)
+            root = ensure_shapes(args.outdir, spec, splits=splits)
         else:
-            root = generate_shapes(args.outdir, overwrite=args.overwrite, **kwargs)
+            root = generate_shapes(args.outdir, spec, splits=splits, overwrite=args.overwrite)
     except (ValueError, FileExistsError) as err:
         parser.error(str(err))
     marker = _read_marker(root) or {}

@@ -223,31 +223,14 @@ def _paint(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray,
     canvas[ys, xs] = colour[None, :] + shade[:, None]
 
 
-def render_shapes_image(
-    seed: int,
-    split: str,
-    index: int,
-    *,
-    image_size: int | tuple[int, int] = ShapesSpec.image_size,
-    min_objects: int = ShapesSpec.min_objects,
-    max_objects: int = ShapesSpec.max_objects,
-    min_size: float = ShapesSpec.min_size,
-    max_size: float = ShapesSpec.max_size,
-    empty_prob: float = ShapesSpec.empty_prob,
-) -> RenderedImage:
-    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it.
+def render_shapes_image(split: str, index: int, spec: ShapesSpec = ShapesSpec()) -> RenderedImage:
+    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it for ``spec``.
 
-    Exposed so callers and tests can inspect full (unoccluded) and visible masks,
-    which the COCO files do not carry. ``image_size`` is an int or (height, width).
+    Exposed so callers and tests can inspect full (unoccluded) and visible masks, which the COCO files do not carry.
     """
     if not _is_int(index) or index < 0:
         raise ValueError(f"index must be an int >= 0, got {index!r}")
-    params = _make_params(
-        splits={split: index + 1}, image_size=image_size, min_objects=min_objects,
-        max_objects=max_objects, min_size=min_size, max_size=max_size, seed=seed,
-        empty_prob=empty_prob,
-    )
-    return _render(params, split, index)
+    return _render(_make_params(spec, {split: index + 1}), split, index)
 
 
 def _render(params: _Params, split: str, index: int) -> RenderedImage:

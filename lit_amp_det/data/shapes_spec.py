@@ -142,18 +142,10 @@ def _check_splits(splits: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((name, int(count)) for name, count in splits.items()))
 
 
-def _make_params(
-    *,
-    splits: Mapping[str, int],
-    image_size: int | Sequence[int],
-    min_objects: int,
-    max_objects: int,
-    min_size: float,
-    max_size: float,
-    seed: int,
-    empty_prob: float,
-) -> _Params:
-    """Validate every generation argument, raising ValueError naming the bad one."""
+def _make_params(spec: ShapesSpec, splits: Mapping[str, int]) -> _Params:
+    """Validate ``spec`` and ``splits``, raising ValueError naming the bad field."""
+    image_size, min_objects, max_objects = spec.image_size, spec.min_objects, spec.max_objects
+    min_size, max_size, seed, empty_prob = spec.min_size, spec.max_size, spec.seed, spec.empty_prob
     split_items = _check_splits(splits)
     height, width = _check_image_size(image_size)
     if not _is_int(min_objects) or min_objects < 0:

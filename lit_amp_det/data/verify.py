@@ -1,6 +1,6 @@
 """Decode every image a run will read before it starts, so a corrupt file stops the run at once, not hours in.
 
-:func:`verify_images` decodes the files with the loader's own reader (:func:`~lit_amp_det.data.coco.read_rgb_image`,
+:func:`verify_images` decodes the files with the loader's own reader (:func:`~lit_amp_det.data.image_io.read_rgb_image`,
 so whatever would fail in training fails here), in a thread pool (the decoders release the GIL), and checks
 each image's size against its annotation record. Files that decoded before are remembered in a cache keyed
 by path, size and modification time, so the second run over the same data reads nothing.
@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-from lit_amp_det.data.coco import CocoInstances, read_rgb_image
+from lit_amp_det.data.coco import CocoInstances
+from lit_amp_det.data.image_io import read_rgb_image
 
 __all__ = ["BadImagesError", "check_splits", "drop_images", "verify_images"]
 

@@ -1,0 +1,62 @@
+"""Decoding image files to uint8 RGB tensors, with a PIL fallback and errors that name the file."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+try:  # deprecated in torchvision 0.29 (moving to TorchCodec); PIL takes over once it is gone
+    from torchvision.io import ImageReadMode, decode_image
+except ImportError:  # pragma: no cover - depends on the installed torchvision
+    decode_image = None
+
+__all__ = ["read_rgb_image"]
+
+_TV_DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
+
+
+def read_rgb_image(path: str | Path) -> Tensor:
+    """Decode ``path`` to a contiguous uint8 ``[3, H, W]`` RGB tensor.
+
+    Uses ``torchvision.io.decode_image`` (libjpeg-turbo/libpng; measured ~1.5x faster
+    than PIL for JPEG and already channel-first), converting greyscale, palette, RGBA and
+    CMYK to RGB.  torchvision 0.29 deprecates its decoders in favour of TorchCodec, so
+    that one warning is silenced here; formats torchvision does not read (BMP, TIFF, ...)
+    and torchvision builds without decoders fall back to PIL.  A missing, empty or
+    corrupt file raises ``OSError`` naming the path.
+    """
+    if decode_image is None:  # pragma: no cover - torchvision without image decoding
+        return _read_with_pil(path, None)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_TV_DEPRECATION, category=DeprecationWarning)
+            image = decode_image(str(path), mode=ImageReadMode.RGB)
+    except RuntimeError as tv_err:
+        image = _read_with_pil(path, tv_err)
+    if image.dtype == torch.uint16:  # 16-bit PNG: keep the 8 most significant bits
+        image = (image.to(torch.int32) >> 8).to(torch.uint8)
+    return image
+
+
+def _read_with_pil(path: str | Path, tv_err: Exception | None) -> Tensor:
+    """PIL fallback for `read_rgb_image`; raises ``OSError`` naming the file if it fails too."""
+    try:
+        with Image.open(path) as pil_image:
+            array = np.array(pil_image.convert("RGB"))
+    except Exception as err:  # PIL raises several unrelated types for bad files
+        raise OSError(
+            f"cannot read image {path}: {err}{_first_line(tv_err)}; "
+            "the file is missing, truncated or not an image -- re-extract the dataset or "
+            "remove the image from the annotation file"
+        ) from err
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def _first_line(err: Exception | None) -> str:
+    """`` (torchvision: <first line of err>)`` for error messages, or nothing."""
+    return f" (torchvision: {str(err).splitlines()[0]})" if err is not None and str(err) else ""
