@@ -17,25 +17,29 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lit_amp_det.app.config import check_command, check_config
+from lit_amp_det.app.launch import ddp_child_command
+from lit_amp_det.app.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
 from lit_amp_det.checkpoints import check_checkpoint
-from lit_amp_det.app.config import check_command, check_config
-from lit_amp_det.app.launch import ddp_child_command
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.precision.plugin import build_precision_plugin
-from lit_amp_det.app.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
 
-__all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "resume_command", "summary_line"]
+__all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "config_node", "resume_command", "summary_line"]
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +50,27 @@ def _output_dir(cfg: DictConfig) -> Path:
     return path
 
 
+@contextmanager
+def config_node(path: str) -> Iterator[None]:
+    """A library :class:`ArgumentError` raised inside the block comes out naming its config path (``path.argument``).
+
+    Hydra wraps errors of a constructor in its own ``InstantiationException``; the library error is unwrapped so
+    the message a user reads is the one line that names the key to change.
+    """
+    try:
+        yield
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ArgumentError):
+            raise err.__cause__.at(path) from None
+        raise
+    except ArgumentError as err:
+        raise err.at(path) from None
+
+
 def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     """Instantiates ``cfg.data`` and prepares it (the shapes dataset is generated on first use)."""
-    datamodule = instantiate(cfg.data)
+    with config_node("data"):
+        datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     return datamodule
 
@@ -60,14 +82,23 @@ def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule) -> pl.Light
         if cfg.model.get(key) is None and hasattr(datamodule, key):
             value = getattr(datamodule, key)
             from_data[key] = list(value) if isinstance(value, (list, tuple)) else value
-    return instantiate(cfg.model, _convert_="all", **from_data)  # plain dicts: checkpoints stay weights_only-safe
+    with config_node("model"):
+        return instantiate(cfg.model, _convert_="all", **from_data)  # plain dicts: checkpoints stay weights_only-safe
 
 
-def instantiate_all(nodes: DictConfig | None) -> list[Any]:
-    """Instantiates every ``_target_`` node of a group such as ``callbacks``; ``null`` entries are skipped."""
+def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
+    """Instantiates every ``_target_`` node of a group such as ``callbacks``; ``null`` entries are skipped.
+
+    ``group`` (the group's config path) prefixes the argument named by a library :class:`ArgumentError`.
+    """
     if not nodes:
         return []
-    return [instantiate(node) for node in nodes.values() if node is not None and "_target_" in node]
+    built = []
+    for name, node in nodes.items():
+        if node is not None and "_target_" in node:
+            with config_node(f"{group}.{name}" if group else str(name)):
+                built.append(instantiate(node))
+    return built
 
 
 def build_trainer(cfg: DictConfig) -> pl.Trainer:
@@ -77,14 +108,14 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
     precision plugin together), configured by the ``precision`` node. A :class:`RunStats` callback is always
     added (it only measures) so that ``metrics.json`` records speed and peak memory whatever ``callbacks`` holds.
     """
-    loggers = instantiate_all(cfg.get("logger"))
+    loggers = instantiate_all(cfg.get("logger"), "logger")
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
     plugin = build_precision_plugin(
         str(cfg.trainer.get("precision", "32-true")), str(cfg.trainer.get("accelerator", "auto")), **precision_options
     )
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cfg.pop("precision", None)
-    callbacks = [*instantiate_all(cfg.get("callbacks")), RunStats()]
+    callbacks = [*instantiate_all(cfg.get("callbacks"), "callbacks"), RunStats()]
     if trainer_cfg.get("enable_progress_bar", True):
         if not stdout_is_terminal() and any(isinstance(c, ConsoleLog) for c in callbacks):
             trainer_cfg["enable_progress_bar"] = False  # a bar in a file keeps only its last state: lines instead

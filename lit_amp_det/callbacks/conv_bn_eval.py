@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.conv_bn import (
     conv_bn_eval_pairs,
     disable_conv_bn_eval,
@@ -47,7 +48,7 @@ class ConvBNEval(Callback):
     def __init__(self, only_when_cheaper: bool = True, fold_on_predict: bool = False) -> None:
         for name, value in (("only_when_cheaper", only_when_cheaper), ("fold_on_predict", fold_on_predict)):
             if not isinstance(value, bool):
-                raise ValueError(f"callbacks.conv_bn_eval.{name}={value!r} must be true or false")
+                raise ArgumentError(name, value, "must be true or false")
         self.only_when_cheaper = only_when_cheaper
         self.fold_on_predict = fold_on_predict
         self._pairs: list[tuple[str, str]] = []
@@ -57,8 +58,8 @@ class ConvBNEval(Callback):
         if not self._pairs:
             raise ValueError(
                 f"ConvBNEval found no Conv2d -> BatchNorm2d/FrozenBatchNorm2d pair in {type(model).__name__} (the "
-                "conv output must feed nothing but the norm); remove the callback (callbacks.conv_bn_eval=null) "
-                "or use a backbone with conv-BN blocks (model.backbone.norm=bn or frozen_bn); a model folded by "
+                "conv output must feed nothing but the norm); remove the callback, or use a backbone with conv-BN "
+                "blocks (the backbone's norm bn or frozen_bn); a model folded by "
                 "fold_on_predict has no pair left"
             )
 

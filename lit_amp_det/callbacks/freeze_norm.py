@@ -37,6 +37,7 @@ from torch import nn
 from torchvision.ops import FrozenBatchNorm2d as _AnyFrozenBatchNorm2d
 from typing_extensions import override
 
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.norms import convert_frozen_batchnorm
 
 __all__ = ["FreezeNorm"]
@@ -44,7 +45,6 @@ __all__ = ["FreezeNorm"]
 _MODES = ("norm_eval", "frozen_bn")
 #: BatchNorms whose running statistics move in train mode (norm_eval puts them in eval mode).
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-_FIELD = "callbacks.freeze_norm"
 
 
 class FreezeNorm(Callback):
@@ -61,14 +61,12 @@ class FreezeNorm(Callback):
 
     def __init__(self, mode: str = "norm_eval", affine_trainable: bool = True, frozen_stages: int = -1) -> None:
         if mode not in _MODES:
-            raise ValueError(f"{_FIELD}.mode={mode!r} is unknown; choose one of {list(_MODES)}")
+            raise ArgumentError("mode", mode, f"is unknown; choose one of {list(_MODES)}")
         if not isinstance(affine_trainable, bool):
-            raise ValueError(f"{_FIELD}.affine_trainable={affine_trainable!r} must be true or false")
+            raise ArgumentError("affine_trainable", affine_trainable, "must be true or false")
         if isinstance(frozen_stages, bool) or not isinstance(frozen_stages, int) or not -1 <= frozen_stages <= 4:
-            raise ValueError(
-                f"{_FIELD}.frozen_stages={frozen_stages!r} must be an integer in [-1, 4]: -1 freezes "
-                "nothing, 0 the stem (conv1, bn1), k the stem and layer1..layerk"
-            )
+            raise ArgumentError("frozen_stages", frozen_stages, "must be an integer in [-1, 4]: -1 freezes nothing, "
+                                "0 the stem (conv1, bn1), k the stem and layer1..layerk")
         self.mode = mode
         self.affine_trainable = affine_trainable
         self.frozen_stages = frozen_stages
@@ -98,7 +96,7 @@ class FreezeNorm(Callback):
         if not any(isinstance(m, (*_BATCH_NORMS, _AnyFrozenBatchNorm2d)) for m in pl_module.modules()):
             rank_zero_warn(
                 f"FreezeNorm(mode={self.mode!r}) found no BatchNorm in {type(pl_module).__name__}; it freezes no "
-                f"statistics (remove {_FIELD} if that is expected)"
+                "statistics (remove the callback if that is expected)"
             )
 
     @override
@@ -129,9 +127,9 @@ class FreezeNorm(Callback):
         if missing:
             present = [name for name, _ in body.named_children()]
             raise ValueError(
-                f"{_FIELD}.frozen_stages={self.frozen_stages} freezes {names}, but the ResNet trunk at "
+                f"FreezeNorm(frozen_stages={self.frozen_stages}) freezes {names}, but the ResNet trunk at "
                 f"model.backbone.body has no {missing} (it has {present}); lower frozen_stages, or return "
-                "that stage from the backbone (model.backbone.returned_layers)"
+                "that stage from the backbone (its returned_layers)"
             )
         return [getattr(body, name) for name in names]
 
@@ -156,8 +154,8 @@ def _resnet_body(pl_module: pl.LightningModule, frozen_stages: int) -> nn.Module
         path += f".{attr}"
         if not isinstance(node, nn.Module):
             raise ValueError(
-                f"{_FIELD}.frozen_stages={frozen_stages} needs a torchvision ResNet trunk at "
+                f"FreezeNorm(frozen_stages={frozen_stages}) needs a torchvision ResNet trunk at "
                 f"pl_module.model.backbone.body (a Mask R-CNN built by lit_amp_det.models.build_detector), but "
-                f"{path} is missing; set {_FIELD}.frozen_stages=-1 to freeze norms only"
+                f"{path} is missing; set frozen_stages=-1 to freeze norms only"
             )
     return node

@@ -18,11 +18,11 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lit_amp_det.callbacks.memory_savings import BaselineComparison, SavingsRow, check_comparable, write_savings
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.profiling import MB, MemoryProbe, StepTimer
 
 __all__ = ["MemoryMonitor"]
 
-_FIELD = "callbacks.memory_monitor"
 
 
 class MemoryMonitor(Callback):
@@ -48,6 +48,11 @@ class MemoryMonitor(Callback):
     """
 
     def __init__(self, compare_baseline: bool = False, baseline_steps: int = 3, warmup_steps: int = 3) -> None:
+        if not isinstance(compare_baseline, bool):
+            raise ArgumentError("compare_baseline", compare_baseline, "must be true or false")
+        for name, value, low in (("baseline_steps", baseline_steps, 1), ("warmup_steps", warmup_steps, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ArgumentError(name, value, f"must be an integer >= {low}")
         self.compare_baseline = compare_baseline
         self.baseline_steps = baseline_steps
         self.warmup_steps = warmup_steps
@@ -71,12 +76,6 @@ class MemoryMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not isinstance(self.compare_baseline, bool):
-            raise ValueError(f"{_FIELD}.compare_baseline={self.compare_baseline!r} must be true or false")
-        for name, low in (("baseline_steps", 1), ("warmup_steps", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{_FIELD}.{name}={value!r} must be an integer >= {low}")
         if stage == "fit" and self.compare_baseline:
             check_comparable(trainer, pl_module)
 

@@ -35,7 +35,6 @@ from lit_amp_det.profiling import (MB, MemoryProbe, SavedTensorBytes, count_imag
 __all__ = ["BaselineComparison", "SavingsRow", "check_comparable", "draw_batches", "format_savings_table",
            "write_savings"]
 
-_FIELD = "callbacks.memory_monitor"
 #: What the baseline copies need from the LightningModule (MaskRCNNModule has them all).
 _MODULE_API = ("prepare_images", "training_targets", "compute_loss")
 #: Precision strings that are not an optimisation to compare against the fp32 baseline.
@@ -60,21 +59,21 @@ def check_comparable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None
     model = getattr(pl_module, "model", None)
     if not isinstance(model, nn.Module):
         raise ValueError(
-            f"{_FIELD}.compare_baseline=true measures deep copies of `pl_module.model`, but "
+            f"MemoryMonitor(compare_baseline=True) measures deep copies of `pl_module.model`, but "
             f"{type(pl_module).__name__}.model is {type(model).__name__}; use a MaskRCNNModule (sub)class or set "
-            f"{_FIELD}.compare_baseline=false"
+            "compare_baseline=false"
         )
     missing = [name for name in _MODULE_API if not callable(getattr(pl_module, name, None))]
     if missing:
         raise ValueError(
-            f"{_FIELD}.compare_baseline=true runs steps as MaskRCNNModule.training_step does, but "
+            f"MemoryMonitor(compare_baseline=True) runs steps as MaskRCNNModule.training_step does, but "
             f"{type(pl_module).__name__} has no {missing}; use a MaskRCNNModule (sub)class or set "
-            f"{_FIELD}.compare_baseline=false"
+            "compare_baseline=false"
         )
     precision = str(trainer.precision_plugin.precision)
     if precision.endswith("-true") and precision not in _FULL_PRECISIONS:
         raise ValueError(
-            f"{_FIELD}.compare_baseline=true compares against fp32, but trainer.precision={precision} stores the "
+            f"MemoryMonitor(compare_baseline=True) compares against fp32, but trainer.precision={precision} stores the "
             "parameters in low precision; use 32-true, 16-mixed or bf16-mixed, or set compare_baseline=false"
         )
 

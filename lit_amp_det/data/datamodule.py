@@ -25,6 +25,7 @@ from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, Re
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
 from lit_amp_det.data.verify import check_splits
 from lit_amp_det.data.transforms import RandomHorizontalFlip, collate_detection
+from lit_amp_det.errors import ArgumentError
 
 __all__ = ["CocoDataModule", "ShapesDataModule"]
 
@@ -101,9 +102,10 @@ class CocoDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if predict_split not in ("train", "val", "test"):
-            raise ValueError(f"data.predict_split={predict_split!r}; choose train, val or test")
-        if invalid_boxes not in ("error", "skip"):
-            raise ValueError(f"data.invalid_boxes={invalid_boxes!r}; choose error or skip")
+            raise ArgumentError("predict_split", predict_split, "is unknown; choose train, val or test")
+        for name, value in (("invalid_boxes", invalid_boxes), ("bad_images", bad_images)):
+            if value not in ("error", "skip"):
+                raise ArgumentError(name, value, "is unknown; choose error or skip")
         self.root = Path(root).expanduser()
         self.split_paths: dict[str, tuple[str, str]] = {
             "train": (train_images, train_annotations),

@@ -21,6 +21,7 @@ from typing import Literal
 
 from lit_amp_det.data.coco import CocoInstances
 from lit_amp_det.data.image_io import read_rgb_image
+from lit_amp_det.errors import ArgumentError
 
 __all__ = ["BadImagesError", "check_splits", "drop_images", "verify_images"]
 
@@ -143,7 +144,7 @@ def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "
     them from their splits and logs one warning per split.
     """
     if mode not in ("error", "skip"):
-        raise ValueError(f"data.bad_images={mode!r}; choose error or skip")
+        raise ArgumentError("mode", mode, "is unknown; choose error or skip")
     entries = {split: _entries(dataset) for split, dataset in datasets.items()}
     problems = verify_images([e for split_entries in entries.values() for e in split_entries], cache_dir, workers)
     if not problems:
