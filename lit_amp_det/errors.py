@@ -8,6 +8,7 @@ frozen_stages``), so a research script calling the class and a command-line user
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 __all__ = ["ArgumentError"]
@@ -17,7 +18,8 @@ class ArgumentError(ValueError):
     """``argument`` got ``value``, which ``problem`` explains (with what to pass instead).
 
     The message reads ``<argument>=<value!r> <problem>``. ``argument`` is dotted for a value inside a mapping
-    argument (``backbone.name``).
+    argument (``backbone.name``); a caller that passed the mapping re-raises with :meth:`at`. Subclasses keep
+    the constructor's signature (pickling and :meth:`at` rely on it).
     """
 
     def __init__(self, argument: str, value: Any, problem: str) -> None:
@@ -28,5 +30,8 @@ class ArgumentError(ValueError):
         return (type(self), (self.argument, self.value, self.problem))
 
     def at(self, prefix: str) -> ArgumentError:
-        """The same error, its argument named from ``prefix`` (a config node such as ``model``)."""
-        return ArgumentError(f"{prefix}.{self.argument}" if prefix else self.argument, self.value, self.problem)
+        """The same error (same type), its argument named from ``prefix`` (a config node such as ``model``)."""
+        moved = copy.copy(self)
+        moved.argument = f"{prefix}.{self.argument}" if prefix else self.argument
+        moved.args = (f"{moved.argument}={self.value!r} {self.problem}",)
+        return moved

@@ -16,6 +16,7 @@ checkpoints that load with ``weights_only=True``.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,11 +32,12 @@ from torchmetrics.detection import MeanAveragePrecision
 from lit_amp_det.checkpoints import load_model_weights
 from lit_amp_det.data.coco import drop_crowd
 from lit_amp_det.distributed import gather_list_states
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speed import COMPILE_TARGETS, compile_detector, use_channels_last
-from lit_amp_det.optim import build_optimizer
+from lit_amp_det.optim import build_optimizer, check_reference_batch, global_batch_size, scale_lr
 
-__all__ = ["MaskRCNNModule"]
+__all__ = ["EVAL_BACKENDS", "MaskRCNNModule", "check_eval_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,33 @@ Batch = tuple[Sequence[Tensor], Sequence[dict[str, Tensor]]]
 
 _DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
 _DEFAULT_SCHEDULER = {"_target_": "lit_amp_det.optim.warmup_schedule", "warmup_steps": 100}
+
+#: ``eval_backend`` (the library behind torchmetrics' ``MeanAveragePrecision``) -> the pip package providing it.
+#: Both give the same numbers. faster-coco-eval's ``compute()`` takes half the time, but its RLE encoder, which
+#: torchmetrics runs on every mask in ``update()``, twice as long: on 160-px images the sum is 1.1-1.35x faster,
+#: on 480-px images 0.8x (``python -m lit_amp_det.bench.coco_eval``; BENCHMARKS.md, "COCO evaluation").
+EVAL_BACKENDS = {"faster_coco_eval": "faster-coco-eval", "pycocotools": "pycocotools"}
+
+
+def check_eval_backend(backend: object) -> None:
+    """Raises unless ``backend`` is a name in :data:`EVAL_BACKENDS` whose package imports.
+
+    Called by the constructor, so that a misspelt name or a missing package stops a run before any work rather
+    than at the first validation. Raises :class:`ArgumentError` (a ``ValueError``) for an unknown name and
+    ``ModuleNotFoundError``, with the ``pip install`` command and the other backend, for a missing package.
+    """
+    if backend not in EVAL_BACKENDS:
+        raise ArgumentError("eval_backend", backend, f"is unknown; choose one of {', '.join(EVAL_BACKENDS)}")
+    try:
+        importlib.import_module(str(backend))
+    except ImportError as err:
+        package = EVAL_BACKENDS[str(backend)]
+        other = next(name for name in EVAL_BACKENDS if name != backend)
+        raise ModuleNotFoundError(
+            f"eval_backend={backend!r} needs the {package!r} package, which does not import ({err}). Install it "
+            f"with `pip install {package}` (`make install` does), or set model.eval_backend={other} "
+            f"(eval_backend={other!r} when constructing MaskRCNNModule in Python)."
+        ) from err
 
 
 def _plain(value: Any) -> Any:
@@ -67,10 +96,17 @@ class MaskRCNNModule(LightningModule):
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
         scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
+        reference_batch: the global batch (images per optimizer step) that ``optimizer.lr`` is given for; the lr
+            is scaled linearly to the run's global batch (:func:`lit_amp_det.optim.scale_lr`). ``None``: used as is.
         mask_threshold: mask probability above which a pixel belongs to the instance when scoring.
+        eval_backend: library that computes COCO mAP: ``"faster_coco_eval"`` (same numbers, faster on small
+            images) or ``"pycocotools"`` (the reference); see :data:`EVAL_BACKENDS`.
         checkpoint: local state dict or Lightning checkpoint to initialise from (``weights_only`` loading).
         checkpoint_strict: if ``False``, tensors whose shapes differ (e.g. a new class count) are skipped.
-        weights: must stay ``None``: nothing is downloaded.
+        weights: a torchvision COCO checkpoint for this architecture by name (``"COCO_V1"``; see
+            :func:`lit_amp_det.models.maskrcnn.build_detector`), fetched through torch hub's cache. When
+            ``checkpoint`` is set too, the checkpoint wins: ``weights`` and ``backbone.weights`` are checked but not
+            fetched, since the checkpoint's tensors would replace them.
     """
 
     def __init__(
@@ -90,25 +126,28 @@ class MaskRCNNModule(LightningModule):
         optimizer: Mapping[str, Any] | None = None,
         scheduler: Mapping[str, Any] | None = None,
         mask_threshold: float = 0.5,
+        eval_backend: str = "faster_coco_eval",
         checkpoint: str | None = None,
         checkpoint_strict: bool = True,
         weights: str | None = None,
+        reference_batch: int | None = None,
     ) -> None:
         super().__init__()
-        if weights not in (None, "", "none", "None"):
-            raise ValueError(
-                f"model.weights={weights!r}: lit_amp_det never downloads weights (machines may be offline). "
-                "Use model.checkpoint=PATH with a local state dict or Lightning checkpoint."
-            )
         # every __init__ argument, a subclass's too; OmegaConf nodes become plain data so that
         # checkpoints load with weights_only=True
         self.save_hyperparameters()
         for key, value in list(self.hparams.items()):
             self.hparams[key] = _plain(value)
         if compile not in COMPILE_TARGETS:
-            raise ValueError(f"model.compile={compile!r}; choose one of {list(COMPILE_TARGETS)} (null: eager)")
+            raise ArgumentError("compile", compile, f"is unknown; choose one of {list(COMPILE_TARGETS)} (null: eager)")
+        check_reference_batch(reference_batch)
+        check_eval_backend(eval_backend)
         self.model = self.build_model()
         if checkpoint:
+            named = {k: v for k, v in (("weights", weights), ("backbone.weights", (backbone or {}).get("weights"))) if v}
+            if named:
+                log.info("checkpoint=%r supplies the weights: %s checked but not loaded", str(checkpoint),
+                         ", ".join(f"{k}={v!r}" for k, v in named.items()))
             load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict, hparams=self.hparams)
         if channels_last:
             use_channels_last(self.model)
@@ -129,6 +168,8 @@ class MaskRCNNModule(LightningModule):
             transform=hp.transform,
             rpn=hp.rpn,
             roi_heads=hp.roi_heads,
+            weights=hp.get("weights"),
+            load_weights=not hp.get("checkpoint"),  # the checkpoint replaces them: see ``weights``
         )
 
     def compute_loss(self, loss_dict: Mapping[str, Tensor]) -> Tensor:
@@ -171,15 +212,32 @@ class MaskRCNNModule(LightningModule):
         """COCO mAP for boxes, and masks when the model predicts them.
 
         Under DDP each rank scores its shard; :meth:`_log_metric` gathers the shards before computing
-        (``sync_on_compute=False``: torchmetrics' own gather needs equally long shards).
+        (``sync_on_compute=False``: torchmetrics' own gather needs equally long shards). ``eval_backend`` picks
+        the library that computes it (:data:`EVAL_BACKENDS`).
         """
         iou_types = ("bbox", "segm") if self.hparams.mask else ("bbox",)
-        return MeanAveragePrecision(iou_type=iou_types, backend="pycocotools", sync_on_compute=False)
+        backend = self.hparams.get("eval_backend", "faster_coco_eval")  # checked in __init__
+        return MeanAveragePrecision(iou_type=iou_types, backend=backend, sync_on_compute=False)
 
     def configure_optimizers(self) -> Any:
-        """Optimizer from ``hparams.optimizer`` and a per-step schedule from ``hparams.scheduler``."""
+        """Optimizer from ``hparams.optimizer`` and a per-step schedule from ``hparams.scheduler``.
+
+        With ``hparams.reference_batch`` set, the lr is scaled by the global batch over it (the global batch is
+        the data module's ``batch_size`` x devices x nodes x ``accumulate_grad_batches``).
+        """
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = build_optimizer(self.hparams.optimizer or _DEFAULT_OPTIMIZER, params)
+        given = self.hparams.optimizer or _DEFAULT_OPTIMIZER
+        optimizer_cfg = given
+        reference = self.hparams.get("reference_batch")
+        if reference is not None:
+            trainer = self.trainer
+            batch = global_batch_size(getattr(trainer.datamodule, "batch_size", None), trainer.world_size,
+                                      trainer.accumulate_grad_batches)
+            optimizer_cfg = scale_lr(given, batch, reference)
+            if trainer.is_global_zero:
+                log.info("lr %g for a global batch of %d images (%g given for reference_batch=%d)",
+                         optimizer_cfg["lr"], batch, given["lr"], reference)
+        optimizer = build_optimizer(optimizer_cfg, params)
         scheduler_cfg = self.hparams.scheduler if self.hparams.scheduler is not None else _DEFAULT_SCHEDULER
         if not scheduler_cfg:
             return optimizer

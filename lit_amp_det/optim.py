@@ -4,6 +4,10 @@ Detection recipes warm the learning rate up linearly for a few hundred steps (la
 randomly initialised heads otherwise blow up the RPN) and then either drop it at fixed points
 (multistep, the Detectron/MMDetection "1x" schedule) or anneal it (cosine). Milestones may be given
 as fractions of the run so one config serves any run length. Schedules step per optimizer step.
+
+Recipes quote their learning rate for a global batch (torchvision's Mask R-CNN: 0.02 for 16 images); with
+``optim.reference_batch`` set, :func:`scale_lr` applies the linear scaling rule (Goyal et al., 2017: lr
+proportional to the global batch), so one config serves 1 GPU and 8 GPUs alike.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import torch
 from hydra.utils import instantiate
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["build_optimizer", "warmup_schedule", "fused_available"]
+from lit_amp_det.errors import ArgumentError
+
+__all__ = ["build_optimizer", "warmup_schedule", "fused_available", "check_reference_batch", "global_batch_size",
+           "scale_lr"]
 
 
 def fused_available(params: Iterable[torch.Tensor]) -> bool:
@@ -32,13 +39,53 @@ def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Paramet
     one; ``fused: null`` leaves the choice to PyTorch (``foreach``).
     """
     if "_target_" not in config:
-        raise ValueError(f"model.optimizer needs a _target_ (e.g. torch.optim.SGD), got keys {sorted(config)}")
+        raise ArgumentError("optimizer", dict(config), "needs a _target_ (e.g. torch.optim.SGD)")
     options = dict(config)
     if options.get("fused") == "auto":
         options["fused"] = fused_available(params)
     if options.get("fused") is None:
         options.pop("fused", None)
     return instantiate(options, params=list(params))
+
+
+def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_batches: int) -> int:
+    """Images per optimizer step: ``per_device`` x processes (devices x nodes) x accumulated batches.
+
+    ``per_device`` is the data module's ``batch_size``; ``None`` (a data module without one, or loaders passed to
+    the Trainer directly) is an error, since the lr scaling cannot be computed without it.
+    """
+    if per_device is None:
+        raise ValueError(
+            "optim.reference_batch is set, so the lr is scaled to the global batch, but the per-device batch size is "
+            "unknown: the Trainer has no data module with a batch_size attribute. Fit with a data module that has "
+            "one, or set optim.reference_batch=null and give the lr for your batch"
+        )
+    for name, value in (("data.batch_size", per_device), ("world size", world_size),
+                        ("trainer.accumulate_grad_batches", accumulate_grad_batches)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1 to compute the global batch, got {value}")
+    return int(per_device) * int(world_size) * int(accumulate_grad_batches)
+
+
+def check_reference_batch(reference_batch: Any) -> None:
+    """``reference_batch`` is ``None`` or a positive integer."""
+    if reference_batch is None:
+        return
+    if isinstance(reference_batch, bool) or not isinstance(reference_batch, int) or reference_batch < 1:
+        raise ArgumentError("reference_batch", reference_batch, "must be a positive integer (the global batch the "
+                            "lr is given for, e.g. 16), or null to use the lr as it is")
+
+
+def scale_lr(config: Mapping[str, Any], global_batch: int, reference_batch: int) -> dict[str, Any]:
+    """A copy of the optimizer ``config`` with ``lr`` scaled by ``global_batch / reference_batch``.
+
+    ``reference_batch`` is the global batch the configured lr is meant for (``optim.reference_batch``).
+    """
+    check_reference_batch(reference_batch)
+    if "lr" not in config:
+        raise ValueError(f"optim.reference_batch={reference_batch} scales optimizer.lr, but the optimizer config "
+                         f"has no lr (keys {sorted(config)}); set optim.optimizer.lr")
+    return {**config, "lr": float(config["lr"]) * global_batch / reference_batch}
 
 
 def warmup_schedule(

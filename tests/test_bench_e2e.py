@@ -1,7 +1,8 @@
 """``bench train`` and ``bench infer``: how rows are built, what the reports hold, bad arguments. No timing tests.
 
-The runs use the tiny model at 64 px, batch 2, one warm-up and two timed steps; the row subsets skip the
-compile row except in the one test marked ``slow``.
+The runs use the tiny model at 64 px, batch 2, one warm-up and two timed steps, a state trained for 2 steps and
+quick peak matmuls; the row subsets skip the compile row except in the one test marked ``slow``. The ordering,
+aggregation, state and roofline helpers are tested without processes in ``tests/test_bench_repeats.py``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +22,8 @@ from omegaconf import OmegaConf
 from lit_amp_det.bench import e2e, e2e_report, e2e_rows, infer, train
 from lit_amp_det.bench.common import compose
 
-SMALL = ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=1", "--steps=2"]
+SMALL = ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=1", "--steps=2", "--state-steps=2",
+         "--peak-seconds=0.02"]
 SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=4,
                            steps=1, warmup=0, compile_warmup=1)
 BENCHES = pytest.mark.parametrize("bench", [train.BENCH, infer.BENCH], ids=["train", "infer"])
@@ -77,6 +80,13 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     for name, result in results.items():
         speed = result["images_per_s"]
         assert speed > 0 and result["peak_memory_abs_mb"] > 0, (name, result)
+    # the same seeded weights in every row, and the same maths counted (the rows change how, not what)
+    assert len({result["weights_sha256"] for result in results.values()}) == 1
+    assert len({result["batch_sha256"] for result in results.values()}) == 1
+    if bench is train.BENCH:
+        assert len({result["gflop_per_step"] for result in results.values()}) == 1
+    assert all(result["gflop_per_step"] > 0 for result in results.values())
+    assert results["torchvision-fp32"]["compute_dtype"] == "fp32" and results["autocast"]["compute_dtype"] == "bf16"
     first, last = results["torchvision-fp32"]["switches"], results[bench.rows[-2].name]["switches"]
     assert first == {"trainer.precision": "32-true", "precision.fp32_regions": {}, "model.ops": "torchvision",
                      "model.channels_last": False, "model.compile": None, "callbacks": [],
@@ -113,15 +123,53 @@ def _check_report(kind: str, proc: subprocess.CompletedProcess, out: Path, names
     assert "--steps=2" in report["command"] and f"`{report['command']}`" in table
     assert report["setting"]["model"] == "maskrcnn_tiny" and report["environment"]["torch"] in table
     assert all(row["status"] == "ok" and row["images_per_s"] > 0 for row in report["rows"])
+    _check_state_and_roofline(report, table, kind)
     return report
 
 
+def _check_state_and_roofline(report: dict[str, Any], table: str, kind: str) -> None:
+    """Every row and repeat loaded the trained state; the roofline figures follow from the medians and peaks."""
+    state, peaks = report["state"], report["peaks"]
+    assert report["setting"]["state"] == "trained" and report["setting"]["state_steps"] == 2
+    assert report["setting"]["checkpoint"] == state["file"] and Path(state["file"]).is_file()
+    assert state["weights_sha256"][:12] in table and "model state: trained" in table
+    timing = "step" if kind == "train" else "batch"
+    assert len({run["batch_sha256"] for row in report["rows"] for run in row["repeat_results"]}) == 1
+    for row in report["rows"]:
+        runs = row["repeat_results"]
+        assert [run["weights_sha256"] for run in runs] == [state["weights_sha256"]] * report["repeats"]
+        assert row[f"{timing}_ms_median"] == statistics.median(run[f"{timing}_ms_median"] for run in runs)
+        assert row["gflop_per_step"] > 0 and row["compute_dtype"] in peaks["peaks"]
+        assert row["achieved_gflops"] == pytest.approx(row["gflop_per_step"] / (row[f"{timing}_ms_median"] / 1000))
+        peak = peaks["peaks"][row["compute_dtype"]]["gflops"]
+        assert row["peak_gflops"] == peak and row["peak_fraction"] == pytest.approx(row["achieved_gflops"] / peak)
+        if kind == "train":
+            assert all(run["lr"] == state["final_lr"] for run in runs)
+    assert report["rows"][0]["compute_dtype"] == "fp32" and report["rows"][1]["compute_dtype"] == "bf16"
+    assert f"{peaks['peaks']['fp32']['gflops']:.0f} GFLOP/s" in table
+
+
 def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
+    """Two rows, two repeats each, interleaved; medians of repeat medians, the same state and FLOPs in each."""
     names = ["torchvision-fp32", "fused-optim"]  # fused-optim carries every switch but compile
-    proc, out = _run("train", [f"--rows={','.join(reversed(names))}"], tmp_path)
-    rows = _check_report("train", proc, out, names)["rows"]
+    proc, out = _run("train", [f"--rows={','.join(reversed(names))}", "--repeats=2"], tmp_path)
+    report = _check_report("train", proc, out, names)
+    rows = report["rows"]
+    assert [(run["round"], run["row"]) for run in report["run_order"]] == [(0, names[0]), (0, names[1]),
+                                                                          (1, names[0]), (1, names[1])]
+    assert [run["position"] for run in rows[0]["repeat_results"]] == [0, 2]
+    assert [run["position"] for run in rows[1]["repeat_results"]] == [1, 3]
+    assert report["repeats"] == 2 and report["order_seed"] is None and "interleaved" in proc.stdout
+    for row in rows:
+        medians = [run["step_ms_median"] for run in row["repeat_results"]]
+        assert row["step_ms_repeat_medians"] == medians and row["step_ms_median"] == (medians[0] + medians[1]) / 2
+        assert row["step_ms_repeat_min"] == min(medians) and row["step_ms_repeat_max"] == max(medians)
+        assert row["step_ms_repeat_spread"] == pytest.approx((max(medians) - min(medians)) / row["step_ms_median"])
+        assert row["images_per_s"] == pytest.approx(2000 / row["step_ms_median"])
+    assert rows[0]["gflop_per_step"] == rows[1]["gflop_per_step"]
+    assert rows[1]["speedup"] == pytest.approx(rows[0]["step_ms_median"] / rows[1]["step_ms_median"])
     assert rows[0]["speedup"] == 1.0 and rows[0]["memory_ratio"] in (1.0, None)
-    assert rows[1]["speedup"] > 0 and len(rows[1]["step_ms_all"]) == 2 and rows[1]["warmup_steps"] == 1
+    assert rows[1]["speedup"] > 0 and len(rows[1]["step_ms_all"]) == 4 and rows[1]["warmup_steps"] == 1
     assert rows[1]["overrides"][-1] == "optim.optimizer.fused=auto"
     base = rows[0]["overrides"]  # the skipped rows' switches are still in: each row keeps those above it
     assert rows[1]["overrides"][: len(base)] == base and len(rows[1]["overrides"]) == len(base) + 6
@@ -130,9 +178,10 @@ def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
 
 def test_bench_infer_writes_table_json_and_plot(tmp_path: Path) -> None:
     names = ["torchvision-fp32", "convbn-fold"]
-    proc, out = _run("infer", [f"--rows={','.join(names)}"], tmp_path)
+    proc, out = _run("infer", [f"--rows={','.join(names)}", "--repeats=1"], tmp_path)
     rows = _check_report("infer", proc, out, names)["rows"]
     assert rows[0]["latency_speedup"] == 1.0 and rows[0]["throughput_speedup"] == 1.0
+    assert rows[1]["latency_ms_repeat_medians"] == [rows[1]["latency_ms_median"]]
     assert rows[1]["latency_ms_median"] > 0 and rows[1]["norm_layers"] == 0
     assert len(rows[1]["latency_ms_all"]) == len(rows[1]["batch_ms_all"]) == 2
 
@@ -140,10 +189,11 @@ def test_bench_infer_writes_table_json_and_plot(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_compile_row_runs(tmp_path: Path) -> None:
     """The compile row alone (slow: Inductor compiles the backbone's forward and backward)."""
-    _, out = _run("train", ["--rows=compile", "--compile-warmup=2", "--steps=1"], tmp_path)
+    _, out = _run("train", ["--rows=compile", "--compile-warmup=2", "--steps=1", "--repeats=1"], tmp_path)
     (row,) = json.loads((out / "bench_train.json").read_text())["rows"]
     assert row["status"] == "ok", row.get("stderr_tail")
     assert row["switches"]["model.compile"] == "backbone" and row["warmup_steps"] == 2 and row["speedup"] == 1.0
+    assert row["gflop_per_step"] > 0  # counted eagerly (force_eager), through the compiled backbone
 
 
 def test_failed_row_becomes_a_table_line(tmp_path: Path) -> None:
@@ -168,6 +218,10 @@ def test_failed_row_becomes_a_table_line(tmp_path: Path) -> None:
     (["--steps=0"], "--steps", "must be >= 1"),
     (["--size=big"], "--size", "HEIGHTxWIDTH"),
     (["--model=resnet9000"], "--model", "conf/model/resnet9000.yaml"),
+    (["--repeats=0"], "--repeats", "must be >= 1, got 0"),
+    (["--state=warm"], "--state", "invalid choice: 'warm'"),
+    (["--state-steps=0"], "--state-steps", "must be >= 1"),
+    (["--peak-seconds=0"], "--peak-seconds", "must be in (0, 60] seconds, got 0.0"),
 ])
 @pytest.mark.parametrize("bench", [train, infer], ids=["train", "infer"])
 def test_bad_arguments_name_the_option(bench: Any, argv: list[str], option: str, message: str,

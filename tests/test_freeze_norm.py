@@ -402,9 +402,9 @@ class _NoDetector(pl.LightningModule):
 
 def test_frozen_stages_need_a_resnet_body_and_fail_before_training() -> None:
     module = _NoDetector()
-    with pytest.raises(ValueError, match=r"frozen_stages=1 needs a torchvision ResNet trunk at "
+    with pytest.raises(ValueError, match=r"FreezeNorm\(frozen_stages=1\) needs a torchvision ResNet trunk at "
                                          r"pl_module\.model\.backbone\.body.*_NoDetector\.model is missing.*"
-                                         r"^frozen_stages=-1"):
+                                         r"set frozen_stages=-1"):
         _trainer(FreezeNorm(mode="frozen_bn", frozen_stages=1), steps=1).fit(module, DataLoader(torch.zeros(4, 1)))
     assert module.steps == 0 and isinstance(module.net[1], nn.BatchNorm2d)  # failed before changing anything
 
@@ -416,7 +416,7 @@ def test_missing_stages_are_named() -> None:
     module.model.backbone.body = IntermediateLayerGetter(BACKBONES["resnet10"](), {"layer2": "0"})  # drops 3, 4
     FreezeNorm(frozen_stages=2).setup(None, module, "fit")  # stem, layer1, layer2 exist
     assert not module.model.backbone.body.layer2[0].conv1.weight.requires_grad
-    with pytest.raises(ValueError, match=r"frozen_stages=3 freezes .* has no \['layer3'\] .*lower frozen_stages"):
+    with pytest.raises(ValueError, match=r"FreezeNorm\(frozen_stages=3\) freezes .* has no \['layer3'\] .*lower frozen_stages"):
         FreezeNorm(frozen_stages=3).setup(None, module, "fit")
 
 

@@ -34,7 +34,7 @@ APPLICATION = ("lit_amp_det.app", "lit_amp_det.bench", "lit_amp_det.cli")
 #: the error type every layer raises (imports nothing from the package)
 BASE = "lit_amp_det.errors"
 #: modules in callbacks/ that are not callbacks, but the measuring or reporting parts of one
-CALLBACK_HELPERS = ("lit_amp_det.callbacks.memory_savings",)
+CALLBACK_HELPERS = ("lit_amp_det.callbacks.memory_savings", "lit_amp_det.callbacks.drawing")
 #: the package face (lazy re-exports) and the ``python -m`` entry sit on top of everything
 TOP = ("lit_amp_det", "lit_amp_det.__main__")
 

@@ -60,5 +60,5 @@ def test_compile_backbone_keeps_parameter_names_and_results() -> None:
 
 @pytest.mark.parametrize("value", ["everything", "heads", True])
 def test_unknown_compile_target_is_refused(value: object) -> None:
-    with pytest.raises(CONFIG_ERRORS, match="model.compile="):
+    with pytest.raises(CONFIG_ERRORS, match="compile="):
         _module(compile=value)

@@ -27,7 +27,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_amp_det.app.config import check_command, check_config
 from lit_amp_det.app.launch import ddp_child_command
@@ -75,15 +75,35 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     return datamodule
 
 
-def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule) -> pl.LightningModule:
-    """Instantiates ``cfg.model``; class count, names and category ids come from the data unless set."""
+def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *,
+                weights_from_checkpoint: bool = False) -> pl.LightningModule:
+    """Instantiates ``cfg.model``; class count, names and category ids come from the data unless set.
+
+    ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named pretrained weights
+    (``model.weights``, ``model.backbone.weights``) are not read: the run neither needs their file nor downloads it.
+    """
     from_data: dict[str, Any] = {}
     for key in ("num_classes", "class_names", "category_ids"):
         if cfg.model.get(key) is None and hasattr(datamodule, key):
             value = getattr(datamodule, key)
             from_data[key] = list(value) if isinstance(value, (list, tuple)) else value
+    model_cfg = cfg.model
+    if weights_from_checkpoint and _named_weights(cfg):
+        log.info("ckpt_path replaces every tensor: %s not read", ", ".join(_named_weights(cfg)))
+        model_cfg = cfg.model.copy()
+        with open_dict(model_cfg):
+            model_cfg.weights = None
+            if model_cfg.get("backbone") is not None:
+                model_cfg.backbone.weights = None
     with config_node("model"):
-        return instantiate(cfg.model, _convert_="all", **from_data)  # plain dicts: checkpoints stay weights_only-safe
+        return instantiate(model_cfg, _convert_="all", **from_data)  # plain dicts: checkpoints stay weights_only-safe
+
+
+def _named_weights(cfg: DictConfig) -> list[str]:
+    """The named pretrained weights the model config asks for, as ``key=value`` strings."""
+    named = {"model.weights": cfg.model.get("weights"),
+             "model.backbone.weights": (cfg.model.get("backbone") or {}).get("weights")}
+    return [f"{key}={value}" for key, value in named.items() if value not in (None, "", "none", "None")]
 
 
 def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
@@ -191,7 +211,7 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
     else:  # rank 0 resolved ``last`` and pinned the file on this process's command line
         ckpt_path = cfg.get("ckpt_path")
     datamodule = build_datamodule(cfg)
-    model = build_model(cfg, datamodule)
+    model = build_model(cfg, datamodule, weights_from_checkpoint=ckpt_path is not None)
     trainer = build_trainer(cfg)
     check_checkpoint(ckpt_path, model)  # a bad or mismatched file fails here, with the fix, not in Lightning
     return datamodule, model, trainer, ckpt_path
@@ -248,8 +268,9 @@ def _announce_interrupt(stop: RunInterrupted, command: str) -> None:
 def _evaluate(cfg: DictConfig, stage: str) -> dict[str, float]:
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
-    if ckpt_path is None and not cfg.model.get("checkpoint"):
-        log.warning("%s without ckpt_path or model.checkpoint scores a randomly initialised model", stage)
+    if ckpt_path is None and not cfg.model.get("checkpoint") and not _named_weights(cfg):
+        log.warning("%s without ckpt_path, model.checkpoint or model.weights scores a randomly initialised model",
+                    stage)
     getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics = _scalar_metrics(trainer)
     _write_outputs(cfg, trainer, {"command": stage, "metrics": metrics, "time_s": time.perf_counter() - started})
@@ -270,8 +291,8 @@ def predict(cfg: DictConfig) -> Path:
     """Writes COCO-format detections of ``data.predict_split`` to ``predictions.json``; returns its path."""
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
-    if ckpt_path is None and not cfg.model.get("checkpoint"):
-        log.warning("predict without ckpt_path or model.checkpoint uses a randomly initialised model")
+    if ckpt_path is None and not cfg.model.get("checkpoint") and not _named_weights(cfg):
+        log.warning("predict without ckpt_path, model.checkpoint or model.weights uses a randomly initialised model")
     trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=False, weights_only=True)
     _write_outputs(cfg, trainer, {"command": "predict", "metrics": {}, "time_s": time.perf_counter() - started})
     return _output_dir(cfg) / "predictions.json"

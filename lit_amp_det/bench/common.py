@@ -1,20 +1,28 @@
-"""What several benches share: the composed config, a seeded synthetic detection batch and one training step.
+"""What several benches share: the composed config, the input batches, one training step, the cache folder.
 
-Measuring itself (memory, saved tensors, timing) is in :mod:`lit_amp_det.profiling`.
+Two kinds of batch: :func:`detection_batch` (seeded noise images with box-shaped masks, for op and layer
+benches) and :func:`shapes_batch` (images of the embedded shapes dataset with their real instances, rendered
+in memory at any size, for the benches that time a model whose state was trained on that data). Measuring
+itself (memory, saved tensors, timing) is in :mod:`lit_amp_det.profiling`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Sequence
+import os
+import platform
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-__all__ = ["compose", "detection_batch", "train_step", "write_json"]
+__all__ = ["batch_sha256", "cache_root", "compose", "cpu_name", "detection_batch", "replace_file", "shapes_batch",
+           "tensors_sha256", "train_step", "weights_sha256", "write_json"]
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:
@@ -46,6 +54,40 @@ def detection_batch(batch: int, height: int, width: int,
     return images, targets
 
 
+def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, num_classes: int,
+                 device: str) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
+    """Images ``indices`` of ``split`` of the embedded shapes data, rendered at ``height`` x ``width``.
+
+    Returns ``uint8`` ``[3, H, W]`` images (as the loaders deliver them) and targets as the COCO loader builds
+    them from the files the dataset writes: one instance per labelled shape, its visible mask, and the tight
+    ``xyxy`` box of that mask. The 6 shape classes fold onto the model's ``num_classes - 1`` foreground classes
+    (``(category - 1) % (num_classes - 1) + 1``) when it has fewer.
+    """
+    from lit_amp_det.data.shapes import ShapesSpec, render_shapes_image
+
+    if num_classes < 2:
+        raise ValueError(f"num_classes={num_classes}: a detector needs background plus at least one class")
+    spec = ShapesSpec(image_size=(height, width))
+    images, targets = [], []
+    for index in indices:
+        rendered = render_shapes_image(split, index, spec)
+        shapes = [inst for inst in rendered.instances if inst.labelled]
+        boxes = []
+        for inst in shapes:
+            rows, cols = inst.visible_mask.any(axis=1).nonzero()[0], inst.visible_mask.any(axis=0).nonzero()[0]
+            boxes.append([float(cols[0]), float(rows[0]), float(cols[-1] + 1), float(rows[-1] + 1)])
+        masks = torch.from_numpy(np.stack([inst.visible_mask for inst in shapes])) if shapes else (
+            torch.zeros(0, height, width, dtype=torch.bool))
+        images.append(torch.from_numpy(rendered.image).permute(2, 0, 1).contiguous().to(device))
+        targets.append({
+            "boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4).to(device),
+            "labels": torch.tensor([(inst.category_id - 1) % (num_classes - 1) + 1 for inst in shapes],
+                                   dtype=torch.int64, device=device),
+            "masks": masks.to(torch.uint8).to(device),
+        })
+    return images, targets
+
+
 def train_step(module: Any, plugin: Any, optimizer: torch.optim.Optimizer, images: list[Tensor],
                targets: list[dict[str, Tensor]]) -> Tensor:
     """One training step as Lightning runs it for ``MaskRCNNModule``: forward and loss in the plugin's
@@ -71,3 +113,57 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file and a rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def cache_root(given: str | Path | None = None) -> Path:
+    """The benches' cache folder: ``given``, else ``$LIT_AMP_DET_CACHE``, else ``~/.cache/lit_amp_det``.
+
+    The same default as ``paths.cache_dir`` (``conf/paths/default.yaml``), so the benches and ``fit`` share it.
+    """
+    return Path(given or os.environ.get("LIT_AMP_DET_CACHE") or "~/.cache/lit_amp_det").expanduser().resolve()
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def tensors_sha256(tensors: Mapping[str, Tensor]) -> str:
+    """SHA-256 of named tensors: names, dtypes, shapes and values (not memory layout or device)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        value = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weights_sha256(module: torch.nn.Module) -> str:
+    """SHA-256 of ``module``'s state dict (:func:`tensors_sha256`).
+
+    Two modules with the same hash hold exactly the same weights and buffers; the benches record it per row
+    to show that every row started from the same state.
+    """
+    return tensors_sha256(module.state_dict())
+
+
+def batch_sha256(images: Sequence[Tensor], targets: Sequence[Mapping[str, Tensor]]) -> str:
+    """SHA-256 of a detection batch (:func:`tensors_sha256`), recorded per row to show every row timed the same."""
+    named = {f"{i}.image": image for i, image in enumerate(images)}
+    named.update({f"{i}.{key}": value for i, target in enumerate(targets) for key, value in target.items()})
+    return tensors_sha256(named)

@@ -1,15 +1,18 @@
-"""The command line of ``bench train`` and ``bench infer``: parse the setting, run each row in its own process,
-write the report.
+"""The command line of ``bench train`` and ``bench infer``: parse the setting, prepare the shared state and the
+device's peaks, run each row's repeats in their own processes, write the report.
 
-Every row runs in a fresh process (memory the allocators keep, compiled code and installed wrappers must not
-leak into the next row); a row whose process fails becomes a ``failed`` row with the error's last line, and
-the others are still reported. The rows themselves are in :mod:`lit_amp_det.bench.e2e_rows`, the report in
-:mod:`lit_amp_det.bench.e2e_report`.
+Before any row: the model state every row loads (:mod:`lit_amp_det.bench.state`, ``--state``) and the
+device's peak GFLOP/s (:mod:`lit_amp_det.bench.roofline`), both cached. Then ``--repeats`` rounds, each row
+once per round (:mod:`lit_amp_det.bench.repeats`), every run in a fresh process (memory the allocators keep,
+compiled code and installed wrappers must not leak into the next row); a row whose process fails becomes a
+``failed`` row with the error's last line, and the others are still reported. The rows themselves are in
+:mod:`lit_amp_det.bench.e2e_rows`, the report in :mod:`lit_amp_det.bench.e2e_report`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -22,10 +25,19 @@ from typing import Any
 
 import torch
 
+from lit_amp_det.bench import repeats, roofline
+from lit_amp_det.bench.common import cache_root
 from lit_amp_det.bench.e2e_report import environment, write_report
-from lit_amp_det.bench.e2e_rows import Bench, Row, Setting, device_defaults, mixed_precision, row_overrides
+from lit_amp_det.bench.e2e_rows import (Bench, Row, Setting, default_num_classes, device_defaults, mixed_precision,
+                                        row_overrides)
 
-__all__ = ["main", "parse_size", "run_row_process"]
+__all__ = ["DEFAULT_REPEATS", "DEFAULT_STATE_STEPS", "add_repeat_options", "finish_row", "main", "parse_size",
+           "prepare", "run_row_process"]
+
+#: Repeats per row, on a CPU and on CUDA alike: GPU clocks and cudnn.benchmark's choices vary per process too.
+DEFAULT_REPEATS = 3
+#: Training steps of the trained state: past the recipe's 100 warm-up steps.
+DEFAULT_STATE_STEPS = 200
 
 #: Marks the one stdout line of a row process that carries its result.
 _MARKER = "BENCH_ROW "
@@ -42,6 +54,16 @@ def _positive(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value <= 60:
+        raise argparse.ArgumentTypeError(f"must be in (0, 60] seconds, got {value}")
+    return value
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -71,6 +93,28 @@ def _row_names(rows: Sequence[Row]) -> Callable[[str], list[str]]:
     return parse
 
 
+def add_repeat_options(parser: argparse.ArgumentParser) -> None:
+    """``--repeats``, ``--seed``, ``--state``, ``--state-steps``, ``--cache-dir``, ``--peak-seconds``: shared by
+    ``bench train``, ``bench infer`` and ``bench precision``."""
+    parser.add_argument("--repeats", type=_positive(1), default=DEFAULT_REPEATS,
+                        help=f"runs of each row, each in a fresh process, in rounds of one run per row "
+                             f"(default {DEFAULT_REPEATS}); a row's time is the median of its runs' medians")
+    parser.add_argument("--seed", type=_positive(0),
+                        help="shuffle the rows' order in every round with this seed (default: table order, "
+                             "A B C A B C ...)")
+    parser.add_argument("--state", choices=["trained", "random"], default="trained",
+                        help="model state every row loads: trained (default; --state-steps of the SGD recipe on "
+                             "the shapes data, made once and cached) or random (the seeded initialisation)")
+    parser.add_argument("--state-steps", type=_positive(1), default=DEFAULT_STATE_STEPS,
+                        help=f"training steps of the trained state (default {DEFAULT_STATE_STEPS})")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="where the state and the peaks are cached (default: $LIT_AMP_DET_CACHE or "
+                             "~/.cache/lit_amp_det, as paths.cache_dir)")
+    parser.add_argument("--peak-seconds", type=_seconds, default=0.5,
+                        help="time one peak-measuring matmul should take, when the peaks are not cached yet "
+                             "(default 0.5)")
+
+
 def _parser(bench: Bench) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m lit_amp_det bench {bench.kind}", description=bench.doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,7 +124,8 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=_positive(1), help="images per step (default 8 on cuda, 4 on cpu)")
     parser.add_argument("--size", type=parse_size, help="SIDE or HEIGHTxWIDTH (default 800x1333 on cuda, 224 on cpu)")
     parser.add_argument("--num-classes", type=_positive(2),
-                        help="classes incl. background (default 81, COCO's, for maskrcnn_r50_fpn; else 4)")
+                        help="classes incl. background (default 81, COCO's, for maskrcnn_r50_fpn; else 7: "
+                             "background and the shapes data's 6)")
     parser.add_argument("--steps", type=_positive(1), help="timed steps per row (default 20 on cuda, 10 on cpu)")
     parser.add_argument("--warmup", type=_positive(0), help="untimed steps per row (default 5 on cuda, 3 on cpu)")
     parser.add_argument("--compile-warmup", type=_positive(0),
@@ -90,7 +135,10 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
                              "a row keeps the overrides of the rows above it whether they run or not")
     parser.add_argument("--out", type=Path, help=f"output directory (default: ${{LIT_AMP_DET_RUNS:-runs}}/bench/"
                                                  f"{bench.kind}/<YYYY-mm-dd_HH-MM-SS>)")
+    add_repeat_options(parser)
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON line
+    parser.add_argument("--state-file", help=argparse.SUPPRESS)  # internal: the state the row loads
+    parser.add_argument("--timing-lr", type=float, help=argparse.SUPPRESS)  # internal: the timed steps' lr
     return parser
 
 
@@ -107,15 +155,66 @@ def _setting(bench: Bench, args: argparse.Namespace, parser: argparse.ArgumentPa
     height, width = args.size or defaults["size"]
     warmup = defaults["warmup"] if args.warmup is None else args.warmup
     return Setting(device=device, model=model, batch=args.batch or defaults["batch"], height=height, width=width,
-                   num_classes=args.num_classes or (81 if model == "maskrcnn_r50_fpn" else 4),
+                   num_classes=args.num_classes or default_num_classes(model),
                    steps=args.steps or defaults["steps"], warmup=warmup,
-                   compile_warmup=warmup + 3 if args.compile_warmup is None else args.compile_warmup)
+                   compile_warmup=warmup + 3 if args.compile_warmup is None else args.compile_warmup,
+                   state=args.state, state_steps=args.state_steps if args.state == "trained" else 0,
+                   checkpoint=args.state_file, lr=args.timing_lr)
 
 
 def _setting_argv(setting: Setting) -> list[str]:
-    return [f"--device={setting.device}", f"--model={setting.model}", f"--batch={setting.batch}",
+    argv = [f"--device={setting.device}", f"--model={setting.model}", f"--batch={setting.batch}",
             f"--size={setting.size}", f"--num-classes={setting.num_classes}", f"--steps={setting.steps}",
-            f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}"]
+            f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}", f"--state={setting.state}",
+            f"--state-steps={max(setting.state_steps, 1)}"]
+    if setting.checkpoint is not None:
+        argv.append(f"--state-file={setting.checkpoint}")
+    if setting.lr is not None:
+        argv.append(f"--timing-lr={setting.lr!r}")
+    return argv
+
+
+def prepare(setting: Setting, args: argparse.Namespace, dtypes: Sequence[str]) -> tuple[Setting, dict[str, Any]]:
+    """The shared state (made or found in the cache) and the device's peaks for ``dtypes``, before any row runs.
+
+    Returns the setting with the state's file and timing learning rate filled in, and ``{"state", "peaks"}``
+    for the report: the state's record (``None`` for ``--state random``) and :func:`roofline.device_peaks`.
+    """
+    from lit_amp_det.bench.state import ensure_state
+
+    cache = cache_root(args.cache_dir)
+    state = None
+    if setting.state == "trained":
+        state = ensure_state(setting, setting.state_steps, cache)
+        state = {k: v for k, v in state.items() if k != "losses"}
+        setting = dataclasses.replace(setting, checkpoint=state["file"], lr=state["final_lr"])
+    print(f"peak GFLOP/s of {', '.join(dtypes)} on this machine ...", end=" ", file=sys.stderr, flush=True)
+    peaks = roofline.device_peaks(setting.device, dtypes, cache, args.peak_seconds)
+    print(", ".join(f"{d} {p['gflops']:.0f}" for d, p in peaks["peaks"].items())
+          + (f" (measured; cached in {peaks['file']})" if peaks["measured"] else " (cached)"),
+          file=sys.stderr, flush=True)
+    return setting, {"state": state, "peaks": peaks}
+
+
+def finish_row(row: dict[str, Any], batch: int, flop_timing: str, peaks: dict[str, Any]) -> dict[str, Any]:
+    """Adds what follows from a row's aggregated median: ``images_per_s`` and the roofline figures."""
+    if row.get("status") != "ok":
+        return row
+    median = row[f"{flop_timing}_ms_median"]
+    row["images_per_s"] = batch * 1000 / median
+    gflop = row.get("gflop_per_step")
+    row.update(roofline.roofline(gflop, median, row["compute_dtype"], peaks["peaks"]))
+    return row
+
+
+def _report_row(bench: Bench, index: int, setting: Setting, runs: list[dict[str, Any]],
+                peaks: dict[str, Any]) -> dict[str, Any]:
+    """The report's row for ``bench.rows[index]``: its name and overrides, and its repeats aggregated."""
+    row = bench.rows[index]
+    override = row.override.format(mixed=mixed_precision(setting.device)) if row.override else None
+    return finish_row({"name": row.name, "label": row.label, "override": override,
+                       "overrides": row_overrides(bench.rows, index, setting),
+                       **repeats.aggregate(runs, bench.timings)}, setting.batch, bench.flop_timing, peaks)
 
 
 def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
@@ -156,6 +255,8 @@ def main(bench: Bench, argv: Sequence[str] | None = None) -> None:
     if args.row is not None:
         if args.row not in names:
             parser.error(f"--row {args.row!r}: choose one of {', '.join(names)}")
+        if setting.state == "trained" and setting.checkpoint is None:
+            parser.error("--row with --state trained needs --state-file (the parent process makes the state)")
         index = names.index(args.row)
         result = bench.run_row(index, setting)
         print(_MARKER + json.dumps({"name": args.row, **result}), flush=True)
@@ -163,19 +264,25 @@ def main(bench: Bench, argv: Sequence[str] | None = None) -> None:
     selected = args.rows or names
     out = args.out or _out_dir(bench.kind)
     command = shlex.join(["python", "-m", "lit_amp_det", "bench", bench.kind, *argv])
+    setting, prepared = prepare(setting, args, ["fp32", roofline.compute_dtype(mixed_precision(setting.device))])
     env = environment(setting.device)  # the load average before the rows run
-    rows = []
-    for number, name in enumerate(selected, 1):
-        index = names.index(name)
-        row = bench.rows[index]
-        print(f"[{number}/{len(selected)}] {row.label} ...", end=" ", flush=True, file=sys.stderr)
-        result = run_row_process(bench, index, setting)
+    order = repeats.run_order(len(selected), args.repeats, args.seed)
+
+    def run(number: int, round_: int, position: int) -> dict[str, Any]:
+        row = bench.rows[names.index(selected[number])]
+        print(f"[{position + 1}/{len(order)}] round {round_ + 1}: {row.label} ...", end=" ", flush=True,
+              file=sys.stderr)
+        result = run_row_process(bench, names.index(selected[number]), setting)
         print(f"{result['status']} ({result['wall_s']:.0f} s)", flush=True, file=sys.stderr)
-        rows.append({"name": name, "label": row.label,
-                     "override": row.override.format(mixed=mixed_precision(setting.device)) if row.override else None,
-                     "overrides": row_overrides(bench.rows, index, setting), **result})
+        return result
+
+    results = repeats.run_repeats(order, run, len(selected))
+    rows = [_report_row(bench, names.index(name), setting, runs, prepared["peaks"])
+            for name, runs in zip(selected, results)]
     if hasattr(os, "getloadavg"):
         env["load_average_after"] = list(os.getloadavg())
-    text = write_report(bench, rows, setting, env, command, out)
+    run_info = {**prepared, "repeats": args.repeats, "order_seed": args.seed,
+                "run_order": [{"position": k, "round": r, "row": selected[i]} for k, (r, i) in enumerate(order)]}
+    text = write_report(bench, rows, setting, env, command, out, run_info)
     print(text)
     print(f"\nwritten to {out}/bench_{bench.kind}.{{md,json,png}}")

@@ -1,31 +1,26 @@
-"""The report of ``bench train`` and ``bench infer``: header, markdown table, JSON and bar plot of the rows."""
+"""The report of ``bench train`` and ``bench infer``: header, markdown table, JSON and bar plot of the rows.
+
+The header states what every figure depends on besides the row's switches: the device and versions, the
+setting, the model state all rows loaded, how the repeats ran and what the roofline column is measured against.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lit_amp_det.bench.common import cpu_name
 from lit_amp_det.bench.e2e_rows import Bench, Setting
 
-__all__ = ["environment", "plot", "ratio_text", "table", "write_report"]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+__all__ = ["environment", "peaks_line", "plot", "ratio_text", "repeat_text", "repeats_line", "roofline_text",
+           "state_line", "table", "write_report"]
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -36,7 +31,7 @@ def environment(device: str) -> dict[str, Any]:
     if device == "cuda":
         name = torch.cuda.get_device_name()
     else:
-        name = f"{_cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        name = f"{cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
     return {"device": device, "device_name": name, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "lightning": lightning.__version__,
@@ -47,6 +42,58 @@ def environment(device: str) -> dict[str, Any]:
 def ratio_text(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     """``value`` formatted, or ``-`` when there is none (a failed row, a zero baseline)."""
     return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def repeat_text(row: Mapping[str, Any], prefix: str, spec: str = ".0f") -> str:
+    """``min-max (±x %)`` of a row's repeat medians for timing ``prefix``; ``-`` for a single run."""
+    medians = row.get(f"{prefix}_ms_repeat_medians") or []
+    if len(medians) < 2:
+        return "-"
+    low, high = row[f"{prefix}_ms_repeat_min"], row[f"{prefix}_ms_repeat_max"]
+    return f"{low:{spec}}-{high:{spec}} ({100 * row[f'{prefix}_ms_repeat_spread']:.0f} %)"
+
+
+def roofline_text(row: Mapping[str, Any]) -> str:
+    """``achieved GFLOP/s (x % of the row's dtype's peak)``, or ``-`` where there is no figure."""
+    if row.get("achieved_gflops") is None:
+        return "-"
+    fraction = row.get("peak_fraction")
+    share = f" ({100 * fraction:.0f} % {row['compute_dtype']})" if fraction is not None else ""
+    return f"{row['achieved_gflops']:.0f}{share}"
+
+
+def state_line(setting: Setting, state: Mapping[str, Any] | None) -> str:
+    """The header line that says which weights every row loaded, and the learning rate of timed steps."""
+    if state is None:
+        return ("- model state: random (the seeded initialisation, the same in every row); timed training steps "
+                "run the recipe's warm-up schedule from step 0")
+    origin = "cached" if state.get("cached") else f"made for this run in {state['make_s']:.0f} s"
+    return (f"- model state: trained, loaded by every row and repeat: {state['recipe']}; loss "
+            f"{state['loss_first']:.2f} -> {state['loss_last']:.2f}; weights sha256 {state['weights_sha256'][:12]} "
+            f"({origin}: `{state['file']}`); timed training steps start a fresh optimizer at the constant lr the "
+            f"state's schedule ended at, {state['final_lr']:.3g}")
+
+
+def repeats_line(run: Mapping[str, Any]) -> str:
+    """The header line that says how often and in which order the rows ran."""
+    order = ("interleaved, rows in table order every round" if run.get("order_seed") is None
+             else f"shuffled every round (seed {run['order_seed']})")
+    return (f"- repeats: {run['repeats']} per row, each a fresh process, {order}; times are the median over "
+            f"repeats of each repeat's median, `repeats` gives the min-max of the repeat medians (and "
+            f"(max - min) / median)")
+
+
+def peaks_line(peaks: Mapping[str, Any]) -> str:
+    """The header line that names the peaks the roofline column divides by, and where they came from."""
+    parts = []
+    for dtype, peak in peaks["peaks"].items():
+        how = "measured now" if dtype in peaks["measured"] else f"cached, measured {peak['measured_at']}"
+        tf32 = ", TF32" if peak.get("tf32") else ""
+        parts.append(f"{dtype} {peak['gflops']:.0f} GFLOP/s ({peak['n']}x{peak['n']} matmul{tf32}, best of "
+                     f"{peak['runs']}, {how})")
+    return (f"- roofline: GFLOP per step counted once per row with FlopCounterMode (matmuls and convolutions); "
+            f"% of peak vs this machine's {'; '.join(parts)}; fp32 rows vs the fp32 peak, mixed rows vs their "
+            f"low-precision peak; peaks cached in `{peaks['file']}` under `{peaks['key']}`")
 
 
 def table(bench: Bench, rows: Sequence[dict[str, Any]], header: Sequence[str]) -> str:
@@ -90,10 +137,11 @@ def plot(bench: Bench, rows: Sequence[dict[str, Any]], title: str, path: Path) -
 
 
 def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env: dict[str, Any],
-                 command: str, out: Path) -> str:
+                 command: str, out: Path, run: Mapping[str, Any] | None = None) -> str:
     """Adds to each ok row its ratios to the first ok row; writes ``bench_<kind>.{md,json,png}`` to ``out``.
 
-    Returns the markdown table.
+    ``run``: the state, the peaks, the repeats and the run order (see :func:`lit_amp_det.bench.e2e.main`), for
+    the header and the JSON's top level. Returns the markdown table.
     """
     base = next((row for row in rows if row["status"] == "ok"), None)
     for row in rows:
@@ -111,15 +159,16 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env
         f"({setting.compile_warmup} for compile rows)",
         f"- command: `{command}`",
         *_load_line(env),
-        f"- ratios vs {base_label}; spread = interquartile range (IQR) of the timed steps; peak = memory the "
-        f"timed steps needed above the built model ({_memory_method(rows)})",
+        *([state_line(setting, run.get("state")), repeats_line(run), peaks_line(run["peaks"])] if run else []),
+        f"- ratios vs {base_label} (from the median times); IQR = interquartile range of the timed steps of all "
+        f"repeats; peak = memory the timed steps needed above the built model ({_memory_method(rows)})",
     ]
     text = table(bench, rows, header)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench_{bench.kind}.md").write_text(text + "\n")
     with open(out / f"bench_{bench.kind}.json", "w") as f:
         json.dump({"kind": bench.kind, "command": command, "setting": asdict(setting), "environment": env,
-                   "rows": rows}, f, indent=2)
+                   **(run or {}), "rows": rows}, f, indent=2)
     plot(bench, rows, f"bench {bench.kind}: {setting.model}, batch {setting.batch}, {setting.size}, "
          f"{env['device_name']}", out / f"bench_{bench.kind}.png")
     return text

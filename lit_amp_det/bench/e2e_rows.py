@@ -3,7 +3,9 @@ how its steps are measured.
 
 A row is a list of Hydra overrides: the first switches every optimisation off (:data:`BASELINE`), every
 later one adds exactly one override to the row above, so each row's gain is that one switch's. A row is built
-the way ``fit``/``predict`` build it, so the bench measures what a user runs. Methodology and figures:
+the way ``fit``/``predict`` build it, so the bench measures what a user runs. Every row loads the same model
+state (``Setting.checkpoint``, made by :mod:`lit_amp_det.bench.state`, or the seeded initialisation) and times
+the same batch of shapes images, so rows differ in their switches only. Methodology and figures:
 BENCHMARKS.md, "End to end".
 """
 
@@ -18,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from lit_amp_det.bench.common import detection_batch
+from lit_amp_det.bench.common import shapes_batch, weights_sha256
 from lit_amp_det.profiling import MB, MemoryProbe
 
 __all__ = [
@@ -29,11 +31,14 @@ __all__ = [
     "PeakMemory",
     "Row",
     "Setting",
+    "baseline_overrides",
     "build",
+    "default_num_classes",
     "device_defaults",
     "memory_ratio",
     "mixed_precision",
     "row_overrides",
+    "setting_overrides",
     "summarise",
     "switches",
     "synthetic_batch",
@@ -67,7 +72,12 @@ class Row:
 
 @dataclass(frozen=True)
 class Setting:
-    """What every row of one run shares."""
+    """What every row of one run shares.
+
+    ``state`` is ``random`` (the seeded initialisation) or ``trained`` (every row loads ``checkpoint``, a state
+    made by :mod:`lit_amp_det.bench.state` in ``state_steps`` steps). ``lr``: the constant learning rate of the
+    timed training steps; ``None`` runs the recipe's warm-up schedule from step 0, as a fresh run starts.
+    """
 
     device: str
     model: str
@@ -78,6 +88,10 @@ class Setting:
     steps: int
     warmup: int
     compile_warmup: int
+    state: str = "random"
+    state_steps: int = 0
+    checkpoint: str | None = None
+    lr: float | None = None
 
     @property
     def size(self) -> str:
@@ -98,6 +112,8 @@ class Bench:
     ratios: Callable[[dict[str, Any], dict[str, Any]], dict[str, float | None]]  # (row, base) -> ratios
     columns: tuple[Column, ...]  # table columns after "# | row | adds"
     panels: tuple[tuple[str, str], ...]  # (ratio key, title) per plot panel
+    timings: tuple[str, ...] = ("step",)  # prefixes of the ``<prefix>_ms_*`` timings a row reports
+    flop_timing: str = "step"  # the timing whose call ``gflop_per_step`` counts (and images_per_s is from)
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -114,29 +130,49 @@ def device_defaults(device: str) -> dict[str, Any]:
     return {"model": "maskrcnn_light", "batch": 4, "size": (224, 224), "steps": 10, "warmup": 3}
 
 
-def _setting_overrides(setting: Setting) -> list[str]:
+def default_num_classes(model: str) -> int:
+    """81 (COCO's) for ``maskrcnn_r50_fpn``; else 7, background plus the shapes data's 6 classes."""
+    return 81 if model == "maskrcnn_r50_fpn" else 7
+
+
+def setting_overrides(setting: Setting) -> list[str]:
+    """The overrides every row of every bench shares: device, model, class count, image size, state."""
     # trainer=gpu|cpu: the device's trainer settings (cudnn.benchmark on a GPU); min/max size equal to the
-    # image sides: the transform keeps the synthetic images at their size
-    return [f"trainer={'gpu' if setting.device == 'cuda' else 'cpu'}", f"model={setting.model}",
-            f"model.num_classes={setting.num_classes}",
-            f"model.transform.min_size={min(setting.height, setting.width)}",
-            f"model.transform.max_size={max(setting.height, setting.width)}"]
+    # image sides: the transform keeps the images at their size; model.checkpoint: the shared state
+    overrides = [f"trainer={'gpu' if setting.device == 'cuda' else 'cpu'}", f"model={setting.model}",
+                 f"model.num_classes={setting.num_classes}",
+                 f"model.transform.min_size={min(setting.height, setting.width)}",
+                 f"model.transform.max_size={max(setting.height, setting.width)}"]
+    if setting.checkpoint is not None:  # quoted: a path may hold characters Hydra's grammar reads otherwise
+        quoted = setting.checkpoint.replace("\\", "\\\\").replace("'", "\\'")
+        overrides.append(f"model.checkpoint='{quoted}'")
+    return overrides
+
+
+def baseline_overrides(setting: Setting) -> list[str]:
+    """The overrides of the first row of every bench: the setting, then :data:`BASELINE`."""
+    return [*setting_overrides(setting), *BASELINE]
 
 
 def row_overrides(rows: Sequence[Row], index: int, setting: Setting) -> list[str]:
     """The overrides of ``rows[index]``: the setting, :data:`BASELINE`, then one override per row up to it."""
     added = [row.override.format(mixed=mixed_precision(setting.device)) for row in rows[1: index + 1]
              if row.override is not None]
-    return [*_setting_overrides(setting), *BASELINE, *added]
+    return [*baseline_overrides(setting), *added]
 
 
 @dataclass
 class Built:
-    """A row's module on its device, with its precision plugin and callbacks."""
+    """A row's module on its device, with its precision plugin and callbacks.
+
+    ``weights_sha256``: the hash of the detector's weights as built (the loaded state, before any callback
+    swapped or folded a layer), equal in every row that loaded the same state.
+    """
 
     module: Any  # MaskRCNNModule
     plugin: Any  # lightning Precision
     callbacks: list[Any]
+    weights_sha256: str
 
 
 def build(cfg: DictConfig, device: str, stage: str) -> Built:
@@ -154,8 +190,9 @@ def build(cfg: DictConfig, device: str, stage: str) -> Built:
 
     if cfg.trainer.get("benchmark") is not None and device == "cuda":
         torch.backends.cudnn.benchmark = bool(cfg.trainer.benchmark)  # what the Trainer sets from trainer.benchmark
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the random state's weights; model.checkpoint, when set, replaces them all
     module = instantiate(cfg.model, _convert_="all")
+    loaded = weights_sha256(module.model)
     callbacks = instantiate_all(cfg.get("callbacks"))
     for callback in callbacks:
         callback.setup(None, module, stage)
@@ -163,7 +200,7 @@ def build(cfg: DictConfig, device: str, stage: str) -> Built:
     plugin = build_precision_plugin(str(cfg.trainer.precision), "gpu" if device == "cuda" else "cpu", **options)
     plugin.convert_module(module)
     module.to(device)
-    return Built(module, plugin, callbacks)
+    return Built(module, plugin, callbacks, loaded)
 
 
 def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
@@ -182,9 +219,12 @@ def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- measuring
 
 def synthetic_batch(setting: Setting, batch: int) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
-    """``batch`` seeded ``uint8`` images (as the loaders deliver them) with 3 boxes and masks each."""
-    images, targets = detection_batch(batch, setting.height, setting.width, setting.device)
-    return [(image * 255).to(torch.uint8) for image in images], targets
+    """The timed batch: the first ``batch`` images of the shapes data's ``val`` split at the setting's size.
+
+    ``uint8`` images as the loaders deliver them, with their shapes' boxes, labels and masks. Not the images
+    the state was trained on (those are ``train`` images), and the same in every row and repeat.
+    """
+    return shapes_batch("val", range(batch), setting.height, setting.width, setting.num_classes, setting.device)
 
 
 def summarise(times: Sequence[float], prefix: str = "step") -> dict[str, Any]:

@@ -20,11 +20,14 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 A call is what ``predict`` runs per batch: ``MaskRCNNModule.forward`` (detector and post-processing: fp32
 boxes, scores, thresholded masks pasted at image size) inside the plugin's context under
 ``torch.inference_mode()``, the model in eval mode after the callbacks' ``setup`` and ``on_predict_start``.
-Columns: latency at batch 1 (median and IQR), throughput at ``--batch`` (images per second from the median
-call), peak memory above the built model during the timed calls, ratios to the first row, warm-up time.
-Untrained weights make proposal counts, hence post-processing work, differ between rows a little.
-Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls on CUDA; the light model at 224 px, batch 4, 3 + 10
-calls on a CPU.
+Every row loads the same weights (``--state``; by default the trained state of
+:mod:`lit_amp_det.bench.state`, whose detections are real ones) and calls on the same shapes images. Columns:
+latency at batch 1 (median over repeats of each repeat's median, the min-max of the repeat medians, IQR),
+throughput at ``--batch`` (images per second from the median call), GFLOP per call at ``--batch`` and achieved
+GFLOP/s with the fraction of the device's peak, peak memory above the built model during the timed calls,
+ratios to the first row, warm-up time. Post-processing work follows the detections, which can differ a little
+between precisions. Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls on CUDA; the light model at 224 px,
+batch 4, 3 + 10 calls on a CPU; 3 repeats.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench import e2e, e2e_rows
-from lit_amp_det.bench.common import compose
-from lit_amp_det.bench.e2e_report import ratio_text
+from lit_amp_det.bench.common import batch_sha256, compose
+from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
+from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.bench.train import ROWS as TRAIN_ROWS
 from lit_amp_det.models.conv_bn import NORM_TYPES
@@ -81,12 +85,20 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
                                  "latency")
     throughput = e2e_rows.summarise([timed(lambda: call(images), setting.device) for _ in range(setting.steps)],
                                     "batch")
+    peak = memory.peak()
+    flops = count_flops(lambda: call(images))  # one more call at --batch, after the timed ones
+    detections.pop()
+    precision = getattr(plugin, "precision", str(cfg.trainer.precision))
     return {
         **latency,
         **throughput,
         "images_per_s": setting.batch * 1000 / throughput["batch_ms_median"],
-        **memory.peak(),
+        **peak,
         "memory_method": memory.method,
+        "gflop_per_step": flops / 1e9,
+        "compute_dtype": compute_dtype(precision),
+        "weights_sha256": built.weights_sha256,
+        "batch_sha256": batch_sha256(images, []),
         "build_s": build_s,
         "warmup_steps": warmup,
         "warmup_s": warmup_s,
@@ -110,11 +122,15 @@ BENCH = e2e_rows.Bench(
     ratios=_ratios,
     columns=(
         ("latency ms (batch 1, median)", lambda r: f"{r['latency_ms_median']:.1f}"),
+        ("repeats ms", lambda r: repeat_text(r, "latency", ".1f")),
         ("IQR ms", lambda r: f"{r['latency_ms_iqr']:.1f}"),
         ("latency speed-up", lambda r: ratio_text(r.get("latency_speedup"), suffix="x")),
         ("images/s (batch)", lambda r: f"{r['images_per_s']:.2f}"),
         ("batch ms (median, IQR)", lambda r: f"{r['batch_ms_median']:.0f} ({r['batch_ms_iqr']:.0f})"),
+        ("batch repeats ms", lambda r: repeat_text(r, "batch")),
         ("throughput speed-up", lambda r: ratio_text(r.get("throughput_speedup"), suffix="x")),
+        ("GFLOP/call (batch)", lambda r: ratio_text(r.get("gflop_per_step"), ".1f")),
+        ("GFLOP/s (% of peak)", roofline_text),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
         ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']}+{r['warmup_steps']} calls)"),
@@ -122,6 +138,8 @@ BENCH = e2e_rows.Bench(
     panels=(("latency_speedup", "batch-1 latency speed-up vs first row"),
             ("throughput_speedup", "images/s vs first row (higher is better)"),
             ("memory_ratio", "peak memory vs first row (lower is better)")),
+    timings=("latency", "batch"),
+    flop_timing="batch",
 )
 
 

@@ -20,10 +20,19 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
 backward (scaled for fp16), optimizer step, scheduler step; Lightning's own overhead (logging, the
-plugin's non-finite-gradient check) is left out. Columns: images/s (batch / median step time), step time
-median and IQR, peak memory above the built model, ratios to the first row, and the warm-up time (which
-holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA; the light model
-(ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU.
+plugin's non-finite-gradient check) is left out. Every row starts from the same weights (``--state``) and
+times the same batch of shapes images. With the trained state (the default) each row builds a fresh
+optimizer of its own config (the fused kernel is a row's switch, and FreezeNorm changes which tensors are
+parameters, so saved optimizer state could not be shared) at the constant learning rate the state's schedule
+ended at: every row gets the same optimizer state and learning rate, and the small rate keeps the weights, and
+so the proposal counts that set a step's time, at the loaded state through warm-up and timing. With
+``--state random`` the recipe's warm-up schedule runs from step 0, as in a fresh run.
+
+Columns: images/s (batch / median step time), step time (median over repeats of each repeat's median), the
+min-max of the repeat medians, IQR of the timed steps, GFLOP per step and achieved GFLOP/s with the fraction of
+the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory above the built model, ratios to the first
+row, and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps
+on CUDA; the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 repeats.
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench import e2e, e2e_rows
-from lit_amp_det.bench.common import compose, train_step
-from lit_amp_det.bench.e2e_report import ratio_text
+from lit_amp_det.bench.common import batch_sha256, compose, train_step
+from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
+from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.profiling import timed
 
@@ -58,7 +68,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     """Times ``setting.steps`` training steps of ``ROWS[index]`` in this process."""
     from hydra.utils import instantiate
 
-    from lit_amp_det.optim import build_optimizer
+    from lit_amp_det.optim import build_optimizer, warmup_schedule
 
     cfg = compose(e2e_rows.row_overrides(ROWS, index, setting))
     start = time.perf_counter()
@@ -68,7 +78,11 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
     warmup = setting.compile_warmup if cfg.model.compile else setting.warmup
     scheduler = None
-    if module.hparams.scheduler:
+    if setting.lr is not None:  # the trained state: its schedule's last lr, held
+        for group in optimizer.param_groups:
+            group["lr"] = setting.lr
+        scheduler = warmup_schedule(optimizer, total_steps=warmup + setting.steps, warmup_steps=0, policy="constant")
+    elif module.hparams.scheduler:
         scheduler = instantiate(dict(module.hparams.scheduler), optimizer=optimizer,
                                 total_steps=warmup + setting.steps)
     images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
@@ -92,11 +106,20 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     memory.reset()
     times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
     stats = e2e_rows.summarise(times)
+    peak = memory.peak()
+    flops = count_flops(lambda: step(warmup + setting.steps))  # one more step, after the timed ones
+    losses.pop()
+    precision = getattr(plugin, "precision", str(cfg.trainer.precision))
     return {
         **stats,
         "images_per_s": setting.batch * 1000 / stats["step_ms_median"],
-        **memory.peak(),
+        **peak,
         "memory_method": memory.method,
+        "gflop_per_step": flops / 1e9,
+        "compute_dtype": compute_dtype(precision),
+        "weights_sha256": built.weights_sha256,
+        "batch_sha256": batch_sha256(images, targets),
+        "lr": optimizer.param_groups[0]["lr"],
         "build_s": build_s,
         "warmup_steps": warmup,
         "warmup_s": warmup_s,
@@ -122,7 +145,10 @@ BENCH = e2e_rows.Bench(
         ("images/s", lambda r: f"{r['images_per_s']:.2f}"),
         ("speed-up", lambda r: ratio_text(r.get("speedup"), suffix="x")),
         ("step ms (median)", lambda r: f"{r['step_ms_median']:.0f}"),
+        ("repeats ms", lambda r: repeat_text(r, "step")),
         ("IQR ms", lambda r: f"{r['step_ms_iqr']:.0f}"),
+        ("GFLOP/step", lambda r: ratio_text(r.get("gflop_per_step"), ".1f")),
+        ("GFLOP/s (% of peak)", roofline_text),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
         ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} steps)"),

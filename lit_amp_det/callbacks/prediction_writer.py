@@ -1,12 +1,16 @@
 """Writes ``predict`` output as a COCO results file that ``pycocotools``' ``loadRes`` accepts.
 
-Masks are run-length encoded batch by batch, so memory stays flat however many images are predicted.
+Masks are run-length encoded batch by batch, so memory stays flat however many images are predicted. The first
+``num_images`` images are also drawn with their detections (:func:`~lit_amp_det.callbacks.drawing.draw_detections`)
+into ``<dirpath>/<images_dirname>/<image id>.png``, batch by batch on the CPU; once they are written, the results
+file is all that is left to do.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,32 +20,80 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from lit_amp_det.callbacks.drawing import DrawingWarning, class_names_of, draw_detections, save_png
+
 __all__ = ["CocoPredictionWriter"]
 
 
 class CocoPredictionWriter(BasePredictionWriter):
     """Collects ``predict_step`` outputs into ``<dirpath>/<filename>`` (COCO detection results).
 
+    Pictures of the first ``num_images`` images with their detections go to ``<dirpath>/<images_dirname>/``,
+    one ``<image id>.png`` each (under DDP, the first images of rank zero's shard). A picture that cannot be
+    drawn is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning`; the results file is
+    written all the same.
+
     Args:
         dirpath: output folder (the run directory by default).
         filename: results file name.
         score_threshold: detections below this score are not written.
+        num_images: images drawn with their detections; 0 draws none.
+        images_dirname: folder of the pictures, inside ``dirpath``.
+        image_score_threshold: detections below this score are not drawn; ``None``: ``score_threshold``.
+        min_side: images with a shorter side below this are drawn enlarged by an integer factor (whole pixels) so
+            that captions stay readable; 0 keeps their size.
     """
 
     def __init__(self, dirpath: str | os.PathLike, filename: str = "predictions.json",
-                 score_threshold: float = 0.0) -> None:
+                 score_threshold: float = 0.0, num_images: int = 16, images_dirname: str = "predictions",
+                 image_score_threshold: float | None = None, min_side: int = 256) -> None:
         super().__init__(write_interval="batch")
+        if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 0:
+            raise ValueError(f"callbacks.prediction_writer.num_images={num_images!r} must be an integer >= 0 "
+                             "(images drawn with their detections; 0 draws none)")
+        if isinstance(min_side, bool) or not isinstance(min_side, int) or min_side < 0:
+            raise ValueError(f"callbacks.prediction_writer.min_side={min_side!r} must be an integer >= 0 (pixels; 0 "
+                             "keeps the images' size)")
         self.path = Path(dirpath) / filename
         self.score_threshold = score_threshold
+        self.num_images = num_images
+        self.images_dir = Path(dirpath) / images_dirname
+        self.image_score_threshold = score_threshold if image_score_threshold is None else image_score_threshold
+        self.min_side = min_side
         self._records: list[dict[str, Any]] = []
+        self._images_left = 0  # set by on_predict_start: pictures belong to a predict run
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._records = []
+        self._images_left = self.num_images if trainer.is_global_zero else 0
 
     def write_on_batch_end(self, trainer: Trainer, pl_module: LightningModule, prediction: Any,
                            batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         for det in prediction:
             self._records.extend(self._image_records(det))
+        if self._images_left:
+            self._draw_batch(pl_module, prediction, batch)
+
+    def _draw_batch(self, pl_module: LightningModule, prediction: list[dict[str, Any]], batch: Any) -> None:
+        """Pictures of the batch's first images. ``batch`` is ``(images, targets)`` as the loader gave it: the
+        dataset's images, whose pixel coordinates the detections are in (torchvision's transform maps them back
+        from the resized input)."""
+        if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], (tuple, list, torch.Tensor)):
+            warnings.warn(f"predict: no pictures: the batch is a {type(batch).__name__}, not (images, targets)",
+                          DrawingWarning, stacklevel=2)
+            self._images_left = 0
+            return
+        images = batch[0]
+        names = class_names_of(pl_module)
+        for image, det in zip(images[:self._images_left], prediction):
+            name = f"{det.get('image_id', self.num_images - self._images_left)}.png"
+            self._images_left -= 1
+            try:
+                picture = draw_detections(image, det, names, self.image_score_threshold, min_side=self.min_side)
+                save_png(picture, self.images_dir / name)
+            except Exception as err:  # a picture is not worth the results file
+                warnings.warn(f"predict: no picture {self.images_dir / name}: {type(err).__name__}: {err}",
+                              DrawingWarning, stacklevel=2)
 
     def _image_records(self, det: dict[str, Any]) -> list[dict[str, Any]]:
         """One image's detections above the threshold as COCO result records (one device->host copy per field)."""

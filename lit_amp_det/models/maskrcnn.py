@@ -2,18 +2,21 @@
 
 Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, RPN and RoI-head
 settings, head widths) is an argument here, so the Hydra ``model`` node maps one to one onto these
-functions and :class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Nothing is
-downloaded: pretrained weights are refused with an error that says how to load local ones instead.
+functions and :class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Pretrained weights are
+named as torchvision names them (``weights="IMAGENET1K_V1"`` for a trunk, ``weights="COCO_V1"`` for a detector whose
+architecture matches a torchvision checkpoint); each builder checks the name it owns and
+:mod:`lit_amp_det.models.weights` fetches the file through torch hub's cache.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 from torch import nn
-from torchvision.models import resnet
+from torchvision.models import WeightsEnum, resnet
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
@@ -23,10 +26,23 @@ from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.poolers import initLevelMapper  # not in torchvision's __all__; pinned and tested
 
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.ext_ops import OPS_BACKENDS, use_extension_ops
 from lit_amp_det.models.norms import FrozenBatchNorm2d
+from lit_amp_det.models.weights import (
+    BACKBONE_WEIGHTS,
+    DetectionCheckpoint,
+    WeightsMismatchError,
+    architecture_mismatches,
+    detection_checkpoint,
+    load_backbone_weights,
+    load_detection_weights,
+    resolve_weights,
+)
 
 __all__ = ["BACKBONES", "NORM_LAYERS", "build_backbone", "build_detector"]
+
+log = logging.getLogger(__name__)
 
 
 def _resnet10(*, weights: None = None, **kwargs: Any) -> resnet.ResNet:
@@ -53,13 +69,28 @@ NORM_LAYERS: dict[str, Callable[..., nn.Module]] = {
 _STAGES_BY_DEPTH = ["layer4", "layer3", "layer2", "layer1", "conv1"]
 
 
-def _check_no_download(weights: Any, field: str) -> None:
-    if weights not in (None, "", "none", "None"):
-        raise ValueError(
-            f"{field}={weights!r}: lit_amp_det never downloads weights (machines may be offline). "
-            "Set model.checkpoint=PATH to a local state dict or Lightning checkpoint instead, "
-            f"and leave {field}=null."
+#: Values of a ``weights`` argument that mean "no pretrained weights".
+_NO_WEIGHTS = (None, "", "none", "None", "null")
+
+
+def _backbone_weights(name: str, weights: str | None) -> WeightsEnum | None:
+    """The torchvision enum member that ``weights`` names for trunk ``name``, or None."""
+    if weights in _NO_WEIGHTS:
+        return None
+    if name not in BACKBONE_WEIGHTS:
+        raise ArgumentError(
+            "weights", weights, f"cannot be used: torchvision publishes no weights for name={name!r} "
+            f"(lit_amp_det's own small trunk); pretrained trunks are {sorted(BACKBONE_WEIGHTS)}, or set it to null"
         )
+    return resolve_weights(BACKBONE_WEIGHTS[name], str(weights), "weights")
+
+
+def _detection_weights(weights: str | None, mask: bool) -> tuple[DetectionCheckpoint, WeightsEnum] | None:
+    """The torchvision checkpoint family and member that ``weights`` names, or None."""
+    if weights in _NO_WEIGHTS:
+        return None
+    family = detection_checkpoint(mask)
+    return family, resolve_weights(family.enum, str(weights), "weights")
 
 
 def build_backbone(
@@ -70,6 +101,7 @@ def build_backbone(
     norm: str = "bn",
     returned_layers: Sequence[int] = (1, 2, 3, 4),
     weights: str | None = None,
+    load_weights: bool = True,
 ) -> BackboneWithFPN:
     """Builds a ResNet trunk with an FPN on top.
 
@@ -80,19 +112,26 @@ def build_backbone(
             5 trains everything, 0 freezes the whole trunk.
         norm: one of :data:`NORM_LAYERS`.
         returned_layers: which ResNet stages (1..4) feed the FPN.
-        weights: must be None; present so a request for hub weights fails loudly.
+        weights: ImageNet weights of the trunk by torchvision's name: a member of its weight enum
+            (:data:`lit_amp_det.models.weights.BACKBONE_WEIGHTS`: ``IMAGENET1K_V1``, ``IMAGENET1K_V2``) or
+            ``DEFAULT``; None for random initialisation. Loaded into the trunk before it is frozen, into
+            whichever norm layers ``norm`` gives (frozen ones included), from torch hub's cache.
+        load_weights: False checks ``weights`` but leaves the trunk at its initialisation, for a caller that
+            loads other tensors over it (a detection checkpoint, a local checkpoint).
     """
-    _check_no_download(weights, "model.backbone.weights")
     if name not in BACKBONES:
-        raise ValueError(f"model.backbone.name={name!r} is unknown; choose one of {sorted(BACKBONES)}")
+        raise ArgumentError("name", name, f"is unknown; choose one of {sorted(BACKBONES)}")
     if norm not in NORM_LAYERS:
-        raise ValueError(f"model.backbone.norm={norm!r} is unknown; choose one of {sorted(NORM_LAYERS)}")
+        raise ArgumentError("norm", norm, f"is unknown; choose one of {sorted(NORM_LAYERS)}")
     if not 0 <= trainable_layers <= 5:
-        raise ValueError(f"model.backbone.trainable_layers must be in [0, 5], got {trainable_layers}")
+        raise ArgumentError("trainable_layers", trainable_layers, "must be in [0, 5]")
     if not returned_layers or not all(1 <= k <= 4 for k in returned_layers):
-        raise ValueError(f"model.backbone.returned_layers must be stages in 1..4, got {list(returned_layers)}")
+        raise ArgumentError("returned_layers", list(returned_layers), "must be stages in 1..4")
+    pretrained = _backbone_weights(name, weights)
 
     trunk = BACKBONES[name](weights=None, norm_layer=NORM_LAYERS[norm])
+    if pretrained is not None and load_weights:
+        load_backbone_weights(trunk, pretrained, "weights", str(weights))
     trained = _STAGES_BY_DEPTH[:trainable_layers] + (["bn1"] if trainable_layers == 5 else [])
     for param_name, param in trunk.named_parameters():
         if not any(param_name.startswith(stage) for stage in trained):
@@ -110,9 +149,8 @@ def build_backbone(
 
 def _anchor_generator(sizes: Sequence[int], aspect_ratios: Sequence[float], levels: int) -> AnchorGenerator:
     if len(sizes) != levels:
-        raise ValueError(
-            f"model.rpn.anchor_sizes has {len(sizes)} entries but the FPN has {levels} levels; give one size per level"
-        )
+        raise ArgumentError("rpn.anchor_sizes", list(sizes),
+                            f"has {len(sizes)} entries but the FPN has {levels} levels; give one size per level")
     return AnchorGenerator(sizes=tuple((int(s),) for s in sizes), aspect_ratios=(tuple(aspect_ratios),) * levels)
 
 
@@ -125,6 +163,8 @@ def build_detector(
     transform: Mapping[str, Any] | None = None,
     rpn: Mapping[str, Any] | None = None,
     roi_heads: Mapping[str, Any] | None = None,
+    weights: str | None = None,
+    load_weights: bool = True,
 ) -> FasterRCNN:
     """Builds a torchvision Mask R-CNN (``mask=True``) or Faster R-CNN (``mask=False``).
 
@@ -140,25 +180,51 @@ def build_detector(
         roi_heads: ``box_head_width``, ``box_score_thresh``, ``box_nms_thresh``, ``detections_per_img``,
             ``fg_iou_thresh``, ``bg_iou_thresh``, ``batch_size_per_image``, ``positive_fraction``,
             ``mask_head_layers`` (channels per mask-head conv), ``sampling_ratio``.
+        weights: a torchvision COCO checkpoint by name (``COCO_V1`` or ``DEFAULT``): of
+            ``MaskRCNN_ResNet50_FPN_Weights`` for a Mask R-CNN, of ``FasterRCNN_ResNet50_FPN_Weights`` for a Faster
+            R-CNN, whose architecture the other arguments must match (``conf/model/maskrcnn_r50_fpn.yaml``). With
+            another ``num_classes`` than the checkpoint's 91, the class-dependent predictor layers keep their fresh
+            initialisation and everything else is loaded. It includes the trunk, so ``backbone.weights`` is then
+            checked but not loaded (as torchvision does).
+        load_weights: False checks ``weights`` and ``backbone.weights`` (names and architecture) but loads
+            neither, for a caller that loads other tensors over them (a local checkpoint).
     """
     if num_classes < 2:
-        raise ValueError(f"model.num_classes must count background plus at least one class, got {num_classes}")
+        raise ArgumentError("num_classes", num_classes, "must count background plus at least one class")
     if ops not in OPS_BACKENDS:
-        raise ValueError(f"model.ops={ops!r} is unknown; choose one of {list(OPS_BACKENDS)}")
-    body = build_backbone(**dict(backbone or {}))
-    levels = len(dict(backbone or {}).get("returned_layers", (1, 2, 3, 4))) + 1  # + LastLevelMaxPool
+        raise ArgumentError("ops", ops, f"is unknown; choose one of {list(OPS_BACKENDS)}")
+    pretrained = _detection_weights(weights, mask)
+    backbone_cfg = dict(backbone or {})
+    if pretrained is not None and load_weights and backbone_cfg.get("weights") not in _NO_WEIGHTS:
+        log.info("weights=%r holds the trunk too: backbone.weights=%r is not loaded",
+                 weights, backbone_cfg.get("weights"))
+    try:
+        body = build_backbone(**backbone_cfg, load_weights=load_weights and pretrained is None)
+    except ArgumentError as err:
+        raise err.at("backbone") from None
+    returned_layers = backbone_cfg.get("returned_layers", (1, 2, 3, 4))
+    levels = len(returned_layers) + 1  # + LastLevelMaxPool
     channels = body.out_channels
     rpn_cfg = dict(rpn or {})
     roi_cfg = dict(roi_heads or {})
     tf_cfg = dict(transform or {})
 
-    anchors = _anchor_generator(
-        rpn_cfg.pop("anchor_sizes", (32, 64, 128, 256, 512)), rpn_cfg.pop("aspect_ratios", (0.5, 1.0, 2.0)), levels
-    )
+    aspect_ratios = rpn_cfg.pop("aspect_ratios", (0.5, 1.0, 2.0))
+    anchors = _anchor_generator(rpn_cfg.pop("anchor_sizes", (32, 64, 128, 256, 512)), aspect_ratios, levels)
     feature_names = [str(i) for i in range(levels - 1)]
     sampling_ratio = roi_cfg.pop("sampling_ratio", 2)
     box_width = roi_cfg.pop("box_head_width", 1024)
     mask_layers = tuple(roi_cfg.pop("mask_head_layers", (256, 256, 256, 256)))
+    if pretrained is not None:
+        configured = {
+            "backbone.name": backbone_cfg.get("name", "resnet18"),
+            "backbone.fpn_channels": channels,
+            "backbone.returned_layers": list(returned_layers),
+            "rpn.aspect_ratios": list(aspect_ratios),
+            "roi_heads.box_head_width": box_width,
+            "roi_heads.mask_head_layers": list(mask_layers),
+        }
+        _check_architecture(weights, pretrained[0], configured)
     box_pool = MultiScaleRoIAlign(feature_names, output_size=7, sampling_ratio=sampling_ratio)
 
     kwargs: dict[str, Any] = dict(
@@ -171,10 +237,10 @@ def build_detector(
         box_roi_pool=box_pool,
         box_head=TwoMLPHead(channels * 7 * 7, box_width),
         box_predictor=FastRCNNPredictor(box_width, num_classes),
-        **{_rpn_kwarg(k): v for k, v in rpn_cfg.items()},
-        **{_roi_kwarg(k): v for k, v in roi_cfg.items()},
+        **{_rpn_kwarg(k, v): v for k, v in rpn_cfg.items()},
+        **{_roi_kwarg(k, v): v for k, v in roi_cfg.items()},
     )
-    _reject_leftovers("model.transform", tf_cfg)
+    _reject_leftovers("transform", tf_cfg)
     if not mask:
         detector = FasterRCNN(body, num_classes=None, **kwargs)
     else:
@@ -186,8 +252,21 @@ def build_detector(
             mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
             **kwargs,
         )
-    _fix_pooler_scales(detector, dict(backbone or {}).get("returned_layers", (1, 2, 3, 4)))
+    _fix_pooler_scales(detector, returned_layers)
+    if pretrained is not None and load_weights:
+        load_detection_weights(detector, pretrained[1], num_classes, "weights", str(weights))
     return use_extension_ops(detector) if ops == "ext" else detector
+
+
+def _check_architecture(weights: str | None, family: DetectionCheckpoint, configured: Mapping[str, Any]) -> None:
+    """Fails before anything is fetched when the configured model cannot hold ``family``'s tensors."""
+    mismatches = architecture_mismatches(family, configured)
+    if mismatches:
+        raise WeightsMismatchError(
+            "weights", weights, f"names torchvision's {family.builder} checkpoint ({family.enum.__name__}), "
+            f"which this model does not match: {', '.join(mismatches)}. Use model=maskrcnn_r50_fpn "
+            f"(mask={str(family.mask).lower()}) or set those values, or set it to null"
+        )
 
 
 def _fix_pooler_scales(detector: FasterRCNN, returned_layers: Sequence[int]) -> None:
@@ -235,20 +314,20 @@ _RPN_KWARGS = {
 }
 
 
-def _rpn_kwarg(key: str) -> str:
+def _rpn_kwarg(key: str, value: Any) -> str:
     if key not in _RPN_KWARGS:
-        raise ValueError(f"model.rpn.{key} is not a known RPN setting; known: {sorted(_RPN_KWARGS)}")
+        raise ArgumentError(f"rpn.{key}", value, f"is not a known RPN setting; known: {sorted(_RPN_KWARGS)}")
     return f"rpn_{key}"
 
 
-def _roi_kwarg(key: str) -> str:
+def _roi_kwarg(key: str, value: Any) -> str:
     """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*`` names."""
     name = key if key.startswith("box_") or key == "bbox_reg_weights" else f"box_{key}"
     if name not in _ROI_KWARGS:
-        raise ValueError(f"model.roi_heads.{key} is not a known RoI-head setting; known: {sorted(_ROI_KWARGS)}")
+        raise ArgumentError(f"roi_heads.{key}", value, f"is not a known RoI-head setting; known: {sorted(_ROI_KWARGS)}")
     return name
 
 
 def _reject_leftovers(node: str, leftovers: Mapping[str, Any]) -> None:
     if leftovers:
-        raise ValueError(f"{node} has unknown keys {sorted(leftovers)}")
+        raise ArgumentError(node, dict(leftovers), f"has unknown keys {sorted(leftovers)}")

@@ -1,0 +1,241 @@
+"""``python -m lit_amp_det.bench.coco_eval``: COCO mAP with faster-coco-eval against pycocotools, same predictions.
+
+``model.eval_backend`` picks the library behind ``MaskRCNNModule``'s ``MeanAveragePrecision``
+(:data:`lit_amp_det.module.EVAL_BACKENDS`). This bench measures what the switch changes, on the split ``validate``
+scores (by default the embedded shapes validation split, 100 images of 160 px, masks and boxes):
+
+1. predictions: the model (``--checkpoint``, else random weights) runs once over the split, in fp32 under
+   ``torch.inference_mode()``; predictions and targets are what ``MaskRCNNModule.validation_step`` gives its
+   metric (boolean masks at image size, targets with ``iscrowd`` and ``area``);
+2. metric: per backend, a fresh metric from ``MaskRCNNModule.build_metric`` gets ``update()`` with every batch,
+   then ``compute()``; backends interleaved per repeat after ``--warmup`` untimed rounds; median and IQR of
+   update, compute and their sum;
+3. agreement: every key of ``compute()`` (bbox and segm ``map``, ``map_50``, ``map_75``, ``map_small/medium/
+   large``, ``mar_1/10/100``, ``mar_small/medium/large``, per-class entries, ``classes``) compared; the largest
+   absolute difference per key and whether all are within ``--atol``;
+4. ``validate``: the whole command, ``python -m lit_amp_det validate model.eval_backend=B`` (with
+   ``model.checkpoint``), in a fresh process per run, backends interleaved, ``--validate-repeats`` runs each:
+   process wall time and the ``time_s`` of its ``metrics.json``, and its logged ``val/*`` metrics compared.
+
+Exits with status 1 when the backends disagree beyond ``--atol`` (the table is printed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lit_amp_det.bench.common import compose, write_json
+from lit_amp_det.bench.e2e_rows import summarise
+from lit_amp_det.module import EVAL_BACKENDS, check_eval_backend
+
+__all__ = ["collect", "compare", "main", "time_metric", "time_validate"]
+
+Pairs = list[tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]]  # (predictions, targets) per batch
+
+
+def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pairs]:
+    """The module (with ``checkpoint``'s weights) and its (predictions, targets) for every validation batch."""
+    from lit_amp_det.app.tasks import build_datamodule, build_model
+
+    weights = [f"model.checkpoint={checkpoint}"] if checkpoint else []
+    cfg = compose(["command=validate", "paths.output_dir=/tmp", *weights, *overrides])
+    datamodule = build_datamodule(cfg)
+    datamodule.setup("validate")
+    module = build_model(cfg, datamodule).eval()
+    pairs: Pairs = []
+    with torch.inference_mode():
+        for images, targets in datamodule.val_dataloader():
+            pairs.append((module(images), [module._metric_target(t) for t in targets]))
+    return module, pairs
+
+
+def _score(module: Any, backend: str, pairs: Pairs) -> tuple[float, float, dict[str, Tensor]]:
+    """Seconds of update() over every batch and of compute(), and compute()'s dict, for a fresh metric."""
+    module.hparams.eval_backend = backend
+    metric = module.build_metric()
+    start = time.perf_counter()
+    for predictions, targets in pairs:
+        metric.update(predictions, targets)
+    updated = time.perf_counter()
+    results = metric.compute()
+    return updated - start, time.perf_counter() - updated, results
+
+
+def time_metric(module: Any, pairs: Pairs, backends: Sequence[str], warmup: int,
+                repeats: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Tensor]]]:
+    """Per backend: update/compute/total time statistics (ms) and the last ``compute()`` dict."""
+    times: dict[str, dict[str, list[float]]] = {b: {"update": [], "compute": [], "total": []} for b in backends}
+    results: dict[str, dict[str, Tensor]] = {}
+    for round_ in range(warmup + repeats):
+        for backend in backends:  # interleaved: load drift on a shared machine hits both alike
+            update_s, compute_s, results[backend] = _score(module, backend, pairs)
+            if round_ >= warmup:
+                for key, value in (("update", update_s), ("compute", compute_s), ("total", update_s + compute_s)):
+                    times[backend][key].append(value)
+    stats = {b: {k: v for part, seconds in t.items() for k, v in summarise(seconds, part).items()}
+             for b, t in times.items()}
+    return stats, results
+
+
+def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
+    """Largest absolute difference per key of two metric dicts (tensors or floats); ``inf`` where shapes or key
+    sets differ."""
+    diffs = {}
+    for key in sorted(set(reference) | set(other)):
+        if key not in reference or key not in other:
+            diffs[key] = float("inf")
+            continue
+        a, b = torch.as_tensor(reference[key]).double(), torch.as_tensor(other[key]).double()
+        diffs[key] = float((a - b).abs().max()) if a.shape == b.shape and a.numel() else (
+            0.0 if a.shape == b.shape else float("inf"))
+    return diffs
+
+
+def time_validate(backends: Sequence[str], checkpoint: str | None, overrides: Sequence[str],
+                  repeats: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
+    """Runs ``python -m lit_amp_det validate`` ``repeats`` times per backend, interleaved, each in a new folder.
+
+    Returns per backend the wall-time statistics of the process and of ``metrics.json``'s ``time_s`` (ms), and
+    the metrics of its last run.
+    """
+    weights = [f"model.checkpoint={checkpoint}"] if checkpoint else []
+    wall: dict[str, list[float]] = {b: [] for b in backends}
+    inside: dict[str, list[float]] = {b: [] for b in backends}
+    metrics: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_coco_eval_") as root:
+        for run in range(repeats):
+            for backend in backends:
+                out = Path(root) / f"{backend}-{run}"
+                command = [sys.executable, "-m", "lit_amp_det", "validate", f"model.eval_backend={backend}",
+                           f"hydra.run.dir={out}", *weights, *overrides]
+                start = time.perf_counter()
+                done = subprocess.run(command, capture_output=True, text=True)
+                wall[backend].append(time.perf_counter() - start)
+                if done.returncode != 0:
+                    raise RuntimeError(f"`{' '.join(command)}` exited with {done.returncode}:\n{done.stderr[-3000:]}")
+                record = json.loads((out / "metrics.json").read_text())
+                inside[backend].append(record["time_s"])
+                metrics[backend] = record["metrics"]
+    stats = {b: {**summarise(wall[b], "wall"), **summarise(inside[b], "time_s")} for b in backends}
+    return stats, metrics
+
+
+# --------------------------------------------------------------------------------------------- report
+
+def _ms(stats: dict[str, Any], part: str) -> str:
+    return f"{stats[f'{part}_ms_median']:.0f} ({stats[f'{part}_ms_iqr']:.0f})"
+
+
+def metric_table(stats: dict[str, dict[str, Any]], base: str) -> str:
+    """Markdown: update, compute and total ms (median, IQR) per backend, speed-up of the total against ``base``."""
+    lines = ["| backend | update ms | compute ms | update + compute ms | speed-up |", "|---|---|---|---|---|"]
+    for backend, s in stats.items():
+        speedup = stats[base]["total_ms_median"] / s["total_ms_median"]
+        lines.append(f"| {backend} | {_ms(s, 'update')} | {_ms(s, 'compute')} | {_ms(s, 'total')} | {speedup:.2f}x |")
+    return "\n".join(lines)
+
+
+def validate_table(stats: dict[str, dict[str, Any]], base: str) -> str:
+    """Markdown: the ``validate`` command's process wall time and its ``metrics.json`` ``time_s`` per backend."""
+    lines = ["| backend | `validate` wall s | speed-up | `time_s` in metrics.json | speed-up |",
+             "|---|---|---|---|---|"]
+    for backend, s in stats.items():
+        lines.append(
+            f"| {backend} | {s['wall_ms_median'] / 1000:.2f} ({s['wall_ms_iqr'] / 1000:.2f}) | "
+            f"{stats[base]['wall_ms_median'] / s['wall_ms_median']:.2f}x | "
+            f"{s['time_s_ms_median'] / 1000:.2f} ({s['time_s_ms_iqr'] / 1000:.2f}) | "
+            f"{stats[base]['time_s_ms_median'] / s['time_s_ms_median']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def agreement_text(diffs: dict[str, float], atol: float, what: str) -> str:
+    """One line: the worst key and whether every key is within ``atol``; the keys beyond it, if any."""
+    worst = max(diffs, key=diffs.get)
+    bad = {k: v for k, v in diffs.items() if v > atol}
+    verdict = "all within" if not bad else f"{len(bad)} beyond"
+    text = f"{what}: {len(diffs)} keys, {verdict} {atol:g} (largest |diff| {diffs[worst]:.2e} at `{worst}`)"
+    return text + "".join(f"\n  - `{k}`: |diff| {v:.2e}" for k, v in bad.items())
+
+
+def _values(results: dict[str, Tensor]) -> str:
+    keys = [k for k in results if k.split("_", 1)[-1] in ("map", "map_50", "map_75", "mar_100")]
+    return ", ".join(f"{k} {float(results[k]):.4f}" for k in keys)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lit_amp_det.bench.coco_eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="weights to score (a .ckpt or state dict; model.checkpoint=). Default: "
+                                             "random weights, whose few low-score detections make a light load")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed metric rounds per backend")
+    parser.add_argument("--repeats", type=int, default=7, help="timed metric rounds per backend (median reported)")
+    parser.add_argument("--validate-repeats", type=int, default=3,
+                        help="`validate` runs per backend, each a new process (0: skip the command)")
+    parser.add_argument("--atol", type=float, default=1e-4, help="largest absolute difference allowed per metric")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both parts, e.g. data.val_size=500")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0 or args.validate_repeats < 0:
+        parser.error("--repeats must be at least 1, --warmup and --validate-repeats at least 0")
+    if args.checkpoint and not Path(args.checkpoint).is_file():
+        parser.error(f"--checkpoint {args.checkpoint}: no such file")
+    backends = list(EVAL_BACKENDS)
+    for backend in backends:
+        check_eval_backend(backend)
+    base = "pycocotools"
+
+    module, pairs = collect(args.checkpoint, args.overrides)
+    images = sum(len(t) for _, t in pairs)
+    detections = sum(len(p["boxes"]) for predictions, _ in pairs for p in predictions)
+    stats, results = time_metric(module, pairs, backends, args.warmup, args.repeats)
+    diffs = {b: compare(results[base], results[b]) for b in backends if b != base}
+    header = (f"{images} images, {detections} detections, iou_type={module.build_metric().iou_type}, "
+              f"weights={args.checkpoint or 'random'}, overrides={args.overrides}; threads={torch.get_num_threads()}, "
+              f"warm-up={args.warmup}, repeats={args.repeats} (median, IQR), torch {torch.__version__}, "
+              f"{_versions()}")
+    print(header)
+    print(metric_table(stats, base))
+    print(f"\n{base}: {_values(results[base])}")
+    for backend, d in diffs.items():
+        print(agreement_text(d, args.atol, f"compute() of {backend} vs {base}"))
+
+    validate_stats, validate_metrics, validate_diffs = {}, {}, {}
+    if args.validate_repeats:
+        validate_stats, validate_metrics = time_validate(backends, args.checkpoint, args.overrides,
+                                                         args.validate_repeats)
+        validate_diffs = {b: compare(validate_metrics[base], validate_metrics[b]) for b in backends if b != base}
+        print(f"\n`python -m lit_amp_det validate` ({args.validate_repeats} runs per backend, interleaved; "
+              "median, IQR)")
+        print(validate_table(validate_stats, base))
+        for backend, d in validate_diffs.items():
+            print(agreement_text(d, args.atol, f"validate metrics of {backend} vs {base}"))
+
+    write_json(args.json, {
+        "args": vars(args), "header": header, "images": images, "detections": detections, "metric": stats,
+        "results": {b: {k: v.tolist() for k, v in r.items()} for b, r in results.items()}, "diffs": diffs,
+        "validate": validate_stats, "validate_metrics": validate_metrics, "validate_diffs": validate_diffs,
+    })
+    if any(v > args.atol for d in (*diffs.values(), *validate_diffs.values()) for v in d.values()):
+        sys.exit(f"the backends disagree beyond --atol {args.atol:g} (keys listed above)")
+
+
+def _versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{name} {version(name)}" for name in ("torchmetrics", *EVAL_BACKENDS.values()))
+
+
+if __name__ == "__main__":
+    main()

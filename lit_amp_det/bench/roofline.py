@@ -1,0 +1,153 @@
+"""The roofline column: how much of the device's measured peak a row's step reaches.
+
+Two measurements, both outside the timed steps:
+
+* **FLOPs per step**, counted once per row with :class:`torch.utils.flop_counter.FlopCounterMode` on one extra
+  call after the timed ones (a training step: forward and backward; inference: the forward). It counts the
+  matrix products and convolutions (not elementwise ops, norms, RoIAlign or NMS), which is where the work is.
+  A compiled row is counted with ``torch.compiler.set_stance("force_eager")``: the same maths, counted eagerly.
+* **Peak GFLOP/s** of the device per compute dtype, measured by the bench itself: a square matmul sized to take
+  about ``target_s`` seconds, best of a few runs. Cached per machine in ``<cache>/bench_peaks.json``, keyed by
+  the CPU model or GPU name, the torch version and the thread count, so later runs reuse it. On CUDA the fp32
+  peak is measured with TF32 as cuDNN's convolutions use it (``torch.backends.cudnn.allow_tf32``).
+
+A row's ``achieved_gflops`` is its FLOPs over its median step time; ``peak_fraction`` divides that by the peak
+of the dtype its maths runs in: fp32 rows against the fp32 peak, ``bf16-mixed``/``16-mixed`` rows against the
+bf16/fp16 peak (under autocast most of the FLOPs, the convolutions and matmuls, run in the low precision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_amp_det.bench.common import cpu_name, replace_file
+from lit_amp_det.profiling import synchronize
+
+__all__ = ["DTYPES", "PEAKS_FILE", "compute_dtype", "count_flops", "device_peaks", "machine_key", "measure_peak",
+           "roofline"]
+
+#: Compute dtype name -> torch dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The peaks cache, in the benches' cache folder.
+PEAKS_FILE = "bench_peaks.json"
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype a Lightning precision string's maths runs in: ``fp32``, ``bf16`` or ``fp16``."""
+    text = str(precision)
+    if text.startswith("bf16"):
+        return "bf16"
+    if text.startswith("16"):
+        return "fp16"
+    if text.startswith("32"):
+        return "fp32"
+    raise ValueError(f"precision {precision!r}: expected a Lightning precision such as 32-true, bf16-mixed or "
+                     "16-mixed")
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of one call of ``fn`` as :class:`~torch.utils.flop_counter.FlopCounterMode` counts them.
+
+    Compiled modules run eagerly for the count (``force_eager``), so every operation passes the counter.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.compiler.set_stance("force_eager"), counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def machine_key(device: str) -> str:
+    """What a peak depends on: the CPU model or GPU name, the torch version and the torch thread count."""
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+    return f"{device}|{name}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+@contextlib.contextmanager
+def _fp32_like_convolutions(device: str):
+    """On CUDA, matmuls in TF32 exactly when cuDNN's fp32 convolutions are (restored afterwards)."""
+    if device != "cuda":
+        yield False
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        yield torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _matmul_seconds(n: int, dtype: torch.dtype, device: str, runs: int) -> list[float]:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    for _ in range(runs):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_peak(device: str, dtype: str, target_s: float = 0.5, runs: int = 3) -> dict[str, Any]:
+    """GFLOP/s of the fastest of ``runs`` ``n x n`` matmuls in ``dtype``, ``n`` sized to take about ``target_s``.
+
+    A 1024 matmul (after one untimed call) sets ``n`` (a multiple of 256, 256 to 16384); one untimed call at
+    ``n``, then ``runs`` timed ones.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    with _fp32_like_convolutions(device) as tf32:
+        probe = min(_matmul_seconds(1024, torch_dtype, device, 2)[1:])
+        scale = (target_s / max(probe, 1e-9)) ** (1 / 3)
+        n = int(min(16384, max(256, round(1024 * scale / 256) * 256)))
+        times = _matmul_seconds(n, torch_dtype, device, runs + 1)[1:]
+    best = min(times)
+    return {"gflops": 2 * n**3 / best / 1e9, "n": n, "best_s": best, "runs": runs, "target_s": target_s,
+            "tf32": tf32, "measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def device_peaks(device: str, dtypes: Iterable[str], cache: Path, target_s: float = 0.5) -> dict[str, Any]:
+    """Peaks of ``dtypes`` on this machine: from ``cache/bench_peaks.json``, measuring (and adding) what is missing.
+
+    Returns ``{"key", "file", "peaks": {dtype: {...}}, "measured": [dtypes measured now], "cached": [...]}``.
+    """
+    path = cache / PEAKS_FILE
+    key = machine_key(device)
+    table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    entry = table.get(key, {})
+    wanted = list(dict.fromkeys(dtypes))
+    missing = [d for d in wanted if d not in entry]
+    for dtype in missing:
+        entry[dtype] = measure_peak(device, dtype, target_s)
+    if missing:
+        table = json.loads(path.read_text()) if path.is_file() else {}  # another bench may have added its own
+        table[key] = {**table.get(key, {}), **entry}
+        replace_file(path, (json.dumps(table, indent=2) + "\n").encode())
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"key": key, "file": str(path), "peaks": {d: entry[d] for d in wanted}, "measured": missing,
+            "cached": [d for d in wanted if d not in missing]}
+
+
+def roofline(gflop_per_step: float | None, step_ms: float, dtype: str,
+             peaks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``achieved_gflops`` (GFLOP per step over the step time) and ``peak_fraction`` (of ``dtype``'s peak).
+
+    ``None`` for what cannot be computed (no count, no peak for the dtype).
+    """
+    achieved = gflop_per_step / (step_ms / 1000) if gflop_per_step is not None and step_ms > 0 else None
+    peak = peaks.get(dtype, {}).get("gflops")
+    return {"compute_dtype": dtype, "peak_gflops": peak, "achieved_gflops": achieved,
+            "peak_fraction": achieved / peak if achieved is not None and peak else None}

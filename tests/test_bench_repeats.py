@@ -1,0 +1,182 @@
+"""What makes a bench figure trustworthy, without running a bench: the run order, the aggregation of repeats,
+the roofline arithmetic and its peak cache, FLOP counting, the shared state's cache key and the input batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lit_amp_det.bench import e2e, e2e_rows, precision, repeats, roofline, state
+from lit_amp_det.bench.common import shapes_batch, weights_sha256
+
+SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=7,
+                           steps=1, warmup=0, compile_warmup=0)
+
+
+def test_run_order_interleaves_rows_round_by_round() -> None:
+    assert repeats.run_order(3, 2) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert repeats.run_order(1, 3) == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_seeded_run_order_shuffles_every_round_reproducibly() -> None:
+    order = repeats.run_order(5, 4, seed=0)
+    rounds = [[row for r, row in order if r == round_] for round_ in range(4)]
+    assert [r for r, _ in order] == sorted(r for r, _ in order)  # round after round
+    assert all(sorted(rows) == [0, 1, 2, 3, 4] for rows in rounds)
+    assert len({tuple(rows) for rows in rounds}) > 1  # not one permutation repeated
+    assert repeats.run_order(5, 4, seed=0) == order and repeats.run_order(5, 4, seed=1) != order
+
+
+@pytest.mark.parametrize(("rows", "count"), [(0, 1), (2, 0)])
+def test_run_order_rejects_empty_runs(rows: int, count: int) -> None:
+    with pytest.raises(ValueError, match=f"rows={rows}, repeats={count}"):
+        repeats.run_order(rows, count)
+
+
+def test_run_repeats_records_positions_and_stops_a_failed_row() -> None:
+    calls: list[tuple[int, int, int]] = []
+
+    def run(row: int, round_: int, position: int) -> dict[str, Any]:
+        calls.append((row, round_, position))
+        return {"status": "failed" if row == 1 else "ok", "row": row}
+
+    results = repeats.run_repeats(repeats.run_order(3, 2), run, 3)
+    assert calls == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (0, 1, 3), (2, 1, 5)]  # row 1 not run again
+    assert [r["position"] for r in results[0]] == [0, 3] and [r["round"] for r in results[2]] == [0, 1]
+    assert len(results[1]) == 1 and results[1][0]["status"] == "failed"
+
+
+def _repeat(times: list[float], **extra: Any) -> dict[str, Any]:
+    return {**e2e_rows.summarise([t / 1000 for t in times]), "status": "ok", "switches": {"x": 1}, **extra}
+
+
+def test_aggregate_is_the_median_of_repeat_medians() -> None:
+    runs = [_repeat([100, 110, 120], peak_memory_mb=10.0, warmup_steps=3, label="a"),
+            _repeat([200, 90, 95], peak_memory_mb=30.0, warmup_steps=3, label="b"),
+            _repeat([105, 106, 300], peak_memory_mb=20.0, warmup_steps=3, label="c")]
+    row = repeats.aggregate(runs, ["step"])
+    assert [round(m, 6) for m in row["step_ms_repeat_medians"]] == [110, 95, 106]
+    assert row["step_ms_median"] == pytest.approx(106)  # not the pooled median (106 too here, but of 9 steps)
+    assert row["step_ms_repeat_min"] == pytest.approx(95) and row["step_ms_repeat_max"] == pytest.approx(110)
+    assert row["step_ms_repeat_spread"] == pytest.approx(15 / 106)
+    pooled = sorted([100, 110, 120, 200, 90, 95, 105, 106, 300])
+    assert sorted(row["step_ms_all"]) == pytest.approx(pooled)
+    q1, _, q3 = statistics.quantiles(pooled, n=4, method="inclusive")
+    assert row["step_ms_q1"] == pytest.approx(q1) and row["step_ms_iqr"] == pytest.approx(q3 - q1)
+    assert row["step_ms_min"] == pytest.approx(90) and row["step_ms_max"] == pytest.approx(300)
+    assert row["peak_memory_mb"] == 20.0 and row["warmup_steps"] == 3 and row["label"] == "a"
+    assert row["repeats"] == 3 and row["repeat_results"] == runs and "round" not in row
+
+
+def test_aggregate_of_a_row_with_a_failed_repeat_is_failed() -> None:
+    failed = {"status": "failed", "error": "boom", "returncode": 1}
+    row = repeats.aggregate([_repeat([100.0]), failed], ["step"])
+    assert row["status"] == "failed" and row["error"] == "boom"
+    assert row["repeats"] == 2 and row["repeats_ok"] == 1
+
+
+def test_finish_row_derives_throughput_and_roofline_from_the_median() -> None:
+    peaks = {"peaks": {"fp32": {"gflops": 200.0}, "bf16": {"gflops": 800.0}}}
+    row = e2e.finish_row({"status": "ok", "step_ms_median": 250.0, "gflop_per_step": 40.0, "compute_dtype": "bf16"},
+                         4, "step", peaks)
+    assert row["images_per_s"] == 16.0 and row["achieved_gflops"] == 160.0
+    assert row["peak_gflops"] == 800.0 and row["peak_fraction"] == 0.2
+    assert roofline.roofline(None, 250.0, "fp16", peaks["peaks"])["peak_fraction"] is None
+
+
+@pytest.mark.parametrize(("text", "dtype"), [("32-true", "fp32"), ("32", "fp32"), ("bf16-mixed", "bf16"),
+                                             ("16-mixed", "fp16"), ("bf16-true", "bf16")])
+def test_compute_dtype(text: str, dtype: str) -> None:
+    assert roofline.compute_dtype(text) == dtype
+
+
+def test_compute_dtype_names_the_accepted_values() -> None:
+    with pytest.raises(ValueError, match="'64-true'.*32-true, bf16-mixed or 16-mixed"):
+        roofline.compute_dtype("64-true")
+
+
+def test_count_flops_counts_forward_and_backward_matmuls() -> None:
+    layer = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    assert roofline.count_flops(lambda: layer(x)) == 2 * 8 * 64 * 32
+    assert roofline.count_flops(lambda: layer(x).sum().backward()) == 2 * 2 * 8 * 64 * 32  # + grad of the weight
+    x.requires_grad_(True)
+    assert roofline.count_flops(lambda: layer(x).sum().backward()) == 3 * 2 * 8 * 64 * 32
+
+
+def test_peaks_are_measured_once_per_machine_and_dtype_then_reused(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    first = roofline.device_peaks("cpu", ["fp32"], tmp_path, target_s=0.005)
+    path = tmp_path / roofline.PEAKS_FILE
+    written, stamp = path.read_bytes(), path.stat().st_mtime_ns
+    assert first["measured"] == ["fp32"] and first["cached"] == [] and first["file"] == str(path)
+    peak = first["peaks"]["fp32"]
+    assert peak["gflops"] == pytest.approx(2 * peak["n"] ** 3 / peak["best_s"] / 1e9) and peak["runs"] == 3
+    assert json.loads(written) == {roofline.machine_key("cpu"): {"fp32": peak}}
+    assert str(torch.get_num_threads()) in first["key"] and torch.__version__ in first["key"]
+
+    def no_measuring(device: str, dtype: str, target_s: float = 0.5) -> dict[str, Any]:
+        if dtype == "fp32":
+            raise AssertionError("the cached fp32 peak was measured again")
+        return {"gflops": 123.0, "n": 256, "best_s": 1.0, "runs": 3, "tf32": False, "measured_at": "now"}
+
+    monkeypatch.setattr(roofline, "measure_peak", no_measuring)
+    again = roofline.device_peaks("cpu", ["fp32"], tmp_path)
+    assert again["peaks"] == first["peaks"] and again["measured"] == [] and again["cached"] == ["fp32"]
+    assert path.read_bytes() == written and path.stat().st_mtime_ns == stamp  # not even rewritten
+    more = roofline.device_peaks("cpu", ["fp32", "bf16"], tmp_path)
+    assert more["measured"] == ["bf16"] and more["peaks"]["fp32"] == peak and more["peaks"]["bf16"]["gflops"] == 123.0
+    assert json.loads(path.read_text())[first["key"]] == {"fp32": peak, "bf16": more["peaks"]["bf16"]}
+
+
+def test_state_key_holds_what_the_state_depends_on(tmp_path: Path) -> None:
+    key = state.state_key(SETTING, 200)
+    assert key["model"]["backbone"]["name"] == "resnet10" and key["model"]["optimizer"]["_target_"] == "torch.optim.SGD"
+    assert key["torch"] == torch.__version__ and key["steps"] == 200 and key["format"] == state.FORMAT
+    path, record = state.state_paths(key, tmp_path)
+    assert path.parent == tmp_path / "bench_state" and path.suffix == ".pt" and record.suffix == ".json"
+    for other in (state.state_key(SETTING, 100), state.state_key(dataclasses.replace(SETTING, height=96), 200),
+                  state.state_key(dataclasses.replace(SETTING, num_classes=4), 200),
+                  state.state_key(dataclasses.replace(SETTING, batch=4), 200)):
+        assert state.state_paths(other, tmp_path)[0] != path
+    # the state does not depend on where it is loaded from, nor on the row's switches
+    assert state.state_key(dataclasses.replace(SETTING, checkpoint="/x.pt", lr=0.1), 200) == key
+
+
+def test_shapes_batch_holds_the_visible_shapes_with_tight_boxes() -> None:
+    images, targets = shapes_batch("val", range(3), 48, 80, 3, "cpu")
+    for image, target in zip(images, targets, strict=True):
+        assert image.dtype == torch.uint8 and image.shape == (3, 48, 80)
+        masks, boxes = target["masks"], target["boxes"]
+        assert masks.shape[1:] == (48, 80) and len(masks) == len(boxes) == len(target["labels"])
+        assert set(target["labels"].tolist()) <= {1, 2}  # 6 shape classes folded onto 2 foreground classes
+        for mask, box in zip(masks, boxes, strict=True):
+            ys, xs = mask.nonzero(as_tuple=True)
+            assert box.tolist() == [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]
+    assert sum(len(t["boxes"]) for t in targets) > 0
+    again = shapes_batch("val", range(3), 48, 80, 3, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(images, again[0], strict=True))
+
+
+def test_weights_hash_sees_values_not_layout() -> None:
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3)
+    digest = weights_sha256(conv)
+    assert weights_sha256(conv.to(memory_format=torch.channels_last)) == digest
+    with torch.no_grad():
+        conv.weight[0, 0, 0, 0] += 1e-6
+    assert weights_sha256(conv) != digest
+
+
+def test_precision_row_reports_roofline_and_state_keys() -> None:
+    row = precision.run_row("bf16-mixed", "plain", SETTING, fp16_on_cpu=False)
+    assert row["precision"] == "bf16-mixed" and row["compute_dtype"] == "bf16" and row["gflop_per_step"] > 0
+    assert row["lr"] == precision.RANDOM_STATE_LR and len(row["weights_sha256"]) == 64
+    assert row["step_ms_spread"] == row["step_ms_max"] - row["step_ms_min"] and len(row["step_ms_all"]) == 1
