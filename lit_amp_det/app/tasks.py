@@ -37,6 +37,7 @@ from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
 from lit_amp_det.checkpoints import check_checkpoint
 from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.weights import NO_WEIGHTS
 from lit_amp_det.precision.plugin import build_precision_plugin
 
 __all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "config_node", "resume_command", "summary_line"]
@@ -103,7 +104,7 @@ def _named_weights(cfg: DictConfig) -> list[str]:
     """The named pretrained weights the model config asks for, as ``key=value`` strings."""
     named = {"model.weights": cfg.model.get("weights"),
              "model.backbone.weights": (cfg.model.get("backbone") or {}).get("weights")}
-    return [f"{key}={value}" for key, value in named.items() if value not in (None, "", "none", "None")]
+    return [f"{key}={value}" for key, value in named.items() if value not in NO_WEIGHTS]
 
 
 def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:

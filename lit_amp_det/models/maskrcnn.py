@@ -31,6 +31,7 @@ from lit_amp_det.models.ext_ops import OPS_BACKENDS, use_extension_ops
 from lit_amp_det.models.norms import FrozenBatchNorm2d
 from lit_amp_det.models.weights import (
     BACKBONE_WEIGHTS,
+    NO_WEIGHTS,
     DetectionCheckpoint,
     WeightsMismatchError,
     architecture_mismatches,
@@ -69,13 +70,11 @@ NORM_LAYERS: dict[str, Callable[..., nn.Module]] = {
 _STAGES_BY_DEPTH = ["layer4", "layer3", "layer2", "layer1", "conv1"]
 
 
-#: Values of a ``weights`` argument that mean "no pretrained weights".
-_NO_WEIGHTS = (None, "", "none", "None", "null")
 
 
 def _backbone_weights(name: str, weights: str | None) -> WeightsEnum | None:
     """The torchvision enum member that ``weights`` names for trunk ``name``, or None."""
-    if weights in _NO_WEIGHTS:
+    if weights in NO_WEIGHTS:
         return None
     if name not in BACKBONE_WEIGHTS:
         raise ArgumentError(
@@ -87,7 +86,7 @@ def _backbone_weights(name: str, weights: str | None) -> WeightsEnum | None:
 
 def _detection_weights(weights: str | None, mask: bool) -> tuple[DetectionCheckpoint, WeightsEnum] | None:
     """The torchvision checkpoint family and member that ``weights`` names, or None."""
-    if weights in _NO_WEIGHTS:
+    if weights in NO_WEIGHTS:
         return None
     family = detection_checkpoint(mask)
     return family, resolve_weights(family.enum, str(weights), "weights")
@@ -195,7 +194,7 @@ def build_detector(
         raise ArgumentError("ops", ops, f"is unknown; choose one of {list(OPS_BACKENDS)}")
     pretrained = _detection_weights(weights, mask)
     backbone_cfg = dict(backbone or {})
-    if pretrained is not None and load_weights and backbone_cfg.get("weights") not in _NO_WEIGHTS:
+    if pretrained is not None and load_weights and backbone_cfg.get("weights") not in NO_WEIGHTS:
         log.info("weights=%r holds the trunk too: backbone.weights=%r is not loaded",
                  weights, backbone_cfg.get("weights"))
     try:

@@ -34,6 +34,7 @@ from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights, MaskRC
 from lit_amp_det.errors import ArgumentError
 
 __all__ = [
+    "NO_WEIGHTS",
     "BACKBONE_WEIGHTS",
     "CLASS_DEPENDENT",
     "DETECTION_CHECKPOINTS",
@@ -66,6 +67,9 @@ CLASS_DEPENDENT = (
     "roi_heads.mask_predictor.mask_fcn_logits.",
 )
 
+
+#: Values of a ``weights`` argument that mean "no pretrained weights" (YAML's null and its spellings).
+NO_WEIGHTS = (None, "", "none", "None", "null")
 
 @dataclass(frozen=True)
 class DetectionCheckpoint:
