@@ -44,7 +44,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == 8
+    assert bench.rows[0].override is None and len(bench.rows) == (9 if bench is train.BENCH else 8)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -76,7 +76,7 @@ def test_mixed_precision_row_follows_the_device() -> None:
 def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench) -> None:
     """Each row's switches reach the built module (the compile row is covered by the slow test below)."""
     results = {row.name: bench.run_row(i, SETTING) for i, row in enumerate(bench.rows) if row.name != "compile"}
-    assert len(results) == 7
+    assert len(results) == len(bench.rows) - 1
     for name, result in results.items():
         speed = result["images_per_s"]
         assert speed > 0 and result["peak_memory_abs_mb"] > 0, (name, result)
@@ -91,12 +91,14 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert first == {"trainer.precision": "32-true", "precision.fp32_regions": {}, "model.ops": "torchvision",
                      "model.channels_last": False, "model.compile": None, "callbacks": [],
                      "optim.optimizer.fused": None}
-    assert last["trainer.precision"] == "bf16-mixed" and last["precision.fp32_regions"] is None
+    assert last["trainer.precision"] == ("bf16-weights" if bench is train.BENCH else "bf16-mixed")
+    assert last["precision.fp32_regions"] is None
     assert last["model.ops"] == "ext" and last["model.channels_last"] is True
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval"]
         assert results["fused-optim"]["optimizer"]["fused"] is True
         assert results["freeze-norm-convbn"]["optimizer"]["fused"] is False
+        assert results["low-precision-weights"]["compute_dtype"] == "bf16"
     else:
         assert last["callbacks"] == ["ConvBNEval(only_when_cheaper=True, fold_on_predict=True)"]
         assert results["convbn-eval"]["norm_layers"] > 0 and results["convbn-fold"]["norm_layers"] == 0
@@ -151,7 +153,7 @@ def _check_state_and_roofline(report: dict[str, Any], table: str, kind: str) -> 
 
 def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
     """Two rows, two repeats each, interleaved; medians of repeat medians, the same state and FLOPs in each."""
-    names = ["torchvision-fp32", "fused-optim"]  # fused-optim carries every switch but compile
+    names = ["torchvision-fp32", "low-precision-weights"]  # it carries every switch but compile
     proc, out = _run("train", [f"--rows={','.join(reversed(names))}", "--repeats=2"], tmp_path)
     report = _check_report("train", proc, out, names)
     rows = report["rows"]
@@ -170,9 +172,9 @@ def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert rows[1]["speedup"] == pytest.approx(rows[0]["step_ms_median"] / rows[1]["step_ms_median"])
     assert rows[0]["speedup"] == 1.0 and rows[0]["memory_ratio"] in (1.0, None)
     assert rows[1]["speedup"] > 0 and len(rows[1]["step_ms_all"]) == 4 and rows[1]["warmup_steps"] == 1
-    assert rows[1]["overrides"][-1] == "optim.optimizer.fused=auto"
+    assert rows[1]["overrides"][-1] == "trainer.precision=bf16-weights" and rows[1]["compute_dtype"] == "bf16"
     base = rows[0]["overrides"]  # the skipped rows' switches are still in: each row keeps those above it
-    assert rows[1]["overrides"][: len(base)] == base and len(rows[1]["overrides"]) == len(base) + 6
+    assert rows[1]["overrides"][: len(base)] == base and len(rows[1]["overrides"]) == len(base) + 7
     assert rows[1]["switches"]["model.ops"] == "ext" and rows[1]["optimizer"]["fused"] is True
 
 
@@ -231,3 +233,21 @@ def test_bad_arguments_name_the_option(bench: Any, argv: list[str], option: str,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert option in err and message in err, err
+
+
+def test_bench_weights_ab_runs_its_variants_side_by_side(tmp_path: Path) -> None:
+    """The one-process A/B of low-precision weights and batched mask targets: every variant steps and is reported,
+    and the fp32 masters show in the state it keeps (bf16 weights + fp32 masters and gradients > fp32 alone)."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, "-m", "lit_amp_det", "bench", "weights_ab", "--model=maskrcnn_tiny",
+                           "--size=64", "--batch=2", "--rounds=1", "--steps=1", "--warmup=0",
+                           "--variants=tv-fp32,weights,weights-tv-masks", f"--json={out}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["tv-fp32", "weights", "weights-tv-masks"]
+    assert all(r["step_ms"] > 0 and r["peak_step_mb"] > 0 for r in results.values())
+    assert results["weights"]["state_mb"] > results["tv-fp32"]["state_mb"]
+    assert "trainer.precision=bf16-weights" in results["weights"]["switches"]
+    for name in results:
+        assert f"| {name} |" in proc.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lit_amp_det.bench import e2e, e2e_rows, precision, repeats, roofline, state
+from lit_amp_det.bench import e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
 from lit_amp_det.bench.common import shapes_batch, weights_sha256
 
 SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=7,
@@ -113,6 +114,7 @@ def test_count_flops_counts_forward_and_backward_matmuls() -> None:
 
 def test_peaks_are_measured_once_per_machine_and_dtype_then_reused(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(roofline, "busy_cpus", lambda seconds=1.0: 0.1)  # a quiet machine
     first = roofline.device_peaks("cpu", ["fp32"], tmp_path, target_s=0.005)
     path = tmp_path / roofline.PEAKS_FILE
     written, stamp = path.read_bytes(), path.stat().st_mtime_ns
@@ -180,3 +182,21 @@ def test_precision_row_reports_roofline_and_state_keys() -> None:
     assert row["precision"] == "bf16-mixed" and row["compute_dtype"] == "bf16" and row["gflop_per_step"] > 0
     assert row["lr"] == precision.RANDOM_STATE_LR and len(row["weights_sha256"]) == 64
     assert row["step_ms_spread"] == row["step_ms_max"] - row["step_ms_min"] and len(row["step_ms_all"]) == 1
+
+
+def test_peaks_measured_under_load_are_used_but_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(roofline, "busy_cpus", lambda seconds=1.0: 1.6)
+    monkeypatch.setattr(roofline, "measure_peak", lambda device, dtype, target_s=0.5: {
+        "gflops": 90.0, "n": 256, "best_s": 1.0, "runs": 3, "tf32": False, "measured_at": "now"})
+    loaded = roofline.device_peaks("cpu", ["fp32"], tmp_path)
+    assert not (tmp_path / roofline.PEAKS_FILE).exists()
+    assert loaded["measured"] == ["fp32"] and loaded["busy_cpus"] == 1.6
+    assert loaded["peaks"]["fp32"]["gflops"] == 90.0 and loaded["peaks"]["fp32"]["busy_cpus"] == 1.6
+    assert "kept 1.6 CPUs busy" in capsys.readouterr().err
+    assert "1.6 CPUs busy with other work: a low peak, not cached" in e2e_report.peaks_line(loaded)
+
+
+def test_busy_cpus_reads_the_machine() -> None:
+    busy = roofline.busy_cpus(0.2)
+    assert busy is None or 0.0 <= busy <= os.cpu_count() + 0.01

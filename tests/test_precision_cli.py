@@ -1,4 +1,5 @@
-"""Mixed precision end to end: a research fp32 region through the CLI, and bf16 vs fp32 accuracy parity."""
+"""Mixed precision end to end: a research fp32 region through the CLI, bf16 vs fp32 accuracy parity, and bf16
+weights with fp32 masters vs bf16 autocast."""
 
 from __future__ import annotations
 
@@ -37,14 +38,30 @@ def _fit(tmp_path: Path, precision: str) -> tuple[dict, list[float]]:
     return metrics, [float(r["train/loss"]) for r in rows if r.get("train/loss")]
 
 
+def _assert_learns_alike(reference: tuple[dict, list[float]], other: tuple[dict, list[float]],
+                         map_tolerance: float) -> None:
+    """Both runs learned (segm mAP@50 > 0.12), their mAPs agree within ``map_tolerance`` and the mean of their
+    last 15 logged losses within 10 % (once past the first steps the curves must agree on average)."""
+    (ref, ref_losses), (run, run_losses) = reference, other
+    assert ref["val/segm_mAP_50"] > 0.12, ref  # a model that learned something worth comparing
+    for key in ("val/segm_mAP", "val/bbox_mAP"):
+        assert abs(run[key] - ref[key]) <= map_tolerance, (key, run[key], ref[key])
+    assert len(ref_losses) == len(run_losses) == 30
+    mean_ref, mean_run = sum(ref_losses[15:]) / 15, sum(run_losses[15:]) / 15
+    assert abs(mean_run - mean_ref) <= 0.1 * mean_ref, (ref_losses, run_losses)
+
+
 @pytest.mark.slow
 def test_bf16_training_matches_fp32_accuracy(tmp_path: Path) -> None:
-    fp32, fp32_losses = _fit(tmp_path, "32-true")
-    bf16, bf16_losses = _fit(tmp_path, "bf16-mixed")
-    assert fp32["val/segm_mAP_50"] > 0.12, fp32  # both models learned something worth comparing
-    for key in ("val/segm_mAP", "val/bbox_mAP"):
-        assert abs(bf16[key] - fp32[key]) <= 0.02, (key, bf16[key], fp32[key])
-    assert len(fp32_losses) == len(bf16_losses) == 30
-    late = slice(15, None)  # once past the first steps the curves must agree on average within 10 %
-    mean_fp32, mean_bf16 = sum(fp32_losses[late]) / 15, sum(bf16_losses[late]) / 15
-    assert abs(mean_bf16 - mean_fp32) <= 0.1 * mean_fp32, (fp32_losses, bf16_losses)
+    _assert_learns_alike(_fit(tmp_path, "32-true"), _fit(tmp_path, "bf16-mixed"), map_tolerance=0.02)
+
+
+@pytest.mark.slow
+def test_bf16_weights_training_matches_bf16_mixed_accuracy(tmp_path: Path) -> None:
+    """bf16-weights runs the same bf16 convolutions as bf16-mixed (the first step's losses are bit-identical, see
+    tests/test_low_precision_weights.py) and steps fp32 masters, so it must learn as well. Rounding differences
+    (gradients of shared weights are summed in bf16) still change which proposals get sampled after a few steps,
+    so the two runs diverge like two seeds of one recipe. The mAP tolerance is that spread: bf16-mixed with seed 0
+    and seed 1 of this recipe differ by 0.051 bbox / 0.015 segm mAP (0.150 / 0.112 vs 0.099 / 0.096); the two modes
+    with seed 0 by 0.026 / 0.025 (bf16-weights 0.176 / 0.136). The late loss means agree within 0.6 %."""
+    _assert_learns_alike(_fit(tmp_path, "bf16-mixed"), _fit(tmp_path, "bf16-weights"), map_tolerance=0.06)

@@ -19,6 +19,7 @@ from lit_amp_det.precision.casting import mixed_precision_dtype
 from lit_amp_det.precision.plugin import (
     DetectionMixedPrecision,
     FiniteStepPrecision,
+    MasterWeightPrecision,
     build_precision_plugin,
 )
 
@@ -145,6 +146,22 @@ def test_precision_strings_map_to_plugins() -> None:
     assert forced.state_dict()["scale"] == 1024.0  # the scaler state goes into checkpoints
     with pytest.raises(ValueError, match="trainer.precision='fp8'"):
         build_precision_plugin("fp8")
+
+
+def test_low_precision_weight_strings_map_to_the_master_weight_plugin() -> None:
+    weights = build_precision_plugin("bf16-weights", "cpu")
+    assert isinstance(weights, MasterWeightPrecision) and weights.precision == "bf16-weights"
+    assert weights.scaler is None and weights.low_dtype == torch.bfloat16
+    with pytest.warns(UserWarning, match="16-weights on a CPU runs as bf16-weights"):
+        assert build_precision_plugin("16-weights", "cpu").precision == "bf16-weights"
+    forced = build_precision_plugin("16-weights", "cpu", fp16_on_cpu=True, init_scale=512.0)
+    assert forced.precision == "16-weights" and forced.low_dtype == torch.float16
+    assert forced.state_dict()["scale"] == 512.0 and forced.state_dict()["guard"]["skipped"] == 0
+    for name in ("bf16-true", "16-true"):  # Lightning's names: everything low, no masters; not ours
+        with pytest.raises(ValueError, match="bf16-weights"):
+            build_precision_plugin(name)
+    with pytest.raises(ValueError, match="MasterWeightPrecision takes 16-weights or bf16-weights"):
+        MasterWeightPrecision("bf16-mixed", "cpu")  # type: ignore[arg-type]
 
 
 class _Linear(pl.LightningModule):

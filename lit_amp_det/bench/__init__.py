@@ -10,7 +10,8 @@ __all__ = ["main", "BENCHMARKS"]
 #: benchmark name -> module with a ``main(argv)``
 BENCHMARKS = {"precision": "lit_amp_det.bench.precision", "ops": "lit_amp_det.bench.ops",
               "convbn": "lit_amp_det.bench.convbn", "train": "lit_amp_det.bench.train",
-              "infer": "lit_amp_det.bench.infer", "coco_eval": "lit_amp_det.bench.coco_eval"}
+              "infer": "lit_amp_det.bench.infer", "coco_eval": "lit_amp_det.bench.coco_eval",
+              "weights_ab": "lit_amp_det.bench.weights_ab"}
 
 
 def main(argv: Sequence[str]) -> None:

@@ -91,13 +91,17 @@ def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, nu
 def train_step(module: Any, plugin: Any, optimizer: torch.optim.Optimizer, images: list[Tensor],
                targets: list[dict[str, Tensor]]) -> Tensor:
     """One training step as Lightning runs it for ``MaskRCNNModule``: forward and loss in the plugin's
-    autocast context, then backward and optimizer step (through the plugin's GradScaler for fp16)."""
+    autocast context, then backward and optimizer step (through the plugin's GradScaler for fp16). With
+    low-precision weights the optimizer must have been connected to the plugin (``plugin.connect``)."""
     with plugin.forward_context():
         loss = module.compute_loss(module.model(module.prepare_images(images), module.training_targets(targets)))
     optimizer.zero_grad(set_to_none=True)
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None:
         scaler.scale(loss).backward()
+        master_weights = getattr(plugin, "weights", None)
+        if master_weights is not None:  # low-precision weights: the scaler unscales the fp32 masters' gradients
+            master_weights.grads_to_masters()
         scaler.step(optimizer)
         scaler.update()
     else:

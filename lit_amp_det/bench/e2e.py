@@ -190,9 +190,11 @@ def prepare(setting: Setting, args: argparse.Namespace, dtypes: Sequence[str]) -
         setting = dataclasses.replace(setting, checkpoint=state["file"], lr=state["final_lr"])
     print(f"peak GFLOP/s of {', '.join(dtypes)} on this machine ...", end=" ", file=sys.stderr, flush=True)
     peaks = roofline.device_peaks(setting.device, dtypes, cache, args.peak_seconds)
-    print(", ".join(f"{d} {p['gflops']:.0f}" for d, p in peaks["peaks"].items())
-          + (f" (measured; cached in {peaks['file']})" if peaks["measured"] else " (cached)"),
-          file=sys.stderr, flush=True)
+    where = " (cached)"
+    if peaks["measured"]:
+        where = (" (measured under load: not cached)" if (peaks["busy_cpus"] or 0) > roofline.MAX_BUSY_CPUS_TO_CACHE
+                 else f" (measured; cached in {peaks['file']})")
+    print(", ".join(f"{d} {p['gflops']:.0f}" for d, p in peaks["peaks"].items()) + where, file=sys.stderr, flush=True)
     return setting, {"state": state, "peaks": peaks}
 
 
@@ -211,7 +213,7 @@ def _report_row(bench: Bench, index: int, setting: Setting, runs: list[dict[str,
                 peaks: dict[str, Any]) -> dict[str, Any]:
     """The report's row for ``bench.rows[index]``: its name and overrides, and its repeats aggregated."""
     row = bench.rows[index]
-    override = row.override.format(mixed=mixed_precision(setting.device)) if row.override else None
+    override = row.override_on(setting.device)
     return finish_row({"name": row.name, "label": row.label, "override": override,
                        "overrides": row_overrides(bench.rows, index, setting),
                        **repeats.aggregate(runs, bench.timings)}, setting.batch, bench.flop_timing, peaks)

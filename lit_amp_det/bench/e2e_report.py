@@ -88,6 +88,8 @@ def peaks_line(peaks: Mapping[str, Any]) -> str:
     parts = []
     for dtype, peak in peaks["peaks"].items():
         how = "measured now" if dtype in peaks["measured"] else f"cached, measured {peak['measured_at']}"
+        if peak.get("busy_cpus") is not None:
+            how += f" with {peak['busy_cpus']:.1f} CPUs busy with other work: a low peak, not cached"
         tf32 = ", TF32" if peak.get("tf32") else ""
         parts.append(f"{dtype} {peak['gflops']:.0f} GFLOP/s ({peak['n']}x{peak['n']} matmul{tf32}, best of "
                      f"{peak['runs']}, {how})")

@@ -36,6 +36,7 @@ __all__ = [
     "default_num_classes",
     "device_defaults",
     "memory_ratio",
+    "low_precision_weights",
     "mixed_precision",
     "row_overrides",
     "setting_overrides",
@@ -62,12 +63,19 @@ BASELINE = (
 class Row:
     """One row: ``override`` (``None`` for the baseline row) switches one optimisation on.
 
-    ``{mixed}`` in the override stands for the device's mixed precision (see :func:`mixed_precision`).
+    ``{mixed}`` in the override stands for the device's mixed precision (see :func:`mixed_precision`),
+    ``{weights}`` for its low-precision-weights twin (:func:`low_precision_weights`).
     """
 
     name: str
     label: str
     override: str | None
+
+    def override_on(self, device: str) -> str | None:
+        """The override with ``{mixed}`` / ``{weights}`` filled in for ``device``."""
+        if self.override is None:
+            return None
+        return self.override.format(mixed=mixed_precision(device), weights=low_precision_weights(device))
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,11 @@ def mixed_precision(device: str) -> str:
     return "16-mixed" if device == "cuda" else "bf16-mixed"
 
 
+def low_precision_weights(device: str) -> str:
+    """The low-precision-weights twin of :func:`mixed_precision`: ``16-weights`` on CUDA, ``bf16-weights`` on a CPU."""
+    return mixed_precision(device).replace("-mixed", "-weights")
+
+
 def device_defaults(device: str) -> dict[str, Any]:
     """R50-FPN at COCO size on CUDA; on a CPU the light model (ResNet-18 FPN) at 224 px, a few minutes in all."""
     if device == "cuda":
@@ -156,8 +169,7 @@ def baseline_overrides(setting: Setting) -> list[str]:
 
 def row_overrides(rows: Sequence[Row], index: int, setting: Setting) -> list[str]:
     """The overrides of ``rows[index]``: the setting, :data:`BASELINE`, then one override per row up to it."""
-    added = [row.override.format(mixed=mixed_precision(setting.device)) for row in rows[1: index + 1]
-             if row.override is not None]
+    added = [row.override_on(setting.device) for row in rows[1: index + 1] if row.override is not None]
     return [*baseline_overrides(setting), *added]
 
 

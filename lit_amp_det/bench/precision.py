@@ -1,7 +1,8 @@
 """``python -m lit_amp_det bench precision``: train-step throughput and peak memory per precision setting.
 
 Rows: ``32-true``, ``bf16-mixed`` and ``16-mixed`` each with the default fp32 regions and with plain
-autocast (no regions), so the table shows both what mixed precision buys and what the fp32 regions cost.
+autocast (no regions), so the table shows both what mixed precision buys and what the fp32 regions cost; then
+``bf16-weights`` and ``16-weights`` (half weights with fp32 masters, no autocast) with the fp32 regions.
 As in ``bench train``: every row loads the same model state (``--state``, by default trained and cached, see
 :mod:`lit_amp_det.bench.state`) and steps on the same batch of shapes images; each row runs ``--repeats``
 times, every run in its own process (peak memory of a process only grows), in interleaved rounds; warm-up
@@ -9,7 +10,7 @@ steps are excluded, a row's time is the median over repeats of each run's median
 figures come from :mod:`lit_amp_det.bench.roofline`. The optimizer is SGD with momentum 0.9, fresh in every
 run, at the trained state's final learning rate (1e-3 with ``--state random``). Ratios are to the ``32-true``
 row of the same run. Memory is the peak above what the process held after building the model (CPU: peak
-resident set; CUDA: allocator peak). ``16-mixed`` rows run only on CUDA unless ``--fp16-on-cpu`` is given.
+resident set; CUDA: allocator peak). The fp16 rows (``16-mixed``, ``16-weights``) run only on CUDA unless ``--fp16-on-cpu`` is given.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ ROWS = [
     ("bf16-mixed", "plain"),
     ("16-mixed", "regions"),
     ("16-mixed", "plain"),
+    ("bf16-weights", "regions"),
+    ("16-weights", "regions"),
 ]
 
 #: SGD's learning rate with ``--state random`` (the trained state brings its own).
@@ -64,6 +67,7 @@ def run_row(precision: str, regions: str, setting: Setting, *, fp16_on_cpu: bool
     plugin.convert_module(module)
     lr = setting.lr if setting.lr is not None else RANDOM_STATE_LR
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
+    plugin.connect(module, [optimizer], [])  # as the Trainer does: low-precision weights step fp32 masters
     images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
     module.train()
     base_memory = probe.peak_bytes() / MB
@@ -158,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         precision, regions = args.row.split(":")
         print(json.dumps(run_row(precision, regions, setting, fp16_on_cpu=args.fp16_on_cpu)))
         return
-    selected = [(p, r) for p, r in ROWS if not (p == "16-mixed" and args.device == "cpu" and not args.fp16_on_cpu)]
+    selected = [(p, r) for p, r in ROWS if not (p.startswith("16-") and args.device == "cpu" and not args.fp16_on_cpu)]
     dtypes = list(dict.fromkeys(roofline.compute_dtype(p) for p, _ in selected))
     setting, prepared = e2e.prepare(setting, args, dtypes)
     order = repeats.run_order(len(selected), args.repeats, args.seed)

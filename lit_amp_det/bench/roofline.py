@@ -9,7 +9,10 @@ Two measurements, both outside the timed steps:
 * **Peak GFLOP/s** of the device per compute dtype, measured by the bench itself: a square matmul sized to take
   about ``target_s`` seconds, best of a few runs. Cached per machine in ``<cache>/bench_peaks.json``, keyed by
   the CPU model or GPU name, the torch version and the thread count, so later runs reuse it. On CUDA the fp32
-  peak is measured with TF32 as cuDNN's convolutions use it (``torch.backends.cudnn.allow_tf32``).
+  peak is measured with TF32 as cuDNN's convolutions use it (``torch.backends.cudnn.allow_tf32``). On a CPU the
+  bench first looks at how many CPUs other work keeps busy (:func:`busy_cpus`, one second of ``/proc/stat``):
+  above half a CPU the peak is measured and used for this run but not cached, since a loaded machine measures a
+  low peak that would inflate every later ``peak_fraction``.
 
 A row's ``achieved_gflops`` is its FLOPs over its median step time; ``peak_fraction`` divides that by the peak
 of the dtype its maths runs in: fp32 rows against the fp32 peak, ``bf16-mixed``/``16-mixed`` rows against the
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,13 +35,39 @@ import torch
 from lit_amp_det.bench.common import cpu_name, replace_file
 from lit_amp_det.profiling import synchronize
 
-__all__ = ["DTYPES", "PEAKS_FILE", "compute_dtype", "count_flops", "device_peaks", "machine_key", "measure_peak",
-           "roofline"]
+__all__ = ["DTYPES", "PEAKS_FILE", "busy_cpus", "compute_dtype", "count_flops", "device_peaks", "machine_key",
+           "measure_peak", "roofline"]
 
 #: Compute dtype name -> torch dtype.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: The peaks cache, in the benches' cache folder.
 PEAKS_FILE = "bench_peaks.json"
+#: CPUs busy with other work above which a CPU peak is not cached (measured, used for the run, then dropped).
+MAX_BUSY_CPUS_TO_CACHE = 0.5
+
+
+def _cpu_jiffies() -> tuple[int, int, int]:
+    """``(all, idle + iowait, CPUs)`` from ``/proc/stat``: time spent by all CPUs since boot, in clock ticks."""
+    with open("/proc/stat") as stat:
+        lines = stat.read().splitlines()
+    values = [int(v) for v in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return sum(values), values[3] + values[4], cpus
+
+
+def busy_cpus(seconds: float = 1.0) -> float | None:
+    """How many CPUs other work keeps busy: the non-idle share of all CPUs over ``seconds`` while this process
+    sleeps, times the CPU count. ``None`` where ``/proc/stat`` cannot be read (not Linux)."""
+    try:
+        total0, idle0, cpus = _cpu_jiffies()
+        time.sleep(seconds)
+        total1, idle1, _ = _cpu_jiffies()
+    except (OSError, ValueError, IndexError):
+        return None
+    elapsed = total1 - total0
+    if elapsed <= 0:
+        return None
+    return (elapsed - (idle1 - idle0)) / elapsed * cpus
 
 
 def compute_dtype(precision: str) -> str:
@@ -121,7 +151,10 @@ def measure_peak(device: str, dtype: str, target_s: float = 0.5, runs: int = 3) 
 def device_peaks(device: str, dtypes: Iterable[str], cache: Path, target_s: float = 0.5) -> dict[str, Any]:
     """Peaks of ``dtypes`` on this machine: from ``cache/bench_peaks.json``, measuring (and adding) what is missing.
 
-    Returns ``{"key", "file", "peaks": {dtype: {...}}, "measured": [dtypes measured now], "cached": [...]}``.
+    Returns ``{"key", "file", "peaks": {dtype: {...}}, "measured": [dtypes measured now], "cached": [...],
+    "busy_cpus"}``: ``busy_cpus`` is what other work kept busy before measuring on a CPU (``None`` when nothing was
+    measured, on CUDA, or off Linux). Above :data:`MAX_BUSY_CPUS_TO_CACHE` the new peaks are returned (each with
+    ``"busy_cpus"``) but not written, with a warning on stderr.
     """
     path = cache / PEAKS_FILE
     key = machine_key(device)
@@ -129,16 +162,21 @@ def device_peaks(device: str, dtypes: Iterable[str], cache: Path, target_s: floa
     entry = table.get(key, {})
     wanted = list(dict.fromkeys(dtypes))
     missing = [d for d in wanted if d not in entry]
+    busy = busy_cpus() if missing and device == "cpu" else None
+    loaded = busy is not None and busy > MAX_BUSY_CPUS_TO_CACHE
     for dtype in missing:
-        entry[dtype] = measure_peak(device, dtype, target_s)
-    if missing:
+        entry[dtype] = {**measure_peak(device, dtype, target_s), **({"busy_cpus": busy} if loaded else {})}
+    if loaded:
+        print(f"\nwarning: other work kept {busy:.1f} CPUs busy before the peaks were measured; this run uses them, "
+              f"but they are not cached in {path} (measure again on a quiet machine)", file=sys.stderr, flush=True)
+    elif missing:
         table = json.loads(path.read_text()) if path.is_file() else {}  # another bench may have added its own
         table[key] = {**table.get(key, {}), **entry}
         replace_file(path, (json.dumps(table, indent=2) + "\n").encode())
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"key": key, "file": str(path), "peaks": {d: entry[d] for d in wanted}, "measured": missing,
-            "cached": [d for d in wanted if d not in missing]}
+            "cached": [d for d in wanted if d not in missing], "busy_cpus": busy}
 
 
 def roofline(gflop_per_step: float | None, step_ms: float, dtype: str,

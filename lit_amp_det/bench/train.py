@@ -15,7 +15,9 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
    FrozenBatchNorm2d is frozen already, while the light/tiny models' trainable BatchNorm stops using batch
    statistics here, the fine-tuning recipe) and tune-mode conv-BN folding on top;
 7. ``optim.optimizer.fused=auto``: the fused SGD kernel;
-8. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+8. ``trainer.precision=16-weights`` (CUDA; ``bf16-weights`` on a CPU): the weights themselves in half precision
+   with fp32 masters in the optimizer, no autocast (:mod:`lit_amp_det.precision.master_weights`);
+9. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -60,6 +62,7 @@ ROWS = (
     Row("channels-last", "+ channels_last", "model.channels_last=true"),
     Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", "callbacks=[freeze_norm,conv_bn_eval]"),
     Row("fused-optim", "+ fused SGD", "optim.optimizer.fused=auto"),
+    Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 
@@ -76,6 +79,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     module, plugin, callbacks = built.module, built.plugin, built.callbacks
     # configure_optimizers' optimizer and schedule (it needs a Trainer for the step count)
     optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
+    plugin.connect(module, [optimizer], [])  # as the Trainer does: low-precision weights step fp32 masters
     warmup = setting.compile_warmup if cfg.model.compile else setting.warmup
     scheduler = None
     if setting.lr is not None:  # the trained state: its schedule's last lr, held

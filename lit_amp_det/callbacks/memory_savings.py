@@ -71,7 +71,7 @@ def check_comparable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None
             "compare_baseline=false"
         )
     precision = str(trainer.precision_plugin.precision)
-    if precision.endswith("-true") and precision not in _FULL_PRECISIONS:
+    if (precision.endswith("-true") and precision not in _FULL_PRECISIONS) or precision.endswith("-weights"):
         raise ValueError(
             f"MemoryMonitor(compare_baseline=True) compares against fp32, but trainer.precision={precision} stores the "
             "parameters in low precision; use 32-true, 16-mixed or bf16-mixed, or set compare_baseline=false"

@@ -126,7 +126,11 @@ class RunStats(Callback):
 
 
 def _resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -> int:
-    """Bytes of the parameters, their gradients and the optimizers' state tensors (each storage once)."""
+    """Bytes of the parameters, their gradients and the optimizers' state tensors (each storage once).
+
+    The optimizers' own parameters count too: under ``trainer.precision=bf16-weights|16-weights`` they are the
+    fp32 masters (and their gradients), which the model's ``parameters()`` do not list.
+    """
     seen: set[int] = set()
     total = 0
 
@@ -142,6 +146,10 @@ def _resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) 
         add(parameter)
         add(parameter.grad)
     for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                add(parameter)
+                add(parameter.grad)
         for state in optimizer.state.values():
             for value in state.values():
                 add(value)

@@ -8,7 +8,9 @@ IoU kernel for the anchor and proposal matchers. They add no parameters, buffers
 ``rpn`` and ``roi_heads`` (torchvision builds both inside ``FasterRCNN.__init__`` and offers no hook to pass
 others); ``state_dict`` keys, checkpoints and the fp32 regions of the precision plugin are unchanged.
 The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which has no state beyond the
-level scales torchvision's pooler infers on its first call (carried over).
+level scales torchvision's pooler infers on its first call (carried over). In training, the mask targets of the
+whole batch are cropped with one call of lit_amp_det's RoIAlign (:mod:`lit_amp_det.models.mask_targets`) instead
+of one torchvision ``roi_align`` per image; the losses are the same numbers.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
-from torchvision.models.detection.roi_heads import RoIHeads
+from torchvision.models.detection.roi_heads import RoIHeads, fastrcnn_loss
 from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign as TorchvisionMultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
+from lit_amp_det.models.mask_targets import maskrcnn_loss
 from lit_amp_det.ops import MultiScaleRoIAlign, batched_nms, box_iou
 from lit_amp_det.ops.triton import batched_nms_padded
 
@@ -107,7 +110,55 @@ def _sync_free(t: Tensor) -> bool:
 
 
 class ExtRoIHeads(RoIHeads):
-    """torchvision's RoI heads; proposal matching uses the fused IoU, detection NMS stops at ``detections_per_img``."""
+    """torchvision's RoI heads; proposal matching uses the fused IoU, detection NMS stops at ``detections_per_img``,
+    and a training step crops the mask targets of all images with one RoIAlign call.
+
+    ``batched_mask_targets`` (class attribute; set it on an instance to A/B) switches the last back to torchvision's
+    per-image ``project_masks_on_boxes``.
+    """
+
+    batched_mask_targets: bool = True
+
+    def forward(
+        self,
+        features: dict[str, Tensor],
+        proposals: list[Tensor],
+        image_shapes: list[tuple[int, int]],
+        targets: list[dict[str, Tensor]] | None = None,
+    ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
+        """torchvision's ``RoIHeads.forward``; training a mask head (without keypoints) takes :meth:`_train_masks`."""
+        if not (self.training and self.has_mask() and self.batched_mask_targets) or self.has_keypoint():
+            return super().forward(features, proposals, image_shapes, targets)
+        return [], self._train_masks(features, proposals, image_shapes, targets)
+
+    def _train_masks(
+        self,
+        features: dict[str, Tensor],
+        proposals: list[Tensor],
+        image_shapes: list[tuple[int, int]],
+        targets: list[dict[str, Tensor]] | None,
+    ) -> dict[str, Tensor]:
+        """The training branch of torchvision's forward for box and mask heads, step for step, with the mask loss
+        of :func:`lit_amp_det.models.mask_targets.maskrcnn_loss` (one RoIAlign call for the batch's targets)."""
+        if targets is None:
+            raise ValueError("targets should not be None")  # torchvision's select_training_samples says the same
+        for t in targets:  # torchvision's checks and messages
+            if t["boxes"].dtype not in (torch.float, torch.double, torch.half):
+                raise TypeError(f"target boxes must of float type, instead got {t['boxes'].dtype}")
+            if t["labels"].dtype != torch.int64:
+                raise TypeError(f"target labels must of int64 type, instead got {t['labels'].dtype}")
+        proposals, matched_idxs, labels, regression_targets = self.select_training_samples(proposals, targets)
+        box_features = self.box_head(self.box_roi_pool(features, proposals, image_shapes))
+        class_logits, box_regression = self.box_predictor(box_features)
+        loss_classifier, loss_box_reg = fastrcnn_loss(class_logits, box_regression, labels, regression_targets)
+        positives = [torch.where(image_labels > 0)[0] for image_labels in labels]  # masks train on positives only
+        mask_proposals = [boxes[pos] for boxes, pos in zip(proposals, positives)]
+        pos_matched_idxs = [idxs[pos] for idxs, pos in zip(matched_idxs, positives)]
+        mask_features = self.mask_head(self.mask_roi_pool(features, mask_proposals, image_shapes))
+        mask_logits = self.mask_predictor(mask_features)
+        loss_mask = maskrcnn_loss(mask_logits, mask_proposals, [t["masks"] for t in targets],
+                                  [t["labels"] for t in targets], pos_matched_idxs)
+        return {"loss_classifier": loss_classifier, "loss_box_reg": loss_box_reg, "loss_mask": loss_mask}
 
     def assign_targets_to_proposals(
         self, proposals: list[Tensor], gt_boxes: list[Tensor], gt_labels: list[Tensor]

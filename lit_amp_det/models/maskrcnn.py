@@ -27,6 +27,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.poolers import initLevelMapper  # not in torchvision's __all__; pinned and tested
 
 from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
 from lit_amp_det.models.ext_ops import OPS_BACKENDS, use_extension_ops
 from lit_amp_det.models.norms import FrozenBatchNorm2d
 from lit_amp_det.models.weights import (
@@ -147,10 +148,12 @@ def build_backbone(
 
 
 def _anchor_generator(sizes: Sequence[int], aspect_ratios: Sequence[float], levels: int) -> AnchorGenerator:
+    """One anchor size per FPN level, every aspect ratio on each; anchors in fp32 under mixed precision."""
     if len(sizes) != levels:
         raise ArgumentError("rpn.anchor_sizes", list(sizes),
                             f"has {len(sizes)} entries but the FPN has {levels} levels; give one size per level")
-    return AnchorGenerator(sizes=tuple((int(s),) for s in sizes), aspect_ratios=(tuple(aspect_ratios),) * levels)
+    return FullPrecisionAnchorGenerator(sizes=tuple((int(s),) for s in sizes),
+                                        aspect_ratios=(tuple(aspect_ratios),) * levels)
 
 
 def build_detector(

@@ -1,7 +1,9 @@
-"""Mixed precision for detection: casting helpers, fp32 regions and the Lightning precision plugin.
+"""Mixed precision for detection: casting helpers, fp32 regions, low-precision weights with fp32 masters, and the
+Lightning precision plugins.
 
 :func:`force_fp32` / :func:`auto_fp16` mark methods of research modules; they take effect whenever the
 plugin (built from ``trainer.precision``) turns mixed precision on for the module, and are no-ops otherwise.
+:func:`use_low_precision_weights` is what ``trainer.precision=bf16-weights|16-weights`` does to the model.
 The names are imported on first access, so the accepted values in :mod:`lit_amp_det.precision.modes` can be read
 without importing torch or Lightning.
 """
@@ -21,13 +23,17 @@ __all__ = [
     "unwrap_method",
     "DetectionMixedPrecision",
     "FiniteStepPrecision",
+    "MasterWeightPrecision",
+    "MasterWeights",
     "NonFiniteStepGuard",
     "build_precision_plugin",
     "install_fp32_regions",
+    "use_low_precision_weights",
 ]
 
 _CASTING = {"auto_fp16", "cast_tensor_type", "force_fp32", "mixed_precision_dtype", "set_mixed_precision",
             "wrap_method", "unwrap_method"}
+_MASTER_WEIGHTS = {"MasterWeights", "use_low_precision_weights"}
 
 if TYPE_CHECKING:
     from lit_amp_det.precision.casting import (
@@ -39,9 +45,11 @@ if TYPE_CHECKING:
         unwrap_method,
         wrap_method,
     )
+    from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
     from lit_amp_det.precision.plugin import (
         DetectionMixedPrecision,
         FiniteStepPrecision,
+        MasterWeightPrecision,
         NonFiniteStepGuard,
         build_precision_plugin,
         install_fp32_regions,
@@ -51,7 +59,11 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'lit_amp_det.precision' has no attribute {name!r}")
-    module = "lit_amp_det.precision.casting" if name in _CASTING else "lit_amp_det.precision.plugin"
+    module = "lit_amp_det.precision.plugin"
+    if name in _CASTING:
+        module = "lit_amp_det.precision.casting"
+    elif name in _MASTER_WEIGHTS:
+        module = "lit_amp_det.precision.master_weights"
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

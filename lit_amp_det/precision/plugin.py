@@ -1,12 +1,15 @@
-"""Lightning precision plugins for detection: autocast with fp32 regions, loss scaling, non-finite guard.
+"""Lightning precision plugins for detection: autocast or low-precision weights with fp32 regions, loss scaling,
+non-finite guard.
 
 Plain autocast is not enough for detection: losses, box coding, proposal filtering and mask pasting lose
 accuracy or overflow in half precision. :class:`DetectionMixedPrecision` extends Lightning's
 ``MixedPrecision`` with *fp32 regions* -- methods of the model that run with autocast disabled on fp32
 inputs (or whose outputs are cast to fp32) -- installed in place on the module, so it also works under DDP,
-where Lightning ignores the module ``convert_module`` returns. Both plugins skip optimizer steps whose
-gradients are not finite (GradScaler does this for fp16; here bf16 and fp32 get it too), count and log the
-skips, and stop with an actionable error after too many in a row.
+where Lightning ignores the module ``convert_module`` returns. :class:`MasterWeightPrecision` keeps the same
+regions but no autocast: the weights themselves are bf16/fp16 and the optimizer steps fp32 masters
+(:mod:`lit_amp_det.precision.master_weights`), which saves autocast's per-step weight casts. All plugins skip
+optimizer steps whose gradients are not finite (GradScaler does this for fp16; here bf16 and fp32 get it too),
+count and log the skips, and stop with an actionable error after too many in a row.
 """
 
 from __future__ import annotations
@@ -17,17 +20,20 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torchvision.ops
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lit_amp_det.precision.casting import set_mixed_precision, wrap_method
-from lit_amp_det.precision.modes import MIXED_PRECISIONS, PRECISIONS, REGION_MODES, RegionMode
+from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
+from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS, MIXED_PRECISIONS, PRECISIONS, REGION_MODES, RegionMode
 
 __all__ = [
     "DetectionMixedPrecision",
     "FiniteStepPrecision",
+    "MasterWeightPrecision",
     "NonFiniteStepGuard",
     "build_precision_plugin",
     "install_fp32_regions",
@@ -131,6 +137,32 @@ def install_fp32_regions(module: nn.Module, regions: Mapping[str, RegionMode], d
         wrap_method(owner, name, mode)
 
 
+
+#: the half dtype of each mixed or low-precision-weights ``trainer.precision``
+_LOW_DTYPES: dict[str, torch.dtype] = {
+    "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-weights": torch.float16, "bf16-weights": torch.bfloat16,
+}
+
+
+def _check_precision(precision: str, accepted: tuple[str, ...], plugin: str) -> None:
+    if precision not in accepted:
+        raise ValueError(f"trainer.precision={precision!r}; {plugin} takes {' or '.join(accepted)}")
+
+
+def _fp16_scaler(precision: str, device: str, init_scale: float, growth_interval: int) -> torch.amp.GradScaler | None:
+    """A GradScaler for the fp16 precisions (fp16 gradients underflow without one); None for bf16."""
+    if not precision.startswith("16-"):
+        return None
+    return torch.amp.GradScaler(device, init_scale=init_scale, growth_interval=growth_interval)
+
+
+def _regions_for(module: nn.Module, configured: Mapping[str, RegionMode] | None) -> Mapping[str, RegionMode]:
+    """The configured fp32 regions, or the module's own ``fp32_regions()`` when none are configured."""
+    if configured is not None:
+        return configured
+    return module.fp32_regions() if hasattr(module, "fp32_regions") else {}
+
+
 class FiniteStepPrecision(Precision):
     """``32-true`` with the non-finite step guard (no autocast, no casting)."""
 
@@ -176,28 +208,19 @@ class DetectionMixedPrecision(MixedPrecision):
         growth_interval: int = 2000,
         max_consecutive_skips: int = 20,
     ) -> None:
-        if precision not in MIXED_PRECISIONS:
-            raise ValueError(
-                f"trainer.precision={precision!r}; DetectionMixedPrecision takes {' or '.join(MIXED_PRECISIONS)}"
-            )
-        scaler = None
-        if precision == "16-mixed":
-            scaler = torch.amp.GradScaler(device, init_scale=init_scale, growth_interval=growth_interval)
-        super().__init__(precision, device, scaler)
+        _check_precision(precision, MIXED_PRECISIONS, "DetectionMixedPrecision")
+        super().__init__(precision, device, _fp16_scaler(precision, device, init_scale, growth_interval))
         self.fp32_regions = None if fp32_regions is None else dict(fp32_regions)
         self.guard = NonFiniteStepGuard(max_consecutive_skips)
 
     @property
     def low_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+        return _LOW_DTYPES[self.precision]
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Installs the fp32 regions in place (Lightning's DDP ignores the returned module)."""
-        regions = self.fp32_regions
-        if regions is None:
-            regions = module.fp32_regions() if hasattr(module, "fp32_regions") else {}
-        install_fp32_regions(module, regions, self.low_dtype)
+        install_fp32_regions(module, _regions_for(module, self.fp32_regions), self.low_dtype)
         return module
 
     @override
@@ -229,10 +252,137 @@ class DetectionMixedPrecision(MixedPrecision):
             super().load_state_dict(state)
 
 
+#: torchvision's RoI ops: their kernels refuse bf16/fp16 features with fp32 boxes outside autocast (whose kernel
+#: casts both to fp32), so under low-precision weights they run as fp32 regions (lit_amp_det's own ops take both).
+_TORCHVISION_ROI_OPS = (torchvision.ops.MultiScaleRoIAlign, torchvision.ops.RoIAlign, torchvision.ops.RoIPool,
+                        torchvision.ops.PSRoIAlign, torchvision.ops.PSRoIPool)
+
+
+class MasterWeightPrecision(Precision):
+    """``bf16-weights`` / ``16-weights``: bf16/fp16 weights, fp32 masters in the optimizer, no autocast.
+
+    MMCV's ``wrap_fp16_model`` + ``Fp16OptimizerHook`` as a Lightning plugin (the conversion itself:
+    :func:`~lit_amp_det.precision.master_weights.use_low_precision_weights`). Norm layers, buffers and the fp32
+    regions stay fp32, as under :class:`DetectionMixedPrecision`. After backward the low-precision gradients move
+    to the fp32 masters, so gradient clipping and the non-finite check see fp32 gradients; the optimizer steps the
+    masters and the weights are refreshed from them. From ``on_before_optimizer_step`` on, the gradients are the
+    ``.grad`` of ``optimizer.param_groups``' tensors (the masters), not of ``model.parameters()``. ``16-weights``
+    scales the loss with a GradScaler (fp16 gradients underflow without it) and unscales the master gradients before
+    clipping. ``state_dict()`` of the model, hence every checkpoint, holds the fp32 masters.
+
+    Args:
+        precision: ``bf16-weights`` or ``16-weights``.
+        device: ``cuda`` or ``cpu`` (the GradScaler's device).
+        fp32_regions, init_scale, growth_interval, max_consecutive_skips: as for :class:`DetectionMixedPrecision`.
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-weights", "bf16-weights"],
+        device: str,
+        *,
+        fp32_regions: Mapping[str, RegionMode] | None = None,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        max_consecutive_skips: int = 20,
+    ) -> None:
+        _check_precision(precision, LOW_PRECISION_WEIGHTS, "MasterWeightPrecision")
+        super().__init__()
+        self.precision = precision  # type: ignore[assignment]
+        self.device = device
+        self.scaler = _fp16_scaler(precision, device, init_scale, growth_interval)
+        self.fp32_regions = None if fp32_regions is None else dict(fp32_regions)
+        self.guard = NonFiniteStepGuard(max_consecutive_skips)
+        self.weights: MasterWeights | None = None
+
+    @property
+    def low_dtype(self) -> torch.dtype:
+        return _LOW_DTYPES[self.precision]
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Installs the fp32 regions and converts the weights, in place (idempotent: fit, then validate)."""
+        install_fp32_regions(module, _regions_for(module, self.fp32_regions), self.low_dtype)
+        for submodule in module.modules():
+            if type(submodule) in _TORCHVISION_ROI_OPS:
+                wrap_method(submodule, "forward", "fp32")
+        self.weights = use_low_precision_weights(module, self.low_dtype)
+        return module
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Points every optimizer at the fp32 masters (Lightning calls this once the optimizers exist)."""
+        for optimizer in optimizers:
+            self._master_weights().attach(optimizer)
+        return model, optimizers, lr_schedulers
+
+    def _master_weights(self) -> MasterWeights:
+        if self.weights is None:
+            raise RuntimeError(
+                f"trainer.precision={self.precision}: the model has no fp32 masters yet; call the plugin's "
+                "convert_module(model) before connecting optimizers (Lightning's Trainer does both)"
+            )
+        return self.weights
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        weights = self._master_weights()
+
+        def closure_then_masters() -> Any:
+            result = closure()
+            weights.grads_to_masters()  # before clipping, the hooks and the finite check
+            return result
+
+        if self.scaler is None:
+            return _step_if_finite(self, self.guard, optimizer, model, closure_then_masters, **kwargs)
+        closure_result = closure_then_masters()
+        if closure_result is None and model.automatic_optimization:
+            return None  # the training step skipped backward on purpose
+        self.scaler.unscale_(optimizer)  # the masters' fp32 gradients, so that clipping sees true values
+        self._after_closure(model, optimizer)
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer, **kwargs)  # skipped (no refresh either) when a gradient is inf/NaN
+        self.scaler.update()
+        self.guard.record(self.scaler.get_scale() >= scale, model, self.precision)  # GradScaler backs off on a skip
+        return closure_result
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        scaler = self.scaler.state_dict() if self.scaler is not None else {}
+        return {**scaler, "guard": self.guard.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        self.guard.load_state_dict(state.pop("guard", {}))
+        if state and self.scaler is not None:
+            self.scaler.load_state_dict(state)
+
+
 def _autocast_device(accelerator: str) -> str:
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def _fp16_on_cpu_fallback(precision: str, device: str, fp16_on_cpu: bool) -> str:
+    """``16-mixed``/``16-weights`` run as their bf16 twin on a CPU unless ``fp16_on_cpu`` (with a warning)."""
+    if not precision.startswith("16-") or device != "cpu" or fp16_on_cpu:
+        return precision
+    twin = f"bf{precision}"
+    rank_zero_warn(
+        f"trainer.precision={precision} on a CPU runs as {twin} (fp16 on CPUs is slow and needs loss scaling); set "
+        "precision.fp16_on_cpu=true to force fp16."
+    )
+    return twin
 
 
 def build_precision_plugin(
@@ -248,16 +398,12 @@ def build_precision_plugin(
     """The plugin for ``trainer.precision`` (Lightning refuses a precision string and a plugin together)."""
     if precision == "32-true":
         return FiniteStepPrecision(max_consecutive_skips)
-    if precision not in MIXED_PRECISIONS:
+    if precision not in (*MIXED_PRECISIONS, *LOW_PRECISION_WEIGHTS):
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     device = _autocast_device(str(accelerator))
-    if precision == "16-mixed" and device == "cpu" and not fp16_on_cpu:
-        rank_zero_warn(
-            "trainer.precision=16-mixed on a CPU runs as bf16-mixed (fp16 autocast on CPUs is slow and needs loss "
-            "scaling); set precision.fp16_on_cpu=true to force fp16."
-        )
-        precision = "bf16-mixed"
-    return DetectionMixedPrecision(
+    precision = _fp16_on_cpu_fallback(precision, device, fp16_on_cpu)
+    plugin = MasterWeightPrecision if precision in LOW_PRECISION_WEIGHTS else DetectionMixedPrecision
+    return plugin(
         precision,  # type: ignore[arg-type]
         device,
         fp32_regions=fp32_regions,

@@ -1,0 +1,261 @@
+"""Low-precision weights with fp32 master copies: MMCV's ``wrap_fp16_model`` + ``patch_norm_fp32`` + fp32 masters.
+
+Autocast keeps the parameters in fp32 and casts every weight to bf16/fp16 each time an op uses it (Lightning runs
+autocast with its weight cache off, so a weight shared by several calls, such as the RPN head over five FPN levels,
+is cast once per call), and the gradient of every cast back to fp32 in the backward. Here the model itself holds
+its weights in the low dtype, so the forward and backward use them as they are, and an fp32 *master* copy of each
+weight is what the optimizer steps: after backward each low-precision gradient is copied into its master's fp32
+gradient, the optimizer updates the masters, and the low-precision weights are refreshed from them. Small updates
+therefore accumulate in fp32 instead of vanishing in bf16 rounding.
+
+What stays fp32:
+
+* **norm layers** -- every parameter and buffer of BatchNorm/SyncBatchNorm/FrozenBatchNorm2d/GroupNorm/LayerNorm/
+  InstanceNorm/RMSNorm. BatchNorm and FrozenBatchNorm2d take the low-precision activations directly (their kernels
+  compute the statistics and the per-channel scale in fp32 and return the input dtype, on CPUs and GPUs); the
+  other norms get fp32 inputs and return the low dtype (MMCV's ``patch_norm_fp32``);
+* **buffers** of every other module;
+* **fp32 regions** of :mod:`lit_amp_det.precision.plugin` (losses, box coding, post-processing): they run as under
+  autocast, on fp32 inputs. A module with low-precision weights computes in the low dtype wherever it is called
+  (a module's floating inputs are cast to its weights' dtype first), so regions are for parameter-free code.
+
+The masters live beside the model (not in its ``_parameters``), so the model has one set of parameters, the
+low-precision ones, for DDP, hooks and ``named_parameters``; ``state_dict()`` returns the fp32 masters under the
+parameters' own keys and ``load_state_dict`` writes the masters too, so checkpoints hold fp32 weights that load
+into a model of any precision. :meth:`MasterWeights.attach` points an optimizer at the masters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torchvision.ops
+from torch import Tensor, nn
+
+from lit_amp_det.precision.casting import LOW_PRECISION_DTYPES, cast_tensor_type
+
+__all__ = ["NORM_LAYERS", "MasterWeights", "master_weights_of", "use_low_precision_weights"]
+
+_BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+#: Norms that take a low-precision input with fp32 parameters natively (fp32 statistics, output in the input dtype,
+#: or fp32 for torchvision's FrozenBatchNorm2d, whose consumer casts it back); the others are given fp32 inputs.
+_NATIVE_MIXED_NORMS: tuple[type[nn.Module], ...] = (*_BATCH_NORMS, torchvision.ops.FrozenBatchNorm2d)
+#: Norm layers whose parameters and buffers stay fp32 (lit_amp_det's FrozenBatchNorm2d subclasses torchvision's).
+NORM_LAYERS: tuple[type[nn.Module], ...] = (
+    *_NATIVE_MIXED_NORMS, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+    nn.InstanceNorm3d, nn.LocalResponseNorm,
+)
+
+#: Attribute of a converted module holding ``{parameter name: fp32 master}`` for its own parameters.
+_MASTERS_ATTR = "_lit_master_params"
+#: Attribute of a converted module holding its low dtype (for the input-cast hook).
+_DTYPE_ATTR = "_lit_weight_dtype"
+#: Attribute of the converted root module holding its :class:`MasterWeights`.
+_WEIGHTS_ATTR = "_lit_master_weights"
+
+
+# ----------------------------------------------------------------------------------------------- hooks
+# Module-level functions reading what they need from the module they are called on, so that ``copy.deepcopy`` of a
+# converted model gives a model whose hooks act on the copy's own masters.
+
+
+def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook of a module with low-precision weights: floating inputs of another dtype are cast to it."""
+    return cast_tensor_type(args, None, getattr(module, _DTYPE_ATTR))
+
+
+def _norm_inputs_to_fp32(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook of a norm without mixed-dtype kernels: low-precision inputs run in fp32."""
+    return cast_tensor_type(args, LOW_PRECISION_DTYPES, torch.float32)
+
+
+def _norm_output_to_low(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """Forward hook of the same norms: the fp32 output goes on in the model's low dtype."""
+    return cast_tensor_type(output, (torch.float32,), getattr(module, _DTYPE_ATTR))
+
+
+def _masters_into_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook: the fp32 masters replace the module's low-precision parameters (same keys)."""
+    for name, master in getattr(module, _MASTERS_ATTR).items():
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = master if isinstance(state_dict[key], nn.Parameter) else master.detach()
+
+
+def _state_dict_into_masters(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: the loaded values also become the masters (in fp32, before rounding).
+
+    Mismatched shapes are left to ``load_state_dict``, which reports them with the key.
+    """
+    for name, master in getattr(module, _MASTERS_ATTR).items():
+        value = state_dict.get(prefix + name)
+        if isinstance(value, Tensor) and value.shape == master.shape:
+            with torch.no_grad():
+                master.copy_(value)
+
+
+# ------------------------------------------------------------------------------------------ conversion
+
+
+class MasterWeights:
+    """The low-precision parameters of a converted module and their fp32 masters, pair by pair.
+
+    Built by :func:`use_low_precision_weights`. The pairs keep their identities for the life of the model: the
+    low-precision parameters are the model's (converted in place, so hooks and optimizers that hold them see the
+    change), the masters are ``nn.Parameter`` objects held here and on their modules.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.names: list[str] = []
+        self.params: list[nn.Parameter] = []
+        self.masters: list[nn.Parameter] = []
+        self._grad_buffers: dict[int, Tensor] = {}  # index of a pair -> its master's reusable gradient tensor
+        self._attached: list[weakref.ReferenceType[torch.optim.Optimizer]] = []  # deepcopy keeps weak refs as they are
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
+        """``(low-precision parameter, fp32 master)`` for every converted parameter."""
+        return zip(self.params, self.masters)
+
+    # ------------------------------------------------------------------------------------------ building
+    def _convert_module(self, module: nn.Module, prefix: str) -> None:
+        """Casts ``module``'s own floating parameters to the low dtype, keeping the fp32 values as masters."""
+        masters: dict[str, nn.Parameter] = {}
+        for name, param in module.named_parameters(recurse=False):
+            if not param.is_floating_point() or param.dtype == self.dtype:
+                continue
+            fp32 = param.detach().to(torch.float32)  # the original storage when it is fp32 already: no copy
+            with torch.no_grad():
+                param.data = fp32.to(self.dtype)  # in place, as nn.Module.to() does: identity and hooks are kept
+            master = nn.Parameter(fp32, requires_grad=param.requires_grad)
+            masters[name] = master
+            self.names.append(prefix + name)
+            self.params.append(param)
+            self.masters.append(master)
+        if not masters:
+            return
+        setattr(module, _MASTERS_ATTR, masters)
+        setattr(module, _DTYPE_ATTR, self.dtype)
+        module.register_forward_pre_hook(_cast_inputs_to_weights)
+        module.register_state_dict_post_hook(_masters_into_state_dict)
+        module.register_load_state_dict_pre_hook(_state_dict_into_masters)
+
+    def _patch_norm(self, norm: nn.Module) -> None:
+        if isinstance(norm, _NATIVE_MIXED_NORMS):
+            return
+        setattr(norm, _DTYPE_ATTR, self.dtype)
+        norm.register_forward_pre_hook(_norm_inputs_to_fp32)
+        norm.register_forward_hook(_norm_output_to_low)
+
+    # ------------------------------------------------------------------------------------------ optimizer
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Points ``optimizer`` at the masters in place of the low-precision parameters, and makes its ``step()``
+        move the gradients to the masters first and refresh the low-precision parameters afterwards.
+
+        Any loop that calls ``optimizer.step()`` then trains with fp32 masters. Idempotent. The optimizer must not
+        have stepped the low-precision parameters yet (its state would belong to the wrong tensors).
+        """
+        pairs = {id(low): (name, master) for name, low, master in zip(self.names, self.params, self.masters)}
+        for index, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if id(param) not in pairs:
+                    continue
+                name, master = pairs[id(param)]
+                if param in optimizer.state:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} param_groups[{index}] has state for the low-precision parameter "
+                        f"{name!r}: it stepped before the model got fp32 masters. Build the optimizer after the "
+                        "precision plugin's convert_module (Lightning does), then attach it."
+                    )
+                if master.device != param.device:  # the model was moved after conversion
+                    master.data = master.data.to(param.device)
+                group["params"][i] = master
+        if any(ref() is optimizer for ref in self._attached):
+            return
+        self._attached.append(weakref.ref(optimizer))
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self._after_step)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.grads_to_masters()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.refresh()
+
+    def grads_to_masters(self) -> None:
+        """Adds each low-precision gradient to its master's fp32 gradient and frees it (a no-op without any).
+
+        Called after backward (and after DDP's all-reduce), before gradient clipping and the optimizer step. A
+        master's gradient tensor is kept and reused from step to step (``zero_grad(set_to_none=True)`` only
+        unlinks it): a fresh allocation of a large fp32 gradient costs page faults on a CPU every step.
+        """
+        for index, (low, master) in enumerate(self.pairs()):
+            grad = low.grad
+            if grad is None:
+                continue
+            if master.device != low.device:
+                master.data = master.data.to(low.device)
+            if master.grad is None:
+                buffer = self._grad_buffer(index, master)
+                buffer.copy_(grad)
+                master.grad = buffer
+            else:  # accumulating onto a gradient someone left (zero_grad(set_to_none=False), several backwards)
+                master.grad += grad.to(torch.float32)  # a cast and a same-dtype add: faster than a mixed add
+            low.grad = None
+
+    def _grad_buffer(self, index: int, master: nn.Parameter) -> Tensor:
+        buffer = self._grad_buffers.get(index)
+        if buffer is None or buffer.device != master.device:
+            buffer = torch.empty_like(master, memory_format=torch.preserve_format)
+            self._grad_buffers[index] = buffer
+        return buffer
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copies the masters into the low-precision parameters (after an optimizer step)."""
+        for low, master in self.pairs():
+            if master.requires_grad:
+                low.copy_(master)
+
+
+def use_low_precision_weights(module: nn.Module, dtype: torch.dtype) -> MasterWeights:
+    """Converts ``module`` in place to ``dtype`` weights with fp32 masters; returns them (idempotent).
+
+    Every floating parameter of a module that is not a norm layer (:data:`NORM_LAYERS`) becomes ``dtype``; norms
+    and all buffers stay fp32. See the module docstring for what runs in which dtype.
+    """
+    if dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+    existing = getattr(module, _WEIGHTS_ATTR, None)
+    if existing is not None:
+        if existing.dtype != dtype:
+            raise ValueError(
+                f"{type(module).__name__} already has {existing.dtype} weights with fp32 masters; build a new model "
+                f"for {dtype} (or load its fp32 checkpoint into one)"
+            )
+        return existing
+    weights = MasterWeights(dtype)
+    _convert_tree(weights, module, "")
+    setattr(module, _WEIGHTS_ATTR, weights)
+    return weights
+
+
+def _convert_tree(weights: MasterWeights, module: nn.Module, prefix: str) -> None:
+    """Converts ``module`` and its descendants, norm layers (and anything inside them) excepted."""
+    if isinstance(module, NORM_LAYERS):
+        weights._patch_norm(module)
+        return
+    weights._convert_module(module, prefix)
+    for name, child in module.named_children():
+        _convert_tree(weights, child, f"{prefix}{name}.")
+
+
+def master_weights_of(module: nn.Module) -> MasterWeights | None:
+    """The :class:`MasterWeights` of a module converted by :func:`use_low_precision_weights`, else None."""
+    return getattr(module, _WEIGHTS_ATTR, None)

@@ -1,0 +1,330 @@
+"""``trainer.precision=bf16-weights|16-weights``: low-precision weights, fp32 norms, regions and masters."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra.utils import instantiate
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torchvision.models.detection._utils import BoxCoder
+from torchvision.models.detection.rpn import RegionProposalNetwork
+
+from lit_amp_det.precision.master_weights import NORM_LAYERS, master_weights_of, use_low_precision_weights
+from lit_amp_det.precision.plugin import MasterWeightPrecision, build_precision_plugin
+
+from conftest import compose_config
+
+
+def _module(tmp_path: Path, *overrides: str):
+    cfg = compose_config(["experiment=smoke", *overrides], tmp_path)
+    torch.manual_seed(0)
+    return instantiate(cfg.model, _convert_="all", num_classes=4)
+
+
+def _batch(size: int = 64) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
+    gen = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    masks = torch.zeros(2, size, size, dtype=torch.uint8)
+    masks[0, 10:40, 12:50] = 1
+    masks[1, 30:60, 20:44] = 1
+    target = {"boxes": torch.tensor([[12.0, 10.0, 50.0, 40.0], [20.0, 30.0, 44.0, 60.0]]),
+              "labels": torch.tensor([2, 3]), "masks": masks}
+    return images, [target, {k: v.clone() for k, v in target.items()}]
+
+
+def _is_norm_param(module: nn.Module, name: str) -> bool:
+    owner = module.get_submodule(name.rpartition(".")[0])
+    return isinstance(owner, NORM_LAYERS)
+
+
+@pytest.mark.parametrize("norm", ["bn", "frozen_bn"])
+def test_weights_are_bf16_except_norms_and_the_masters_hold_the_fp32_values(tmp_path: Path, norm: str) -> None:
+    module = _module(tmp_path, f"model.backbone.norm={norm}")
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    plugin = build_precision_plugin("bf16-weights", "cpu")
+    plugin.convert_module(module)
+    weights = plugin.weights
+    params = dict(module.named_parameters())
+    assert len(weights) == sum(not _is_norm_param(module, n) for n in params) > 40
+    for name, param in params.items():
+        expected = torch.float32 if _is_norm_param(module, name) else torch.bfloat16
+        assert param.dtype == expected, name
+    norm_buffers = [b for m in module.modules() if isinstance(m, NORM_LAYERS) for b in m.buffers()]
+    assert norm_buffers and all(b.dtype in (torch.float32, torch.int64) for b in norm_buffers)
+    for name, low, master in zip(weights.names, weights.params, weights.masters):
+        assert master.dtype == torch.float32 and master.requires_grad == low.requires_grad
+        assert torch.equal(master, before[name])  # the fp32 values themselves, not their bf16 rounding
+        assert torch.equal(low, before[name].to(torch.bfloat16))
+    assert plugin.convert_module(module) is module and master_weights_of(module) is weights  # fit, then validate
+
+
+class _Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(1, 1, bias=False)
+        nn.init.ones_(self.linear.weight)
+
+
+def test_a_step_updates_the_fp32_masters_and_refreshes_the_bf16_weights() -> None:
+    """Updates far below bf16's resolution at 1.0 (2**-7) accumulate in the master until the weight moves."""
+    model = _Scalar()
+    weights = use_low_precision_weights(model, torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    weights.attach(optimizer)
+    (master,) = weights.masters
+    assert optimizer.param_groups[0]["params"] == [master]
+    x = torch.ones(1, 1)
+    for step in range(1, 101):
+        optimizer.zero_grad(set_to_none=True)
+        model.linear(x).float().sum().backward()  # d/dw = 1
+        assert model.linear.weight.grad.dtype == torch.bfloat16
+        optimizer.step()
+        assert model.linear.weight.grad is None and master.grad.dtype == torch.float32
+        assert master.item() == pytest.approx(1 - 1e-4 * step, abs=1e-5)  # fp32 rounding of 100 updates
+        assert model.linear.weight.item() == master.to(torch.bfloat16).item()
+    assert model.linear.weight.item() < 1.0  # plain bf16 SGD would still be at 1.0: 1 - 1e-4 rounds back up
+
+
+def test_checkpoints_hold_the_fp32_masters_and_load_into_any_precision(tmp_path: Path) -> None:
+    module = _module(tmp_path)
+    plain = copy.deepcopy(module)
+    before = plain.state_dict()
+    build_precision_plugin("bf16-weights", "cpu").convert_module(module)
+    state = module.state_dict()
+    assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in state)
+    inexact = [k for k, v in state.items() if v.is_floating_point() and not torch.equal(v, v.bfloat16().float())]
+    assert len(inexact) > 30  # so the equality says: full fp32 values, not bf16 ones widened
+    plain.load_state_dict(state)  # an fp32 model loads it strictly
+    changed = {k: v + 1e-3 if v.is_floating_point() else v for k, v in plain.state_dict().items()}
+    module.load_state_dict(changed)  # and an fp32 checkpoint loads into the bf16 model: masters and weights
+    weights = master_weights_of(module)
+    for name, low, master in zip(weights.names, weights.params, weights.masters):
+        assert torch.equal(master, changed[name]) and torch.equal(low, changed[name].to(torch.bfloat16)), name
+    copied = copy.deepcopy(module)  # a copy keeps its own masters behind its own state_dict
+    copied_masters = master_weights_of(copied).masters
+    assert all(a is not b for a, b in zip(copied_masters, weights.masters))
+    with torch.no_grad():
+        copied_masters[0].add_(1.0)
+    assert torch.equal(copied.state_dict()[weights.names[0]], changed[weights.names[0]] + 1.0)
+
+
+def test_norms_and_fp32_regions_run_in_fp32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _module(tmp_path)
+    seen: dict[str, list[torch.dtype]] = {}
+
+    def record(cls: type, name: str) -> None:
+        original = getattr(cls, name)
+
+        def recorder(self, *args, **kwargs):
+            seen.setdefault(name, []).extend(
+                a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point())
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, recorder)
+
+    record(RegionProposalNetwork, "compute_loss")
+    record(BoxCoder, "decode")
+    plugin = build_precision_plugin("bf16-weights", "cpu")
+    plugin.convert_module(module)
+    body = module.model.backbone.body
+    outputs: dict[str, torch.dtype] = {}
+    body.layer2.register_forward_hook(lambda m, i, o: outputs.update(layer2=o.dtype))
+    module.model.roi_heads.mask_predictor.register_forward_hook(lambda m, i, o: outputs.update(masks=o.dtype))
+    running_mean = body.bn1.running_mean.clone()
+    images, targets = _batch()
+    module.train()
+    with plugin.forward_context():
+        losses = module.model(module.prepare_images(images), module.training_targets(targets))
+    assert outputs == {"layer2": torch.bfloat16, "masks": torch.float32}  # convolutions low, predictor outputs fp32
+    assert body.bn1.running_mean.dtype == torch.float32 and not torch.equal(body.bn1.running_mean, running_mean)
+    assert set(seen["compute_loss"]) == {torch.float32} and set(seen["decode"]) == {torch.float32}
+    assert all(v.dtype == torch.float32 and torch.isfinite(v) for v in losses.values())
+
+
+def test_a_norm_without_mixed_kernels_gets_fp32_inputs() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.Conv2d(8, 4, 1))
+    seen = []
+    use_low_precision_weights(model, torch.bfloat16)
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))  # runs after the plugin's
+    out = model(torch.randn(2, 3, 8, 8))
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+
+
+def test_gradient_equals_bf16_mixed_within_bf16_rounding(tmp_path: Path) -> None:
+    """Both run the convolutions on the same bf16-rounded weights; the gradients differ only where the new mode
+    sums a shared weight's per-use gradients in bf16 (the RPN head over the FPN levels), so by far less than bf16's
+    unit roundoff 2**-8 relative to the whole gradient."""
+    base = _module(tmp_path)
+    images, targets = _batch(96)
+
+    def step(precision: str) -> tuple[dict[str, Tensor], Tensor]:
+        module = copy.deepcopy(base)
+        plugin = build_precision_plugin(precision, "cpu")
+        plugin.convert_module(module)
+        module.train()
+        torch.manual_seed(1)  # the samplers draw the same proposals
+        with plugin.forward_context():
+            losses = module.model(module.prepare_images(images), module.training_targets(targets))
+        module.compute_loss(losses).backward()
+        weights = master_weights_of(module)
+        masters = {} if weights is None else dict(zip(weights.names, weights.masters))
+        if weights is not None:
+            weights.grads_to_masters()
+        grads = [masters.get(name, param).grad for name, param in module.named_parameters()]
+        return losses, torch.cat([g.flatten().double() for g in grads if g is not None])
+
+    mixed_losses, mixed = step("bf16-mixed")
+    losses, grad = step("bf16-weights")
+    for key, value in mixed_losses.items():
+        torch.testing.assert_close(losses[key], value, rtol=1e-6, atol=1e-7)
+    assert mixed.norm() > 0 and grad.shape == mixed.shape
+    assert (grad - mixed).norm() <= 2**-8 * mixed.norm(), float((grad - mixed).norm() / mixed.norm())
+
+
+def test_torchvision_roi_ops_run_as_fp32_regions(tmp_path: Path) -> None:
+    """torchvision's RoIAlign refuses bf16 features with fp32 boxes outside autocast; the plugin runs it in fp32."""
+    module = _module(tmp_path, "model.ops=torchvision")
+    plugin = build_precision_plugin("bf16-weights", "cpu")
+    plugin.convert_module(module)
+    images, targets = _batch()
+    module.train()
+    losses = module.model(module.prepare_images(images), module.training_targets(targets))
+    assert all(torch.isfinite(v) for v in losses.values())
+
+
+# ------------------------------------------------------------------------------------------- with Lightning
+
+
+class _Fit(pl.LightningModule):
+    """The smoke Mask R-CNN on a fixed list of batches, SGD with momentum (constant lr); the samplers draw from a
+    seed per step, so a resumed run draws what the straight one drew without restoring any RNG."""
+
+    def __init__(self, detector_module: pl.LightningModule) -> None:
+        super().__init__()
+        self.inner = detector_module
+        self.batches = [_batch(), _batch()]
+        self.grads_seen: list[set[torch.dtype | None]] = []  # per step: dtypes of the optimizer's gradients
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # where clipping and grad-norm logging look
+        self.grads_seen.append({None if p.grad is None else p.grad.dtype
+                                for group in optimizer.param_groups for p in group["params"]})
+
+    def fp32_regions(self) -> dict[str, str]:
+        return {f"inner.{k}": v for k, v in self.inner.fp32_regions().items()}
+
+    def training_step(self, batch, batch_idx):
+        torch.manual_seed(self.global_step)
+        images, targets = batch
+        losses = self.inner.model(self.inner.prepare_images(images), self.inner.training_targets(targets))
+        return self.inner.compute_loss(losses)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(self.batches, batch_size=None, collate_fn=lambda batch: batch)  # one item, one batch
+
+
+def _trainer(max_steps: int, precision: str, root: Path, **kwargs) -> pl.Trainer:
+    return pl.Trainer(max_steps=max_steps, plugins=[build_precision_plugin(precision, "cpu", fp16_on_cpu=True)],
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                      default_root_dir=root, deterministic=True, **kwargs)
+
+
+def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path) -> None:
+    """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32."""
+    def fresh() -> _Fit:
+        return _Fit(_module(tmp_path))
+
+    straight = fresh()
+    _trainer(4, "bf16-weights", tmp_path / "a", enable_checkpointing=False).fit(straight)
+    first = fresh()
+    trainer = _trainer(2, "bf16-weights", tmp_path / "b", enable_checkpointing=False)
+    trainer.fit(first)
+    assert isinstance(trainer.precision_plugin, MasterWeightPrecision)
+    assert first.grads_seen == [{torch.float32}, {torch.float32}]  # fp32 master gradients, all present
+    assert {p.dtype for g in trainer.optimizers[0].param_groups for p in g["params"]} == {torch.float32}
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)
+    assert {v.dtype for v in saved["state_dict"].values() if v.is_floating_point()} == {torch.float32}
+    assert saved["MasterWeightPrecision"]["guard"] == {"skipped": 0, "consecutive": 0}
+    resumed = fresh()
+    resuming = _trainer(4, "bf16-weights", tmp_path / "c", enable_checkpointing=False)
+    resuming.fit(resumed, ckpt_path=tmp_path / "mid.ckpt")
+    expected, got = straight.state_dict(), resumed.state_dict()
+    assert expected.keys() == got.keys()
+    moved = [k for k in expected if not torch.equal(expected[k], saved["state_dict"][k])]
+    assert len(moved) > 40  # the last two steps changed the weights
+    for key, value in expected.items():
+        assert torch.equal(value, got[key]), key
+
+
+@pytest.mark.parametrize("precision", ["bf16-weights", "16-weights"])
+def test_inf_gradients_skip_the_step_and_fp16_scales_the_loss(precision: str) -> None:
+    """The step guard and (fp16) the GradScaler act on the masters: a poisoned step changes nothing."""
+    from test_precision_plugin import _fit as fit_linear, _Linear
+
+    plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True, init_scale=256.0)
+    module = _Linear(poison_steps={2})
+    losses: list[float] = []
+    scaled: list[float] = []
+    training_step = module.training_step
+    module.training_step = lambda *args: losses.append(float((out := training_step(*args)).detach())) or out
+    module.on_before_backward = lambda loss: scaled.append(float(loss.detach()))
+    fit_linear(module, plugin, steps=8)
+    assert module.layer.weight.dtype == (torch.bfloat16 if precision == "bf16-weights" else torch.float16)
+    assert plugin.guard.skipped == 1 and module.weights[2] == module.weights[1]
+    assert abs(module.weights[-1] - 2.0) < abs(module.weights[0] - 2.0)
+    assert len(scaled) == len(losses) == 8
+    if precision == "16-weights":
+        assert plugin.scaler.get_scale() == 128.0  # backed off once from 256
+        assert scaled[0] == pytest.approx(256.0 * losses[0])  # the loss was scaled before backward
+    assert all(bool(torch.isfinite(p).all()) for p in plugin.weights.masters)
+
+
+def test_memory_baseline_refuses_half_weights_and_run_stats_count_the_masters(tmp_path: Path) -> None:
+    """MemoryMonitor's fp32 baseline copies the model, so half weights cannot be compared (the error names the
+    fix); the order-free tensor-memory figure counts the fp32 masters and their gradients, which the model's
+    ``parameters()`` do not list."""
+    from types import SimpleNamespace
+
+    from lit_amp_det.callbacks.memory_savings import check_comparable
+    from lit_amp_det.callbacks.run_stats import _resident_training_bytes
+
+    module = _module(tmp_path)
+    plugin = build_precision_plugin("bf16-weights", "cpu")
+    plugin.convert_module(module)
+    trainer = SimpleNamespace(precision_plugin=plugin)
+    with pytest.raises(ValueError, match=r"trainer.precision=bf16-weights stores the parameters in low precision; "
+                                         r"use 32-true, 16-mixed or bf16-mixed, or set compare_baseline=false"):
+        check_comparable(trainer, module)
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.01)
+    plugin.connect(module, [optimizer], [])
+    low = sum(p.numel() * p.element_size() for p in module.parameters())
+    masters = sum(m.numel() * 4 for m in plugin.weights.masters)
+    assert _resident_training_bytes(module, [optimizer]) == low + masters
+
+
+def test_the_bench_step_moves_fp16_gradients_to_the_masters_before_the_scaler_steps(tmp_path: Path) -> None:
+    """``bench``'s train step drives the GradScaler itself: with 16-weights it must give the scaler the masters'
+    gradients (otherwise GradScaler finds no gradient to unscale and refuses to step)."""
+    from lit_amp_det.bench.common import train_step
+
+    module = _module(tmp_path)
+    plugin = build_precision_plugin("16-weights", "cpu", fp16_on_cpu=True, init_scale=8.0)
+    plugin.convert_module(module)
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.01)
+    plugin.connect(module, [optimizer], [])
+    before = [m.detach().clone() for m in plugin.weights.masters]
+    module.train()
+    loss = train_step(module, plugin, optimizer, *_batch())
+    assert torch.isfinite(loss) and plugin.scaler.get_scale() == 8.0
+    changed = sum(not torch.equal(b, m) for b, m in zip(before, plugin.weights.masters))
+    assert changed > 20
+    assert all(torch.equal(low, master.to(low.dtype)) for low, master in plugin.weights.pairs())
