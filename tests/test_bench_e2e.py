@@ -176,6 +176,12 @@ def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
     base = rows[0]["overrides"]  # the skipped rows' switches are still in: each row keeps those above it
     assert rows[1]["overrides"][: len(base)] == base and len(rows[1]["overrides"]) == len(base) + 7
     assert rows[1]["switches"]["model.ops"] == "ext" and rows[1]["optimizer"]["fused"] is True
+    table = (out / "bench_train.md").read_text()  # where the time goes, row by row
+    assert "Where the time of one profiled step goes" in table
+    for number, row in enumerate(rows, 1):
+        assert 0 < row["flop_ops_ms"] < row["profiled_step_ms"] and row["top_other_ops"]
+        assert row["flop_ops_gflops"] > 0  # the median over repeats of each repeat's figure
+        assert f"| {number} | {row['label']} | {row['profiled_step_ms']:.0f} |" in table
 
 
 def test_bench_infer_writes_table_json_and_plot(tmp_path: Path) -> None:

@@ -5,16 +5,19 @@ the roofline arithmetic and its peak cache, FLOP counting, the shared state's ca
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 
-from lit_amp_det.bench import e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
+from lit_amp_det.bench import breakdown, e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
 from lit_amp_det.bench.common import shapes_batch, weights_sha256
 
 SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=7,
@@ -152,6 +155,34 @@ def test_state_key_holds_what_the_state_depends_on(tmp_path: Path) -> None:
     assert state.state_key(dataclasses.replace(SETTING, checkpoint="/x.pt", lr=0.1), 200) == key
 
 
+def test_the_r50_state_scales_its_recipe_lr_to_the_bench_batch(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The R50-FPN's lr 0.02 is for 16 images: its state trains at 0.02 x batch / 16 (the light models' lr as
+    configured), and the reference batch is part of the state's key."""
+    r50 = dataclasses.replace(SETTING, model="maskrcnn_r50_fpn")
+    assert state.state_key(r50, 200)["model"]["reference_batch"] == 16
+    assert state.state_key(SETTING, 200)["model"]["reference_batch"] is None
+    built_lrs: list[float] = []
+    from lit_amp_det import optim
+
+    real_build = optim.build_optimizer
+
+    def recording_build(config, params):
+        built_lrs.append(float(config["lr"]))
+        return real_build(config, params)
+
+    monkeypatch.setattr(optim, "build_optimizer", recording_build)
+    monkeypatch.setattr(state, "train_step", lambda *args: torch.tensor(1.0))  # the lr, not the maths, is tested
+    for setting, module_reference in ((SETTING, None), (r50, 16)):
+        module = SimpleNamespace(hparams=AttributeDict(optimizer={"_target_": "torch.optim.SGD", "lr": 0.02},
+                                                       reference_batch=module_reference, scheduler=None),
+                                 parameters=lambda: [torch.nn.Parameter(torch.zeros(1))], train=lambda: None)
+        monkeypatch.setattr(state, "shapes_batch", lambda *args: ([torch.zeros(3, 8, 8)], [{}]))
+        losses, final_lr = state._train(setting, 1, module, None, io.StringIO())
+        assert losses == [1.0]
+    assert built_lrs == [0.02, pytest.approx(0.02 * 2 / 16)]
+
+
 def test_shapes_batch_holds_the_visible_shapes_with_tight_boxes() -> None:
     images, targets = shapes_batch("val", range(3), 48, 80, 3, "cpu")
     for image, target in zip(images, targets, strict=True):
@@ -200,3 +231,35 @@ def test_peaks_measured_under_load_are_used_but_not_cached(tmp_path: Path, monke
 def test_busy_cpus_reads_the_machine() -> None:
     busy = roofline.busy_cpus(0.2)
     assert busy is None or 0.0 <= busy <= os.cpu_count() + 0.01
+
+
+def test_is_flop_op_bins_matmuls_and_convolutions() -> None:
+    for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::conv2d", "aten::conv_transpose2d", "aten::convolution",
+                 "aten::convolution_backward", "aten::mkldnn_convolution", "aten::cudnn_convolution",
+                 "mkldnn::_convolution_pointwise", "mkldnn::_linear_pointwise"):
+        assert breakdown.is_flop_op(name), name
+    for name in ("aten::copy_", "aten::_to_copy", "aten::add_", "lit_amp_det::roi_align", "aten::native_batch_norm",
+                 "aten::_convert_indices_from_coo_to_csr", "Optimizer.step#SGD.step"):
+        assert not breakdown.is_flop_op(name), name
+
+
+def test_time_breakdown_splits_a_step_into_flop_ops_and_the_rest() -> None:
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    big = torch.randn(2_000_000)
+
+    def step() -> None:
+        (a @ b).sum()
+        big.clone().mul_(2)
+
+    gflop = 2 * 256**3 / 1e9
+    result = breakdown.time_breakdown(step, "cpu", gflop)
+    assert 0 < result["flop_ops_ms"] and 0 < result["other_ops_ms"]
+    assert result["flop_ops_ms"] + result["other_ops_ms"] <= result["profiled_step_ms"] * 1.05
+    assert result["flop_ops_share"] == pytest.approx(result["flop_ops_ms"] / result["profiled_step_ms"])
+    assert result["flop_ops_gflops"] == pytest.approx(gflop / (result["flop_ops_ms"] / 1000))
+    assert {"aten::clone", "aten::mul_"} & set(result["top_other_ops"]) and "aten::mm" not in result["top_other_ops"]
+    row = {"status": "ok", "label": "a row", "compute_dtype": "fp32", **result}
+    lines = breakdown.breakdown_lines([{"status": "failed", "label": "broken"}, row], {"fp32": {"gflops": 100.0}})
+    assert lines[-1].startswith("| 2 | a row | ") and "broken" not in "\n".join(lines)
+    assert f"{result['flop_ops_gflops']:.0f} ({result['flop_ops_gflops']:.0f} %)" in lines[-1]
+    assert breakdown.breakdown_lines([{"status": "ok", "label": "no profile"}], {}) == []

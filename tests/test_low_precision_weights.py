@@ -63,6 +63,38 @@ def test_weights_are_bf16_except_norms_and_the_masters_hold_the_fp32_values(tmp_
     assert plugin.convert_module(module) is module and master_weights_of(module) is weights  # fit, then validate
 
 
+def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_path: Path) -> None:
+    """The bf16 convolution weights stay channels_last (``model.channels_last=true``) while their fp32 masters are
+    contiguous: fused optimizers clone and copy back every non-contiguous tensor they step. A fused SGD step on the
+    masters then gives what plain SGD gives."""
+    module = _module(tmp_path, "model.channels_last=true")
+    conv_weights = {n for n, p in module.named_parameters() if p.dim() == 4 and p.shape[-1] > 1}  # 1x1: both
+    assert conv_weights and all(module.get_parameter(n).is_contiguous(memory_format=torch.channels_last)
+                                for n in conv_weights)
+    plugin = build_precision_plugin("bf16-weights", "cpu")
+    plugin.convert_module(module)
+    for name, low, master in zip(plugin.weights.names, plugin.weights.params, plugin.weights.masters):
+        assert master.is_contiguous(), name
+        if name in conv_weights:
+            assert low.is_contiguous(memory_format=torch.channels_last) and not low.is_contiguous(), name
+    masters = {}
+    for fused in (False, True):
+        copy = _module(tmp_path, "model.channels_last=true")
+        copy.load_state_dict(module.state_dict())
+        copy_plugin = build_precision_plugin("bf16-weights", "cpu")
+        copy_plugin.convert_module(copy)
+        optimizer = torch.optim.SGD([p for p in copy.parameters() if p.requires_grad], lr=0.01, momentum=0.9,
+                                    fused=fused)
+        copy_plugin.connect(copy, [optimizer], [])
+        copy.train()
+        torch.manual_seed(0)
+        from lit_amp_det.bench.common import train_step
+
+        train_step(copy, copy_plugin, optimizer, *_batch())
+        masters[fused] = [m.detach().clone() for m in copy_plugin.weights.masters]
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(masters[False], masters[True]))
+
+
 class _Scalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lit_amp_det.bench.breakdown import breakdown_lines
 from lit_amp_det.bench.common import cpu_name
 from lit_amp_det.bench.e2e_rows import Bench, Setting
 
@@ -166,6 +167,7 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env
         f"repeats; peak = memory the timed steps needed above the built model ({_memory_method(rows)})",
     ]
     text = table(bench, rows, header)
+    text = "\n".join([text, *breakdown_lines(rows, (run or {}).get("peaks", {}).get("peaks", {}))])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench_{bench.kind}.md").write_text(text + "\n")
     with open(out / f"bench_{bench.kind}.json", "w") as f:

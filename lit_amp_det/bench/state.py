@@ -6,7 +6,11 @@ R50-FPN at 256x256, batch 2, runs a step in 0.6 s collapsed and 1.8 s on the war
 start every row from one representative state: the setting's model trained for ``steps`` steps of the real
 recipe on the embedded shapes data at the bench's image size, the first row's config (fp32, torchvision's
 ops, ``optim=sgd`` with its warm-up and multistep schedule over ``steps`` steps, no callbacks), on ``batch``
-images a step cycling through the first :data:`TRAIN_IMAGES` ``train`` images. Making it is never timed.
+images a step cycling through the first :data:`TRAIN_IMAGES` ``train`` images. Making it is never timed. Models
+whose configured lr belongs to a larger reference batch (:data:`RECIPE_REFERENCE_BATCH`: the R50-FPN's 0.02 is
+torchvision's lr for 16 images) train with it scaled linearly to the bench's batch, as ``optim.reference_batch``
+scales it in ``fit``; at 0.02 for 2 images a randomly initialised R50-FPN (frozen, untrained norms) diverges
+within 60 steps.
 
 The file is a Lightning-style checkpoint (``state_dict`` with ``model.`` keys, ``hyper_parameters``) that rows
 load through ``model.checkpoint``, as a user would; a JSON next to it records how it was made, the hash of its
@@ -34,17 +38,28 @@ from omegaconf import OmegaConf
 from lit_amp_det.bench.common import compose, replace_file, shapes_batch, train_step, weights_sha256
 from lit_amp_det.bench.e2e_rows import Setting, baseline_overrides, build
 
-__all__ = ["FORMAT", "TRAIN_IMAGES", "ensure_state", "make_state", "state_key", "state_paths"]
+__all__ = ["FORMAT", "RECIPE_REFERENCE_BATCH", "TRAIN_IMAGES", "ensure_state", "make_state", "state_key",
+           "state_paths"]
 
 #: Bump when how the state is made changes, so cached states from older code are not reused.
 FORMAT = 1
 #: Training images a state cycles through (rendered once, kept in memory).
 TRAIN_IMAGES = 128
+#: model config -> the global batch its configured lr is given for (``experiment=coco_r50_fpn`` sets the same);
+#: the state's lr is scaled to the bench batch. Other models' lr is used as configured.
+RECIPE_REFERENCE_BATCH = {"maskrcnn_r50_fpn": 16}
+
+
+def _state_overrides(setting: Setting) -> list[str]:
+    """The first row's overrides without a checkpoint, plus the model's reference batch where it has one."""
+    overrides = baseline_overrides(dataclasses.replace(setting, checkpoint=None))
+    reference = RECIPE_REFERENCE_BATCH.get(setting.model)
+    return overrides if reference is None else [*overrides, f"optim.reference_batch={reference}"]
 
 
 def state_key(setting: Setting, steps: int) -> dict[str, Any]:
     """Everything the state made for ``setting`` in ``steps`` steps depends on (its cache key)."""
-    cfg = compose(baseline_overrides(dataclasses.replace(setting, checkpoint=None)))
+    cfg = compose(_state_overrides(setting))
     model = OmegaConf.to_container(cfg.model, resolve=True)
     return {"format": FORMAT, "model_name": setting.model, "model": model, "height": setting.height,
             "width": setting.width, "batch": setting.batch, "num_classes": setting.num_classes, "steps": steps,
@@ -63,8 +78,12 @@ def state_paths(key: dict[str, Any], cache: Path) -> tuple[Path, Path]:
 def _recipe(cfg: Any, setting: Setting, steps: int) -> str:
     """How the state was made, in words, for the report header."""
     schedule = cfg.optim.scheduler
+    reference = cfg.optim.get("reference_batch")
+    lr = f"{cfg.optim.optimizer.lr}" if not reference else (
+        f"{cfg.optim.optimizer.lr * setting.batch / reference:g} ({cfg.optim.optimizer.lr} per {reference} images, "
+        f"scaled to the batch)")
     return (f"first row's config (fp32, torchvision ops, no callbacks), {cfg.optim.optimizer._target_} lr "
-            f"{cfg.optim.optimizer.lr} with {schedule.get('warmup_steps')} warm-up steps and the "
+            f"{lr} with {schedule.get('warmup_steps')} warm-up steps and the "
             f"{schedule.get('policy')} schedule over {steps} steps, batch {setting.batch}, cycling through the "
             f"shapes data's first {TRAIN_IMAGES} train images at {setting.size}")
 
@@ -73,9 +92,12 @@ def _train(setting: Setting, steps: int, module: Any, plugin: Any, log: Any) -> 
     """``steps`` steps of the recipe on ``module``; returns the losses and the learning rate it ended at."""
     from hydra.utils import instantiate
 
-    from lit_amp_det.optim import build_optimizer
+    from lit_amp_det.optim import build_optimizer, scale_lr
 
-    optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
+    config = module.hparams.optimizer
+    if module.hparams.get("reference_batch"):  # the linear scaling rule, as fit applies it
+        config = scale_lr(config, setting.batch, module.hparams.reference_batch)
+    optimizer = build_optimizer(config, [p for p in module.parameters() if p.requires_grad])
     scheduler = None
     if module.hparams.scheduler:
         scheduler = instantiate(dict(module.hparams.scheduler), optimizer=optimizer, total_steps=steps)
@@ -107,7 +129,7 @@ def make_state(setting: Setting, steps: int, path: Path, log: Any = sys.stderr) 
 
     Raises ``RuntimeError`` naming the step if the loss stops being finite.
     """
-    cfg = compose(baseline_overrides(dataclasses.replace(setting, checkpoint=None)))
+    cfg = compose(_state_overrides(setting))
     start = time.perf_counter()
     built = build(cfg, setting.device, "fit")
     losses, final_lr = _train(setting, steps, built.module, built.plugin, log)

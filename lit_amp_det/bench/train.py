@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench import e2e, e2e_rows
+from lit_amp_det.bench.breakdown import time_breakdown
 from lit_amp_det.bench.common import batch_sha256, compose, train_step
 from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
@@ -112,7 +113,8 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     stats = e2e_rows.summarise(times)
     peak = memory.peak()
     flops = count_flops(lambda: step(warmup + setting.steps))  # one more step, after the timed ones
-    losses.pop()
+    where = time_breakdown(lambda: step(warmup + setting.steps + 1), setting.device, flops / 1e9)  # and one more
+    del losses[-2:]
     precision = getattr(plugin, "precision", str(cfg.trainer.precision))
     return {
         **stats,
@@ -120,6 +122,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         **peak,
         "memory_method": memory.method,
         "gflop_per_step": flops / 1e9,
+        **where,
         "compute_dtype": compute_dtype(precision),
         "weights_sha256": built.weights_sha256,
         "batch_sha256": batch_sha256(images, targets),

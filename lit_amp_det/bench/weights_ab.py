@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench.common import compose, detection_batch, train_step
+from lit_amp_det.bench.e2e_rows import low_precision_weights, mixed_precision
 from lit_amp_det.profiling import MB, MemoryProbe, release_freed_cpu_memory, synchronize
 
 __all__ = ["VARIANTS", "main"]
@@ -92,8 +93,7 @@ def _build(name: str, args: argparse.Namespace, batch: tuple[list, list]) -> _Va
     cuda = args.device == "cuda"
     overrides, batched_masks = VARIANTS[name]
     size = [f"model.transform.min_size={min(args.size)}", f"model.transform.max_size={max(args.size)}"]
-    precisions = {"{mixed}": "16-mixed" if cuda else "bf16-mixed",
-                  "{weights}": "16-weights" if cuda else "bf16-weights"}
+    precisions = {"{mixed}": mixed_precision(args.device), "{weights}": low_precision_weights(args.device)}
     for placeholder, precision in precisions.items():
         overrides = [o.replace(placeholder, precision) for o in overrides]
     cfg = compose([f"trainer={'gpu' if cuda else 'cpu'}", f"model={args.model}", f"model.num_classes={args.classes}",

@@ -130,9 +130,13 @@ class MasterWeights:
         for name, param in module.named_parameters(recurse=False):
             if not param.is_floating_point() or param.dtype == self.dtype:
                 continue
-            fp32 = param.detach().to(torch.float32)  # the original storage when it is fp32 already: no copy
-            with torch.no_grad():
-                param.data = fp32.to(self.dtype)  # in place, as nn.Module.to() does: identity and hooks are kept
+            # contiguous masters: fused optimizers clone (and copy back) every non-contiguous tensor at each step, so
+            # channels_last masters would cost two copies each per step; the original storage when it is
+            # contiguous fp32 already (no copy)
+            original = param.detach()
+            fp32 = original.to(torch.float32).contiguous()
+            with torch.no_grad():  # in place, as nn.Module.to() does: identity, hooks and memory format are kept
+                param.data = original.to(self.dtype)
             master = nn.Parameter(fp32, requires_grad=param.requires_grad)
             masters[name] = master
             self.names.append(prefix + name)
