@@ -123,14 +123,18 @@ def test_peaks_are_measured_once_per_machine_and_dtype_then_reused(tmp_path: Pat
     written, stamp = path.read_bytes(), path.stat().st_mtime_ns
     assert first["measured"] == ["fp32"] and first["cached"] == [] and first["file"] == str(path)
     peak = first["peaks"]["fp32"]
-    assert peak["gflops"] == pytest.approx(2 * peak["n"] ** 3 / peak["best_s"] / 1e9) and peak["runs"] == 3
+    assert peak["matmul_gflops"] == pytest.approx(2 * peak["n"] ** 3 / peak["best_s"] / 1e9) and peak["runs"] == 3
+    conv_flops = 2 * 2 * 256 * 256 * 9 * 64 * 64 * peak["conv_calls"]
+    assert peak["conv_gflops"] == pytest.approx(conv_flops / peak["conv_best_s"] / 1e9)
+    assert peak["gflops"] == max(peak["matmul_gflops"], peak["conv_gflops"])
     assert json.loads(written) == {roofline.machine_key("cpu"): {"fp32": peak}}
     assert str(torch.get_num_threads()) in first["key"] and torch.__version__ in first["key"]
 
     def no_measuring(device: str, dtype: str, target_s: float = 0.5) -> dict[str, Any]:
         if dtype == "fp32":
             raise AssertionError("the cached fp32 peak was measured again")
-        return {"gflops": 123.0, "n": 256, "best_s": 1.0, "runs": 3, "tf32": False, "measured_at": "now"}
+        return {"gflops": 123.0, "n": 256, "best_s": 1.0, "runs": 3, "tf32": False, "measured_at": "now",
+                "matmul_gflops": 123.0, "conv_gflops": 100.0, "conv_calls": 1}
 
     monkeypatch.setattr(roofline, "measure_peak", no_measuring)
     again = roofline.device_peaks("cpu", ["fp32"], tmp_path)
@@ -139,6 +143,11 @@ def test_peaks_are_measured_once_per_machine_and_dtype_then_reused(tmp_path: Pat
     more = roofline.device_peaks("cpu", ["fp32", "bf16"], tmp_path)
     assert more["measured"] == ["bf16"] and more["peaks"]["fp32"] == peak and more["peaks"]["bf16"]["gflops"] == 123.0
     assert json.loads(path.read_text())[first["key"]] == {"fp32": peak, "bf16": more["peaks"]["bf16"]}
+    table = json.loads(path.read_text())  # a cache written before the convolution probe: measured again
+    table[first["key"]]["fp32"] = {k: v for k, v in peak.items() if not k.startswith("conv_")}
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(roofline, "measure_peak", lambda device, dtype, target_s=0.5: {**peak, "gflops": 1.0})
+    assert roofline.device_peaks("cpu", ["fp32"], tmp_path)["measured"] == ["fp32"]
 
 
 def test_state_key_holds_what_the_state_depends_on(tmp_path: Path) -> None:

@@ -92,8 +92,9 @@ def peaks_line(peaks: Mapping[str, Any]) -> str:
         if peak.get("busy_cpus") is not None:
             how += f" with {peak['busy_cpus']:.1f} CPUs busy with other work: a low peak, not cached"
         tf32 = ", TF32" if peak.get("tf32") else ""
-        parts.append(f"{dtype} {peak['gflops']:.0f} GFLOP/s ({peak['n']}x{peak['n']} matmul{tf32}, best of "
-                     f"{peak['runs']}, {how})")
+        probes = (f"{peak['n']}x{peak['n']} matmul {peak['matmul_gflops']:.0f}{tf32}, 3x3 conv 2x256x64x64 "
+                  f"{peak['conv_gflops']:.0f}") if "conv_gflops" in peak else f"{peak['n']}x{peak['n']} matmul{tf32}"
+        parts.append(f"{dtype} {peak['gflops']:.0f} GFLOP/s (the faster of: {probes}; best of {peak['runs']}, {how})")
     return (f"- roofline: GFLOP per step counted once per row with FlopCounterMode (matmuls and convolutions); "
             f"% of peak vs this machine's {'; '.join(parts)}; fp32 rows vs the fp32 peak, mixed rows vs their "
             f"low-precision peak; peaks cached in `{peaks['file']}` under `{peaks['key']}`")

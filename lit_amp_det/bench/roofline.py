@@ -6,8 +6,12 @@ Two measurements, both outside the timed steps:
   call after the timed ones (a training step: forward and backward; inference: the forward). It counts the
   matrix products and convolutions (not elementwise ops, norms, RoIAlign or NMS), which is where the work is.
   A compiled row is counted with ``torch.compiler.set_stance("force_eager")``: the same maths, counted eagerly.
-* **Peak GFLOP/s** of the device per compute dtype, measured by the bench itself: a square matmul sized to take
-  about ``target_s`` seconds, best of a few runs. Cached per machine in ``<cache>/bench_peaks.json``, keyed by
+* **Peak GFLOP/s** of the device per compute dtype, measured by the bench itself: the faster of two probes, a
+  square matmul sized to take about ``target_s`` seconds, and as many 3x3 convolutions of an FPN level's shape
+  (256 channels in and out, 64x64, channels_last, batch 2) as take that long, best of a few runs each. The convolution is there because a matmul alone can miss the peak: on
+  AMD CPUs MKL's sgemm runs its AVX2 code (about 200 GFLOP/s fp32 on the 2-core EPYC) while oneDNN's
+  convolutions use AVX-512 (about 480), so against the matmul alone a fp32 step's convolutions read 170 % of "the
+  peak". Each dtype's entry keeps both probes (``matmul_gflops``, ``conv_gflops``). Cached per machine in ``<cache>/bench_peaks.json``, keyed by
   the CPU model or GPU name, the torch version and the thread count, so later runs reuse it. On CUDA the fp32
   peak is measured with TF32 as cuDNN's convolutions use it (``torch.backends.cudnn.allow_tf32``). On a CPU the
   bench first looks at how many CPUs other work keeps busy (:func:`busy_cpus`, one second of ``/proc/stat``):
@@ -116,36 +120,76 @@ def _fp32_like_convolutions(device: str):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def _matmul_seconds(n: int, dtype: torch.dtype, device: str, runs: int) -> list[float]:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+def _seconds(fn: Callable[[], Any], device: str, runs: int) -> list[float]:
     times = []
     for _ in range(runs):
         synchronize(device)
         start = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 
 
-def measure_peak(device: str, dtype: str, target_s: float = 0.5, runs: int = 3) -> dict[str, Any]:
-    """GFLOP/s of the fastest of ``runs`` ``n x n`` matmuls in ``dtype``, ``n`` sized to take about ``target_s``.
+def _matmul_seconds(n: int, dtype: torch.dtype, device: str, runs: int) -> list[float]:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return _seconds(lambda: torch.mm(a, b), device, runs)
 
-    A 1024 matmul (after one untimed call) sets ``n`` (a multiple of 256, 256 to 16384); one untimed call at
-    ``n``, then ``runs`` timed ones.
+
+#: The convolution probe: a 3x3 convolution of 256 channels on a 2 x 256 x 64 x 64 channels_last input, the shape
+#: of an FPN level's convolutions (larger inputs run slower per FLOP on a CPU: they no longer fit in cache).
+_CONV_BATCH, _CONV_CHANNELS, _CONV_KERNEL, _CONV_SIDE = 2, 256, 3, 64
+_CONV_FLOPS = 2 * _CONV_BATCH * _CONV_CHANNELS * _CONV_CHANNELS * _CONV_KERNEL**2 * _CONV_SIDE**2
+
+
+def _conv_seconds(calls: int, dtype: torch.dtype, device: str, runs: int) -> list[float]:
+    """Seconds of ``calls`` back-to-back probe convolutions, ``runs`` times."""
+    x = torch.randn(_CONV_BATCH, _CONV_CHANNELS, _CONV_SIDE, _CONV_SIDE, device=device).to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(_CONV_CHANNELS, _CONV_CHANNELS, _CONV_KERNEL, _CONV_KERNEL, device=device).to(dtype)
+    w = w.contiguous(memory_format=torch.channels_last)
+
+    def convolutions() -> None:
+        for _ in range(calls):
+            torch.nn.functional.conv2d(x, w, padding=_CONV_KERNEL // 2)
+
+    return _seconds(convolutions, device, runs)
+
+
+def _best_of(probe: Callable[[int, int], list[float]], size: int, flops: Callable[[int], int], exponent: int,
+             target_s: float, runs: int, step: int, largest: int) -> tuple[float, int, float]:
+    """``(GFLOP/s, size, best seconds)`` of ``probe(size, calls)`` at the size (a multiple of ``step``) that takes
+    about ``target_s``, FLOPs growing as ``size ** exponent``.
+
+    One untimed and one timed call at the starting ``size`` set the size; one untimed call at it, then ``runs``
+    timed ones.
+    """
+    seconds = min(probe(size, 2)[1:])
+    scale = (target_s / max(seconds, 1e-9)) ** (1 / exponent)
+    chosen = int(min(largest, max(step, round(size * scale / step) * step)))
+    best = min(probe(chosen, runs + 1)[1:])
+    return flops(chosen) / best / 1e9, chosen, best
+
+
+def measure_peak(device: str, dtype: str, target_s: float = 0.5, runs: int = 3) -> dict[str, Any]:
+    """The device's peak GFLOP/s in ``dtype``: the faster of two probes, each the best of ``runs`` calls sized to
+    take about ``target_s``: an ``n x n`` matmul (``n`` a multiple of 256, 256 to 16384, set by a 1024 matmul)
+    and ``calls`` back-to-back 3x3 convolutions of 256 channels on a ``2 x 256 x 64 x 64`` channels_last input
+    (``calls`` set by one convolution).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     with _fp32_like_convolutions(device) as tf32:
-        probe = min(_matmul_seconds(1024, torch_dtype, device, 2)[1:])
-        scale = (target_s / max(probe, 1e-9)) ** (1 / 3)
-        n = int(min(16384, max(256, round(1024 * scale / 256) * 256)))
-        times = _matmul_seconds(n, torch_dtype, device, runs + 1)[1:]
-    best = min(times)
-    return {"gflops": 2 * n**3 / best / 1e9, "n": n, "best_s": best, "runs": runs, "target_s": target_s,
-            "tf32": tf32, "measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
+        matmul, n, best = _best_of(lambda size, k: _matmul_seconds(size, torch_dtype, device, k), 1024,
+                                   lambda size: 2 * size**3, 3, target_s, runs, 256, 16384)
+        conv, calls, conv_best = _best_of(lambda count, k: _conv_seconds(count, torch_dtype, device, k), 1,
+                                          lambda count: count * _CONV_FLOPS, 1, target_s, runs, 1, 10_000)
+    return {"gflops": max(matmul, conv), "probe": "conv3x3" if conv > matmul else "matmul",
+            "matmul_gflops": matmul, "n": n, "best_s": best, "conv_gflops": conv, "conv_calls": calls,
+            "conv_best_s": conv_best, "runs": runs, "target_s": target_s, "tf32": tf32,
+            "measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
 def device_peaks(device: str, dtypes: Iterable[str], cache: Path, target_s: float = 0.5) -> dict[str, Any]:
@@ -161,7 +205,7 @@ def device_peaks(device: str, dtypes: Iterable[str], cache: Path, target_s: floa
     table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     entry = table.get(key, {})
     wanted = list(dict.fromkeys(dtypes))
-    missing = [d for d in wanted if d not in entry]
+    missing = [d for d in wanted if "conv_gflops" not in entry.get(d, {})]  # older entries had no conv probe
     busy = busy_cpus() if missing and device == "cpu" else None
     loaded = busy is not None and busy > MAX_BUSY_CPUS_TO_CACHE
     for dtype in missing:
