@@ -252,6 +252,14 @@ def test_is_flop_op_bins_matmuls_and_convolutions() -> None:
         assert not breakdown.is_flop_op(name), name
 
 
+def test_display_names_drop_aten_and_name_the_autograd_wrapper_as_the_forward() -> None:
+    assert breakdown.display_name("aten::copy_") == "copy_"
+    assert breakdown.display_name("lit_amp_det::_multi_level_roi_align_backward") == (
+        "lit_amp_det::_multi_level_roi_align_backward")
+    assert breakdown.display_name("GeneratedBackwardFor_lit_amp_det_multi_level_roi_align_default") == (
+        "lit_amp_det_multi_level_roi_align_default forward")
+
+
 def test_time_breakdown_splits_a_step_into_flop_ops_and_the_rest() -> None:
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     big = torch.randn(2_000_000)

@@ -27,10 +27,12 @@ import torch
 
 from lit_amp_det.profiling import synchronize
 
-__all__ = ["FLOP_OPS", "is_flop_op", "breakdown_lines", "time_breakdown"]
+__all__ = ["FLOP_OPS", "breakdown_lines", "display_name", "is_flop_op", "split_self_times", "time_breakdown"]
 
 #: Matrix-product ops FlopCounterMode counts (convolutions are matched by name, see :func:`is_flop_op`).
 FLOP_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"})
+#: Prefix of the autograd wrapper ``torch.library.register_autograd`` generates for an op.
+_AUTOGRAD_WRAPPER = "GeneratedBackwardFor_"
 #: The convolutions' entry points whose names lack "convolution" (``conv2d``, ``conv_transpose2d``, ...).
 _CONV_ENTRY = re.compile(r"aten::conv(\dd|_transpose\dd)$")
 
@@ -40,6 +42,15 @@ def is_flop_op(name: str) -> bool:
     the oneDNN ops ``torch.compile`` emits on a CPU)."""
     return (name in FLOP_OPS or "convolution" in name or _CONV_ENTRY.match(name) is not None
             or name.endswith("_linear_pointwise") or name == "mkl::_mkl_linear")
+
+
+def display_name(name: str) -> str:
+    """An op's name for the report: ``aten::`` dropped; a ``torch.library.register_autograd`` wrapper
+    (``GeneratedBackwardFor_<op>``), whose self time in a training step is the op's *forward* kernel (the profiler
+    records the kernel it calls below autograd under the wrapper), named as the op's forward."""
+    if name.startswith(_AUTOGRAD_WRAPPER):
+        return f"{name.removeprefix(_AUTOGRAD_WRAPPER)} forward"
+    return name.removeprefix("aten::")
 
 
 def split_self_times(events: Sequence[Any], device: str) -> tuple[float, dict[str, float]]:
@@ -97,7 +108,7 @@ def breakdown_lines(rows: Sequence[Mapping[str, Any]], peaks: Mapping[str, Any])
         rate = row.get("flop_ops_gflops")
         rate_text = "-" if rate is None else f"{rate:.0f}" + (f" ({100 * rate / peak:.0f} %)" if peak else "")
         unaccounted = row["profiled_step_ms"] - row["flop_ops_ms"] - row["other_ops_ms"]
-        others = ", ".join(f"{name.removeprefix('aten::')} {ms:.0f}" for name, ms in row["top_other_ops"].items())
+        others = ", ".join(f"{display_name(name)} {ms:.0f}" for name, ms in row["top_other_ops"].items())
         lines.append(f"| {number} | {row['label']} | {row['profiled_step_ms']:.0f} | {row['flop_ops_ms']:.0f} "
                      f"({100 * row['flop_ops_share']:.0f} %) | {rate_text} | {row['other_ops_ms']:.0f} | "
                      f"{unaccounted:.0f} | {others} |")
