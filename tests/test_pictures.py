@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import csv
 import json
 import math
@@ -237,6 +239,17 @@ def test_fit_with_the_csv_logger_writes_validation_pngs_and_training_curves(tmp_
     assert "val/bbox_mAP_small" not in curves.history  # no panel asks for it
 
 
+def test_validate_after_fit_draws_too(tmp_path):
+    """``train()`` scores the final weights with ``trainer.validate`` when the last epoch did not validate, and the
+    ``validate`` command runs only that: both draw their pictures (the sanity check still draws none)."""
+    trainer, datamodule = _fit(tmp_path, "callbacks.validation_images.num_images=2")
+    shutil.rmtree(tmp_path / "val_images")
+    trainer.validate(trainer.lightning_module, datamodule=datamodule, verbose=False)
+    (folder,) = (tmp_path / "val_images").iterdir()
+    ids = datamodule.dataset("val").image_ids[:2]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{i}.png" for i in ids)
+
+
 def test_fit_with_tensorboard_logs_image_summaries_instead_of_files(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -290,10 +303,11 @@ def test_bad_settings_fail_before_training_with_the_field_named(tmp_path, overri
         _fit(tmp_path, override)
 
 
-def test_validation_images_only_draw_on_rank_zero_during_fit(tmp_path):
+def test_validation_images_only_draw_on_rank_zero_during_fit_and_validate(tmp_path):
     callback = ValidationImages(tmp_path)
     for rank_zero, sanity, fn, active in [(True, False, "fit", True), (False, False, "fit", False),
-                                          (True, True, "fit", False), (True, False, "validate", False)]:
+                                          (True, True, "fit", False), (True, False, "validate", True),
+                                          (False, False, "validate", False), (True, False, "test", False)]:
         trainer = SimpleNamespace(is_global_zero=rank_zero, sanity_checking=sanity, state=SimpleNamespace(fn=fn))
         callback.on_validation_epoch_start(trainer, None)
         assert callback._active is active, (rank_zero, sanity, fn)

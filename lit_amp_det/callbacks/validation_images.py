@@ -37,7 +37,8 @@ class ValidationImages(Callback):
     run). PNG files go to ``<dirpath>/val_images/epoch<EEE>-step<SSSSSS>/<image id>.png``: with ``png="auto"``
     when no TensorBoard logger is configured (the CSV logger, or none), always with ``True``, never with ``False``.
 
-    Only during ``fit``, on rank zero, and not during the sanity check. A picture that cannot be drawn (odd input)
+    During ``fit`` and ``validate`` (the ``validate`` command, and the scoring of the final weights that ``fit``
+    runs when its last epoch did not validate), on rank zero, not during the sanity check. A picture that cannot be drawn (odd input)
     is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning` and the run goes on.
 
     Args:
@@ -79,7 +80,7 @@ class ValidationImages(Callback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pictures = []
         self._active = (self.num_images > 0 and trainer.is_global_zero and not trainer.sanity_checking
-                        and trainer.state.fn == TrainerFn.FITTING)
+                        and trainer.state.fn in (TrainerFn.FITTING, TrainerFn.VALIDATING))
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
