@@ -19,13 +19,10 @@ step's wall time minus the two bins. JSON per row: ``flop_ops_ms``, ``other_ops_
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
-from lit_amp_det.profiling import synchronize
+from lit_amp_det.profiling import timed
 
 __all__ = ["FLOP_OPS", "breakdown_lines", "display_name", "is_flop_op", "split_self_times", "time_breakdown"]
 
@@ -74,11 +71,7 @@ def time_breakdown(step: Callable[[], Any], device: str, gflop_per_step: float |
 
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device == "cuda" else [])]
     with profile(activities=activities) as prof:
-        synchronize(torch.device(device))
-        start = time.perf_counter()
-        step()
-        synchronize(torch.device(device))
-        wall_ms = 1000 * (time.perf_counter() - start)
+        wall_ms = 1000 * timed(step, device)
     flop_ms, other = split_self_times(prof.key_averages(), device)
     largest = dict(sorted(other.items(), key=lambda item: -item[1])[:top])
     return {

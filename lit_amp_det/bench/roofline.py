@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench.common import cpu_name, replace_file
-from lit_amp_det.profiling import synchronize
+from lit_amp_det.profiling import timed
 
 __all__ = ["DTYPES", "PEAKS_FILE", "busy_cpus", "compute_dtype", "count_flops", "device_peaks", "machine_key",
            "measure_peak", "roofline"]
@@ -120,21 +120,10 @@ def _fp32_like_convolutions(device: str):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def _seconds(fn: Callable[[], Any], device: str, runs: int) -> list[float]:
-    times = []
-    for _ in range(runs):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _matmul_seconds(n: int, dtype: torch.dtype, device: str, runs: int) -> list[float]:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return _seconds(lambda: torch.mm(a, b), device, runs)
+    return [timed(lambda: torch.mm(a, b), device) for _ in range(runs)]
 
 
 #: The convolution probe: a 3x3 convolution of 256 channels on a 2 x 256 x 64 x 64 channels_last input, the shape
@@ -154,7 +143,7 @@ def _conv_seconds(calls: int, dtype: torch.dtype, device: str, runs: int) -> lis
         for _ in range(calls):
             torch.nn.functional.conv2d(x, w, padding=_CONV_KERNEL // 2)
 
-    return _seconds(convolutions, device, runs)
+    return [timed(convolutions, device) for _ in range(runs)]
 
 
 def _best_of(probe: Callable[[int, int], list[float]], size: int, flops: Callable[[int], int], exponent: int,

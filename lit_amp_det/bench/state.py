@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 
 from lit_amp_det.bench.common import compose, replace_file, shapes_batch, train_step, weights_sha256
 from lit_amp_det.bench.e2e_rows import Setting, baseline_overrides, build
+from lit_amp_det.optim import scale_lr
 
 __all__ = ["FORMAT", "RECIPE_REFERENCE_BATCH", "TRAIN_IMAGES", "ensure_state", "make_state", "state_key",
            "state_paths"]
@@ -80,8 +81,8 @@ def _recipe(cfg: Any, setting: Setting, steps: int) -> str:
     schedule = cfg.optim.scheduler
     reference = cfg.optim.get("reference_batch")
     lr = f"{cfg.optim.optimizer.lr}" if not reference else (
-        f"{cfg.optim.optimizer.lr * setting.batch / reference:g} ({cfg.optim.optimizer.lr} per {reference} images, "
-        f"scaled to the batch)")
+        f"{scale_lr(cfg.optim.optimizer, setting.batch, reference)['lr']:g} ({cfg.optim.optimizer.lr} per "
+        f"{reference} images, scaled to the batch)")
     return (f"first row's config (fp32, torchvision ops, no callbacks), {cfg.optim.optimizer._target_} lr "
             f"{lr} with {schedule.get('warmup_steps')} warm-up steps and the "
             f"{schedule.get('policy')} schedule over {steps} steps, batch {setting.batch}, cycling through the "
@@ -92,7 +93,7 @@ def _train(setting: Setting, steps: int, module: Any, plugin: Any, log: Any) -> 
     """``steps`` steps of the recipe on ``module``; returns the losses and the learning rate it ended at."""
     from hydra.utils import instantiate
 
-    from lit_amp_det.optim import build_optimizer, scale_lr
+    from lit_amp_det.optim import build_optimizer
 
     config = module.hparams.optimizer
     if module.hparams.get("reference_batch"):  # the linear scaling rule, as fit applies it

@@ -28,7 +28,6 @@ import argparse
 import gc
 import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +36,8 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench.common import compose, detection_batch, train_step
-from lit_amp_det.bench.e2e_rows import low_precision_weights, mixed_precision
-from lit_amp_det.profiling import MB, MemoryProbe, release_freed_cpu_memory, synchronize
+from lit_amp_det.bench.e2e_rows import build, low_precision_weights, mixed_precision
+from lit_amp_det.profiling import MB, MemoryProbe, release_freed_cpu_memory, synchronize, timed
 
 __all__ = ["VARIANTS", "main"]
 
@@ -68,27 +67,18 @@ class _Variant:
 
 
 def _state_mb(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """Bytes kept between steps: module tensors, the optimizer's parameters (masters), their gradients and state."""
-    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            tensors[id(param)] = param
-            if param.grad is not None:
-                tensors[id(param.grad)] = param.grad
-    for state in optimizer.state.values():
-        tensors.update({id(v): v for v in state.values() if isinstance(v, torch.Tensor)})
-    return sum(t.numel() * t.element_size() for t in tensors.values()) / MB
+    """MB kept between steps: parameters, the optimizer's parameters (masters), their gradients and state
+    (:func:`~lit_amp_det.callbacks.run_stats.resident_training_bytes`), and the module's buffers."""
+    from lit_amp_det.callbacks.run_stats import resident_training_bytes
+
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    return (resident_training_bytes(module, [optimizer]) + buffers) / MB
 
 
 def _build(name: str, args: argparse.Namespace, batch: tuple[list, list]) -> _Variant:
     """One variant as ``fit`` builds it: callbacks' setup, the plugin's convert_module, the device, the optimizer
     (fixed lr, no schedule) connected through the plugin (which points it at fp32 masters where there are some)."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    from lit_amp_det.app.tasks import instantiate_all
     from lit_amp_det.optim import build_optimizer
-    from lit_amp_det.precision import build_precision_plugin
 
     cuda = args.device == "cuda"
     overrides, batched_masks = VARIANTS[name]
@@ -98,15 +88,8 @@ def _build(name: str, args: argparse.Namespace, batch: tuple[list, list]) -> _Va
         overrides = [o.replace(placeholder, precision) for o in overrides]
     cfg = compose([f"trainer={'gpu' if cuda else 'cpu'}", f"model={args.model}", f"model.num_classes={args.classes}",
                    *size, *overrides])
-    torch.manual_seed(0)
-    module = instantiate(cfg.model, _convert_="all")
-    callbacks = instantiate_all(cfg.get("callbacks"))
-    for callback in callbacks:
-        callback.setup(None, module, "fit")
-    options = OmegaConf.to_container(cfg.precision, resolve=True)
-    plugin = build_precision_plugin(str(cfg.trainer.precision), "gpu" if cuda else "cpu", **options)
-    plugin.convert_module(module)
-    module.to(args.device)
+    built = build(cfg, args.device, "fit")  # seeded weights, callbacks' setup, fp32 regions, device: as fit does
+    module, plugin, callbacks = built.module, built.plugin, built.callbacks
     if not batched_masks:
         module.model.roi_heads.batched_mask_targets = False
     optimizer = build_optimizer({**module.hparams.optimizer, "lr": args.lr},
@@ -132,14 +115,6 @@ def cfg_overrides(cfg: Any) -> list[str]:
     return [f"trainer.precision={cfg.trainer.precision}", f"model.ops={cfg.model.ops}",
             f"model.channels_last={cfg.model.channels_last}", f"optim.optimizer.fused={cfg.optim.optimizer.fused}",
             f"precision.fp32_regions={cfg.precision.fp32_regions}"]
-
-
-def _timed(fn: Callable[[], None], device: str) -> float:
-    synchronize(torch.device(device))
-    start = time.perf_counter()
-    fn()
-    synchronize(torch.device(device))
-    return time.perf_counter() - start
 
 
 def _peak_step_mb(variant: _Variant, device: str) -> float:
@@ -219,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for round_index in range(args.rounds):
         shift = round_index % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            variant.times += [_timed(variant.step, args.device) for _ in range(args.steps)]
+            variant.times += [timed(variant.step, args.device) for _ in range(args.steps)]
     results = {}
     for variant in variants:
         ms = sorted(1000 * t for t in variant.times)

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lit_amp_det.profiling import MemoryProbe, SavedTensorBytes, count_images, release_freed_cpu_memory
 
-__all__ = ["RunStats"]
+__all__ = ["RunStats", "resident_training_bytes"]
 
 
 class RunStats(Callback):
@@ -87,7 +87,7 @@ class RunStats(Callback):
         self._started = None
         if self._saved is not None:
             self._saved.__exit__(None, None, None)
-            self._tensor_bytes = self._saved.bytes + _resident_training_bytes(pl_module, trainer.optimizers)
+            self._tensor_bytes = self._saved.bytes + resident_training_bytes(pl_module, trainer.optimizers)
             self._saved = None
         self._images += count_images(batch)
         peak = self._probe.peak_bytes()
@@ -125,7 +125,7 @@ class RunStats(Callback):
         }
 
 
-def _resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -> int:
+def resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -> int:
     """Bytes of the parameters, their gradients and the optimizers' state tensors (each storage once).
 
     The optimizers' own parameters count too: under ``trainer.precision=bf16-weights|16-weights`` they are the
