@@ -73,6 +73,7 @@ def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_
                                 for n in conv_weights)
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(module)
+    assert conv_weights <= set(plugin.weights.names)  # every checked weight has a master
     for name, low, master in zip(plugin.weights.names, plugin.weights.params, plugin.weights.masters):
         assert master.is_contiguous(), name
         if name in conv_weights:
@@ -92,6 +93,7 @@ def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_
 
         train_step(copy, copy_plugin, optimizer, *_batch())
         masters[fused] = [m.detach().clone() for m in copy_plugin.weights.masters]
+    assert len(masters[False]) == len(masters[True]) == len(plugin.weights) > 0
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(masters[False], masters[True]))
 
 
@@ -327,7 +329,7 @@ def test_memory_baseline_refuses_half_weights_and_run_stats_count_the_masters(tm
     from types import SimpleNamespace
 
     from lit_amp_det.callbacks.memory_savings import check_comparable
-    from lit_amp_det.callbacks.run_stats import _resident_training_bytes
+    from lit_amp_det.callbacks.run_stats import resident_training_bytes
 
     module = _module(tmp_path)
     plugin = build_precision_plugin("bf16-weights", "cpu")
@@ -340,7 +342,7 @@ def test_memory_baseline_refuses_half_weights_and_run_stats_count_the_masters(tm
     plugin.connect(module, [optimizer], [])
     low = sum(p.numel() * p.element_size() for p in module.parameters())
     masters = sum(m.numel() * 4 for m in plugin.weights.masters)
-    assert _resident_training_bytes(module, [optimizer]) == low + masters
+    assert resident_training_bytes(module, [optimizer]) == low + masters
 
 
 def test_the_bench_step_moves_fp16_gradients_to_the_masters_before_the_scaler_steps(tmp_path: Path) -> None:
@@ -360,3 +362,26 @@ def test_the_bench_step_moves_fp16_gradients_to_the_masters_before_the_scaler_st
     changed = sum(not torch.equal(b, m) for b, m in zip(before, plugin.weights.masters))
     assert changed > 20
     assert all(torch.equal(low, master.to(low.dtype)) for low, master in plugin.weights.pairs())
+
+
+def test_gradients_add_onto_master_gradients_left_by_zero_grad_without_set_to_none() -> None:
+    """``zero_grad(set_to_none=False)`` keeps the masters' gradient tensors (zeroed): the next bf16 gradient is
+    added onto them in fp32 instead of replacing them, and the step is the same as with ``set_to_none=True``."""
+    results = []
+    for set_to_none in (True, False):
+        model = _Scalar()
+        weights = use_low_precision_weights(model, torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+        weights.attach(optimizer)
+        (master,) = weights.masters
+        fresh = []  # steps that gave the master a new gradient (the buffer) instead of adding onto the kept one
+        buffer_for = weights._grad_buffer
+        weights._grad_buffer = lambda index, m: fresh.append(index) or buffer_for(index, m)
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=set_to_none)
+            (model.linear(torch.full((1, 1), 2.0)).float() * 3).sum().backward()  # d/dw = 6
+            optimizer.step()
+            assert master.grad.dtype == torch.float32 and float(master.grad) == 6.0
+        assert len(fresh) == (3 if set_to_none else 1)  # kept gradients take the adding branch
+        results.append(float(master))
+    assert results[0] == results[1] == 1.0 - 3 * 0.25 * 6.0
