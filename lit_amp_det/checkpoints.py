@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 #: Top-level hyper-parameters that change no tensor's name or shape (never blamed for a mismatch).
 _RUNTIME_HPARAMS = {"optimizer", "scheduler", "checkpoint", "checkpoint_strict", "weights", "class_names",
-                    "category_ids", "transform", "mask_threshold", "compile", "channels_last", "ops",
+                    "category_ids", "transform", "mask_threshold", "compile", "channels_last", "deconv_as_matmul", "ops",
                     "reference_batch", "eval_backend"}
 #: The nested ones that do (the rest of ``rpn``/``roi_heads`` are thresholds and sample counts).
 _STRUCTURAL_NESTED = {"rpn.anchor_sizes", "rpn.aspect_ratios", "roi_heads.box_head_width", "roi_heads.mask_head_layers"}

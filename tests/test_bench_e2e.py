@@ -44,7 +44,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (9 if bench is train.BENCH else 8)
+    assert bench.rows[0].override is None and len(bench.rows) == (10 if bench is train.BENCH else 8)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -89,11 +89,12 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert results["torchvision-fp32"]["compute_dtype"] == "fp32" and results["autocast"]["compute_dtype"] == "bf16"
     first, last = results["torchvision-fp32"]["switches"], results[bench.rows[-2].name]["switches"]
     assert first == {"trainer.precision": "32-true", "precision.fp32_regions": {}, "model.ops": "torchvision",
-                     "model.channels_last": False, "model.compile": None, "callbacks": [],
-                     "optim.optimizer.fused": None}
+                     "model.channels_last": False, "model.deconv_as_matmul": False, "model.compile": None,
+                     "callbacks": [], "optim.optimizer.fused": None}
     assert last["trainer.precision"] == ("bf16-weights" if bench is train.BENCH else "bf16-mixed")
     assert last["precision.fp32_regions"] is None
     assert last["model.ops"] == "ext" and last["model.channels_last"] is True
+    assert last["model.deconv_as_matmul"] is (bench is train.BENCH)
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval"]
         assert results["fused-optim"]["optimizer"]["fused"] is True
@@ -153,7 +154,7 @@ def _check_state_and_roofline(report: dict[str, Any], table: str, kind: str) -> 
 
 def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
     """Two rows, two repeats each, interleaved; medians of repeat medians, the same state and FLOPs in each."""
-    names = ["torchvision-fp32", "low-precision-weights"]  # it carries every switch but compile
+    names = ["torchvision-fp32", "deconv-matmul"]  # it carries every switch but compile
     proc, out = _run("train", [f"--rows={','.join(reversed(names))}", "--repeats=2"], tmp_path)
     report = _check_report("train", proc, out, names)
     rows = report["rows"]
@@ -172,9 +173,10 @@ def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert rows[1]["speedup"] == pytest.approx(rows[0]["step_ms_median"] / rows[1]["step_ms_median"])
     assert rows[0]["speedup"] == 1.0 and rows[0]["memory_ratio"] in (1.0, None)
     assert rows[1]["speedup"] > 0 and len(rows[1]["step_ms_all"]) == 4 and rows[1]["warmup_steps"] == 1
-    assert rows[1]["overrides"][-1] == "trainer.precision=bf16-weights" and rows[1]["compute_dtype"] == "bf16"
+    assert rows[1]["overrides"][-2:] == ["trainer.precision=bf16-weights", "model.deconv_as_matmul=true"]
+    assert rows[1]["compute_dtype"] == "bf16"
     base = rows[0]["overrides"]  # the skipped rows' switches are still in: each row keeps those above it
-    assert rows[1]["overrides"][: len(base)] == base and len(rows[1]["overrides"]) == len(base) + 7
+    assert rows[1]["overrides"][: len(base)] == base and len(rows[1]["overrides"]) == len(base) + 8
     assert rows[1]["switches"]["model.ops"] == "ext" and rows[1]["optimizer"]["fused"] is True
     table = (out / "bench_train.md").read_text()  # where the time goes, row by row
     assert "Where the time of one profiled step goes" in table

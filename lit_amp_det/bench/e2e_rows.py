@@ -55,6 +55,7 @@ BASELINE = (
     "precision.fp32_regions={}",
     "model.ops=torchvision",
     "model.channels_last=false",
+    "model.deconv_as_matmul=false",
     "model.compile=null",
 )
 
@@ -222,6 +223,7 @@ def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
         "precision.fp32_regions": OmegaConf.to_container(cfg.precision, resolve=True).get("fp32_regions"),
         "model.ops": cfg.model.ops,
         "model.channels_last": cfg.model.channels_last,
+        "model.deconv_as_matmul": cfg.model.deconv_as_matmul,
         "model.compile": cfg.model.compile,
         "callbacks": [repr(c) for c in built.callbacks],
         "optim.optimizer.fused": cfg.optim.optimizer.get("fused"),

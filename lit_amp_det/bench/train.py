@@ -17,7 +17,9 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 7. ``optim.optimizer.fused=auto``: the fused SGD kernel;
 8. ``trainer.precision=16-weights`` (CUDA; ``bf16-weights`` on a CPU): the weights themselves in half precision
    with fp32 masters in the optimizer, no autocast (:mod:`lit_amp_det.precision.master_weights`);
-9. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+9. ``model.deconv_as_matmul=true``: the mask head's 2x2 stride-2 transposed convolution as one matrix product in
+   fp16/bf16 (:mod:`lit_amp_det.models.patch_deconv`);
+10. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -64,6 +66,7 @@ ROWS = (
     Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", "callbacks=[freeze_norm,conv_bn_eval]"),
     Row("fused-optim", "+ fused SGD", "optim.optimizer.fused=auto"),
     Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}"),
+    Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

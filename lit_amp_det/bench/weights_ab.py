@@ -42,7 +42,7 @@ from lit_amp_det.profiling import MB, MemoryProbe, release_freed_cpu_memory, syn
 __all__ = ["VARIANTS", "main"]
 
 _TV_FP32 = ["callbacks=none", "optim=sgd", "optim.optimizer.fused=null", "trainer.precision=32-true",
-            "precision.fp32_regions={}", "model.ops=torchvision", "model.channels_last=false", "model.compile=null"]
+            "precision.fp32_regions={}", "model.ops=torchvision", "model.channels_last=false", "model.deconv_as_matmul=false", "model.compile=null"]
 _ALL_ON = ["callbacks=[freeze_norm,conv_bn_eval]", "optim=sgd", "optim.optimizer.fused=auto",
            "precision.fp32_regions=null", "model.ops=ext", "model.channels_last=true", "model.compile=null"]
 

@@ -1,0 +1,95 @@
+"""A transposed convolution whose kernel equals its stride, computed as one matrix product.
+
+Mask R-CNN upsamples every positive RoI's 14x14 mask features to 28x28 with ``ConvTranspose2d(256, 256, 2,
+stride=2)`` (torchvision's ``MaskRCNNPredictor.conv5_mask``). When the kernel equals the stride (and padding,
+output padding and dilation are the defaults, one group), the output patches do not overlap: output pixel
+``(kh * i + a, kw * j + b)`` is input pixel ``(i, j)`` times the weight slice ``W[:, :, a, b]``, plus the bias. So
+the whole layer is one ``[N*H*W, C_in] @ [C_in, kh*kw*C_out]`` product followed by one rearrangement of its
+output into the image, the "patch" view of a convolution (TVM's rewrites of Mask R-CNN make the same kind of
+substitution).
+
+Why: on the CPU oneDNN's bf16 backward of this layer is slow. Measured on the dev CPU (2-core AMD EPYC, torch
+2.14.1) for the R50-FPN mask head's shape (70 RoIs, 256 channels, 14x14 -> 28x28), forward + backward:
+75.9 ms native vs 37.1 ms as a matmul in bf16 channels_last, 73.9 vs 52.7 ms in bf16 NCHW, with the forward
+equal (11.3 vs 11.5 ms channels_last) and the bf16 outputs identical. In float32 MKL's matmul (its AVX2 path)
+loses to oneDNN's convolution (131 vs 169 ms channels_last), so :class:`PatchConvTranspose2d` takes the matmul
+only when the layer computes in float16 or bfloat16 (its input's dtype, or the autocast dtype when autocast is
+on) and calls ``nn.ConvTranspose2d.forward`` otherwise. End-to-end figures: BENCHMARKS.md.
+
+:func:`use_patch_deconv` switches a built model over in place by changing the class of every qualifying
+``nn.ConvTranspose2d``: no parameter, buffer or ``state_dict`` key changes, so checkpoints load either way.
+Configured by ``model.deconv_as_matmul``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["PatchConvTranspose2d", "is_patchwise", "patch_conv_transpose2d", "use_patch_deconv"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def is_patchwise(layer: nn.ConvTranspose2d) -> bool:
+    """True when ``layer``'s output patches do not overlap and it has no padding: kernel == stride, zero padding
+    and output padding, dilation 1, one group (the layers :func:`patch_conv_transpose2d` computes)."""
+    return (tuple(layer.kernel_size) == tuple(layer.stride) and tuple(layer.padding) == (0, 0)
+            and tuple(layer.output_padding) == (0, 0) and tuple(layer.dilation) == (1, 1) and layer.groups == 1)
+
+
+def _is_channels_last(x: Tensor) -> bool:
+    """Whether ``x`` is laid out NHWC (what ``suggest_memory_format`` says for a dense 4-D tensor)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.conv_transpose2d(x, weight, bias, stride=weight.shape[2:])`` for a batched ``[N, C_in, H, W]`` input, as
+    one matrix product (see the module doc). ``weight`` is ``[C_in, C_out, kh, kw]``. The output has the input's
+    memory format (channels_last in, channels_last out)."""
+    n, c_in, height, width = x.shape
+    _, c_out, kh, kw = weight.shape
+    rows = x.permute(0, 2, 3, 1).reshape(n * height * width, c_in)  # a view for channels_last input
+    cols = weight.permute(0, 2, 3, 1).reshape(c_in, kh * kw * c_out)  # column (a, b, o): W[:, o, a, b]
+    if bias is None:
+        patches = torch.mm(rows, cols)
+    else:
+        patches = torch.addmm(bias.repeat(kh * kw), rows, cols)
+    patches = patches.view(n, height, width, kh, kw, c_out)
+    # one copy into the image ([n, h, a, w, b, o] for NHWC memory); contiguous() for the 1x1 kernel, whose
+    # reshape is a strided view
+    if _is_channels_last(x):
+        image = patches.permute(0, 1, 3, 2, 4, 5).reshape(n, height * kh, width * kw, c_out).permute(0, 3, 1, 2)
+        return image.contiguous(memory_format=torch.channels_last)
+    return patches.permute(0, 5, 1, 3, 2, 4).reshape(n, c_out, height * kh, width * kw).contiguous()
+
+
+def _computes_in_half(x: Tensor) -> bool:
+    """True when a layer fed ``x`` computes in fp16/bf16: ``x`` is half, or autocast is on for its device with a
+    half dtype (autocast casts a convolution's inputs to it)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device) in _HALF_DTYPES
+    return x.dtype in _HALF_DTYPES
+
+
+class PatchConvTranspose2d(nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` that computes a patchwise layer (:func:`is_patchwise`) in fp16/bf16 as one matrix
+    product; everything else (float32, an explicit ``output_size``, unbatched input, another geometry) runs
+    ``nn.ConvTranspose2d.forward``. Same parameters and ``state_dict`` as the layer it replaces."""
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:  # noqa: A002 (torch's name)
+        if output_size is None and input.dim() == 4 and is_patchwise(self) and _computes_in_half(input):
+            return patch_conv_transpose2d(input, self.weight, self.bias)
+        return super().forward(input, output_size)
+
+
+def use_patch_deconv(model: nn.Module) -> int:
+    """Switches every patchwise ``nn.ConvTranspose2d`` of ``model`` (the exact class, not a subclass, which may
+    have its own ``forward``) to :class:`PatchConvTranspose2d`, in place. Returns how many were switched."""
+    switched = 0
+    for module in model.modules():
+        if type(module) is nn.ConvTranspose2d and is_patchwise(module):
+            module.__class__ = PatchConvTranspose2d
+            switched += 1
+    return switched
