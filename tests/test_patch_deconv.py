@@ -79,6 +79,30 @@ def test_gradcheck_float64() -> None:
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_gradgradcheck_float64(channels_last: bool) -> None:
+    x, w, b = (t.requires_grad_(True) for t in _inputs(1, 2, 3, (2, 2), (2, 2), torch.float64, channels_last))
+    assert torch.autograd.gradgradcheck(patch_conv_transpose2d, (x, w, b))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_output_is_not_a_view_so_an_inplace_relu_is_cheap_and_correct(channels_last: bool) -> None:
+    """The mask head's ReLU is in place. On a view it would route the backward through as_strided (a zero-filled
+    copy of the map); the output is a tensor of its own, and the gradients equal the out-of-place ReLU's."""
+    x, w, b = _inputs(2, 4, 3, (3, 3), (2, 2), torch.float32, channels_last)
+    grads = []
+    for inplace in (False, True):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+        out = patch_conv_transpose2d(*leaves)
+        assert out._base is None
+        out = torch.relu_(out) if inplace else torch.relu(out)
+        assert "AsStrided" not in type(out.grad_fn).__name__ and "CopySlices" not in type(out.grad_fn).__name__
+        (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for expected, actual in zip(*grads):
+        torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_empty_batch_forward_and_backward(channels_last: bool) -> None:
     """No positive RoI in a step: an empty batch gives an empty output and zero weight and bias gradients."""
     x, w, b = _inputs(0, 8, 4, (14, 14), (2, 2), torch.bfloat16, channels_last)
