@@ -71,3 +71,23 @@ def test_count_images_reads_detection_batches_and_names_the_fix_otherwise() -> N
     assert count_images((torch.zeros(5, 3, 4, 4), [{}] * 5)) == 5
     with pytest.raises(TypeError, match=r"training batch is a dict.*batch_size_fn"):
         count_images({"images": []})
+
+
+def test_bench_peak_of_one_step_counts_what_the_step_holds_not_the_heap_kept_before() -> None:
+    """The bench's PeakMemory: 96 MB allocated in small-ish blocks and freed (heap glibc may keep), then a step
+    that holds 64 MB more than an empty step reads 64 MB more."""
+    from lit_amp_det.bench.e2e_rows import PeakMemory
+
+    memory = PeakMemory("cpu")
+    if not memory.probe.resettable:
+        pytest.skip("this kernel does not let the process reset its VmHWM")
+    blocks = [torch.ones(2 ** 20 // 4 * 3) for _ in range(32)]  # 32 x 3 MB, below glibc's grown mmap threshold
+    del blocks
+
+    def holds(mb: int) -> None:
+        tensor = torch.ones(mb * 2 ** 20 // 4)
+        assert tensor.sum() == tensor.numel()  # every page written
+
+    empty = memory.peak_of(lambda: holds(0))["peak_memory_mb"]
+    full = memory.peak_of(lambda: holds(64))["peak_memory_mb"]
+    assert 60 <= full - empty <= 70

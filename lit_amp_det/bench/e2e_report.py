@@ -165,7 +165,7 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env
         *_load_line(env),
         *([state_line(setting, run.get("state")), repeats_line(run), peaks_line(run["peaks"])] if run else []),
         f"- ratios vs {base_label} (from the median times); IQR = interquartile range of the timed steps of all "
-        f"repeats; peak = memory the timed steps needed above the built model ({_memory_method(rows)})",
+        f"repeats; peak = memory one step needed above the built model ({_memory_method(rows)})",
     ]
     text = table(bench, rows, header)
     text = "\n".join([text, *breakdown_lines(rows, (run or {}).get("peaks", {}).get("peaks", {}))])

@@ -24,8 +24,8 @@ Every row loads the same weights (``--state``; by default the trained state of
 :mod:`lit_amp_det.bench.state`, whose detections are real ones) and calls on the same shapes images. Columns:
 latency at batch 1 (median over repeats of each repeat's median, the min-max of the repeat medians, IQR),
 throughput at ``--batch`` (images per second from the median call), GFLOP per call at ``--batch`` and achieved
-GFLOP/s with the fraction of the device's peak, peak memory above the built model during the timed calls,
-ratios to the first row, warm-up time. Post-processing work follows the detections, which can differ a little
+GFLOP/s with the fraction of the device's peak, peak memory above the built model (of one call at ``--batch`` after
+the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, warm-up time. Post-processing work follows the detections, which can differ a little
 between precisions. Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls on CUDA; the light model at 224 px,
 batch 4, 3 + 10 calls on a CPU; 3 repeats.
 """
@@ -80,14 +80,13 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     # every batch size warms up before anything is timed (compile traces each input shape)
     warmup_s = sum(timed(lambda: call(images[:1]), setting.device) for _ in range(warmup))
     warmup_s += sum(timed(lambda: call(images), setting.device) for _ in range(warmup))
-    memory.reset()
     latency = e2e_rows.summarise([timed(lambda: call(images[:1]), setting.device) for _ in range(setting.steps)],
                                  "latency")
     throughput = e2e_rows.summarise([timed(lambda: call(images), setting.device) for _ in range(setting.steps)],
                                     "batch")
-    peak = memory.peak()
     flops = count_flops(lambda: call(images))  # one more call at --batch, after the timed ones
-    detections.pop()
+    peak = memory.peak_of(lambda: call(images))  # and one more, last: it pins the CPU allocator
+    del detections[-2:]
     precision = getattr(plugin, "precision", str(cfg.trainer.precision))
     return {
         **latency,

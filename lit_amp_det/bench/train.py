@@ -34,7 +34,7 @@ so the proposal counts that set a step's time, at the loaded state through warm-
 
 Columns: images/s (batch / median step time), step time (median over repeats of each repeat's median), the
 min-max of the repeat medians, IQR of the timed steps, GFLOP per step and achieved GFLOP/s with the fraction of
-the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory above the built model, ratios to the first
+the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory of one more step above the built model, ratios to the first
 row, and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps
 on CUDA; the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 repeats.
 """
@@ -111,13 +111,12 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         losses.append(loss.detach())
 
     warmup_s = sum(timed(lambda i=i: step(i), setting.device) for i in range(warmup))
-    memory.reset()
     times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
     stats = e2e_rows.summarise(times)
-    peak = memory.peak()
     flops = count_flops(lambda: step(warmup + setting.steps))  # one more step, after the timed ones
     where = time_breakdown(lambda: step(warmup + setting.steps + 1), setting.device, flops / 1e9)  # and one more
-    del losses[-2:]
+    peak = memory.peak_of(lambda: step(warmup + setting.steps + 2))  # last: it pins the CPU allocator
+    del losses[-3:]
     precision = getattr(plugin, "precision", str(cfg.trainer.precision))
     return {
         **stats,
