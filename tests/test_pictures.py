@@ -244,10 +244,14 @@ def test_validate_after_fit_draws_too(tmp_path):
     ``validate`` command runs only that: both draw their pictures (the sanity check still draws none)."""
     trainer, datamodule = _fit(tmp_path, "callbacks.validation_images.num_images=2")
     shutil.rmtree(tmp_path / "val_images")
+    (tmp_path / "training_curves.png").unlink()
     trainer.validate(trainer.lightning_module, datamodule=datamodule, verbose=False)
     (folder,) = (tmp_path / "val_images").iterdir()
     ids = datamodule.dataset("val").image_ids[:2]
     assert sorted(p.name for p in folder.iterdir()) == sorted(f"{i}.png" for i in ids)
+    # the training curves are drawn again with the final scoring's point (fit drew them before it)
+    assert [step for step, _ in _only(trainer, TrainingCurves).history["val/segm_mAP"]] == [2, 2]
+    assert _png(tmp_path / "training_curves.png").shape[0] == 3
 
 
 def test_fit_with_tensorboard_logs_image_summaries_instead_of_files(tmp_path):

@@ -58,6 +58,7 @@ class TrainingCurves(Callback):
         self.history: dict[str, list[list[float]]] = {}  # metric -> [[step, value], ...]
         self.epoch_ends: list[int] = []
         self._last_step = -1
+        self._drawn_after_fit = False  # on_fit_end drew the picture: a validation after it draws again
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -103,11 +104,16 @@ class TrainingCurves(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and not trainer.sanity_checking:
             self._record(trainer, validation=True)
+            if trainer.state.fn == TrainerFn.VALIDATING and self._drawn_after_fit:
+                # the scoring of the final weights that ``fit`` runs after the last epoch (when that epoch did not
+                # validate) comes after on_fit_end: draw again, so the picture ends with that point
+                self.write()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             self.write()
+            self._drawn_after_fit = True
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
