@@ -55,9 +55,9 @@ class _PatchesToImage(torch.autograd.Function):
 
     A Function rather than ``permute``/``reshape`` so that the image is a tensor of its own, not a view: the mask
     head applies an in-place ReLU to it, and an in-place op on a view makes autograd rebuild the base's gradient
-    through ``as_strided`` (a zero-filled copy of the whole map and a slow strided ReLU backward; measured on the
-    R50-FPN mask head, 3x slower than the layer it replaces). Its backward is :class:`_ImageToPatches`, and vice
-    versa, so higher-order gradients work.
+    through ``as_strided`` (a zero-filled copy of the whole map, three more copies of it, and a strided ReLU
+    backward: 44 instead of 8 ms on the R50-FPN mask head, which cancelled the matmul's gain). Its backward is
+    :class:`_ImageToPatches`, and vice versa, so higher-order gradients work.
     """
 
     @staticmethod
