@@ -272,7 +272,8 @@ class PeakMemory:
         self.probe = MemoryProbe(device)
         self.baseline = self.probe.baseline_bytes() / MB
         pinned = "" if self.probe.cuda else ", glibc's mmap threshold pinned and freed heap released first"
-        self.method = f"{self.probe.source}, one step after the timed ones{pinned}, minus what was in use after building"
+        self.method = (f"{self.probe.source}, one step after the timed ones{pinned}, minus what was in use after "
+                       "building")
 
     def peak_of(self, run: Callable[[], Any]) -> dict[str, float]:
         """Runs ``run`` once and returns its peak (see the class doc). Call it after all timed work: on a CPU the

@@ -25,8 +25,8 @@ Every row loads the same weights (``--state``; by default the trained state of
 latency at batch 1 (median over repeats of each repeat's median, the min-max of the repeat medians, IQR),
 throughput at ``--batch`` (images per second from the median call), GFLOP per call at ``--batch`` and achieved
 GFLOP/s with the fraction of the device's peak, peak memory above the built model (of one call at ``--batch`` after
-the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, warm-up time. Post-processing work follows the detections, which can differ a little
-between precisions. Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls on CUDA; the light model at 224 px,
+the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, warm-up time.
+Post-processing work follows the detections, which can differ a little between precisions. Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls on CUDA; the light model at 224 px,
 batch 4, 3 + 10 calls on a CPU; 3 repeats.
 """
 
