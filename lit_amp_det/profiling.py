@@ -31,6 +31,7 @@ __all__ = [
     "release_freed_cpu_memory",
     "synchronize",
     "timed",
+    "unpin_malloc_threshold",
 ]
 
 MB = 2**20
@@ -78,13 +79,34 @@ def release_freed_cpu_memory() -> None:
         trim(0)
 
 
+#: glibc's ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Where glibc's dynamic mmap threshold ends up in a process that has freed large blocks (DEFAULT_MMAP_THRESHOLD_MAX
+#: on 64-bit); the dynamic trim threshold is twice the mmap threshold.
+_GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+
+
 def pin_malloc_threshold(threshold: int = 128 * 1024) -> None:
-    """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and RSS stays up)."""
+    """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and RSS stays up).
+
+    Every later allocation above ``threshold`` then gets fresh pages from the OS, which costs page faults: call
+    :func:`unpin_malloc_threshold` when the measurement is over, in a process that goes on working.
+    """
     mallopt, trim = getattr(_LIBC, "mallopt", None), getattr(_LIBC, "malloc_trim", None)
     if mallopt is None or trim is None:
         return
-    mallopt(-3, threshold)  # M_MMAP_THRESHOLD: fixed, so it no longer adapts upwards
+    mallopt(_M_MMAP_THRESHOLD, threshold)  # fixed, so it no longer adapts upwards
     trim(0)
+
+
+def unpin_malloc_threshold() -> None:
+    """Undoes :func:`pin_malloc_threshold` as far as glibc allows: its thresholds go where its own adjustment takes
+    them in a long-running process (mmap 32 MB, trim 64 MB); the adjustment itself stays off."""
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is None:
+        return
+    mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
+    mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX)
 
 
 # --------------------------------------------------------------------------------------------- the probe

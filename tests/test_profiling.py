@@ -91,3 +91,23 @@ def test_bench_peak_of_one_step_counts_what_the_step_holds_not_the_heap_kept_bef
     empty = memory.peak_of(lambda: holds(0))["peak_memory_mb"]
     full = memory.peak_of(lambda: holds(64))["peak_memory_mb"]
     assert 60 <= full - empty <= 70
+
+
+def test_bench_peak_of_lifts_the_pinned_malloc_threshold_afterwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that goes on working (the test suite runs bench rows in process) must not keep the 128 KB threshold:
+    every larger allocation would fault in fresh pages. Lifted after the step, also when the step raises."""
+    from lit_amp_det.bench import e2e_rows
+
+    calls: list[str] = []
+    monkeypatch.setattr(e2e_rows, "pin_malloc_threshold", lambda: calls.append("pin"))
+    monkeypatch.setattr(e2e_rows, "unpin_malloc_threshold", lambda: calls.append("unpin"))
+    memory = e2e_rows.PeakMemory("cpu")
+    memory.peak_of(lambda: calls.append("step"))
+    assert calls == ["pin", "step", "unpin"]
+
+    def fails() -> None:
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        memory.peak_of(fails)
+    assert calls[-1] == "unpin"

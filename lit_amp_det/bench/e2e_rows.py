@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from lit_amp_det.bench.common import shapes_batch, weights_sha256
-from lit_amp_det.profiling import MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory
+from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
+                                   unpin_malloc_threshold)
 
 __all__ = [
     "BASELINE",
@@ -276,15 +277,20 @@ class PeakMemory:
                        "building")
 
     def peak_of(self, run: Callable[[], Any]) -> dict[str, float]:
-        """Runs ``run`` once and returns its peak (see the class doc). Call it after all timed work: on a CPU the
-        pinned threshold stays, and makes later large allocations slower (fresh pages each time)."""
+        """Runs ``run`` once and returns its peak (see the class doc). On a CPU the pinned threshold is lifted again
+        afterwards (every large allocation would fault in fresh pages while it holds); call it after the timed work
+        all the same, since glibc's own adjustment of the threshold stays off."""
         if not self.probe.cuda:
             pin_malloc_threshold()
             release_freed_cpu_memory()
-        self.probe.synchronize()
-        self.probe.reset_peak()
-        run()
-        self.probe.synchronize()
+        try:
+            self.probe.synchronize()
+            self.probe.reset_peak()
+            run()
+            self.probe.synchronize()
+        finally:
+            if not self.probe.cuda:
+                unpin_malloc_threshold()
         return self.peak()
 
     def peak(self) -> dict[str, float]:
