@@ -8,10 +8,11 @@ Two measurements, both outside the timed steps:
   A compiled row is counted with ``torch.compiler.set_stance("force_eager")``: the same maths, counted eagerly.
 * **Peak GFLOP/s** of the device per compute dtype, measured by the bench itself: the faster of two probes, a
   square matmul sized to take about ``target_s`` seconds, and as many 3x3 convolutions of an FPN level's shape
-  (256 channels in and out, 64x64, channels_last, batch 2) as take that long, best of a few runs each. The convolution is there because a matmul alone can miss the peak: on
-  AMD CPUs MKL's sgemm runs its AVX2 code (about 200 GFLOP/s fp32 on the 2-core EPYC) while oneDNN's
-  convolutions use AVX-512 (about 480), so against the matmul alone a fp32 step's convolutions read 170 % of "the
-  peak". Each dtype's entry keeps both probes (``matmul_gflops``, ``conv_gflops``). Cached per machine in ``<cache>/bench_peaks.json``, keyed by
+  (256 channels in and out, 64x64, channels_last, batch 2) as take that long, best of a few runs each. The
+  convolution is there because a matmul alone can miss the peak: on AMD CPUs MKL's sgemm runs its AVX2 code (about
+  200 GFLOP/s fp32 on the 2-core EPYC) while oneDNN's convolutions use AVX-512 (about 480), so against the matmul
+  alone a fp32 step's convolutions read 170 % of "the peak". Each dtype's entry keeps both probes
+  (``matmul_gflops``, ``conv_gflops``). Cached per machine in ``<cache>/bench_peaks.json``, keyed by
   the CPU model or GPU name, the torch version and the thread count, so later runs reuse it. On CUDA the fp32
   peak is measured with TF32 as cuDNN's convolutions use it (``torch.backends.cudnn.allow_tf32``). On a CPU the
   bench first looks at how many CPUs other work keeps busy (:func:`busy_cpus`, one second of ``/proc/stat``):

@@ -38,8 +38,8 @@ class ValidationImages(Callback):
     when no TensorBoard logger is configured (the CSV logger, or none), always with ``True``, never with ``False``.
 
     During ``fit`` and ``validate`` (the ``validate`` command, and the scoring of the final weights that ``fit``
-    runs when its last epoch did not validate), on rank zero, not during the sanity check. A picture that cannot be drawn (odd input)
-    is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning` and the run goes on.
+    runs when its last epoch did not validate), on rank zero, not during the sanity check. A picture that cannot be
+    drawn (odd input) is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning` and the run goes on.
 
     Args:
         dirpath: folder that receives ``val_images/`` (the run folder).

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_amp_det.ops.layout import suggest_memory_format
+
 __all__ = ["PatchConvTranspose2d", "is_patchwise", "patch_conv_transpose2d", "use_patch_deconv"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -38,11 +40,6 @@ def is_patchwise(layer: nn.ConvTranspose2d) -> bool:
     and output padding, dilation 1, one group (the layers :func:`patch_conv_transpose2d` computes)."""
     return (tuple(layer.kernel_size) == tuple(layer.stride) and tuple(layer.padding) == (0, 0)
             and tuple(layer.output_padding) == (0, 0) and tuple(layer.dilation) == (1, 1) and layer.groups == 1)
-
-
-def _is_channels_last(x: Tensor) -> bool:
-    """Whether ``x`` is laid out NHWC (what ``suggest_memory_format`` says for a dense 4-D tensor)."""
-    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
 def _image_as_patches(image: Tensor, kh: int, kw: int) -> Tensor:
@@ -61,9 +58,8 @@ class _PatchesToImage(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, patches: Tensor, geometry: tuple[int, ...], channels_last: bool) -> Tensor:
+    def forward(ctx: Any, patches: Tensor, geometry: tuple[int, ...], memory_format: torch.memory_format) -> Tensor:
         n, height, width, kh, kw, channels = geometry
-        memory_format = torch.channels_last if channels_last else torch.contiguous_format
         image = torch.empty((n, channels, height * kh, width * kw), dtype=patches.dtype, device=patches.device,
                             memory_format=memory_format)
         _image_as_patches(image, kh, kw).copy_(patches.view(geometry))
@@ -83,13 +79,13 @@ class _ImageToPatches(torch.autograd.Function):
         view = _image_as_patches(image, kh, kw)
         patches = image.new_empty(view.shape)
         patches.copy_(view)
-        ctx.geometry, ctx.channels_last = tuple(view.shape), _is_channels_last(image)
+        ctx.geometry, ctx.memory_format = tuple(view.shape), suggest_memory_format(image)
         n, height, width, kh, kw, channels = view.shape
         return patches.view(n * height * width, kh * kw * channels)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _PatchesToImage.apply(grad.contiguous(), ctx.geometry, ctx.channels_last), None, None
+        return _PatchesToImage.apply(grad.contiguous(), ctx.geometry, ctx.memory_format), None, None
 
 
 def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -104,7 +100,7 @@ def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Te
         patches = torch.mm(rows, cols)
     else:
         patches = torch.addmm(bias.repeat(kh * kw), rows, cols)
-    return _PatchesToImage.apply(patches, (n, height, width, kh, kw, c_out), _is_channels_last(x))
+    return _PatchesToImage.apply(patches, (n, height, width, kh, kw, c_out), suggest_memory_format(x))
 
 
 def _computes_in_half(x: Tensor) -> bool:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lit_amp_det.ops import reference
 from lit_amp_det.ops._extension import extension_available, has_kernel
+from lit_amp_det.ops.layout import suggest_memory_format
 
 __all__ = ["RoIAlign", "boxes_to_rois", "multi_level_roi_align", "roi_align"]
 
@@ -151,15 +152,9 @@ class RoIAlign(nn.Module):
         )
 
 
-def _memory_format(t: Tensor) -> torch.memory_format:
-    """The layout the kernels give their outputs (ATen's ``suggest_memory_format``, which Python lacks)."""
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
-
-
 def _empty_like_layout(reference_tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=reference_tensor.device, memory_format=_memory_format(reference_tensor))
+    return torch.empty(shape, dtype=dtype, device=reference_tensor.device,
+                       memory_format=suggest_memory_format(reference_tensor))
 
 
 def _check_rois(rois: Tensor) -> None:

@@ -19,6 +19,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from lit_amp_det.ops.layout import suggest_memory_format
+
 __all__ = [
     "batched_nms",
     "batched_nms_padded",
@@ -293,13 +295,6 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
 # RoIAlign
 
 
-def memory_format(t: Tensor) -> torch.memory_format:
-    """ATen's ``suggest_memory_format`` for a 4-D tensor."""
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
-
-
 def _check_feature(op: str, name: str, t: Tensor) -> None:
     if t.dim() != 4:
         raise ValueError(f"{op}: {name} must be a 4-D [N, C, H, W] tensor, got {t.dim()}-D")
@@ -343,7 +338,7 @@ def _forward(features: Sequence[Tensor], rois: Tensor, levels: Tensor | None, sp
     first = features[0]
     num_rois, channels = rois.shape[0], first.shape[1]
     out = torch.empty((num_rois, channels, pooled_height, pooled_width), dtype=first.dtype, device=first.device,
-                      memory_format=memory_format(first))
+                      memory_format=suggest_memory_format(first))
     if out.numel() == 0:
         return out
     acc = _acc_dtype(first)
@@ -421,7 +416,7 @@ def roi_align_backward(grad: Tensor, rois: Tensor, spatial_scale: float, pooled_
         raise ValueError(
             f"{op}: grad must be [K, C, pooled_height, pooled_width] = {list(expected)}, got {list(grad.shape)}"
         )
-    spec = ((batch_size, channels, height, width), memory_format(grad))
+    spec = ((batch_size, channels, height, width), suggest_memory_format(grad))
     return _backward(grad, rois, None, [spatial_scale], [spec], pooled_height, pooled_width, sampling_ratio, aligned)[0]
 
 
@@ -460,5 +455,5 @@ def multi_level_roi_align_backward(grad: Tensor, features: Sequence[Tensor], roi
     _check_multi_level(op, features, rois, levels, spatial_scales, pooled_height, pooled_width)
     if grad.dtype != features[0].dtype:
         raise TypeError(f"{op}: grad must have the features' dtype {features[0].dtype}, got {grad.dtype}")
-    specs = [(tuple(f.shape), memory_format(f)) for f in features]
+    specs = [(tuple(f.shape), suggest_memory_format(f)) for f in features]
     return _backward(grad, rois, levels, spatial_scales, specs, pooled_height, pooled_width, sampling_ratio, aligned)
