@@ -44,7 +44,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (10 if bench is train.BENCH else 8)
+    assert bench.rows[0].override is None and len(bench.rows) == (11 if bench is train.BENCH else 8)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -244,18 +244,19 @@ def test_bad_arguments_name_the_option(bench: Any, argv: list[str], option: str,
 
 
 def test_bench_weights_ab_runs_its_variants_side_by_side(tmp_path: Path) -> None:
-    """The one-process A/B of low-precision weights and batched mask targets: every variant steps and is reported,
-    and the fp32 masters show in the state it keeps (bf16 weights + fp32 masters and gradients > fp32 alone)."""
+    """The one-process A/B of low-precision weights, batched mask targets and the fused master step: every variant
+    steps and is reported, and the fp32 masters show in the state kept (bf16 weights + fp32 masters and gradients >
+    fp32 alone), less the fp32 gradients the fused step never makes."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, "-m", "lit_amp_det", "bench", "weights_ab", "--model=maskrcnn_tiny",
                            "--size=64", "--batch=2", "--rounds=1", "--steps=1", "--warmup=0",
-                           "--variants=tv-fp32,weights,weights-tv-masks", f"--json={out}"],
+                           "--variants=tv-fp32,weights,weights-tv-masks,weights-unfused", f"--json={out}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())["results"]
-    assert list(results) == ["tv-fp32", "weights", "weights-tv-masks"]
+    assert list(results) == ["tv-fp32", "weights", "weights-tv-masks", "weights-unfused"]
     assert all(r["step_ms"] > 0 and r["peak_step_mb"] > 0 for r in results.values())
-    assert results["weights"]["state_mb"] > results["tv-fp32"]["state_mb"]
+    assert results["weights-unfused"]["state_mb"] > results["tv-fp32"]["state_mb"] > results["weights"]["state_mb"]
     assert "trainer.precision=bf16-weights" in results["weights"]["switches"]
     for name in results:
         assert f"| {name} |" in proc.stdout

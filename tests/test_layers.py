@@ -19,7 +19,7 @@ ALLOWED = {
     "lit_amp_det.errors": (),
     "lit_amp_det.profiling": (),
     "lit_amp_det.ops": (),
-    "lit_amp_det.precision": (),
+    "lit_amp_det.precision": ("lit_amp_det.ops",),  # the fused master step and finite check are ops
     "lit_amp_det.data": (),
     "lit_amp_det.models": ("lit_amp_det.ops",),
     "lit_amp_det.optim": (),

@@ -244,10 +244,12 @@ class _Fit(pl.LightningModule):
         self.inner = detector_module
         self.batches = [_batch(), _batch()]
         self.grads_seen: list[set[torch.dtype | None]] = []  # per step: dtypes of the optimizer's gradients
+        self.model_grads_seen: list[set[torch.dtype | None]] = []  # per step: dtypes of the model's gradients
 
     def on_before_optimizer_step(self, optimizer) -> None:  # where clipping and grad-norm logging look
         self.grads_seen.append({None if p.grad is None else p.grad.dtype
                                 for group in optimizer.param_groups for p in group["params"]})
+        self.model_grads_seen.append({None if p.grad is None else p.grad.dtype for p in self.parameters()})
 
     def fp32_regions(self) -> dict[str, str]:
         return {f"inner.{k}": v for k, v in self.inner.fp32_regions().items()}
@@ -265,31 +267,38 @@ class _Fit(pl.LightningModule):
         return DataLoader(self.batches, batch_size=None, collate_fn=lambda batch: batch)  # one item, one batch
 
 
-def _trainer(max_steps: int, precision: str, root: Path, **kwargs) -> pl.Trainer:
-    return pl.Trainer(max_steps=max_steps, plugins=[build_precision_plugin(precision, "cpu", fp16_on_cpu=True)],
+def _trainer(max_steps: int, precision: str, root: Path, fused: bool = True, **kwargs) -> pl.Trainer:
+    plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True, fused_master_step=fused)
+    return pl.Trainer(max_steps=max_steps, plugins=[plugin],
                       logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                       default_root_dir=root, deterministic=True, **kwargs)
 
 
-def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path) -> None:
-    """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "hooks"])
+def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path, fused: bool) -> None:
+    """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32. The
+    hooks see fp32 master gradients (unfused), or the bf16 weights' own gradients (fused step)."""
     def fresh() -> _Fit:
         return _Fit(_module(tmp_path))
 
     straight = fresh()
-    _trainer(4, "bf16-weights", tmp_path / "a", enable_checkpointing=False).fit(straight)
+    _trainer(4, "bf16-weights", tmp_path / "a", fused, enable_checkpointing=False).fit(straight)
     first = fresh()
-    trainer = _trainer(2, "bf16-weights", tmp_path / "b", enable_checkpointing=False)
+    trainer = _trainer(2, "bf16-weights", tmp_path / "b", fused, enable_checkpointing=False)
     trainer.fit(first)
     assert isinstance(trainer.precision_plugin, MasterWeightPrecision)
-    assert first.grads_seen == [{torch.float32}, {torch.float32}]  # fp32 master gradients, all present
+    if fused:  # the masters get no gradient; the norms' fp32 parameters keep theirs
+        assert first.grads_seen == [{torch.float32, None}] * 2
+        assert first.model_grads_seen == [{torch.float32, torch.bfloat16}] * 2
+    else:
+        assert first.grads_seen == [{torch.float32}, {torch.float32}]  # fp32 master gradients, all present
     assert {p.dtype for g in trainer.optimizers[0].param_groups for p in g["params"]} == {torch.float32}
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
     saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)
     assert {v.dtype for v in saved["state_dict"].values() if v.is_floating_point()} == {torch.float32}
     assert saved["MasterWeightPrecision"]["guard"] == {"skipped": 0, "consecutive": 0}
     resumed = fresh()
-    resuming = _trainer(4, "bf16-weights", tmp_path / "c", enable_checkpointing=False)
+    resuming = _trainer(4, "bf16-weights", tmp_path / "c", fused, enable_checkpointing=False)
     resuming.fit(resumed, ckpt_path=tmp_path / "mid.ckpt")
     expected, got = straight.state_dict(), resumed.state_dict()
     assert expected.keys() == got.keys()
@@ -385,3 +394,40 @@ def test_gradients_add_onto_master_gradients_left_by_zero_grad_without_set_to_no
         assert len(fresh) == (3 if set_to_none else 1)  # kept gradients take the adding branch
         results.append(float(master))
     assert results[0] == results[1] == 1.0 - 3 * 0.25 * 6.0
+
+
+def _fit_state(tmp_path: Path, name: str, fused: bool, steps: int = 3, optimizer=None, **kwargs):
+    module = _Fit(_module(tmp_path))
+    if optimizer is not None:
+        module.configure_optimizers = lambda: optimizer(module.parameters())
+    trainer = _trainer(steps, "bf16-weights", tmp_path / name, fused, enable_checkpointing=False, **kwargs)
+    trainer.fit(module)
+    return trainer, module.state_dict()
+
+
+@pytest.mark.parametrize("clip", [None, "norm"])
+def test_fused_master_step_trains_as_the_hooks_step(tmp_path: Path, clip: str | None) -> None:
+    """The fused step (bf16 gradients straight into the masters) against the unfused one (fp32 master gradients,
+    ``torch.optim.SGD``, refresh), norm clipping included: the same weights up to fp32 rounding; and the clipping
+    does act (its run differs from an unclipped one by far more)."""
+    kwargs = {} if clip is None else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": clip}
+    fused_trainer, fused = _fit_state(tmp_path, "fused", True, **kwargs)
+    hooks_trainer, hooks = _fit_state(tmp_path, "hooks", False, **kwargs)
+    assert fused_trainer.precision_plugin.fuses(fused_trainer.optimizers[0])
+    assert not hooks_trainer.precision_plugin.fuses(hooks_trainer.optimizers[0])
+    assert fused.keys() == hooks.keys()
+    for key, value in fused.items():
+        torch.testing.assert_close(value, hooks[key], rtol=1e-4, atol=1e-5, msg=key)
+    if clip is not None:
+        _, unclipped = _fit_state(tmp_path, "unclipped", True)
+        assert max((unclipped[k] - v).abs().max().item() for k, v in fused.items()) > 1e-3
+
+
+def test_fused_master_step_steps_aside_for_value_clipping_and_other_optimizers(tmp_path: Path) -> None:
+    """Value clipping (which the fused step does not do) and optimizers other than SGD step through the hooks."""
+    trainer, _ = _fit_state(tmp_path, "value", True, steps=1, gradient_clip_val=0.01,
+                            gradient_clip_algorithm="value")
+    assert not trainer.precision_plugin.fuses(trainer.optimizers[0])
+    trainer, _ = _fit_state(tmp_path, "adamw", True, steps=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    assert not trainer.precision_plugin.fuses(trainer.optimizers[0])
+    assert all(m.grad is not None for m in trainer.precision_plugin.weights.masters if m.requires_grad)

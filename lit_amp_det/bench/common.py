@@ -91,7 +91,8 @@ def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, nu
 def train_step(module: Any, plugin: Any, optimizer: torch.optim.Optimizer, images: list[Tensor],
                targets: list[dict[str, Tensor]]) -> Tensor:
     """One training step as Lightning runs it for ``MaskRCNNModule``: forward and loss in the plugin's
-    autocast context, then backward and optimizer step (through the plugin's GradScaler for fp16). With
+    autocast context, then backward and the optimizer step as the plugin takes it after Lightning's hooks (the
+    non-finite check, the fused master step where it applies; the GradScaler for fp16). With
     low-precision weights the optimizer must have been connected to the plugin (``plugin.connect``)."""
     with plugin.forward_context():
         loss = module.compute_loss(module.model(module.prepare_images(images), module.training_targets(targets)))
@@ -106,7 +107,7 @@ def train_step(module: Any, plugin: Any, optimizer: torch.optim.Optimizer, image
         scaler.update()
     else:
         loss.backward()
-        optimizer.step()
+        plugin.step_if_finite(optimizer)  # fit's step after the hooks: the finite check, then the (fused) step
     return loss
 
 

@@ -57,6 +57,7 @@ BASELINE = (
     "model.ops=torchvision",
     "model.channels_last=false",
     "model.deconv_as_matmul=false",
+    "precision.fused_master_step=false",
     "model.compile=null",
 )
 

@@ -19,12 +19,15 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
    with fp32 masters in the optimizer, no autocast (:mod:`lit_amp_det.precision.master_weights`);
 9. ``model.deconv_as_matmul=true``: the mask head's 2x2 stride-2 transposed convolution as one matrix product in
    fp16/bf16 (:mod:`lit_amp_det.models.patch_deconv`);
-10. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+10. ``precision.fused_master_step=true``: the half-weights mode's SGD step in one pass from the half-precision
+    gradients, no fp32 gradients (:mod:`lit_amp_det.precision.fused_master_step`; a no-op for fp16 on CUDA,
+    whose GradScaler steps through the hooks);
+11. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
-backward (scaled for fp16), optimizer step, scheduler step; Lightning's own overhead (logging, the
-plugin's non-finite-gradient check) is left out. Every row starts from the same weights (``--state``) and
+backward (scaled for fp16), the plugin's non-finite-gradient check and optimizer step, scheduler step;
+Lightning's own overhead (logging, hooks) is left out. Every row starts from the same weights (``--state``) and
 times the same batch of shapes images. With the trained state (the default) each row builds a fresh
 optimizer of its own config (the fused kernel is a row's switch, and FreezeNorm changes which tensors are
 parameters, so saved optimizer state could not be shared) at the constant learning rate the state's schedule
@@ -67,6 +70,7 @@ ROWS = (
     Row("fused-optim", "+ fused SGD", "optim.optimizer.fused=auto"),
     Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}"),
     Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true"),
+    Row("fused-master-step", "+ fused master SGD step", "precision.fused_master_step=true"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

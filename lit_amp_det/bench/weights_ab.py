@@ -9,7 +9,9 @@ The variants (``--variants``, default all):
 * ``weights``: the same with ``bf16-weights`` (``16-weights`` on CUDA): bf16 weights, fp32 masters;
 * ``mixed-tv-masks`` / ``weights-tv-masks``: those two with torchvision's per-image mask targets
   (``ExtRoIHeads.batched_mask_targets=False``), the A/B of the batched mask targets;
-* ``weights-nchw``: ``weights`` with ``model.channels_last=false``.
+* ``weights-nchw``: ``weights`` with ``model.channels_last=false``;
+* ``weights-unfused``: ``weights`` stepping the masters through the optimizer's hooks
+  (``precision.fused_master_step=false``), the A/B of the fused master step.
 
 Every variant is built from the same seeded weights and steps on the same seeded batch with SGD at a fixed
 learning rate (``--lr``, default 0: the weights, hence the proposals and the work of a step, stay the same in every
@@ -54,6 +56,7 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "mixed-tv-masks": ([*_ALL_ON, "trainer.precision={mixed}"], False),
     "weights-tv-masks": ([*_ALL_ON, "trainer.precision={weights}"], False),
     "weights-nchw": ([*_ALL_ON, "trainer.precision={weights}", "model.channels_last=false"], True),
+    "weights-unfused": ([*_ALL_ON, "trainer.precision={weights}", "precision.fused_master_step=false"], True),
 }
 
 

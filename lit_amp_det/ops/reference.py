@@ -183,3 +183,53 @@ def multi_level_roi_align(
             out = out.index_put((rows,), roi_align(feature, rois[rows], pooled, scale, sampling_ratio, aligned))
     return out
 
+
+
+def master_sgd_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    low_weights: Sequence[Tensor],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    grad_scale: float,
+    first_step: bool,
+) -> None:
+    """``torch.optim.SGD``'s update of fp32 ``params`` from ``grads`` of any float dtype (widened to fp32, times
+    ``grad_scale``), then ``low_weights[i].copy_(params[i])`` (when given). In place; plain PyTorch."""
+    if not params:
+        return
+    with torch.no_grad():
+        g = [grad.to(torch.float32, copy=True) for grad in grads]
+        if grad_scale != 1.0:
+            torch._foreach_mul_(g, grad_scale)
+        if maximize:
+            torch._foreach_neg_(g)
+        if weight_decay != 0:
+            torch._foreach_add_(g, list(params), alpha=weight_decay)
+        if momentum != 0:
+            bufs = list(momentum_buffers)
+            if first_step:
+                torch._foreach_copy_(bufs, g)
+            else:
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, g, alpha=1 - dampening)
+            if nesterov:
+                torch._foreach_add_(g, bufs, alpha=momentum)
+            else:
+                g = bufs
+        torch._foreach_add_(list(params), g, alpha=-lr)
+        for low, param in zip(low_weights, params):
+            low.copy_(param)
+
+
+def all_finite(tensors: Sequence[Tensor]) -> Tensor:
+    """0-dim bool tensor: no element of any floating tensor is inf or NaN."""
+    floating = [t for t in tensors if t.is_floating_point()]
+    if not floating:
+        return torch.tensor(True)
+    return torch.stack([torch.isfinite(t).all() for t in floating]).all()
