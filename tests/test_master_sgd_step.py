@@ -176,3 +176,22 @@ def test_all_finite(dtype: torch.dtype, use_reference: bool, monkeypatch: pytest
         channels_last = torch.zeros(2, 3, 4, 5, dtype=dtype).contiguous(memory_format=torch.channels_last)
         channels_last[1, 2, 3, 4] = bad
         assert not all_finite([channels_last])
+
+
+def test_fused_step_is_taken_only_where_the_compiled_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lit_amp_det.precision import fused_master_step
+
+    params = [torch.nn.Parameter(torch.randn(3))]
+    assert fused_master_step.unfused_reason(torch.optim.AdamW(params)) == "AdamW is not torch.optim.SGD"
+    sgd = torch.optim.SGD(params, lr=0.1)
+    float64 = torch.optim.SGD([torch.nn.Parameter(torch.randn(2).double())], lr=0.1)
+    if extension_available():
+        assert fused_master_step.unfused_reason(float64) == "param_groups[0] holds a torch.float64 parameter"
+    monkeypatch.setattr(fused_master_step, "extension_available", lambda: False)
+    assert "not built" in fused_master_step.unfused_reason(sgd)
+    monkeypatch.undo()
+    if extension_available():
+        assert fused_master_step.unfused_reason(sgd) is None
+    meta = torch.optim.SGD([torch.nn.Parameter(torch.randn(2, device="meta"))], lr=0.1)
+    if extension_available():
+        assert "on meta" in fused_master_step.unfused_reason(meta)

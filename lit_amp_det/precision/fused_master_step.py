@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from lit_amp_det.ops._extension import extension_available
 from lit_amp_det.ops.optim_step import all_finite, master_sgd_step_
 from lit_amp_det.precision.master_weights import MasterWeights
 
@@ -39,16 +40,22 @@ def unfused_reason(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``optimizer`` cannot take the fused step (None: it can).
 
     Only ``torch.optim.SGD`` itself (a subclass may change ``step``), with float32 parameters (masters, and the
-    norms' own fp32 parameters), dense gradients and ``differentiable=False``.
+    norms' own fp32 parameters), dense gradients and ``differentiable=False``, on the CPU with the compiled
+    kernel: there is no CUDA kernel yet, and the plain-PyTorch reference (several passes) would be slower there
+    than torch's own fused SGD behind the hooks.
     """
     if type(optimizer) is not torch.optim.SGD:
         return f"{type(optimizer).__name__} is not torch.optim.SGD"
+    if not extension_available():
+        return "the compiled extension lit_amp_det._C is not built"
     for index, group in enumerate(optimizer.param_groups):
         if group.get("differentiable"):
             return f"param_groups[{index}] has differentiable=True"
         for param in group["params"]:
             if param.dtype != torch.float32:
                 return f"param_groups[{index}] holds a {param.dtype} parameter"
+            if param.device.type != "cpu":
+                return f"param_groups[{index}] holds a parameter on {param.device} (the kernel is CPU-only so far)"
     return None
 
 
