@@ -33,6 +33,8 @@ from lit_amp_det.checkpoints import load_model_weights
 from lit_amp_det.data.coco import drop_crowd
 from lit_amp_det.distributed import gather_list_states
 from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.ext_ops import ExtRoIHeads
+from lit_amp_det.models.labelled_mask_logits import logit_conv
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.patch_deconv import use_patch_deconv
 from lit_amp_det.models.speed import COMPILE_TARGETS, compile_detector, use_channels_last
@@ -96,6 +98,8 @@ class MaskRCNNModule(LightningModule):
         compile: ``"backbone"`` compiles the ResNet+FPN with ``torch.compile``; ``None`` stays eager.
         deconv_as_matmul: compute the mask head's stride-2 transposed convolution as one matrix product when it
             runs in fp16/bf16 (:mod:`lit_amp_det.models.patch_deconv`; 2x faster forward + backward on a CPU).
+        labelled_mask_logits: in training, compute only each positive RoI's own-class mask logits, the ones the
+            mask loss reads (:mod:`lit_amp_det.models.labelled_mask_logits`; with ``ops="ext"``).
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
         scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
@@ -123,6 +127,7 @@ class MaskRCNNModule(LightningModule):
         channels_last: bool = False,
         compile: str | None = None,
         deconv_as_matmul: bool = False,
+        labelled_mask_logits: bool = False,
         backbone: Mapping[str, Any] | None = None,
         transform: Mapping[str, Any] | None = None,
         rpn: Mapping[str, Any] | None = None,
@@ -158,10 +163,23 @@ class MaskRCNNModule(LightningModule):
         if deconv_as_matmul and use_patch_deconv(self.model) == 0:
             log.warning("model.deconv_as_matmul=true: the model has no transposed convolution whose kernel equals "
                         "its stride (a Faster R-CNN has none), so nothing was switched")
+        if labelled_mask_logits:
+            self._use_labelled_mask_logits()
         compile_detector(self.model, compile)
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()
         self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
+
+    def _use_labelled_mask_logits(self) -> None:
+        heads = getattr(self.model, "roi_heads", None)
+        if not isinstance(heads, ExtRoIHeads) or not heads.has_mask():
+            log.warning("model.labelled_mask_logits=true: it applies to Mask R-CNN with model.ops=ext (the RoI heads "
+                        "are %s), so nothing was switched", type(heads).__name__)
+            return
+        if logit_conv(heads.mask_predictor) is None:
+            log.warning("model.labelled_mask_logits=true: the mask predictor (%s) is not shaped like torchvision's "
+                        "MaskRCNNPredictor, so the loss keeps every class's logits", type(heads.mask_predictor).__name__)
+        heads.labelled_mask_logits = True
 
     # ------------------------------------------------------------------------------ override points
     def build_model(self) -> nn.Module:

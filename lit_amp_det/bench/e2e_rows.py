@@ -58,6 +58,7 @@ BASELINE = (
     "model.channels_last=false",
     "model.deconv_as_matmul=false",
     "precision.fused_master_step=false",
+    "model.labelled_mask_logits=false",
     "model.compile=null",
 )
 
@@ -226,6 +227,8 @@ def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
         "model.ops": cfg.model.ops,
         "model.channels_last": cfg.model.channels_last,
         "model.deconv_as_matmul": cfg.model.deconv_as_matmul,
+        "precision.fused_master_step": cfg.precision.get("fused_master_step"),
+        "model.labelled_mask_logits": cfg.model.labelled_mask_logits,
         "model.compile": cfg.model.compile,
         "callbacks": [repr(c) for c in built.callbacks],
         "optim.optimizer.fused": cfg.optim.optimizer.get("fused"),

@@ -22,7 +22,9 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 10. ``precision.fused_master_step=true``: the half-weights mode's SGD step in one pass from the half-precision
     gradients, no fp32 gradients (:mod:`lit_amp_det.precision.fused_master_step`; a no-op for fp16 on CUDA,
     whose GradScaler steps through the hooks);
-11. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+11. ``model.labelled_mask_logits=true``: the training mask loss from each positive RoI's own-class logits only,
+    one dot product per pixel instead of ``num_classes`` (:mod:`lit_amp_det.models.labelled_mask_logits`);
+12. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -71,6 +73,7 @@ ROWS = (
     Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}"),
     Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true"),
     Row("fused-master-step", "+ fused master SGD step", "precision.fused_master_step=true"),
+    Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

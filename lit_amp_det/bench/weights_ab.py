@@ -11,7 +11,8 @@ The variants (``--variants``, default all):
   (``ExtRoIHeads.batched_mask_targets=False``), the A/B of the batched mask targets;
 * ``weights-nchw``: ``weights`` with ``model.channels_last=false``;
 * ``weights-unfused``: ``weights`` stepping the masters through the optimizer's hooks
-  (``precision.fused_master_step=false``), the A/B of the fused master step.
+  (``precision.fused_master_step=false``), the A/B of the fused master step;
+* ``weights-labelled``: ``weights`` with ``model.labelled_mask_logits=true`` (own-class mask logits only).
 
 Every variant is built from the same seeded weights and steps on the same seeded batch with SGD at a fixed
 learning rate (``--lr``, default 0: the weights, hence the proposals and the work of a step, stay the same in every
@@ -44,7 +45,8 @@ from lit_amp_det.profiling import MB, MemoryProbe, release_freed_cpu_memory, syn
 __all__ = ["VARIANTS", "main"]
 
 _TV_FP32 = ["callbacks=none", "optim=sgd", "optim.optimizer.fused=null", "trainer.precision=32-true",
-            "precision.fp32_regions={}", "model.ops=torchvision", "model.channels_last=false", "model.deconv_as_matmul=false", "model.compile=null"]
+            "precision.fp32_regions={}", "model.ops=torchvision", "model.channels_last=false",
+            "model.deconv_as_matmul=false", "model.labelled_mask_logits=false", "model.compile=null"]
 _ALL_ON = ["callbacks=[freeze_norm,conv_bn_eval]", "optim=sgd", "optim.optimizer.fused=auto",
            "precision.fp32_regions=null", "model.ops=ext", "model.channels_last=true", "model.compile=null"]
 
@@ -57,6 +59,7 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "weights-tv-masks": ([*_ALL_ON, "trainer.precision={weights}"], False),
     "weights-nchw": ([*_ALL_ON, "trainer.precision={weights}", "model.channels_last=false"], True),
     "weights-unfused": ([*_ALL_ON, "trainer.precision={weights}", "precision.fused_master_step=false"], True),
+    "weights-labelled": ([*_ALL_ON, "trainer.precision={weights}", "model.labelled_mask_logits=true"], True),
 }
 
 

@@ -24,7 +24,8 @@ from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign as TorchvisionMultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
-from lit_amp_det.models.mask_targets import maskrcnn_loss
+from lit_amp_det.models.labelled_mask_logits import labelled_logits
+from lit_amp_det.models.mask_targets import labelled_maskrcnn_loss, maskrcnn_loss, positive_labels
 from lit_amp_det.ops import MultiScaleRoIAlign, batched_nms, box_iou
 from lit_amp_det.ops.triton import batched_nms_padded
 
@@ -114,10 +115,13 @@ class ExtRoIHeads(RoIHeads):
     and a training step crops the mask targets of all images with one RoIAlign call.
 
     ``batched_mask_targets`` (class attribute; set it on an instance to A/B) switches the last back to torchvision's
-    per-image ``project_masks_on_boxes``.
+    per-image ``project_masks_on_boxes``. ``labelled_mask_logits`` (off by default; ``model.labelled_mask_logits``)
+    computes, in that training branch, only each positive RoI's own-class mask logits
+    (:mod:`lit_amp_det.models.labelled_mask_logits`).
     """
 
     batched_mask_targets: bool = True
+    labelled_mask_logits: bool = False
 
     def forward(
         self,
@@ -155,9 +159,15 @@ class ExtRoIHeads(RoIHeads):
         mask_proposals = [boxes[pos] for boxes, pos in zip(proposals, positives)]
         pos_matched_idxs = [idxs[pos] for idxs, pos in zip(matched_idxs, positives)]
         mask_features = self.mask_head(self.mask_roi_pool(features, mask_proposals, image_shapes))
-        mask_logits = self.mask_predictor(mask_features)
-        loss_mask = maskrcnn_loss(mask_logits, mask_proposals, [t["masks"] for t in targets],
-                                  [t["labels"] for t in targets], pos_matched_idxs)
+        gt_masks, gt_labels = [t["masks"] for t in targets], [t["labels"] for t in targets]
+        own_class = None
+        if self.labelled_mask_logits:
+            own_class = labelled_logits(self.mask_predictor, mask_features, positive_labels(gt_labels, pos_matched_idxs))
+        if own_class is not None:
+            loss_mask = labelled_maskrcnn_loss(own_class, mask_proposals, gt_masks, pos_matched_idxs)
+        else:
+            loss_mask = maskrcnn_loss(self.mask_predictor(mask_features), mask_proposals, gt_masks, gt_labels,
+                                      pos_matched_idxs)
         return {"loss_classifier": loss_classifier, "loss_box_reg": loss_box_reg, "loss_mask": loss_mask}
 
     def assign_targets_to_proposals(
