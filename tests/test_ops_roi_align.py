@@ -126,6 +126,21 @@ def test_roi_align_backward_matches_torchvision(device, dtype, layout):
     assert ((x.grad.float() - x32.grad).abs() <= one_ulp + 1e-5).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels", [1, 17, 67])
+def test_half_channels_last_at_odd_channel_counts(dtype, channels):
+    """The wide (AVX-512 / AVX2) channel loops of half-precision channels_last features, remainders included."""
+    x = _features((2, channels, 40, 60), dtype, torch.channels_last).requires_grad_()
+    rois = random_rois(50, 2, (320, 480))
+    grad_out = torch.randn(50, channels, 7, 7, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = ops.roi_align(x, rois, 7, 0.125, 2)
+    torch.testing.assert_close(got.double(), _torchvision(x, rois, (7, 7), 0.125, 2), rtol=0, atol=TOLERANCE[dtype])
+    got.backward(grad_out)
+    x32 = x.detach().float().requires_grad_()
+    torchvision.ops.roi_align(x32, rois, 7, 0.125, 2).backward(grad_out.float())
+    assert ((x.grad.float() - x32.grad).abs() <= torch.finfo(dtype).eps * x32.grad.abs() + 1e-5).all()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("sampling_ratio", [-1, 2])

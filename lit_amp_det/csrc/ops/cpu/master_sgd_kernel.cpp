@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "multiversion.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -22,12 +24,6 @@ namespace lit_amp_det {
 namespace ops {
 
 namespace {
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define LIT_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define LIT_MULTIVERSION
-#endif
 
 constexpr int64_t kChunk = 1024;  // elements widened at a time: 4 KB of fp32 per buffer, in L1
 constexpr int64_t kGrain = 16 * kChunk;  // elements per task of at::parallel_for

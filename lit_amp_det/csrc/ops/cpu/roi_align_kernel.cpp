@@ -12,7 +12,9 @@
 //   channels in its outer loop, so all of its rois sample the same few planes while they sit in cache
 //   (rois overlap heavily) instead of streaming the whole feature map from memory once per roi.
 // * channels_last features: the 4 corners of a sample are contiguous C-vectors, so the inner loop runs
-//   over channels into an accumulator row, which the compiler vectorises.
+//   over channels into an accumulator row, which the compiler vectorises. For bf16 / fp16 features (fp32
+//   accumulators) that loop and the backward's scatter are compiled for AVX-512 and AVX2 as well
+//   (multiversion.h); float32 and float64 keep the baseline build, and with it torchvision's exact sums.
 // * Backward: threads own channel ranges, so no two of them ever write the same element. Planar: a block
 //   of channels of every image and level is summed in a per-thread, channel-minor scratch (each corner
 //   update is one short vector), then cast once into the output. channels_last: slices of C-vectors are
@@ -28,8 +30,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include "multiversion.h"
 
 namespace lit_amp_det {
 namespace ops {
@@ -374,6 +380,36 @@ void pool_planes(
   }
 }
 
+// True where the wide loops below serve a dtype: half-precision features summed in float.
+template <typename scalar_t, typename acc_t>
+constexpr bool kWideLoops = std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, float>;
+
+inline float widen_bf16(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;  // bf16 is the upper half of a float: exact
+  float out;
+  std::memcpy(&out, &word, sizeof(float));
+  return out;
+}
+
+// add_sample_row for contiguous bf16 C-vectors, compiled wide (LIT_MULTIVERSION): the same sum, which the wide
+// clones may evaluate with fused multiply-adds.
+LIT_MULTIVERSION
+void add_sample_row_bf16(
+    float* C10_RESTRICT acc,
+    const uint16_t* p1,
+    const uint16_t* p2,
+    const uint16_t* p3,
+    const uint16_t* p4,
+    float w1,
+    float w2,
+    float w3,
+    float w4,
+    int64_t channels) {
+  for (int64_t c = 0; c < channels; ++c) {
+    acc[c] += w1 * widen_bf16(p1[c]) + w2 * widen_bf16(p2[c]) + w3 * widen_bf16(p3[c]) + w4 * widen_bf16(p4[c]);
+  }
+}
+
 // Adds one bilinear sample of a channels_last map to acc[0, channels): the 4 corners are C-vectors.
 template <typename scalar_t, typename acc_t>
 void add_sample_row(
@@ -385,6 +421,15 @@ void add_sample_row(
     const acc_t (&w)[4],
     int64_t channels,
     int64_t stride_c) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (stride_c == 1) {
+      add_sample_row_bf16(
+          acc, reinterpret_cast<const uint16_t*>(p1), reinterpret_cast<const uint16_t*>(p2),
+          reinterpret_cast<const uint16_t*>(p3), reinterpret_cast<const uint16_t*>(p4), w[0], w[1], w[2], w[3],
+          channels);
+      return;
+    }
+  }
   if (stride_c == 1) {  // the common case, kept separate so that the loop vectorises
     for (int64_t c = 0; c < channels; ++c) {
       acc[c] += w[0] * static_cast<acc_t>(p1[c]) + w[1] * static_cast<acc_t>(p2[c]) +
@@ -559,16 +604,34 @@ void axpy(acc_t* C10_RESTRICT y, const acc_t* C10_RESTRICT x, acc_t a, int64_t n
   }
 }
 
+// axpy for float, compiled wide (LIT_MULTIVERSION): the channels_last backward of half-precision features.
+LIT_MULTIVERSION
+void axpy_wide(float* C10_RESTRICT y, const float* C10_RESTRICT x, float a, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    y[c] += a * x[c];
+  }
+}
+
+template <bool kWide, typename acc_t>
+inline void axpy_in(acc_t* y, const acc_t* x, acc_t a, int64_t n) {
+  if constexpr (kWide) {
+    axpy_wide(y, x, a, n);
+  } else {
+    axpy(y, x, a, n);
+  }
+}
+
 // Adds g (n channel values of one output bin's gradient) times each of the bin's bilinear weights into the
-// four corner pixels of every sample; image offsets come from the taps, channels are contiguous.
-template <typename acc_t>
+// four corner pixels of every sample; image offsets come from the taps, channels are contiguous. kWide: through
+// axpy_wide (long channel rows of half-precision features), else the inlined axpy.
+template <bool kWide = false, typename acc_t>
 inline void scatter_bin(acc_t* image, const BinTaps<acc_t>& bin, const acc_t* g, int64_t n) {
   for (const Tap<acc_t>* ty = bin.y_begin; ty != bin.y_end; ++ty) {
     for (const Tap<acc_t>* tx = bin.x_begin; tx != bin.x_end; ++tx) {
-      axpy(image + ty->lo + tx->lo, g, ty->w_lo * tx->w_lo, n);
-      axpy(image + ty->lo + tx->hi, g, ty->w_lo * tx->w_hi, n);
-      axpy(image + ty->hi + tx->lo, g, ty->w_hi * tx->w_lo, n);
-      axpy(image + ty->hi + tx->hi, g, ty->w_hi * tx->w_hi, n);
+      axpy_in<kWide>(image + ty->lo + tx->lo, g, ty->w_lo * tx->w_lo, n);
+      axpy_in<kWide>(image + ty->lo + tx->hi, g, ty->w_lo * tx->w_hi, n);
+      axpy_in<kWide>(image + ty->hi + tx->lo, g, ty->w_hi * tx->w_lo, n);
+      axpy_in<kWide>(image + ty->hi + tx->hi, g, ty->w_hi * tx->w_hi, n);
     }
   }
 }
@@ -701,7 +764,7 @@ void scatter_roi_channels_last(
         g_row[c] = static_cast<acc_t>(g[c * grad_strides[0]]) / roi.count;
       }
       const BinTaps<acc_t> bin = bin_taps(plan, roi, i, j);
-      scatter_bin(image, bin, g_row, n);
+      scatter_bin<kWideLoops<scalar_t, acc_t>>(image, bin, g_row, n);
     }
   }
 }
