@@ -137,3 +137,51 @@ def test_precision_regions_on_the_predictor() -> None:
     assert logit_conv(predictor) is None
     x, labels = _inputs()
     assert labelled_logits(predictor, x, labels) is None
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("mode", ["autocast", "half-weights"])
+def test_matmul_upsampling_runs_on_its_patches(channels_last: bool, mode: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the matmul upsampling in bf16 the logits come from its patch-ordered product (the module's forward is
+    not called) and equal the full predictor's, values and gradients, to bf16 rounding."""
+    from lit_amp_det.models.patch_deconv import PatchConvTranspose2d
+
+    dtype = torch.bfloat16
+    format_ = torch.channels_last if channels_last else torch.contiguous_format
+    predictors = []
+    for _ in range(2):
+        predictor = _predictor()
+        assert use_patch_deconv(predictor) == 1
+        if mode == "half-weights":
+            predictor.to(dtype)
+        predictors.append(predictor.to(memory_format=format_))
+    full_predictor, ours_predictor = predictors
+    x, labels = _inputs(channels_last=channels_last)
+    x = x.to(dtype) if mode == "half-weights" else x
+    x_full, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype, enabled=mode == "autocast"):
+        full = full_predictor(x_full)[torch.arange(len(labels)), labels]
+        with monkeypatch.context() as patch:
+            patch.setattr(PatchConvTranspose2d, "forward", lambda *a, **k: pytest.fail("the module ran"))
+            ours = labelled_logits(ours_predictor, x_ours, labels)
+    assert ours.dtype == full.dtype == dtype and ours.shape == full.shape
+    torch.testing.assert_close(ours.float(), full.float(), rtol=2e-2, atol=2e-2)
+    weight = torch.randn(full.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    (full * weight).float().sum().backward()
+    (ours * weight).float().sum().backward()
+    torch.testing.assert_close(x_ours.grad.float(), x_full.grad.float(), rtol=3e-2, atol=3e-2)
+    for (name, a), b in zip(full_predictor.named_parameters(), ours_predictor.parameters()):
+        scale = a.grad.abs().max().float().clamp(min=1)
+        torch.testing.assert_close(b.grad.float() / scale, a.grad.float() / scale, rtol=0, atol=3e-2, msg=name)
+
+
+def test_hooks_keep_the_modules_path() -> None:
+    predictor = _predictor()
+    use_patch_deconv(predictor)
+    calls = []
+    predictor[0].register_forward_hook(lambda *args: calls.append("upsample"))
+    x, labels = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        labelled_logits(predictor, x, labels)
+    assert calls == ["upsample"]

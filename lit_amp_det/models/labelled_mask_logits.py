@@ -9,6 +9,11 @@ fewer FLOPs for that layer, no ``[K, num_classes, 28, 28]`` tensor in either dir
 (a dropped map's gradient is zero, so its weight rows get none either way). The sums run in another order
 than the convolution's, so results agree to rounding, not bit for bit.
 
+With the matmul upsampling (``model.deconv_as_matmul``, :mod:`lit_amp_det.models.patch_deconv`) in fp16/bf16 the
+upsampling, its ReLU and the dot product all run on the upsampling's patch-ordered product, so the 28x28
+``[K, 256, 28, 28]`` image is never put in pixel order (two copies of the largest tensor of the mask head, forward
+and backward): only the ``[K, 28, 28]`` logits are. That path is taken when neither module has hooks.
+
 Used by :class:`lit_amp_det.models.ext_ops.ExtRoIHeads` when ``labelled_mask_logits`` is on
 (``model.labelled_mask_logits=true``), for predictors shaped like torchvision's (anything else falls back to the
 full logits). Inference still computes every class's map: the labels are not known before the box head.
@@ -18,6 +23,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as module_globals
+
+from lit_amp_det.models.patch_deconv import PatchConvTranspose2d, patch_products
 
 __all__ = ["labelled_logits", "logit_conv"]
 
@@ -47,8 +55,9 @@ def labelled_logits(predictor: nn.Module, features: Tensor, labels: Tensor) -> T
     """``predictor(features)[arange(K), labels]`` without the other classes' maps: ``Tensor[K, S, S]``.
 
     Args:
-        predictor: a torchvision-style ``MaskRCNNPredictor`` (:func:`logit_conv`); its upsampling and ReLU run as
-            modules (so their hooks run), the last convolution as one batched dot product per RoI.
+        predictor: a torchvision-style ``MaskRCNNPredictor`` (:func:`logit_conv`). Its upsampling and ReLU run as
+            modules, or, for a matmul upsampling in fp16/bf16 and no hooks on either, on the patch-ordered product
+            (see the module doc); the last convolution as one batched dot product per RoI.
         features (Tensor[K, C, H, W]): the mask head's output for K positive RoIs.
         labels (Tensor[K], int64): each RoI's class.
 
@@ -59,20 +68,57 @@ def labelled_logits(predictor: nn.Module, features: Tensor, labels: Tensor) -> T
     conv = logit_conv(predictor)
     if conv is None:
         return None
+    if _takes_patches(predictor, features):
+        return _logits_from_patches(predictor, conv, features, labels)
     x = predictor[1](predictor[0](features))  # upsampling and ReLU, as the predictor runs them
     k, channels, height, width = x.shape
-    weight = conv.weight[labels, :, 0, 0]  # [K, C]: each RoI's class row
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)  # the dtype autocast would give the convolution
-        x, weight = x.to(dtype), weight.to(dtype)
-    elif weight.dtype != x.dtype:
-        weight = weight.to(x.dtype)
+    x, weight = _in_compute_dtype(x, conv.weight[labels, :, 0, 0])  # [K, C]: each RoI's class row
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         pixels = x.permute(0, 2, 3, 1).reshape(k, height * width, channels)  # a view of NHWC memory
         out = torch.bmm(pixels, weight.unsqueeze(-1))
     else:
         out = torch.bmm(weight.unsqueeze(1), x.reshape(k, channels, height * width))
-    out = out.reshape(k, height, width)
-    if conv.bias is not None:
-        out = out + conv.bias[labels].to(out.dtype)[:, None, None]
-    return out
+    return _with_bias(out.reshape(k, height, width), conv, labels)
+
+
+def _in_compute_dtype(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` and the class rows in the dtype the convolution would compute in: autocast's, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return x.to(dtype), weight.to(dtype)
+    return x, weight.to(x.dtype)
+
+
+def _hookless(module: nn.Module) -> bool:
+    """No forward or backward hooks on ``module`` nor global ones: replacing its call by the same maths is unseen."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    shared = (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
+              module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks)
+    return not any(own) and not any(shared) and "forward" not in vars(module)
+
+
+def _takes_patches(predictor: nn.Module, features: Tensor) -> bool:
+    """The upsampling is a matmul one that computes ``features`` as a matmul, followed by a plain ReLU, hookless."""
+    upsample, relu = predictor[0], predictor[1]
+    return (type(upsample) is PatchConvTranspose2d and type(relu) is nn.ReLU and _hookless(upsample)
+            and _hookless(relu) and upsample.computes_as_matmul(features))
+
+
+def _logits_from_patches(predictor: nn.Module, conv: nn.Conv2d, features: Tensor, labels: Tensor) -> Tensor:
+    """The own-class logits from the upsampling's patch-ordered product; only ``[K, S, S]`` is put in pixel order."""
+    upsample = predictor[0]
+    k, _, height, width = features.shape
+    _, channels, kh, kw = upsample.weight.shape
+    patches = torch.relu_(patch_products(features, upsample.weight, upsample.bias))  # [K*H*W, kh*kw*C], fresh
+    patches, weight = _in_compute_dtype(patches.view(k, height * width * kh * kw, channels),
+                                        conv.weight[labels, :, 0, 0])
+    out = torch.bmm(patches, weight.unsqueeze(-1))  # [K, H*W*kh*kw, 1], rows (i, j, a, b)
+    out = out.view(k, height, width, kh, kw).permute(0, 1, 3, 2, 4).reshape(k, height * kh, width * kw)
+    return _with_bias(out, conv, labels)
+
+
+def _with_bias(logits: Tensor, conv: nn.Conv2d, labels: Tensor) -> Tensor:
+    """``logits [K, S, S]`` plus each RoI's class bias, when the convolution has one."""
+    if conv.bias is None:
+        return logits
+    return logits + conv.bias[labels].to(logits.dtype)[:, None, None]

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from lit_amp_det.ops.layout import suggest_memory_format
 
-__all__ = ["PatchConvTranspose2d", "is_patchwise", "patch_conv_transpose2d", "use_patch_deconv"]
+__all__ = ["PatchConvTranspose2d", "is_patchwise", "patch_conv_transpose2d", "patch_products", "use_patch_deconv"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -88,18 +88,26 @@ class _ImageToPatches(torch.autograd.Function):
         return _PatchesToImage.apply(grad.contiguous(), ctx.geometry, ctx.memory_format), None, None
 
 
-def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.conv_transpose2d(x, weight, bias, stride=weight.shape[2:])`` for a batched ``[N, C_in, H, W]`` input, as
-    one matrix product (see the module doc). ``weight`` is ``[C_in, C_out, kh, kw]``. The output has the input's
-    memory format (channels_last in, channels_last out) and is a tensor of its own (in-place ops on it are cheap)."""
+def patch_products(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The layer's matrix product before the rearrangement: ``Tensor[N*H*W, kh*kw*C_out]``, row ``(n, i, j)``,
+    column ``(a, b, o)`` = output pixel ``(kh*i + a, kw*j + b)`` of image ``n``, channel ``o``. Pointwise consumers
+    (a ReLU, a 1x1 convolution) can run on it before the pixels are put in image order."""
     n, c_in, height, width = x.shape
     _, c_out, kh, kw = weight.shape
     rows = x.permute(0, 2, 3, 1).reshape(n * height * width, c_in)  # a view for channels_last input
     cols = weight.permute(0, 2, 3, 1).reshape(c_in, kh * kw * c_out)  # column (a, b, o): W[:, o, a, b]
     if bias is None:
-        patches = torch.mm(rows, cols)
-    else:
-        patches = torch.addmm(bias.repeat(kh * kw), rows, cols)
+        return torch.mm(rows, cols)
+    return torch.addmm(bias.repeat(kh * kw), rows, cols)
+
+
+def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.conv_transpose2d(x, weight, bias, stride=weight.shape[2:])`` for a batched ``[N, C_in, H, W]`` input, as
+    one matrix product (see the module doc). ``weight`` is ``[C_in, C_out, kh, kw]``. The output has the input's
+    memory format (channels_last in, channels_last out) and is a tensor of its own (in-place ops on it are cheap)."""
+    n, _, height, width = x.shape
+    _, c_out, kh, kw = weight.shape
+    patches = patch_products(x, weight, bias)
     return _PatchesToImage.apply(patches, (n, height, width, kh, kw, c_out), suggest_memory_format(x))
 
 
@@ -118,9 +126,13 @@ class PatchConvTranspose2d(nn.ConvTranspose2d):
     ``nn.ConvTranspose2d.forward``. Same parameters and ``state_dict`` as the layer it replaces."""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:  # noqa: A002 (torch's name)
-        if output_size is None and input.dim() == 4 and is_patchwise(self) and _computes_in_half(input):
+        if output_size is None and self.computes_as_matmul(input):
             return patch_conv_transpose2d(input, self.weight, self.bias)
         return super().forward(input, output_size)
+
+    def computes_as_matmul(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
+        """True when ``forward(input)`` takes the matrix product: a batched input computed in fp16/bf16."""
+        return input.dim() == 4 and is_patchwise(self) and _computes_in_half(input)
 
 
 def use_patch_deconv(model: nn.Module) -> int:
