@@ -12,7 +12,9 @@ The variants (``--variants``, default all):
 * ``weights-nchw``: ``weights`` with ``model.channels_last=false``;
 * ``weights-unfused``: ``weights`` stepping the masters through the optimizer's hooks
   (``precision.fused_master_step=false``), the A/B of the fused master step;
-* ``weights-labelled``: ``weights`` with ``model.labelled_mask_logits=true`` (own-class mask logits only).
+* ``weights-matmul-up``: ``weights`` with ``model.deconv_as_matmul=true`` (the mask upsampling as one matmul);
+* ``weights-labelled``: ``weights-matmul-up`` with ``model.labelled_mask_logits=true`` (own-class mask logits only,
+  computed on the upsampling's patch-ordered product).
 
 Every variant is built from the same seeded weights and steps on the same seeded batch with SGD at a fixed
 learning rate (``--lr``, default 0: the weights, hence the proposals and the work of a step, stay the same in every
@@ -59,7 +61,9 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "weights-tv-masks": ([*_ALL_ON, "trainer.precision={weights}"], False),
     "weights-nchw": ([*_ALL_ON, "trainer.precision={weights}", "model.channels_last=false"], True),
     "weights-unfused": ([*_ALL_ON, "trainer.precision={weights}", "precision.fused_master_step=false"], True),
-    "weights-labelled": ([*_ALL_ON, "trainer.precision={weights}", "model.labelled_mask_logits=true"], True),
+    "weights-matmul-up": ([*_ALL_ON, "trainer.precision={weights}", "model.deconv_as_matmul=true"], True),
+    "weights-labelled": ([*_ALL_ON, "trainer.precision={weights}", "model.deconv_as_matmul=true",
+                          "model.labelled_mask_logits=true"], True),
 }
 
 
