@@ -400,13 +400,11 @@ void add_sample_row_bf16(
     const uint16_t* p2,
     const uint16_t* p3,
     const uint16_t* p4,
-    float w1,
-    float w2,
-    float w3,
-    float w4,
+    const float (&w)[4],
     int64_t channels) {
   for (int64_t c = 0; c < channels; ++c) {
-    acc[c] += w1 * widen_bf16(p1[c]) + w2 * widen_bf16(p2[c]) + w3 * widen_bf16(p3[c]) + w4 * widen_bf16(p4[c]);
+    acc[c] += w[0] * widen_bf16(p1[c]) + w[1] * widen_bf16(p2[c]) + w[2] * widen_bf16(p3[c]) +
+        w[3] * widen_bf16(p4[c]);
   }
 }
 
@@ -425,8 +423,7 @@ void add_sample_row(
     if (stride_c == 1) {
       add_sample_row_bf16(
           acc, reinterpret_cast<const uint16_t*>(p1), reinterpret_cast<const uint16_t*>(p2),
-          reinterpret_cast<const uint16_t*>(p3), reinterpret_cast<const uint16_t*>(p4), w[0], w[1], w[2], w[3],
-          channels);
+          reinterpret_cast<const uint16_t*>(p3), reinterpret_cast<const uint16_t*>(p4), w, channels);
       return;
     }
   }
