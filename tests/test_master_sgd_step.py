@@ -192,6 +192,8 @@ def test_fused_step_is_taken_only_where_the_compiled_kernel_runs(monkeypatch: py
     monkeypatch.undo()
     if extension_available():
         assert fused_master_step.unfused_reason(sgd) is None
+        differentiable = torch.optim.SGD(params, lr=0.1, differentiable=True)
+        assert fused_master_step.unfused_reason(differentiable) == "param_groups[0] has differentiable=True"
     meta = torch.optim.SGD([torch.nn.Parameter(torch.randn(2, device="meta"))], lr=0.1)
     if extension_available():
         assert "on meta" in fused_master_step.unfused_reason(meta)
