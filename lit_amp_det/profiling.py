@@ -1,15 +1,13 @@
 """How lit_amp_det measures: peak memory, bytes saved for backward, step time and images per batch.
 
 The callbacks (``MemoryMonitor``, ``Throughput``, ``RunStats``), the benches and the tasks all measure through
-this one module, so a figure means the same thing wherever it is printed. It imports only the standard library
-and torch, so any layer may use it.
+this one module, so a figure means the same thing wherever it is printed. It imports only the standard library,
+torch and :mod:`lit_amp_det.cpu_heap` (glibc's heap settings, which the measurements pin), so any layer may use it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import re
 import resource
 import sys
@@ -21,12 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+# the glibc heap controls the measurements use, re-exported for the callers that measure
+from lit_amp_det.cpu_heap import pin_malloc_threshold, release_freed_cpu_memory, unpin_malloc_threshold
+
 __all__ = [
     "MB",
     "MemoryProbe",
     "SavedTensorBytes",
     "StepTimer",
     "count_images",
+    "minor_page_faults",
     "pin_malloc_threshold",
     "release_freed_cpu_memory",
     "synchronize",
@@ -59,54 +61,10 @@ def _reset_cpu_high_water_mark() -> bool:
     return True
 
 
-def _load_libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
-
-
-def release_freed_cpu_memory() -> None:
-    """Returns freed heap to the OS, so a resident-set peak measures this step, not the last one's leftovers."""
-    gc.collect()
-    trim = getattr(_LIBC, "malloc_trim", None)  # glibc; musl has none
-    if trim is not None:
-        trim(0)
-
-
-#: glibc's ``mallopt`` parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-#: Where glibc's dynamic mmap threshold ends up in a process that has freed large blocks (DEFAULT_MMAP_THRESHOLD_MAX
-#: on 64-bit); the dynamic trim threshold is twice the mmap threshold.
-_GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
-
-
-def pin_malloc_threshold(threshold: int = 128 * 1024) -> None:
-    """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and RSS stays up).
-
-    Every later allocation above ``threshold`` then gets fresh pages from the OS, which costs page faults: call
-    :func:`unpin_malloc_threshold` when the measurement is over, in a process that goes on working.
-    """
-    mallopt, trim = getattr(_LIBC, "mallopt", None), getattr(_LIBC, "malloc_trim", None)
-    if mallopt is None or trim is None:
-        return
-    mallopt(_M_MMAP_THRESHOLD, threshold)  # fixed, so it no longer adapts upwards
-    trim(0)
-
-
-def unpin_malloc_threshold() -> None:
-    """Undoes :func:`pin_malloc_threshold` as far as glibc allows: its thresholds go where its own adjustment takes
-    them in a long-running process (mmap 32 MB, trim 64 MB); the adjustment itself stays off."""
-    mallopt = getattr(_LIBC, "mallopt", None)
-    if mallopt is None:
-        return
-    mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
-    mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX)
+def minor_page_faults() -> int:
+    """Minor page faults this process has taken so far (``ru_minflt``): pages the kernel mapped in on first touch,
+    e.g. every page of a large block glibc got fresh from the OS (:mod:`lit_amp_det.cpu_heap`)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 # --------------------------------------------------------------------------------------------- the probe

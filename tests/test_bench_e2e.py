@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from lit_amp_det.bench import e2e, e2e_report, e2e_rows, infer, train
 from lit_amp_det.bench.common import compose
+from lit_amp_det.cpu_heap import retains_freed_memory
 
 SMALL = ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=1", "--steps=2", "--state-steps=2",
          "--peak-seconds=0.02"]
@@ -44,7 +45,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (12 if bench is train.BENCH else 8)
+    assert bench.rows[0].override is None and len(bench.rows) == (13 if bench is train.BENCH else 8)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -100,7 +101,8 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert last["model.deconv_as_matmul"] is (bench is train.BENCH)
     assert last["precision.fused_master_step"] is last["model.labelled_mask_logits"] is (bench is train.BENCH)
     if bench is train.BENCH:
-        assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval"]
+        assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval", "RetainCPUHeap"]
+        assert not retains_freed_memory()  # the row's teardown handed glibc's policy back to this process
         assert results["fused-optim"]["optimizer"]["fused"] is True
         assert results["freeze-norm-convbn"]["optimizer"]["fused"] is False
         assert results["low-precision-weights"]["compute_dtype"] == "bf16"

@@ -1,6 +1,7 @@
 """The import graph: no cycles, and every module imports only from its own layer or the layers below it.
 
-Layers, bottom up (``errors``, the library's argument error, under all of them): ``profiling`` and ``ops`` (kernels and their front end) -> ``precision``, ``data``, ``models``
+Layers, bottom up (``errors``, the library's argument error, under all of them): ``cpu_heap`` (glibc's heap policy)
+-> ``profiling`` and ``ops`` (kernels and their front end) -> ``precision``, ``data``, ``models``
 -> ``module``, ``optim``, ``checkpoints``, ``distributed`` -> ``callbacks`` (each on its own: no callback imports
 another) -> the application: the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and
 launch plumbing), ``bench`` and ``cli``.
@@ -17,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lit_amp_det"
 #: module prefix -> the prefixes it may import from (besides itself and its own package)
 ALLOWED = {
     "lit_amp_det.errors": (),
-    "lit_amp_det.profiling": (),
+    "lit_amp_det.cpu_heap": (),
+    "lit_amp_det.profiling": ("lit_amp_det.cpu_heap",),
     "lit_amp_det.ops": (),
     "lit_amp_det.precision": ("lit_amp_det.ops",),  # the fused master step and finite check are ops
     "lit_amp_det.data": (),
@@ -27,8 +29,8 @@ ALLOWED = {
     "lit_amp_det.checkpoints": (),
     "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim",
                            "lit_amp_det.checkpoints", "lit_amp_det.distributed", "lit_amp_det.precision"),
-    "lit_amp_det.callbacks": ("lit_amp_det.profiling", "lit_amp_det.models", "lit_amp_det.precision",
-                              "lit_amp_det.distributed"),
+    "lit_amp_det.callbacks": ("lit_amp_det.cpu_heap", "lit_amp_det.profiling", "lit_amp_det.models",
+                              "lit_amp_det.precision", "lit_amp_det.distributed"),
 }
 APPLICATION = ("lit_amp_det.app", "lit_amp_det.bench", "lit_amp_det.cli")
 #: the error type every layer raises (imports nothing from the package)

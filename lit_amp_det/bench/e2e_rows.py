@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from lit_amp_det.bench.common import shapes_batch, weights_sha256
+from lit_amp_det.cpu_heap import retains_freed_memory
 from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
                                    unpin_malloc_threshold)
 
@@ -270,13 +271,16 @@ class PeakMemory:
     (:func:`~lit_amp_det.profiling.pin_malloc_threshold`): otherwise the resident peak of the timed steps includes
     whatever heap the allocator kept from earlier steps, which depends on the order of the allocations, not on what
     the step holds. Measured on the R50-FPN at 256 px: two variants that hold the same tensors (577 vs 573 MB
-    pinned) read 704-732 vs 630-657 MB unpinned.
+    pinned) read 704-732 vs 630-657 MB unpinned. A row that keeps its freed heap on purpose
+    (:class:`~lit_amp_det.callbacks.retain_cpu_heap.RetainCPUHeap`) is measured as it runs, unpinned and untrimmed:
+    the heap it keeps is memory the process holds.
     """
 
     def __init__(self, device: str) -> None:
         self.probe = MemoryProbe(device)
         self.baseline = self.probe.baseline_bytes() / MB
-        pinned = "" if self.probe.cuda else ", glibc's mmap threshold pinned and freed heap released first"
+        pinned = "" if self.probe.cuda else (", glibc's mmap threshold pinned and freed heap released first (a row "
+                                             "that retains its CPU heap: as it runs, the kept heap included)")
         self.method = (f"{self.probe.source}, one step after the timed ones{pinned}, minus what was in use after "
                        "building")
 
@@ -284,7 +288,8 @@ class PeakMemory:
         """Runs ``run`` once and returns its peak (see the class doc). On a CPU the pinned threshold is lifted again
         afterwards (every large allocation would fault in fresh pages while it holds); call it after the timed work
         all the same, since glibc's own adjustment of the threshold stays off."""
-        if not self.probe.cuda:
+        pin = not self.probe.cuda and not retains_freed_memory()
+        if pin:
             pin_malloc_threshold()
             release_freed_cpu_memory()
         try:
@@ -293,7 +298,7 @@ class PeakMemory:
             run()
             self.probe.synchronize()
         finally:
-            if not self.probe.cuda:
+            if pin:
                 unpin_malloc_threshold()
         return self.peak()
 

@@ -22,9 +22,11 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 10. ``precision.fused_master_step=true``: the half-weights mode's SGD step in one pass from the half-precision
     gradients, no fp32 gradients (:mod:`lit_amp_det.precision.fused_master_step`; a no-op for fp16 on CUDA,
     whose GradScaler steps through the hooks);
-11. ``model.labelled_mask_logits=true``: the training mask loss from each positive RoI's own-class logits only,
+11. ``callbacks=[freeze_norm,conv_bn_eval,retain_cpu_heap]``: glibc keeps the heap a step frees for the next step
+    (:class:`~lit_amp_det.callbacks.retain_cpu_heap.RetainCPUHeap`; CPU only), so steps stop faulting pages in;
+12. ``model.labelled_mask_logits=true``: the training mask loss from each positive RoI's own-class logits only,
     one dot product per pixel instead of ``num_classes`` (:mod:`lit_amp_det.models.labelled_mask_logits`);
-12. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+13. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -40,7 +42,7 @@ so the proposal counts that set a step's time, at the loaded state through warm-
 Columns: images/s (batch / median step time), step time (median over repeats of each repeat's median), the
 min-max of the repeat medians, IQR of the timed steps, GFLOP per step and achieved GFLOP/s with the fraction of
 the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory of one more step above the built model, ratios to the first
-row, and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps
+row, each repeat's minor page faults per timed step, and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps
 on CUDA; the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 repeats.
 """
 
@@ -58,7 +60,7 @@ from lit_amp_det.bench.common import batch_sha256, compose, train_step
 from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
-from lit_amp_det.profiling import timed
+from lit_amp_det.profiling import minor_page_faults, timed
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]
 
@@ -73,6 +75,7 @@ ROWS = (
     Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}"),
     Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true"),
     Row("fused-master-step", "+ fused master SGD step", "precision.fused_master_step=true"),
+    Row("retain-cpu-heap", "+ retained CPU heap", "callbacks=[freeze_norm,conv_bn_eval,retain_cpu_heap]"),
     Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
@@ -117,12 +120,18 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
             scheduler.step()
         losses.append(loss.detach())
 
-    warmup_s = sum(timed(lambda i=i: step(i), setting.device) for i in range(warmup))
-    times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
+    try:
+        warmup_s = sum(timed(lambda i=i: step(i), setting.device) for i in range(warmup))
+        faults = minor_page_faults()
+        times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
+        faults = (minor_page_faults() - faults) / setting.steps
+        flops = count_flops(lambda: step(warmup + setting.steps))  # one more step, after the timed ones
+        where = time_breakdown(lambda: step(warmup + setting.steps + 1), setting.device, flops / 1e9)  # and one more
+        peak = memory.peak_of(lambda: step(warmup + setting.steps + 2))  # last: it pins the CPU allocator
+    finally:  # as fit ends; RetainCPUHeap hands the process's heap policy back (rows also run in process)
+        for callback in callbacks:
+            callback.teardown(None, module, "fit")
     stats = e2e_rows.summarise(times)
-    flops = count_flops(lambda: step(warmup + setting.steps))  # one more step, after the timed ones
-    where = time_breakdown(lambda: step(warmup + setting.steps + 1), setting.device, flops / 1e9)  # and one more
-    peak = memory.peak_of(lambda: step(warmup + setting.steps + 2))  # last: it pins the CPU allocator
     del losses[-3:]
     precision = getattr(plugin, "precision", str(cfg.trainer.precision))
     return {
@@ -130,6 +139,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "images_per_s": setting.batch * 1000 / stats["step_ms_median"],
         **peak,
         "memory_method": memory.method,
+        "page_faults_per_step": faults,
         "gflop_per_step": flops / 1e9,
         **where,
         "compute_dtype": compute_dtype(precision),
@@ -144,6 +154,13 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "optimizer": {"type": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
                       "foreach": optimizer.defaults.get("foreach")},
     }
+
+
+def _faults_text(row: dict[str, Any]) -> str:
+    """Each repeat's minor page faults per timed step, in run order: a repeat that faults its activations in every
+    step (glibc handing them back to the OS) reads slower for that reason alone."""
+    repeats = row.get("repeat_results") or [row]
+    return " / ".join(f"{r['page_faults_per_step']:.0f}" if "page_faults_per_step" in r else "-" for r in repeats)
 
 
 def _ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
@@ -167,6 +184,7 @@ BENCH = e2e_rows.Bench(
         ("GFLOP/s (% of peak)", roofline_text),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
         ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
+        ("page faults/step (each repeat)", _faults_text),
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} steps)"),
     ),
     panels=(("speedup", "images/s vs first row (higher is better)"),
