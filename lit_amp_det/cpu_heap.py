@@ -5,8 +5,8 @@ them (and the free top of its heap) to the OS when they are freed, so a training
 the same activations every iteration faults every page of them in again: the kernel zeroes each 4 KB page and
 both threads wait on the process's memory map. Whether a process falls into that pattern depends on the order of
 its first allocations (glibc adapts its thresholds to the blocks it has seen freed). Measured on the R50-FPN at
-256 px, batch 2, on the 2-core dev CPU: processes of the same step took 0 or 7 000-28 000 faults a step, and the
-faulting ones ran 10-25 % slower (BENCHMARKS.md, "Retained CPU heap").
+256 px, batch 2, on the 2-core dev CPU: processes of the same step took 0-600 or 6 800-27 800 faults a step, and
+those above 20 000 ran 15-25 % slower (BENCHMARKS.md, "Retained CPU heap").
 
 :func:`retain_freed_memory` turns that off for the process: no ``mmap`` for large blocks and no trimming, so a
 freed block stays mapped and the next step reuses it without faults; the resident set stays at the run's peak (what
