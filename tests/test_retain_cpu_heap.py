@@ -83,7 +83,8 @@ def fake_libc(monkeypatch: pytest.MonkeyPatch) -> _FakeLibc:
 
 
 def test_unpin_restores_whichever_policy_was_in_force(fake_libc: _FakeLibc) -> None:
-    mmap_max, mmap_threshold, trim_threshold = cpu_heap._M_MMAP_MAX, cpu_heap._M_MMAP_THRESHOLD, cpu_heap._M_TRIM_THRESHOLD
+    mmap_max, mmap_threshold = cpu_heap._M_MMAP_MAX, cpu_heap._M_MMAP_THRESHOLD
+    trim_threshold = cpu_heap._M_TRIM_THRESHOLD
     cpu_heap.pin_malloc_threshold(256 * 1024)
     assert fake_libc.settings[mmap_threshold] == 256 * 1024 and fake_libc.trims == 1
     cpu_heap.unpin_malloc_threshold()  # not retained: glibc's long-running thresholds
