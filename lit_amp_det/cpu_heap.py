@@ -12,8 +12,9 @@ those above 20 000 ran 15-25 % slower (BENCHMARKS.md, "Retained CPU heap").
 freed block stays mapped and the next step reuses it without faults; the resident set stays at the run's peak (what
 CUDA's caching allocator does with device memory). A few faults a step remain where a request fits no freed block:
 torch allocates with ``posix_memalign``, which asks glibc for a little more than the size, so a freed block of exactly
-that size is not always reused for the same request (retained R50 steps: 300-2 200 faults instead of up to 35 000). :func:`return_freed_memory` restores glibc's behaviour. The
-callback :class:`~lit_amp_det.callbacks.retain_cpu_heap.RetainCPUHeap` applies it for a CPU run.
+that size is not always reused for the same request (retained R50 steps: 300-2 200 faults instead of up to 35 000).
+:func:`return_freed_memory` restores glibc's behaviour. The callback
+:class:`~lit_amp_det.callbacks.retain_cpu_heap.RetainCPUHeap` applies it for a CPU run.
 
 The measurement helpers :func:`pin_malloc_threshold` / :func:`unpin_malloc_threshold` (the benches' peak memory of
 one step) live here too, since they change the same settings; unpinning restores whichever policy was in force.
