@@ -60,6 +60,7 @@ BASELINE = (
     "model.deconv_as_matmul=false",
     "precision.fused_master_step=false",
     "model.labelled_mask_logits=false",
+    "model.pointwise_conv_as_matmul=false",
     "model.compile=null",
 )
 
@@ -230,6 +231,7 @@ def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
         "model.deconv_as_matmul": cfg.model.deconv_as_matmul,
         "precision.fused_master_step": cfg.precision.get("fused_master_step"),
         "model.labelled_mask_logits": cfg.model.labelled_mask_logits,
+        "model.pointwise_conv_as_matmul": cfg.model.pointwise_conv_as_matmul,
         "model.compile": cfg.model.compile,
         "callbacks": [repr(c) for c in built.callbacks],
         "optim.optimizer.fused": cfg.optim.optimizer.get("fused"),

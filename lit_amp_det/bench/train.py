@@ -26,7 +26,9 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
     (:class:`~lit_amp_det.callbacks.retain_cpu_heap.RetainCPUHeap`; CPU only), so steps stop faulting pages in;
 12. ``model.labelled_mask_logits=true``: the training mask loss from each positive RoI's own-class logits only,
     one dot product per pixel instead of ``num_classes`` (:mod:`lit_amp_det.models.labelled_mask_logits`);
-13. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+13. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products in
+    fp16/bf16 on channels_last maps (:mod:`lit_amp_det.models.pointwise_conv`);
+14. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -78,6 +80,7 @@ ROWS = (
     Row("fused-master-step", "+ fused master SGD step", "precision.fused_master_step=true"),
     Row("retain-cpu-heap", "+ retained CPU heap", "callbacks=[freeze_norm,conv_bn_eval,retain_cpu_heap]"),
     Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),
+    Row("pointwise-matmul", "+ 1x1 convs as matmuls", "model.pointwise_conv_as_matmul=true"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

@@ -19,11 +19,12 @@ import weakref
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torchvision.models import resnet
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.ops import FrozenBatchNorm2d
+
+from lit_amp_det.models.pointwise_conv import PointwiseConv2d, convolve
 
 __all__ = [
     "NORM_TYPES",
@@ -47,9 +48,9 @@ Pair = tuple[str, str]
 # ------------------------------------------------------------------------------------------- the fold
 
 def _is_conv(module: nn.Module) -> bool:
-    """A Conv2d whose forward is Conv2d's own (subclasses that change it, e.g. weight standardisation, are not
-    folded) with zero padding (the only mode the folded ``F.conv2d`` call reproduces)."""
-    return (isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward
+    """A Conv2d whose forward is Conv2d's own or :class:`PointwiseConv2d`'s (the same function; subclasses that change
+    it, e.g. weight standardisation, are not folded) with zero padding (the only mode the folded call reproduces)."""
+    return (isinstance(module, nn.Conv2d) and type(module).forward in (nn.Conv2d.forward, PointwiseConv2d.forward)
             and module.padding_mode == "zeros")
 
 
@@ -148,7 +149,7 @@ class _FoldedConv:
         if not self._folds(input):
             return type(conv).forward(conv, input)
         weight, bias = folded_weight_and_bias(conv, self.norm)
-        out = F.conv2d(input, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+        out = convolve(conv, input, weight, bias)
         self.pending = weakref.ref(out)
         return out
 

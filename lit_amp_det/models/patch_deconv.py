@@ -28,12 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_amp_det.models.half_compute import computes_in_half
 from lit_amp_det.ops.layout import suggest_memory_format
 
 __all__ = ["PatchConvTranspose2d", "is_patchwise", "patch_conv_transpose2d", "patch_products", "use_patch_deconv"]
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
 
 def is_patchwise(layer: nn.ConvTranspose2d) -> bool:
     """True when ``layer``'s output patches do not overlap and it has no padding: kernel == stride, zero padding
@@ -111,15 +109,6 @@ def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Te
     return _PatchesToImage.apply(patches, (n, height, width, kh, kw, c_out), suggest_memory_format(x))
 
 
-def _computes_in_half(x: Tensor) -> bool:
-    """True when a layer fed ``x`` computes in fp16/bf16: ``x`` is half, or autocast is on for its device with a
-    half dtype (autocast casts a convolution's inputs to it)."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device) in _HALF_DTYPES
-    return x.dtype in _HALF_DTYPES
-
-
 class PatchConvTranspose2d(nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` that computes a patchwise layer (:func:`is_patchwise`) in fp16/bf16 as one matrix
     product; everything else (float32, an explicit ``output_size``, unbatched input, another geometry) runs
@@ -132,7 +121,7 @@ class PatchConvTranspose2d(nn.ConvTranspose2d):
 
     def computes_as_matmul(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
         """True when ``forward(input)`` takes the matrix product: a batched input computed in fp16/bf16."""
-        return input.dim() == 4 and is_patchwise(self) and _computes_in_half(input)
+        return input.dim() == 4 and is_patchwise(self) and computes_in_half(input)
 
 
 def use_patch_deconv(model: nn.Module) -> int:
