@@ -140,12 +140,14 @@ def test_precision_regions_on_the_predictor() -> None:
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-@pytest.mark.parametrize("mode", ["autocast", "half-weights"])
+@pytest.mark.parametrize("mode", ["autocast", "half-weights", "master-weights"])
 def test_matmul_upsampling_runs_on_its_patches(channels_last: bool, mode: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """With the matmul upsampling in bf16 the logits come from its patch-ordered product (the module's forward is
-    not called) and equal the full predictor's, values and gradients, to bf16 rounding."""
+    not called) and equal the full predictor's, values and gradients, to bf16 rounding. ``master-weights`` is the
+    ``bf16-weights`` precision's conversion, whose input-cast pre-hooks (fp32 features in) the patch path applies."""
     from lit_amp_det.models.patch_deconv import PatchConvTranspose2d
+    from lit_amp_det.precision.master_weights import use_low_precision_weights
 
     dtype = torch.bfloat16
     format_ = torch.channels_last if channels_last else torch.contiguous_format
@@ -155,6 +157,9 @@ def test_matmul_upsampling_runs_on_its_patches(channels_last: bool, mode: str,
         assert use_patch_deconv(predictor) == 1
         if mode == "half-weights":
             predictor.to(dtype)
+        elif mode == "master-weights":
+            use_low_precision_weights(predictor, dtype)
+            assert predictor[0]._forward_pre_hooks  # the hook the patch path must see through
         predictors.append(predictor.to(memory_format=format_))
     full_predictor, ours_predictor = predictors
     x, labels = _inputs(channels_last=channels_last)

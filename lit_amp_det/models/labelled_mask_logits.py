@@ -89,9 +89,21 @@ def _in_compute_dtype(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     return x, weight.to(x.dtype)
 
 
-def _hookless(module: nn.Module) -> bool:
-    """No forward or backward hooks on ``module`` nor global ones: replacing its call by the same maths is unseen."""
-    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+#: Attribute (True) of a forward pre-hook that only casts floating inputs to the module's weight dtype: the
+#: low-precision-weights mode's hook (``lit_amp_det.precision.master_weights``). The patch path casts like it.
+INPUT_CAST_HOOK_FLAG = "casts_inputs_to_weight_dtype"
+
+
+def _casts_inputs(hook: object) -> bool:
+    return getattr(hook, INPUT_CAST_HOOK_FLAG, False) is True
+
+
+def _hookless(module: nn.Module, *, allow_input_cast: bool = False) -> bool:
+    """No forward or backward hooks on ``module`` nor global ones: replacing its call by the same maths is unseen.
+    ``allow_input_cast``: except forward pre-hooks that only cast the inputs to the weight dtype (see
+    :data:`INPUT_CAST_HOOK_FLAG`), which the caller then applies itself."""
+    pre_hooks = [h for h in module._forward_pre_hooks.values() if not (allow_input_cast and _casts_inputs(h))]
+    own = (module._forward_hooks, pre_hooks, module._backward_hooks, module._backward_pre_hooks)
     shared = (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
               module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks)
     return not any(own) and not any(shared) and "forward" not in vars(module)
@@ -100,8 +112,18 @@ def _hookless(module: nn.Module) -> bool:
 def _takes_patches(predictor: nn.Module, features: Tensor) -> bool:
     """The upsampling is a matmul one that computes ``features`` as a matmul, followed by a plain ReLU, hookless."""
     upsample, relu = predictor[0], predictor[1]
-    return (type(upsample) is PatchConvTranspose2d and type(relu) is nn.ReLU and _hookless(upsample)
-            and _hookless(relu) and upsample.computes_as_matmul(features))
+    return (type(upsample) is PatchConvTranspose2d and type(relu) is nn.ReLU
+            and _hookless(upsample, allow_input_cast=True) and _hookless(relu)
+            and upsample.computes_as_matmul(_upsampling_input(upsample, features)))
+
+
+def _upsampling_input(upsample: nn.Module, features: Tensor) -> Tensor:
+    """``features`` as the upsampling layer receives them: cast to its weight dtype by an input-cast pre-hook (the
+    low-precision-weights mode's), when it has one and they are floating point of another dtype."""
+    if (any(_casts_inputs(h) for h in upsample._forward_pre_hooks.values()) and features.is_floating_point()
+            and features.dtype != upsample.weight.dtype):
+        return features.to(upsample.weight.dtype)
+    return features
 
 
 def _logits_from_patches(predictor: nn.Module, conv: nn.Conv2d, features: Tensor, labels: Tensor) -> Tensor:
@@ -109,6 +131,7 @@ def _logits_from_patches(predictor: nn.Module, conv: nn.Conv2d, features: Tensor
     upsample = predictor[0]
     k, _, height, width = features.shape
     _, channels, kh, kw = upsample.weight.shape
+    features = _upsampling_input(upsample, features)
     patches = torch.relu_(patch_products(features, upsample.weight, upsample.bias))  # [K*H*W, kh*kw*C], fresh
     patches, weight = _in_compute_dtype(patches.view(k, height * width * kh * kw, channels),
                                         conv.weight[labels, :, 0, 0])

@@ -67,6 +67,11 @@ def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[A
     return cast_tensor_type(args, None, getattr(module, _DTYPE_ATTR))
 
 
+# Tells code that replaces a module's call by the same maths (lit_amp_det.models.labelled_mask_logits) that this hook
+# only casts the inputs to the weights' dtype, which it can do itself; the models layer reads the attribute by name.
+_cast_inputs_to_weights.casts_inputs_to_weight_dtype = True  # type: ignore[attr-defined]
+
+
 def _norm_inputs_to_fp32(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Forward pre-hook of a norm without mixed-dtype kernels: low-precision inputs run in fp32."""
     return cast_tensor_type(args, LOW_PRECISION_DTYPES, torch.float32)
