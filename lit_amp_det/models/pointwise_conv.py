@@ -7,9 +7,9 @@ gradient ``G @ W``, weight gradient ``G^T @ X``).
 
 Why: on the CPU, oneDNN's bf16 convolution is slow on the backbone's small, deep maps. Measured on the dev CPU
 (2-core AMD EPYC, torch 2.14.1, bf16 channels_last, batch 2, forward + backward): ResNet-50 layer4's 2048 -> 512
-at 8x8 2.87 vs 0.96 ms as a matmul, 512 -> 2048 1.52 vs 0.95, layer3's 1024 -> 256 at 16x16 1.13 vs 0.93, the
-FPN's 2048 -> 256 lateral at 8x8 1.50 vs 0.53, the 1024 -> 2048 stride-2 shortcut 3.79 vs 2.02; on 32x32 and
-64x64 maps both take the same time (and give the same bits). End-to-end figures: BENCHMARKS.md.
+at 8x8 2.63 vs 0.95 ms as matmuls, 512 -> 2048 1.41 vs 0.92, layer3's 1024 -> 256 at 16x16 1.06 vs 0.92, the
+FPN's 2048 -> 256 lateral at 8x8 1.42 vs 0.52, the 1024 -> 2048 stride-2 shortcut 3.41 vs 1.86; on 32x32 and
+64x64 maps both take about the same time. End-to-end figures: BENCHMARKS.md.
 
 :class:`_PointwiseConv` writes its products straight into channels_last tensors of their own, so the output is not
 a view: the ResNet block's in-place ``out += identity`` and ReLU on it stay plain in-place ops (on a permuted view

@@ -724,8 +724,40 @@ std::vector<at::Tensor> backward_planar(
   return outputs;
 }
 
-// Scatters one roi's gradient for channels [c0, c0 + n) into a channels_last accumulation buffer (image points
-// at channel c0 of the roi's image), bin by bin; g_row is a scratch row of n.
+// Adds one roi's bins of n gradients (g_bins: ph * pw rows of n, already divided by the roi's count) into a
+// channels_last accumulation buffer (image points at the first of those channels in the roi's image), bin by bin.
+template <typename acc_t>
+inline void scatter_roi_bins(
+    acc_t* image,
+    const SamplingPlan<acc_t>& plan,
+    const RoiSamples<acc_t>& roi,
+    const PoolParams& p,
+    const acc_t* g_bins,
+    int64_t n) {
+  for (int64_t i = 0; i < p.pooled_height; ++i) {
+    for (int64_t j = 0; j < p.pooled_width; ++j) {
+      scatter_bin(image, bin_taps(plan, roi, i, j), g_bins + (i * p.pooled_width + j) * n, n);
+    }
+  }
+}
+
+// scatter_roi_bins for half-precision gradients (float accumulators), compiled wide (LIT_MULTIVERSION). One call
+// per roi lets the clones inline their vector axpys; a call per corner update through the clone dispatch cost
+// more than the updates themselves.
+LIT_MULTIVERSION
+void scatter_roi_bins_wide(
+    float* image,
+    const SamplingPlan<float>& plan,
+    const RoiSamples<float>& roi,
+    const PoolParams& p,
+    const float* g_bins,
+    int64_t n) {
+  scatter_roi_bins(image, plan, roi, p, g_bins, n);
+}
+
+// Scatters one roi's gradient for channels [c0, c0 + n) (grad points at grad[k, c0, 0, 0]) into a channels_last
+// accumulation buffer: gathers its bins into g_bins (ph * pw * n), then adds them bin by bin, in the order
+// torchvision adds them (float32 and float64 sums match it).
 template <typename scalar_t, typename acc_t>
 void scatter_roi_channels_last(
     acc_t* image,
@@ -735,71 +767,21 @@ void scatter_roi_channels_last(
     const SamplingPlan<acc_t>& plan,
     const RoiSamples<acc_t>& roi,
     const PoolParams& p,
-    acc_t* g_row) {
-  for (int64_t i = 0; i < p.pooled_height; ++i) {
-    for (int64_t j = 0; j < p.pooled_width; ++j) {
-      const scalar_t* g = grad + i * grad_strides[1] + j * grad_strides[2];
-      for (int64_t c = 0; c < n; ++c) {
-        g_row[c] = static_cast<acc_t>(g[c * grad_strides[0]]) / roi.count;
-      }
-      scatter_bin(image, bin_taps(plan, roi, i, j), g_row, n);
-    }
-  }
-}
-
-// The scatter of one roi for half-precision gradients (float accumulators), compiled wide (LIT_MULTIVERSION):
-// g_bins holds the roi's ph * pw bins of n float gradients, already divided by the roi's count. One call per
-// roi lets the clones inline their vector axpys; a call per corner update through the clone dispatch cost
-// more than the updates themselves.
-LIT_MULTIVERSION
-void scatter_roi_wide(
-    float* image,
-    const Tap<float>* taps,
-    const int64_t* y_bounds,
-    const int64_t* x_bounds,
-    int64_t pooled_height,
-    int64_t pooled_width,
-    const float* C10_RESTRICT g_bins,
-    int64_t n) {
-  for (int64_t i = 0; i < pooled_height; ++i) {
-    for (int64_t j = 0; j < pooled_width; ++j) {
-      const float* g = g_bins + (i * pooled_width + j) * n;
-      for (const Tap<float>* ty = taps + y_bounds[i]; ty != taps + y_bounds[i + 1]; ++ty) {
-        for (const Tap<float>* tx = taps + x_bounds[j]; tx != taps + x_bounds[j + 1]; ++tx) {
-          axpy(image + ty->lo + tx->lo, g, ty->w_lo * tx->w_lo, n);
-          axpy(image + ty->lo + tx->hi, g, ty->w_lo * tx->w_hi, n);
-          axpy(image + ty->hi + tx->lo, g, ty->w_hi * tx->w_lo, n);
-          axpy(image + ty->hi + tx->hi, g, ty->w_hi * tx->w_hi, n);
-        }
-      }
-    }
-  }
-}
-
-// scatter_roi_channels_last for half-precision gradients: gathers the roi's bins into g_bins (ph * pw * n
-// floats), then scatters them in one scatter_roi_wide call.
-template <typename scalar_t>
-void scatter_roi_channels_last_wide(
-    float* image,
-    const scalar_t* grad,
-    const int64_t (&grad_strides)[3],
-    int64_t n,
-    const SamplingPlan<float>& plan,
-    const RoiSamples<float>& roi,
-    const PoolParams& p,
-    float* g_bins) {
-  float* dst = g_bins;
+    acc_t* g_bins) {
+  acc_t* dst = g_bins;
   for (int64_t i = 0; i < p.pooled_height; ++i) {
     for (int64_t j = 0; j < p.pooled_width; ++j, dst += n) {
       const scalar_t* g = grad + i * grad_strides[1] + j * grad_strides[2];
       for (int64_t c = 0; c < n; ++c) {
-        dst[c] = static_cast<float>(g[c * grad_strides[0]]) / roi.count;
+        dst[c] = static_cast<acc_t>(g[c * grad_strides[0]]) / roi.count;
       }
     }
   }
-  scatter_roi_wide(
-      image, plan.taps.data(), plan.bounds.data() + roi.y_bounds, plan.bounds.data() + roi.x_bounds,
-      p.pooled_height, p.pooled_width, g_bins, n);
+  if constexpr (kWideLoops<scalar_t, acc_t>) {
+    scatter_roi_bins_wide(image, plan, roi, p, g_bins, n);
+  } else {
+    scatter_roi_bins(image, plan, roi, p, g_bins, n);
+  }
 }
 
 // channels_last backward: each thread owns a channel range of a channels_last accumulation buffer per
@@ -837,16 +819,12 @@ std::vector<at::Tensor> backward_channels_last(
   // Channel ranges of a few cache lines keep the inner loops long enough to vectorise.
   constexpr int64_t kChannelGrain = 32;
   at::parallel_for(0, channels, kChannelGrain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> scratch((kWideLoops<scalar_t, acc_t> ? p.pooled_height * p.pooled_width : 1) * (end - begin));
+    std::vector<acc_t> g_bins(p.pooled_height * p.pooled_width * (end - begin));
     for (size_t k = 0; k < plan.rois.size(); ++k) {
       const RoiSamples<acc_t>& roi = plan.rois[k];
       acc_t* image = images[roi.level] + roi.batch * image_strides[roi.level] + begin;
-      const scalar_t* roi_grad = g + k * sg_k + begin * grad_strides[0];
-      if constexpr (kWideLoops<scalar_t, acc_t>) {
-        scatter_roi_channels_last_wide(image, roi_grad, grad_strides, end - begin, plan, roi, p, scratch.data());
-      } else {
-        scatter_roi_channels_last(image, roi_grad, grad_strides, end - begin, plan, roi, p, scratch.data());
-      }
+      scatter_roi_channels_last(
+          image, g + k * sg_k + begin * grad_strides[0], grad_strides, end - begin, plan, roi, p, g_bins.data());
     }
   });
 
