@@ -38,6 +38,7 @@ from lit_amp_det.models.labelled_mask_logits import logit_conv
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.patch_deconv import use_patch_deconv
 from lit_amp_det.models.pointwise_conv import use_pointwise_matmul
+from lit_amp_det.models.winograd_conv import use_winograd_convs
 from lit_amp_det.models.speed import COMPILE_TARGETS, compile_detector, use_channels_last
 from lit_amp_det.optim import build_optimizer, check_reference_batch, global_batch_size, scale_lr
 
@@ -104,6 +105,9 @@ class MaskRCNNModule(LightningModule):
         pointwise_conv_as_matmul: compute the backbone's and FPN's 1x1 convolutions as matrix products when they run
             in fp16/bf16 on channels_last maps (:mod:`lit_amp_det.models.pointwise_conv`; up to 3x faster forward +
             backward on the CPU's small, deep maps).
+        winograd_convs: parts of the detector (``mask_head``, ``rpn_head``, ``fpn``, ``backbone``) whose 3x3,
+            stride-1 convolutions run Winograd F(2x2, 3x3) (:mod:`lit_amp_det.models.winograd_conv`; 2.25x fewer
+            multiplications) when a layer computes in fp16/bf16 on the CPU and is large enough; ``[]``: none.
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
         scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
@@ -133,6 +137,7 @@ class MaskRCNNModule(LightningModule):
         deconv_as_matmul: bool = False,
         labelled_mask_logits: bool = False,
         pointwise_conv_as_matmul: bool = False,
+        winograd_convs: Sequence[str] = (),
         backbone: Mapping[str, Any] | None = None,
         transform: Mapping[str, Any] | None = None,
         rpn: Mapping[str, Any] | None = None,
@@ -172,6 +177,9 @@ class MaskRCNNModule(LightningModule):
             self._use_labelled_mask_logits()
         if pointwise_conv_as_matmul:
             use_pointwise_matmul(self.model)
+        if winograd_convs and use_winograd_convs(self.model, list(winograd_convs)) == 0:
+            log.warning("model.winograd_convs=%s: the model has no 3x3, stride-1 convolution there, so nothing was "
+                        "switched", list(winograd_convs))
         compile_detector(self.model, compile)
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()

@@ -45,7 +45,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (14 if bench is train.BENCH else 8)
+    assert bench.rows[0].override is None and len(bench.rows) == (15 if bench is train.BENCH else 8)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -95,13 +95,15 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert first == {"trainer.precision": "32-true", "precision.fp32_regions": {}, "model.ops": "torchvision",
                      "model.channels_last": False, "model.deconv_as_matmul": False, "model.compile": None,
                      "precision.fused_master_step": False, "model.labelled_mask_logits": False,
-                     "model.pointwise_conv_as_matmul": False, "callbacks": [], "optim.optimizer.fused": None}
+                     "model.pointwise_conv_as_matmul": False, "model.winograd_convs": [], "callbacks": [],
+                     "optim.optimizer.fused": None}
     assert last["trainer.precision"] == ("bf16-weights" if bench is train.BENCH else "bf16-mixed")
     assert last["precision.fp32_regions"] is None
     assert last["model.ops"] == "ext" and last["model.channels_last"] is True
     assert last["model.deconv_as_matmul"] is (bench is train.BENCH)
     assert last["precision.fused_master_step"] is last["model.labelled_mask_logits"] is (bench is train.BENCH)
     assert last["model.pointwise_conv_as_matmul"] is (bench is train.BENCH)
+    assert last["model.winograd_convs"] == (["mask_head", "rpn_head", "fpn"] if bench is train.BENCH else [])
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval", "RetainCPUHeap"]
         assert not retains_freed_memory()  # the row's teardown handed glibc's policy back to this process

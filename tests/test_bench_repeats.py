@@ -94,6 +94,20 @@ def test_finish_row_derives_throughput_and_roofline_from_the_median() -> None:
     assert row["images_per_s"] == 16.0 and row["achieved_gflops"] == 160.0
     assert row["peak_gflops"] == 800.0 and row["peak_fraction"] == 0.2
     assert roofline.roofline(None, 250.0, "fp16", peaks["peaks"])["peak_fraction"] is None
+    assert "model_peak_fraction" not in row and e2e_report.roofline_text(row) == "160 (20 % bf16)"
+    same = e2e.finish_row({"status": "ok", "step_ms_median": 250.0, "gflop_per_step": 40.0, "compute_dtype": "bf16",
+                           "model_gflop_per_step": 40.0}, 4, "step", peaks)
+    assert "model_peak_fraction" not in same
+
+
+def test_a_row_with_fewer_flops_than_its_model_also_reports_model_flops_utilisation() -> None:
+    """Winograd rows execute fewer FLOPs than the model defines: both rates are reported, each against the peak."""
+    peaks = {"peaks": {"bf16": {"gflops": 800.0}}}
+    row = e2e.finish_row({"status": "ok", "step_ms_median": 250.0, "gflop_per_step": 30.0, "compute_dtype": "bf16",
+                          "model_gflop_per_step": 40.0}, 4, "step", peaks)
+    assert row["achieved_gflops"] == 120.0 and row["peak_fraction"] == 0.15
+    assert row["model_achieved_gflops"] == 160.0 and row["model_peak_fraction"] == 0.2
+    assert e2e_report.roofline_text(row) == "120 (15 % bf16); model FLOPs 160 (20 %)"
 
 
 @pytest.mark.parametrize(("text", "dtype"), [("32-true", "fp32"), ("32", "fp32"), ("bf16-mixed", "bf16"),

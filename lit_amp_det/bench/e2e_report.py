@@ -60,7 +60,12 @@ def roofline_text(row: Mapping[str, Any]) -> str:
         return "-"
     fraction = row.get("peak_fraction")
     share = f" ({100 * fraction:.0f} % {row['compute_dtype']})" if fraction is not None else ""
-    return f"{row['achieved_gflops']:.0f}{share}"
+    text = f"{row['achieved_gflops']:.0f}{share}"
+    if row.get("model_achieved_gflops") is not None:  # a row that executes fewer FLOPs than the model defines
+        model_fraction = row.get("model_peak_fraction")
+        model_share = f" ({100 * model_fraction:.0f} %)" if model_fraction is not None else ""
+        text += f"; model FLOPs {row['model_achieved_gflops']:.0f}{model_share}"
+    return text
 
 
 def state_line(setting: Setting, state: Mapping[str, Any] | None) -> str:
@@ -97,7 +102,9 @@ def peaks_line(peaks: Mapping[str, Any]) -> str:
         parts.append(f"{dtype} {peak['gflops']:.0f} GFLOP/s (the faster of: {probes}; best of {peak['runs']}, {how})")
     return (f"- roofline: GFLOP per step counted once per row with FlopCounterMode (matmuls and convolutions); "
             f"% of peak vs this machine's {'; '.join(parts)}; fp32 rows vs the fp32 peak, mixed rows vs their "
-            f"low-precision peak; peaks cached in `{peaks['file']}` under `{peaks['key']}`")
+            f"low-precision peak; peaks cached in `{peaks['file']}` under `{peaks['key']}`; a row that executes fewer "
+            f"FLOPs than the model defines (Winograd convolutions) also gives its model FLOPs (the same step counted "
+            f"with direct convolutions) per second and their % of the peak (model FLOPs utilisation)")
 
 
 def table(bench: Bench, rows: Sequence[dict[str, Any]], header: Sequence[str]) -> str:

@@ -61,6 +61,7 @@ BASELINE = (
     "precision.fused_master_step=false",
     "model.labelled_mask_logits=false",
     "model.pointwise_conv_as_matmul=false",
+    "model.winograd_convs=[]",
     "model.compile=null",
 )
 
@@ -232,6 +233,7 @@ def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
         "precision.fused_master_step": cfg.precision.get("fused_master_step"),
         "model.labelled_mask_logits": cfg.model.labelled_mask_logits,
         "model.pointwise_conv_as_matmul": cfg.model.pointwise_conv_as_matmul,
+        "model.winograd_convs": list(cfg.model.winograd_convs),
         "model.compile": cfg.model.compile,
         "callbacks": [repr(c) for c in built.callbacks],
         "optim.optimizer.fused": cfg.optim.optimizer.get("fused"),

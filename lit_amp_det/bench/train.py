@@ -28,7 +28,9 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
     one dot product per pixel instead of ``num_classes`` (:mod:`lit_amp_det.models.labelled_mask_logits`);
 13. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products in
     fp16/bf16 on channels_last maps (:mod:`lit_amp_det.models.pointwise_conv`);
-14. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+14. ``model.winograd_convs=[mask_head,rpn_head,fpn]``: the heads' and FPN's 3x3 convolutions by Winograd F(2x2, 3x3)
+    tiles in fp16/bf16 on the CPU, where a layer is large enough (:mod:`lit_amp_det.models.winograd_conv`);
+15. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -62,6 +64,7 @@ from lit_amp_det.bench.breakdown import time_breakdown
 from lit_amp_det.bench.common import batch_sha256, compose, train_step
 from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
+from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
 from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.profiling import minor_page_faults, timed
 
@@ -81,6 +84,7 @@ ROWS = (
     Row("retain-cpu-heap", "+ retained CPU heap", "callbacks=[freeze_norm,conv_bn_eval,retain_cpu_heap]"),
     Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),
     Row("pointwise-matmul", "+ 1x1 convs as matmuls", "model.pointwise_conv_as_matmul=true"),
+    Row("winograd", "+ Winograd 3x3 convs", "model.winograd_convs=[mask_head,rpn_head,fpn]"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 
@@ -129,9 +133,15 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         faults = minor_page_faults()
         times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
         faults = (minor_page_faults() - faults) / setting.steps
-        flops = count_flops(lambda: step(warmup + setting.steps))  # one more step, after the timed ones
-        where = time_breakdown(lambda: step(warmup + setting.steps + 1), setting.device, flops / 1e9)  # and one more
-        peak = memory.peak_of(lambda: step(warmup + setting.steps + 2))  # last: it pins the CPU allocator
+        after = warmup + setting.steps  # the index of the next untimed step
+        flops = count_flops(lambda: step(after))  # one more step, after the timed ones
+        model_flops = flops
+        if any(isinstance(m, WinogradConv2d) for m in module.modules()):  # and the same step done directly
+            after += 1
+            with direct_convolutions():
+                model_flops = count_flops(lambda: step(after))
+        where = time_breakdown(lambda: step(after + 1), setting.device, flops / 1e9)  # and one more
+        peak = memory.peak_of(lambda: step(after + 2))  # last: it pins the CPU allocator
     finally:  # as fit ends; RetainCPUHeap hands the process's heap policy back (rows also run in process)
         for callback in callbacks:
             callback.teardown(None, module, "fit")
@@ -145,6 +155,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "memory_method": memory.method,
         "page_faults_per_step": faults,
         "gflop_per_step": flops / 1e9,
+        "model_gflop_per_step": model_flops / 1e9,
         **where,
         "compute_dtype": compute_dtype(precision),
         "weights_sha256": built.weights_sha256,

@@ -25,6 +25,7 @@ from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.ops import FrozenBatchNorm2d
 
 from lit_amp_det.models.pointwise_conv import PointwiseConv2d, convolve
+from lit_amp_det.models.winograd_conv import WinogradConv2d
 
 __all__ = [
     "NORM_TYPES",
@@ -48,9 +49,11 @@ Pair = tuple[str, str]
 # ------------------------------------------------------------------------------------------- the fold
 
 def _is_conv(module: nn.Module) -> bool:
-    """A Conv2d whose forward is Conv2d's own or :class:`PointwiseConv2d`'s (the same function; subclasses that change
-    it, e.g. weight standardisation, are not folded) with zero padding (the only mode the folded call reproduces)."""
-    return (isinstance(module, nn.Conv2d) and type(module).forward in (nn.Conv2d.forward, PointwiseConv2d.forward)
+    """A Conv2d whose forward is Conv2d's own, :class:`PointwiseConv2d`'s or :class:`WinogradConv2d`'s (the same
+    function; subclasses that change it, e.g. weight standardisation, are not folded) with zero padding (the only
+    mode the folded call reproduces)."""
+    return (isinstance(module, nn.Conv2d)
+            and type(module).forward in (nn.Conv2d.forward, PointwiseConv2d.forward, WinogradConv2d.forward)
             and module.padding_mode == "zeros")
 
 

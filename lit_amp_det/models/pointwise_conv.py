@@ -141,11 +141,13 @@ class PointwiseConv2d(nn.Conv2d):
 
 
 def convolve(conv: nn.Conv2d, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: A002
-    """``conv``'s convolution of ``input`` with ``weight`` and ``bias`` in place of its own parameters: through
-    :meth:`PointwiseConv2d.convolve` for a switched layer, ``F.conv2d`` with ``conv``'s geometry otherwise
+    """``conv``'s convolution of ``input`` with ``weight`` and ``bias`` in place of its own parameters: through the
+    layer's own ``convolve`` for a switched layer (:class:`PointwiseConv2d`,
+    :class:`~lit_amp_det.models.winograd_conv.WinogradConv2d`), ``F.conv2d`` with ``conv``'s geometry otherwise
     (zero padding)."""
-    if isinstance(conv, PointwiseConv2d):
-        return conv.convolve(input, weight, bias)
+    own = getattr(conv, "convolve", None)
+    if own is not None:
+        return own(input, weight, bias)
     return F.conv2d(input, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 

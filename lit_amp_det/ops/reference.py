@@ -14,7 +14,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["batched_nms", "box_iou", "multi_level_roi_align", "nms", "roi_align"]
+__all__ = [
+    "batched_nms",
+    "box_iou",
+    "multi_level_roi_align",
+    "nms",
+    "roi_align",
+    "winograd_gradient_tiles_",
+    "winograd_input_tiles_",
+    "winograd_output_",
+]
 
 
 def _iou_dtype(*tensors: Tensor) -> torch.dtype:
@@ -233,3 +242,66 @@ def all_finite(tensors: Sequence[Tensor]) -> Tensor:
     if not floating:
         return torch.tensor(True)
     return torch.stack([torch.isfinite(t).all() for t in floating]).all()
+
+
+# Winograd F(2x2, 3x3) tile transforms (csrc/README.md): tile (n, i, j) covers output pixels 2i..2i+1, 2j..2j+1.
+_WINOGRAD_BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))
+_WINOGRAD_AT = ((1, 1, 1, 0), (0, 1, -1, -1))
+_WINOGRAD_G2 = ((1, 0), (0.5, 0.5), (0.5, -0.5), (0, -1))
+
+
+def _winograd_acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tiles(x: Tensor, side: int, offset: int) -> Tensor:
+    """``[N, C, ceil(H/2), ceil(W/2), side, side]``: the side x side windows of ``x`` at (2i + offset, 2j + offset),
+    zero outside ``x``."""
+    n, c, h, w = x.shape
+    tiles_h, tiles_w = (h + 1) // 2, (w + 1) // 2
+    low = -offset
+    padded = torch.nn.functional.pad(x, (low, 2 * tiles_w + side - 2 - w - low, low, 2 * tiles_h + side - 2 - h - low))
+    return padded.unfold(2, side, 2).unfold(3, side, 2)
+
+
+def _two_sided(matrix: tuple[tuple[float, ...], ...], tiles: Tensor) -> Tensor:
+    """``M t M^T`` of every tile in ``[N, C, th, tw, k, k]`` -> ``[16 or 4, T, C]`` in (row, column) order."""
+    m = torch.tensor(matrix, dtype=tiles.dtype, device=tiles.device)
+    out = torch.einsum("ar,bs,nctirs->abntic", m, m, tiles)
+    return out.reshape(out.shape[0] * out.shape[1], -1, tiles.shape[1])
+
+
+def winograd_input_tiles_(tiles: Tensor, input: Tensor, tile_begin: int = 0) -> None:  # noqa: A002
+    """Writes ``B^T d B`` of the 4x4 tiles of ``input`` zero-padded by 1, tiles ``[tile_begin, tile_begin + T)``,
+    into ``tiles`` ``[16, T, C]``."""
+    every = _two_sided(_WINOGRAD_BT, _tiles(input.to(_winograd_acc(input.dtype)), 4, -1))
+    tiles.copy_(every[:, tile_begin:tile_begin + tiles.shape[1]])
+
+
+def winograd_gradient_tiles_(tiles: Tensor, grad_output: Tensor, tile_begin: int = 0) -> None:
+    """Writes ``G2 g G2^T`` of the 2x2 tiles of ``grad_output``, tiles ``[tile_begin, tile_begin + T)``, into
+    ``tiles``."""
+    acc = _winograd_acc(grad_output.dtype)
+    every = _two_sided(_WINOGRAD_G2, _tiles(grad_output.to(acc), 2, 0))
+    tiles.copy_(every[:, tile_begin:tile_begin + tiles.shape[1]])
+
+
+def winograd_output_(out: Tensor, products: Tensor, bias: Tensor | None, tile_begin: int = 0) -> None:
+    """Writes ``A^T m A`` (+ ``bias``) of tiles ``[tile_begin, tile_begin + T)`` (``products``: ``[16, T, C]``) into
+    their pixels of the ``[N, C, H, W]`` map ``out``; the other pixels keep their values."""
+    acc = _winograd_acc(products.dtype)
+    batch_size, channels, height, width = out.shape
+    tiles_h, tiles_w = (height + 1) // 2, (width + 1) // 2
+    count = products.shape[1]
+    every = products.new_zeros((16, batch_size * tiles_h * tiles_w, channels), dtype=acc)
+    every[:, tile_begin:tile_begin + count] = products.to(acc)
+    a = torch.tensor(_WINOGRAD_AT, dtype=acc, device=products.device)
+    m = every.reshape(4, 4, batch_size, tiles_h, tiles_w, channels)
+    full = torch.einsum("pa,qb,abntic->nctpiq", a, a, m).reshape(batch_size, channels, 2 * tiles_h, 2 * tiles_w)
+    full = full[:, :, :height, :width]
+    if bias is not None:
+        full = full + bias.to(acc).view(1, -1, 1, 1)
+    index = torch.arange(batch_size * tiles_h * tiles_w, device=out.device).view(batch_size, 1, tiles_h, tiles_w)
+    index = index.repeat_interleave(2, 2).repeat_interleave(2, 3)[:, :, :height, :width]
+    inside = (index >= tile_begin) & (index < tile_begin + count)
+    out.copy_(torch.where(inside, full.to(out.dtype), out))

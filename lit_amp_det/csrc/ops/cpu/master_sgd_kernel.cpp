@@ -11,6 +11,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_bits.h"
 #include "multiversion.h"
 
 #include <algorithm>
@@ -39,21 +40,12 @@ struct SgdOptions {
 
 LIT_MULTIVERSION
 void widen_bf16(const uint16_t* in, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
-    std::memcpy(out + i, &bits, sizeof(float));
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(in[i]);
 }
 
 LIT_MULTIVERSION
 void narrow_bf16(const float* in, uint16_t* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, in + i, sizeof(float));
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-    out[i] = nan ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16_bits(in[i]);
 }
 
 void widen_half(const c10::Half* in, float* out, int64_t n) {

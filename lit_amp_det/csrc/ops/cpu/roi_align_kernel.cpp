@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "multiversion.h"
 
 namespace lit_amp_det {
@@ -384,13 +385,6 @@ void pool_planes(
 template <typename scalar_t, typename acc_t>
 constexpr bool kWideLoops = std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, float>;
 
-inline float widen_bf16(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;  // bf16 is the upper half of a float: exact
-  float out;
-  std::memcpy(&out, &word, sizeof(float));
-  return out;
-}
-
 // add_sample_row for contiguous bf16 C-vectors, compiled wide (LIT_MULTIVERSION): the same sum, which the wide
 // clones may evaluate with fused multiply-adds.
 LIT_MULTIVERSION
@@ -403,8 +397,8 @@ void add_sample_row_bf16(
     const float (&w)[4],
     int64_t channels) {
   for (int64_t c = 0; c < channels; ++c) {
-    acc[c] += w[0] * widen_bf16(p1[c]) + w[1] * widen_bf16(p2[c]) + w[2] * widen_bf16(p3[c]) +
-        w[3] * widen_bf16(p4[c]);
+    acc[c] += w[0] * bf16_bits_to_float(p1[c]) + w[1] * bf16_bits_to_float(p2[c]) +
+        w[2] * bf16_bits_to_float(p3[c]) + w[3] * bf16_bits_to_float(p4[c]);
   }
 }
 

@@ -1,0 +1,253 @@
+"""3x3 convolutions computed with Winograd's F(2x2, 3x3) algorithm: 2.25x fewer multiplications.
+
+A 3x3 convolution with stride 1 and padding 1 computes each 2x2 output tile from a 4x4 input tile with 16
+elementwise products instead of 36 multiplications (Lavin & Gray, 2016; cuDNN and oneDNN have such algorithms, but
+oneDNN's CPU Winograd is fp32-only). Summed over input channels, the 16 products are 16 matrix products
+``[T, C_in] @ [C_in, C_out]`` over the T tiles of the batch, so the work becomes ``torch.bmm`` plus three
+memory-bound tile transforms (:mod:`lit_amp_det.ops.winograd`). The backward is two more such convolutions: the
+input gradient is the same algorithm with the filters rotated and transposed, the weight gradient F(3x3, 2x2) with
+the output-gradient tile as the filter.
+
+Why: the mask head's four 256 -> 256 convolutions on ``[K, 256, 14, 14]`` RoI maps are the largest single cost of an
+R50-FPN training step on the CPU (measured on the dev CPU, 2-core AMD EPYC, bf16 channels_last, 70 RoIs: 49 ms
+forward + backward per layer with oneDNN, already at its bf16 peak). Figures: BENCHMARKS.md.
+
+Numerics: exact in real arithmetic (float64 agrees with ``F.conv2d`` to 1e-13), but in bf16 the transformed tiles
+and the 16 products are rounded to bf16 before the output transform sums them: measured relative error 0.5 % against
+a float64 convolution of the same bf16 operands, 3x that of oneDNN's bf16 convolution (0.17 %), both near bf16's
+unit roundoff (0.39 %). So it is a switch (``model.winograd_convs``), taken only where a layer computes in fp16/bf16
+on the CPU with the compiled extension; float32, CUDA and every other geometry run ``F.conv2d``. Double backward is
+not supported (the backward's kernels are not differentiable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lit_amp_det.models.half_compute import computes_in_half
+from lit_amp_det.ops._extension import extension_available
+from lit_amp_det.ops.winograd import (
+    tile_count,
+    winograd_gradient_tiles_,
+    winograd_input_tiles_,
+    winograd_output_,
+    winograd_weight_gradient,
+    winograd_weight_tiles,
+)
+
+__all__ = [
+    "CHUNK_TILES",
+    "MIN_CHANNELS",
+    "MIN_TILES",
+    "WINOGRAD_PARTS",
+    "WinogradConv2d",
+    "direct_convolutions",
+    "is_winograd_shape",
+    "release_workspace",
+    "use_winograd_convs",
+    "winograd_conv3x3",
+]
+
+#: Where ``model.winograd_convs`` may switch the 3x3 convolutions: the detector's submodules.
+WINOGRAD_PARTS = {
+    "mask_head": ("roi_heads", "mask_head"),
+    "rpn_head": ("rpn", "head"),
+    "fpn": ("backbone", "fpn"),
+    "backbone": ("backbone", "body"),
+}
+
+
+#: Below these sizes oneDNN's direct convolution was as fast or faster (dev CPU, bf16, forward + backward): 256 ->
+#: 256 channels on 2x32x32 maps (512 tiles) 8.8 vs 9.5 ms, 20 RoIs of 14x14 (980 tiles) 14.3 vs 14.3 ms, 40 RoIs
+#: (1960 tiles) 28.6 vs 25.6 ms; 128 channels on 4x64x64 maps (4096 tiles) 15.4 vs 15.8 ms.
+MIN_TILES = 1024
+MIN_CHANNELS = 256
+#: Tiles per chunk: a chunk's input tiles and products (16 MB each for 2048 tiles of 256 channels in bf16) are
+#: made, multiplied and consumed before the next, in buffers kept from call to call (:class:`_Workspace`), so memory
+#: stays small at any image size (the R50-FPN level P2 at 800x1333 has 16 800 tiles per image).
+CHUNK_TILES = 2048
+
+
+_DIRECT = contextvars.ContextVar("lit_amp_det_direct_convolutions", default=False)
+
+
+@contextlib.contextmanager
+def direct_convolutions() -> Iterator[None]:
+    """Within it every :class:`WinogradConv2d` runs the direct convolution: what the bench uses to count the model's
+    FLOPs (the work the model defines, as a direct convolution does it) beside the FLOPs a Winograd step executes."""
+    token = _DIRECT.set(True)
+    try:
+        yield
+    finally:
+        _DIRECT.reset(token)
+
+
+def is_winograd_shape(conv: nn.Conv2d) -> bool:
+    """True for a 3x3 ``Conv2d`` with stride 1, padding 1 (zeros), dilation 1 and one group: the layers F(2x2, 3x3)
+    computes."""
+    return (tuple(conv.kernel_size) == (3, 3) and tuple(conv.stride) == (1, 1) and conv.padding in ((1, 1), "same")
+            and tuple(conv.dilation) == (1, 1) and conv.groups == 1 and conv.padding_mode == "zeros")
+
+
+def _chunks(tiles: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` ranges of at most :data:`CHUNK_TILES` tiles, of near-equal sizes (one empty range for none)."""
+    pieces = max(1, -(-tiles // CHUNK_TILES))
+    bounds = [tiles * k // pieces for k in range(pieces + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class _Workspace(threading.local):
+    """The chunk buffers, kept from call to call (one set per thread, dtype and device): a chunk's tiles and products
+    are written into the same memory every time, so the convolution allocates nothing large and the CPU heap does
+    not fragment (fresh 10-16 MB temporaries per chunk raised a training step's resident peak by 50-120 MB)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+    def get(self, slot: str, rows: int, columns: int, like: Tensor) -> Tensor:
+        """A contiguous ``[16, rows, columns]`` view of buffer ``slot``, grown when too small."""
+        key = (slot, like.dtype, like.device)
+        size = 16 * rows * columns
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            self.buffers.pop(key, None)  # free the old one first
+            buffer = self.buffers[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+        return buffer[:size].view(16, rows, columns)
+
+
+_WORKSPACE = _Workspace()
+
+
+def release_workspace() -> None:
+    """Frees this thread's chunk buffers (two per dtype: 16 MB each for 256 channels in bf16)."""
+    _WORKSPACE.buffers.clear()
+
+
+def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool = False) -> Tensor:
+    """The convolution of NHWC ``x`` with ``weight`` (``transposed``: with its rotated, transposed filters, the
+    input gradient's convolution), chunk by chunk of tiles. The output is allocated before any temporary, so that
+    the temporaries are freed from the top of the CPU heap and leave no holes below the long-lived tensors."""
+    n, c_in, height, width = x.shape
+    c_out = weight.shape[1] if transposed else weight.shape[0]
+    out = torch.empty((n, c_out, height, width), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed)
+    for begin, end in _chunks(tile_count(n, height, width)):
+        tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x), x, begin)
+        products = torch.bmm(tiles, tiles_of_weight, out=_WORKSPACE.get("products", end - begin, c_out, x))
+        winograd_output_(out, products, bias, begin)
+    return out
+
+
+def _weight_gradient(x: Tensor, grad: Tensor, weight: Tensor) -> Tensor:
+    """F(3x3, 2x2): the 16 products ``[C_out, T] @ [T, C_in]`` of gradient and input tiles, summed over the chunks
+    in fp32 (fp64 for fp64), then ``A2^T s A2`` (into a gradient allocated first, as in :func:`_convolve`)."""
+    n, c_in, height, width = x.shape
+    c_out = grad.shape[1]
+    out = torch.empty_like(weight)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    total = None
+    for begin, end in _chunks(tile_count(n, height, width)):
+        grad_tiles = winograd_gradient_tiles_(_WORKSPACE.get("products", end - begin, c_out, grad), grad, begin)
+        tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x), x, begin)
+        products = torch.bmm(grad_tiles.transpose(1, 2), tiles)
+        total = products.to(acc) if total is None else total.add_(products)
+    return winograd_weight_gradient(total, weight, out=out)
+
+
+class _WinogradConv3x3(torch.autograd.Function):
+    """``F.conv2d(x, weight, bias, padding=1)`` for a 3x3 ``weight``, by F(2x2, 3x3) tiles; channels_last output."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        x = x.contiguous(memory_format=torch.channels_last)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _convolve(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if torch.is_grad_enabled():  # create_graph=True: the kernels below have no derivatives of their own
+            raise RuntimeError("winograd_conv3x3 is differentiable once: its backward cannot build a graph "
+                               "(create_graph=True). Set model.winograd_convs=[] for double backward.")
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous(memory_format=torch.channels_last)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # the convolution of the gradient with the rotated, transposed filters
+            grad_x = _convolve(grad, weight, None, transposed=True)
+        if ctx.needs_input_grad[1]:
+            grad_weight = _weight_gradient(x, grad, weight)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum((0, 2, 3))
+        return grad_x, grad_weight, grad_bias
+
+
+def winograd_conv3x3(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.conv2d(x, weight, bias, padding=1)`` for ``x`` ``[N, C_in, H, W]`` and a 3x3 ``weight``
+    ``[C_out, C_in, 3, 3]`` by Winograd F(2x2, 3x3) tiles, differentiable once; returns a channels_last tensor.
+    Under autocast the operands are cast to the autocast dtype first, as ``F.conv2d`` casts them."""
+    if x.dim() != 4 or weight.dim() != 4 or tuple(weight.shape[2:]) != (3, 3) or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"winograd_conv3x3 needs x [N, C_in, H, W] and weight [C_out, C_in, 3, 3], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            return _WinogradConv3x3.apply(x, weight, bias)
+    return _WinogradConv3x3.apply(x, weight, bias)
+
+
+class WinogradConv2d(nn.Conv2d):
+    """``nn.Conv2d`` that computes a 3x3, stride-1, padding-1 layer (:func:`is_winograd_shape`) in fp16/bf16 on the
+    CPU by Winograd F(2x2, 3x3) tiles; everything else runs ``nn.Conv2d``'s convolution. Same parameters and
+    ``state_dict`` as the layer it replaces."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (torch's name)
+        return self.convolve(input, self.weight, self.bias)
+
+    def convolve(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: A002
+        """This layer's convolution of ``input`` with another ``weight`` and ``bias`` of the same shapes (conv-BN
+        eval's folded ones), by Winograd tiles when :meth:`computes_with_winograd`."""
+        if self.computes_with_winograd(input):
+            return winograd_conv3x3(input, weight, bias)
+        return self._conv_forward(input, weight, bias)
+
+    def computes_with_winograd(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
+        """True when ``forward(input)`` takes the Winograd path: a batched input on the CPU computed in fp16/bf16,
+        with the compiled extension loaded, at least :data:`MIN_CHANNELS` channels in and out and
+        :data:`MIN_TILES` 2x2 output tiles (smaller layers run oneDNN's convolution, which is faster there)."""
+        if _DIRECT.get() or input.dim() != 4 or input.device.type != "cpu" or not is_winograd_shape(self):
+            return False
+        n, _, height, width = input.shape
+        tiles = n * ((height + 1) // 2) * ((width + 1) // 2)
+        return (min(self.in_channels, self.out_channels) >= MIN_CHANNELS and tiles >= MIN_TILES
+                and computes_in_half(input) and extension_available())
+
+
+def use_winograd_convs(detector: nn.Module, parts: Sequence[str]) -> int:
+    """Switches every 3x3, stride-1 ``nn.Conv2d`` (the exact class: a subclass may have its own ``forward``) in the
+    named ``parts`` of the detector (keys of :data:`WINOGRAD_PARTS`) to :class:`WinogradConv2d`, in place. A part
+    the detector lacks (a Faster R-CNN's mask head) is skipped. Returns how many layers were switched."""
+    unknown = sorted(set(parts) - set(WINOGRAD_PARTS))
+    if unknown:
+        raise ValueError(f"model.winograd_convs: unknown part(s) {unknown}; choose from {sorted(WINOGRAD_PARTS)}")
+    switched = 0
+    for part in parts:
+        module: nn.Module | None = detector
+        for name in WINOGRAD_PARTS[part]:
+            module = getattr(module, name, None)
+        if module is None:
+            continue
+        for conv in module.modules():
+            if type(conv) is nn.Conv2d and is_winograd_shape(conv) and "forward" not in vars(conv):
+                conv.__class__ = WinogradConv2d
+                switched += 1
+    return switched

@@ -1,0 +1,199 @@
+"""The tile transforms of a Winograd F(2x2, 3x3) convolution, and the small weight transforms around them.
+
+A 3x3 convolution with stride 1 and padding 1 maps each 4x4 input tile ``d`` (at stride 2) to a 2x2 output tile
+``A^T [(G w G^T) * (B^T d B)] A``: the 16 elementwise products of a tile, summed over input channels, are 16 matrix
+products ``[T, C_in] @ [C_in, C_out]`` over all T tiles: 2.25x fewer multiplications than the direct convolution
+(Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2016). The weight gradient is the same
+algorithm with the 2x2 output-gradient tile as the filter (F(3x3, 2x2)), reusing the input tiles ``B^T d B``.
+
+* :func:`winograd_input_tiles_` -- ``[N, C, H, W]`` -> ``[16, T, C]`` input tiles ``B^T d B``, in place
+  (:func:`winograd_input_tiles`: into a new tensor).
+* :func:`winograd_gradient_tiles_` -- ``[N, C, H, W]`` -> ``[16, T, C]`` output-gradient tiles ``G2 g G2^T``.
+* :func:`winograd_output_` -- ``[16, T, C]`` products -> their pixels ``A^T m A`` (+ bias) of a channels_last
+  ``[N, C, H, W]`` map, in place (:func:`winograd_output`: into a new map).
+
+Each writes a range of tiles into a given tensor, so that a convolution can run in chunks through buffers it reuses.
+* :func:`winograd_weight_tiles` / :func:`winograd_weight_gradient` -- ``G w G^T`` of a 3x3 weight, and the 3x3
+  weight gradient ``A2^T s A2`` from the 16 gradient products (plain tensor ops: a weight is small).
+
+The first three are the C++ CPU kernels of ``lit_amp_det._C`` (one memory pass each, channels_last); elsewhere
+(CUDA, where cuDNN picks its own algorithms, or without the extension) their :mod:`lit_amp_det.ops.reference`
+implementations. :mod:`lit_amp_det.models.winograd_conv` composes them into a differentiable convolution.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lit_amp_det.ops import reference
+from lit_amp_det.ops._extension import extension_available
+
+__all__ = [
+    "tile_count",
+    "winograd_gradient_tiles",
+    "winograd_gradient_tiles_",
+    "winograd_input_tiles",
+    "winograd_input_tiles_",
+    "winograd_output",
+    "winograd_output_",
+    "winograd_weight_gradient",
+    "winograd_weight_tiles",
+]
+
+_G = ((1.0, 0.0, 0.0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0.0, 0.0, 1.0))
+_A2T = ((1.0, 1.0, 1.0, 0.0), (0.0, 1.0, -1.0, 0.0), (0.0, 1.0, 1.0, 1.0))
+
+
+def _compiled_on(tensor: Tensor) -> bool:
+    return extension_available() and tensor.device.type == "cpu"
+
+
+def tile_count(batch_size: int, height: int, width: int) -> int:
+    """The number of 2x2 output tiles of a ``[batch_size, C, height, width]`` map (partial ones included)."""
+    return batch_size * ((height + 1) // 2) * ((width + 1) // 2)
+
+
+def _check_map(map_: Tensor, op: str, name: str) -> None:
+    if map_.dim() != 4 or not map_.is_floating_point():
+        raise ValueError(f"{op}: {name} must be a floating [N, C, H, W] tensor, got {map_.dtype} "
+                         f"{tuple(map_.shape)}")
+
+
+def _check_range(map_: Tensor, tile_begin: int, tile_end: int | None, op: str) -> int:
+    tiles = tile_count(map_.shape[0], map_.shape[2], map_.shape[3])
+    end = tiles if tile_end is None else tile_end
+    if not 0 <= tile_begin <= end <= tiles:
+        raise ValueError(f"{op}: tiles [{tile_begin}, {end}) are not a range of the map's {tiles} tiles")
+    return end
+
+
+def _tiles_into(op: str, tiles: Tensor, map_: Tensor, tile_begin: int, name: str) -> Tensor:
+    _check_map(map_, op, name)
+    channels = map_.shape[1]
+    if tiles.dim() != 3 or tiles.shape[0] != 16 or tiles.shape[2] != channels or not tiles.is_contiguous():
+        raise ValueError(f"{op}: tiles must be a contiguous [16, T, {channels}] tensor, got {tuple(tiles.shape)}")
+    if tiles.dtype != map_.dtype:
+        raise ValueError(f"{op}: tiles are {tiles.dtype} but {name} is {map_.dtype}")
+    _check_range(map_, tile_begin, tile_begin + tiles.shape[1], op)
+    if _compiled_on(map_):
+        getattr(torch.ops.lit_amp_det, op)(tiles, map_, tile_begin)
+    else:
+        getattr(reference, op)(tiles, map_, tile_begin)
+    return tiles
+
+
+def winograd_input_tiles_(tiles: Tensor, input: Tensor, tile_begin: int = 0) -> Tensor:  # noqa: A002
+    """Writes into ``tiles`` ``[16, T, C]`` (contiguous, ``input``'s dtype) ``B^T d B`` of the 4x4 tiles ``d`` of
+    ``input`` zero-padded by 1, tiles ``[tile_begin, tile_begin + T)`` of the map's ``N * ceil(H/2) * ceil(W/2)`` in
+    (image, tile row, tile column) order; computed in fp32 (fp64 for fp64) and rounded once. Returns ``tiles``."""
+    return _tiles_into("winograd_input_tiles_", tiles, input, tile_begin, "input")
+
+
+def winograd_gradient_tiles_(tiles: Tensor, grad_output: Tensor, tile_begin: int = 0) -> Tensor:
+    """Writes into ``tiles`` ``[16, T, C]`` ``G2 g G2^T`` of the 2x2 tiles ``g`` of ``grad_output`` (zero past its
+    edge), tiles ``[tile_begin, tile_begin + T)``. Returns ``tiles``."""
+    return _tiles_into("winograd_gradient_tiles_", tiles, grad_output, tile_begin, "grad_output")
+
+
+def _new_tiles(map_: Tensor, op: str, name: str, tile_begin: int, tile_end: int | None) -> Tensor:
+    _check_map(map_, op, name)
+    end = _check_range(map_, tile_begin, tile_end, op)
+    return torch.empty((16, end - tile_begin, map_.shape[1]), dtype=map_.dtype, device=map_.device)
+
+
+def winograd_input_tiles(input: Tensor, tile_begin: int = 0, tile_end: int | None = None) -> Tensor:  # noqa: A002
+    """:func:`winograd_input_tiles_` into a new ``[16, tile_end - tile_begin, C]`` tensor (``None``: to the last
+    tile)."""
+    tiles = _new_tiles(input, "winograd_input_tiles", "input", tile_begin, tile_end)
+    return winograd_input_tiles_(tiles, input, tile_begin)
+
+
+def winograd_gradient_tiles(grad_output: Tensor, tile_begin: int = 0, tile_end: int | None = None) -> Tensor:
+    """:func:`winograd_gradient_tiles_` into a new ``[16, tile_end - tile_begin, C]`` tensor."""
+    tiles = _new_tiles(grad_output, "winograd_gradient_tiles", "grad_output", tile_begin, tile_end)
+    return winograd_gradient_tiles_(tiles, grad_output, tile_begin)
+
+
+def winograd_output_(out: Tensor, products: Tensor, bias: Tensor | None = None, tile_begin: int = 0) -> Tensor:
+    """Writes into the channels_last map ``out`` ``[N, C, H, W]`` the output pixels of tiles ``[tile_begin,
+    tile_begin + T)``: ``A^T m A`` of each tile's 16 products ``m`` (``products``: ``[16, T, C]``, ``out``'s
+    dtype) plus ``bias`` ``[C]``, rounded once. Returns ``out``."""
+    _check_map(out, "winograd_output_", "out")
+    if not out.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError("winograd_output_: out must be channels_last (out.contiguous(memory_format="
+                         "torch.channels_last))")
+    channels = out.shape[1]
+    if products.dim() != 3 or products.shape[0] != 16 or products.shape[2] != channels:
+        raise ValueError(f"winograd_output_: products must be [16, T, {channels}], got {tuple(products.shape)}")
+    if products.dtype != out.dtype:
+        raise ValueError(f"winograd_output_: products are {products.dtype} but out is {out.dtype}")
+    _check_range(out, tile_begin, tile_begin + products.shape[1], "winograd_output_")
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"winograd_output_: bias must be [{channels}], got {tuple(bias.shape)}")
+    if _compiled_on(products):
+        torch.ops.lit_amp_det.winograd_output_(out, products, bias, tile_begin)
+    else:
+        reference.winograd_output_(out, products, bias, tile_begin)
+    return out
+
+
+def winograd_output(products: Tensor, batch_size: int, height: int, width: int, bias: Tensor | None = None) -> Tensor:
+    """The channels_last ``[N, C, H, W]`` map of all its tiles' products ``[16, T, C]`` (:func:`winograd_output_`
+    into a new tensor)."""
+    if products.dim() != 3 or products.shape[0] != 16 or products.shape[1] != tile_count(batch_size, height, width):
+        raise ValueError(f"winograd_output: products must be [16, {tile_count(batch_size, height, width)}, C] for a "
+                         f"[{batch_size}, C, {height}, {width}] map, got {tuple(products.shape)}")
+    out = torch.empty((batch_size, products.shape[2], height, width), dtype=products.dtype, device=products.device,
+                      memory_format=torch.channels_last)
+    return winograd_output_(out, products, bias)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kron(matrix: tuple[tuple[float, ...], ...], like: Tensor) -> Tensor:
+    """``kron(M, M)``: maps a flattened k x k tile ``t`` to the flattened ``M t M^T``."""
+    m = torch.tensor(matrix, dtype=_acc(like.dtype), device=like.device)
+    return torch.kron(m, m)
+
+
+def winograd_weight_tiles(weight: Tensor, transposed: bool = False) -> Tensor:
+    """``[16, C_in, C_out]``: ``G w G^T`` of each 3x3 filter of ``weight`` ``[C_out, C_in, 3, 3]``, the right-hand
+    operands of the 16 products (a transposed view of ``[16, C_out, C_in]``). ``transposed``: the filters of the
+    input gradient's convolution instead (input and output channels swapped, filters rotated by 180 degrees):
+    ``[16, C_out, C_in]``."""
+    if weight.dim() != 4 or tuple(weight.shape[2:]) != (3, 3):
+        raise ValueError(f"winograd_weight_tiles: weight must be [C_out, C_in, 3, 3], got {tuple(weight.shape)}")
+    c_out, c_in = weight.shape[:2]
+    kron = _kron(_G, weight)  # [16, 9]
+    filters = weight.to(kron.dtype).reshape(c_out * c_in, 9)  # a copy in (out, in, ky, kx) order
+    if transposed:  # rotating a filter by 180 degrees reverses its 9 taps
+        kron = kron.flip(1)
+    tiles = torch.mm(kron, filters.t()).to(weight.dtype).view(16, c_out, c_in)  # [16, C_out, C_in]
+    return tiles if transposed else tiles.transpose(1, 2)
+
+
+def winograd_weight_gradient(products: Tensor, like: Tensor, out: Tensor | None = None) -> Tensor:
+    """The ``[C_out, C_in, 3, 3]`` weight gradient ``A2^T s A2`` from the 16 products ``s`` ``[16, C_out, C_in]`` of
+    gradient tiles and input tiles, in ``like``'s dtype and memory format (the weight's), written into ``out`` when
+    given (allocated before the temporaries, so that they free the top of the CPU heap again)."""
+    _, c_out, c_in = products.shape
+    kron = _kron(_A2T, products)  # [9, 16]
+    grad = torch.mm(products.reshape(16, c_out * c_in).to(kron.dtype).t(), kron.t())  # [C_out * C_in, 9]
+    target = torch.empty_like(like) if out is None else out
+    return target.copy_(grad.view(c_out, c_in, 3, 3))
+
+
+if extension_available():
+
+    def _tiles_fake(tiles: Tensor, map_: Tensor, tile_begin: int = 0) -> None:
+        return None
+
+    torch.library.register_fake("lit_amp_det::winograd_input_tiles_")(_tiles_fake)
+    torch.library.register_fake("lit_amp_det::winograd_gradient_tiles_")(_tiles_fake)
+
+    @torch.library.register_fake("lit_amp_det::winograd_output_")
+    def _output_fake(out: Tensor, products: Tensor, bias: Tensor | None, tile_begin: int = 0) -> None:
+        return None

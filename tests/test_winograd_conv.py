@@ -1,0 +1,428 @@
+"""model.winograd_convs: 3x3 convolutions by Winograd F(2x2, 3x3) tiles equal torch's convolution.
+
+The three tile-transform ops (C++ CPU kernels) are checked against their plain-PyTorch reference in every dtype, on
+odd, one-pixel and empty maps, channel counts that are not a multiple of the kernels' chunk, and NCHW inputs. The
+composed convolution is checked against ``F.conv2d``: to rounding in float64 and float32, within a measured bound in
+bf16/fp16 (the transformed tiles are rounded to the half dtype), with gradients (float64 gradcheck, each input's
+gradient alone), autocast, the R50-FPN mask head's real size; then the layer's dispatch rule, conv-BN folding through
+it, and the model-level switch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import compose_config
+from hydra.utils import instantiate
+from torch import nn
+
+from lit_amp_det.models.conv_bn import enable_conv_bn_eval, find_conv_norm_pairs
+from lit_amp_det.models.winograd_conv import (
+    MIN_TILES,
+    WinogradConv2d,
+    is_winograd_shape,
+    use_winograd_convs,
+    winograd_conv3x3,
+)
+from lit_amp_det.ops import reference, winograd_gradient_tiles, winograd_input_tiles, winograd_output, winograd_output_
+from lit_amp_det.ops._extension import extension_available
+from lit_amp_det.ops.winograd import (
+    tile_count,
+    winograd_gradient_tiles_,
+    winograd_input_tiles_,
+    winograd_weight_gradient,
+    winograd_weight_tiles,
+)
+
+needs_ext = pytest.mark.skipif(not extension_available(), reason="the compiled extension is not built")
+NHWC = torch.channels_last
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+#: [N, C, H, W]: even and odd sizes, a single pixel, a channel count above and not a multiple of the 256-wide chunk
+MAPS = [(2, 5, 14, 14), (1, 70, 7, 9), (3, 9, 1, 1), (2, 3, 2, 5), (1, 300, 3, 4)]
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _close_to_rounding(actual: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor) -> None:
+    """Equal up to the rounding of the result's dtype plus the summation error of at most 16 terms in the kernel's
+    accumulation type (fp32, fp64 for fp64): the kernel and the reference add in different orders."""
+    acc = torch.float64 if actual.dtype == torch.float64 else torch.float32
+    atol = 16 * torch.finfo(acc).eps * inputs.double().abs().max().item() + 1e-30
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=torch.finfo(actual.dtype).eps)
+
+
+def _reference_tiles(name: str, x: torch.Tensor) -> torch.Tensor:
+    """All tiles of ``x`` by the reference ``winograd_input_tiles_`` / ``winograd_gradient_tiles_``."""
+    n, c, h, w = x.shape
+    tiles = torch.empty(16, tile_count(n, h, w), c, dtype=x.dtype)
+    getattr(reference, name)(tiles, x)
+    return tiles
+
+
+def _reference_output(products: torch.Tensor, n: int, h: int, w: int, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.zeros(n, products.shape[2], h, w, dtype=products.dtype).contiguous(memory_format=NHWC)
+    reference.winograd_output_(out, products, bias)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the ops
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", MAPS, ids=str)
+def test_tile_ops_match_the_reference(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    x = _randn(*shape, dtype=dtype)
+    for op, ref in ((winograd_input_tiles, "winograd_input_tiles_"), (winograd_gradient_tiles, "winograd_gradient_tiles_")):
+        for layout in (torch.contiguous_format, NHWC):
+            out = op(x.contiguous(memory_format=layout))
+            n, c, h, w = shape
+            assert out.shape == (16, n * ((h + 1) // 2) * ((w + 1) // 2), c) and out.dtype == dtype
+            _close_to_rounding(out, _reference_tiles(ref, x), x)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", MAPS, ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_output_op_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int, int, int], bias: bool) -> None:
+    n, c, h, w = shape
+    products = _randn(16, n * ((h + 1) // 2) * ((w + 1) // 2), c, dtype=dtype)
+    b = _randn(c, dtype=dtype, seed=1) if bias else None
+    out = winograd_output(products, n, h, w, b)
+    assert out.shape == shape and out.dtype == dtype and out.is_contiguous(memory_format=NHWC)
+    _close_to_rounding(out, _reference_output(products, n, h, w, b), products)
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(0, 4, 6, 6), (2, 0, 6, 6), (2, 4, 0, 6)], ids=str)
+def test_empty_maps(shape: tuple[int, int, int, int]) -> None:
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    n, c, h, w = shape
+    tiles = winograd_input_tiles(x)
+    assert tiles.shape == (16, n * ((h + 1) // 2) * ((w + 1) // 2), c)
+    assert winograd_gradient_tiles(x).shape == tiles.shape
+    assert winograd_output(tiles, n, h, w).shape == shape
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "reference"])
+def test_tile_ranges_are_slices_of_the_whole(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles [b, e) are columns b..e of all tiles, and writing the products chunk by chunk makes the whole map; a
+    chunk leaves every other pixel as it was."""
+    if compiled and not extension_available():
+        pytest.skip("the compiled extension is not built")
+    if not compiled:
+        monkeypatch.setattr("lit_amp_det.ops.winograd.extension_available", lambda: False)
+    n, c, h, w = 2, 6, 5, 7
+    x = _randn(n, c, h, w, dtype=torch.float64)
+    tiles = tile_count(n, h, w)
+    assert tiles == 2 * 3 * 4
+    for op in (winograd_input_tiles, winograd_gradient_tiles):
+        whole = op(x)
+        for begin, end in ((0, 5), (5, 13), (13, tiles), (7, 7)):
+            torch.testing.assert_close(op(x, begin, end), whole[:, begin:end], atol=0, rtol=0)
+    products = _randn(16, tiles, c, dtype=torch.float64, seed=1)
+    bias = _randn(c, dtype=torch.float64, seed=2)
+    whole = winograd_output(products, n, h, w, bias)
+    out = torch.full_like(whole, float("nan"))
+    winograd_output_(out, products[:, 5:13], bias, 5)
+    written = ~out.isnan()
+    assert written.any() and not written.all()
+    torch.testing.assert_close(out[written], whole[written], atol=0, rtol=0)
+    for begin, end in ((0, 5), (13, tiles)):
+        winograd_output_(out, products[:, begin:end], bias, begin)
+    torch.testing.assert_close(out, whole, atol=0, rtol=0)
+
+
+def test_bad_ranges_and_outputs_are_refused() -> None:
+    x = torch.zeros(1, 2, 4, 4)  # 4 tiles
+    with pytest.raises(ValueError, match=r"winograd_input_tiles: tiles \[3, 5\) are not a range of the map's 4 tiles"):
+        winograd_input_tiles(x, 3, 5)
+    with pytest.raises(ValueError, match=r"winograd_gradient_tiles: tiles \[3, 2\) are not a range"):
+        winograd_gradient_tiles(x, 3, 2)
+    out = torch.zeros(1, 2, 4, 4).contiguous(memory_format=NHWC)
+    with pytest.raises(ValueError, match=r"winograd_output_: tiles \[2, 5\) are not a range"):
+        winograd_output_(out, torch.zeros(16, 3, 2), None, 2)
+    with pytest.raises(ValueError, match="winograd_output_: out must be channels_last"):
+        winograd_output_(torch.zeros(1, 2, 4, 4), torch.zeros(16, 4, 2))
+    with pytest.raises(ValueError, match="winograd_output_: products are torch.bfloat16 but out is torch.float32"):
+        winograd_output_(out, torch.zeros(16, 4, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"winograd_input_tiles_: tiles must be a contiguous \[16, T, 2\] tensor"):
+        winograd_input_tiles_(torch.zeros(16, 4, 3), x)
+    with pytest.raises(ValueError, match="winograd_gradient_tiles_: tiles are torch.bfloat16 but grad_output is"):
+        winograd_gradient_tiles_(torch.zeros(16, 4, 2, dtype=torch.bfloat16), x)
+
+
+def test_the_reference_transforms_compose_to_a_convolution_in_float64() -> None:
+    """The algebra itself: reference tiles, weight tiles and products give ``F.conv2d``, its input gradient and its
+    weight gradient to float64 rounding (odd sizes: the last tile row and column are partial)."""
+    x, weight = _randn(2, 3, 5, 7, dtype=torch.float64), _randn(4, 3, 3, 3, dtype=torch.float64, seed=1)
+    grad = _randn(2, 4, 5, 7, dtype=torch.float64, seed=2)
+    out = _reference_output(torch.bmm(_reference_tiles("winograd_input_tiles_", x), winograd_weight_tiles(weight)),
+                            2, 5, 7, None)
+    torch.testing.assert_close(out, F.conv2d(x, weight, padding=1), atol=1e-12, rtol=1e-12)
+    grad_x = _reference_output(torch.bmm(_reference_tiles("winograd_input_tiles_", grad),
+                                         winograd_weight_tiles(weight, transposed=True)), 2, 5, 7, None)
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+    expected = torch.autograd.grad(F.conv2d(*leaves, padding=1), leaves, grad)
+    torch.testing.assert_close(grad_x, expected[0], atol=1e-12, rtol=1e-12)
+    products = torch.bmm(_reference_tiles("winograd_gradient_tiles_", grad).transpose(1, 2), _reference_tiles("winograd_input_tiles_", x))
+    torch.testing.assert_close(winograd_weight_gradient(products, weight), expected[1], atol=1e-12, rtol=1e-12)
+
+
+def test_bad_arguments_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"winograd_input_tiles: input must be a floating \[N, C, H, W\]"):
+        winograd_input_tiles(torch.zeros(3, 4, 5))
+    with pytest.raises(ValueError, match=r"winograd_output: products must be \[16, 6, C\] for a \[1, C, 3, 5\] map"):
+        winograd_output(torch.zeros(16, 5, 2), 1, 3, 5)
+    with pytest.raises(ValueError, match=r"winograd_output_: bias must be \[2\]"):
+        winograd_output(torch.zeros(16, 6, 2), 1, 3, 5, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"weight must be \[C_out, C_in, 3, 3\]"):
+        winograd_weight_tiles(torch.zeros(2, 2, 5, 5))
+    with pytest.raises(ValueError, match=r"winograd_conv3x3 needs x \[N, C_in, H, W\] and weight"):
+        winograd_conv3x3(torch.zeros(1, 3, 4, 4), torch.zeros(2, 4, 3, 3))
+
+
+@needs_ext
+def test_fake_kernels_accept_the_calls() -> None:
+    """The in-place ops under FakeTensorMode (torch.compile's tracing): they check nothing and return nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 8, 5, 7)
+        tiles = torch.empty(16, 2 * 3 * 4, 8)
+        assert torch.ops.lit_amp_det.winograd_input_tiles_(tiles, x, 0) is None
+        assert torch.ops.lit_amp_det.winograd_gradient_tiles_(tiles[:, 3:10], x, 3) is None
+        out = torch.empty(2, 8, 5, 7).contiguous(memory_format=NHWC)
+        assert torch.ops.lit_amp_det.winograd_output_(out, tiles, None, 0) is None
+
+
+# ------------------------------------------------------------------------------------------- the convolution
+
+def _conv_inputs(n: int, c_in: int, c_out: int, size: tuple[int, int], dtype: torch.dtype, seed: int = 0):
+    x = _randn(n, c_in, *size, dtype=torch.float32, seed=seed).to(dtype).contiguous(memory_format=NHWC)
+    w = (_randn(c_out, c_in, 3, 3, seed=seed + 1) / (3 * c_in ** 0.5)).to(dtype)
+    b = _randn(c_out, seed=seed + 2).to(dtype)
+    return x, w, b
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("size", [(14, 14), (5, 7), (1, 1)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_conv_matches_conv2d_to_rounding(size: tuple[int, int], dtype: torch.dtype) -> None:
+    x, w, b = _conv_inputs(3, 6, 5, size, dtype)
+    out = winograd_conv3x3(x, w, b)
+    assert out.dtype == dtype and out.is_contiguous(memory_format=NHWC)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_error_is_bounded(dtype: torch.dtype) -> None:
+    """Against a float64 convolution of the same half-precision operands: 0.5 % relative error measured in bf16 (3x
+    oneDNN's direct bf16 convolution, both near bf16's 0.39 % unit roundoff); bounded here at 1 % (bf16) and 0.15 %
+    (fp16, 8x finer), forward and both gradients."""
+    x, w, b = _conv_inputs(6, 64, 48, (14, 14), dtype)
+    grad = _randn(6, 48, 14, 14, dtype=torch.float32, seed=5).to(dtype).contiguous(memory_format=NHWC)
+    bound = 1e-2 if dtype == torch.bfloat16 else 1.5e-3
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    out = winograd_conv3x3(*leaves)
+    ours = [out, *torch.autograd.grad(out, leaves, grad)]
+    exact = [t.double().requires_grad_() for t in (x, w, b)]
+    ref_out = F.conv2d(*exact, padding=1)
+    expected = [ref_out, *torch.autograd.grad(ref_out, exact, grad.double())]
+    for name, actual, wanted in zip(("output", "input grad", "weight grad", "bias grad"), ours, expected):
+        assert actual.dtype == dtype
+        assert _relative_error(actual, wanted.detach()) < bound, name
+
+
+def test_chunked_convolution_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With chunks of 5 tiles (uneven, across image boundaries) the output and all gradients are the same."""
+    x, w, b = _conv_inputs(3, 4, 5, (5, 7), torch.float64)
+    grad = _randn(3, 5, 5, 7, dtype=torch.float64, seed=4)
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        out = winograd_conv3x3(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, grad)]
+
+    whole = run()
+    monkeypatch.setattr("lit_amp_det.models.winograd_conv.CHUNK_TILES", 5)
+    chunked = run()
+    torch.testing.assert_close(chunked, whole, atol=1e-12, rtol=1e-12)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    expected = F.conv2d(*leaves, padding=1)
+    torch.testing.assert_close(chunked, [expected, *torch.autograd.grad(expected, leaves, grad)],
+                               atol=1e-12, rtol=1e-12)
+
+
+def test_chunk_buffers_are_reused_and_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk buffers persist from call to call (no large allocation per call) and outputs are tensors of their
+    own: a later call does not change an earlier output. release_workspace() frees them."""
+    from lit_amp_det.models import winograd_conv
+
+    monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 4)
+    x, w, b = _conv_inputs(2, 3, 4, (5, 6), torch.float32)
+    winograd_conv.release_workspace()
+    first = winograd_conv3x3(x, w, b)
+    kept = first.clone()
+    pointers = {key: t.data_ptr() for key, t in winograd_conv._WORKSPACE.buffers.items()}
+    assert {slot for slot, _, _ in pointers} == {"tiles", "products"}
+    winograd_conv3x3(x.flip(0), w, b)
+    assert {key: t.data_ptr() for key, t in winograd_conv._WORKSPACE.buffers.items()} == pointers
+    assert torch.equal(first, kept)
+    winograd_conv.release_workspace()
+    assert not winograd_conv._WORKSPACE.buffers
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("size", [(4, 6), (5, 3)], ids=str)
+def test_gradcheck_float64(bias: bool, size: tuple[int, int]) -> None:
+    x, w, b = _conv_inputs(2, 3, 4, size, torch.float64)
+    args = [x.requires_grad_(), w.requires_grad_(), b.requires_grad_() if bias else None]
+    assert torch.autograd.gradcheck(winograd_conv3x3, args)
+
+
+@pytest.mark.parametrize("wanted", [(True, False, False), (False, True, False), (False, False, True)], ids=str)
+def test_each_gradient_alone(wanted: tuple[bool, bool, bool]) -> None:
+    x, w, b = _conv_inputs(2, 4, 3, (6, 5), torch.float64)
+    leaves = [t.clone().requires_grad_(flag) for t, flag in zip((x, w, b), wanted)]
+    grad = _randn(2, 3, 6, 5, dtype=torch.float64, seed=3)
+    asked = [t for t in leaves if t.requires_grad]
+    ours = torch.autograd.grad(winograd_conv3x3(*leaves), asked, grad)
+    expected = torch.autograd.grad(F.conv2d(*leaves, padding=1), asked, grad)
+    torch.testing.assert_close(ours, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_double_backward_is_refused() -> None:
+    x, w, b = (t.requires_grad_() for t in _conv_inputs(1, 2, 2, (4, 4), torch.float64))
+    with pytest.raises(RuntimeError, match="winograd_conv3x3 is differentiable once"):
+        torch.autograd.grad(winograd_conv3x3(x, w, b).sum(), x, create_graph=True)
+
+
+def test_autocast_casts_like_conv2d() -> None:
+    x, w, b = _conv_inputs(2, 8, 6, (6, 6), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = winograd_conv3x3(x, w, b), F.conv2d(x, w, b, padding=1)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=5e-2, rtol=2e-2)
+
+
+@needs_ext
+def test_r50_mask_head_size_in_bf16() -> None:
+    """The layer the switch is for: 70 RoIs of [256, 14, 14], forward and weight gradient within 1 % of float64."""
+    x, w, b = _conv_inputs(70, 256, 256, (14, 14), torch.bfloat16)
+    leaves = [w.detach().requires_grad_()]
+    out = winograd_conv3x3(x, leaves[0], b)
+    grad = torch.ones_like(out)
+    (grad_w,) = torch.autograd.grad(out, leaves, grad)
+    exact_w = w.double().requires_grad_()
+    expected = F.conv2d(x.double(), exact_w, b.double(), padding=1)
+    (expected_grad_w,) = torch.autograd.grad(expected, exact_w, grad.double())
+    assert _relative_error(out, expected.detach()) < 1e-2
+    assert _relative_error(grad_w, expected_grad_w) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------- the layer
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({}, True), ({"stride": 2}, False), ({"padding": 0}, False), ({"dilation": 2, "padding": 2}, False),
+    ({"groups": 2}, False), ({"padding_mode": "reflect"}, False), ({"padding": "same"}, True),
+], ids=str)
+def test_winograd_shapes(kwargs: dict, expected: bool) -> None:
+    assert is_winograd_shape(nn.Conv2d(4, 4, 3, **{"padding": 1, **kwargs})) is expected
+
+
+def _switched_layer(channels: int) -> WinogradConv2d:
+    conv = nn.Conv2d(channels, channels, 3, padding=1)
+    conv.__class__ = WinogradConv2d
+    return conv
+
+
+@needs_ext
+def test_layer_takes_winograd_only_where_measured_faster() -> None:
+    conv = _switched_layer(256)
+    big = torch.zeros(1, 256, 64, 64)  # 32 x 32 = 1024 tiles
+    assert MIN_TILES == 1024
+    assert conv.computes_with_winograd(big.bfloat16()) and conv.computes_with_winograd(big.half())
+    assert not conv.computes_with_winograd(big)  # float32: oneDNN
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert conv.computes_with_winograd(big)
+    assert not conv.computes_with_winograd(torch.zeros(1, 256, 62, 62, dtype=torch.bfloat16))  # 961 tiles
+    assert not _switched_layer(128).computes_with_winograd(torch.zeros(1, 128, 64, 64, dtype=torch.bfloat16))
+    assert not conv.computes_with_winograd(torch.zeros(256, 64, 64, dtype=torch.bfloat16))  # unbatched
+
+
+@needs_ext
+def test_layer_equals_conv2d_and_keeps_its_state_dict() -> None:
+    plain = nn.Conv2d(256, 256, 3, padding=1).bfloat16()
+    switched = _switched_layer(256).bfloat16()
+    switched.load_state_dict(plain.state_dict())
+    assert list(switched.state_dict()) == list(plain.state_dict())
+    x = torch.randn(1, 256, 64, 64).bfloat16().contiguous(memory_format=NHWC)
+    torch.testing.assert_close(switched(x).float(), plain(x).float(), atol=6e-2, rtol=5e-2)
+    small = x[:, :, :8, :8]  # below MIN_TILES: the plain convolution itself
+    assert torch.equal(switched(small), plain(small))
+
+
+@needs_ext
+def test_conv_bn_eval_folds_through_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switched conv followed by a BatchNorm in eval mode is still a foldable pair, and the folded weight goes
+    through :meth:`WinogradConv2d.convolve` (the Winograd path: 1024 tiles, bf16)."""
+    def net() -> nn.Sequential:
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Conv2d(256, 256, 3, padding=1, bias=False), nn.BatchNorm2d(256))
+        seq[1].running_mean.uniform_(-1, 1), seq[1].running_var.uniform_(0.5, 2)
+        return seq.bfloat16().eval()
+
+    plain, switched = net(), net()
+    switched[0].__class__ = WinogradConv2d
+    assert find_conv_norm_pairs(switched) == find_conv_norm_pairs(plain) == [("0", "1")]
+    for model in (plain, switched):
+        assert enable_conv_bn_eval(model, only_when_cheaper=False)
+    x = torch.randn(1, 256, 64, 64).bfloat16().contiguous(memory_format=NHWC)
+    calls = []
+    original = WinogradConv2d.convolve
+
+    def spy(self, *args):
+        calls.append(self.computes_with_winograd(args[0]))
+        return original(self, *args)
+
+    monkeypatch.setattr(WinogradConv2d, "convolve", spy)
+    out = switched(x)
+    monkeypatch.undo()
+    assert calls == [True]
+    torch.testing.assert_close(out.float(), plain(x).float(), atol=1e-1, rtol=5e-2)
+
+
+def _tiny_module(*overrides: str):
+    cfg = compose_config(["model=maskrcnn_tiny", "model.num_classes=3", *overrides])
+    return instantiate(cfg.model, _convert_="object")
+
+
+def test_model_switch_covers_the_named_parts_and_keeps_state_dict() -> None:
+    plain = _tiny_module()
+    switched = _tiny_module("model.winograd_convs=[mask_head,rpn_head]")
+    heads = [m for m in switched.model.roi_heads.mask_head.modules() if isinstance(m, WinogradConv2d)]
+    rpn = [m for m in switched.model.rpn.head.modules() if isinstance(m, WinogradConv2d)]
+    assert heads and rpn and all(is_winograd_shape(m) for m in heads + rpn)
+    assert not any(isinstance(m, WinogradConv2d) for m in switched.model.backbone.modules())
+    assert list(switched.state_dict()) == list(plain.state_dict())
+    assert find_conv_norm_pairs(switched.model) == find_conv_norm_pairs(plain.model)
+
+
+def test_unknown_part_is_refused_and_a_missing_one_skipped() -> None:
+    with pytest.raises(ValueError, match=r"model.winograd_convs: unknown part\(s\) \['mask_heads'\]"):
+        use_winograd_convs(nn.Module(), ["mask_heads"])
+    faster = _tiny_module("model.mask=false")
+    assert use_winograd_convs(faster.model, ["mask_head"]) == 0
+    assert use_winograd_convs(faster.model, ["mask_head", "rpn_head"]) == 1
+
+
+def test_config_default_is_none() -> None:
+    assert list(compose_config([]).model.winograd_convs) == []
