@@ -426,3 +426,14 @@ def test_unknown_part_is_refused_and_a_missing_one_skipped() -> None:
 
 def test_config_default_is_none() -> None:
     assert list(compose_config([]).model.winograd_convs) == []
+
+
+@needs_ext
+def test_opcheck() -> None:
+    """torch.library.opcheck: the schemas' mutation annotations, the fake kernels and dispatch agree with the
+    kernels."""
+    x = _randn(2, 3, 5, 7)
+    torch.library.opcheck(torch.ops.lit_amp_det.winograd_input_tiles_.default, (torch.empty(16, 7, 3), x, 5))
+    torch.library.opcheck(torch.ops.lit_amp_det.winograd_gradient_tiles_.default, (torch.empty(16, 24, 3), x, 0))
+    out = torch.zeros(2, 3, 5, 7).contiguous(memory_format=NHWC)
+    torch.library.opcheck(torch.ops.lit_amp_det.winograd_output_.default, (out, _randn(16, 10, 3), _randn(3), 4))
