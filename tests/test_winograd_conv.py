@@ -261,23 +261,50 @@ def test_chunked_convolution_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -
                                atol=1e-12, rtol=1e-12)
 
 
-def test_chunk_buffers_are_reused_and_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunk buffers persist from call to call (no large allocation per call) and outputs are tensors of their
-    own: a later call does not change an earlier output. release_workspace() frees them."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_buffers_are_reused_and_never_returned(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """The convolution's temporaries persist from call to call (no allocation per call but the results) and the
+    results are tensors of their own: a later call does not change an earlier output or gradient.
+    release_workspace() frees them. In bf16 the weight gradient's products are summed in an fp32 buffer."""
     from lit_amp_det.models import winograd_conv
 
     monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 4)
-    x, w, b = _conv_inputs(2, 3, 4, (5, 6), torch.float32)
+    x, w, b = (t.to(dtype) for t in _conv_inputs(2, 3, 4, (5, 6), torch.float32))
     winograd_conv.release_workspace()
-    first = winograd_conv3x3(x, w, b)
-    kept = first.clone()
+
+    def call(image: torch.Tensor) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (image, w, b)]
+        out = winograd_conv3x3(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+
+    first = call(x)
+    kept = [t.clone() for t in first]
     pointers = {key: t.data_ptr() for key, t in winograd_conv._WORKSPACE.buffers.items()}
-    assert {slot for slot, _, _ in pointers} == {"tiles", "products"}
-    winograd_conv3x3(x.flip(0), w, b)
+    expected = {("tiles", dtype), ("products", dtype), ("filters", dtype), ("weight_sum", torch.float32)}
+    if dtype != torch.float32:
+        expected.add(("weight", dtype))
+    assert {(slot, slot_dtype) for slot, slot_dtype, _ in pointers} == expected
+    second = call(x.flip(0) + 1)
     assert {key: t.data_ptr() for key, t in winograd_conv._WORKSPACE.buffers.items()} == pointers
-    assert torch.equal(first, kept)
+    for result, copy in zip(first, kept):
+        assert torch.equal(result, copy)
     winograd_conv.release_workspace()
     assert not winograd_conv._WORKSPACE.buffers
+    for reused, fresh in zip(second, call(x.flip(0) + 1)):  # nothing of the first call leaks into the second
+        assert torch.equal(reused, fresh)
+
+
+def test_weight_tiles_out_must_match() -> None:
+    """winograd_weight_tiles(out=) writes into a contiguous [16, C_out, C_in] tensor of the weight's dtype and
+    refuses any other, naming the shape it needs."""
+    weight = _randn(4, 3, 3, 3, dtype=torch.float32, seed=5)
+    out = torch.empty(16, 4, 3)
+    tiles = winograd_weight_tiles(weight, out=out)
+    assert tiles.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(tiles, winograd_weight_tiles(weight), atol=0, rtol=0)
+    for bad in (torch.empty(16, 3, 4), torch.empty(16, 4, 3, dtype=torch.float64), torch.empty(16, 3, 4).mT):
+        with pytest.raises(ValueError, match=r"out must be a contiguous \[16, 4, 3\]"):
+            winograd_weight_tiles(weight, out=bad)
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])

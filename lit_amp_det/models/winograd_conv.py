@@ -104,21 +104,24 @@ def _chunks(tiles: int) -> list[tuple[int, int]]:
 
 
 class _Workspace(threading.local):
-    """The chunk buffers, kept from call to call (one set per thread, dtype and device): a chunk's tiles and products
-    are written into the same memory every time, so the convolution allocates nothing large and the CPU heap does
-    not fragment (fresh 10-16 MB temporaries per chunk raised a training step's resident peak by 50-120 MB)."""
+    """The convolution's temporaries, kept from call to call (one set per thread, dtype and device): a chunk's tiles
+    and products, the weight's tiles and the weight gradient's products and their fp32 sum are written into the same
+    memory every time, so the convolution allocates only its result and the CPU heap does not fragment (fresh 10-16
+    MB temporaries per chunk raised a training step's resident peak by 50-120 MB)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
 
-    def get(self, slot: str, rows: int, columns: int, like: Tensor) -> Tensor:
-        """A contiguous ``[16, rows, columns]`` view of buffer ``slot``, grown when too small."""
-        key = (slot, like.dtype, like.device)
+    def get(self, slot: str, rows: int, columns: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A contiguous ``[16, rows, columns]`` view of buffer ``slot`` in ``dtype`` (``like``'s by default) on
+        ``like``'s device, grown when too small."""
+        dtype = like.dtype if dtype is None else dtype
+        key = (slot, dtype, like.device)
         size = 16 * rows * columns
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < size:
             self.buffers.pop(key, None)  # free the old one first
-            buffer = self.buffers[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+            buffer = self.buffers[key] = torch.empty(size, dtype=dtype, device=like.device)
         return buffer[:size].view(16, rows, columns)
 
 
@@ -126,7 +129,8 @@ _WORKSPACE = _Workspace()
 
 
 def release_workspace() -> None:
-    """Frees this thread's chunk buffers (two per dtype: 16 MB each for 256 channels in bf16)."""
+    """Frees this thread's buffers (for 256 channels in bf16: 16 MB for a chunk's tiles, 16 MB for its products, 2 MB
+    for the weight's tiles, 2 MB for the weight gradient's products and 4 MB for their fp32 sum)."""
     _WORKSPACE.buffers.clear()
 
 
@@ -137,7 +141,8 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool =
     n, c_in, height, width = x.shape
     c_out = weight.shape[1] if transposed else weight.shape[0]
     out = torch.empty((n, c_out, height, width), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed)
+    filters = _WORKSPACE.get("filters", weight.shape[0], weight.shape[1], weight)
+    tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed, out=filters)
     for begin, end in _chunks(tile_count(n, height, width)):
         tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x), x, begin)
         products = torch.bmm(tiles, tiles_of_weight, out=_WORKSPACE.get("products", end - begin, c_out, x))
@@ -152,12 +157,15 @@ def _weight_gradient(x: Tensor, grad: Tensor, weight: Tensor) -> Tensor:
     c_out = grad.shape[1]
     out = torch.empty_like(weight)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    total = None
-    for begin, end in _chunks(tile_count(n, height, width)):
+    total = _WORKSPACE.get("weight_sum", c_out, c_in, x, acc)
+    for k, (begin, end) in enumerate(_chunks(tile_count(n, height, width))):
         grad_tiles = winograd_gradient_tiles_(_WORKSPACE.get("products", end - begin, c_out, grad), grad, begin)
         tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x), x, begin)
-        products = torch.bmm(grad_tiles.transpose(1, 2), tiles)
-        total = products.to(acc) if total is None else total.add_(products)
+        if x.dtype == acc:  # straight into the sum (beta 0: the buffer's earlier contents are ignored)
+            total.baddbmm_(grad_tiles.transpose(1, 2), tiles, beta=1 if k else 0)
+            continue
+        products = torch.bmm(grad_tiles.transpose(1, 2), tiles, out=_WORKSPACE.get("weight", c_out, c_in, x))
+        total.add_(products) if k else total.copy_(products)
     return winograd_weight_gradient(total, weight, out=out)
 
 

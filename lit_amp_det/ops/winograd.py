@@ -159,19 +159,27 @@ def _kron(matrix: tuple[tuple[float, ...], ...], like: Tensor) -> Tensor:
     return torch.kron(m, m)
 
 
-def winograd_weight_tiles(weight: Tensor, transposed: bool = False) -> Tensor:
+def winograd_weight_tiles(weight: Tensor, transposed: bool = False, out: Tensor | None = None) -> Tensor:
     """``[16, C_in, C_out]``: ``G w G^T`` of each 3x3 filter of ``weight`` ``[C_out, C_in, 3, 3]``, the right-hand
     operands of the 16 products (a transposed view of ``[16, C_out, C_in]``). ``transposed``: the filters of the
     input gradient's convolution instead (input and output channels swapped, filters rotated by 180 degrees):
-    ``[16, C_out, C_in]``."""
+    ``[16, C_out, C_in]``. ``out``: a contiguous ``[16, C_out, C_in]`` tensor (the weight's channel order either way)
+    of the weight's dtype to write the tiles into; the result is then a view of it."""
     if weight.dim() != 4 or tuple(weight.shape[2:]) != (3, 3):
         raise ValueError(f"winograd_weight_tiles: weight must be [C_out, C_in, 3, 3], got {tuple(weight.shape)}")
     c_out, c_in = weight.shape[:2]
-    kron = _kron(_G, weight)  # [16, 9]
-    filters = weight.to(kron.dtype).reshape(c_out * c_in, 9)  # a copy in (out, in, ky, kx) order
+    # kron(G, G)'s entries (0, +-1/4, +-1/2, 1) are exact in every float dtype, and the matmul accumulates in fp32
+    # for fp16/bf16 and rounds once, as an fp32 product rounded to the weight's dtype does; computed in the weight's
+    # dtype it needs no fp32 copies of the weight and the tiles (8 MB of temporaries per call at 256 -> 256 channels).
+    kron = torch.kron(*(torch.tensor(_G, dtype=weight.dtype, device=weight.device),) * 2)  # [16, 9]
+    filters = weight.reshape(c_out * c_in, 9)  # (out, in, ky, kx) order: a view, or a copy of channels_last weights
     if transposed:  # rotating a filter by 180 degrees reverses its 9 taps
         kron = kron.flip(1)
-    tiles = torch.mm(kron, filters.t()).to(weight.dtype).view(16, c_out, c_in)  # [16, C_out, C_in]
+    if out is not None and (out.shape != (16, c_out, c_in) or out.dtype != weight.dtype or not out.is_contiguous()):
+        raise ValueError(f"winograd_weight_tiles: out must be a contiguous [16, {c_out}, {c_in}] {weight.dtype} "
+                         f"tensor, got {tuple(out.shape)} {out.dtype}")
+    flat = None if out is None else out.view(16, c_out * c_in)
+    tiles = torch.mm(kron, filters.t(), out=flat).view(16, c_out, c_in)  # [16, C_out, C_in]
     return tiles if transposed else tiles.transpose(1, 2)
 
 
