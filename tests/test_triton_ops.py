@@ -240,7 +240,6 @@ def test_roi_align_backward_matches_the_cpu_kernel_and_keeps_the_layout(dtype, l
 
 
 def test_roi_align_deterministic_backward_is_the_same(monkeypatch):
-    x = _features((2, 4, 10, 12), torch.float64, torch.channels_last, seed=3)
     rois = _rois(6, 2, (40, 48))
     grad = _features((6, 4, 2, 2), torch.float64, torch.channels_last, seed=4)
     args = (0.25, 2, 2, 2, 4, 10, 12, 2, False)

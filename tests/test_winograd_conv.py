@@ -464,3 +464,30 @@ def test_opcheck() -> None:
     torch.library.opcheck(torch.ops.lit_amp_det.winograd_gradient_tiles_.default, (torch.empty(16, 24, 3), x, 0))
     out = torch.zeros(2, 3, 5, 7).contiguous(memory_format=NHWC)
     torch.library.opcheck(torch.ops.lit_amp_det.winograd_output_.default, (out, _randn(16, 10, 3), _randn(3), 4))
+
+
+@needs_ext
+def test_compiles_in_one_graph() -> None:
+    """``model.compile=backbone`` with Winograd FPN layers: torch.compile traces the layer's Winograd path (the
+    size rule, the kept buffers, the in-place ops through their fake kernels) into one graph, forward and backward,
+    and gives the eager layer's values exactly (so it did not fall back to oneDNN, whose bf16 values differ)."""
+    conv = nn.Conv2d(256, 256, 3, padding=1).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    conv.__class__ = WinogradConv2d
+    x = _randn(1, 256, 64, 64, dtype=torch.bfloat16, seed=6).contiguous(memory_format=torch.channels_last)
+    assert conv.computes_with_winograd(x)
+
+    def step(layer: nn.Module) -> list[torch.Tensor]:
+        image = x.clone().requires_grad_()
+        out = layer(image).relu()
+        return [out.detach(), *torch.autograd.grad(out.sum(), [image, conv.weight, conv.bias])]
+
+    eager = step(conv)
+    torch._dynamo.reset()
+    try:
+        compiled = step(torch.compile(conv, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    for got, expected in zip(compiled, eager):
+        assert torch.equal(got, expected)
+    direct = F.conv2d(x, conv.weight, conv.bias, padding=1).relu()
+    assert not torch.equal(eager[0], direct)
