@@ -65,3 +65,40 @@ def test_bf16_weights_training_matches_bf16_mixed_accuracy(tmp_path: Path) -> No
     and seed 1 of this recipe differ by 0.051 bbox / 0.015 segm mAP (0.150 / 0.112 vs 0.099 / 0.096); the two modes
     with seed 0 by 0.026 / 0.025 (bf16-weights 0.176 / 0.136). The late loss means agree within 0.6 %."""
     _assert_learns_alike(_fit(tmp_path, "bf16-mixed"), _fit(tmp_path, "bf16-weights"), map_tolerance=0.06)
+
+
+
+@pytest.mark.slow
+def test_winograd_training_matches_direct_convolutions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.winograd_convs`` rounds the transformed tiles to bf16 (0.5 % relative error per layer against 0.17 %
+    for oneDNN's bf16 convolution, tests/test_winograd_conv.py), so it must still learn as well. The parity recipe,
+    bf16 weights on channels_last maps as the CPU recipe runs, with and without the switch. The size rule is a speed
+    rule (>= 256 channels, >= 1024 tiles), so it is lowered here to take every 3x3 layer of the light model's FPN,
+    RPN head and mask head (64 channels): a 256-channel model trains 5x slower on 2 cores. The tolerance is the seed
+    spread of the test above."""
+    from lit_amp_det.models import winograd_conv
+
+    monkeypatch.setattr(winograd_conv, "MIN_CHANNELS", 1)
+    monkeypatch.setattr(winograd_conv, "MIN_TILES", 1)
+    calls: list[tuple[int, ...]] = []
+    counted = winograd_conv.winograd_conv3x3
+
+    def counting(x, weight, bias=None):  # type: ignore[no-untyped-def]
+        calls.append(tuple(x.shape))
+        return counted(x, weight, bias)
+
+    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", counting)
+
+    def fit(name: str, overrides: list[str]) -> tuple[dict, list[float]]:
+        out = tmp_path / name
+        common = ["trainer.precision=bf16-weights", "model.channels_last=true"]
+        metrics = train(compose_config([*PARITY, *common, *overrides], out))
+        rows = list(csv.DictReader((out / "logs" / "metrics.csv").open()))
+        return metrics, [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+
+    direct = fit("direct", [])
+    assert not calls
+    winograd = fit("winograd", ["model.winograd_convs=[mask_head,rpn_head,fpn]"])
+    roi_calls = [shape for shape in calls if shape[2:] == (14, 14)]
+    assert roi_calls and len(calls) > len(roi_calls), "both the mask head and the FPN/RPN must take the tiles"
+    _assert_learns_alike(direct, winograd, map_tolerance=0.06)
