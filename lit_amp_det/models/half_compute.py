@@ -1,13 +1,16 @@
 """Whether a layer computes in fp16/bf16: the condition for the layers that swap a slow half-precision oneDNN
-convolution for matrix products (:mod:`~lit_amp_det.models.patch_deconv`, :mod:`~lit_amp_det.models.pointwise_conv`),
-which lose to it in float32."""
+convolution for matrix products (:mod:`~lit_amp_det.models.patch_deconv`, :mod:`~lit_amp_det.models.pointwise_conv`,
+:mod:`~lit_amp_det.models.winograd_conv`), which lose to it in float32; and how their autograd Functions see the
+operands autocast would give a convolution."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_DTYPES", "computes_in_half"]
+__all__ = ["HALF_DTYPES", "apply_with_autocast_casts", "computes_in_half"]
 
 #: The dtypes the matmul forms of convolutions are taken for.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -20,3 +23,18 @@ def computes_in_half(x: Tensor) -> bool:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device) in HALF_DTYPES
     return x.dtype in HALF_DTYPES
+
+
+def apply_with_autocast_casts(function: type[torch.autograd.Function], x: Tensor, weight: Tensor,
+                              bias: Tensor | None, *args: Any) -> Tensor:
+    """``function.apply(x, weight, bias, *args)`` for a convolution written as a Function: under autocast the three
+    operands are cast to the autocast dtype first and the Function runs with autocast off, as ``F.conv2d``'s
+    operands are cast (autocast does not reach into a custom Function)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            return function.apply(x, weight, bias, *args)
+    return function.apply(x, weight, bias, *args)

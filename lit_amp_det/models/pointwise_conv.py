@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_amp_det.models.half_compute import computes_in_half
+from lit_amp_det.models.half_compute import apply_with_autocast_casts, computes_in_half
 
 __all__ = ["PointwiseConv2d", "convolve", "is_pointwise", "pointwise_conv2d", "use_pointwise_matmul"]
 
@@ -109,14 +109,7 @@ def pointwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     if not _is_nhwc(x):
         raise ValueError("pointwise_conv2d needs a channels_last input (x.contiguous(memory_format=torch.channels_last))")
     strides = (stride, stride) if isinstance(stride, int) else tuple(stride)
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(device, enabled=False):
-            return _PointwiseConv.apply(x, weight, bias, strides)
-    return _PointwiseConv.apply(x, weight, bias, strides)
+    return apply_with_autocast_casts(_PointwiseConv, x, weight, bias, strides)
 
 
 class PointwiseConv2d(nn.Conv2d):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_amp_det.models.half_compute import computes_in_half
+from lit_amp_det.models.half_compute import apply_with_autocast_casts, computes_in_half
 from lit_amp_det.ops._extension import extension_available
 from lit_amp_det.ops.winograd import (
     tile_count,
@@ -203,14 +203,7 @@ def winograd_conv3x3(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     if x.dim() != 4 or weight.dim() != 4 or tuple(weight.shape[2:]) != (3, 3) or weight.shape[1] != x.shape[1]:
         raise ValueError(f"winograd_conv3x3 needs x [N, C_in, H, W] and weight [C_out, C_in, 3, 3], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(device, enabled=False):
-            return _WinogradConv3x3.apply(x, weight, bias)
-    return _WinogradConv3x3.apply(x, weight, bias)
+    return apply_with_autocast_casts(_WinogradConv3x3, x, weight, bias)
 
 
 class WinogradConv2d(nn.Conv2d):
