@@ -38,8 +38,8 @@ from lit_amp_det.models.labelled_mask_logits import logit_conv
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.patch_deconv import use_patch_deconv
 from lit_amp_det.models.pointwise_conv import use_pointwise_matmul
-from lit_amp_det.models.winograd_conv import use_winograd_convs
 from lit_amp_det.models.speed import COMPILE_TARGETS, compile_detector, use_channels_last
+from lit_amp_det.models.winograd_conv import use_winograd_convs
 from lit_amp_det.optim import build_optimizer, check_reference_batch, global_batch_size, scale_lr
 
 __all__ = ["EVAL_BACKENDS", "MaskRCNNModule", "check_eval_backend"]

@@ -64,8 +64,8 @@ from lit_amp_det.bench.breakdown import time_breakdown
 from lit_amp_det.bench.common import batch_sha256, compose, train_step
 from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
-from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
 from lit_amp_det.bench.e2e_rows import Row, Setting
+from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
 from lit_amp_det.profiling import minor_page_faults, timed
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lit_amp_det.models.half_compute import apply_with_autocast_casts, computes_in_half
 from lit_amp_det.ops._extension import extension_available
 from lit_amp_det.ops.winograd import (
+    accumulation_dtype,
     tile_count,
     winograd_gradient_tiles_,
     winograd_input_tiles_,
@@ -156,7 +157,7 @@ def _weight_gradient(x: Tensor, grad: Tensor, weight: Tensor) -> Tensor:
     n, c_in, height, width = x.shape
     c_out = grad.shape[1]
     out = torch.empty_like(weight)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x.dtype)
     total = _WORKSPACE.get("weight_sum", c_out, c_in, x, acc)
     for k, (begin, end) in enumerate(_chunks(tile_count(n, height, width))):
         grad_tiles = winograd_gradient_tiles_(_WORKSPACE.get("products", end - begin, c_out, grad), grad, begin)

@@ -26,8 +26,9 @@ __all__ = [
 ]
 
 
-def _iou_dtype(*tensors: Tensor) -> torch.dtype:
-    """fp64 when any input is fp64, fp32 otherwise (half and bfloat16 boxes are compared in fp32)."""
+def _accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    """fp64 when any input is fp64, fp32 otherwise: what the references compute in (half and bfloat16 boxes are
+    compared, and half tiles transformed, in fp32)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -41,7 +42,7 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     Computed in fp32 (fp64 if an input is fp64); a pair whose union is not positive, or whose IoU is not a
     number (infinite coordinates), has IoU 0.
     """
-    dtype = _iou_dtype(boxes1, boxes2)
+    dtype = _accumulation_dtype(boxes1, boxes2)
     a, b = boxes1.to(dtype), boxes2.to(dtype)
     top_left = torch.maximum(a[:, None, :2], b[None, :, :2])
     bottom_right = torch.minimum(a[:, None, 2:], b[None, :, 2:])
@@ -59,7 +60,7 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -
     ``max_output >= 0`` stops once that many boxes are kept.
     """
     order = torch.sort(scores, descending=True, stable=True).indices
-    sorted_boxes = boxes.to(_iou_dtype(boxes))[order]
+    sorted_boxes = boxes.to(_accumulation_dtype(boxes))[order]
     alive = torch.arange(order.numel(), device=boxes.device)
     kept: list[Tensor] = []
     while alive.numel() > 0 and (max_output < 0 or len(kept) < max_output):
@@ -250,10 +251,6 @@ _WINOGRAD_AT = ((1, 1, 1, 0), (0, 1, -1, -1))
 _WINOGRAD_G2 = ((1, 0), (0.5, 0.5), (0.5, -0.5), (0, -1))
 
 
-def _winograd_acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _tiles(x: Tensor, side: int, offset: int) -> Tensor:
     """``[N, C, ceil(H/2), ceil(W/2), side, side]``: the side x side windows of ``x`` at (2i + offset, 2j + offset),
     zero outside ``x``."""
@@ -274,14 +271,14 @@ def _two_sided(matrix: tuple[tuple[float, ...], ...], tiles: Tensor) -> Tensor:
 def winograd_input_tiles_(tiles: Tensor, input: Tensor, tile_begin: int = 0) -> None:  # noqa: A002
     """Writes ``B^T d B`` of the 4x4 tiles of ``input`` zero-padded by 1, tiles ``[tile_begin, tile_begin + T)``,
     into ``tiles`` ``[16, T, C]``."""
-    every = _two_sided(_WINOGRAD_BT, _tiles(input.to(_winograd_acc(input.dtype)), 4, -1))
+    every = _two_sided(_WINOGRAD_BT, _tiles(input.to(_accumulation_dtype(input)), 4, -1))
     tiles.copy_(every[:, tile_begin:tile_begin + tiles.shape[1]])
 
 
 def winograd_gradient_tiles_(tiles: Tensor, grad_output: Tensor, tile_begin: int = 0) -> None:
     """Writes ``G2 g G2^T`` of the 2x2 tiles of ``grad_output``, tiles ``[tile_begin, tile_begin + T)``, into
     ``tiles``."""
-    acc = _winograd_acc(grad_output.dtype)
+    acc = _accumulation_dtype(grad_output)
     every = _two_sided(_WINOGRAD_G2, _tiles(grad_output.to(acc), 2, 0))
     tiles.copy_(every[:, tile_begin:tile_begin + tiles.shape[1]])
 
@@ -289,7 +286,7 @@ def winograd_gradient_tiles_(tiles: Tensor, grad_output: Tensor, tile_begin: int
 def winograd_output_(out: Tensor, products: Tensor, bias: Tensor | None, tile_begin: int = 0) -> None:
     """Writes ``A^T m A`` (+ ``bias``) of tiles ``[tile_begin, tile_begin + T)`` (``products``: ``[16, T, C]``) into
     their pixels of the ``[N, C, H, W]`` map ``out``; the other pixels keep their values."""
-    acc = _winograd_acc(products.dtype)
+    acc = _accumulation_dtype(products)
     batch_size, channels, height, width = out.shape
     tiles_h, tiles_w = (height + 1) // 2, (width + 1) // 2
     count = products.shape[1]

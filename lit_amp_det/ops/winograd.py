@@ -30,6 +30,7 @@ from lit_amp_det.ops import reference
 from lit_amp_det.ops._extension import extension_available
 
 __all__ = [
+    "accumulation_dtype",
     "tile_count",
     "winograd_gradient_tiles",
     "winograd_gradient_tiles_",
@@ -149,13 +150,14 @@ def winograd_output(products: Tensor, batch_size: int, height: int, width: int, 
     return winograd_output_(out, products, bias)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the transforms of a ``dtype`` tensor sum in: float64 for float64, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _kron(matrix: tuple[tuple[float, ...], ...], like: Tensor) -> Tensor:
+def _kron(matrix: tuple[tuple[float, ...], ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """``kron(M, M)``: maps a flattened k x k tile ``t`` to the flattened ``M t M^T``."""
-    m = torch.tensor(matrix, dtype=_acc(like.dtype), device=like.device)
+    m = torch.tensor(matrix, dtype=dtype, device=device)
     return torch.kron(m, m)
 
 
@@ -171,7 +173,7 @@ def winograd_weight_tiles(weight: Tensor, transposed: bool = False, out: Tensor 
     # kron(G, G)'s entries (0, +-1/4, +-1/2, 1) are exact in every float dtype, and the matmul accumulates in fp32
     # for fp16/bf16 and rounds once, as an fp32 product rounded to the weight's dtype does; computed in the weight's
     # dtype it needs no fp32 copies of the weight and the tiles (8 MB of temporaries per call at 256 -> 256 channels).
-    kron = torch.kron(*(torch.tensor(_G, dtype=weight.dtype, device=weight.device),) * 2)  # [16, 9]
+    kron = _kron(_G, weight.dtype, weight.device)  # [16, 9]
     filters = weight.reshape(c_out * c_in, 9)  # (out, in, ky, kx) order: a view, or a copy of channels_last weights
     if transposed:  # rotating a filter by 180 degrees reverses its 9 taps
         kron = kron.flip(1)
@@ -188,7 +190,7 @@ def winograd_weight_gradient(products: Tensor, like: Tensor, out: Tensor | None 
     gradient tiles and input tiles, in ``like``'s dtype and memory format (the weight's), written into ``out`` when
     given (allocated before the temporaries, so that they free the top of the CPU heap again)."""
     _, c_out, c_in = products.shape
-    kron = _kron(_A2T, products)  # [9, 16]
+    kron = _kron(_A2T, accumulation_dtype(products.dtype), products.device)  # [9, 16]
     grad = torch.mm(products.reshape(16, c_out * c_in).to(kron.dtype).t(), kron.t())  # [C_out * C_in, 9]
     target = torch.empty_like(like) if out is None else out
     return target.copy_(grad.view(c_out, c_in, 3, 3))
