@@ -451,6 +451,17 @@ def test_unknown_part_is_refused_and_a_missing_one_skipped() -> None:
     assert use_winograd_convs(faster.model, ["mask_head", "rpn_head"]) == 1
 
 
+def test_module_warns_when_the_switch_finds_no_layer(caplog: pytest.LogCaptureFixture) -> None:
+    """A Faster R-CNN has no mask head: ``model.winograd_convs=[mask_head]`` switches nothing, and says so."""
+    with caplog.at_level("WARNING", logger="lit_amp_det.module"):
+        _tiny_module("model.mask=false", "model.winograd_convs=[mask_head]")
+    assert "model.winograd_convs=['mask_head']: the model has no 3x3, stride-1 convolution there" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lit_amp_det.module"):
+        _tiny_module("model.mask=false", "model.winograd_convs=[rpn_head]")
+    assert "winograd_convs" not in caplog.text
+
+
 def test_config_default_is_none() -> None:
     assert list(compose_config([]).model.winograd_convs) == []
 
