@@ -261,6 +261,54 @@ def test_chunked_convolution_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -
                                atol=1e-12, rtol=1e-12)
 
 
+def test_overlapping_last_chunk_equals_conv2d(monkeypatch: pytest.MonkeyPatch) -> None:
+    """36 tiles in chunks of 8 with a granule of 3: the last chunk (6 tiles) starts 2 tiles inside the one before.
+    Output and all gradients equal F.conv2d's in float64: the overlapping tiles are written twice and their weight
+    gradient counted once."""
+    from lit_amp_det.models import winograd_conv
+
+    monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 8)
+    monkeypatch.setattr(winograd_conv, "TILE_GRANULE", 3)
+    assert winograd_conv._chunks(tile_count(3, 5, 7))[-1] == (30, 36, 2)
+    x, w, b = _conv_inputs(3, 4, 5, (5, 7), torch.float64)
+    grad = _randn(3, 5, 5, 7, dtype=torch.float64, seed=4)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    out = winograd_conv3x3(*leaves)
+    chunked = [out, *torch.autograd.grad(out, leaves, grad)]
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    expected = F.conv2d(*leaves, padding=1)
+    torch.testing.assert_close(chunked, [expected, *torch.autograd.grad(expected, leaves, grad)],
+                               atol=1e-12, rtol=1e-12)
+
+
+@needs_ext
+def test_matrix_products_take_few_shapes_whatever_the_roi_count() -> None:
+    """A training step's mask-head tile count changes with its RoI count; oneDNN keeps every bf16 matmul shape it
+    has seen (about 0.5 MB each, up to ~540 MB). Forward and backward over 40 RoI counts (1029 to 2940 tiles of
+    14x14 maps) use at most CHUNK_TILES / TILE_GRANULE + 1 shapes of each of the three products."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lit_amp_det.models import winograd_conv
+
+    shapes: set[tuple[tuple[int, ...], ...]] = set()
+
+    class RecordProducts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.bmm.out, torch.ops.aten.baddbmm.default,
+                        torch.ops.aten.baddbmm.out):
+                shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
+    weight = _randn(8, 8, 3, 3, dtype=torch.bfloat16, seed=1).requires_grad_()
+    with RecordProducts():
+        for rois in range(21, 61):
+            x = _randn(rois, 8, 14, 14, dtype=torch.bfloat16, seed=rois).requires_grad_()
+            out = winograd_conv3x3(x, weight)
+            torch.autograd.grad(out, (x, weight), torch.ones_like(out))
+    per_product = -(-winograd_conv.CHUNK_TILES // winograd_conv.TILE_GRANULE) + 1
+    assert len(shapes) <= 3 * per_product, sorted(shapes)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_buffers_are_reused_and_never_returned(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """The convolution's temporaries persist from call to call (no allocation per call but the results) and the

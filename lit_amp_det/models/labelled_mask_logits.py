@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
+from lit_amp_det.models.bounded_matmul import chunked_bmm
 from lit_amp_det.models.patch_deconv import PatchConvTranspose2d, patch_products
 
 __all__ = ["labelled_logits", "logit_conv"]
@@ -75,9 +76,9 @@ def labelled_logits(predictor: nn.Module, features: Tensor, labels: Tensor) -> T
     x, weight = _in_compute_dtype(x, conv.weight[labels, :, 0, 0])  # [K, C]: each RoI's class row
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         pixels = x.permute(0, 2, 3, 1).reshape(k, height * width, channels)  # a view of NHWC memory
-        out = torch.bmm(pixels, weight.unsqueeze(-1))
+        out = chunked_bmm(pixels, weight.unsqueeze(-1))
     else:
-        out = torch.bmm(weight.unsqueeze(1), x.reshape(k, channels, height * width))
+        out = chunked_bmm(weight.unsqueeze(1), x.reshape(k, channels, height * width))
     return _with_bias(out.reshape(k, height, width), conv, labels)
 
 
@@ -135,7 +136,7 @@ def _logits_from_patches(predictor: nn.Module, conv: nn.Conv2d, features: Tensor
     patches = torch.relu_(patch_products(features, upsample.weight, upsample.bias))  # [K*H*W, kh*kw*C], fresh
     patches, weight = _in_compute_dtype(patches.view(k, height * width * kh * kw, channels),
                                         conv.weight[labels, :, 0, 0])
-    out = torch.bmm(patches, weight.unsqueeze(-1))  # [K, H*W*kh*kw, 1], rows (i, j, a, b)
+    out = chunked_bmm(patches, weight.unsqueeze(-1))  # [K, H*W*kh*kw, 1], rows (i, j, a, b)
     out = out.view(k, height, width, kh, kw).permute(0, 1, 3, 2, 4).reshape(k, height * kh, width * kw)
     return _with_bias(out, conv, labels)
 

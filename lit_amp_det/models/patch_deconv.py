@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_amp_det.models.bounded_matmul import chunked_addmm
 from lit_amp_det.models.half_compute import computes_in_half
 from lit_amp_det.ops.layout import suggest_memory_format
 
@@ -94,9 +95,8 @@ def patch_products(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     _, c_out, kh, kw = weight.shape
     rows = x.permute(0, 2, 3, 1).reshape(n * height * width, c_in)  # a view for channels_last input
     cols = weight.permute(0, 2, 3, 1).reshape(c_in, kh * kw * c_out)  # column (a, b, o): W[:, o, a, b]
-    if bias is None:
-        return torch.mm(rows, cols)
-    return torch.addmm(bias.repeat(kh * kw), rows, cols)
+    # in chunks of rows on the CPU in half precision: the row count changes with the RoI count of every step
+    return chunked_addmm(rows, cols, None if bias is None else bias.repeat(kh * kw))
 
 
 def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
