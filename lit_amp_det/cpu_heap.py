@@ -28,6 +28,7 @@ import gc
 import sys
 
 __all__ = [
+    "heap_in_use_bytes",
     "pin_malloc_threshold",
     "release_freed_cpu_memory",
     "retain_freed_memory",
@@ -59,6 +60,25 @@ _GLIBC_MMAP_MAX = 65536
 _NEVER_TRIM = 2**31 - 1
 
 _retained = False
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33+)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes of live ``malloc`` blocks (heap and mmap'd, glibc's ``mallinfo2``): what the process holds, without the
+    freed memory glibc keeps. None without glibc 2.33+."""
+    mallinfo2 = getattr(_LIBC, "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def _mallopt(param: int, value: int) -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "count_images",
     "minor_page_faults",
     "pin_malloc_threshold",
+    "resident_bytes",
     "release_freed_cpu_memory",
     "synchronize",
     "timed",
@@ -49,6 +50,12 @@ def _proc_status_kib(field: str) -> int | None:
         return None
     match = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
     return int(match.group(1)) if match else None
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set now (``VmRSS``), or None where ``/proc`` has none."""
+    kib = _proc_status_kib("VmRSS")
+    return None if kib is None else 1024 * kib
 
 
 def _reset_cpu_high_water_mark() -> bool:

@@ -270,3 +270,39 @@ def test_bench_weights_ab_runs_its_variants_side_by_side(tmp_path: Path) -> None
     assert "trainer.precision=bf16-weights" in results["weights"]["switches"]
     for name in results:
         assert f"| {name} |" in proc.stdout
+
+
+def test_changing_batches_measure_what_a_row_keeps() -> None:
+    """--drift-steps: the steps see new shapes images each, and the growth of the heap in use and of the resident set
+    is reported over all of them and over their second half: a step that keeps 4 MB more each time reads about
+    4 MB a step in both halves."""
+    kept: list[bytes] = []
+    seen: list[int] = []
+
+    def keeping_step(k: int, batch: Any) -> None:
+        images, targets = batch
+        assert len(images) == 2 and images[0].shape == (3, 64, 64) and len(targets) == 2
+        seen.append(int(images[0].sum()))
+        kept.append(bytes(range(256)) * (4 * 2**20 // 256))
+
+    drift = train.memory_over_changing_batches(keeping_step, dataclasses.replace(SETTING, drift_steps=6))
+    assert len(set(seen)) == 6  # a new batch every step
+    assert drift["drift_steps"] == 6
+    assert 22 <= drift["drift_heap_growth_mb"] <= 26 and 10 <= drift["drift_heap_growth_late_mb"] <= 14
+    assert 22 <= drift["drift_resident_growth_mb"] <= 40  # at least what was kept (plus the rendering's pages)
+    assert train.memory_over_changing_batches(keeping_step, SETTING) == {}
+    text = train._drift_text({"drift_steps": 6, **{k: v for k, v in drift.items() if k != "drift_steps"}})
+    assert text.startswith("+2") and text.endswith("in 6") and train._drift_text({}) == "-"
+
+
+def test_a_row_reports_its_changing_batch_steps() -> None:
+    """In a row (own-class logits: every switch but the 1x1 and Winograd convolutions) the drift steps run after the
+    measured ones, which keep their losses, and --drift-steps travels to the row's process."""
+    index = [row.name for row in train.ROWS].index("labelled-mask-logits")
+    setting = dataclasses.replace(SETTING, drift_steps=2)
+    result = train.run_row(index, setting)
+    assert result["drift_steps"] == 2 and result["drift_heap_growth_mb"] is not None
+    assert len(result["losses"]) == setting.warmup + setting.steps
+    assert "--drift-steps=2" in e2e._setting_argv(setting) and "--drift-steps" not in " ".join(e2e._setting_argv(SETTING))
+    with pytest.raises(SystemExit):
+        infer.main(["--drift-steps=2"])  # inference has no training steps to repeat

@@ -92,6 +92,8 @@ class Setting:
     ``state`` is ``random`` (the seeded initialisation) or ``trained`` (every row loads ``checkpoint``, a state
     made by :mod:`lit_amp_det.bench.state` in ``state_steps`` steps). ``lr``: the constant learning rate of the
     timed training steps; ``None`` runs the recipe's warm-up schedule from step 0, as a fresh run starts.
+    ``drift_steps``: training steps on batches that change every step, after every other measurement, to see how
+    much memory a row accumulates (``bench train --drift-steps``; 0: none).
     """
 
     device: str
@@ -107,6 +109,7 @@ class Setting:
     state_steps: int = 0
     checkpoint: str | None = None
     lr: float | None = None
+    drift_steps: int = 0
 
     @property
     def size(self) -> str:

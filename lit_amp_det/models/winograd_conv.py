@@ -72,11 +72,12 @@ WINOGRAD_PARTS = {
 #: (1960 tiles) 28.6 vs 25.6 ms; 128 channels on 4x64x64 maps (4096 tiles) 15.4 vs 15.8 ms.
 MIN_TILES = 1024
 MIN_CHANNELS = 256
-#: Tiles per chunk: a chunk's input tiles and products (4 MB each for 512 tiles of 256 channels in bf16) are made,
+#: Tiles per chunk: a chunk's input tiles and products (8 MB each for 1024 tiles of 256 channels in bf16) are made,
 #: multiplied and consumed before the next, in buffers kept from call to call (:class:`_Workspace`), so memory stays
-#: small at any image size (the R50-FPN level P2 at 800x1333 has 16 800 tiles per image). 512 measured as fast as
-#: 2048 per layer (R50 mask head and FPN, bf16, forward + backward) and keeps 24 MB less resident.
-CHUNK_TILES = 512
+#: small at any image size (the R50-FPN level P2 at 800x1333 has 16 800 tiles per image). Profiled on the dev CPU
+#: (R50 mask-head layer, bf16, forward + backward): 2048 tiles 86-92 ms, 1024 92-94, 512 95-96 (each chunk costs a
+#: little Python and an fp32 sum of the weight gradient); kept memory 40, 24 and 16 MB.
+CHUNK_TILES = 1024
 #: The last chunk's size is rounded up to a multiple of this (by overlapping the chunk before it), so a layer's
 #: matrix products take at most ``CHUNK_TILES / TILE_GRANULE`` shapes whatever its tile count: oneDNN keeps each bf16
 #: matmul shape it has seen (about 0.5 MB each, up to ~540 MB: :mod:`lit_amp_det.models.bounded_matmul`), and the
@@ -139,7 +140,7 @@ _WORKSPACE = _Workspace()
 
 
 def release_workspace() -> None:
-    """Frees this thread's buffers (for 256 channels in bf16: 4 MB for a chunk's tiles, 4 MB for its products, 2 MB
+    """Frees this thread's buffers (for 256 channels in bf16: 8 MB for a chunk's tiles, 8 MB for its products, 2 MB
     for the weight's tiles, 2 MB for the weight gradient's products and 4 MB for their fp32 sum)."""
     _WORKSPACE.buffers.clear()
 
