@@ -46,8 +46,9 @@ so the proposal counts that set a step's time, at the loaded state through warm-
 Columns: images/s (batch / median step time), step time (median over repeats of each repeat's median), the
 min-max of the repeat medians, IQR of the timed steps, GFLOP per step and achieved GFLOP/s with the fraction of
 the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory of one more step above the built model, ratios
-to the first row, each repeat's minor page faults per timed step, and the warm-up time (which holds the compile
-time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA; the light model (ResNet-18 FPN) at 224 px,
+to the first row, each repeat's minor page faults per timed step, with ``--drift-steps N`` how much the heap in use
+and the resident set grow over N more steps on batches that change every step (:func:`memory_over_changing_batches`),
+and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA; the light model (ResNet-18 FPN) at 224 px,
 batch 4, 3 + 10 steps on a CPU; 3 repeats.
 """
 
