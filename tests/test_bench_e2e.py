@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from lit_amp_det.bench import e2e, e2e_report, e2e_rows, infer, train
 from lit_amp_det.bench.common import compose
-from lit_amp_det.cpu_heap import retains_freed_memory
+from lit_amp_det.cpu_heap import release_freed_cpu_memory, retains_freed_memory
 
 SMALL = ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=1", "--steps=2", "--state-steps=2",
          "--peak-seconds=0.02"]
@@ -81,14 +81,17 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     for name, result in results.items():
         speed = result["images_per_s"]
         assert speed > 0 and result["peak_memory_abs_mb"] > 0, (name, result)
-    # the same seeded weights in every row, and the same maths counted (the rows change how, not what)
+    # the same seeded weights in every row, and the same maths counted (the rows change how, not what; a chunked
+    # product's overlapping rows, lit_amp_det.models.bounded_matmul, are counted as the extra work they are: < 0.1 %)
     assert len({result["weights_sha256"] for result in results.values()}) == 1
     assert len({result["batch_sha256"] for result in results.values()}) == 1
     if bench is train.BENCH:  # the own-class mask logits skip the other classes' logit maps: less work counted
         labelled = list(results).index("labelled-mask-logits")  # that row and every row after it
-        fewer = {r["gflop_per_step"] for r in list(results.values())[labelled:]}
-        assert len({r["gflop_per_step"] for r in list(results.values())[:labelled]}) == 1 and len(fewer) == 1
-        assert 0 < fewer.pop() < results["torchvision-fp32"]["gflop_per_step"]
+        before = [r["gflop_per_step"] for r in list(results.values())[:labelled]]
+        fewer = [r["gflop_per_step"] for r in list(results.values())[labelled:]]
+        assert before == pytest.approx([before[0]] * len(before), rel=1e-3)
+        assert fewer == pytest.approx([fewer[0]] * len(fewer), rel=1e-3)
+        assert 0 < max(fewer) < 0.999 * results["torchvision-fp32"]["gflop_per_step"]
     assert all(result["gflop_per_step"] > 0 for result in results.values())
     assert results["torchvision-fp32"]["compute_dtype"] == "fp32" and results["autocast"]["compute_dtype"] == "bf16"
     first, last = results["torchvision-fp32"]["switches"], results[bench.rows[-2].name]["switches"]
@@ -179,7 +182,7 @@ def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert row["step_ms_repeat_min"] == min(medians) and row["step_ms_repeat_max"] == max(medians)
         assert row["step_ms_repeat_spread"] == pytest.approx((max(medians) - min(medians)) / row["step_ms_median"])
         assert row["images_per_s"] == pytest.approx(2000 / row["step_ms_median"])
-    assert rows[0]["gflop_per_step"] == rows[1]["gflop_per_step"]
+    assert rows[1]["gflop_per_step"] == pytest.approx(rows[0]["gflop_per_step"], rel=1e-3)  # + chunk overlaps
     assert rows[1]["speedup"] == pytest.approx(rows[0]["step_ms_median"] / rows[1]["step_ms_median"])
     assert rows[0]["speedup"] == 1.0 and rows[0]["memory_ratio"] in (1.0, None)
     assert rows[1]["speedup"] > 0 and len(rows[1]["step_ms_all"]) == 4 and rows[1]["warmup_steps"] == 1
@@ -278,6 +281,7 @@ def test_changing_batches_measure_what_a_row_keeps() -> None:
     4 MB a step in both halves."""
     kept: list[bytes] = []
     seen: list[int] = []
+    release_freed_cpu_memory()  # freed pages an earlier test left resident would hold the kept bytes unseen
 
     def keeping_step(k: int, batch: Any) -> None:
         images, targets = batch
