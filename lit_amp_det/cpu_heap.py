@@ -70,14 +70,17 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _MallInfo2
+
+
 def heap_in_use_bytes() -> int | None:
     """Bytes of live ``malloc`` blocks (heap and mmap'd, glibc's ``mallinfo2``): what the process holds, without the
     freed memory glibc keeps. None without glibc 2.33+."""
-    mallinfo2 = getattr(_LIBC, "mallinfo2", None)
-    if mallinfo2 is None:
+    if _MALLINFO2 is None:
         return None
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
+    info = _MALLINFO2()
     return int(info.uordblks + info.hblkhd)
 
 

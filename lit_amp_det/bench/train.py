@@ -48,8 +48,8 @@ min-max of the repeat medians, IQR of the timed steps, GFLOP per step and achiev
 the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory of one more step above the built model, ratios
 to the first row, each repeat's minor page faults per timed step, with ``--drift-steps N`` how much the heap in use
 and the resident set grow over N more steps on batches that change every step (:func:`memory_over_changing_batches`),
-and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA; the light model (ResNet-18 FPN) at 224 px,
-batch 4, 3 + 10 steps on a CPU; 3 repeats.
+and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA;
+the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 repeats.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ from lit_amp_det.bench.common import batch_sha256, compose, shapes_batch, train_
 from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
-from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
 from lit_amp_det.cpu_heap import heap_in_use_bytes
+from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
 from lit_amp_det.profiling import MB, minor_page_faults, resident_bytes, timed
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]
@@ -193,20 +193,19 @@ def memory_over_changing_batches(step: Callable[[int, Any], None], setting: Sett
     def growth(before: int | None, after: int | None) -> float | None:
         return None if before is None or after is None else (after - before) / MB
 
-    marks = [sample()]
+    start = middle = sample()  # middle: after the first half (one step: the start)
     for k in range(steps):
         batch = shapes_batch("train", range(k * setting.batch, (k + 1) * setting.batch), setting.height,
                              setting.width, setting.num_classes, setting.device)
         step(k, batch)
         if k + 1 == steps // 2:
-            marks.append(sample())
-    marks.append(sample())
-    middle = marks[1] if len(marks) == 3 else marks[0]
+            middle = sample()
+    end = sample()
     return {"drift_steps": steps,
-            "drift_heap_growth_mb": growth(marks[0][0], marks[-1][0]),
-            "drift_heap_growth_late_mb": growth(middle[0], marks[-1][0]),
-            "drift_resident_growth_mb": growth(marks[0][1], marks[-1][1]),
-            "drift_resident_growth_late_mb": growth(middle[1], marks[-1][1])}
+            "drift_heap_growth_mb": growth(start[0], end[0]),
+            "drift_heap_growth_late_mb": growth(middle[0], end[0]),
+            "drift_resident_growth_mb": growth(start[1], end[1]),
+            "drift_resident_growth_late_mb": growth(middle[1], end[1])}
 
 
 def _drift_text(row: dict[str, Any]) -> str:

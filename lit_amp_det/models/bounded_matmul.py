@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lit_amp_det.models.half_compute import apply_with_autocast_casts, computes_in_half
+from lit_amp_det.models.half_compute import apply_in_autocast_dtype, apply_with_autocast_casts, computes_in_half
+from lit_amp_det.ops.winograd import accumulation_dtype
 
 __all__ = ["BMM_CHUNK", "MM_CHUNK_ROWS", "MM_ROW_GRANULE", "Chunk", "chunked_addmm", "chunked_bmm", "keeps_shapes",
            "row_chunks"]
@@ -88,8 +89,7 @@ def _summed_over_rows(a: Tensor, grad: Tensor, chunks: list[Chunk]) -> Tensor:
     of its ``a`` rows so that each row counts once; returned in ``a``'s dtype."""
     if len(chunks) == 1:
         return torch.mm(a.t(), grad)
-    acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-    total = a.new_zeros((a.shape[1], grad.shape[1]), dtype=acc_dtype)
+    total = a.new_zeros((a.shape[1], grad.shape[1]), dtype=accumulation_dtype(a.dtype))
     for begin, end, overlap in chunks:
         rows = a[begin:end]
         if overlap:
@@ -172,10 +172,4 @@ def chunked_bmm(a: Tensor, b: Tensor, chunk: int | None = None) -> Tensor:
         raise ValueError(f"chunked_bmm needs a [B, n, m] and b [B, m, p], got {tuple(a.shape)} and {tuple(b.shape)}")
     if not keeps_shapes(a):
         return torch.bmm(a, b)
-    size = BMM_CHUNK if chunk is None else chunk
-    device = a.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device, enabled=False):
-            return _ChunkedBmm.apply(a.to(dtype), b.to(dtype), size)
-    return _ChunkedBmm.apply(a, b, size)
+    return apply_in_autocast_dtype(_ChunkedBmm, (a, b), BMM_CHUNK if chunk is None else chunk)

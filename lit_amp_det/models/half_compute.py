@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_DTYPES", "apply_with_autocast_casts", "computes_in_half"]
+__all__ = ["HALF_DTYPES", "apply_in_autocast_dtype", "apply_with_autocast_casts", "computes_in_half"]
 
 #: The dtypes the matmul forms of convolutions are taken for.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -25,16 +25,22 @@ def computes_in_half(x: Tensor) -> bool:
     return x.dtype in HALF_DTYPES
 
 
+def apply_in_autocast_dtype(function: type[torch.autograd.Function], operands: tuple[Tensor | None, ...],
+                            *args: Any) -> Tensor:
+    """``function.apply(*operands, *args)``; under autocast the tensor ``operands`` (``None`` stays ``None``) are cast
+    to the autocast dtype first and the Function runs with autocast off, as a convolution's or matmul's operands are
+    cast (autocast does not reach into a custom Function)."""
+    device = next(t for t in operands if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return function.apply(*operands, *args)
+    dtype = torch.get_autocast_dtype(device)
+    cast = tuple(None if t is None else t.to(dtype) for t in operands)
+    with torch.autocast(device, enabled=False):
+        return function.apply(*cast, *args)
+
+
 def apply_with_autocast_casts(function: type[torch.autograd.Function], x: Tensor, weight: Tensor,
                               bias: Tensor | None, *args: Any) -> Tensor:
-    """``function.apply(x, weight, bias, *args)`` for a convolution written as a Function: under autocast the three
-    operands are cast to the autocast dtype first and the Function runs with autocast off, as ``F.conv2d``'s
-    operands are cast (autocast does not reach into a custom Function)."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(device, enabled=False):
-            return function.apply(x, weight, bias, *args)
-    return function.apply(x, weight, bias, *args)
+    """``function.apply(x, weight, bias, *args)`` for a convolution written as a Function, its three operands cast as
+    ``F.conv2d``'s are under autocast (:func:`apply_in_autocast_dtype`)."""
+    return apply_in_autocast_dtype(function, (x, weight, bias), *args)
