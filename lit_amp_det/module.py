@@ -100,8 +100,9 @@ class MaskRCNNModule(LightningModule):
         compile: ``"backbone"`` compiles the ResNet+FPN with ``torch.compile``; ``None`` stays eager.
         deconv_as_matmul: compute the mask head's stride-2 transposed convolution as one matrix product when it
             runs in fp16/bf16 (:mod:`lit_amp_det.models.patch_deconv`; 2x faster forward + backward on a CPU).
-        labelled_mask_logits: in training, compute only each positive RoI's own-class mask logits, the ones the
-            mask loss reads (:mod:`lit_amp_det.models.labelled_mask_logits`; with ``ops="ext"``).
+        labelled_mask_logits: compute only the mask logits that are read: in training each positive RoI's
+            ground-truth class's (the mask loss), at inference each detection's predicted class's
+            (:mod:`lit_amp_det.models.labelled_mask_logits`; with ``ops="ext"``).
         pointwise_conv_as_matmul: compute the backbone's and FPN's 1x1 convolutions as matrix products when they run
             in fp16/bf16 on channels_last maps (:mod:`lit_amp_det.models.pointwise_conv`; up to 3x faster forward +
             backward on the CPU's small, deep maps).

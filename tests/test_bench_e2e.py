@@ -45,7 +45,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (15 if bench is train.BENCH else 8)
+    assert bench.rows[0].override is None and len(bench.rows) == (15 if bench is train.BENCH else 12)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -85,13 +85,13 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     # product's overlapping rows, lit_amp_det.models.bounded_matmul, are counted as the extra work they are: < 0.1 %)
     assert len({result["weights_sha256"] for result in results.values()}) == 1
     assert len({result["batch_sha256"] for result in results.values()}) == 1
-    if bench is train.BENCH:  # the own-class mask logits skip the other classes' logit maps: less work counted
-        labelled = list(results).index("labelled-mask-logits")  # that row and every row after it
-        before = [r["gflop_per_step"] for r in list(results.values())[:labelled]]
-        fewer = [r["gflop_per_step"] for r in list(results.values())[labelled:]]
-        assert before == pytest.approx([before[0]] * len(before), rel=1e-3)
-        assert fewer == pytest.approx([fewer[0]] * len(fewer), rel=1e-3)
-        assert 0 < max(fewer) < 0.999 * results["torchvision-fp32"]["gflop_per_step"]
+    # the own-class mask logits skip the other classes' logit maps, in training and at inference: less work counted
+    labelled = list(results).index("labelled-mask-logits")  # that row and every row after it
+    before = [r["gflop_per_step"] for r in list(results.values())[:labelled]]
+    fewer = [r["gflop_per_step"] for r in list(results.values())[labelled:]]
+    assert before == pytest.approx([before[0]] * len(before), rel=1e-3)
+    assert fewer == pytest.approx([fewer[0]] * len(fewer), rel=1e-3)
+    assert 0 < max(fewer) < 0.999 * results["torchvision-fp32"]["gflop_per_step"]
     assert all(result["gflop_per_step"] > 0 for result in results.values())
     assert results["torchvision-fp32"]["compute_dtype"] == "fp32" and results["autocast"]["compute_dtype"] == "bf16"
     first, last = results["torchvision-fp32"]["switches"], results[bench.rows[-2].name]["switches"]
@@ -103,10 +103,10 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert last["trainer.precision"] == ("bf16-weights" if bench is train.BENCH else "bf16-mixed")
     assert last["precision.fp32_regions"] is None
     assert last["model.ops"] == "ext" and last["model.channels_last"] is True
-    assert last["model.deconv_as_matmul"] is (bench is train.BENCH)
-    assert last["precision.fused_master_step"] is last["model.labelled_mask_logits"] is (bench is train.BENCH)
-    assert last["model.pointwise_conv_as_matmul"] is (bench is train.BENCH)
-    assert last["model.winograd_convs"] == (["mask_head", "rpn_head", "fpn"] if bench is train.BENCH else [])
+    assert last["model.deconv_as_matmul"] is last["model.labelled_mask_logits"] is True
+    assert last["precision.fused_master_step"] is (bench is train.BENCH)
+    assert last["model.pointwise_conv_as_matmul"] is True
+    assert last["model.winograd_convs"] == ["mask_head", "rpn_head", "fpn"]
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval", "RetainCPUHeap"]
         assert not retains_freed_memory()  # the row's teardown handed glibc's policy back to this process

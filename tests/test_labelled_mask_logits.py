@@ -190,3 +190,135 @@ def test_hooks_keep_the_modules_path() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         labelled_logits(predictor, x, labels)
     assert calls == ["upsample"]
+
+
+# --- inference: each detection's predicted class's map only ---------------------------------------------------------
+
+def _detect(module, images, *, dtype: torch.dtype | None = None) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """The RoI heads' detections in ``module.model``'s eval forward (masks: ``[D, 1, 28, 28]`` probabilities, before
+    pasting), and how often the logit convolution itself ran."""
+    calls, detections = [], []
+    roi_heads = module.model.roi_heads
+    handles = [roi_heads.mask_predictor.mask_fcn_logits.register_forward_hook(lambda *args: calls.append(1)),
+               roi_heads.register_forward_hook(  # copies: the transform pastes the masks into these dicts
+                   lambda _module, _args, out: detections.append([dict(d) for d in out[0]]))]
+    try:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            module.model(module.prepare_images(images))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return detections[0], len(calls)
+
+
+def _eval_modules(tmp_path: Path, *overrides: str, score_thresh: float = 0.0):
+    """The same weights with and without ``labelled_mask_logits``, in eval mode; a score threshold of 0 makes the
+    untrained model detect up to ``detections_per_img`` objects per image."""
+    modules = []
+    for flag in (False, True):
+        module = _module(tmp_path, f"model.labelled_mask_logits={str(flag).lower()}",
+                         f"model.roi_heads.score_thresh={score_thresh}", *overrides)
+        modules.append(module.eval())
+    return modules
+
+
+def _assert_same_detections(ours, full, *, rtol: float, atol: float) -> None:
+    assert len(ours) == len(full)
+    for o, f in zip(ours, full):
+        assert o.keys() == f.keys() == {"boxes", "labels", "scores", "masks"}
+        for key in ("boxes", "labels", "scores"):
+            torch.testing.assert_close(o[key], f[key], rtol=0, atol=0, msg=key)  # the box head is untouched
+        assert o["masks"].dtype == f["masks"].dtype and o["masks"].shape == f["masks"].shape
+        torch.testing.assert_close(o["masks"].float(), f["masks"].float(), rtol=rtol, atol=atol)
+
+
+def test_inference_equals_torchvisions_masks(tmp_path: Path) -> None:
+    """fp32: the masks of torchvision's ``maskrcnn_inference`` (every class's map, the detection's kept) from the
+    detections' own-class logits, without running the logit convolution."""
+    from test_low_precision_weights import _batch
+
+    images, _ = _batch()
+    full_module, ours_module = _eval_modules(tmp_path)
+    full, full_calls = _detect(full_module, images)
+    ours, ours_calls = _detect(ours_module, images)
+    assert full_calls == 1 and ours_calls == 0
+    assert sum(len(d["labels"]) for d in full) == 100  # 50 a picture: the masks of many classes are compared
+    assert len(set(torch.cat([d["labels"] for d in full]).tolist())) > 1
+    _assert_same_detections(ours, full, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("regions", [True, False], ids=["fp32-outputs-region", "plain-autocast"])
+@pytest.mark.parametrize("deconv_as_matmul", [False, True], ids=["deconv", "matmul-upsampling"])
+def test_inference_under_autocast(tmp_path: Path, regions: bool, deconv_as_matmul: bool) -> None:
+    """bf16 autocast: with the default fp32_outputs region on the predictor the probabilities come out in fp32, as
+    the region's cast logits give them; without it in bf16, as torchvision's sigmoid of bf16 logits. The matmul
+    upsampling's patch path runs at inference too."""
+    from lit_amp_det.precision.casting import set_mixed_precision, wrap_method
+    from test_low_precision_weights import _batch
+
+    images, _ = _batch()
+    modules = _eval_modules(tmp_path, f"model.deconv_as_matmul={str(deconv_as_matmul).lower()}",
+                            "model.channels_last=true")
+    results = []
+    for module in modules:
+        if regions:  # as the precision plugin puts it: the region, and mixed precision on for its owner
+            wrap_method(module.model.roi_heads.mask_predictor, "forward", "fp32_outputs")
+            set_mixed_precision(module.model.roi_heads.mask_predictor, torch.bfloat16)
+        results.append(_detect(module, images, dtype=torch.bfloat16))
+    (full, full_calls), (ours, ours_calls) = results
+    assert full_calls == 1 and ours_calls == 0
+    assert full[0]["masks"].dtype == (torch.float32 if regions else torch.bfloat16)
+    _assert_same_detections(ours, full, rtol=0, atol=3e-2)  # probabilities in [0, 1], bf16 logits
+
+
+def test_inference_without_detections_and_with_other_predictors(tmp_path: Path) -> None:
+    """No detection gives torchvision's empty ``[0, 1, H, W]`` masks; a predictor the own-class path cannot
+    reproduce (an ``fp32`` region asks for the convolution itself in fp32) takes torchvision's path."""
+    from lit_amp_det.precision.casting import set_mixed_precision, wrap_method
+    from test_low_precision_weights import _batch
+
+    images, _ = _batch()
+    full_module, ours_module = _eval_modules(tmp_path, score_thresh=1.0)
+    (full, _), (ours, ours_calls) = _detect(full_module, images), _detect(ours_module, images)
+    assert ours_calls == 0 and [d["masks"].shape for d in ours] == [d["masks"].shape for d in full] == [
+        (0, 1, 28, 28)] * 2
+    _assert_same_detections(ours, full, rtol=0, atol=0)
+    full_module, ours_module = _eval_modules(tmp_path)
+    for module in (full_module, ours_module):
+        wrap_method(module.model.roi_heads.mask_predictor, "forward", "fp32")
+        set_mixed_precision(module.model.roi_heads.mask_predictor, torch.bfloat16)
+    (full, _), (ours, ours_calls) = _detect(full_module, images, dtype=torch.bfloat16), _detect(
+        ours_module, images, dtype=torch.bfloat16)
+    assert ours_calls == 1
+    _assert_same_detections(ours, full, rtol=0, atol=0)
+
+
+def test_inference_checks_targets_as_torchvision_does(tmp_path: Path) -> None:
+    from test_low_precision_weights import _batch
+
+    images, targets = _batch()
+    _, module = _eval_modules(tmp_path)
+    targets[0]["labels"] = targets[0]["labels"].int()
+    with pytest.raises(TypeError, match="target labels must of int64 type"):
+        module.model(module.prepare_images(images), targets)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-weights"])
+def test_inference_under_the_precision_plugin(tmp_path: Path, precision: str) -> None:
+    """The plugin's default regions (the predictor's fp32_outputs) with autocast or bf16 weights: fp32
+    probabilities from the own-class logits, close to the full path's."""
+    from lit_amp_det.models.labelled_mask_logits import casts_outputs_to_fp32
+    from lit_amp_det.precision import build_precision_plugin
+    from test_low_precision_weights import _batch
+
+    images, _ = _batch()
+    results = []
+    for module in _eval_modules(tmp_path, "model.deconv_as_matmul=true"):
+        plugin = build_precision_plugin(precision, "cpu", fp32_regions=module.fp32_regions())
+        module = plugin.convert_module(module)
+        assert casts_outputs_to_fp32(module.model.roi_heads.mask_predictor)
+        with plugin.forward_context():
+            results.append(_detect(module, images))
+    (full, full_calls), (ours, ours_calls) = results
+    assert full_calls == 1 and ours_calls == 0 and full[0]["masks"].dtype == torch.float32
+    _assert_same_detections(ours, full, rtol=0, atol=3e-2)

@@ -14,8 +14,16 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 7. ``callbacks.conv_bn_eval.fold_on_predict=true``: the pairs folded once, permanently, before prediction
    (:func:`lit_amp_det.models.conv_bn.fold_conv_bn`; norms become ``nn.Identity``), the inference-time
    conv-BN switch;
-8. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
-   batch size).
+8. ``model.deconv_as_matmul=true``: the mask head's upsampling as one matrix product (fp16/bf16);
+9. ``model.labelled_mask_logits=true``: each detection's mask logits of its predicted class only, the one map of
+   all ``num_classes`` that torchvision's ``maskrcnn_inference`` keeps;
+10. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products;
+11. ``model.winograd_convs=[mask_head,rpn_head,fpn]``: Winograd F(2x2, 3x3) for the 3x3 layers large enough for it
+    (256 channels or more: the R50-FPN; the light model's 64-channel layers keep oneDNN's convolution);
+12. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
+    batch size).
+
+Rows 8-11 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
 
 A call is what ``predict`` runs per batch: ``MaskRCNNModule.forward`` (detector and post-processing: fp32
 boxes, scores, thresholded masks pasted at image size) inside the plugin's context under
@@ -49,10 +57,13 @@ from lit_amp_det.profiling import timed
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]
 
+_TRAIN_ROW = {row.name: row for row in TRAIN_ROWS}
+
 ROWS = (
     *TRAIN_ROWS[:5],  # torchvision fp32, autocast, fp32 regions, ext ops, channels_last
     Row("convbn-eval", "+ ConvBNEval (fold on the fly)", "callbacks=[conv_bn_eval]"),
     Row("convbn-fold", "+ conv-BN folded once", "callbacks.conv_bn_eval.fold_on_predict=true"),
+    *(_TRAIN_ROW[name] for name in ("deconv-matmul", "labelled-mask-logits", "pointwise-matmul", "winograd")),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

@@ -24,7 +24,7 @@ from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign as TorchvisionMultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
-from lit_amp_det.models.labelled_mask_logits import labelled_logits
+from lit_amp_det.models.labelled_mask_logits import casts_outputs_to_fp32, labelled_logits, logit_conv
 from lit_amp_det.models.mask_targets import labelled_maskrcnn_loss, maskrcnn_loss, positive_labels
 from lit_amp_det.ops import MultiScaleRoIAlign, batched_nms, box_iou
 from lit_amp_det.ops.triton import batched_nms_padded
@@ -105,6 +105,15 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
         )
 
 
+def _check_target_types(targets: list[dict[str, Tensor]]) -> None:
+    """torchvision's ``RoIHeads.forward`` checks of the targets' dtypes, with its messages."""
+    for t in targets:
+        if t["boxes"].dtype not in (torch.float, torch.double, torch.half):
+            raise TypeError(f"target boxes must of float type, instead got {t['boxes'].dtype}")
+        if t["labels"].dtype != torch.int64:
+            raise TypeError(f"target labels must of int64 type, instead got {t['labels'].dtype}")
+
+
 def _sync_free(t: Tensor) -> bool:
     """Whether proposal selection takes the padded, sync-free NMS path: on CUDA (the Triton kernels)."""
     return t.is_cuda
@@ -116,8 +125,9 @@ class ExtRoIHeads(RoIHeads):
 
     ``batched_mask_targets`` (class attribute; set it on an instance to A/B) switches the last back to torchvision's
     per-image ``project_masks_on_boxes``. ``labelled_mask_logits`` (off by default; ``model.labelled_mask_logits``)
-    computes, in that training branch, only each positive RoI's own-class mask logits
-    (:mod:`lit_amp_det.models.labelled_mask_logits`).
+    computes only the mask logits that are used (:mod:`lit_amp_det.models.labelled_mask_logits`): in that training
+    branch each positive RoI's ground-truth class's, and at inference each detection's predicted class's (torchvision
+    computes every class's map and keeps that one).
     """
 
     batched_mask_targets: bool = True
@@ -130,10 +140,17 @@ class ExtRoIHeads(RoIHeads):
         image_shapes: list[tuple[int, int]],
         targets: list[dict[str, Tensor]] | None = None,
     ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
-        """torchvision's ``RoIHeads.forward``; training a mask head (without keypoints) takes :meth:`_train_masks`."""
-        if not (self.training and self.has_mask() and self.batched_mask_targets) or self.has_keypoint():
+        """torchvision's ``RoIHeads.forward``; training a mask head (without keypoints) takes :meth:`_train_masks`,
+        and inference with ``labelled_mask_logits`` :meth:`_detect_with_own_class_masks`."""
+        if not self.has_mask() or self.has_keypoint():
             return super().forward(features, proposals, image_shapes, targets)
-        return [], self._train_masks(features, proposals, image_shapes, targets)
+        if self.training and self.batched_mask_targets:
+            return [], self._train_masks(features, proposals, image_shapes, targets)
+        if not self.training and self.labelled_mask_logits and logit_conv(self.mask_predictor) is not None:
+            if targets is not None:
+                _check_target_types(targets)
+            return self._detect_with_own_class_masks(features, proposals, image_shapes), {}
+        return super().forward(features, proposals, image_shapes, targets)
 
     def _train_masks(
         self,
@@ -146,11 +163,7 @@ class ExtRoIHeads(RoIHeads):
         of :func:`lit_amp_det.models.mask_targets.maskrcnn_loss` (one RoIAlign call for the batch's targets)."""
         if targets is None:
             raise ValueError("targets should not be None")  # torchvision's select_training_samples says the same
-        for t in targets:  # torchvision's checks and messages
-            if t["boxes"].dtype not in (torch.float, torch.double, torch.half):
-                raise TypeError(f"target boxes must of float type, instead got {t['boxes'].dtype}")
-            if t["labels"].dtype != torch.int64:
-                raise TypeError(f"target labels must of int64 type, instead got {t['labels'].dtype}")
+        _check_target_types(targets)
         proposals, matched_idxs, labels, regression_targets = self.select_training_samples(proposals, targets)
         box_features = self.box_head(self.box_roi_pool(features, proposals, image_shapes))
         class_logits, box_regression = self.box_predictor(box_features)
@@ -169,6 +182,27 @@ class ExtRoIHeads(RoIHeads):
             loss_mask = maskrcnn_loss(self.mask_predictor(mask_features), mask_proposals, gt_masks, gt_labels,
                                       pos_matched_idxs)
         return {"loss_classifier": loss_classifier, "loss_box_reg": loss_box_reg, "loss_mask": loss_mask}
+
+    def _detect_with_own_class_masks(
+        self,
+        features: dict[str, Tensor],
+        proposals: list[Tensor],
+        image_shapes: list[tuple[int, int]],
+    ) -> list[dict[str, Tensor]]:
+        """The inference branch of torchvision's forward for box and mask heads, with each detection's mask from its
+        predicted class's logits only (torchvision's ``maskrcnn_inference`` keeps the same map of all of them).
+
+        The sigmoid runs in fp32 when the predictor has an ``fp32_outputs`` precision region (the default fp32
+        regions), as the region's cast logits would; otherwise in the logits' dtype, as torchvision's does."""
+        box_features = self.box_head(self.box_roi_pool(features, proposals, image_shapes))
+        class_logits, box_regression = self.box_predictor(box_features)
+        boxes, scores, labels = self.postprocess_detections(class_logits, box_regression, proposals, image_shapes)
+        mask_features = self.mask_head(self.mask_roi_pool(features, boxes, image_shapes))
+        logits = labelled_logits(self.mask_predictor, mask_features, torch.cat(labels))
+        if casts_outputs_to_fp32(self.mask_predictor):
+            logits = logits.float()
+        masks = logits.sigmoid().unsqueeze(1).split([len(image_labels) for image_labels in labels])
+        return [{"boxes": b, "labels": c, "scores": s, "masks": m} for b, c, s, m in zip(boxes, labels, scores, masks)]
 
     def assign_targets_to_proposals(
         self, proposals: list[Tensor], gt_boxes: list[Tensor], gt_labels: list[Tensor]

@@ -1,4 +1,4 @@
-"""The mask head's logits of each positive RoI's own class only, for the training loss.
+"""The mask head's logits of each RoI's own class only: the ones the training loss and inference read.
 
 torchvision's ``MaskRCNNPredictor`` ends in a 1x1 convolution to ``num_classes`` logit maps, ``[K, num_classes,
 28, 28]``, and ``maskrcnn_loss`` then keeps one map per RoI, its ground-truth class's, and drops the rest. Under
@@ -16,7 +16,9 @@ and backward): only the ``[K, 28, 28]`` logits are. That path is taken when neit
 
 Used by :class:`lit_amp_det.models.ext_ops.ExtRoIHeads` when ``labelled_mask_logits`` is on
 (``model.labelled_mask_logits=true``), for predictors shaped like torchvision's (anything else falls back to the
-full logits). Inference still computes every class's map: the labels are not known before the box head.
+full logits). At inference it computes each detection's map of its predicted class only: the box head has chosen
+the labels before the mask head runs, and torchvision's ``maskrcnn_inference`` keeps that one map of all
+``num_classes``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from torch.nn.modules import module as module_globals
 
 from lit_amp_det.models.bounded_matmul import chunked_bmm
 from lit_amp_det.models.patch_deconv import PatchConvTranspose2d, patch_products
+from lit_amp_det.precision.casting import REGION_ATTR, mixed_precision_dtype
 
-__all__ = ["labelled_logits", "logit_conv"]
+__all__ = ["casts_outputs_to_fp32", "labelled_logits", "logit_conv"]
 
 
 def logit_conv(predictor: nn.Module) -> nn.Conv2d | None:
@@ -41,7 +44,7 @@ def logit_conv(predictor: nn.Module) -> nn.Conv2d | None:
     if not isinstance(predictor, nn.Sequential) or type(predictor).forward is not nn.Sequential.forward:
         return None
     own_forward = vars(predictor).get("forward")  # set on the instance: a precision region, or a user's patch
-    if own_forward is not None and getattr(own_forward, "mode", None) != "fp32_outputs":
+    if own_forward is not None and not _has_fp32_outputs_region(predictor):
         return None  # only an fp32_outputs region is reproduced (the loss reads the logits in fp32); an fp32 one
         # asks for the convolution itself in fp32, which the full path does
     conv = getattr(predictor, "mask_fcn_logits", None)
@@ -50,6 +53,17 @@ def logit_conv(predictor: nn.Module) -> nn.Conv2d | None:
             and conv.padding == (0, 0) and conv.dilation == (1, 1) and conv.groups == 1):
         return None
     return conv
+
+
+def _has_fp32_outputs_region(predictor: nn.Module) -> bool:
+    return getattr(vars(predictor).get("forward"), REGION_ATTR, None) == "fp32_outputs"
+
+
+def casts_outputs_to_fp32(predictor: nn.Module) -> bool:
+    """Whether ``predictor``'s forward casts its half outputs to fp32: it is wrapped in an ``fp32_outputs`` precision
+    region (the precision plugin's default for the mask predictor) and mixed precision is on for it, which is when
+    the region acts. The loss and the inference that read :func:`labelled_logits` then cast them themselves."""
+    return _has_fp32_outputs_region(predictor) and mixed_precision_dtype(predictor) is not None
 
 
 def labelled_logits(predictor: nn.Module, features: Tensor, labels: Tensor) -> Tensor | None:
