@@ -81,17 +81,19 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     for name, result in results.items():
         speed = result["images_per_s"]
         assert speed > 0 and result["peak_memory_abs_mb"] > 0, (name, result)
-    # the same seeded weights in every row, and the same maths counted (the rows change how, not what; a chunked
-    # product's overlapping rows, lit_amp_det.models.bounded_matmul, are counted as the extra work they are: < 0.1 %)
+    # the same seeded weights in every row, and the same maths counted (the rows change how, not what); the extra
+    # rows of lit_amp_det.models.bounded_matmul are counted as the work they are: a chunked product's overlapping
+    # rows (< 0.1 %) and, at inference, the box head's padding to whole granules of rows (< 1 % here)
     assert len({result["weights_sha256"] for result in results.values()}) == 1
     assert len({result["batch_sha256"] for result in results.values()}) == 1
+    tolerance = 1e-3 if bench is train.BENCH else 1e-2
     # the own-class mask logits skip the other classes' logit maps, in training and at inference: less work counted
     labelled = list(results).index("labelled-mask-logits")  # that row and every row after it
     before = [r["gflop_per_step"] for r in list(results.values())[:labelled]]
     fewer = [r["gflop_per_step"] for r in list(results.values())[labelled:]]
-    assert before == pytest.approx([before[0]] * len(before), rel=1e-3)
-    assert fewer == pytest.approx([fewer[0]] * len(fewer), rel=1e-3)
-    assert 0 < max(fewer) < 0.999 * results["torchvision-fp32"]["gflop_per_step"]
+    assert before == pytest.approx([before[0]] * len(before), rel=tolerance)
+    assert fewer == pytest.approx([fewer[0]] * len(fewer), rel=tolerance)
+    assert 0 < max(fewer) < 0.999 * before[-1]
     assert all(result["gflop_per_step"] > 0 for result in results.values())
     assert results["torchvision-fp32"]["compute_dtype"] == "fp32" and results["autocast"]["compute_dtype"] == "bf16"
     first, last = results["torchvision-fp32"]["switches"], results[bench.rows[-2].name]["switches"]
@@ -289,14 +291,14 @@ def test_changing_batches_measure_what_a_row_keeps() -> None:
         seen.append(int(images[0].sum()))
         kept.append(bytes(range(256)) * (4 * 2**20 // 256))
 
-    drift = train.memory_over_changing_batches(keeping_step, dataclasses.replace(SETTING, drift_steps=6))
+    drift = e2e_rows.memory_over_changing_batches(keeping_step, dataclasses.replace(SETTING, drift_steps=6), "train")
     assert len(set(seen)) == 6  # a new batch every step
     assert drift["drift_steps"] == 6
     assert 22 <= drift["drift_heap_growth_mb"] <= 26 and 10 <= drift["drift_heap_growth_late_mb"] <= 14
     assert 22 <= drift["drift_resident_growth_mb"] <= 40  # at least what was kept (plus the rendering's pages)
-    assert train.memory_over_changing_batches(keeping_step, SETTING) == {}
-    text = train._drift_text({"drift_steps": 6, **{k: v for k, v in drift.items() if k != "drift_steps"}})
-    assert text.startswith("+2") and text.endswith("in 6") and train._drift_text({}) == "-"
+    assert e2e_rows.memory_over_changing_batches(keeping_step, SETTING, "train") == {}
+    text = e2e_rows.drift_text({"drift_steps": 6, **{k: v for k, v in drift.items() if k != "drift_steps"}})
+    assert text.startswith("+2") and text.endswith("in 6") and e2e_rows.drift_text({}) == "-"
 
 
 def test_a_row_reports_its_changing_batch_steps() -> None:
@@ -308,5 +310,14 @@ def test_a_row_reports_its_changing_batch_steps() -> None:
     assert result["drift_steps"] == 2 and result["drift_heap_growth_mb"] is not None
     assert len(result["losses"]) == setting.warmup + setting.steps
     assert "--drift-steps=2" in e2e._setting_argv(setting) and "--drift-steps" not in " ".join(e2e._setting_argv(SETTING))
-    with pytest.raises(SystemExit):
-        infer.main(["--drift-steps=2"])  # inference has no training steps to repeat
+
+
+def test_an_inference_row_reports_its_changing_batch_calls() -> None:
+    """bench infer --drift-steps: the calls on new images run after the measured ones and do not change the
+    reported detections of the measured batch."""
+    index = [row.name for row in infer.ROWS].index("labelled-mask-logits")
+    plain = infer.run_row(index, SETTING)
+    result = infer.run_row(index, dataclasses.replace(SETTING, drift_steps=2))
+    assert "drift_steps" not in plain
+    assert result["drift_steps"] == 2 and result["drift_heap_growth_mb"] is not None
+    assert result["detections_per_call"] == plain["detections_per_call"] > 0

@@ -22,9 +22,9 @@ def _randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> to
 
 
 class _RecordShapes(TorchDispatchMode):
-    """Records the operand shapes of every mm/addmm/bmm the code inside runs."""
+    """Records the operand shapes of every mm/addmm/bmm/linear the code inside runs."""
 
-    PRODUCTS = {"mm", "addmm", "bmm", "baddbmm"}
+    PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "linear"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,6 +35,11 @@ class _RecordShapes(TorchDispatchMode):
         if name in self.PRODUCTS:
             self.shapes.add((name, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
         return func(*args, **(kwargs or {}))
+
+    @property
+    def rows(self) -> set[int]:
+        """The row counts of the 2-D products (``addmm``'s first operand is the bias)."""
+        return {shapes[1 if name == "addmm" else 0][0] for name, shapes in self.shapes if name != "bmm"}
 
 
 @pytest.mark.parametrize(("chunk", "granule"), [(512, 64), (2048, 128), (8, 3), (5, 64), (4, 1)])
@@ -168,3 +173,110 @@ def test_bad_shapes_are_refused() -> None:
         chunked_addmm(torch.ones(3, 5), torch.ones(5, 6), torch.ones(5))
     with pytest.raises(ValueError, match=r"a \[B, n, m\] and b \[B, m, p\]"):
         chunked_bmm(torch.ones(2, 3, 4), torch.ones(3, 4, 5))
+
+
+# --- bounded_linear / BoundedRowsLinear: the box head's layers ------------------------------------------------------
+
+def test_bounded_linear_gradcheck_float64_padded_and_chunked() -> None:
+    """The padded path (rows below one chunk) and the chunked one, through the same Function the half-precision
+    path runs (called directly: float64 itself takes F.linear)."""
+    from torch.nn import functional as F
+
+    w, c = _randn(5, 7, seed=1).requires_grad_(), _randn(5, seed=2).requires_grad_()
+    for rows in (3, 11):  # chunk 8, granule 4: 3 -> padded to 4; 11 -> chunks of 8 and an overlapping 4
+        x = _randn(rows, 7, seed=rows).requires_grad_()
+
+        def padded_or_chunked(x, w, c):  # noqa: ANN001, ANN202
+            padded = rows if rows >= 8 else 4
+            return bounded_matmul._ChunkedAddmm.apply(F.pad(x, (0, 0, 0, padded - rows)), w.t(), c, 8, 4)[:rows]
+
+        assert torch.autograd.gradcheck(padded_or_chunked, (x, w, c))
+        torch.testing.assert_close(padded_or_chunked(x, w, c), F.linear(x, w, c))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 37, 64, 700, 1024, 1500], ids=lambda r: f"{r}-rows")
+def test_bounded_linear_equals_linear_in_bf16(rows: int) -> None:
+    """bf16 on the CPU: the output and the input gradient equal F.linear's bit for bit (a row's product is the same
+    whatever rows run beside it, padding included), the weight and bias gradients to bf16 rounding."""
+    from torch.nn import functional as F
+
+    x, w, c = (_randn(*s, dtype=torch.bfloat16, seed=k) for k, s in enumerate([(rows, 96), (48, 96), (48,)]))
+    bounded, plain = _grads(bounded_matmul.bounded_linear, x, w, c), _grads(F.linear, x, w, c)
+    assert bounded[0].shape == (rows, 48)
+    assert torch.equal(bounded[0], plain[0]) and torch.equal(bounded[1], plain[1])
+    for ours, theirs in zip(bounded[2:], plain[2:]):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2 ** -7, atol=0.5)
+
+
+def test_bounded_linear_takes_few_shapes_whatever_the_row_count() -> None:
+    """The box head's rows at inference are the proposals NMS kept: over 60 row counts from 1 to 2100, forward and
+    backward run at most 3 * LINEAR_CHUNK_ROWS / LINEAR_ROW_GRANULE shapes (F.linear: 3 per count); under autocast
+    too, where the forward's shapes alone are at most LINEAR_CHUNK_ROWS / LINEAR_ROW_GRANULE."""
+    from torch.nn import functional as F
+
+    w = _randn(16, 24, dtype=torch.bfloat16).requires_grad_()
+    counts = sorted({int(r) for r in torch.linspace(1, 2100, 60)})
+    assert len(counts) == 60
+    with _RecordShapes() as products:
+        for rows in counts:
+            x = _randn(rows, 24, dtype=torch.bfloat16, seed=rows).requires_grad_()
+            out = bounded_matmul.bounded_linear(x, w)
+            torch.autograd.grad(out, (x, w), torch.ones_like(out))
+    limit = bounded_matmul.LINEAR_CHUNK_ROWS // bounded_matmul.LINEAR_ROW_GRANULE
+    assert len(products.shapes) <= 3 * limit, sorted(products.shapes)
+    with _RecordShapes() as forward, torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for rows in counts:
+            bounded_matmul.bounded_linear(_randn(rows, 24, dtype=torch.float32, seed=rows), w.float(), None)
+    assert len(forward.shapes) <= limit, sorted(forward.shapes)
+    with _RecordShapes() as plain, torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for rows in counts[:10]:
+            F.linear(_randn(rows, 24, dtype=torch.float32, seed=rows), w.float())
+    assert len(plain.shapes) == 10  # what the bound is against: one shape per row count
+
+
+def test_full_precision_and_other_inputs_take_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32, 3-D inputs and traced calls (whose row count may be symbolic: torch.export of the box head) run
+    F.linear itself, one product of the input's own rows."""
+    from torch.nn import functional as F
+
+    w = _randn(6, 4, dtype=torch.float32)
+    for x in (_randn(30, 4, dtype=torch.float32), _randn(2, 30, 4, dtype=torch.bfloat16)):
+        with _RecordShapes() as products:
+            out = bounded_matmul.bounded_linear(x, w.to(x.dtype))
+        assert torch.equal(out, F.linear(x, w.to(x.dtype))) and len(products.shapes) <= 1
+    x = _randn(30, 4, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with _RecordShapes() as traced:
+        bounded_matmul.bounded_linear(x, w.to(x.dtype))
+    assert traced.rows == {30}
+
+
+def test_box_head_layers_become_bounded() -> None:
+    """use_bounded_linears swaps exact nn.Linear layers only, keeping parameters, state_dict and hooks; the layer
+    computes F.linear's result and its switch turns the bound off; model.ops=ext applies it to the box head."""
+    from torch import nn
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+
+    from lit_amp_det.models.bounded_linear import BoundedRowsLinear, use_bounded_linears
+
+    class OwnLinear(nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    head, predictor, own = TwoMLPHead(32, 16), FastRCNNPredictor(16, 5), OwnLinear(4, 4)
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    calls = []
+    head.fc6.register_forward_hook(lambda *args: calls.append("fc6"))
+    assert use_bounded_linears(head) == 2 and use_bounded_linears(predictor) == 2 and use_bounded_linears(own) == 0
+    assert type(head.fc6) is BoundedRowsLinear and type(own) is OwnLinear
+    assert all(torch.equal(v, state[k]) for k, v in head.state_dict().items())
+    x = _randn(300, 2, 4, 4, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _RecordShapes() as products:
+            out = head(x)
+        assert calls == ["fc6"] and out.dtype == torch.bfloat16
+        assert products.rows == {320}  # 300 rows padded to 5 granules of 64
+        head.fc6.bounds_shapes = head.fc7.bounds_shapes = False
+        with _RecordShapes() as plain_products:
+            plain = head(x)
+    assert torch.equal(out, plain) and plain_products.rows == {300}

@@ -136,11 +136,11 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help=f"output directory (default: ${{LIT_AMP_DET_RUNS:-runs}}/bench/"
                                                  f"{bench.kind}/<YYYY-mm-dd_HH-MM-SS>)")
     add_repeat_options(parser)
-    if bench.kind == "train":
-        parser.add_argument("--drift-steps", type=_positive(0), default=0,
-                            help="after the measurements, train each row this many more steps on batches that "
-                                 "change every step (the shapes data's train images) and report how much its heap "
-                                 "in use and resident set grow (default 0: not measured; 40 shows a pile-up)")
+    steps = "train each row this many more steps" if bench.kind == "train" else "call each row this many more times"
+    parser.add_argument("--drift-steps", type=_positive(0), default=0,
+                        help=f"after the measurements, {steps} on batches that change every step (new shapes "
+                             "images) and report how much its heap in use and resident set grow (default 0: not "
+                             "measured; 40 shows a pile-up)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON line
     parser.add_argument("--state-file", help=argparse.SUPPRESS)  # internal: the state the row loads
     parser.add_argument("--timing-lr", type=float, help=argparse.SUPPRESS)  # internal: the timed steps' lr
@@ -164,7 +164,7 @@ def _setting(bench: Bench, args: argparse.Namespace, parser: argparse.ArgumentPa
                    steps=args.steps or defaults["steps"], warmup=warmup,
                    compile_warmup=warmup + 3 if args.compile_warmup is None else args.compile_warmup,
                    state=args.state, state_steps=args.state_steps if args.state == "trained" else 0,
-                   checkpoint=args.state_file, lr=args.timing_lr, drift_steps=getattr(args, "drift_steps", 0))
+                   checkpoint=args.state_file, lr=args.timing_lr, drift_steps=args.drift_steps)
 
 
 def _setting_argv(setting: Setting) -> list[str]:

@@ -21,12 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from lit_amp_det.bench.common import shapes_batch, weights_sha256
-from lit_amp_det.cpu_heap import retains_freed_memory
+from lit_amp_det.cpu_heap import heap_in_use_bytes, retains_freed_memory
 from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
-                                   unpin_malloc_threshold)
+                                   resident_bytes, unpin_malloc_threshold)
 
 __all__ = [
     "BASELINE",
+    "DRIFT_COLUMN",
     "Bench",
     "Built",
     "Column",
@@ -37,6 +38,8 @@ __all__ = [
     "build",
     "default_num_classes",
     "device_defaults",
+    "drift_text",
+    "memory_over_changing_batches",
     "memory_ratio",
     "low_precision_weights",
     "mixed_precision",
@@ -92,8 +95,9 @@ class Setting:
     ``state`` is ``random`` (the seeded initialisation) or ``trained`` (every row loads ``checkpoint``, a state
     made by :mod:`lit_amp_det.bench.state` in ``state_steps`` steps). ``lr``: the constant learning rate of the
     timed training steps; ``None`` runs the recipe's warm-up schedule from step 0, as a fresh run starts.
-    ``drift_steps``: training steps on batches that change every step, after every other measurement, to see how
-    much memory a row accumulates (``bench train --drift-steps``; 0: none).
+    ``drift_steps``: training steps or inference calls on batches that change every step, after every other
+    measurement, to see how much memory a row accumulates (``--drift-steps``; 0: none;
+    :func:`memory_over_changing_batches`).
     """
 
     device: str
@@ -313,3 +317,55 @@ class PeakMemory:
         """``peak_memory_mb`` (above the built model) and ``peak_memory_abs_mb`` (the whole process/device)."""
         absolute = self.probe.peak_bytes() / MB
         return {"peak_memory_mb": absolute - self.baseline, "peak_memory_abs_mb": absolute}
+
+
+def memory_over_changing_batches(step: Callable[[int, Any], None], setting: Setting, split: str) -> dict[str, Any]:
+    """``setting.drift_steps`` more steps (training steps or inference calls), step k on images ``k * batch ...`` of
+    the shapes data's ``split``: new shapes, RoI and detection counts every step, as in real use, where the timed
+    steps repeat one batch. ``step(k, (images, targets))`` runs one.
+
+    Returns how much the heap in use (live ``malloc`` blocks) and the resident set grew over all of them and over
+    their second half, in MB (``{}`` for 0 steps; heap figures None without glibc): memory a row keeps per new shape
+    (oneDNN's per-shape matmul primitives, before :mod:`lit_amp_det.models.bounded_matmul`) shows as a heap that
+    still grows in the second half."""
+    steps = setting.drift_steps
+    if steps <= 0:
+        return {}
+
+    def sample() -> tuple[int | None, int | None]:
+        return heap_in_use_bytes(), resident_bytes()
+
+    def growth(before: int | None, after: int | None) -> float | None:
+        return None if before is None or after is None else (after - before) / MB
+
+    start = middle = sample()  # middle: after the first half (one step: the start)
+    for k in range(steps):
+        batch = shapes_batch(split, range(k * setting.batch, (k + 1) * setting.batch), setting.height,
+                             setting.width, setting.num_classes, setting.device)
+        step(k, batch)
+        if k + 1 == steps // 2:
+            middle = sample()
+    end = sample()
+    return {"drift_steps": steps,
+            "drift_heap_growth_mb": growth(start[0], end[0]),
+            "drift_heap_growth_late_mb": growth(middle[0], end[0]),
+            "drift_resident_growth_mb": growth(start[1], end[1]),
+            "drift_resident_growth_late_mb": growth(middle[1], end[1])}
+
+
+def drift_text(row: dict[str, Any]) -> str:
+    """Heap in use / resident set growth over the changing batches (second half in brackets), or - if not run."""
+    if not row.get("drift_steps"):
+        return "-"
+
+    def mb(key: str) -> str:
+        value = row.get(key)
+        return "?" if value is None else f"{value:+.0f}"
+
+    return (f"{mb('drift_heap_growth_mb')} ({mb('drift_heap_growth_late_mb')}) / "
+            f"{mb('drift_resident_growth_mb')} ({mb('drift_resident_growth_late_mb')}) in {row['drift_steps']}")
+
+
+#: The table column of :func:`memory_over_changing_batches`' figures.
+DRIFT_COLUMN: Column = (
+    "changing batches: heap / RSS growth MB (late half)", drift_text)

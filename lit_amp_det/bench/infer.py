@@ -33,9 +33,12 @@ Every row loads the same weights (``--state``; by default the trained state of
 latency at batch 1 (median over repeats of each repeat's median, the min-max of the repeat medians, IQR),
 throughput at ``--batch`` (images per second from the median call), GFLOP per call at ``--batch`` and achieved
 GFLOP/s with the fraction of the device's peak, peak memory above the built model (of one call at ``--batch`` after
-the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, warm-up time.
-Post-processing work follows the detections, which can differ a little between precisions. Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls on CUDA; the light model at 224 px,
-batch 4, 3 + 10 calls on a CPU; 3 repeats.
+the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, with ``--drift-steps N``
+how much the heap in use and the resident set grow over N more calls at ``--batch`` on images that change every
+call (the shapes data's val split: new proposal and detection counts, so new matmul shapes, every call;
+:func:`~lit_amp_det.bench.e2e_rows.memory_over_changing_batches`), and the warm-up time. Post-processing work follows
+the detections, which can differ a little between precisions. Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls
+on CUDA; the light model at 224 px, batch 4, 3 + 10 calls on a CPU; 3 repeats.
 """
 
 from __future__ import annotations
@@ -96,14 +99,17 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     throughput = e2e_rows.summarise([timed(lambda: call(images), setting.device) for _ in range(setting.steps)],
                                     "batch")
     flops = count_flops(lambda: call(images))  # one more call at --batch, after the timed ones
-    peak = memory.peak_of(lambda: call(images))  # and one more, last: it pins the CPU allocator
+    peak = memory.peak_of(lambda: call(images))  # and one more: it pins the CPU allocator
     del detections[-2:]
+    detections_per_call = detections[-1]
+    drift = e2e_rows.memory_over_changing_batches(lambda k, batch: call(batch[0]), setting, "val")
     precision = getattr(plugin, "precision", str(cfg.trainer.precision))
     return {
         **latency,
         **throughput,
         "images_per_s": setting.batch * 1000 / throughput["batch_ms_median"],
         **peak,
+        **drift,
         "memory_method": memory.method,
         "gflop_per_step": flops / 1e9,
         "compute_dtype": compute_dtype(precision),
@@ -112,7 +118,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "build_s": build_s,
         "warmup_steps": warmup,
         "warmup_s": warmup_s,
-        "detections_per_call": detections[-1],
+        "detections_per_call": detections_per_call,
         "norm_layers": sum(isinstance(m, NORM_TYPES) for m in module.modules()),  # 0 once folded
         "switches": e2e_rows.switches(cfg, built),
     }
@@ -143,6 +149,7 @@ BENCH = e2e_rows.Bench(
         ("GFLOP/s (% of peak)", roofline_text),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
         ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
+        e2e_rows.DRIFT_COLUMN,
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']}+{r['warmup_steps']} calls)"),
     ),
     panels=(("latency_speedup", "batch-1 latency speed-up vs first row"),

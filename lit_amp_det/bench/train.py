@@ -47,7 +47,8 @@ Columns: images/s (batch / median step time), step time (median over repeats of 
 min-max of the repeat medians, IQR of the timed steps, GFLOP per step and achieved GFLOP/s with the fraction of
 the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory of one more step above the built model, ratios
 to the first row, each repeat's minor page faults per timed step, with ``--drift-steps N`` how much the heap in use
-and the resident set grow over N more steps on batches that change every step (:func:`memory_over_changing_batches`),
+and the resident set grow over N more steps on batches that change every step
+(:func:`~lit_amp_det.bench.e2e_rows.memory_over_changing_batches`),
 and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA;
 the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 repeats.
 """
@@ -55,20 +56,19 @@ the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 rep
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lit_amp_det.bench import e2e, e2e_rows
 from lit_amp_det.bench.breakdown import time_breakdown
-from lit_amp_det.bench.common import batch_sha256, compose, shapes_batch, train_step
+from lit_amp_det.bench.common import batch_sha256, compose, train_step
 from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
-from lit_amp_det.cpu_heap import heap_in_use_bytes
 from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
-from lit_amp_det.profiling import MB, minor_page_faults, resident_bytes, timed
+from lit_amp_det.profiling import minor_page_faults, timed
 
 __all__ = ["BENCH", "ROWS", "main", "run_row"]
 
@@ -145,7 +145,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
                 model_flops = count_flops(lambda: step(after))
         where = time_breakdown(lambda: step(after + 1), setting.device, flops / 1e9)  # and one more
         peak = memory.peak_of(lambda: step(after + 2))  # it pins the CPU allocator
-        drift = memory_over_changing_batches(lambda k, batch: step(after + 3 + k, batch), setting)
+        drift = e2e_rows.memory_over_changing_batches(lambda k, batch: step(after + 3 + k, batch), setting, "train")
     finally:  # as fit ends; RetainCPUHeap hands the process's heap policy back (rows also run in process)
         for callback in callbacks:
             callback.teardown(None, module, "fit")
@@ -174,51 +174,6 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "optimizer": {"type": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
                       "foreach": optimizer.defaults.get("foreach")},
     }
-
-
-def memory_over_changing_batches(step: Callable[[int, Any], None], setting: Setting) -> dict[str, Any]:
-    """``setting.drift_steps`` more training steps, step k on images ``k * batch ...`` of the shapes data's train
-    split: new shapes and a new RoI count every step, as in real training, where the timed steps repeat one batch.
-    Returns how much the heap in use (live ``malloc`` blocks) and the resident set grew over all of them and over
-    their second half, in MB (``{}`` for 0 steps; heap figures None without glibc): memory a row keeps per new shape
-    (oneDNN's per-shape matmul primitives, before :mod:`lit_amp_det.models.bounded_matmul`) shows as a heap that
-    still grows in the second half."""
-    steps = setting.drift_steps
-    if steps <= 0:
-        return {}
-
-    def sample() -> tuple[int | None, int | None]:
-        return heap_in_use_bytes(), resident_bytes()
-
-    def growth(before: int | None, after: int | None) -> float | None:
-        return None if before is None or after is None else (after - before) / MB
-
-    start = middle = sample()  # middle: after the first half (one step: the start)
-    for k in range(steps):
-        batch = shapes_batch("train", range(k * setting.batch, (k + 1) * setting.batch), setting.height,
-                             setting.width, setting.num_classes, setting.device)
-        step(k, batch)
-        if k + 1 == steps // 2:
-            middle = sample()
-    end = sample()
-    return {"drift_steps": steps,
-            "drift_heap_growth_mb": growth(start[0], end[0]),
-            "drift_heap_growth_late_mb": growth(middle[0], end[0]),
-            "drift_resident_growth_mb": growth(start[1], end[1]),
-            "drift_resident_growth_late_mb": growth(middle[1], end[1])}
-
-
-def _drift_text(row: dict[str, Any]) -> str:
-    """Heap in use / resident set growth over the changing batches (second half in brackets), or - if not run."""
-    if not row.get("drift_steps"):
-        return "-"
-
-    def mb(key: str) -> str:
-        value = row.get(key)
-        return "?" if value is None else f"{value:+.0f}"
-
-    return (f"{mb('drift_heap_growth_mb')} ({mb('drift_heap_growth_late_mb')}) / "
-            f"{mb('drift_resident_growth_mb')} ({mb('drift_resident_growth_late_mb')}) in {row['drift_steps']}")
 
 
 def _faults_text(row: dict[str, Any]) -> str:
@@ -250,7 +205,7 @@ BENCH = e2e_rows.Bench(
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
         ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
         ("page faults/step (each repeat)", _faults_text),
-        ("changing batches: heap / RSS growth MB (late half)", _drift_text),
+        e2e_rows.DRIFT_COLUMN,
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} steps)"),
     ),
     panels=(("speedup", "images/s vs first row (higher is better)"),

@@ -19,6 +19,8 @@ no per-shape state) the functions are the plain torch op, double backward includ
 * :func:`row_chunks` -- the chunk plan (also used by :mod:`lit_amp_det.models.winograd_conv`).
 * :func:`chunked_addmm` -- ``a @ b (+ bias)`` for ``a`` ``[M, K]``, differentiable (the mask upsampling as a matmul).
 * :func:`chunked_bmm` -- ``torch.bmm(a, b)`` in chunks of the batch, differentiable (the own-class mask logits).
+* :func:`bounded_linear` -- ``F.linear`` over a data-dependent number of rows, also below one chunk (the box head
+  at inference, whose row count is the proposals NMS kept).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lit_amp_det.models.half_compute import apply_in_autocast_dtype, apply_with_autocast_casts, computes_in_half
 from lit_amp_det.ops.winograd import accumulation_dtype
 
-__all__ = ["BMM_CHUNK", "MM_CHUNK_ROWS", "MM_ROW_GRANULE", "Chunk", "chunked_addmm", "chunked_bmm", "keeps_shapes",
-           "row_chunks"]
+__all__ = ["BMM_CHUNK", "LINEAR_CHUNK_ROWS", "LINEAR_ROW_GRANULE", "MM_CHUNK_ROWS", "MM_ROW_GRANULE", "Chunk",
+           "bounded_linear", "chunked_addmm", "chunked_bmm", "keeps_shapes", "row_chunks"]
 
 #: :func:`chunked_addmm`'s chunk: 2048 rows (~10 RoIs of 14x14 pixels), in granules of 128 rows: at most 16 shapes
 #: per product; the overlap costs under 128 rows (1 % of the R50 mask head's 70 RoIs).
@@ -40,6 +43,10 @@ MM_CHUNK_ROWS = 2048
 MM_ROW_GRANULE = 128
 #: :func:`chunked_bmm`'s chunk of the batch (RoIs): one shape for 8 or more RoIs, one each for 1 to 7.
 BMM_CHUNK = 8
+#: :func:`bounded_linear`'s chunk: 1024 rows (a training step's 2 x 512 sampled RoIs run as one product, as before),
+#: fewer rows padded to a multiple of 64: at most 16 shapes per layer; the padding costs under 64 rows.
+LINEAR_CHUNK_ROWS = 1024
+LINEAR_ROW_GRANULE = 64
 
 
 class Chunk(NamedTuple):
@@ -173,3 +180,22 @@ def chunked_bmm(a: Tensor, b: Tensor, chunk: int | None = None) -> Tensor:
     if not keeps_shapes(a):
         return torch.bmm(a, b)
     return apply_in_autocast_dtype(_ChunkedBmm, (a, b), BMM_CHUNK if chunk is None else chunk)
+
+
+def bounded_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, chunk: int | None = None,
+                   granule: int | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[R, in]`` whose products take one of at most ``chunk / granule``
+    shapes whatever R is: R of ``chunk`` rows or more run in chunks (:func:`chunked_addmm`), fewer rows are padded
+    with zero rows to a multiple of ``granule`` (:data:`LINEAR_CHUNK_ROWS`, :data:`LINEAR_ROW_GRANULE` by default)
+    and the padding's output dropped. Differentiable once. Other inputs (not 2-D, not computing in fp16/bf16 on
+    the CPU: :func:`keeps_shapes`, or no rows) and traced calls (``torch.compile``/``torch.export``, where the row
+    count may be symbolic) run ``F.linear`` itself."""
+    if x.dim() != 2 or not keeps_shapes(x) or torch.compiler.is_compiling() or x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    chunk = LINEAR_CHUNK_ROWS if chunk is None else chunk
+    granule = LINEAR_ROW_GRANULE if granule is None else granule
+    rows = x.shape[0]
+    padded = rows if rows >= chunk else -(-rows // granule) * granule
+    if padded == rows:
+        return chunked_addmm(x, weight.t(), bias, chunk, granule)
+    return chunked_addmm(F.pad(x, (0, 0, 0, padded - rows)), weight.t(), bias, chunk, granule)[:rows]

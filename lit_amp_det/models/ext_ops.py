@@ -8,7 +8,9 @@ IoU kernel for the anchor and proposal matchers. They add no parameters, buffers
 ``rpn`` and ``roi_heads`` (torchvision builds both inside ``FasterRCNN.__init__`` and offers no hook to pass
 others); ``state_dict`` keys, checkpoints and the fp32 regions of the precision plugin are unchanged.
 The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which has no state beyond the
-level scales torchvision's pooler infers on its first call (carried over). In training, the mask targets of the
+level scales torchvision's pooler infers on its first call (carried over), and the box head's and predictor's
+``nn.Linear`` layers become :class:`lit_amp_det.models.bounded_linear.BoundedRowsLinear` (the same layer, with a
+bounded number of product shapes on the CPU in fp16/bf16, where each new one costs memory for the whole run). In training, the mask targets of the
 whole batch are cropped with one call of lit_amp_det's RoIAlign (:mod:`lit_amp_det.models.mask_targets`) instead
 of one torchvision ``roi_align`` per image; the losses are the same numbers.
 """
@@ -24,6 +26,7 @@ from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign as TorchvisionMultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
+from lit_amp_det.models.bounded_linear import use_bounded_linears
 from lit_amp_det.models.labelled_mask_logits import casts_outputs_to_fp32, labelled_logits, logit_conv
 from lit_amp_det.models.mask_targets import labelled_maskrcnn_loss, maskrcnn_loss, positive_labels
 from lit_amp_det.ops import MultiScaleRoIAlign, batched_nms, box_iou
@@ -317,4 +320,6 @@ def use_extension_ops(model: GeneralizedRCNN) -> GeneralizedRCNN:
         pooler = getattr(heads, attr, None)
         if isinstance(pooler, TorchvisionMultiScaleRoIAlign):
             setattr(heads, attr, _lit_pooler(pooler))
+    for part in (heads.box_head, heads.box_predictor):  # their row count is the kept proposals' at inference
+        use_bounded_linears(part)
     return model
