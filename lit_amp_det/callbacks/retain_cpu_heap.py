@@ -5,7 +5,11 @@ glibc hands large freed blocks back to the OS; a training step that frees and re
 iteration then faults every page of them in again (see :mod:`lit_amp_det.cpu_heap`, which has the figures). On a
 GPU the step's tensors live in CUDA's caching allocator, which keeps freed blocks already, so this callback only acts
 when the module runs on the CPU. The cost is memory: the process's resident set stays at the largest heap it has
-had, instead of falling between steps.
+had, instead of falling between steps, and when a step's large blocks change size from step to step (the R50-FPN's
+full-class mask logits scale with the RoI count) the kept heap fragments and keeps growing: 200 R50 training steps
+on changing batches grew the resident set by 1.9 GB retained against 1.0 GB with glibc's default, by 1.0 GB with
+``model.labelled_mask_logits`` and by 0.5 GB (flat after 40 steps) with the Winograd row's switches; the light model's
+is flat either way (BENCHMARKS.md, "Memory over a long run").
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ others); ``state_dict`` keys, checkpoints and the fp32 regions of the precision 
 The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which has no state beyond the
 level scales torchvision's pooler infers on its first call (carried over), and the box head's and predictor's
 ``nn.Linear`` layers become :class:`lit_amp_det.models.bounded_linear.BoundedRowsLinear` (the same layer, with a
-bounded number of product shapes on the CPU in fp16/bf16, where each new one costs memory for the whole run). In training, the mask targets of the
-whole batch are cropped with one call of lit_amp_det's RoIAlign (:mod:`lit_amp_det.models.mask_targets`) instead
-of one torchvision ``roi_align`` per image; the losses are the same numbers.
+bounded number of product shapes on the CPU in fp16/bf16, where each new one costs memory for the whole run). In
+training, the mask targets of the whole batch are cropped with one call of lit_amp_det's RoIAlign
+(:mod:`lit_amp_det.models.mask_targets`) instead of one torchvision ``roi_align`` per image; the losses are the same
+numbers.
 """
 
 from __future__ import annotations
