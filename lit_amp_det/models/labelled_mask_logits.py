@@ -23,13 +23,14 @@ the labels before the mask head runs, and torchvision's ``maskrcnn_inference`` k
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
 from lit_amp_det.models.bounded_matmul import chunked_bmm
 from lit_amp_det.models.patch_deconv import PatchConvTranspose2d, patch_products
-from lit_amp_det.precision.casting import REGION_ATTR, mixed_precision_dtype
 
 __all__ = ["casts_outputs_to_fp32", "labelled_logits", "logit_conv"]
 
@@ -44,7 +45,7 @@ def logit_conv(predictor: nn.Module) -> nn.Conv2d | None:
     if not isinstance(predictor, nn.Sequential) or type(predictor).forward is not nn.Sequential.forward:
         return None
     own_forward = vars(predictor).get("forward")  # set on the instance: a precision region, or a user's patch
-    if own_forward is not None and not _has_fp32_outputs_region(predictor):
+    if own_forward is not None and _fp32_outputs_region(predictor) is None:
         return None  # only an fp32_outputs region is reproduced (the loss reads the logits in fp32); an fp32 one
         # asks for the convolution itself in fp32, which the full path does
     conv = getattr(predictor, "mask_fcn_logits", None)
@@ -55,15 +56,19 @@ def logit_conv(predictor: nn.Module) -> nn.Conv2d | None:
     return conv
 
 
-def _has_fp32_outputs_region(predictor: nn.Module) -> bool:
-    return getattr(vars(predictor).get("forward"), REGION_ATTR, None) == "fp32_outputs"
+def _fp32_outputs_region(predictor: nn.Module) -> Any:
+    """The precision plugin's ``fp32_outputs`` region wrapped around ``predictor.forward``, or None. Read by its
+    ``mode`` and ``in_force()`` (``lit_amp_det.precision.casting``, a layer this one does not import)."""
+    region = vars(predictor).get("forward")
+    return region if getattr(region, "mode", None) == "fp32_outputs" else None
 
 
 def casts_outputs_to_fp32(predictor: nn.Module) -> bool:
     """Whether ``predictor``'s forward casts its half outputs to fp32: it is wrapped in an ``fp32_outputs`` precision
-    region (the precision plugin's default for the mask predictor) and mixed precision is on for it, which is when
-    the region acts. The loss and the inference that read :func:`labelled_logits` then cast them themselves."""
-    return _has_fp32_outputs_region(predictor) and mixed_precision_dtype(predictor) is not None
+    region (the precision plugin's default for the mask predictor) that is in force (mixed precision on for it).
+    The loss and the inference that read :func:`labelled_logits` then cast them themselves."""
+    in_force = getattr(_fp32_outputs_region(predictor), "in_force", None)
+    return callable(in_force) and bool(in_force())
 
 
 def labelled_logits(predictor: nn.Module, features: Tensor, labels: Tensor) -> Tensor | None:

@@ -379,8 +379,14 @@ class _InstanceRegion:
             return self.function(self.owner, *args, **kwargs)
         return self.function(*args, **kwargs)
 
+    def in_force(self) -> bool:
+        """Whether the region changes a call now: mixed precision is on for its owner (decided per call: the policy
+        may change later). Read by code that reproduces the region's effect without calling it (the own-class mask
+        logits of :mod:`lit_amp_det.models.labelled_mask_logits`)."""
+        return mixed_precision_dtype(self.owner) is not None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if mixed_precision_dtype(self.owner) is None:  # decided per call: the policy may change later
+        if not self.in_force():
             return self._call_original(args, kwargs)
         if self.mode == "fp32":
             args, kwargs = _cast((args, kwargs), LOW_PRECISION_DTYPES, torch.float32)
