@@ -243,7 +243,8 @@ def test_full_precision_and_other_inputs_take_linear(monkeypatch: pytest.MonkeyP
     for x in (_randn(30, 4, dtype=torch.float32), _randn(2, 30, 4, dtype=torch.bfloat16)):
         with _RecordShapes() as products:
             out = bounded_matmul.bounded_linear(x, w.to(x.dtype))
-        assert torch.equal(out, F.linear(x, w.to(x.dtype))) and len(products.shapes) <= 1
+        assert torch.equal(out, F.linear(x, w.to(x.dtype))) and len(products.shapes) == 1
+        assert products.rows == {x.numel() // x.shape[-1]}  # unpadded: F.linear's own product of every row
     x = _randn(30, 4, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with _RecordShapes() as traced:

@@ -195,7 +195,5 @@ def bounded_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, chunk:
     chunk = LINEAR_CHUNK_ROWS if chunk is None else chunk
     granule = LINEAR_ROW_GRANULE if granule is None else granule
     rows = x.shape[0]
-    padded = rows if rows >= chunk else -(-rows // granule) * granule
-    if padded == rows:
-        return chunked_addmm(x, weight.t(), bias, chunk, granule)
-    return chunked_addmm(F.pad(x, (0, 0, 0, padded - rows)), weight.t(), bias, chunk, granule)[:rows]
+    padding = 0 if rows >= chunk else -rows % granule
+    return chunked_addmm(F.pad(x, (0, 0, 0, padding)) if padding else x, weight.t(), bias, chunk, granule)[:rows]
