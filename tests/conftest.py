@@ -38,6 +38,17 @@ def _isolated_paths(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("LIT_AMP_DET_RUNS", str(tmp_path / "runs"))
 
 
+@pytest.fixture
+def cpu_bf16(monkeypatch: pytest.MonkeyPatch):
+    """Sets whether the CPU computes bf16 natively, for tests of what ``auto`` and the CPU fallbacks choose."""
+    from lit_amp_det.precision import hardware
+
+    def set_native(native: bool) -> None:
+        monkeypatch.setattr(hardware, "_native_bf16", lambda: native)  # what every caller's answer comes from
+
+    return set_native
+
+
 def compose_config(overrides: Sequence[str] = (), output_dir: Path | None = None) -> DictConfig:
     """Composes ``conf/config.yaml`` like the CLI does, with ``paths.output_dir`` pinned (no Hydra run)."""
     extra = [f"paths.output_dir={output_dir}"] if output_dir is not None else []

@@ -23,10 +23,11 @@ from lit_amp_det.bench import e2e, e2e_report, e2e_rows, infer, train
 from lit_amp_det.bench.common import compose
 from lit_amp_det.cpu_heap import release_freed_cpu_memory, retains_freed_memory
 
+# bf16 rows named explicitly: ``--precision auto`` would run fp32 rows on a CI machine without native bf16
 SMALL = ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=1", "--steps=2", "--state-steps=2",
-         "--peak-seconds=0.02"]
+         "--peak-seconds=0.02", "--precision=bf16"]
 SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=4,
-                           steps=1, warmup=0, compile_warmup=1)
+                           steps=1, warmup=0, compile_warmup=1, half="bf16")
 BENCHES = pytest.mark.parametrize("bench", [train.BENCH, infer.BENCH], ids=["train", "infer"])
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -67,10 +68,40 @@ def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows
         previous, previous_cfg = overrides, flat
 
 
-def test_mixed_precision_row_follows_the_device() -> None:
-    cuda = dataclasses.replace(SETTING, device="cuda")
-    assert e2e_rows.row_overrides(train.ROWS, 1, SETTING)[-1] == "trainer.precision=bf16-mixed"
+def test_mixed_precision_row_follows_the_device(cpu_bf16) -> None:
+    """``--precision auto`` is ``trainer.precision=auto``'s choice; a named half precision is used as named."""
+    auto = dataclasses.replace(SETTING, half=None)
+    cuda = dataclasses.replace(auto, device="cuda")
+    cpu_bf16(True)
+    assert e2e_rows.row_overrides(train.ROWS, 1, auto)[-1] == "trainer.precision=bf16-mixed"
+    assert e2e_rows.row_overrides(train.ROWS, 7, auto)[-1] == "trainer.precision=bf16-weights"
     assert e2e_rows.row_overrides(train.ROWS, 1, cuda)[-1] == "trainer.precision=16-mixed"
+    cpu_bf16(False)
+    assert e2e_rows.row_overrides(train.ROWS, 1, auto)[-1] == "trainer.precision=32-true"
+    assert e2e_rows.row_overrides(train.ROWS, 7, auto)[-1] == "trainer.precision=32-true"
+    assert e2e_rows.row_overrides(train.ROWS, 1, cuda)[-1] == "trainer.precision=16-mixed"
+    assert e2e_rows.row_overrides(train.ROWS, 1, SETTING)[-1] == "trainer.precision=bf16-mixed"  # named: kept
+    fp16 = e2e_rows.row_overrides(train.ROWS, 7, dataclasses.replace(SETTING, half="fp16"))
+    assert fp16[-1] == "trainer.precision=16-weights" and "precision.fp16_on_cpu=true" in fp16  # fp16 as asked
+
+
+@BENCHES
+def test_fp32_runs_leave_out_the_rows_that_change_nothing_in_fp32(bench: e2e_rows.Bench) -> None:
+    """With fp32 precision rows (``--precision fp32``, or auto without native bf16) the rows that only act in
+    fp16/bf16 are left out by default; every row kept changes the config, and every row runs ``32-true``."""
+    fp32 = dataclasses.replace(SETTING, half="fp32")
+    kept = e2e.default_rows(bench, fp32)
+    assert e2e.default_rows(bench, SETTING) == [row.name for row in bench.rows]
+    assert kept == [row.name for row in bench.rows if not row.needs_half]
+    assert {"torchvision-fp32", "ext-ops", "channels-last", "labelled-mask-logits"} <= set(kept)
+    assert not {"autocast", "low-precision-weights", "winograd"} & set(kept)
+    configs = [_flat(OmegaConf.to_container(compose(e2e_rows.row_overrides(bench.rows, i, fp32)), resolve=False))
+               for i in range(len(bench.rows))]
+    assert all(flat["trainer.precision"] == "32-true" for flat in configs)
+    assert configs[1] == configs[0]  # autocast in fp32: nothing
+    for index, row in enumerate(bench.rows[1:], start=1):
+        if row.name in kept:
+            assert configs[index] != configs[index - 1], row.name
 
 
 @BENCHES
@@ -135,6 +166,8 @@ def _check_report(kind: str, proc: subprocess.CompletedProcess, out: Path, names
     table = (out / f"bench_{kind}.md").read_text()
     assert (out / f"bench_{kind}.png").read_bytes()[:8] == PNG
     assert [row["name"] for row in report["rows"]] == names
+    assert "- precision rows in bf16 (`--precision`; `bf16-mixed` for autocast" in table
+    assert report["setting"]["half"] == "bf16" and isinstance(report["environment"]["cpu_native_bf16"], bool)
     labels = {row.name: row.label for row in (train.ROWS if kind == "train" else infer.ROWS)}
     for name in names:
         assert f"| {labels[name]} |" in table and f"| {labels[name]} |" in proc.stdout

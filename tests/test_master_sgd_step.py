@@ -107,7 +107,12 @@ def test_compiled_kernel_equals_reference_at_real_sizes(grad_dtype: torch.dtype)
         w = [t.to(torch.bfloat16) for t in masters]
         impl(m, grads, b, w, 0.02, 0.9, 0.0, 1e-4, False, False, 0.5, False)
         runs.append((m, b, w))
-    for ours, ref in zip(*[list(itertools.chain(*r)) for r in runs]):
+        for master, weight in zip(m, w):  # each implementation's weight is its new master rounded, exactly
+            assert torch.equal(weight, master.to(torch.bfloat16))
+    # masters and momentum buffers agree to fp32 rounding (the kernel's FMAs round once where torch's ops may round
+    # twice). The bf16 weights are not compared with each other: where a master sits within one fp32 rounding of a
+    # bf16 midpoint the two round to neighbouring bf16 values (1-15 of 2.2 M elements on an AVX2 CPU)
+    for ours, ref in zip(*[list(itertools.chain(r[0], r[1])) for r in runs]):
         torch.testing.assert_close(ours, ref, rtol=2e-7, atol=2e-7)
 
 

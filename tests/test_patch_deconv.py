@@ -18,6 +18,7 @@ from torch import nn
 
 from lit_amp_det.models import patch_deconv
 from lit_amp_det.models.patch_deconv import PatchConvTranspose2d, is_patchwise, patch_conv_transpose2d, use_patch_deconv
+from lit_amp_det.precision.hardware import cpu_computes_bf16_natively
 
 #: (dtype, atol, rtol) against the float64 reference: the half dtypes round their inputs and output
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2)}
@@ -57,18 +58,25 @@ def test_matches_conv_transpose2d(dtype: torch.dtype, channels_last: bool, kerne
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_mask_head_size_in_bf16_equals_onednn(channels_last: bool) -> None:
     """The R50-FPN mask head's layer at its real size (70 RoIs, 256 channels, 14 -> 28): forward and all three
-    gradients agree with torch's bf16 transposed convolution."""
+    gradients within bf16 rounding of a float64 transposed convolution, and, where torch's bf16 kernel is oneDNN's
+    (a CPU with native bf16), within 2 % of it. Elsewhere torch's bf16 weight gradient accumulates in bf16 (2.2 % of
+    its largest value off float64 on an AVX2 CPU, where ours stays at 0.34 %), so it is no reference there."""
     x, w, b = _inputs(70, 256, 256, (14, 14), (2, 2), torch.bfloat16, channels_last)
     grad = torch.randn(70, 256, 28, 28, generator=torch.Generator().manual_seed(1)).bfloat16()
     results = []
-    for fn in (patch_conv_transpose2d, lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2)):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+    for fn, dtype in ((patch_conv_transpose2d, torch.bfloat16),
+                      (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2), torch.bfloat16),
+                      (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2), torch.float64)):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, w, b)]
         out = fn(*leaves)
-        out.backward(grad)
-        results.append((out.float(), *(t.grad.float() for t in leaves)))
-    for name, ours, native in zip(("output", "input grad", "weight grad", "bias grad"), *results):
-        scale = native.abs().max().item()
-        assert (ours - native).abs().max().item() <= 0.02 * scale, name
+        out.backward(grad.to(dtype))
+        results.append((out.double(), *(t.grad.double() for t in leaves)))
+    native_is_onednn = cpu_computes_bf16_natively()
+    for name, ours, native, exact in zip(("output", "input grad", "weight grad", "bias grad"), *results):
+        scale = exact.abs().max().item()
+        assert (ours - exact).abs().max().item() <= 0.01 * scale, name
+        if native_is_onednn:
+            assert (ours - native).abs().max().item() <= 0.02 * native.abs().max().item(), name
 
 
 def test_gradcheck_float64() -> None:

@@ -134,7 +134,8 @@ def test_regions_are_configurable_and_checked(tmp_path: Path) -> None:
         plugin.convert_module(module)
 
 
-def test_precision_strings_map_to_plugins() -> None:
+def test_precision_strings_map_to_plugins(cpu_bf16) -> None:
+    cpu_bf16(True)
     assert isinstance(build_precision_plugin("32-true"), FiniteStepPrecision)
     with pytest.warns(UserWarning, match="16-mixed on a CPU runs as bf16-mixed"):
         fallback = build_precision_plugin("16-mixed", "cpu")
@@ -148,7 +149,8 @@ def test_precision_strings_map_to_plugins() -> None:
         build_precision_plugin("fp8")
 
 
-def test_low_precision_weight_strings_map_to_the_master_weight_plugin() -> None:
+def test_low_precision_weight_strings_map_to_the_master_weight_plugin(cpu_bf16) -> None:
+    cpu_bf16(True)
     weights = build_precision_plugin("bf16-weights", "cpu")
     assert isinstance(weights, MasterWeightPrecision) and weights.precision == "bf16-weights"
     assert weights.scaler is None and weights.low_dtype == torch.bfloat16

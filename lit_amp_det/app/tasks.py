@@ -156,7 +156,8 @@ def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
 @rank_zero_only
 def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any]) -> None:
     out = _output_dir(cfg)
-    record = {**record, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+    record = {**record, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+              "precision": getattr(trainer.precision_plugin, "precision", None)}  # what ran (auto resolved)
     checkpoints = trainer.checkpoint_callbacks
     record["best_model_path"] = next((c.best_model_path for c in checkpoints if c.best_model_path), None)
     record["last_model_path"] = next((c.last_model_path for c in checkpoints if c.last_model_path), None)

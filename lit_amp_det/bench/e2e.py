@@ -28,11 +28,11 @@ import torch
 from lit_amp_det.bench import repeats, roofline
 from lit_amp_det.bench.common import cache_root
 from lit_amp_det.bench.e2e_report import environment, write_report
-from lit_amp_det.bench.e2e_rows import (Bench, Row, Setting, default_num_classes, device_defaults, mixed_precision,
-                                        row_overrides)
+from lit_amp_det.bench.e2e_rows import (HALF_CHOICES, Bench, Row, Setting, default_half, default_num_classes,
+                                        device_defaults, mixed_precision, row_overrides)
 
-__all__ = ["DEFAULT_REPEATS", "DEFAULT_STATE_STEPS", "add_repeat_options", "finish_row", "main", "parse_size",
-           "prepare", "run_row_process"]
+__all__ = ["DEFAULT_REPEATS", "DEFAULT_STATE_STEPS", "add_repeat_options", "default_rows", "finish_row", "main",
+           "parse_size", "prepare", "run_row_process"]
 
 #: Repeats per row, on a CPU and on CUDA alike: GPU clocks and cudnn.benchmark's choices vary per process too.
 DEFAULT_REPEATS = 3
@@ -130,6 +130,11 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=_positive(0), help="untimed steps per row (default 5 on cuda, 3 on cpu)")
     parser.add_argument("--compile-warmup", type=_positive(0),
                         help="untimed steps for rows with model.compile set (default: --warmup + 3)")
+    parser.add_argument("--precision", choices=HALF_CHOICES, default="auto",
+                        help="the half precision of the rows that change precision (autocast, half weights, the "
+                             "fp16/bf16-only layers); auto: fp16 on cuda, bf16 on a CPU with native bf16, fp32 on "
+                             "other CPUs, where the rows that change nothing in fp32 are left out unless --rows "
+                             "names them")
     parser.add_argument("--rows", type=_row_names(bench.rows),
                         help=f"comma-separated subset of {','.join(r.name for r in bench.rows)} (default: all); "
                              "a row keeps the overrides of the rows above it whether they run or not")
@@ -164,7 +169,8 @@ def _setting(bench: Bench, args: argparse.Namespace, parser: argparse.ArgumentPa
                    steps=args.steps or defaults["steps"], warmup=warmup,
                    compile_warmup=warmup + 3 if args.compile_warmup is None else args.compile_warmup,
                    state=args.state, state_steps=args.state_steps if args.state == "trained" else 0,
-                   checkpoint=args.state_file, lr=args.timing_lr, drift_steps=args.drift_steps)
+                   checkpoint=args.state_file, lr=args.timing_lr, drift_steps=args.drift_steps,
+                   half=default_half(device) if args.precision == "auto" else args.precision)
 
 
 def _setting_argv(setting: Setting) -> list[str]:
@@ -178,7 +184,14 @@ def _setting_argv(setting: Setting) -> list[str]:
         argv.append(f"--timing-lr={setting.lr!r}")
     if setting.drift_steps:
         argv.append(f"--drift-steps={setting.drift_steps}")
+    if setting.half is not None:
+        argv.append(f"--precision={setting.half}")
     return argv
+
+
+def default_rows(bench: Bench, setting: Setting) -> list[str]:
+    """Every row, less those that change nothing when the rows' half precision is fp32 (``Row.needs_half``)."""
+    return [row.name for row in bench.rows if not (row.needs_half and setting.half == "fp32")]
 
 
 def prepare(setting: Setting, args: argparse.Namespace, dtypes: Sequence[str]) -> tuple[Setting, dict[str, Any]]:
@@ -224,7 +237,7 @@ def _report_row(bench: Bench, index: int, setting: Setting, runs: list[dict[str,
                 peaks: dict[str, Any]) -> dict[str, Any]:
     """The report's row for ``bench.rows[index]``: its name and overrides, and its repeats aggregated."""
     row = bench.rows[index]
-    override = row.override_on(setting.device)
+    override = row.override_on(setting)
     return finish_row({"name": row.name, "label": row.label, "override": override,
                        "overrides": row_overrides(bench.rows, index, setting),
                        **repeats.aggregate(runs, bench.timings)}, setting.batch, bench.flop_timing, peaks)
@@ -274,10 +287,11 @@ def main(bench: Bench, argv: Sequence[str] | None = None) -> None:
         result = bench.run_row(index, setting)
         print(_MARKER + json.dumps({"name": args.row, **result}), flush=True)
         return
-    selected = args.rows or names
+    selected = args.rows or default_rows(bench, setting)
     out = args.out or _out_dir(bench.kind)
     command = shlex.join(["python", "-m", "lit_amp_det", "bench", bench.kind, *argv])
-    setting, prepared = prepare(setting, args, ["fp32", roofline.compute_dtype(mixed_precision(setting.device))])
+    half_dtype = roofline.compute_dtype(mixed_precision(setting.device, setting.half))
+    setting, prepared = prepare(setting, args, list(dict.fromkeys(["fp32", half_dtype])))
     env = environment(setting.device)  # the load average before the rows run
     order = repeats.run_order(len(selected), args.repeats, args.seed)
 

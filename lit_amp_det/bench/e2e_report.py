@@ -18,9 +18,10 @@ import torch
 
 from lit_amp_det.bench.breakdown import breakdown_lines
 from lit_amp_det.bench.common import cpu_name
-from lit_amp_det.bench.e2e_rows import Bench, Setting
+from lit_amp_det.bench.e2e_rows import Bench, Setting, default_half, low_precision_weights, mixed_precision
+from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
-__all__ = ["environment", "peaks_line", "plot", "ratio_text", "repeat_text", "repeats_line", "roofline_text",
+__all__ = ["cpu_bf16_text", "environment", "half_line", "peaks_line", "plot", "ratio_text", "repeat_text", "repeats_line", "roofline_text",
            "state_line", "table", "write_report"]
 
 
@@ -32,12 +33,21 @@ def environment(device: str) -> dict[str, Any]:
     if device == "cuda":
         name = torch.cuda.get_device_name()
     else:
-        name = f"{cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        name = f"{cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {cpu_bf16_text()})"
     return {"device": device, "device_name": name, "cpu_count": os.cpu_count(),
+            "cpu_capability": cpu_capability(), "cpu_native_bf16": cpu_computes_bf16_natively(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "lightning": lightning.__version__,
             "cuda": torch.version.cuda if device == "cuda" else None, "python": platform.python_version(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def cpu_bf16_text() -> str:
+    """Whether this CPU's bf16 rows ran on torch's fast kernels, for the header (``bf16-*`` rows are slow without)."""
+    if cpu_computes_bf16_natively():
+        return f"{cpu_capability()}, native bf16"
+    return (f"{cpu_capability()}, no native bf16: its bf16 rows take slow paths and trainer.precision=auto runs 32-true "
+            f"here")
 
 
 def ratio_text(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
@@ -169,6 +179,7 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env
         f"image {setting.size}, {setting.steps} timed steps after {setting.warmup} warm-up "
         f"({setting.compile_warmup} for compile rows)",
         f"- command: `{command}`",
+        half_line(bench, setting),
         *_load_line(env),
         *([state_line(setting, run.get("state")), repeats_line(run), peaks_line(run["peaks"])] if run else []),
         f"- ratios vs {base_label} (from the median times); IQR = interquartile range of the timed steps of all "
@@ -184,6 +195,18 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env
     plot(bench, rows, f"bench {bench.kind}: {setting.model}, batch {setting.batch}, {setting.size}, "
          f"{env['device_name']}", out / f"bench_{bench.kind}.png")
     return text
+
+
+def half_line(bench: Bench, setting: Setting) -> str:
+    """The header line that says in which precision the precision rows ran, and which rows fp32 leaves out."""
+    half = setting.half or default_half(setting.device)
+    text = (f"- precision rows in {half} (`--precision`; `{mixed_precision(setting.device, half)}` for autocast, "
+            f"`{low_precision_weights(setting.device, half)}` for half weights)")
+    if half != "fp32":
+        return text
+    skipped = ", ".join(row.name for row in bench.rows if row.needs_half)
+    return (f"{text}: the rows that change nothing in fp32 ({skipped}) run only when `--rows` names them; "
+            f"every row is an fp32 recipe")
 
 
 def _load_line(env: dict[str, Any]) -> list[str]:

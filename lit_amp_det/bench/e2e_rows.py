@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lit_amp_det.bench.common import shapes_batch, weights_sha256
 from lit_amp_det.cpu_heap import heap_in_use_bytes, retains_freed_memory
+from lit_amp_det.precision.hardware import cpu_computes_bf16_natively
 from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
                                    resident_bytes, unpin_malloc_threshold)
 
@@ -41,6 +42,9 @@ __all__ = [
     "drift_text",
     "memory_over_changing_batches",
     "memory_ratio",
+    "HALF_CHOICES",
+    "default_half",
+    "half_overrides",
     "low_precision_weights",
     "mixed_precision",
     "row_overrides",
@@ -73,19 +77,23 @@ BASELINE = (
 class Row:
     """One row: ``override`` (``None`` for the baseline row) switches one optimisation on.
 
-    ``{mixed}`` in the override stands for the device's mixed precision (see :func:`mixed_precision`),
-    ``{weights}`` for its low-precision-weights twin (:func:`low_precision_weights`).
+    ``{mixed}`` in the override stands for the run's mixed precision (see :func:`mixed_precision`),
+    ``{weights}`` for its low-precision-weights twin (:func:`low_precision_weights`). ``needs_half``: the row
+    changes nothing when the run's half precision is fp32 (``--precision fp32``, or ``auto`` on a CPU without
+    native bf16), so it is left out of such runs unless ``--rows`` names it.
     """
 
     name: str
     label: str
     override: str | None
+    needs_half: bool = False
 
-    def override_on(self, device: str) -> str | None:
-        """The override with ``{mixed}`` / ``{weights}`` filled in for ``device``."""
+    def override_on(self, setting: Setting) -> str | None:
+        """The override with ``{mixed}`` / ``{weights}`` filled in for ``setting``'s device and half precision."""
         if self.override is None:
             return None
-        return self.override.format(mixed=mixed_precision(device), weights=low_precision_weights(device))
+        return self.override.format(mixed=mixed_precision(setting.device, setting.half),
+                                    weights=low_precision_weights(setting.device, setting.half))
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ class Setting:
     checkpoint: str | None = None
     lr: float | None = None
     drift_steps: int = 0
+    half: str | None = None  # bf16 | fp16 | fp32: the precision of the rows that change it; None: default_half
 
     @property
     def size(self) -> str:
@@ -140,14 +149,34 @@ class Bench:
 
 # --------------------------------------------------------------------------------------------- config
 
-def mixed_precision(device: str) -> str:
-    """``16-mixed`` on CUDA (fp16 tensor cores, GradScaler); ``bf16-mixed`` on a CPU."""
-    return "16-mixed" if device == "cuda" else "bf16-mixed"
+#: ``--precision`` of ``bench train|infer``: the half precision of the rows that change precision
+HALF_CHOICES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
 
 
-def low_precision_weights(device: str) -> str:
-    """The low-precision-weights twin of :func:`mixed_precision`: ``16-weights`` on CUDA, ``bf16-weights`` on a CPU."""
-    return mixed_precision(device).replace("-mixed", "-weights")
+def default_half(device: str) -> str:
+    """What ``--precision auto`` means, as ``trainer.precision=auto`` does: fp16 on CUDA, bf16 on a CPU that computes
+    bf16 natively, fp32 on any other CPU (:mod:`lit_amp_det.precision.hardware`)."""
+    if device == "cuda":
+        return "fp16"
+    return "bf16" if cpu_computes_bf16_natively() else "fp32"
+
+
+def mixed_precision(device: str, half: str | None = None) -> str:
+    """The ``trainer.precision`` of the autocast rows: ``16-mixed`` for fp16, ``bf16-mixed`` for bf16, ``32-true``
+    for fp32; ``half`` ``None``/``auto`` is :func:`default_half`."""
+    half = default_half(device) if half in (None, "auto") else half
+    return {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[half]
+
+
+def low_precision_weights(device: str, half: str | None = None) -> str:
+    """The low-precision-weights twin of :func:`mixed_precision` (``32-true`` stays ``32-true``)."""
+    return mixed_precision(device, half).replace("-mixed", "-weights")
+
+
+def half_overrides(setting: Setting) -> list[str]:
+    """fp16 rows on a CPU run fp16 as asked (the plugin's CPU fallback would run them as bf16 or fp32)."""
+    half = default_half(setting.device) if setting.half in (None, "auto") else setting.half
+    return ["precision.fp16_on_cpu=true"] if half == "fp16" and setting.device == "cpu" else []
 
 
 def device_defaults(device: str) -> dict[str, Any]:
@@ -183,8 +212,8 @@ def baseline_overrides(setting: Setting) -> list[str]:
 
 def row_overrides(rows: Sequence[Row], index: int, setting: Setting) -> list[str]:
     """The overrides of ``rows[index]``: the setting, :data:`BASELINE`, then one override per row up to it."""
-    added = [row.override_on(setting.device) for row in rows[1: index + 1] if row.override is not None]
-    return [*baseline_overrides(setting), *added]
+    added = [row.override_on(setting) for row in rows[1: index + 1] if row.override is not None]
+    return [*baseline_overrides(setting), *half_overrides(setting), *added]
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 
 from lit_amp_det.bench import e2e, e2e_rows, repeats, roofline
 from lit_amp_det.bench.common import batch_sha256, compose, train_step, weights_sha256, write_json
-from lit_amp_det.bench.e2e_report import peaks_line, repeat_text, repeats_line, roofline_text, state_line
+from lit_amp_det.bench.e2e_report import cpu_bf16_text, peaks_line, repeat_text, repeats_line, roofline_text, state_line
 from lit_amp_det.bench.e2e_rows import Setting
 from lit_amp_det.profiling import MB, MemoryProbe, StepTimer
 
@@ -104,7 +104,8 @@ def _table(rows: list[dict[str, Any]], setting: Setting, run: dict[str, Any]) ->
     base = next(r for r in rows if r["precision"] == "32-true")
     lines = [
         f"device={setting.device} model={setting.model} ({setting.num_classes} classes) batch={setting.batch} "
-        f"image={setting.size} steps={setting.steps} (warm-up {setting.warmup} excluded) torch={torch.__version__}",
+        f"image={setting.size} steps={setting.steps} (warm-up {setting.warmup} excluded) torch={torch.__version__}"
+        + (f" CPU: {cpu_bf16_text()}" if setting.device == "cpu" else ""),
         state_line(setting, run["state"]),
         repeats_line(run),
         peaks_line(run["peaks"]),

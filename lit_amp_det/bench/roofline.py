@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench.common import cpu_name, replace_file
+from lit_amp_det.precision.hardware import cpu_capability
 from lit_amp_det.profiling import timed
 
 __all__ = ["DTYPES", "PEAKS_FILE", "busy_cpus", "compute_dtype", "count_flops", "device_peaks", "machine_key",
@@ -102,8 +103,9 @@ def count_flops(fn: Callable[[], Any]) -> int:
 
 
 def machine_key(device: str) -> str:
-    """What a peak depends on: the CPU model or GPU name, the torch version and the torch thread count."""
-    name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+    """What a peak depends on: the CPU model (with torch's CPU capability: one model name, "AMD EPYC" say, covers
+    CPUs with and without AVX-512) or GPU name, the torch version and the torch thread count."""
+    name = torch.cuda.get_device_name() if device == "cuda" else f"{cpu_name()} {cpu_capability()}"
     return f"{device}|{name}|torch {torch.__version__}|{torch.get_num_threads()} threads"
 
 

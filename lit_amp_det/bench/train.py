@@ -74,19 +74,19 @@ __all__ = ["BENCH", "ROWS", "main", "run_row"]
 
 ROWS = (
     Row("torchvision-fp32", "torchvision fp32 eager", None),
-    Row("autocast", "+ torch.autocast", "trainer.precision={mixed}"),
-    Row("fp32-regions", "+ precision plugin (fp32 regions)", "precision.fp32_regions=null"),
+    Row("autocast", "+ torch.autocast", "trainer.precision={mixed}", needs_half=True),
+    Row("fp32-regions", "+ precision plugin (fp32 regions)", "precision.fp32_regions=null", needs_half=True),
     Row("ext-ops", "+ lit_amp_det ops", "model.ops=ext"),
     Row("channels-last", "+ channels_last", "model.channels_last=true"),
     Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", "callbacks=[freeze_norm,conv_bn_eval]"),
     Row("fused-optim", "+ fused SGD", "optim.optimizer.fused=auto"),
-    Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}"),
-    Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true"),
-    Row("fused-master-step", "+ fused master SGD step", "precision.fused_master_step=true"),
+    Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}", needs_half=True),
+    Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true", needs_half=True),
+    Row("fused-master-step", "+ fused master SGD step", "precision.fused_master_step=true", needs_half=True),
     Row("retain-cpu-heap", "+ retained CPU heap", "callbacks=[freeze_norm,conv_bn_eval,retain_cpu_heap]"),
     Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),
-    Row("pointwise-matmul", "+ 1x1 convs as matmuls", "model.pointwise_conv_as_matmul=true"),
-    Row("winograd", "+ Winograd 3x3 convs", "model.winograd_convs=[mask_head,rpn_head,fpn]"),
+    Row("pointwise-matmul", "+ 1x1 convs as matmuls", "model.pointwise_conv_as_matmul=true", needs_half=True),
+    Row("winograd", "+ Winograd 3x3 convs", "model.winograd_convs=[mask_head,rpn_head,fpn]", needs_half=True),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

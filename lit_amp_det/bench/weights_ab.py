@@ -93,7 +93,8 @@ def _build(name: str, args: argparse.Namespace, batch: tuple[list, list]) -> _Va
     cuda = args.device == "cuda"
     overrides, batched_masks = VARIANTS[name]
     size = [f"model.transform.min_size={min(args.size)}", f"model.transform.max_size={max(args.size)}"]
-    precisions = {"{mixed}": mixed_precision(args.device), "{weights}": low_precision_weights(args.device)}
+    half = "fp16" if cuda else "bf16"  # the A/B is about half-precision weights, with or without native bf16
+    precisions = {"{mixed}": mixed_precision(args.device, half), "{weights}": low_precision_weights(args.device, half)}
     for placeholder, precision in precisions.items():
         overrides = [o.replace(placeholder, precision) for o in overrides]
     cfg = compose([f"trainer={'gpu' if cuda else 'cpu'}", f"model={args.model}", f"model.num_classes={args.classes}",

@@ -22,7 +22,6 @@ import lightning.pytorch as pl
 import torch
 import torchvision.ops
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -36,6 +35,7 @@ from lit_amp_det.precision.fused_master_step import (
     step_gradients,
     unfused_reason,
 )
+from lit_amp_det.precision.hardware import resolve_precision
 from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
 from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS, MIXED_PRECISIONS, PRECISIONS, REGION_MODES, RegionMode
 
@@ -452,18 +452,6 @@ def _autocast_device(accelerator: str) -> str:
     return "cpu"
 
 
-def _fp16_on_cpu_fallback(precision: str, device: str, fp16_on_cpu: bool) -> str:
-    """``16-mixed``/``16-weights`` run as their bf16 twin on a CPU unless ``fp16_on_cpu`` (with a warning)."""
-    if not precision.startswith("16-") or device != "cpu" or fp16_on_cpu:
-        return precision
-    twin = f"bf{precision}"
-    rank_zero_warn(
-        f"trainer.precision={precision} on a CPU runs as {twin} (fp16 on CPUs is slow and needs loss scaling); set "
-        "precision.fp16_on_cpu=true to force fp16."
-    )
-    return twin
-
-
 def build_precision_plugin(
     precision: str,
     accelerator: str = "auto",
@@ -477,14 +465,17 @@ def build_precision_plugin(
 ) -> Precision:
     """The plugin for ``trainer.precision`` (Lightning refuses a precision string and a plugin together).
 
-    ``fused_master_step`` applies to the ``-weights`` precisions only (:class:`MasterWeightPrecision`).
+    ``auto`` and the half precisions on a CPU first become what runs fast there
+    (:func:`~lit_amp_det.precision.hardware.resolve_precision`: ``32-true`` on a CPU without native bf16);
+    the plugin's ``precision`` attribute is what runs. ``fused_master_step`` applies to the ``-weights`` precisions
+    only (:class:`MasterWeightPrecision`).
     """
-    if precision == "32-true":
-        return FiniteStepPrecision(max_consecutive_skips)
-    if precision not in (*MIXED_PRECISIONS, *LOW_PRECISION_WEIGHTS):
+    if precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     device = _autocast_device(str(accelerator))
-    precision = _fp16_on_cpu_fallback(precision, device, fp16_on_cpu)
+    precision = resolve_precision(precision, device, fp16_on_cpu)
+    if precision == "32-true":
+        return FiniteStepPrecision(max_consecutive_skips)
     options: dict[str, Any] = {"fp32_regions": fp32_regions, "init_scale": init_scale,
                                "growth_interval": growth_interval, "max_consecutive_skips": max_consecutive_skips}
     if precision in LOW_PRECISION_WEIGHTS:

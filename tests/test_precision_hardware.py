@@ -1,0 +1,120 @@
+"""``trainer.precision=auto`` and the CPU fallbacks: each device gets the precision it runs fast, and says why."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_amp_det.app.config import check_config
+from lit_amp_det.precision import hardware
+from lit_amp_det.precision.hardware import cpu_computes_bf16_natively, resolve_precision
+from lit_amp_det.precision.modes import PRECISIONS
+from lit_amp_det.precision.plugin import (
+    DetectionMixedPrecision,
+    FiniteStepPrecision,
+    MasterWeightPrecision,
+    build_precision_plugin,
+)
+
+from conftest import SMOKE, compose_config, only_run_dir, run_cli
+
+
+def _resolve_quietly(precision: str, device: str, fp16_on_cpu: bool = False) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning allowed
+        return resolve_precision(precision, device, fp16_on_cpu)
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
+def test_auto_on_a_cpu_follows_native_bf16(cpu_bf16, caplog: pytest.LogCaptureFixture, native: bool,
+                                           expected: str) -> None:
+    cpu_bf16(native)
+    with caplog.at_level(logging.INFO):
+        assert _resolve_quietly("auto", "cpu") == expected
+    said = caplog.text
+    assert f"trainer.precision=auto: {expected}" in said
+    assert ("computes bf16 natively" in said) == native
+    assert ("no native bf16" in said and "6x slower" in said) == (not native)
+
+
+def test_auto_on_cuda_is_fp16_autocast(cpu_bf16) -> None:
+    cpu_bf16(False)  # the CPU does not matter on a GPU
+    assert _resolve_quietly("auto", "cuda") == "16-mixed"
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-weights"])
+def test_fp16_on_a_cpu_without_native_bf16_runs_fp32(cpu_bf16, precision: str) -> None:
+    cpu_bf16(False)
+    with pytest.warns(UserWarning, match=rf"{precision} on a CPU runs as 32-true .*no native bf16.*fp16_on_cpu=true"):
+        assert resolve_precision(precision, "cpu") == "32-true"
+    cpu_bf16(True)
+    with pytest.warns(UserWarning, match=rf"{precision} on a CPU runs as bf{precision} \(fp16 on CPUs is slow"):
+        assert resolve_precision(precision, "cpu") == f"bf{precision}"
+    assert _resolve_quietly(precision, "cpu", fp16_on_cpu=True) == precision  # forced: as asked, no warning
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-weights"])
+def test_explicit_bf16_is_kept_and_warned_about_without_native_bf16(cpu_bf16, precision: str) -> None:
+    cpu_bf16(False)
+    with pytest.warns(UserWarning, match=rf"trainer.precision={precision}: this CPU has no native bf16 .*"
+                                         r"trainer.precision=auto \(32-true here\)"):
+        assert resolve_precision(precision, "cpu") == precision
+    cpu_bf16(True)
+    assert _resolve_quietly(precision, "cpu") == precision
+    assert _resolve_quietly(precision, "cuda") == precision
+
+
+def test_other_values_pass_through(cpu_bf16) -> None:
+    cpu_bf16(False)
+    assert _resolve_quietly("32-true", "cpu") == "32-true"
+    assert _resolve_quietly("16-mixed", "cuda") == "16-mixed"
+
+
+def test_the_plugin_is_built_for_what_runs(cpu_bf16) -> None:
+    cpu_bf16(False)
+    assert isinstance(build_precision_plugin("auto", "cpu"), FiniteStepPrecision)
+    with pytest.warns(UserWarning, match="runs as 32-true"):
+        assert isinstance(build_precision_plugin("16-weights", "cpu"), FiniteStepPrecision)
+    cpu_bf16(True)
+    plugin = build_precision_plugin("auto", "cpu")
+    assert isinstance(plugin, DetectionMixedPrecision) and plugin.precision == "bf16-mixed"
+    with pytest.warns(UserWarning, match="runs as bf16-weights"):
+        assert isinstance(build_precision_plugin("16-weights", "cpu"), MasterWeightPrecision)
+    with pytest.raises(ValueError, match=r"trainer.precision='automatic'; choose one of auto, 32-true"):
+        build_precision_plugin("automatic", "cpu")
+
+
+def test_native_bf16_is_torchs_own_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer is torch's oneDNN bf16 device check; without that private op, torch's CPU capability decides."""
+    probe = hardware._native_bf16
+    probe.cache_clear()
+    try:
+        assert cpu_computes_bf16_natively() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        monkeypatch.setattr(hardware, "_torch_bf16_check", lambda: None)
+        for capability, native in [("AVX2", False), ("DEFAULT", False), ("AVX512", True)]:
+            monkeypatch.setattr(hardware, "cpu_capability", lambda c=capability: c)
+            probe.cache_clear()
+            assert cpu_computes_bf16_natively() is native
+    finally:
+        probe.cache_clear()
+
+
+def test_auto_is_the_default_and_a_valid_value(tmp_path: Path) -> None:
+    cfg = compose_config([], tmp_path)
+    assert cfg.trainer.precision == "auto" and "auto" in PRECISIONS
+    check_config(cfg)
+    assert compose_config(["trainer=gpu"], tmp_path).trainer.precision == "16-mixed"
+
+
+def test_metrics_json_records_the_precision_that_ran(tmp_path: Path) -> None:
+    """A fit with ``trainer.precision=auto`` records what auto chose on this machine (and logs it)."""
+    proc = run_cli(["fit", *SMOKE, "trainer.max_steps=1", "+trainer.limit_val_batches=1"], cwd=tmp_path)
+    metrics = json.loads((only_run_dir(tmp_path / "runs") / "metrics.json").read_text())
+    expected = "bf16-mixed" if cpu_computes_bf16_natively() else "32-true"
+    assert metrics["precision"] == expected
+    assert f"trainer.precision=auto: {expected}" in proc.stdout + proc.stderr
