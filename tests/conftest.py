@@ -100,10 +100,21 @@ class CaptureLogger(Logger):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``long`` run only when the ``-m`` expression names them (``pytest -m long``)."""
-    if "long" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="a longer variant; run with `pytest -m long`")
+    """Tests marked ``long`` run only when the ``-m`` expression names them (``pytest -m long``); so do those marked
+    ``bf16_training`` on a CPU without native bf16, where torch's bf16 kernels take slow paths (a 300-step bf16 parity
+    run of the light model took 22 minutes on a 2-core AVX2 EPYC, against about 1 minute in fp32)."""
+    markexpr = config.getoption("markexpr") or ""
+    skips = {}
+    if "long" not in markexpr:
+        skips["long"] = pytest.mark.skip(reason="a longer variant; run with `pytest -m long`")
+    if "bf16_training" not in markexpr:
+        from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
+
+        if not cpu_computes_bf16_natively():
+            skips["bf16_training"] = pytest.mark.skip(
+                reason=f"bf16 training on a CPU without native bf16 (torch capability {cpu_capability()}) takes 20+ "
+                       "minutes; run with `pytest -m bf16_training`")
     for item in items:
-        if "long" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)

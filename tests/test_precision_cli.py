@@ -52,11 +52,13 @@ def _assert_learns_alike(reference: tuple[dict, list[float]], other: tuple[dict,
 
 
 @pytest.mark.slow
+@pytest.mark.bf16_training
 def test_bf16_training_matches_fp32_accuracy(tmp_path: Path) -> None:
     _assert_learns_alike(_fit(tmp_path, "32-true"), _fit(tmp_path, "bf16-mixed"), map_tolerance=0.02)
 
 
 @pytest.mark.slow
+@pytest.mark.bf16_training
 def test_bf16_weights_training_matches_bf16_mixed_accuracy(tmp_path: Path) -> None:
     """bf16-weights runs the same bf16 convolutions as bf16-mixed (the first step's losses are bit-identical, see
     tests/test_low_precision_weights.py) and steps fp32 masters, so it must learn as well. Rounding differences
@@ -69,6 +71,7 @@ def test_bf16_weights_training_matches_bf16_mixed_accuracy(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.bf16_training
 def test_winograd_training_matches_direct_convolutions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``model.winograd_convs`` rounds the transformed tiles to bf16 (0.5 % relative error per layer against 0.17 %
     for oneDNN's bf16 convolution, tests/test_winograd_conv.py), so it must still learn as well. The parity recipe,
