@@ -39,7 +39,7 @@ def test_auto_on_a_cpu_follows_native_bf16(cpu_bf16, caplog: pytest.LogCaptureFi
     said = caplog.text
     assert f"trainer.precision=auto: {expected}" in said
     assert ("computes bf16 natively" in said) == native
-    assert ("no native bf16" in said and "6x slower" in said) == (not native)
+    assert ("no native bf16" in said and "12x slower" in said) == (not native)
 
 
 def test_auto_on_cuda_is_fp16_autocast(cpu_bf16) -> None:
