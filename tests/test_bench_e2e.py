@@ -86,12 +86,16 @@ def test_mixed_precision_row_follows_the_device(cpu_bf16) -> None:
 
 
 @BENCHES
-def test_fp32_runs_leave_out_the_rows_that_change_nothing_in_fp32(bench: e2e_rows.Bench) -> None:
+def test_fp32_runs_leave_out_the_rows_that_change_nothing_in_fp32(bench: e2e_rows.Bench, cpu_bf16) -> None:
     """With fp32 precision rows (``--precision fp32``, or auto without native bf16) the rows that only act in
     fp16/bf16 are left out by default; every row kept changes the config, and every row runs ``32-true``."""
     fp32 = dataclasses.replace(SETTING, half="fp32")
     kept = e2e.default_rows(bench, fp32)
     assert e2e.default_rows(bench, SETTING) == [row.name for row in bench.rows]
+    cpu_bf16(False)
+    assert e2e.default_rows(bench, dataclasses.replace(SETTING, half=None)) == kept  # auto: fp32 on such a CPU
+    cpu_bf16(True)
+    assert e2e.default_rows(bench, dataclasses.replace(SETTING, half="auto")) == [row.name for row in bench.rows]
     assert kept == [row.name for row in bench.rows if not row.needs_half]
     assert {"torchvision-fp32", "ext-ops", "channels-last", "labelled-mask-logits"} <= set(kept)
     assert not {"autocast", "low-precision-weights", "winograd"} & set(kept)

@@ -29,7 +29,7 @@ from lit_amp_det.bench import repeats, roofline
 from lit_amp_det.bench.common import cache_root
 from lit_amp_det.bench.e2e_report import environment, write_report
 from lit_amp_det.bench.e2e_rows import (HALF_CHOICES, Bench, Row, Setting, default_half, default_num_classes,
-                                        device_defaults, mixed_precision, row_overrides)
+                                        device_defaults, mixed_precision, row_overrides, setting_half)
 
 __all__ = ["DEFAULT_REPEATS", "DEFAULT_STATE_STEPS", "add_repeat_options", "default_rows", "finish_row", "main",
            "parse_size", "prepare", "run_row_process"]
@@ -191,7 +191,8 @@ def _setting_argv(setting: Setting) -> list[str]:
 
 def default_rows(bench: Bench, setting: Setting) -> list[str]:
     """Every row, less those that change nothing when the rows' half precision is fp32 (``Row.needs_half``)."""
-    return [row.name for row in bench.rows if not (row.needs_half and setting.half == "fp32")]
+    fp32 = setting_half(setting) == "fp32"
+    return [row.name for row in bench.rows if not (row.needs_half and fp32)]
 
 
 def prepare(setting: Setting, args: argparse.Namespace, dtypes: Sequence[str]) -> tuple[Setting, dict[str, Any]]:

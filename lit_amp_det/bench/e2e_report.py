@@ -18,7 +18,7 @@ import torch
 
 from lit_amp_det.bench.breakdown import breakdown_lines
 from lit_amp_det.bench.common import cpu_name
-from lit_amp_det.bench.e2e_rows import Bench, Setting, default_half, low_precision_weights, mixed_precision
+from lit_amp_det.bench.e2e_rows import Bench, Setting, low_precision_weights, mixed_precision, setting_half
 from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
 __all__ = ["cpu_bf16_text", "environment", "half_line", "peaks_line", "plot", "ratio_text", "repeat_text", "repeats_line", "roofline_text",
@@ -199,7 +199,7 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env
 
 def half_line(bench: Bench, setting: Setting) -> str:
     """The header line that says in which precision the precision rows ran, and which rows fp32 leaves out."""
-    half = setting.half or default_half(setting.device)
+    half = setting_half(setting)
     text = (f"- precision rows in {half} (`--precision`; `{mixed_precision(setting.device, half)}` for autocast, "
             f"`{low_precision_weights(setting.device, half)}` for half weights)")
     if half != "fp32":

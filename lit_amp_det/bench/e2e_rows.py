@@ -45,6 +45,7 @@ __all__ = [
     "HALF_CHOICES",
     "default_half",
     "half_overrides",
+    "setting_half",
     "low_precision_weights",
     "mixed_precision",
     "row_overrides",
@@ -173,10 +174,14 @@ def low_precision_weights(device: str, half: str | None = None) -> str:
     return mixed_precision(device, half).replace("-mixed", "-weights")
 
 
+def setting_half(setting: Setting) -> str:
+    """``setting.half``, or :func:`default_half` of its device where it is unset (``None``) or ``auto``."""
+    return default_half(setting.device) if setting.half in (None, "auto") else str(setting.half)
+
+
 def half_overrides(setting: Setting) -> list[str]:
     """fp16 rows on a CPU run fp16 as asked (the plugin's CPU fallback would run them as bf16 or fp32)."""
-    half = default_half(setting.device) if setting.half in (None, "auto") else setting.half
-    return ["precision.fp16_on_cpu=true"] if half == "fp16" and setting.device == "cpu" else []
+    return ["precision.fp16_on_cpu=true"] if setting_half(setting) == "fp16" and setting.device == "cpu" else []
 
 
 def device_defaults(device: str) -> dict[str, Any]:
