@@ -2,7 +2,7 @@
 
 Mixed precision pays on a CPU only where the CPU computes bf16 itself. torch routes a bf16 matmul or convolution to
 oneDNN's fast kernels only on CPUs with AVX-512 (BW/VL/DQ), AMX-BF16 or AVX-NE-CONVERT; everywhere else (AVX2-only
-CPUs: most laptops, AMD EPYC before Zen 4, many cloud VMs) it takes slow paths. Measured on a 2-core AMD EPYC
+CPUs: Intel Core chips without AVX-512, AMD before Zen 4, many cloud VMs) it takes slow paths. Measured on a 2-core AMD EPYC
 (Zen 3, AVX2; torch 2.14.1): a bf16 matmul ran at 1.3 GFLOP/s against 148 in fp32, and the light Mask R-CNN's training step (trained state, batch
 4, 224 px) took 7.3 s in ``bf16-mixed`` against 0.58 s in ``32-true``: 12.5x slower (BENCHMARKS.md, "A CPU
 without native bf16"). So:
