@@ -95,7 +95,7 @@ def test_native_bf16_is_torchs_own_test(monkeypatch: pytest.MonkeyPatch) -> None
     probe.cache_clear()
     try:
         assert cpu_computes_bf16_natively() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        monkeypatch.setattr(hardware, "_torch_bf16_check", lambda: None)
+        monkeypatch.setattr(hardware, "_torch_bf16_op", lambda: None)
         for capability, native in [("AVX2", False), ("DEFAULT", False), ("AVX512", True)]:
             monkeypatch.setattr(hardware, "cpu_capability", lambda c=capability: c)
             probe.cache_clear()

@@ -21,8 +21,8 @@ from lit_amp_det.bench.common import cpu_name
 from lit_amp_det.bench.e2e_rows import Bench, Setting, low_precision_weights, mixed_precision, setting_half
 from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
-__all__ = ["cpu_bf16_text", "environment", "half_line", "peaks_line", "plot", "ratio_text", "repeat_text", "repeats_line", "roofline_text",
-           "state_line", "table", "write_report"]
+__all__ = ["cpu_bf16_text", "environment", "half_line", "peaks_line", "plot", "ratio_text", "repeat_text",
+           "repeats_line", "roofline_text", "state_line", "table", "write_report"]
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -46,8 +46,8 @@ def cpu_bf16_text() -> str:
     """Whether this CPU's bf16 rows ran on torch's fast kernels, for the header (``bf16-*`` rows are slow without)."""
     if cpu_computes_bf16_natively():
         return f"{cpu_capability()}, native bf16"
-    return (f"{cpu_capability()}, no native bf16: its bf16 rows take slow paths and trainer.precision=auto runs 32-true "
-            f"here")
+    return (f"{cpu_capability()}, no native bf16: its bf16 rows take slow paths and trainer.precision=auto runs "
+            "32-true here")
 
 
 def ratio_text(value: float | None, spec: str = ".2f", suffix: str = "") -> str:

@@ -21,8 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from lit_amp_det.bench.common import shapes_batch, weights_sha256
+from lit_amp_det.bench.roofline import compute_dtype
 from lit_amp_det.cpu_heap import heap_in_use_bytes, retains_freed_memory
-from lit_amp_det.precision.hardware import cpu_computes_bf16_natively
+from lit_amp_det.precision.hardware import auto_precision
 from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
                                    resident_bytes, unpin_malloc_threshold)
 
@@ -45,6 +46,7 @@ __all__ = [
     "HALF_CHOICES",
     "default_half",
     "half_overrides",
+    "resolve_half",
     "setting_half",
     "low_precision_weights",
     "mixed_precision",
@@ -155,18 +157,20 @@ HALF_CHOICES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
 
 
 def default_half(device: str) -> str:
-    """What ``--precision auto`` means, as ``trainer.precision=auto`` does: fp16 on CUDA, bf16 on a CPU that computes
-    bf16 natively, fp32 on any other CPU (:mod:`lit_amp_det.precision.hardware`)."""
-    if device == "cuda":
-        return "fp16"
-    return "bf16" if cpu_computes_bf16_natively() else "fp32"
+    """What ``--precision auto`` means: the dtype of ``trainer.precision=auto`` on ``device`` (fp16 on CUDA, bf16 on a
+    CPU that computes bf16 natively, fp32 on any other CPU; :func:`~lit_amp_det.precision.hardware.auto_precision`)."""
+    return compute_dtype(auto_precision(device))
+
+
+def resolve_half(device: str, half: str | None) -> str:
+    """``half``, or :func:`default_half` of ``device`` where it is unset (``None``) or ``auto``."""
+    return default_half(device) if half in (None, "auto") else str(half)
 
 
 def mixed_precision(device: str, half: str | None = None) -> str:
     """The ``trainer.precision`` of the autocast rows: ``16-mixed`` for fp16, ``bf16-mixed`` for bf16, ``32-true``
     for fp32; ``half`` ``None``/``auto`` is :func:`default_half`."""
-    half = default_half(device) if half in (None, "auto") else half
-    return {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[half]
+    return {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[resolve_half(device, half)]
 
 
 def low_precision_weights(device: str, half: str | None = None) -> str:
@@ -175,8 +179,8 @@ def low_precision_weights(device: str, half: str | None = None) -> str:
 
 
 def setting_half(setting: Setting) -> str:
-    """``setting.half``, or :func:`default_half` of its device where it is unset (``None``) or ``auto``."""
-    return default_half(setting.device) if setting.half in (None, "auto") else str(setting.half)
+    """The half precision of ``setting``'s precision rows (:func:`resolve_half`)."""
+    return resolve_half(setting.device, setting.half)
 
 
 def half_overrides(setting: Setting) -> list[str]:

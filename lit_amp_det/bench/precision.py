@@ -29,7 +29,8 @@ import torch
 
 from lit_amp_det.bench import e2e, e2e_rows, repeats, roofline
 from lit_amp_det.bench.common import batch_sha256, compose, train_step, weights_sha256, write_json
-from lit_amp_det.bench.e2e_report import cpu_bf16_text, peaks_line, repeat_text, repeats_line, roofline_text, state_line
+from lit_amp_det.bench.e2e_report import (cpu_bf16_text, peaks_line, repeat_text, repeats_line, roofline_text,
+                                          state_line)
 from lit_amp_det.bench.e2e_rows import Setting
 from lit_amp_det.profiling import MB, MemoryProbe, StepTimer
 

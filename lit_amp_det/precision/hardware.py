@@ -2,10 +2,10 @@
 
 Mixed precision pays on a CPU only where the CPU computes bf16 itself. torch routes a bf16 matmul or convolution to
 oneDNN's fast kernels only on CPUs with AVX-512 (BW/VL/DQ), AMX-BF16 or AVX-NE-CONVERT; everywhere else (AVX2-only
-CPUs: Intel Core chips without AVX-512, AMD before Zen 4, many cloud VMs) it takes slow paths. Measured on a 2-core AMD EPYC
-(Zen 3, AVX2; torch 2.14.1): a bf16 matmul ran at 1.3 GFLOP/s against 148 in fp32, and the light Mask R-CNN's training step (trained state, batch
-4, 224 px) took 7.3 s in ``bf16-mixed`` against 0.58 s in ``32-true``: 12.5x slower (BENCHMARKS.md, "A CPU
-without native bf16"). So:
+CPUs: Intel Core chips without AVX-512, AMD before Zen 4, many cloud VMs) it takes slow paths. Measured on a 2-core
+AMD EPYC (Zen 3, AVX2; torch 2.14.1): a bf16 matmul ran at 1.3 GFLOP/s against 148 in fp32, and the light Mask
+R-CNN's training step (trained state, batch 4, 224 px) took 7.3 s in ``bf16-mixed`` against 0.58 s in ``32-true``:
+12.5x slower (BENCHMARKS.md, "A CPU without native bf16"). So:
 
 - ``trainer.precision=auto`` (the default) is ``16-mixed`` on CUDA, ``bf16-mixed`` on a CPU that computes bf16
   natively, and ``32-true`` on any other CPU; the choice and its reason are logged.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-__all__ = ["AUTO", "cpu_computes_bf16_natively", "cpu_capability", "resolve_precision"]
+__all__ = ["AUTO", "auto_precision", "cpu_computes_bf16_natively", "cpu_capability", "resolve_precision"]
 
 #: the ``trainer.precision`` value that picks the device's fast precision
 AUTO = "auto"
@@ -52,29 +52,31 @@ def cpu_computes_bf16_natively() -> bool:
 def _native_bf16() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
-    check = _torch_bf16_check()
-    if check is not None:
-        return check()
-    return cpu_capability().startswith(("AVX512", "AMX"))
-
-
-def _torch_bf16_check() -> Callable[[], bool] | None:
-    """torch's own test (a private op), or ``None`` where this torch lacks it."""
-    op = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if op is None:
-        return None
-
-    def check() -> bool:
+    op = _torch_bf16_op()
+    if op is not None:
         try:
             return bool(op())
         except RuntimeError:
-            return cpu_capability().startswith(("AVX512", "AMX"))
+            pass
+    return cpu_capability().startswith(("AVX512", "AMX"))
 
-    return check
+
+def _torch_bf16_op() -> Callable[[], bool] | None:
+    """torch's own test (a private op), or ``None`` where this torch lacks it."""
+    return getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
 
 
 def _no_native_bf16() -> str:
-    return f"this CPU has no native bf16 (torch CPU capability {cpu_capability()}; bf16 matmuls and convolutions take slow paths)"
+    return (f"this CPU has no native bf16 (torch CPU capability {cpu_capability()}; bf16 matmuls and convolutions "
+            "take slow paths)")
+
+
+def auto_precision(device: str) -> str:
+    """What ``trainer.precision=auto`` runs on ``device``: ``16-mixed`` on CUDA, ``bf16-mixed`` on a CPU that computes
+    bf16 natively, ``32-true`` on any other CPU (no log line: :func:`resolve_precision` says it)."""
+    if device == "cuda":
+        return "16-mixed"
+    return "bf16-mixed" if cpu_computes_bf16_natively() else "32-true"
 
 
 def resolve_precision(precision: str, device: str, fp16_on_cpu: bool = False) -> str:
@@ -86,7 +88,7 @@ def resolve_precision(precision: str, device: str, fp16_on_cpu: bool = False) ->
     """
     native_bf16 = device != "cpu" or cpu_computes_bf16_natively()
     if precision == AUTO:
-        chosen = "16-mixed" if device == "cuda" else ("bf16-mixed" if native_bf16 else "32-true")
+        chosen = auto_precision(device)
         reason = ("fp16 autocast on the GPU" if device == "cuda" else
                   "this CPU computes bf16 natively" if native_bf16 else f"{_no_native_bf16()}: {_MEASURED_COST}")
         rank_zero_info(f"trainer.precision=auto: {chosen} ({reason})")

@@ -1,7 +1,7 @@
 """The precision settings' accepted values, in one place (plain constants: the CLI's help reads them too).
 
-``trainer.precision`` values (``auto`` among them), the autocast (``-mixed``) and low-precision-weights (``-weights``) ones among them,
-and the modes of an fp32 region. The plugin and the casting helpers check against these;
+``trainer.precision`` values (``auto`` among them), the autocast (``-mixed``) and low-precision-weights
+(``-weights``) ones among them, and the modes of an fp32 region. The plugin and the casting helpers check against these;
 :mod:`lit_amp_det.app.config` checks a composed config against them before anything is built.
 """
 
