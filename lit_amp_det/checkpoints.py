@@ -221,16 +221,17 @@ def load_model_weights(model: nn.Module, path: Path, *, strict: bool = True,
                     _summary(mismatch, state, own))
 
 
-def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module) -> None:
+def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module) -> dict[str, Any] | None:
     """Checks ``ckpt_path`` before Lightning restores it into ``module`` (the configured LightningModule).
 
     Reads the file once (``weights_only=True``) and compares its ``state_dict`` with the module's (the class
     count comes from the data, so the built module is the reference, not the config); a mismatch is one
     :class:`CheckpointError` naming the hyper-parameters that differ (Lightning saves the module's init
     arguments in the checkpoint) and the overrides that fix it. ``None`` and ``"best"`` are left to Lightning.
+    Returns the checkpoint it read (for the caller's own checks), ``None`` for those two.
     """
     if ckpt_path is None or str(ckpt_path) == "best":
-        return
+        return None
     path = Path(ckpt_path)
     payload = read_checkpoint(path, "ckpt_path")
     if not isinstance(payload, dict) or "state_dict" not in payload:
@@ -243,7 +244,7 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module) -> None:
     own = module.state_dict()
     mismatch = _tensor_mismatch(state, own)
     if not any(mismatch.values()) or not getattr(module, "strict_loading", True):
-        return
+        return payload
     configured = getattr(module, "hparams", {})
     what, differences = _mismatch("ckpt_path", path, mismatch, state, own,
                                   payload.get("hyper_parameters") or {}, configured)

@@ -19,6 +19,8 @@ from lit_amp_det.precision.plugin import (
     FiniteStepPrecision,
     MasterWeightPrecision,
     build_precision_plugin,
+    trained_precision,
+    warn_if_precision_changes,
 )
 
 from conftest import SMOKE, compose_config, only_run_dir, run_cli
@@ -111,10 +113,47 @@ def test_auto_is_the_default_and_a_valid_value(tmp_path: Path) -> None:
     assert compose_config(["trainer=gpu"], tmp_path).trainer.precision == "16-mixed"
 
 
-def test_metrics_json_records_the_precision_that_ran(tmp_path: Path) -> None:
-    """A fit with ``trainer.precision=auto`` records what auto chose on this machine (and logs it)."""
+def test_metrics_json_records_the_precision_that_ran_and_a_resume_in_another_warns(tmp_path: Path) -> None:
+    """A fit with ``trainer.precision=auto`` records what auto chose on this machine (and logs it); resuming its
+    checkpoint in another precision (as ``auto`` does on a machine with other bf16 support) says so."""
     proc = run_cli(["fit", *SMOKE, "trainer.max_steps=1", "+trainer.limit_val_batches=1"], cwd=tmp_path)
-    metrics = json.loads((only_run_dir(tmp_path / "runs") / "metrics.json").read_text())
+    run_dir = only_run_dir(tmp_path / "runs")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
     expected = "bf16-mixed" if cpu_computes_bf16_natively() else "32-true"
     assert metrics["precision"] == expected
     assert f"trainer.precision=auto: {expected}" in proc.stdout + proc.stderr
+    assert trained_precision(torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)) == expected
+
+    other = "32-true" if expected == "bf16-mixed" else "bf16-mixed"
+    resumed = run_cli(["fit", *SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=1",
+                       f"trainer.precision={other}", f"ckpt_path={run_dir}"], cwd=tmp_path)
+    output = " ".join((resumed.stdout + resumed.stderr).split())  # the warning may wrap
+    assert f"was trained in {expected}; this fit continues it in {other}" in output
+    assert f"Pass trainer.precision={expected} to continue as it was trained" in output
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-weights", "16-weights"])
+def test_every_plugin_records_its_precision_in_the_checkpoint(precision: str) -> None:
+    """Each plugin's state names its precision (Lightning saves it under the class name), and loads it back,
+    as it loads the state of checkpoints saved before the plugins recorded it."""
+    plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True)
+    state = plugin.state_dict()
+    checkpoint = {type(plugin).__qualname__: state, "state_dict": {}}
+    assert trained_precision(checkpoint) == precision
+    fresh = build_precision_plugin(precision, "cpu", fp16_on_cpu=True)
+    fresh.load_state_dict(state)
+    legacy = {key: value for key, value in state.items() if key != "precision"}
+    fresh.load_state_dict(legacy)
+    assert trained_precision({type(plugin).__qualname__: legacy}) is None
+    assert fresh.state_dict() == state
+
+
+def test_a_precision_change_warns_only_when_the_checkpoint_says_another() -> None:
+    checkpoint = {"DetectionMixedPrecision": {"guard": {}, "precision": "bf16-mixed"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_if_precision_changes(checkpoint, "ckpt_path=a.ckpt", "bf16-mixed") is None
+        assert warn_if_precision_changes({"state_dict": {}}, "ckpt_path=a.ckpt", "32-true") is None
+    with pytest.warns(UserWarning, match=r"ckpt_path=a.ckpt was trained in bf16-mixed; this fit continues it in "
+                                         r"32-true .* Pass trainer.precision=bf16-mixed"):
+        warn_if_precision_changes(checkpoint, "ckpt_path=a.ckpt", "32-true")

@@ -38,7 +38,7 @@ from lit_amp_det.callbacks.run_stats import RunStats
 from lit_amp_det.checkpoints import check_checkpoint
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.weights import NO_WEIGHTS
-from lit_amp_det.precision.plugin import build_precision_plugin
+from lit_amp_det.precision.plugin import build_precision_plugin, warn_if_precision_changes
 
 __all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "config_node", "resume_command", "summary_line"]
 
@@ -215,7 +215,10 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
     datamodule = build_datamodule(cfg)
     model = build_model(cfg, datamodule, weights_from_checkpoint=ckpt_path is not None)
     trainer = build_trainer(cfg)
-    check_checkpoint(ckpt_path, model)  # a bad or mismatched file fails here, with the fix, not in Lightning
+    checkpoint = check_checkpoint(ckpt_path, model)  # a bad or mismatched file fails here, with the fix
+    if checkpoint is not None and str(cfg.command) == "fit":
+        warn_if_precision_changes(checkpoint, f"ckpt_path={ckpt_path}", str(trainer.precision_plugin.precision))
+    del checkpoint  # Lightning reads the file again itself
     return datamodule, model, trainer, ckpt_path
 
 

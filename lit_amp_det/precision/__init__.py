@@ -32,6 +32,7 @@ __all__ = [
     "cpu_computes_bf16_natively",
     "install_fp32_regions",
     "resolve_precision",
+    "trained_precision",
     "use_low_precision_weights",
 ]
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
         NonFiniteStepGuard,
         build_precision_plugin,
         install_fp32_regions,
+        trained_precision,
     )
 
 

@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 import torchvision.ops
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -40,15 +41,21 @@ from lit_amp_det.precision.master_weights import MasterWeights, use_low_precisio
 from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS, MIXED_PRECISIONS, PRECISIONS, REGION_MODES, RegionMode
 
 __all__ = [
+    "PRECISION_KEY",
     "DetectionMixedPrecision",
     "FiniteStepPrecision",
     "MasterWeightPrecision",
     "NonFiniteStepGuard",
     "build_precision_plugin",
     "install_fp32_regions",
+    "trained_precision",
+    "warn_if_precision_changes",
 ]
 
 log = logging.getLogger(__name__)
+
+#: the key under which each plugin's checkpoint state records the precision that trained it (see trained_precision)
+PRECISION_KEY = "precision"
 
 
 
@@ -194,7 +201,7 @@ class FiniteStepPrecision(Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict()}
+        return {"guard": self.guard.state_dict(), PRECISION_KEY: self.precision}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -265,12 +272,13 @@ class DetectionMixedPrecision(MixedPrecision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "guard": self.guard.state_dict()}
+        return {**super().state_dict(), "guard": self.guard.state_dict(), PRECISION_KEY: self.precision}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         self.guard.load_state_dict(state.pop("guard", {}))
+        state.pop(PRECISION_KEY, None)
         if state:
             super().load_state_dict(state)
 
@@ -436,12 +444,13 @@ class MasterWeightPrecision(Precision):
     @override
     def state_dict(self) -> dict[str, Any]:
         scaler = self.scaler.state_dict() if self.scaler is not None else {}
-        return {**scaler, "guard": self.guard.state_dict()}
+        return {**scaler, "guard": self.guard.state_dict(), PRECISION_KEY: self.precision}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         self.guard.load_state_dict(state.pop("guard", {}))
+        state.pop(PRECISION_KEY, None)
         if state and self.scaler is not None:
             self.scaler.load_state_dict(state)
 
@@ -482,3 +491,37 @@ def build_precision_plugin(
         return MasterWeightPrecision(precision, device, fused_master_step=fused_master_step,  # type: ignore[arg-type]
                                      **options)
     return DetectionMixedPrecision(precision, device, **options)  # type: ignore[arg-type]
+
+
+#: the plugins whose checkpoint state records the precision (Lightning saves it under the class's ``__qualname__``)
+_RECORDING_PLUGINS = (FiniteStepPrecision, DetectionMixedPrecision, MasterWeightPrecision)
+
+
+def trained_precision(checkpoint: Mapping[str, Any]) -> str | None:
+    """The ``trainer.precision`` that ran when a Lightning ``checkpoint`` (the loaded dict) was saved.
+
+    ``None`` for a checkpoint of another precision plugin, or one saved before the plugins recorded it.
+    """
+    for plugin in _RECORDING_PLUGINS:
+        state = checkpoint.get(plugin.__qualname__)
+        if isinstance(state, Mapping) and isinstance(state.get(PRECISION_KEY), str):
+            return str(state[PRECISION_KEY])
+    return None
+
+
+def warn_if_precision_changes(checkpoint: Mapping[str, Any], source: str, running: str) -> str | None:
+    """Warns when a fit resumes ``checkpoint`` (read from ``source``) in another precision than trained it.
+
+    Resuming across precisions works (weights, optimizer and schedule carry over; fp32 master weights are the
+    checkpoint's weights under ``*-weights``), but the steps that follow compute differently: typically
+    ``trainer.precision=auto`` chose ``32-true`` on a CPU without native bf16 for a run started in ``bf16-mixed``
+    on one with it. Returns the warning, or ``None`` when nothing changed or the checkpoint does not say.
+    """
+    trained = trained_precision(checkpoint)
+    if trained is None or trained == running:
+        return None
+    message = (f"{source} was trained in {trained}; this fit continues it in {running} (the weights, optimizer "
+               f"and schedule carry over, the arithmetic of the steps changes). Pass trainer.precision={trained} "
+               "to continue as it was trained.")
+    rank_zero_warn(message)
+    return message
