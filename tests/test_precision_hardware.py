@@ -102,8 +102,29 @@ def test_native_bf16_is_torchs_own_test(monkeypatch: pytest.MonkeyPatch) -> None
             monkeypatch.setattr(hardware, "cpu_capability", lambda c=capability: c)
             probe.cache_clear()
             assert cpu_computes_bf16_natively() is native
+
+        def refusing_op() -> bool:
+            raise RuntimeError("mkldnn bf16 check unavailable")
+
+        monkeypatch.setattr(hardware, "_torch_bf16_op", lambda: refusing_op)  # torch's op fails: capability decides
+        for capability, native in [("AVX2", False), ("AMX", True)]:
+            monkeypatch.setattr(hardware, "cpu_capability", lambda c=capability: c)
+            probe.cache_clear()
+            assert cpu_computes_bf16_natively() is native
     finally:
         probe.cache_clear()
+
+
+def test_cpu_capability_without_torchs_answer_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert hardware.cpu_capability() == str(torch.backends.cpu.get_cpu_capability())
+
+    def missing() -> str:
+        raise RuntimeError("not built with CPU capability detection")
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", missing)
+    assert hardware.cpu_capability() == "unknown"
+    monkeypatch.delattr(torch.backends.cpu, "get_cpu_capability")
+    assert hardware.cpu_capability() == "unknown"
 
 
 def test_auto_is_the_default_and_a_valid_value(tmp_path: Path) -> None:
