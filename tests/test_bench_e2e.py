@@ -46,7 +46,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (15 if bench is train.BENCH else 12)
+    assert bench.rows[0].override is None and len(bench.rows) == (16 if bench is train.BENCH else 13)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -98,7 +98,8 @@ def test_fp32_runs_leave_out_the_rows_that_change_nothing_in_fp32(bench: e2e_row
     assert e2e.default_rows(bench, dataclasses.replace(SETTING, half="auto")) == [row.name for row in bench.rows]
     assert kept == [row.name for row in bench.rows if not row.needs_half]
     assert {"torchvision-fp32", "ext-ops", "channels-last", "labelled-mask-logits"} <= set(kept)
-    assert not {"autocast", "low-precision-weights", "winograd"} & set(kept)
+    assert {"winograd", "winograd-backbone"} <= set(kept)  # fp32 Winograd pays on the CPU (winograd_pays)
+    assert not {"autocast", "low-precision-weights", "pointwise-matmul"} & set(kept)
     configs = [_flat(OmegaConf.to_container(compose(e2e_rows.row_overrides(bench.rows, i, fp32)), resolve=False))
                for i in range(len(bench.rows))]
     assert all(flat["trainer.precision"] == "32-true" for flat in configs)
@@ -143,7 +144,7 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert last["model.deconv_as_matmul"] is last["model.labelled_mask_logits"] is True
     assert last["precision.fused_master_step"] is (bench is train.BENCH)
     assert last["model.pointwise_conv_as_matmul"] is True
-    assert last["model.winograd_convs"] == ["mask_head", "rpn_head", "fpn"]
+    assert last["model.winograd_convs"] == ["mask_head", "rpn_head", "fpn", "backbone"]
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval", "RetainCPUHeap"]
         assert not retains_freed_memory()  # the row's teardown handed glibc's policy back to this process

@@ -10,6 +10,8 @@ it, and the model-level switch.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -334,8 +336,8 @@ def test_buffers_are_reused_and_never_returned(monkeypatch: pytest.MonkeyPatch, 
     assert {(slot, slot_dtype) for slot, slot_dtype, _ in pointers} == expected
     second = call(x.flip(0) + 1)
     assert {key: t.data_ptr() for key, t in winograd_conv._WORKSPACE.buffers.items()} == pointers
-    for result, copy in zip(first, kept):
-        assert torch.equal(result, copy)
+    for result, kept_copy in zip(first, kept):
+        assert torch.equal(result, kept_copy)
     winograd_conv.release_workspace()
     assert not winograd_conv._WORKSPACE.buffers
     for reused, fresh in zip(second, call(x.flip(0) + 1)):  # nothing of the first call leaks into the second
@@ -419,18 +421,73 @@ def _switched_layer(channels: int) -> WinogradConv2d:
     return conv
 
 
+def _switched_layer_without_bias(channels: int) -> WinogradConv2d:
+    conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+    conv.__class__ = WinogradConv2d
+    return conv
+
+
 @needs_ext
 def test_layer_takes_winograd_only_where_measured_faster() -> None:
     conv = _switched_layer(256)
     big = torch.zeros(1, 256, 64, 64)  # 32 x 32 = 1024 tiles
     assert MIN_TILES == 1024
     assert conv.computes_with_winograd(big.bfloat16()) and conv.computes_with_winograd(big.half())
-    assert not conv.computes_with_winograd(big)  # float32: oneDNN
+    assert conv.computes_with_winograd(big)  # float32, large enough: see the fp32 sizes below
+    assert not conv.computes_with_winograd(big.double())  # float64: the direct convolution
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert conv.computes_with_winograd(big)
     assert not conv.computes_with_winograd(torch.zeros(1, 256, 62, 62, dtype=torch.bfloat16))  # 961 tiles
     assert not _switched_layer(128).computes_with_winograd(torch.zeros(1, 128, 64, 64, dtype=torch.bfloat16))
     assert not conv.computes_with_winograd(torch.zeros(256, 64, 64, dtype=torch.bfloat16))  # unbatched
+
+
+@needs_ext
+@pytest.mark.parametrize(("channels", "n", "size", "expected"), [
+    (256, 2, 16, True),    # 128 tiles: 1.49x faster measured
+    (256, 1, 16, False),   # 64 tiles: 0.89x
+    (512, 1, 16, False),   # 64 tiles: 0.86x
+    (128, 1, 32, True),    # 256 tiles: 1.33x
+    (128, 2, 16, False),   # 128 tiles: 0.92x
+    (64, 4, 32, True),     # 1024 tiles: 1.10-1.18x
+    (64, 2, 16, False),    # 128 tiles: 0.72x
+    (32, 4, 64, False),    # 4096 tiles: 1.03x at best
+], ids=str)
+def test_float32_takes_winograd_where_measured_faster(channels: int, n: int, size: int, expected: bool) -> None:
+    """The fp32 size rule, at the sizes it was measured at (AVX2 CPU, forward + backward; FP32_MIN_* in the module)."""
+    conv = _switched_layer(channels)
+    assert conv.computes_with_winograd(torch.zeros(n, channels, size, size)) is expected
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert conv.computes_with_winograd(torch.zeros(n, channels, size, size)) is expected
+
+
+@needs_ext
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_float32_layer_equals_conv2d_at_a_real_size(bias: bool) -> None:
+    """The R50-FPN mask head's 256-channel layer on 20 RoIs (980 tiles), forward and every gradient, in float32:
+    within 1e-5 of the largest value against a float64 convolution, as close as oneDNN's own fp32 convolution."""
+    plain = nn.Conv2d(256, 256, 3, padding=1, bias=bias)
+    switched = _switched_layer(256) if bias else _switched_layer_without_bias(256)
+    switched.load_state_dict(plain.state_dict())
+    x = _randn(20, 256, 14, 14, dtype=torch.float32, seed=3).contiguous(memory_format=NHWC)
+    assert switched.computes_with_winograd(x)
+    grad = _randn(20, 256, 14, 14, dtype=torch.float32, seed=4)
+    exact_layer = copy.deepcopy(plain).double()
+
+    def run(layer: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
+        leaf = inputs.detach().requires_grad_()
+        out = layer(leaf)
+        out.backward(grad.to(out.dtype))
+        return [out.detach(), leaf.grad, *[p.grad for p in layer.parameters()]]
+
+    results = [run(switched, x), run(plain, x), run(exact_layer, x.double())]
+    ours, onednn, exact = results
+    for name, a, b, e in zip(("output", "input grad", "weight grad", "bias grad"), ours, onednn, exact):
+        scale = e.abs().max().item()
+        ours_error = (a.double() - e).abs().max().item() / scale
+        onednn_error = (b.double() - e).abs().max().item() / scale
+        assert ours_error < 1e-5, name
+        assert ours_error < 2 * onednn_error + 1e-7, name
 
 
 @needs_ext

@@ -19,11 +19,13 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
    all ``num_classes`` that torchvision's ``maskrcnn_inference`` keeps;
 10. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products;
 11. ``model.winograd_convs=[mask_head,rpn_head,fpn]``: Winograd F(2x2, 3x3) for the 3x3 layers large enough for it
-    (256 channels or more: the R50-FPN; the light model's 64-channel layers keep oneDNN's convolution);
-12. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
+    (in fp16/bf16 256 channels or more: the R50-FPN; in fp32 from 64 channels on large maps,
+    :func:`lit_amp_det.models.winograd_conv.winograd_pays`);
+12. ``model.winograd_convs=[mask_head,rpn_head,fpn,backbone]``: the ResNet's stride-1 3x3 layers as well;
+13. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
     batch size).
 
-Rows 8-11 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
+Rows 8-12 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
 
 A call is what ``predict`` runs per batch: ``MaskRCNNModule.forward`` (detector and post-processing: fp32
 boxes, scores, thresholded masks pasted at image size) inside the plugin's context under
@@ -66,7 +68,8 @@ ROWS = (
     *TRAIN_ROWS[:5],  # torchvision fp32, autocast, fp32 regions, ext ops, channels_last
     Row("convbn-eval", "+ ConvBNEval (fold on the fly)", "callbacks=[conv_bn_eval]"),
     Row("convbn-fold", "+ conv-BN folded once", "callbacks.conv_bn_eval.fold_on_predict=true"),
-    *(_TRAIN_ROW[name] for name in ("deconv-matmul", "labelled-mask-logits", "pointwise-matmul", "winograd")),
+    *(_TRAIN_ROW[name] for name in ("deconv-matmul", "labelled-mask-logits", "pointwise-matmul", "winograd",
+                                    "winograd-backbone")),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

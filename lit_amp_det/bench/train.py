@@ -29,8 +29,10 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 13. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products in
     fp16/bf16 on channels_last maps (:mod:`lit_amp_det.models.pointwise_conv`);
 14. ``model.winograd_convs=[mask_head,rpn_head,fpn]``: the heads' and FPN's 3x3 convolutions by Winograd F(2x2, 3x3)
-    tiles in fp16/bf16 on the CPU, where a layer is large enough (:mod:`lit_amp_det.models.winograd_conv`);
-15. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+    tiles in fp16/bf16/fp32 on the CPU, where a layer is large enough for its dtype
+    (:mod:`lit_amp_det.models.winograd_conv`);
+15. ``model.winograd_convs=[mask_head,rpn_head,fpn,backbone]``: the ResNet's stride-1 3x3 convolutions as well;
+16. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -86,7 +88,8 @@ ROWS = (
     Row("retain-cpu-heap", "+ retained CPU heap", "callbacks=[freeze_norm,conv_bn_eval,retain_cpu_heap]"),
     Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),
     Row("pointwise-matmul", "+ 1x1 convs as matmuls", "model.pointwise_conv_as_matmul=true", needs_half=True),
-    Row("winograd", "+ Winograd 3x3 convs", "model.winograd_convs=[mask_head,rpn_head,fpn]", needs_half=True),
+    Row("winograd", "+ Winograd 3x3 convs", "model.winograd_convs=[mask_head,rpn_head,fpn]"),
+    Row("winograd-backbone", "+ Winograd in the backbone too", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

@@ -12,12 +12,18 @@ Why: the mask head's four 256 -> 256 convolutions on ``[K, 256, 14, 14]`` RoI ma
 R50-FPN training step on the CPU (measured on the dev CPU, 2-core AMD EPYC, bf16 channels_last, 70 RoIs: 49 ms
 forward + backward per layer with oneDNN, already at its bf16 peak). Figures: BENCHMARKS.md.
 
+In float32 on a CPU without AVX-512 it pays more: oneDNN's direct fp32 convolution there runs at 83-118 GFLOP/s
+(forward + backward), and the Winograd form was 1.8x faster on that mask-head layer and 2.5x on the R50-FPN's
+256-channel FPN and RPN convolutions of a 256 px batch (AVX2 AMD EPYC, 2 cores; BENCHMARKS.md, "Winograd in fp32").
+
 Numerics: exact in real arithmetic (float64 agrees with ``F.conv2d`` to 1e-13), but in bf16 the transformed tiles
 and the 16 products are rounded to bf16 before the output transform sums them: measured relative error 0.5 % against
 a float64 convolution of the same bf16 operands, 3x that of oneDNN's bf16 convolution (0.17 %), both near bf16's
-unit roundoff (0.39 %). So it is a switch (``model.winograd_convs``), taken only where a layer computes in fp16/bf16
-on the CPU with the compiled extension; float32, CUDA and every other geometry run ``F.conv2d``. Double backward is
-not supported (the backward's kernels are not differentiable).
+unit roundoff (0.39 %). In float32 the error is below oneDNN's own (4e-7 against 1-2e-6 of the largest output,
+measured at the sizes above). It is a switch (``model.winograd_convs``), taken where a layer computes in fp16, bf16
+or fp32 on the CPU with the compiled extension and is large enough for its dtype (:func:`winograd_pays`); float64,
+CUDA and every other geometry run ``F.conv2d``. Double backward is not supported (the backward's kernels are not
+differentiable).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_amp_det.models.bounded_matmul import Chunk, row_chunks
-from lit_amp_det.models.half_compute import apply_with_autocast_casts, computes_in_half
+from lit_amp_det.models.half_compute import HALF_DTYPES, apply_with_autocast_casts, compute_dtype
 from lit_amp_det.ops._extension import extension_available
 from lit_amp_det.ops.winograd import (
     accumulation_dtype,
@@ -46,6 +52,9 @@ from lit_amp_det.ops.winograd import (
 
 __all__ = [
     "CHUNK_TILES",
+    "FP32_MIN_CHANNELS",
+    "FP32_MIN_CHANNEL_TILES",
+    "FP32_MIN_TILES",
     "MIN_CHANNELS",
     "MIN_TILES",
     "TILE_GRANULE",
@@ -56,6 +65,7 @@ __all__ = [
     "release_workspace",
     "use_winograd_convs",
     "winograd_conv3x3",
+    "winograd_pays",
 ]
 
 #: Where ``model.winograd_convs`` may switch the 3x3 convolutions: the detector's submodules.
@@ -67,11 +77,19 @@ WINOGRAD_PARTS = {
 }
 
 
-#: Below these sizes oneDNN's direct convolution was as fast or faster (dev CPU, bf16, forward + backward): 256 ->
-#: 256 channels on 2x32x32 maps (512 tiles) 8.8 vs 9.5 ms, 20 RoIs of 14x14 (980 tiles) 14.3 vs 14.3 ms, 40 RoIs
-#: (1960 tiles) 28.6 vs 25.6 ms; 128 channels on 4x64x64 maps (4096 tiles) 15.4 vs 15.8 ms.
+#: fp16/bf16: below these sizes oneDNN's direct convolution was as fast or faster (dev CPU with AVX-512 BF16, bf16,
+#: forward + backward): 256 -> 256 channels on 2x32x32 maps (512 tiles) 8.8 vs 9.5 ms, 20 RoIs of 14x14 (980 tiles)
+#: 14.3 vs 14.3 ms, 40 RoIs (1960 tiles) 28.6 vs 25.6 ms; 128 channels on 4x64x64 maps (4096 tiles) 15.4 vs 15.8 ms.
 MIN_TILES = 1024
 MIN_CHANNELS = 256
+#: fp32: the smallest layers the Winograd form beat oneDNN's direct fp32 convolution on, forward + backward,
+#: channels_last, C -> C channels (AVX2 AMD EPYC, 2 cores, best of 3; speed-up of Winograd at C channels and T tiles):
+#: C=64: T=128 0.72x, T=1024 1.10-1.18x, T=4096 1.28x; C=128: T=128 0.92x, T=256 1.33x, T=4096 1.77x;
+#: C=256: T=64 0.89x, T=128 1.49x, T=196 1.42x, T=4096 2.48x; C=512: T=64 0.86x, T=128 1.48x, T=4096 2.91x;
+#: C=32 never above 1.03x. So: >= 64 channels, >= 128 tiles, and channels x tiles >= 32768.
+FP32_MIN_CHANNELS = 64
+FP32_MIN_TILES = 128
+FP32_MIN_CHANNEL_TILES = 32768
 #: Tiles per chunk: a chunk's input tiles and products (8 MB each for 1024 tiles of 256 channels in bf16) are made,
 #: multiplied and consumed before the next, in buffers kept from call to call (:class:`_Workspace`), so memory stays
 #: small at any image size (the R50-FPN level P2 at 800x1333 has 16 800 tiles per image). Profiled on the dev CPU
@@ -104,6 +122,18 @@ def is_winograd_shape(conv: nn.Conv2d) -> bool:
     computes."""
     return (tuple(conv.kernel_size) == (3, 3) and tuple(conv.stride) == (1, 1) and conv.padding in ((1, 1), "same")
             and tuple(conv.dilation) == (1, 1) and conv.groups == 1 and conv.padding_mode == "zeros")
+
+
+def winograd_pays(dtype: torch.dtype, channels: int, tiles: int) -> bool:
+    """Whether a layer computing in ``dtype`` with ``channels`` (the smaller of in and out) and ``tiles`` 2x2 output
+    tiles is large enough for the Winograd form to beat the direct convolution on the CPU (:data:`MIN_CHANNELS`,
+    :data:`MIN_TILES` for fp16/bf16; the ``FP32_`` sizes for float32; never for float64)."""
+    if dtype in HALF_DTYPES:
+        return channels >= MIN_CHANNELS and tiles >= MIN_TILES
+    if dtype == torch.float32:
+        return (channels >= FP32_MIN_CHANNELS and tiles >= FP32_MIN_TILES
+                and channels * tiles >= FP32_MIN_CHANNEL_TILES)
+    return False
 
 
 def _chunks(tiles: int) -> list[Chunk]:
@@ -219,9 +249,9 @@ def winograd_conv3x3(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
 
 
 class WinogradConv2d(nn.Conv2d):
-    """``nn.Conv2d`` that computes a 3x3, stride-1, padding-1 layer (:func:`is_winograd_shape`) in fp16/bf16 on the
-    CPU by Winograd F(2x2, 3x3) tiles; everything else runs ``nn.Conv2d``'s convolution. Same parameters and
-    ``state_dict`` as the layer it replaces."""
+    """``nn.Conv2d`` that computes a 3x3, stride-1, padding-1 layer (:func:`is_winograd_shape`) in fp16/bf16/fp32 on
+    the CPU by Winograd F(2x2, 3x3) tiles where it is large enough (:func:`winograd_pays`); everything else runs
+    ``nn.Conv2d``'s convolution. Same parameters and ``state_dict`` as the layer it replaces."""
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (torch's name)
         return self.convolve(input, self.weight, self.bias)
@@ -234,15 +264,15 @@ class WinogradConv2d(nn.Conv2d):
         return self._conv_forward(input, weight, bias)
 
     def computes_with_winograd(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
-        """True when ``forward(input)`` takes the Winograd path: a batched input on the CPU computed in fp16/bf16,
-        with the compiled extension loaded, at least :data:`MIN_CHANNELS` channels in and out and
-        :data:`MIN_TILES` 2x2 output tiles (smaller layers run oneDNN's convolution, which is faster there)."""
+        """True when ``forward(input)`` takes the Winograd path: a batched input on the CPU computed in fp16, bf16 or
+        fp32, with the compiled extension loaded, and a layer large enough for that dtype (:func:`winograd_pays`;
+        smaller layers run oneDNN's convolution, which is faster there)."""
         if _DIRECT.get() or input.dim() != 4 or input.device.type != "cpu" or not is_winograd_shape(self):
             return False
         n, _, height, width = input.shape
         tiles = n * ((height + 1) // 2) * ((width + 1) // 2)
-        return (min(self.in_channels, self.out_channels) >= MIN_CHANNELS and tiles >= MIN_TILES
-                and computes_in_half(input) and extension_available())
+        return (winograd_pays(compute_dtype(input), min(self.in_channels, self.out_channels), tiles)
+                and extension_available())
 
 
 def use_winograd_convs(detector: nn.Module, parts: Sequence[str]) -> int:
