@@ -13,6 +13,11 @@ and ``speed-up = torchvision median / ours median``. Sizes are Mask R-CNN's at 8
   channels; forward and forward+backward; fp32, channels_last fp32, and bf16/fp16 (torchvision under
   autocast, which is how it gets half inputs).
 * ``MultiScaleRoIAlign``: 4 FPN levels, 1024 RoIs, 256 channels, forward+backward.
+* ``winograd`` (CPU): ``model.winograd_convs``' F(2x2, 3x3) convolution against torch's own ``F.conv2d`` (oneDNN) on
+  channels_last maps, forward+backward, at the layers it is for: the R50-FPN mask head (70 RoIs of 14x14, 256
+  channels) and FPN/RPN level P2 at 256 px (2 x 256 x 64x64), ResNet-18 stages 1-3 and the light FPN's P2 at 224 px
+  (batch 4); in fp32, and in bf16 where the CPU computes bf16 natively (elsewhere bf16 convolutions are slow paths,
+  see ``lit_amp_det.precision.hardware``).
 * ``model`` (end to end, the ``model.ops`` A/B): the light Mask R-CNN (``conf/model/maskrcnn_light.yaml``,
   224 px, batch 4) built with ``ops=ext`` and ``ops=torchvision`` with identical weights; a bf16-autocast
   training step (forward + backward) and an eval forward. On a GPU, ``maskrcnn_r50_fpn`` at 800 px, batch 2.
@@ -171,6 +176,42 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, C
     return cases
 
 
+#: (name, N, C, H, W) of the 3x3 stride-1 layers ``bench ops --only winograd`` times (C -> C channels)
+WINOGRAD_LAYERS = (
+    ("R50 mask head, 70 RoIs", 70, 256, 14, 14),
+    ("R50 FPN/RPN P2, 256 px b2", 2, 256, 64, 64),
+    ("ResNet-18 layer1, 224 px b4", 4, 64, 56, 56),
+    ("ResNet-18 layer2, 224 px b4", 4, 128, 28, 28),
+    ("ResNet-18 layer3, 224 px b4", 4, 256, 14, 14),
+    ("light FPN P2, 224 px b4", 4, 64, 56, 56),
+)
+
+
+def _winograd_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
+    from lit_amp_det.models.winograd_conv import winograd_conv3x3
+    from lit_amp_det.precision.hardware import cpu_computes_bf16_natively
+
+    if device != "cpu":
+        print("  winograd: CPU only (on CUDA cuDNN chooses its own algorithms); skipped", flush=True)
+        return []
+    dtypes = [torch.float32, *([half] if cpu_computes_bf16_natively() else [])]
+    g = torch.Generator().manual_seed(12)
+    cases = []
+    for name, n, c, h, w in WINOGRAD_LAYERS:
+        for dtype in dtypes:
+            x = torch.randn(n, c, h, w, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+            weight = (torch.randn(c, c, 3, 3, generator=g) / (3 * c ** 0.5)).to(dtype)
+            x.requires_grad_()
+            weight.requires_grad_()
+            size = f"{name}: {n}x{c}x{h}x{w}, {c} -> {c}"
+            label = f"{str(dtype).split('.')[-1]} channels_last (vs F.conv2d)"
+            cases.append(("winograd conv3x3 fwd+bwd", size, label,
+                          _backward(lambda x=x, weight=weight: winograd_conv3x3(x, weight), [x, weight]),
+                          _backward(lambda x=x, weight=weight: torch.nn.functional.conv2d(x, weight, padding=1),
+                                    [x, weight])))
+    return cases
+
+
 def _model_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
     from lit_amp_det.models.maskrcnn import build_detector
 
@@ -211,7 +252,8 @@ def _model_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Ca
 
 
 def _table(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "| op | size | dtype / layout | ours ms | torchvision ms | speed-up |", "|---|---|---|---|---|---|"]
+    lines = [header, "| op | size | dtype / layout | ours ms | torchvision ms (torch's for winograd) | speed-up |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['op']} | {r['size']} | {r['dtype']} | {r['ours_ms']:.2f} | {r['torchvision_ms']:.2f} "
                      f"| **{r['speedup']:.2f}x** |")
@@ -224,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per op (default 15 CPU, 50 CUDA)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default="", help="comma-separated groups: nms,iou,roi_align,pooler,model (default all)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated groups: nms,iou,roi_align,pooler,winograd,model (default all)")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if not ops.extension_available():
@@ -236,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     half = torch.float16 if args.device == "cuda" else torch.bfloat16
     groups = {"nms": lambda: _nms_cases(args.device), "iou": lambda: _iou_cases(args.device),
               "roi_align": lambda: _roi_align_cases(args.device, half),
-              "pooler": lambda: _pooler_cases(args.device, half), "model": lambda: _model_cases(args.device, half)}
+              "pooler": lambda: _pooler_cases(args.device, half),
+              "winograd": lambda: _winograd_cases(args.device, half), "model": lambda: _model_cases(args.device, half)}
     chosen = [g.strip() for g in args.only.split(",") if g.strip()] or list(groups)
     unknown = sorted(set(chosen) - set(groups))
     if unknown:

@@ -1,0 +1,37 @@
+"""``bench ops``: the groups it times, here the Winograd group (the fp32 A/B on this CPU) and the argument errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lit_amp_det.bench import ops as bench_ops
+from lit_amp_det.ops import extension_available
+from lit_amp_det.precision.hardware import cpu_computes_bf16_natively
+
+needs_ext = pytest.mark.skipif(not extension_available(), reason="needs the compiled extension (make ext)")
+
+
+@needs_ext
+def test_winograd_group_times_each_layer_against_conv2d(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row per layer and dtype (bf16 only where the CPU computes it natively), both sides timed, in the table
+    and the JSON. Two of the layers, so that the test stays fast on 2 cores."""
+    layers = bench_ops.WINOGRAD_LAYERS[2:4]
+    monkeypatch.setattr(bench_ops, "WINOGRAD_LAYERS", layers)
+    out = tmp_path / "ops.json"
+    bench_ops.main(["--device=cpu", "--only=winograd", "--repeats=1", "--warmup=0", f"--json={out}"])
+    rows = json.loads(out.read_text())["rows"]
+    dtypes = ["float32", *(["bfloat16"] if cpu_computes_bf16_natively() else [])]
+    assert [(r["size"].split(":")[0], r["dtype"].split()[0]) for r in rows] == [
+        (name, dtype) for name, *_ in layers for dtype in dtypes]
+    assert all(r["op"] == "winograd conv3x3 fwd+bwd" and r["ours_ms"] > 0 and r["torchvision_ms"] > 0
+               and r["speedup"] > 0 for r in rows)
+    assert "ResNet-18 layer1, 224 px b4: 4x64x56x56, 64 -> 64" in capsys.readouterr().out
+
+
+def test_unknown_group_is_refused() -> None:
+    with pytest.raises(SystemExit, match=r"--only: unknown group\(s\) \['winnograd'\]"):
+        bench_ops.main(["--device=cpu", "--only=winnograd"])
