@@ -532,6 +532,18 @@ def test_conv_bn_eval_folds_through_the_layer(monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(out.float(), plain(x).float(), atol=1e-1, rtol=5e-2)
 
 
+def _smooth(model: nn.Module) -> nn.Module:
+    """``model`` with every ReLU replaced by SiLU: the two paths round differently (each within fp32's rounding of
+    the exact convolution), and a pre-activation within that rounding of 0 would take different sides of a ReLU in
+    them, changing every gradient upstream by its whole contribution (1e-3 relative in this model's stem)."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.ReLU):
+            setattr(model, name, nn.SiLU())
+        else:
+            _smooth(child)
+    return model
+
+
 def _tiny_module(*overrides: str):
     cfg = compose_config(["model=maskrcnn_tiny", "model.num_classes=3", *overrides])
     return instantiate(cfg.model, _convert_="object")
@@ -546,6 +558,57 @@ def test_model_switch_covers_the_named_parts_and_keeps_state_dict() -> None:
     assert not any(isinstance(m, WinogradConv2d) for m in switched.model.backbone.modules())
     assert list(switched.state_dict()) == list(plain.state_dict())
     assert find_conv_norm_pairs(switched.model) == find_conv_norm_pairs(plain.model)
+
+
+@needs_ext
+def test_float32_parts_equal_direct_convolutions_forward_and_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every part's 3x3 layers on Winograd tiles in fp32 (the size rule lowered so that the tiny model's 16-32
+    channel layers take them): the backbone + FPN, the RPN head and the mask head give the direct model's outputs and
+    every parameter's gradient to fp32 rounding, so in fp32 the switch changes speed, not training. (A whole detector
+    step is not compared: its proposal top-k, NMS and sampling turn rounding differences into different choices.)"""
+    from lit_amp_det.models import winograd_conv
+
+    monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNELS", 1)
+    monkeypatch.setattr(winograd_conv, "FP32_MIN_TILES", 1)
+    monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNEL_TILES", 1)
+    torch.manual_seed(0)
+    plain = _tiny_module("model.channels_last=true")
+    switched = _tiny_module("model.channels_last=true", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]")
+    switched.load_state_dict(plain.state_dict())
+    for module in (plain, switched):  # no ReLU kink for a rounding difference to flip (see _smooth)
+        _smooth(module).train()
+    layers = [m for m in switched.modules() if isinstance(m, WinogradConv2d)]
+    assert len(layers) >= 8
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand(2, 3, 160, 160, generator=g).contiguous(memory_format=NHWC)
+    rois = torch.randn(12, 32, 14, 14, generator=g).contiguous(memory_format=NHWC)
+
+    def run(module: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        module.zero_grad()
+        detector = module.model
+        features = list(detector.backbone(images).values())
+        objectness, deltas = detector.rpn.head(features)
+        masks = detector.roi_heads.mask_head(rois)
+        outputs = [*features, *objectness, *deltas, masks]
+        weights = torch.Generator().manual_seed(3)
+        loss = sum((out * torch.randn(out.shape, generator=weights)).sum() for out in outputs)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+        return [out.detach() for out in outputs], grads
+
+    called = []
+    original = winograd_conv.winograd_conv3x3
+    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", lambda *a: called.append(1) or original(*a))
+    outputs, grads = run(switched)
+    assert len(called) >= len(layers)  # every switched layer ran on tiles
+    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", original)
+    expected_outputs, expected_grads = run(plain)
+    for out, expected in zip(outputs, expected_outputs, strict=True):
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    assert grads.keys() == expected_grads.keys() and len(grads) > 40
+    for name, grad in grads.items():
+        reference = expected_grads[name]
+        assert (grad - reference).norm() <= 1e-4 * reference.norm() + 1e-7, name
 
 
 def test_unknown_part_is_refused_and_a_missing_one_skipped() -> None:
