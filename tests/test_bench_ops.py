@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lit_amp_det.bench import ops as bench_ops
 from lit_amp_det.ops import extension_available
@@ -35,3 +36,16 @@ def test_winograd_group_times_each_layer_against_conv2d(tmp_path: Path, capsys: 
 def test_unknown_group_is_refused() -> None:
     with pytest.raises(SystemExit, match=r"--only: unknown group\(s\) \['winnograd'\]"):
         bench_ops.main(["--device=cpu", "--only=winnograd"])
+
+
+def test_winograd_size_grid_covers_the_rule_boundaries() -> None:
+    """The grid spans the fp32 rule's boundaries: 64 and 128 channels, 128 and 1024 tiles, and sizes on both sides."""
+    from lit_amp_det.models.winograd_conv import winograd_pays
+
+    grid = bench_ops._winograd_grid()
+    tiles = {n * (h // 2) * (w // 2) for _, n, _, h, w in grid}
+    channels = {c for _, _, c, _, _ in grid}
+    assert tiles == {64, 128, 256, 1024, 4096} and channels == {32, 64, 128, 256, 512}
+    verdicts = {winograd_pays(torch.float32, c, n * (h // 2) * (w // 2)) for _, n, c, h, w in grid}
+    assert verdicts == {True, False}
+    assert all(name == f"{c} channels, {n * (h // 2) ** 2} tiles" for name, n, c, h, _ in grid)

@@ -18,6 +18,9 @@ and ``speed-up = torchvision median / ours median``. Sizes are Mask R-CNN's at 8
   channels) and FPN/RPN level P2 at 256 px (2 x 256 x 64x64), ResNet-18 stages 1-3 and the light FPN's P2 at 224 px
   (batch 4); in fp32, and in bf16 where the CPU computes bf16 natively (elsewhere bf16 convolutions are slow paths,
   see ``lit_amp_det.precision.hardware``).
+* ``winograd_sizes`` (CPU): the same A/B over a grid of C -> C channels (32-512) and 2x2-tile counts (64-4096),
+  where the size rule of :func:`lit_amp_det.models.winograd_conv.winograd_pays` comes from (run it with
+  ``--repeats 3``: the largest layers take seconds).
 * ``model`` (end to end, the ``model.ops`` A/B): the light Mask R-CNN (``conf/model/maskrcnn_light.yaml``,
   224 px, batch 4) built with ``ops=ext`` and ``ops=torchvision`` with identical weights; a bf16-autocast
   training step (forward + backward) and an eval forward. On a GPU, ``maskrcnn_r50_fpn`` at 800 px, batch 2.
@@ -187,7 +190,15 @@ WINOGRAD_LAYERS = (
 )
 
 
-def _winograd_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
+def _winograd_grid() -> list[tuple[str, int, int, int, int]]:
+    """The ``winograd_sizes`` layers: C -> C channels by 2x2-tile counts (N images of H x H: N * (H / 2)^2 tiles)."""
+    maps = ((1, 16), (2, 16), (1, 32), (4, 32), (4, 64))  # 64, 128, 256, 1024, 4096 tiles
+    return [(f"{c} channels, {n * (h // 2) ** 2} tiles", n, c, h, h) for c in (32, 64, 128, 256, 512) for n, h in maps]
+
+
+def _winograd_cases(device: str, half: torch.dtype,
+                    layers: Sequence[tuple[str, int, int, int, int]] | None = None
+                    ) -> list[tuple[str, str, str, Callable, Callable]]:
     from lit_amp_det.models.winograd_conv import winograd_conv3x3
     from lit_amp_det.precision.hardware import cpu_computes_bf16_natively
 
@@ -197,7 +208,7 @@ def _winograd_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str,
     dtypes = [torch.float32, *([half] if cpu_computes_bf16_natively() else [])]
     g = torch.Generator().manual_seed(12)
     cases = []
-    for name, n, c, h, w in WINOGRAD_LAYERS:
+    for name, n, c, h, w in WINOGRAD_LAYERS if layers is None else layers:
         for dtype in dtypes:
             x = torch.randn(n, c, h, w, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
             weight = (torch.randn(c, c, 3, 3, generator=g) / (3 * c ** 0.5)).to(dtype)
@@ -267,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per op (default 15 CPU, 50 CUDA)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", default="",
-                        help="comma-separated groups: nms,iou,roi_align,pooler,winograd,model (default all)")
+                        help="comma-separated groups: nms,iou,roi_align,pooler,winograd,winograd_sizes,model "
+                             "(default all but winograd_sizes)")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if not ops.extension_available():
@@ -280,8 +292,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     groups = {"nms": lambda: _nms_cases(args.device), "iou": lambda: _iou_cases(args.device),
               "roi_align": lambda: _roi_align_cases(args.device, half),
               "pooler": lambda: _pooler_cases(args.device, half),
-              "winograd": lambda: _winograd_cases(args.device, half), "model": lambda: _model_cases(args.device, half)}
-    chosen = [g.strip() for g in args.only.split(",") if g.strip()] or list(groups)
+              "winograd": lambda: _winograd_cases(args.device, half),
+              "winograd_sizes": lambda: _winograd_cases(args.device, half, _winograd_grid()),
+              "model": lambda: _model_cases(args.device, half)}
+    chosen = [g.strip() for g in args.only.split(",") if g.strip()] or [g for g in groups if g != "winograd_sizes"]
     unknown = sorted(set(chosen) - set(groups))
     if unknown:
         raise SystemExit(f"--only: unknown group(s) {unknown}; choose from {sorted(groups)}")
