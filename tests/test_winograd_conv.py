@@ -444,14 +444,14 @@ def test_layer_takes_winograd_only_where_measured_faster() -> None:
 
 @needs_ext
 @pytest.mark.parametrize(("channels", "n", "size", "expected"), [
-    (256, 2, 16, True),    # 128 tiles: 1.49x faster measured
-    (256, 1, 16, False),   # 64 tiles: 0.89x
-    (512, 1, 16, False),   # 64 tiles: 0.86x
-    (128, 1, 32, True),    # 256 tiles: 1.33x
-    (128, 2, 16, False),   # 128 tiles: 0.92x
+    (256, 2, 16, True),    # 128 tiles: 1.47x
+    (256, 1, 16, False),   # 64 tiles: 0.89-1.15x, within the noise
+    (512, 1, 16, False),   # 64 tiles: below the tile floor
+    (128, 1, 32, True),    # 256 tiles: 1.33-1.44x
+    (128, 2, 16, False),   # 128 tiles: 0.92-1.22x, below 32768 channel-tiles
     (64, 4, 32, True),     # 1024 tiles: 1.10-1.18x
-    (64, 2, 16, False),    # 128 tiles: 0.72x
-    (32, 4, 64, False),    # 4096 tiles: 1.03x at best
+    (64, 2, 16, False),    # 128 tiles: 0.72-0.99x
+    (32, 4, 64, False),    # 4096 tiles: 1.02-1.03x at best
 ], ids=str)
 def test_float32_takes_winograd_where_measured_faster(channels: int, n: int, size: int, expected: bool) -> None:
     """The fp32 size rule, at the sizes it was measured at (AVX2 CPU, forward + backward; FP32_MIN_* in the module)."""

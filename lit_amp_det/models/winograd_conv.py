@@ -13,7 +13,7 @@ R50-FPN training step on the CPU (measured on the dev CPU, 2-core AMD EPYC, bf16
 forward + backward per layer with oneDNN, already at its bf16 peak). Figures: BENCHMARKS.md.
 
 In float32 on a CPU without AVX-512 it pays more: oneDNN's direct fp32 convolution there runs at 83-118 GFLOP/s
-(forward + backward), and the Winograd form was 1.8x faster on that mask-head layer and 2.5x on the R50-FPN's
+(forward + backward), and the Winograd form was 1.8x faster on that mask-head layer and 2.4x on the R50-FPN's
 256-channel FPN and RPN convolutions of a 256 px batch (AVX2 AMD EPYC, 2 cores; BENCHMARKS.md, "Winograd in fp32").
 
 Numerics: exact in real arithmetic (float64 agrees with ``F.conv2d`` to 1e-13), but in bf16 the transformed tiles
@@ -83,10 +83,12 @@ WINOGRAD_PARTS = {
 MIN_TILES = 1024
 MIN_CHANNELS = 256
 #: fp32: the smallest layers the Winograd form beat oneDNN's direct fp32 convolution on, forward + backward,
-#: channels_last, C -> C channels (AVX2 AMD EPYC, 2 cores, best of 3; speed-up of Winograd at C channels and T tiles):
-#: C=64: T=128 0.72x, T=1024 1.10-1.18x, T=4096 1.28x; C=128: T=128 0.92x, T=256 1.33x, T=4096 1.77x;
-#: C=256: T=64 0.89x, T=128 1.49x, T=196 1.42x, T=4096 2.48x; C=512: T=64 0.86x, T=128 1.48x, T=4096 2.91x;
-#: C=32 never above 1.03x. So: >= 64 channels, >= 128 tiles, and channels x tiles >= 32768.
+#: channels_last, C -> C channels (AVX2 AMD EPYC, 2 cores; ``bench ops --only winograd_sizes --repeats 3``, medians;
+#: speed-up of Winograd at C channels and T 2x2 tiles): C=32 0.51-1.02x everywhere; C=64: T=128 0.99x, T=256 1.02x,
+#: T=1024 1.13x, T=4096 1.19x; C=128: T=64 0.96x, T=128 1.22x, T=256 1.44x; C=256: T=64 1.15x, T=128 1.47x,
+#: T=4096 2.18x; C=512: T=64 1.45x, T=4096 2.43x. An earlier best-of-3 sweep read C=128 T=128 0.92x, C=256 T=64 0.89x
+#: and C=512 T=64 0.86x: below 128 tiles and 32768 channel-tiles the verdict is within the noise, and small layers
+#: cost little either way, so the rule keeps oneDNN there: >= 64 channels, >= 128 tiles, channels x tiles >= 32768.
 FP32_MIN_CHANNELS = 64
 FP32_MIN_TILES = 128
 FP32_MIN_CHANNEL_TILES = 32768
