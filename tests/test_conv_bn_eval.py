@@ -32,7 +32,7 @@ from lit_amp_det.models.conv_bn import (
 )
 from lit_amp_det.models.maskrcnn import build_detector
 
-from conftest import SMOKE, compose_config
+from conftest import SMOKE, compose_config, smooth_activations
 
 PAIRS = {"resnet18": 20, "resnet50": 53}
 
@@ -64,23 +64,6 @@ def _norm_eval(model: nn.Module) -> nn.Module:
 def _resnet(name: str, **kwargs: object) -> nn.Module:
     torch.manual_seed(0)
     return _randomize_norms(getattr(torchvision.models, name)(**kwargs))
-
-
-def _smooth(model: nn.Module) -> nn.Module:
-    """``model`` with every ReLU replaced by SiLU, for the tests that train both paths and compare at 1e-5.
-
-    The folded and the plain conv round differently (both within fp32's rounding of the exact result). Where a
-    pre-activation lies within that rounding of 0, a ReLU can take different sides in the two paths, and every
-    gradient upstream then differs by that element's whole contribution: 8e-4 relative in resnet18 on an AVX2 CPU,
-    whose convolution kernels round differently from AVX-512's. A smooth activation has no such kink, so the
-    comparison checks the fold and nothing else.
-    """
-    for name, child in model.named_children():
-        if isinstance(child, nn.ReLU):
-            setattr(model, name, nn.SiLU())
-        else:
-            _smooth(child)
-    return model
 
 
 def _pair_of_models(model: nn.Module, only_when_cheaper: bool = False) -> tuple[nn.Module, nn.Module]:
@@ -231,7 +214,7 @@ def test_tiny_maskrcnn_losses_and_gradients_match(dtype: torch.dtype) -> None:
 
 
 def test_parameters_stay_equal_over_sgd_steps() -> None:
-    plain, folded = _pair_of_models(_norm_eval(_smooth(_resnet("resnet18", num_classes=5))))
+    plain, folded = _pair_of_models(_norm_eval(smooth_activations(_resnet("resnet18", num_classes=5))))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4) for m in (plain, folded)]
     gen = torch.Generator().manual_seed(2)
     batches = [(torch.randn(2, 3, 48, 48, generator=gen), torch.randint(0, 5, (2,), generator=gen)) for _ in range(4)]
@@ -496,7 +479,7 @@ class _Classifier(LightningModule):
 
     def __init__(self, swap_to_frozen: bool = False) -> None:
         super().__init__()
-        self.model = _smooth(_resnet("resnet18", num_classes=4))  # no ReLU kink: see _smooth
+        self.model = smooth_activations(_resnet("resnet18", num_classes=4))  # no ReLU kink: see smooth_activations
         self.swap_to_frozen = swap_to_frozen
         self.losses: list[Tensor] = []
         self.norm_calls: Counter = Counter()

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_config
+from conftest import compose_config, smooth_activations
 from hydra.utils import instantiate
 from torch import nn
 
@@ -532,18 +532,6 @@ def test_conv_bn_eval_folds_through_the_layer(monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(out.float(), plain(x).float(), atol=1e-1, rtol=5e-2)
 
 
-def _smooth(model: nn.Module) -> nn.Module:
-    """``model`` with every ReLU replaced by SiLU: the two paths round differently (each within fp32's rounding of
-    the exact convolution), and a pre-activation within that rounding of 0 would take different sides of a ReLU in
-    them, changing every gradient upstream by its whole contribution (1e-3 relative in this model's stem)."""
-    for name, child in model.named_children():
-        if isinstance(child, nn.ReLU):
-            setattr(model, name, nn.SiLU())
-        else:
-            _smooth(child)
-    return model
-
-
 def _tiny_module(*overrides: str):
     cfg = compose_config(["model=maskrcnn_tiny", "model.num_classes=3", *overrides])
     return instantiate(cfg.model, _convert_="object")
@@ -575,8 +563,8 @@ def test_float32_parts_equal_direct_convolutions_forward_and_backward(monkeypatc
     plain = _tiny_module("model.channels_last=true")
     switched = _tiny_module("model.channels_last=true", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]")
     switched.load_state_dict(plain.state_dict())
-    for module in (plain, switched):  # no ReLU kink for a rounding difference to flip (see _smooth)
-        _smooth(module).train()
+    for module in (plain, switched):  # no ReLU kink for a rounding difference to flip (see smooth_activations)
+        smooth_activations(module).train()
     layers = [m for m in switched.modules() if isinstance(m, WinogradConv2d)]
     assert len(layers) >= 8
     g = torch.Generator().manual_seed(1)

@@ -89,7 +89,8 @@ ROWS = (
     Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),
     Row("pointwise-matmul", "+ 1x1 convs as matmuls", "model.pointwise_conv_as_matmul=true", needs_half=True),
     Row("winograd", "+ Winograd 3x3 convs", "model.winograd_convs=[mask_head,rpn_head,fpn]"),
-    Row("winograd-backbone", "+ Winograd in the backbone too", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]"),
+    Row("winograd-backbone", "+ Winograd in the backbone too",
+        "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 
