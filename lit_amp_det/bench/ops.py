@@ -192,8 +192,11 @@ WINOGRAD_LAYERS = (
 
 def _winograd_grid() -> list[tuple[str, int, int, int, int]]:
     """The ``winograd_sizes`` layers: C -> C channels by 2x2-tile counts (N images of H x H: N * (H / 2)^2 tiles)."""
+    from lit_amp_det.ops.winograd import tile_count
+
     maps = ((1, 16), (2, 16), (1, 32), (4, 32), (4, 64))  # 64, 128, 256, 1024, 4096 tiles
-    return [(f"{c} channels, {n * (h // 2) ** 2} tiles", n, c, h, h) for c in (32, 64, 128, 256, 512) for n, h in maps]
+    return [(f"{c} channels, {tile_count(n, h, h)} tiles", n, c, h, h) for c in (32, 64, 128, 256, 512)
+            for n, h in maps]
 
 
 def _winograd_cases(device: str, half: torch.dtype,

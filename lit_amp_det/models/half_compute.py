@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_DTYPES", "apply_in_autocast_dtype", "apply_with_autocast_casts", "compute_dtype", "computes_in_half"]
+__all__ = ["HALF_DTYPES", "apply_in_autocast_dtype", "apply_with_autocast_casts", "computes_in_half", "convolution_dtype"]
 
 #: The dtypes the matmul forms of convolutions are taken for.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def compute_dtype(x: Tensor) -> torch.dtype:
+def convolution_dtype(x: Tensor) -> torch.dtype:
     """The dtype a convolution fed ``x`` computes in: autocast's for ``x``'s device when autocast is on there (it
     casts a convolution's inputs to it), else ``x``'s own."""
     device = x.device.type
@@ -28,7 +28,7 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 def computes_in_half(x: Tensor) -> bool:
     """True when a layer fed ``x`` computes in fp16/bf16: ``x`` is half, or autocast is on for its device with a
     half dtype (autocast casts a convolution's inputs to it)."""
-    return compute_dtype(x) in HALF_DTYPES
+    return convolution_dtype(x) in HALF_DTYPES
 
 
 def apply_in_autocast_dtype(function: type[torch.autograd.Function], operands: tuple[Tensor | None, ...],

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
 from lit_amp_det.models.bounded_matmul import chunked_bmm
+from lit_amp_det.models.half_compute import convolution_dtype
 from lit_amp_det.models.patch_deconv import PatchConvTranspose2d, patch_products
 
 __all__ = ["casts_outputs_to_fp32", "labelled_logits", "logit_conv"]
@@ -103,10 +104,8 @@ def labelled_logits(predictor: nn.Module, features: Tensor, labels: Tensor) -> T
 
 def _in_compute_dtype(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """``x`` and the class rows in the dtype the convolution would compute in: autocast's, else ``x``'s."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        return x.to(dtype), weight.to(dtype)
-    return x, weight.to(x.dtype)
+    dtype = convolution_dtype(x)
+    return x.to(dtype), weight.to(dtype)
 
 
 #: Attribute (True) of a forward pre-hook that only casts floating inputs to the module's weight dtype: the

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_amp_det.models.bounded_matmul import Chunk, row_chunks
-from lit_amp_det.models.half_compute import HALF_DTYPES, apply_with_autocast_casts, compute_dtype
+from lit_amp_det.models.half_compute import HALF_DTYPES, apply_with_autocast_casts, convolution_dtype
 from lit_amp_det.ops._extension import extension_available
 from lit_amp_det.ops.winograd import (
     accumulation_dtype,
@@ -271,9 +271,8 @@ class WinogradConv2d(nn.Conv2d):
         smaller layers run oneDNN's convolution, which is faster there)."""
         if _DIRECT.get() or input.dim() != 4 or input.device.type != "cpu" or not is_winograd_shape(self):
             return False
-        n, _, height, width = input.shape
-        tiles = n * ((height + 1) // 2) * ((width + 1) // 2)
-        return (winograd_pays(compute_dtype(input), min(self.in_channels, self.out_channels), tiles)
+        tiles = tile_count(input.shape[0], input.shape[2], input.shape[3])
+        return (winograd_pays(convolution_dtype(input), min(self.in_channels, self.out_channels), tiles)
                 and extension_available())
 
 
