@@ -130,6 +130,32 @@ def test_count_flops_counts_forward_and_backward_matmuls() -> None:
     assert roofline.count_flops(lambda: layer(x).sum().backward()) == 3 * 2 * 8 * 64 * 32
 
 
+def test_count_flops_counts_in_place_products_like_their_out_of_place_ops() -> None:
+    """FlopCounterMode alone counts ``baddbmm_`` (the Winograd weight gradient's running sum) as 0 FLOPs."""
+    a, b = torch.randn(4, 8, 16), torch.randn(4, 16, 32)
+    total, matrix = torch.zeros(4, 8, 32), torch.zeros(8, 32)
+    products = 2 * 4 * 8 * 16 * 32
+    assert roofline.count_flops(lambda: torch.baddbmm(total, a, b)) == products
+    assert roofline.count_flops(lambda: total.baddbmm_(a, b)) == products
+    assert roofline.count_flops(lambda: matrix.addmm_(a[0], b[0])) == products // 4
+    assert set(roofline.IN_PLACE_PRODUCTS) == {"addmm_", "baddbmm_"}
+    assert len(roofline.in_place_flop_formulas()) == 2  # each found its formula in this torch
+
+
+def test_count_flops_counts_the_winograd_weight_gradient() -> None:
+    from lit_amp_det.models.winograd_conv import _weight_gradient
+    from lit_amp_det.ops.winograd import tile_count
+
+    n, c_in, c_out, size = 2, 8, 12, 6
+    x = torch.randn(n, c_in, size, size).contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(n, c_out, size, size).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(c_out, c_in, 3, 3)
+    tiles = tile_count(n, size, size)
+    products = 2 * 16 * c_out * tiles * c_in  # the 16 [C_out, T] @ [T, C_in] products, summed by baddbmm_
+    back_transform = 2 * 9 * 16 * c_out * c_in  # [9, 16] @ [16, C_out * C_in]
+    assert roofline.count_flops(lambda: _weight_gradient(x, grad, weight)) == products + back_transform
+
+
 def test_peaks_are_measured_once_per_machine_and_dtype_then_reused(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(roofline, "busy_cpus", lambda seconds=1.0: 0.1)  # a quiet machine
@@ -260,7 +286,7 @@ def test_busy_cpus_reads_the_machine() -> None:
 
 
 def test_is_flop_op_bins_matmuls_and_convolutions() -> None:
-    for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::conv2d", "aten::conv_transpose2d", "aten::convolution",
+    for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::conv2d", "aten::conv_transpose2d", "aten::convolution",
                  "aten::convolution_backward", "aten::mkldnn_convolution", "aten::cudnn_convolution",
                  "mkldnn::_convolution_pointwise", "mkldnn::_linear_pointwise"):
         assert breakdown.is_flop_op(name), name

@@ -22,12 +22,15 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from lit_amp_det.bench.roofline import IN_PLACE_PRODUCTS
 from lit_amp_det.profiling import timed
 
 __all__ = ["FLOP_OPS", "breakdown_lines", "display_name", "is_flop_op", "split_self_times", "time_breakdown"]
 
-#: Matrix-product ops FlopCounterMode counts (convolutions are matched by name, see :func:`is_flop_op`).
-FLOP_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"})
+#: Matrix-product ops the roofline counts FLOPs for (convolutions are matched by name, see :func:`is_flop_op`),
+#: the in-place ones included (:data:`lit_amp_det.bench.roofline.IN_PLACE_PRODUCTS`).
+FLOP_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
+                     | {f"aten::{name}" for name in IN_PLACE_PRODUCTS})
 #: Prefix of the autograd wrapper ``torch.library.register_autograd`` generates for an op.
 _AUTOGRAD_WRAPPER = "GeneratedBackwardFor_"
 #: The convolutions' entry points whose names lack "convolution" (``conv2d``, ``conv_transpose2d``, ...).

@@ -41,8 +41,8 @@ from lit_amp_det.bench.common import cpu_name, replace_file
 from lit_amp_det.precision.hardware import cpu_capability
 from lit_amp_det.profiling import timed
 
-__all__ = ["DTYPES", "PEAKS_FILE", "busy_cpus", "compute_dtype", "count_flops", "device_peaks", "machine_key",
-           "measure_peak", "roofline"]
+__all__ = ["DTYPES", "IN_PLACE_PRODUCTS", "PEAKS_FILE", "busy_cpus", "compute_dtype", "count_flops", "device_peaks",
+           "in_place_flop_formulas", "machine_key", "measure_peak", "roofline"]
 
 #: Compute dtype name -> torch dtype.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,14 +89,44 @@ def compute_dtype(precision: str) -> str:
                      "16-mixed")
 
 
+#: In-place matrix products and the out-of-place op whose FLOP formula they share. FlopCounterMode has formulas
+#: for ``addmm``/``baddbmm`` only, so ``total.baddbmm_(a, b)`` (the Winograd weight gradient's sum over chunks)
+#: would count as 0 FLOPs and its row's GFLOP/step and peak fraction would read low.
+IN_PLACE_PRODUCTS = {"addmm_": "addmm", "baddbmm_": "baddbmm"}
+
+
+def _raw(formula: Callable[..., int]) -> Callable[..., int]:
+    """``formula`` (already shape-wrapped in torch's registry) marked so that FlopCounterMode does not wrap it again."""
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        return formula(*args, **kwargs)
+
+    counted._get_raw = True  # type: ignore[attr-defined]
+    return counted
+
+
+def in_place_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """FlopCounterMode ``custom_mapping`` entries giving each of :data:`IN_PLACE_PRODUCTS` its out-of-place op's
+    formula (the same FLOPs: ``self`` is both the added input and the output)."""
+    from torch.utils.flop_counter import flop_registry
+
+    formulas = {}
+    for in_place, out_of_place in IN_PLACE_PRODUCTS.items():
+        formula = flop_registry.get(getattr(torch.ops.aten, out_of_place))
+        if formula is not None:
+            formulas[getattr(torch.ops.aten, in_place)] = _raw(formula)
+    return formulas
+
+
 def count_flops(fn: Callable[[], Any]) -> int:
-    """FLOPs of one call of ``fn`` as :class:`~torch.utils.flop_counter.FlopCounterMode` counts them.
+    """FLOPs of one call of ``fn`` as :class:`~torch.utils.flop_counter.FlopCounterMode` counts them, with the
+    in-place matrix products (:data:`IN_PLACE_PRODUCTS`) counted like their out-of-place ops.
 
     Compiled modules run eagerly for the count (``force_eager``), so every operation passes the counter.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=in_place_flop_formulas())
     with torch.compiler.set_stance("force_eager"), counter:
         fn()
     return int(counter.get_total_flops())
