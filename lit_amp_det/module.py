@@ -39,7 +39,7 @@ from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.patch_deconv import use_patch_deconv
 from lit_amp_det.models.pointwise_conv import use_pointwise_matmul
 from lit_amp_det.models.speed import COMPILE_TARGETS, compile_detector, use_channels_last
-from lit_amp_det.models.winograd_conv import use_winograd_convs
+from lit_amp_det.models.winograd_conv import check_output_tile, use_winograd_convs
 from lit_amp_det.optim import build_optimizer, check_reference_batch, global_batch_size, scale_lr
 
 __all__ = ["EVAL_BACKENDS", "MaskRCNNModule", "check_eval_backend"]
@@ -108,7 +108,9 @@ class MaskRCNNModule(LightningModule):
             backward on the CPU's small, deep maps).
         winograd_convs: parts of the detector (``mask_head``, ``rpn_head``, ``fpn``, ``backbone``) whose 3x3,
             stride-1 convolutions run Winograd F(2x2, 3x3) (:mod:`lit_amp_det.models.winograd_conv`; 2.25x fewer
-            multiplications) when a layer computes in fp16/bf16 on the CPU and is large enough; ``[]``: none.
+            multiplications) when a layer computes in fp16/bf16/fp32 on the CPU and is large enough; ``[]``: none.
+        winograd_output_tile: 2 (F(2x2, 3x3)) or 4: those layers compute in float32 by F(4x4, 3x3) tiles, 4x fewer
+            multiplications than the direct convolution (fp16/bf16 layers keep F(2x2, 3x3)).
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
         scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
@@ -139,6 +141,7 @@ class MaskRCNNModule(LightningModule):
         labelled_mask_logits: bool = False,
         pointwise_conv_as_matmul: bool = False,
         winograd_convs: Sequence[str] = (),
+        winograd_output_tile: int = 2,
         backbone: Mapping[str, Any] | None = None,
         transform: Mapping[str, Any] | None = None,
         rpn: Mapping[str, Any] | None = None,
@@ -162,6 +165,7 @@ class MaskRCNNModule(LightningModule):
             raise ArgumentError("compile", compile, f"is unknown; choose one of {list(COMPILE_TARGETS)} (null: eager)")
         check_reference_batch(reference_batch)
         check_eval_backend(eval_backend)
+        check_output_tile(winograd_output_tile)
         self.model = self.build_model()
         if checkpoint:
             named = {k: v for k, v in (("weights", weights), ("backbone.weights", (backbone or {}).get("weights"))) if v}
@@ -178,7 +182,7 @@ class MaskRCNNModule(LightningModule):
             self._use_labelled_mask_logits()
         if pointwise_conv_as_matmul:
             use_pointwise_matmul(self.model)
-        if winograd_convs and use_winograd_convs(self.model, list(winograd_convs)) == 0:
+        if winograd_convs and use_winograd_convs(self.model, list(winograd_convs), winograd_output_tile) == 0:
             log.warning("model.winograd_convs=%s: the model has no 3x3, stride-1 convolution there, so nothing was "
                         "switched", list(winograd_convs))
         compile_detector(self.model, compile)

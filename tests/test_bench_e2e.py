@@ -46,7 +46,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (16 if bench is train.BENCH else 13)
+    assert bench.rows[0].override is None and len(bench.rows) == (17 if bench is train.BENCH else 14)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -91,14 +91,15 @@ def test_fp32_runs_leave_out_the_rows_that_change_nothing_in_fp32(bench: e2e_row
     fp16/bf16 are left out by default; every row kept changes the config, and every row runs ``32-true``."""
     fp32 = dataclasses.replace(SETTING, half="fp32")
     kept = e2e.default_rows(bench, fp32)
-    assert e2e.default_rows(bench, SETTING) == [row.name for row in bench.rows]
+    assert e2e.default_rows(bench, SETTING) == [row.name for row in bench.rows if not row.needs_fp32]
+    assert [row.name for row in bench.rows if row.needs_fp32] == ["winograd-4x4"]  # F(4x4) acts in fp32 only
     cpu_bf16(False)
     assert e2e.default_rows(bench, dataclasses.replace(SETTING, half=None)) == kept  # auto: fp32 on such a CPU
     cpu_bf16(True)
-    assert e2e.default_rows(bench, dataclasses.replace(SETTING, half="auto")) == [row.name for row in bench.rows]
+    assert e2e.default_rows(bench, dataclasses.replace(SETTING, half="auto")) == e2e.default_rows(bench, SETTING)
     assert kept == [row.name for row in bench.rows if not row.needs_half]
     assert {"torchvision-fp32", "ext-ops", "channels-last", "labelled-mask-logits"} <= set(kept)
-    assert {"winograd", "winograd-backbone"} <= set(kept)  # fp32 Winograd pays on the CPU (winograd_pays)
+    assert {"winograd", "winograd-backbone", "winograd-4x4"} <= set(kept)  # fp32 Winograd pays on the CPU
     assert not {"autocast", "low-precision-weights", "pointwise-matmul"} & set(kept)
     configs = [_flat(OmegaConf.to_container(compose(e2e_rows.row_overrides(bench.rows, i, fp32)), resolve=False))
                for i in range(len(bench.rows))]
@@ -136,8 +137,8 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert first == {"trainer.precision": "32-true", "precision.fp32_regions": {}, "model.ops": "torchvision",
                      "model.channels_last": False, "model.deconv_as_matmul": False, "model.compile": None,
                      "precision.fused_master_step": False, "model.labelled_mask_logits": False,
-                     "model.pointwise_conv_as_matmul": False, "model.winograd_convs": [], "callbacks": [],
-                     "optim.optimizer.fused": None}
+                     "model.pointwise_conv_as_matmul": False, "model.winograd_convs": [],
+                     "model.winograd_output_tile": 2, "callbacks": [], "optim.optimizer.fused": None}
     assert last["trainer.precision"] == ("bf16-weights" if bench is train.BENCH else "bf16-mixed")
     assert last["precision.fp32_regions"] is None
     assert last["model.ops"] == "ext" and last["model.channels_last"] is True
@@ -145,6 +146,7 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert last["precision.fused_master_step"] is (bench is train.BENCH)
     assert last["model.pointwise_conv_as_matmul"] is True
     assert last["model.winograd_convs"] == ["mask_head", "rpn_head", "fpn", "backbone"]
+    assert last["model.winograd_output_tile"] == 4
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval", "RetainCPUHeap"]
         assert not retains_freed_memory()  # the row's teardown handed glibc's policy back to this process

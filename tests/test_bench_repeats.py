@@ -233,6 +233,14 @@ def test_the_r50_state_scales_its_recipe_lr_to_the_bench_batch(tmp_path: Path,
     assert built_lrs == [0.02, pytest.approx(0.02 * 2 / 16)]
 
 
+def test_state_key_leaves_out_switches_added_later_at_their_first_row_value() -> None:
+    """``model.winograd_output_tile`` came after the cached states: at the first row's 2 it is not in the key, so
+    the key (and the cached state's file name) is what it was before the switch existed."""
+    cfg_model = state.compose(state._state_overrides(SETTING)).model
+    assert cfg_model.winograd_output_tile == 2 and state.KEY_OMITS_AT == {"winograd_output_tile": 2}
+    assert "winograd_output_tile" not in state.state_key(SETTING, 200)["model"]
+
+
 def test_shapes_batch_holds_the_visible_shapes_with_tight_boxes() -> None:
     images, targets = shapes_batch("val", range(3), 48, 80, 3, "cpu")
     for image, target in zip(images, targets, strict=True):

@@ -151,7 +151,8 @@ def test_bad_ranges_and_outputs_are_refused() -> None:
         winograd_output_(torch.zeros(1, 2, 4, 4), torch.zeros(16, 4, 2))
     with pytest.raises(ValueError, match="winograd_output_: products are torch.bfloat16 but out is torch.float32"):
         winograd_output_(out, torch.zeros(16, 4, 2, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"winograd_input_tiles_: tiles must be a contiguous \[16, T, 2\] tensor"):
+    with pytest.raises(ValueError,
+                       match=r"winograd_input_tiles_: tiles must be a contiguous \[16 or 36, T, 2\] tensor"):
         winograd_input_tiles_(torch.zeros(16, 4, 3), x)
     with pytest.raises(ValueError, match="winograd_gradient_tiles_: tiles are torch.bfloat16 but grad_output is"):
         winograd_gradient_tiles_(torch.zeros(16, 4, 2, dtype=torch.bfloat16), x)
@@ -658,3 +659,270 @@ def test_compiles_in_one_graph() -> None:
         assert torch.equal(got, expected)
     direct = F.conv2d(x, conv.weight, conv.bias, padding=1).relu()
     assert not torch.equal(eager[0], direct)
+
+
+# ------------------------------------------------------------------------------------------- F(4x4, 3x3)
+# model.winograd_output_tile=4: 6x6 input tiles at stride 4, 36 products per 4x4 output tile.
+
+#: Largest factor a tile transform multiplies an input by, per output tile side: the sum of a row's absolute
+#: entries, squared (F(4x4): B^T's 4 + 5 + 1 = 10 on the input side, A^T's 1 + 1 + 8 + 8 + 1 = 19 on the output).
+_GAIN = {"winograd_input_tiles_": 100, "winograd_gradient_tiles_": 1, "output": 361}
+
+
+def _f4_reference_tiles(name: str, x: torch.Tensor) -> torch.Tensor:
+    n, c, h, w = x.shape
+    tiles = torch.empty(36, tile_count(n, h, w, 4), c, dtype=x.dtype)
+    getattr(reference, name)(tiles, x)
+    return tiles
+
+
+def _f4_close(actual: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor, gain: float) -> None:
+    """As :func:`_close_to_rounding`, for sums of 36 terms scaled by up to ``gain``."""
+    acc = torch.float64 if actual.dtype == torch.float64 else torch.float32
+    atol = 36 * gain * torch.finfo(acc).eps * inputs.double().abs().max().item() + 1e-30
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=torch.finfo(actual.dtype).eps)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", MAPS + [(2, 70, 13, 8)], ids=str)
+def test_f4_tile_ops_match_the_reference(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    """[36, T, C] tiles select F(4x4, 3x3) in the kernels: T = N * ceil(H/4) * ceil(W/4); channel counts above and
+    not a multiple of its 64-wide chunk."""
+    x = _randn(*shape, dtype=dtype)
+    n, c, h, w = shape
+    for op, ref in ((winograd_input_tiles, "winograd_input_tiles_"),
+                    (winograd_gradient_tiles, "winograd_gradient_tiles_")):
+        for layout in (torch.contiguous_format, NHWC):
+            out = op(x.contiguous(memory_format=layout), output_tile=4)
+            assert out.shape == (36, n * -(-h // 4) * -(-w // 4), c) and out.dtype == dtype
+            _f4_close(out, _f4_reference_tiles(ref, x), x, _GAIN[ref])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", MAPS, ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_f4_output_op_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int, int, int], bias: bool) -> None:
+    n, c, h, w = shape
+    products = _randn(36, tile_count(n, h, w, 4), c, dtype=dtype)
+    b = _randn(c, dtype=dtype, seed=1) if bias else None
+    out = winograd_output(products, n, h, w, b)
+    assert out.shape == shape and out.dtype == dtype and out.is_contiguous(memory_format=NHWC)
+    _f4_close(out, _reference_output(products, n, h, w, b), products, _GAIN["output"])
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(0, 4, 6, 6), (2, 0, 6, 6), (2, 4, 0, 6)], ids=str)
+def test_f4_empty_maps(shape: tuple[int, int, int, int]) -> None:
+    x = torch.zeros(shape)
+    n, c, h, w = shape
+    tiles = winograd_input_tiles(x, output_tile=4)
+    assert tiles.shape == (36, tile_count(n, h, w, 4), c)
+    assert winograd_gradient_tiles(x, output_tile=4).shape == tiles.shape
+    assert winograd_output(tiles, n, h, w).shape == shape
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "reference"])
+def test_f4_tile_ranges_are_slices_of_the_whole(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if compiled and not extension_available():
+        pytest.skip("the compiled extension is not built")
+    if not compiled:
+        monkeypatch.setattr("lit_amp_det.ops.winograd.extension_available", lambda: False)
+    n, c, h, w = 2, 6, 9, 7
+    x = _randn(n, c, h, w, dtype=torch.float64)
+    tiles = tile_count(n, h, w, 4)
+    assert tiles == 2 * 3 * 2
+    for op in (winograd_input_tiles, winograd_gradient_tiles):
+        whole = op(x, output_tile=4)
+        for begin, end in ((0, 5), (5, 9), (9, tiles), (7, 7)):
+            torch.testing.assert_close(op(x, begin, end, output_tile=4), whole[:, begin:end], atol=0, rtol=0)
+    products = _randn(36, tiles, c, dtype=torch.float64, seed=1)
+    whole = winograd_output(products, n, h, w)
+    out = torch.full_like(whole, float("nan"))
+    winograd_output_(out, products[:, 5:9], None, 5)
+    written = ~out.isnan()
+    assert written.any() and not written.all()
+    torch.testing.assert_close(out[written], whole[written], atol=0, rtol=0)
+
+
+def test_f4_reference_transforms_compose_to_a_convolution_in_float64() -> None:
+    """F(4x4, 3x3) forward and input gradient, and the weight gradient as F(3x3, 4x4) on the same input tiles, give
+    ``F.conv2d``'s to float64 rounding (partial last tiles both ways)."""
+    x, weight = _randn(2, 3, 9, 6, dtype=torch.float64), _randn(4, 3, 3, 3, dtype=torch.float64, seed=1)
+    grad = _randn(2, 4, 9, 6, dtype=torch.float64, seed=2)
+    tiles = _f4_reference_tiles("winograd_input_tiles_", x)
+    out = _reference_output(torch.bmm(tiles, winograd_weight_tiles(weight, output_tile=4)), 2, 9, 6, None)
+    torch.testing.assert_close(out, F.conv2d(x, weight, padding=1), atol=1e-12, rtol=1e-12)
+    grad_x = _reference_output(torch.bmm(_f4_reference_tiles("winograd_input_tiles_", grad),
+                                         winograd_weight_tiles(weight, transposed=True, output_tile=4)), 2, 9, 6, None)
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+    expected = torch.autograd.grad(F.conv2d(*leaves, padding=1), leaves, grad)
+    torch.testing.assert_close(grad_x, expected[0], atol=1e-12, rtol=1e-12)
+    products = torch.bmm(_f4_reference_tiles("winograd_gradient_tiles_", grad).transpose(1, 2), tiles)
+    torch.testing.assert_close(winograd_weight_gradient(products, weight), expected[1], atol=1e-12, rtol=1e-12)
+
+
+def test_f4_bad_arguments_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"output_tile must be one of \(2, 4\).*got 3"):
+        winograd_input_tiles(torch.zeros(1, 2, 4, 4), output_tile=3)
+    with pytest.raises(ValueError, match=r"winograd_output: products must be \[36, 4, C\] for a \[1, C, 5, 5\] map"):
+        winograd_output(torch.zeros(36, 3, 2), 1, 5, 5)
+    with pytest.raises(ValueError, match=r"Winograd tiles must be \[16, T, C\] \(F\(2x2, 3x3\)\) or \[36, T, C\]"):
+        winograd_weight_gradient(torch.zeros(25, 2, 2), torch.zeros(2, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[36, 4, 3\]"):
+        winograd_weight_tiles(torch.zeros(4, 3, 3, 3), out=torch.zeros(16, 4, 3), output_tile=4)
+    for bad in (3, True, "4"):
+        with pytest.raises(ValueError, match=r"model.winograd_output_tile must be 2 \(F\(2x2, 3x3\)\) or 4"):
+            winograd_conv3x3(torch.zeros(1, 2, 4, 4), torch.zeros(2, 2, 3, 3), None, bad)
+
+
+@pytest.mark.parametrize("size", [(14, 14), (5, 7), (1, 1), (8, 12)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_f4_conv_matches_conv2d(size: tuple[int, int], dtype: torch.dtype) -> None:
+    x, w, b = _conv_inputs(3, 6, 5, size, dtype)
+    out = winograd_conv3x3(x, w, b, output_tile=4)
+    assert out.dtype == dtype and out.is_contiguous(memory_format=NHWC)
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("size", [(4, 6), (7, 5)], ids=str)
+def test_f4_gradcheck_float64(bias: bool, size: tuple[int, int]) -> None:
+    x, w, b = _conv_inputs(2, 3, 4, size, torch.float64)
+    args = [x.requires_grad_(), w.requires_grad_(), b.requires_grad_() if bias else None, 4]
+    assert torch.autograd.gradcheck(winograd_conv3x3, args)
+
+
+def test_f4_overlapping_last_chunk_equals_conv2d(monkeypatch: pytest.MonkeyPatch) -> None:
+    """F(4x4) chunks hold 16/36 of F(2x2)'s tile count, rounded down to the granule: 448 by default. With 8 -> 3 tiles
+    per chunk and a granule of 3, 3 images of 9x7 (18 tiles) run in 6 chunks; output and all gradients equal
+    F.conv2d's in float64."""
+    from lit_amp_det.models import winograd_conv
+
+    assert winograd_conv.chunk_tiles(4) == 448 and winograd_conv.chunk_tiles(2) == winograd_conv.CHUNK_TILES
+    monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 16)
+    monkeypatch.setattr(winograd_conv, "TILE_GRANULE", 3)
+    assert winograd_conv.chunk_tiles(4) == 6
+    monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 8)
+    assert winograd_conv._chunks(tile_count(3, 9, 7, 4), 4) == [(0, 3, 0), (3, 6, 0), (6, 9, 0), (9, 12, 0),
+                                                                  (12, 15, 0), (15, 18, 0)]
+    x, w, b = _conv_inputs(3, 4, 5, (9, 7), torch.float64)
+    grad = _randn(3, 5, 9, 7, dtype=torch.float64, seed=4)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    out = winograd_conv3x3(*leaves, output_tile=4)
+    chunked = [out, *torch.autograd.grad(out, leaves, grad)]
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    expected = F.conv2d(*leaves, padding=1)
+    torch.testing.assert_close(chunked, [expected, *torch.autograd.grad(expected, leaves, grad)],
+                               atol=1e-12, rtol=1e-12)
+
+
+@needs_ext
+def test_f4_float32_error_at_a_real_size() -> None:
+    """The R50-FPN mask head's 256-channel layer on 20 RoIs (320 4x4 tiles of 14x14 maps), forward and every
+    gradient, in float32, against a float64 convolution. Measured (largest error / largest value): F(4x4) 6-10e-6,
+    F(2x2) 1.5-5.4e-7, oneDNN's direct convolution 1.8-2.7e-6; bounded here at 2e-5 and at 8x oneDNN's. (bf16
+    autocast's rounding is 4e-3.)"""
+    g = torch.Generator().manual_seed(3)
+    plain = nn.Conv2d(256, 256, 3, padding=1)
+    x = torch.randn(20, 256, 14, 14, generator=g).contiguous(memory_format=NHWC)
+    grad = torch.randn(20, 256, 14, 14, generator=g)
+
+    def run(conv, inputs: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (inputs, plain.weight, plain.bias)]
+        out = conv(*leaves)
+        out.backward(grad.to(dtype))
+        return [out.detach(), *[leaf.grad for leaf in leaves]]
+
+    def direct(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, w, b, padding=1)
+
+    exact = run(direct, x, torch.float64)
+    onednn = run(direct, x, torch.float32)
+    ours = run(lambda *a: winograd_conv3x3(*a, output_tile=4), x, torch.float32)
+    for name, a, b, e in zip(("output", "input grad", "weight grad", "bias grad"), ours, onednn, exact, strict=True):
+        scale = e.abs().max().item()
+        ours_error = (a.double() - e).abs().max().item() / scale
+        onednn_error = (b.double() - e).abs().max().item() / scale
+        assert ours_error < 2e-5, name
+        assert ours_error < 8 * onednn_error + 1e-7, name
+
+
+@needs_ext
+def test_f4_is_taken_only_where_the_layer_computes_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``output_tile=4`` layers run F(4x4) in float32 and keep F(2x2) in bf16 (and under bf16 autocast)."""
+    from lit_amp_det.models import winograd_conv
+
+    for rule in ("MIN_TILES", "FP32_MIN_TILES", "FP32_MIN_CHANNEL_TILES"):  # a small map takes tiles in every dtype
+        monkeypatch.setattr(winograd_conv, rule, 1)
+    calls: list[int] = []
+    original = winograd_conv.winograd_conv3x3
+    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", lambda *a: calls.append(a[3]) or original(*a))
+    layer = nn.Conv2d(256, 256, 3, padding=1)
+    assert use_winograd_convs(nn.ModuleDict({"roi_heads": nn.ModuleDict({"mask_head": layer})}), ["mask_head"], 4) == 1
+    assert isinstance(layer, WinogradConv2d) and layer.output_tile == 4
+    x = torch.randn(1, 256, 16, 16).contiguous(memory_format=NHWC)
+    layer(x)
+    layer.bfloat16()(x.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer.float()(x)
+    assert calls == [4, 2, 2]
+    with pytest.raises(ValueError, match="model.winograd_output_tile must be 2"):
+        use_winograd_convs(nn.Module(), ["mask_head"], 3)
+
+
+@needs_ext
+def test_f4_float32_parts_equal_direct_convolutions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.winograd_output_tile=4`` through the config: the tiny model's backbone + FPN, RPN head and mask head on
+    F(4x4) tiles give the direct model's outputs and parameter gradients to fp32 rounding (see the F(2x2) test
+    above for why parts, not a whole step)."""
+    from lit_amp_det.models import winograd_conv
+
+    monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNELS", 1)
+    monkeypatch.setattr(winograd_conv, "FP32_MIN_TILES", 1)
+    monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNEL_TILES", 1)
+    torch.manual_seed(0)
+    plain = _tiny_module("model.channels_last=true")
+    switched = _tiny_module("model.channels_last=true", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]",
+                            "model.winograd_output_tile=4")
+    switched.load_state_dict(plain.state_dict())
+    for module in (plain, switched):
+        smooth_activations(module).train()
+    layers = [m for m in switched.modules() if isinstance(m, WinogradConv2d)]
+    assert len(layers) >= 8 and all(m.output_tile == 4 for m in layers)
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand(2, 3, 160, 160, generator=g).contiguous(memory_format=NHWC)
+    rois = torch.randn(12, 32, 14, 14, generator=g).contiguous(memory_format=NHWC)
+
+    def run(module: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        module.zero_grad()
+        detector = module.model
+        features = list(detector.backbone(images).values())
+        objectness, deltas = detector.rpn.head(features)
+        outputs = [*features, *objectness, *deltas, detector.roi_heads.mask_head(rois)]
+        weights = torch.Generator().manual_seed(3)
+        sum((out * torch.randn(out.shape, generator=weights)).sum() for out in outputs).backward()
+        return ([out.detach() for out in outputs],
+                {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None})
+
+    calls: list[int] = []
+    original = winograd_conv.winograd_conv3x3
+    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", lambda *a: calls.append(a[3]) or original(*a))
+    outputs, grads = run(switched)
+    assert len(calls) >= len(layers) and set(calls) == {4}
+    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", original)
+    expected_outputs, expected_grads = run(plain)
+    for out, expected in zip(outputs, expected_outputs, strict=True):
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    assert grads.keys() == expected_grads.keys() and len(grads) > 40
+    for name, grad in grads.items():
+        reference = expected_grads[name]
+        assert (grad - reference).norm() <= 4e-4 * reference.norm() + 1e-6, name
+
+
+def test_f4_config_default_and_bad_value() -> None:
+    assert compose_config([]).model.winograd_output_tile == 2
+    with pytest.raises(Exception, match=r"model.winograd_output_tile must be 2 \(F\(2x2, 3x3\)\) or 4.*got 8"):
+        _tiny_module("model.winograd_output_tile=8")

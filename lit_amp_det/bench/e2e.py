@@ -190,9 +190,10 @@ def _setting_argv(setting: Setting) -> list[str]:
 
 
 def default_rows(bench: Bench, setting: Setting) -> list[str]:
-    """Every row, less those that change nothing when the rows' half precision is fp32 (``Row.needs_half``)."""
+    """Every row, less those that change nothing in the rows' half precision: ``Row.needs_half`` rows when it is
+    fp32, ``Row.needs_fp32`` rows when it is fp16/bf16."""
     fp32 = setting_half(setting) == "fp32"
-    return [row.name for row in bench.rows if not (row.needs_half and fp32)]
+    return [row.name for row in bench.rows if not (row.needs_half and fp32) and not (row.needs_fp32 and not fp32)]
 
 
 def prepare(setting: Setting, args: argparse.Namespace, dtypes: Sequence[str]) -> tuple[Setting, dict[str, Any]]:

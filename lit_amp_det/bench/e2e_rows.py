@@ -72,6 +72,7 @@ BASELINE = (
     "model.labelled_mask_logits=false",
     "model.pointwise_conv_as_matmul=false",
     "model.winograd_convs=[]",
+    "model.winograd_output_tile=2",
     "model.compile=null",
 )
 
@@ -83,13 +84,15 @@ class Row:
     ``{mixed}`` in the override stands for the run's mixed precision (see :func:`mixed_precision`),
     ``{weights}`` for its low-precision-weights twin (:func:`low_precision_weights`). ``needs_half``: the row
     changes nothing when the run's half precision is fp32 (``--precision fp32``, or ``auto`` on a CPU without
-    native bf16), so it is left out of such runs unless ``--rows`` names it.
+    native bf16), so it is left out of such runs unless ``--rows`` names it. ``needs_fp32``: the converse, a switch
+    that acts on fp32 layers only (left out of fp16/bf16 runs unless named).
     """
 
     name: str
     label: str
     override: str | None
     needs_half: bool = False
+    needs_fp32: bool = False
 
     def override_on(self, setting: Setting) -> str | None:
         """The override with ``{mixed}`` / ``{weights}`` filled in for ``setting``'s device and half precision."""
@@ -279,6 +282,7 @@ def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
         "model.labelled_mask_logits": cfg.model.labelled_mask_logits,
         "model.pointwise_conv_as_matmul": cfg.model.pointwise_conv_as_matmul,
         "model.winograd_convs": list(cfg.model.winograd_convs),
+        "model.winograd_output_tile": cfg.model.winograd_output_tile,
         "model.compile": cfg.model.compile,
         "callbacks": [repr(c) for c in built.callbacks],
         "optim.optimizer.fused": cfg.optim.optimizer.get("fused"),

@@ -22,10 +22,11 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
     (in fp16/bf16 256 channels or more: the R50-FPN; in fp32 from 64 channels on large maps,
     :func:`lit_amp_det.models.winograd_conv.winograd_pays`);
 12. ``model.winograd_convs=[mask_head,rpn_head,fpn,backbone]``: the ResNet's stride-1 3x3 layers as well;
-13. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
+13. ``model.winograd_output_tile=4``: those layers by F(4x4, 3x3) tiles where they compute in fp32;
+14. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
     batch size).
 
-Rows 8-12 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
+Rows 8-13 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
 
 A call is what ``predict`` runs per batch: ``MaskRCNNModule.forward`` (detector and post-processing: fp32
 boxes, scores, thresholded masks pasted at image size) inside the plugin's context under
@@ -69,7 +70,7 @@ ROWS = (
     Row("convbn-eval", "+ ConvBNEval (fold on the fly)", "callbacks=[conv_bn_eval]"),
     Row("convbn-fold", "+ conv-BN folded once", "callbacks.conv_bn_eval.fold_on_predict=true"),
     *(_TRAIN_ROW[name] for name in ("deconv-matmul", "labelled-mask-logits", "pointwise-matmul", "winograd",
-                                    "winograd-backbone")),
+                                    "winograd-backbone", "winograd-4x4")),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

@@ -21,6 +21,8 @@ and ``speed-up = torchvision median / ours median``. Sizes are Mask R-CNN's at 8
 * ``winograd_sizes`` (CPU): the same A/B over a grid of C -> C channels (32-512) and 2x2-tile counts (64-4096),
   where the size rule of :func:`lit_amp_det.models.winograd_conv.winograd_pays` comes from (run it with
   ``--repeats 3``: the largest layers take seconds).
+* ``winograd_4x4`` (CPU): ``model.winograd_output_tile=4``'s A/B, the ``winograd`` layers by F(4x4, 3x3) tiles
+  against F(2x2, 3x3) tiles, in fp32.
 * ``model`` (end to end, the ``model.ops`` A/B): the light Mask R-CNN (``conf/model/maskrcnn_light.yaml``,
   224 px, batch 4) built with ``ops=ext`` and ``ops=torchvision`` with identical weights; a bf16-autocast
   training step (forward + backward) and an eval forward. On a GPU, ``maskrcnn_r50_fpn`` at 800 px, batch 2.
@@ -226,6 +228,26 @@ def _winograd_cases(device: str, half: torch.dtype,
     return cases
 
 
+def _winograd_4x4_cases(device: str) -> list[tuple[str, str, str, Callable, Callable]]:
+    """``model.winograd_output_tile=4``'s A/B: each :data:`WINOGRAD_LAYERS` layer by F(4x4, 3x3) tiles against
+    F(2x2, 3x3) tiles, float32 (the dtype F(4x4) is taken in), forward + backward."""
+    from lit_amp_det.models.winograd_conv import winograd_conv3x3
+
+    if device != "cpu":
+        print("  winograd_4x4: CPU only; skipped", flush=True)
+        return []
+    g = torch.Generator().manual_seed(12)
+    cases = []
+    for name, n, c, h, w in WINOGRAD_LAYERS:
+        x = torch.randn(n, c, h, w, generator=g).contiguous(memory_format=torch.channels_last).requires_grad_()
+        weight = (torch.randn(c, c, 3, 3, generator=g) / (3 * c ** 0.5)).requires_grad_()
+        cases.append(("winograd conv3x3 fwd+bwd", f"{name}: {n}x{c}x{h}x{w}, {c} -> {c}",
+                      "float32 channels_last, F(4x4) vs F(2x2)",
+                      _backward(lambda x=x, weight=weight: winograd_conv3x3(x, weight, None, 4), [x, weight]),
+                      _backward(lambda x=x, weight=weight: winograd_conv3x3(x, weight, None, 2), [x, weight])))
+    return cases
+
+
 def _model_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
     from lit_amp_det.models.maskrcnn import build_detector
 
@@ -281,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per op (default 15 CPU, 50 CUDA)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", default="",
-                        help="comma-separated groups: nms,iou,roi_align,pooler,winograd,winograd_sizes,model "
+                        help="comma-separated groups: nms,iou,roi_align,pooler,winograd,winograd_sizes,winograd_4x4,"
+                             "model "
                              "(default all but winograd_sizes)")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
@@ -297,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               "pooler": lambda: _pooler_cases(args.device, half),
               "winograd": lambda: _winograd_cases(args.device, half),
               "winograd_sizes": lambda: _winograd_cases(args.device, half, _winograd_grid()),
+              "winograd_4x4": lambda: _winograd_4x4_cases(args.device),
               "model": lambda: _model_cases(args.device, half)}
     chosen = [g.strip() for g in args.only.split(",") if g.strip()] or [g for g in groups if g != "winograd_sizes"]
     unknown = sorted(set(chosen) - set(groups))

@@ -32,7 +32,10 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
     tiles in fp16/bf16/fp32 on the CPU, where a layer is large enough for its dtype
     (:mod:`lit_amp_det.models.winograd_conv`);
 15. ``model.winograd_convs=[mask_head,rpn_head,fpn,backbone]``: the ResNet's stride-1 3x3 convolutions as well;
-16. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
+16. ``model.winograd_output_tile=4``: those layers by F(4x4, 3x3) tiles where they compute in fp32 (1.78x fewer
+    multiplications than F(2x2, 3x3); it changes nothing in fp16/bf16, so fp16/bf16 runs leave it out unless
+    ``--rows`` names it);
+17. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed steps).
 
 A step is what Lightning's automatic optimisation runs for :class:`~lit_amp_det.MaskRCNNModule`: the
 FreezeNorm batch hook, forward and ``compute_loss`` inside the plugin's autocast context, ``zero_grad``,
@@ -91,6 +94,7 @@ ROWS = (
     Row("winograd", "+ Winograd 3x3 convs", "model.winograd_convs=[mask_head,rpn_head,fpn]"),
     Row("winograd-backbone", "+ Winograd in the backbone too",
         "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]"),
+    Row("winograd-4x4", "+ Winograd F(4x4) tiles in fp32", "model.winograd_output_tile=4", needs_fp32=True),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

@@ -1,4 +1,5 @@
-"""3x3 convolutions computed with Winograd's F(2x2, 3x3) algorithm: 2.25x fewer multiplications.
+"""3x3 convolutions computed with Winograd's F(2x2, 3x3) algorithm (2.25x fewer multiplications), or F(4x4, 3x3) in
+float32 (4x fewer).
 
 A 3x3 convolution with stride 1 and padding 1 computes each 2x2 output tile from a 4x4 input tile with 16
 elementwise products instead of 36 multiplications (Lavin & Gray, 2016; cuDNN and oneDNN have such algorithms, but
@@ -15,6 +16,14 @@ forward + backward per layer with oneDNN, already at its bf16 peak). Figures: BE
 In float32 on a CPU without AVX-512 it pays more: oneDNN's direct fp32 convolution there runs at 83-118 GFLOP/s
 (forward + backward), and the Winograd form was 1.8x faster on that mask-head layer and 2.4x on the R50-FPN's
 256-channel FPN and RPN convolutions of a 256 px batch (AVX2 AMD EPYC, 2 cores; BENCHMARKS.md, "Winograd in fp32").
+
+F(4x4, 3x3) (``model.winograd_output_tile=4``, float32 layers only) computes 4x4 output tiles from 6x6 input tiles
+with 36 products: 4x fewer multiplications than the direct convolution, 1.78x fewer than F(2x2, 3x3) on maps a
+multiple of 4 wide, and 2.25 instead of 4 tile values per output pixel for the transforms to move. Measured on the
+AVX2 CPU, forward + backward against F(2x2, 3x3): 1.5x on the R50-FPN's P2 and the light FPN's P2, 1.4x on
+ResNet-18's layer1-2, 1.2x on the mask head's 14x14 maps (16x16 covered: 1.36x fewer multiplications), 1.0x on
+ResNet-18's layer3 (14x14 at batch 4: 64 tiles). Its rounding error is about 20x F(2x2, 3x3)'s and 4x oneDNN's
+(BENCHMARKS.md, "Winograd F(4x4, 3x3)").
 
 Numerics: exact in real arithmetic (float64 agrees with ``F.conv2d`` to 1e-13), but in bf16 the transformed tiles
 and the 16 products are rounded to bf16 before the output transform sums them: measured relative error 0.5 % against
@@ -41,6 +50,8 @@ from lit_amp_det.models.bounded_matmul import Chunk, row_chunks
 from lit_amp_det.models.half_compute import HALF_DTYPES, apply_with_autocast_casts, convolution_dtype
 from lit_amp_det.ops._extension import extension_available
 from lit_amp_det.ops.winograd import (
+    OUTPUT_TILES,
+    POSITIONS,
     accumulation_dtype,
     tile_count,
     winograd_gradient_tiles_,
@@ -59,7 +70,9 @@ __all__ = [
     "MIN_TILES",
     "TILE_GRANULE",
     "WINOGRAD_PARTS",
+    "chunk_tiles",
     "WinogradConv2d",
+    "check_output_tile",
     "direct_convolutions",
     "is_winograd_shape",
     "release_workspace",
@@ -105,6 +118,15 @@ CHUNK_TILES = 1024
 TILE_GRANULE = 64
 
 
+def chunk_tiles(output_tile: int = 2) -> int:
+    """Tiles per chunk: :data:`CHUNK_TILES` for F(2x2, 3x3); for F(4x4, 3x3), whose tiles have 36 positions instead
+    of 16, as many as hold about the same number of rows (448 by default), a multiple of :data:`TILE_GRANULE`."""
+    if output_tile == 2:
+        return CHUNK_TILES
+    rows = CHUNK_TILES * POSITIONS[2] // POSITIONS[output_tile]
+    return max(TILE_GRANULE, rows // TILE_GRANULE * TILE_GRANULE)
+
+
 _DIRECT = contextvars.ContextVar("lit_amp_det_direct_convolutions", default=False)
 
 
@@ -138,12 +160,12 @@ def winograd_pays(dtype: torch.dtype, channels: int, tiles: int) -> bool:
     return False
 
 
-def _chunks(tiles: int) -> list[Chunk]:
-    """:data:`CHUNK_TILES` tiles at a time, the last chunk a multiple of :data:`TILE_GRANULE` tiles that overlaps the
+def _chunks(tiles: int, output_tile: int = 2) -> list[Chunk]:
+    """:func:`chunk_tiles` tiles at a time, the last chunk a multiple of :data:`TILE_GRANULE` tiles that overlaps the
     one before (:func:`~lit_amp_det.models.bounded_matmul.row_chunks`): the overlapping tiles' outputs are written
     twice, with the same values (oneDNN computes a row alike in any row count, bit for bit on the dev CPU), and the
     weight gradient zeroes their gradient tiles so that they are summed once."""
-    return row_chunks(tiles, CHUNK_TILES, TILE_GRANULE)
+    return row_chunks(tiles, chunk_tiles(output_tile), TILE_GRANULE)
 
 
 class _Workspace(threading.local):
@@ -155,17 +177,18 @@ class _Workspace(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
 
-    def get(self, slot: str, rows: int, columns: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """A contiguous ``[16, rows, columns]`` view of buffer ``slot`` in ``dtype`` (``like``'s by default) on
-        ``like``'s device, grown when too small."""
+    def get(self, slot: str, rows: int, columns: int, like: Tensor, dtype: torch.dtype | None = None,
+            positions: int = 16) -> Tensor:
+        """A contiguous ``[positions, rows, columns]`` view of buffer ``slot`` in ``dtype`` (``like``'s by default)
+        on ``like``'s device, grown when too small."""
         dtype = like.dtype if dtype is None else dtype
         key = (slot, dtype, like.device)
-        size = 16 * rows * columns
+        size = positions * rows * columns
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < size:
             self.buffers.pop(key, None)  # free the old one first
             buffer = self.buffers[key] = torch.empty(size, dtype=dtype, device=like.device)
-        return buffer[:size].view(16, rows, columns)
+        return buffer[:size].view(positions, rows, columns)
 
 
 _WORKSPACE = _Workspace()
@@ -177,54 +200,63 @@ def release_workspace() -> None:
     _WORKSPACE.buffers.clear()
 
 
-def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool = False) -> Tensor:
+def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool = False,
+              output_tile: int = 2) -> Tensor:
     """The convolution of NHWC ``x`` with ``weight`` (``transposed``: with its rotated, transposed filters, the
-    input gradient's convolution), chunk by chunk of tiles. The output is allocated before any temporary, so that
-    the temporaries are freed from the top of the CPU heap and leave no holes below the long-lived tensors."""
+    input gradient's convolution), chunk by chunk of ``output_tile``-sided tiles. The output is allocated before any
+    temporary, so that the temporaries are freed from the top of the CPU heap and leave no holes below the
+    long-lived tensors."""
     n, c_in, height, width = x.shape
     c_out = weight.shape[1] if transposed else weight.shape[0]
+    positions = POSITIONS[output_tile]
     out = torch.empty((n, c_out, height, width), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    filters = _WORKSPACE.get("filters", weight.shape[0], weight.shape[1], weight)
-    tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed, out=filters)
-    for begin, end, _ in _chunks(tile_count(n, height, width)):
-        tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x), x, begin)
-        products = torch.bmm(tiles, tiles_of_weight, out=_WORKSPACE.get("products", end - begin, c_out, x))
+    filters = _WORKSPACE.get("filters", weight.shape[0], weight.shape[1], weight, positions=positions)
+    tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed, out=filters, output_tile=output_tile)
+    for begin, end, _ in _chunks(tile_count(n, height, width, output_tile), output_tile):
+        tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x, positions=positions), x, begin)
+        products = torch.bmm(tiles, tiles_of_weight,
+                             out=_WORKSPACE.get("products", end - begin, c_out, x, positions=positions))
         winograd_output_(out, products, bias, begin)
     return out
 
 
-def _weight_gradient(x: Tensor, grad: Tensor, weight: Tensor) -> Tensor:
-    """F(3x3, 2x2): the 16 products ``[C_out, T] @ [T, C_in]`` of gradient and input tiles, summed over the chunks
-    in fp32 (fp64 for fp64), then ``A2^T s A2`` (into a gradient allocated first, as in :func:`_convolve`)."""
+def _weight_gradient(x: Tensor, grad: Tensor, weight: Tensor, output_tile: int = 2) -> Tensor:
+    """F(3x3, m x m): the 16 (36) products ``[C_out, T] @ [T, C_in]`` of gradient and input tiles, summed over the
+    chunks in fp32 (fp64 for fp64), then ``A'^T s A'`` (into a gradient allocated first, as in :func:`_convolve`)."""
     n, c_in, height, width = x.shape
     c_out = grad.shape[1]
+    positions = POSITIONS[output_tile]
     out = torch.empty_like(weight)
     acc = accumulation_dtype(x.dtype)
-    total = _WORKSPACE.get("weight_sum", c_out, c_in, x, acc)
-    for k, (begin, end, overlap) in enumerate(_chunks(tile_count(n, height, width))):
-        grad_tiles = winograd_gradient_tiles_(_WORKSPACE.get("products", end - begin, c_out, grad), grad, begin)
+    total = _WORKSPACE.get("weight_sum", c_out, c_in, x, acc, positions=positions)
+    for k, (begin, end, overlap) in enumerate(_chunks(tile_count(n, height, width, output_tile), output_tile)):
+        grad_tiles = winograd_gradient_tiles_(
+            _WORKSPACE.get("products", end - begin, c_out, grad, positions=positions), grad, begin)
         grad_tiles[:, :overlap].zero_()  # tiles the chunk before has summed already
-        tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x), x, begin)
+        tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x, positions=positions), x, begin)
         if x.dtype == acc:  # straight into the sum (beta 0: the buffer's earlier contents are ignored)
             total.baddbmm_(grad_tiles.transpose(1, 2), tiles, beta=1 if k else 0)
             continue
-        products = torch.bmm(grad_tiles.transpose(1, 2), tiles, out=_WORKSPACE.get("weight", c_out, c_in, x))
+        products = torch.bmm(grad_tiles.transpose(1, 2), tiles,
+                             out=_WORKSPACE.get("weight", c_out, c_in, x, positions=positions))
         total.add_(products) if k else total.copy_(products)
     return winograd_weight_gradient(total, weight, out=out)
 
 
 class _WinogradConv3x3(torch.autograd.Function):
-    """``F.conv2d(x, weight, bias, padding=1)`` for a 3x3 ``weight``, by F(2x2, 3x3) tiles; channels_last output."""
+    """``F.conv2d(x, weight, bias, padding=1)`` for a 3x3 ``weight``, by F(2x2, 3x3) or F(4x4, 3x3) tiles (every
+    pass: forward, input and weight gradients); channels_last output."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, output_tile: int) -> Tensor:
         x = x.contiguous(memory_format=torch.channels_last)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _convolve(x, weight, bias)
+        ctx.output_tile = output_tile
+        return _convolve(x, weight, bias, output_tile=output_tile)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
         if torch.is_grad_enabled():  # create_graph=True: the kernels below have no derivatives of their own
             raise RuntimeError("winograd_conv3x3 is differentiable once: its backward cannot build a graph "
                                "(create_graph=True). Set model.winograd_convs=[] for double backward.")
@@ -232,28 +264,47 @@ class _WinogradConv3x3(torch.autograd.Function):
         grad = grad.contiguous(memory_format=torch.channels_last)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # the convolution of the gradient with the rotated, transposed filters
-            grad_x = _convolve(grad, weight, None, transposed=True)
+            grad_x = _convolve(grad, weight, None, transposed=True, output_tile=ctx.output_tile)
         if ctx.needs_input_grad[1]:
-            grad_weight = _weight_gradient(x, grad, weight)
+            grad_weight = _weight_gradient(x, grad, weight, output_tile=ctx.output_tile)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum((0, 2, 3))
-        return grad_x, grad_weight, grad_bias
+        return grad_x, grad_weight, grad_bias, None
 
 
-def winograd_conv3x3(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def winograd_conv3x3(x: Tensor, weight: Tensor, bias: Tensor | None = None, output_tile: int = 2) -> Tensor:
     """``F.conv2d(x, weight, bias, padding=1)`` for ``x`` ``[N, C_in, H, W]`` and a 3x3 ``weight``
-    ``[C_out, C_in, 3, 3]`` by Winograd F(2x2, 3x3) tiles, differentiable once; returns a channels_last tensor.
-    Under autocast the operands are cast to the autocast dtype first, as ``F.conv2d`` casts them."""
+    ``[C_out, C_in, 3, 3]`` by Winograd F(2x2, 3x3) tiles (``output_tile=4``: F(4x4, 3x3), for float32),
+    differentiable once; returns a channels_last tensor. Under autocast the operands are cast to the autocast dtype
+    first, as ``F.conv2d`` casts them."""
     if x.dim() != 4 or weight.dim() != 4 or tuple(weight.shape[2:]) != (3, 3) or weight.shape[1] != x.shape[1]:
         raise ValueError(f"winograd_conv3x3 needs x [N, C_in, H, W] and weight [C_out, C_in, 3, 3], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    return apply_with_autocast_casts(_WinogradConv3x3, x, weight, bias)
+    check_output_tile(output_tile)
+    return apply_with_autocast_casts(_WinogradConv3x3, x, weight, bias, output_tile)
+
+
+def check_output_tile(output_tile: int) -> None:
+    """Raises a ValueError naming ``model.winograd_output_tile`` unless ``output_tile`` is 2 or 4."""
+    if isinstance(output_tile, bool) or output_tile not in OUTPUT_TILES:
+        raise ValueError(f"model.winograd_output_tile must be 2 (F(2x2, 3x3)) or 4 (F(4x4, 3x3), float32 only), got "
+                         f"{output_tile!r}")
 
 
 class WinogradConv2d(nn.Conv2d):
     """``nn.Conv2d`` that computes a 3x3, stride-1, padding-1 layer (:func:`is_winograd_shape`) in fp16/bf16/fp32 on
-    the CPU by Winograd F(2x2, 3x3) tiles where it is large enough (:func:`winograd_pays`); everything else runs
-    ``nn.Conv2d``'s convolution. Same parameters and ``state_dict`` as the layer it replaces."""
+    the CPU by Winograd tiles where it is large enough (:func:`winograd_pays`); everything else runs ``nn.Conv2d``'s
+    convolution. Same parameters and ``state_dict`` as the layer it replaces.
+
+    ``output_tile`` (class default 2, set per layer by :func:`use_winograd_convs`): 4 computes float32 layers by
+    F(4x4, 3x3) tiles, 1.78x fewer multiplications than F(2x2, 3x3) on maps a multiple of 4 wide (1.36x on the mask
+    head's 14x14) and fewer tile values per output pixel to transform, at a larger rounding error (about 4x
+    oneDNN's direct fp32 convolution's: 8e-6 against 2e-6 of the largest output on the mask head's layer, 500x below
+    bf16 autocast's rounding). fp16/bf16 layers keep F(2x2, 3x3): their tiles are rounded to 8 or 11 bits, which
+    F(4x4, 3x3)'s larger transform entries would amplify.
+    """
+
+    output_tile: int = 2
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (torch's name)
         return self.convolve(input, self.weight, self.bias)
@@ -262,8 +313,13 @@ class WinogradConv2d(nn.Conv2d):
         """This layer's convolution of ``input`` with another ``weight`` and ``bias`` of the same shapes (conv-BN
         eval's folded ones), by Winograd tiles when :meth:`computes_with_winograd`."""
         if self.computes_with_winograd(input):
-            return winograd_conv3x3(input, weight, bias)
+            return winograd_conv3x3(input, weight, bias, self.tile_side(input))
         return self._conv_forward(input, weight, bias)
+
+    def tile_side(self, input: Tensor) -> int:  # noqa: A002 (torch's name)
+        """The output tile side the Winograd path takes for ``input``: :attr:`output_tile` where the layer computes
+        in float32, 2 otherwise."""
+        return self.output_tile if convolution_dtype(input) == torch.float32 else 2
 
     def computes_with_winograd(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
         """True when ``forward(input)`` takes the Winograd path: a batched input on the CPU computed in fp16, bf16 or
@@ -276,13 +332,15 @@ class WinogradConv2d(nn.Conv2d):
                 and extension_available())
 
 
-def use_winograd_convs(detector: nn.Module, parts: Sequence[str]) -> int:
+def use_winograd_convs(detector: nn.Module, parts: Sequence[str], output_tile: int = 2) -> int:
     """Switches every 3x3, stride-1 ``nn.Conv2d`` (the exact class: a subclass may have its own ``forward``) in the
-    named ``parts`` of the detector (keys of :data:`WINOGRAD_PARTS`) to :class:`WinogradConv2d`, in place. A part
-    the detector lacks (a Faster R-CNN's mask head) is skipped. Returns how many layers were switched."""
+    named ``parts`` of the detector (keys of :data:`WINOGRAD_PARTS`) to :class:`WinogradConv2d`, in place, with
+    ``output_tile`` (2: F(2x2, 3x3); 4: F(4x4, 3x3) where a layer computes in float32). A part the detector lacks (a
+    Faster R-CNN's mask head) is skipped. Returns how many layers were switched."""
     unknown = sorted(set(parts) - set(WINOGRAD_PARTS))
     if unknown:
         raise ValueError(f"model.winograd_convs: unknown part(s) {unknown}; choose from {sorted(WINOGRAD_PARTS)}")
+    check_output_tile(output_tile)
     switched = 0
     for part in parts:
         module: nn.Module | None = detector
@@ -293,5 +351,6 @@ def use_winograd_convs(detector: nn.Module, parts: Sequence[str]) -> int:
         for conv in module.modules():
             if type(conv) is nn.Conv2d and is_winograd_shape(conv) and "forward" not in vars(conv):
                 conv.__class__ = WinogradConv2d
+                conv.output_tile = output_tile
                 switched += 1
     return switched

@@ -245,60 +245,83 @@ def all_finite(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack([torch.isfinite(t).all() for t in floating]).all()
 
 
-# Winograd F(2x2, 3x3) tile transforms (csrc/README.md): tile (n, i, j) covers output pixels 2i..2i+1, 2j..2j+1.
-_WINOGRAD_BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))
-_WINOGRAD_AT = ((1, 1, 1, 0), (0, 1, -1, -1))
-_WINOGRAD_G2 = ((1, 0), (0.5, 0.5), (0.5, -0.5), (0, -1))
+# Winograd F(2x2, 3x3) and F(4x4, 3x3) tile transforms (csrc/README.md): with m x m output tiles (m = 2 or 4; 16 or
+# 36 transform positions, the tiles' first dimension), tile (n, i, j) covers output pixels m*i..m*i+m-1, m*j..m*j+m-1.
+_WINOGRAD_BT = {
+    2: ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1)),
+    4: ((4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0), (0, -2, -1, 2, 1, 0), (0, 2, -1, -2, 1, 0),
+        (0, 4, 0, -5, 0, 1)),
+}
+_WINOGRAD_AT = {
+    2: ((1, 1, 1, 0), (0, 1, -1, -1)),
+    4: ((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0), (0, 1, -1, 8, -8, 1)),
+}
+_WINOGRAD_GRAD_G = {  # G': the output-gradient tile's transform (the weight gradient is F(3x3, m x m))
+    2: ((1, 0), (0.5, 0.5), (0.5, -0.5), (0, -1)),
+    4: ((1 / 4, 0, 0, 0), (-1 / 6, -1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6, 1 / 6),
+        (1 / 24, 1 / 12, 1 / 6, 1 / 3), (1 / 24, -1 / 12, 1 / 6, -1 / 3), (0, 0, 0, 1)),
+}
+_WINOGRAD_SIDE = {16: 2, 36: 4}  # output tile side by transform positions
 
 
-def _tiles(x: Tensor, side: int, offset: int) -> Tensor:
-    """``[N, C, ceil(H/2), ceil(W/2), side, side]``: the side x side windows of ``x`` at (2i + offset, 2j + offset),
+def _winograd_side(tiles: Tensor) -> int:
+    if tiles.dim() != 3 or tiles.shape[0] not in _WINOGRAD_SIDE:
+        raise ValueError(f"Winograd tiles must be [16 or 36, T, C], got {tuple(tiles.shape)}")
+    return _WINOGRAD_SIDE[tiles.shape[0]]
+
+
+def _tiles(x: Tensor, side: int, offset: int, m: int) -> Tensor:
+    """``[N, C, ceil(H/m), ceil(W/m), side, side]``: the side x side windows of ``x`` at (m*i + offset, m*j + offset),
     zero outside ``x``."""
     n, c, h, w = x.shape
-    tiles_h, tiles_w = (h + 1) // 2, (w + 1) // 2
+    tiles_h, tiles_w = -(-h // m), -(-w // m)
     low = -offset
-    padded = torch.nn.functional.pad(x, (low, 2 * tiles_w + side - 2 - w - low, low, 2 * tiles_h + side - 2 - h - low))
-    return padded.unfold(2, side, 2).unfold(3, side, 2)
+    padded = torch.nn.functional.pad(x, (low, m * tiles_w + side - m - w - low, low, m * tiles_h + side - m - h - low))
+    return padded.unfold(2, side, m).unfold(3, side, m)
 
 
 def _two_sided(matrix: tuple[tuple[float, ...], ...], tiles: Tensor) -> Tensor:
-    """``M t M^T`` of every tile in ``[N, C, th, tw, k, k]`` -> ``[16 or 4, T, C]`` in (row, column) order."""
+    """``M t M^T`` of every tile in ``[N, C, th, tw, k, k]`` -> ``[alpha^2 or m^2, T, C]`` in (row, column) order."""
     m = torch.tensor(matrix, dtype=tiles.dtype, device=tiles.device)
     out = torch.einsum("ar,bs,nctirs->abntic", m, m, tiles)
     return out.reshape(out.shape[0] * out.shape[1], -1, tiles.shape[1])
 
 
 def winograd_input_tiles_(tiles: Tensor, input: Tensor, tile_begin: int = 0) -> None:  # noqa: A002
-    """Writes ``B^T d B`` of the 4x4 tiles of ``input`` zero-padded by 1, tiles ``[tile_begin, tile_begin + T)``,
-    into ``tiles`` ``[16, T, C]``."""
-    every = _two_sided(_WINOGRAD_BT, _tiles(input.to(_accumulation_dtype(input)), 4, -1))
+    """Writes ``B^T d B`` of the (m+2)x(m+2) tiles of ``input`` zero-padded by 1, tiles ``[tile_begin, tile_begin +
+    T)``, into ``tiles`` ``[16 or 36, T, C]``."""
+    m = _winograd_side(tiles)
+    every = _two_sided(_WINOGRAD_BT[m], _tiles(input.to(_accumulation_dtype(input)), m + 2, -1, m))
     tiles.copy_(every[:, tile_begin:tile_begin + tiles.shape[1]])
 
 
 def winograd_gradient_tiles_(tiles: Tensor, grad_output: Tensor, tile_begin: int = 0) -> None:
-    """Writes ``G2 g G2^T`` of the 2x2 tiles of ``grad_output``, tiles ``[tile_begin, tile_begin + T)``, into
+    """Writes ``G' g G'^T`` of the m x m tiles of ``grad_output``, tiles ``[tile_begin, tile_begin + T)``, into
     ``tiles``."""
+    m = _winograd_side(tiles)
     acc = _accumulation_dtype(grad_output)
-    every = _two_sided(_WINOGRAD_G2, _tiles(grad_output.to(acc), 2, 0))
+    every = _two_sided(_WINOGRAD_GRAD_G[m], _tiles(grad_output.to(acc), m, 0, m))
     tiles.copy_(every[:, tile_begin:tile_begin + tiles.shape[1]])
 
 
 def winograd_output_(out: Tensor, products: Tensor, bias: Tensor | None, tile_begin: int = 0) -> None:
-    """Writes ``A^T m A`` (+ ``bias``) of tiles ``[tile_begin, tile_begin + T)`` (``products``: ``[16, T, C]``) into
-    their pixels of the ``[N, C, H, W]`` map ``out``; the other pixels keep their values."""
+    """Writes ``A^T M A`` (+ ``bias``) of tiles ``[tile_begin, tile_begin + T)`` (``products``: ``[16 or 36, T,
+    C]``) into their pixels of the ``[N, C, H, W]`` map ``out``; the other pixels keep their values."""
+    m = _winograd_side(products)
+    alpha = m + 2
     acc = _accumulation_dtype(products)
     batch_size, channels, height, width = out.shape
-    tiles_h, tiles_w = (height + 1) // 2, (width + 1) // 2
+    tiles_h, tiles_w = -(-height // m), -(-width // m)
     count = products.shape[1]
-    every = products.new_zeros((16, batch_size * tiles_h * tiles_w, channels), dtype=acc)
+    every = products.new_zeros((alpha * alpha, batch_size * tiles_h * tiles_w, channels), dtype=acc)
     every[:, tile_begin:tile_begin + count] = products.to(acc)
-    a = torch.tensor(_WINOGRAD_AT, dtype=acc, device=products.device)
-    m = every.reshape(4, 4, batch_size, tiles_h, tiles_w, channels)
-    full = torch.einsum("pa,qb,abntic->nctpiq", a, a, m).reshape(batch_size, channels, 2 * tiles_h, 2 * tiles_w)
+    a = torch.tensor(_WINOGRAD_AT[m], dtype=acc, device=products.device)
+    tiles = every.reshape(alpha, alpha, batch_size, tiles_h, tiles_w, channels)
+    full = torch.einsum("pa,qb,abntic->nctpiq", a, a, tiles).reshape(batch_size, channels, m * tiles_h, m * tiles_w)
     full = full[:, :, :height, :width]
     if bias is not None:
         full = full + bias.to(acc).view(1, -1, 1, 1)
     index = torch.arange(batch_size * tiles_h * tiles_w, device=out.device).view(batch_size, 1, tiles_h, tiles_w)
-    index = index.repeat_interleave(2, 2).repeat_interleave(2, 3)[:, :, :height, :width]
+    index = index.repeat_interleave(m, 2).repeat_interleave(m, 3)[:, :, :height, :width]
     inside = (index >= tile_begin) & (index < tile_begin + count)
     out.copy_(torch.where(inside, full.to(out.dtype), out))

@@ -1,4 +1,5 @@
-// Schemas of the Winograd F(2x2, 3x3) tile transforms (semantics: csrc/README.md).
+// Schemas of the Winograd F(2x2, 3x3) and F(4x4, 3x3) tile transforms (semantics: csrc/README.md); the tiles'
+// first dimension (16 or 36 transform positions) selects the algorithm.
 //
 // A 3x3 convolution with stride 1 and padding 1 computed as 16 matrix products over 4x4 input tiles: 2.25x fewer
 // multiplications than the direct convolution (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks").
