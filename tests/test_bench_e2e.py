@@ -227,6 +227,7 @@ def test_bench_train_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert rows[1]["gflop_per_step"] == pytest.approx(rows[0]["gflop_per_step"], rel=1e-3)  # + chunk overlaps
     assert rows[1]["speedup"] == pytest.approx(rows[0]["step_ms_median"] / rows[1]["step_ms_median"])
     assert rows[0]["speedup"] == 1.0 and rows[0]["memory_ratio"] in (1.0, None)
+    assert rows[0]["vs_previous"] is None and rows[1]["vs_previous"]["speedup"] == rows[1]["speedup"]
     assert rows[1]["speedup"] > 0 and len(rows[1]["step_ms_all"]) == 4 and rows[1]["warmup_steps"] == 1
     assert rows[1]["overrides"][-2:] == ["trainer.precision=bf16-weights", "model.deconv_as_matmul=true"]
     assert rows[1]["compute_dtype"] == "bf16"
@@ -262,18 +263,25 @@ def test_compile_row_runs(tmp_path: Path) -> None:
 
 
 def test_failed_row_becomes_a_table_line(tmp_path: Path) -> None:
-    """A row whose process fails is reported with its error's last line; the other rows still are."""
+    """A row whose process fails is reported with its error's last line; the other rows still are, and the row after
+    it compares with the last row that ran (``vs row above``)."""
     broken = dataclasses.replace(SETTING, model="no_such_model")
     failed = e2e.run_row_process(train.BENCH, 1, broken)
     assert failed["status"] == "failed" and "no_such_model" in failed["error"] and failed["returncode"] == 2
     ok = train.run_row(0, SETTING)
+    slower = {**ok, "images_per_s": ok["images_per_s"] / 2}
     rows = [{"name": "torchvision-fp32", "label": "torchvision fp32 eager", "override": None, "status": "ok", **ok},
-            {"name": "autocast", "label": "+ torch.autocast", "override": "trainer.precision=bf16-mixed", **failed}]
+            {"name": "autocast", "label": "+ torch.autocast", "override": "trainer.precision=bf16-mixed", **failed},
+            {"name": "ext-ops", "label": "+ lit_amp_det ops", "override": "model.ops=ext", "status": "ok", **slower}]
     text = e2e_report.write_report(train.BENCH, rows, SETTING, e2e_report.environment("cpu"),
                                    "python -m lit_amp_det bench train", tmp_path)
     assert f"| 2 | + torch.autocast | `trainer.precision=bf16-mixed` | **failed**: {failed['error']}" in text
+    assert "| vs row above |" in text and f"| 3 | + lit_amp_det ops | `model.ops=ext` | {slower['images_per_s']:.2f} " \
+        "| 0.50x | 0.50x |" in text
     report = json.loads((tmp_path / "bench_train.json").read_text())
-    assert [row["status"] for row in report["rows"]] == ["ok", "failed"] and report["rows"][0]["speedup"] == 1.0
+    assert [row["status"] for row in report["rows"]] == ["ok", "failed", "ok"] and report["rows"][0]["speedup"] == 1.0
+    assert report["rows"][0]["vs_previous"] is None and "vs_previous" not in report["rows"][1]
+    assert report["rows"][2]["vs_previous"]["speedup"] == pytest.approx(0.5)  # against row 1, the failed one skipped
     assert (tmp_path / "bench_train.png").read_bytes()[:8] == PNG
 
 

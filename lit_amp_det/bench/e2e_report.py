@@ -21,8 +21,8 @@ from lit_amp_det.bench.common import cpu_name
 from lit_amp_det.bench.e2e_rows import Bench, Setting, low_precision_weights, mixed_precision, setting_half
 from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
-__all__ = ["cpu_bf16_text", "environment", "half_line", "peaks_line", "plot", "ratio_text", "repeat_text",
-           "repeats_line", "roofline_text", "state_line", "table", "write_report"]
+__all__ = ["cpu_bf16_text", "environment", "half_line", "peaks_line", "plot", "previous_ratio_text", "ratio_text",
+           "repeat_text", "repeats_line", "roofline_text", "state_line", "table", "write_report"]
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -53,6 +53,11 @@ def cpu_bf16_text() -> str:
 def ratio_text(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     """``value`` formatted, or ``-`` when there is none (a failed row, a zero baseline)."""
     return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def previous_ratio_text(row: Mapping[str, Any], key: str) -> str:
+    """Ratio ``key`` of ``row`` against the row above it (``vs_previous``), or ``-`` for the first row."""
+    return ratio_text((row.get("vs_previous") or {}).get(key), suffix="x")
 
 
 def repeat_text(row: Mapping[str, Any], prefix: str, spec: str = ".0f") -> str:
@@ -159,15 +164,21 @@ def plot(bench: Bench, rows: Sequence[dict[str, Any]], title: str, path: Path) -
 
 def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env: dict[str, Any],
                  command: str, out: Path, run: Mapping[str, Any] | None = None) -> str:
-    """Adds to each ok row its ratios to the first ok row; writes ``bench_<kind>.{md,json,png}`` to ``out``.
+    """Adds to each ok row its ratios to the first ok row, and as ``vs_previous`` its ratios to the ok row above it
+    (``None`` for the first: what that row's own switch changed, since the rows are cumulative); writes
+    ``bench_<kind>.{md,json,png}`` to ``out``.
 
     ``run``: the state, the peaks, the repeats and the run order (see :func:`lit_amp_det.bench.e2e.main`), for
     the header and the JSON's top level. Returns the markdown table.
     """
     base = next((row for row in rows if row["status"] == "ok"), None)
+    previous = None
     for row in rows:
-        if row["status"] == "ok" and base is not None:
-            row.update(bench.ratios(row, base))
+        if row["status"] != "ok":
+            continue
+        row.update(bench.ratios(row, base))
+        row["vs_previous"] = None if previous is None else bench.ratios(row, previous)
+        previous = row
     base_label = f"row 1 ({rows[0]['label']})" if rows and base is rows[0] else (
         f"the first row that ran ({base['label']})" if base else "no row (all failed)")
     header = [
@@ -182,8 +193,9 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, env
         half_line(bench, setting),
         *_load_line(env),
         *([state_line(setting, run.get("state")), repeats_line(run), peaks_line(run["peaks"])] if run else []),
-        f"- ratios vs {base_label} (from the median times); IQR = interquartile range of the timed steps of all "
-        f"repeats; peak = memory one step needed above the built model ({_memory_method(rows)})",
+        f"- ratios vs {base_label} (from the median times); `vs row above`: the same ratio against the row above "
+        f"that ran, the effect of the switches that row adds (rows are cumulative); IQR = interquartile range of the "
+        f"timed steps of all repeats; peak = memory one step needed above the built model ({_memory_method(rows)})",
     ]
     text = table(bench, rows, header)
     text = "\n".join([text, *breakdown_lines(rows, (run or {}).get("peaks", {}).get("peaks", {}))])
@@ -203,7 +215,9 @@ def half_line(bench: Bench, setting: Setting) -> str:
     text = (f"- precision rows in {half} (`--precision`; `{mixed_precision(setting.device, half)}` for autocast, "
             f"`{low_precision_weights(setting.device, half)}` for half weights)")
     if half != "fp32":
-        return text
+        fp32_only = ", ".join(row.name for row in bench.rows if row.needs_fp32)
+        return f"{text}; the rows that act in fp32 only ({fp32_only}) run only when `--rows` names them" if (
+            fp32_only) else text
     skipped = ", ".join(row.name for row in bench.rows if row.needs_half)
     return (f"{text}: the rows that change nothing in fp32 ({skipped}) run only when `--rows` names them; "
             f"every row is an fp32 recipe")

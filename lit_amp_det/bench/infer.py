@@ -54,7 +54,7 @@ import torch
 
 from lit_amp_det.bench import e2e, e2e_rows
 from lit_amp_det.bench.common import batch_sha256, compose
-from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
+from lit_amp_det.bench.e2e_report import previous_ratio_text, ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.bench.train import ROWS as TRAIN_ROWS
@@ -149,6 +149,7 @@ BENCH = e2e_rows.Bench(
         ("batch ms (median, IQR)", lambda r: f"{r['batch_ms_median']:.0f} ({r['batch_ms_iqr']:.0f})"),
         ("batch repeats ms", lambda r: repeat_text(r, "batch")),
         ("throughput speed-up", lambda r: ratio_text(r.get("throughput_speedup"), suffix="x")),
+        ("throughput vs row above", lambda r: previous_ratio_text(r, "throughput_speedup")),
         ("GFLOP/call (batch)", lambda r: ratio_text(r.get("gflop_per_step"), ".1f")),
         ("GFLOP/s (% of peak)", roofline_text),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),

@@ -69,7 +69,7 @@ import torch
 from lit_amp_det.bench import e2e, e2e_rows
 from lit_amp_det.bench.breakdown import time_breakdown
 from lit_amp_det.bench.common import batch_sha256, compose, train_step
-from lit_amp_det.bench.e2e_report import ratio_text, repeat_text, roofline_text
+from lit_amp_det.bench.e2e_report import previous_ratio_text, ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
@@ -205,6 +205,7 @@ BENCH = e2e_rows.Bench(
     columns=(
         ("images/s", lambda r: f"{r['images_per_s']:.2f}"),
         ("speed-up", lambda r: ratio_text(r.get("speedup"), suffix="x")),
+        ("vs row above", lambda r: previous_ratio_text(r, "speedup")),
         ("step ms (median)", lambda r: f"{r['step_ms_median']:.0f}"),
         ("repeats ms", lambda r: repeat_text(r, "step")),
         ("IQR ms", lambda r: f"{r['step_ms_iqr']:.0f}"),
