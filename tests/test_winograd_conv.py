@@ -926,3 +926,38 @@ def test_f4_config_default_and_bad_value() -> None:
     assert compose_config([]).model.winograd_output_tile == 2
     with pytest.raises(Exception, match=r"model.winograd_output_tile must be 2 \(F\(2x2, 3x3\)\) or 4.*got 8"):
         _tiny_module("model.winograd_output_tile=8")
+
+
+@needs_ext
+def test_f4_opcheck() -> None:
+    """torch.library.opcheck with [36, T, C] tiles: the same schemas and fake kernels serve F(4x4, 3x3)."""
+    x = _randn(2, 3, 9, 7)  # 3 x 2 4x4 tiles per image
+    torch.library.opcheck(torch.ops.lit_amp_det.winograd_input_tiles_.default, (torch.empty(36, 7, 3), x, 5))
+    torch.library.opcheck(torch.ops.lit_amp_det.winograd_gradient_tiles_.default, (torch.empty(36, 12, 3), x, 0))
+    out = torch.zeros(2, 3, 9, 7).contiguous(memory_format=NHWC)
+    torch.library.opcheck(torch.ops.lit_amp_det.winograd_output_.default, (out, _randn(36, 6, 3), _randn(3), 4))
+
+
+@needs_ext
+def test_f4_compiles_in_one_graph() -> None:
+    """An ``output_tile=4`` float32 layer under torch.compile (fullgraph): the F(4x4) path traces into one graph and
+    gives the eager values exactly."""
+    conv = nn.Conv2d(128, 128, 3, padding=1).to(memory_format=torch.channels_last)
+    conv.__class__ = WinogradConv2d
+    conv.output_tile = 4
+    x = _randn(1, 128, 32, 32, seed=6).contiguous(memory_format=torch.channels_last)
+    assert conv.computes_with_winograd(x) and conv.tile_side(x) == 4
+
+    def step(layer: nn.Module) -> list[torch.Tensor]:
+        image = x.clone().requires_grad_()
+        out = layer(image).relu()
+        return [out.detach(), *torch.autograd.grad(out.sum(), [image, conv.weight, conv.bias])]
+
+    eager = step(conv)
+    torch._dynamo.reset()
+    try:
+        compiled = step(torch.compile(conv, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    for got, expected in zip(compiled, eager, strict=True):
+        assert torch.equal(got, expected)
