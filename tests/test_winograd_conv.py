@@ -273,14 +273,20 @@ def test_overlapping_last_chunk_equals_conv2d(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 8)
     monkeypatch.setattr(winograd_conv, "TILE_GRANULE", 3)
     assert winograd_conv._chunks(tile_count(3, 5, 7))[-1] == (30, 36, 2)
-    x, w, b = _conv_inputs(3, 4, 5, (5, 7), torch.float64)
-    grad = _randn(3, 5, 5, 7, dtype=torch.float64, seed=4)
+    _assert_equals_conv2d_in_float64(3, (5, 7), output_tile=2)
+
+
+def _assert_equals_conv2d_in_float64(n: int, size: tuple[int, int], output_tile: int) -> None:
+    """``winograd_conv3x3`` of an N x 4 x H x W float64 input (4 -> 5 channels, with bias): output and every gradient
+    equal ``F.conv2d``'s to 1e-12."""
+    x, w, b = _conv_inputs(n, 4, 5, size, torch.float64)
+    grad = _randn(n, 5, *size, dtype=torch.float64, seed=4)
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-    out = winograd_conv3x3(*leaves)
-    chunked = [out, *torch.autograd.grad(out, leaves, grad)]
+    out = winograd_conv3x3(*leaves, output_tile=output_tile)
+    ours = [out, *torch.autograd.grad(out, leaves, grad)]
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     expected = F.conv2d(*leaves, padding=1)
-    torch.testing.assert_close(chunked, [expected, *torch.autograd.grad(expected, leaves, grad)],
+    torch.testing.assert_close(ours, [expected, *torch.autograd.grad(expected, leaves, grad)],
                                atol=1e-12, rtol=1e-12)
 
 
@@ -550,11 +556,15 @@ def test_model_switch_covers_the_named_parts_and_keeps_state_dict() -> None:
 
 
 @needs_ext
-def test_float32_parts_equal_direct_convolutions_forward_and_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("output_tile", "output_tol", "grad_tol"), [(2, 1e-5, 1e-4), (4, 1e-4, 4e-4)],
+                         ids=["F(2x2)", "F(4x4)"])
+def test_float32_parts_equal_direct_convolutions_forward_and_backward(
+        monkeypatch: pytest.MonkeyPatch, output_tile: int, output_tol: float, grad_tol: float) -> None:
     """Every part's 3x3 layers on Winograd tiles in fp32 (the size rule lowered so that the tiny model's 16-32
     channel layers take them): the backbone + FPN, the RPN head and the mask head give the direct model's outputs and
     every parameter's gradient to fp32 rounding, so in fp32 the switch changes speed, not training. (A whole detector
-    step is not compared: its proposal top-k, NMS and sampling turn rounding differences into different choices.)"""
+    step is not compared: its proposal top-k, NMS and sampling turn rounding differences into different choices.)
+    ``model.winograd_output_tile=4`` through the config: every layer on F(4x4) tiles, within its larger rounding."""
     from lit_amp_det.models import winograd_conv
 
     monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNELS", 1)
@@ -562,12 +572,13 @@ def test_float32_parts_equal_direct_convolutions_forward_and_backward(monkeypatc
     monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNEL_TILES", 1)
     torch.manual_seed(0)
     plain = _tiny_module("model.channels_last=true")
-    switched = _tiny_module("model.channels_last=true", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]")
+    switched = _tiny_module("model.channels_last=true", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]",
+                            f"model.winograd_output_tile={output_tile}")
     switched.load_state_dict(plain.state_dict())
     for module in (plain, switched):  # no ReLU kink for a rounding difference to flip (see smooth_activations)
         smooth_activations(module).train()
     layers = [m for m in switched.modules() if isinstance(m, WinogradConv2d)]
-    assert len(layers) >= 8
+    assert len(layers) >= 8 and all(m.output_tile == output_tile for m in layers)
     g = torch.Generator().manual_seed(1)
     images = torch.rand(2, 3, 160, 160, generator=g).contiguous(memory_format=NHWC)
     rois = torch.randn(12, 32, 14, 14, generator=g).contiguous(memory_format=NHWC)
@@ -587,17 +598,17 @@ def test_float32_parts_equal_direct_convolutions_forward_and_backward(monkeypatc
 
     called = []
     original = winograd_conv.winograd_conv3x3
-    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", lambda *a: called.append(1) or original(*a))
+    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", lambda *a: called.append(a[3]) or original(*a))
     outputs, grads = run(switched)
-    assert len(called) >= len(layers)  # every switched layer ran on tiles
+    assert len(called) >= len(layers) and set(called) == {output_tile}  # every switched layer ran on its tiles
     monkeypatch.setattr(winograd_conv, "winograd_conv3x3", original)
     expected_outputs, expected_grads = run(plain)
     for out, expected in zip(outputs, expected_outputs, strict=True):
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=output_tol * expected.abs().max().item())
     assert grads.keys() == expected_grads.keys() and len(grads) > 40
     for name, grad in grads.items():
         reference = expected_grads[name]
-        assert (grad - reference).norm() <= 1e-4 * reference.norm() + 1e-7, name
+        assert (grad - reference).norm() <= grad_tol * reference.norm() + 1e-7, name
 
 
 def test_unknown_part_is_refused_and_a_missing_one_skipped() -> None:
@@ -635,14 +646,19 @@ def test_opcheck() -> None:
 
 
 @needs_ext
-def test_compiles_in_one_graph() -> None:
+@pytest.mark.parametrize(("dtype", "channels", "size", "output_tile"), [(torch.bfloat16, 256, 64, 2),
+                                                                       (torch.float32, 128, 32, 4)],
+                         ids=["bf16 F(2x2)", "fp32 F(4x4)"])
+def test_compiles_in_one_graph(dtype: torch.dtype, channels: int, size: int, output_tile: int) -> None:
     """``model.compile=backbone`` with Winograd FPN layers: torch.compile traces the layer's Winograd path (the
     size rule, the kept buffers, the in-place ops through their fake kernels) into one graph, forward and backward,
-    and gives the eager layer's values exactly (so it did not fall back to oneDNN, whose bf16 values differ)."""
-    conv = nn.Conv2d(256, 256, 3, padding=1).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    and gives the eager layer's values exactly (so it did not fall back to oneDNN, whose values differ); with F(2x2)
+    tiles in bf16 and F(4x4) tiles in fp32."""
+    conv = nn.Conv2d(channels, channels, 3, padding=1).to(dtype).to(memory_format=torch.channels_last)
     conv.__class__ = WinogradConv2d
-    x = _randn(1, 256, 64, 64, dtype=torch.bfloat16, seed=6).contiguous(memory_format=torch.channels_last)
-    assert conv.computes_with_winograd(x)
+    conv.output_tile = output_tile
+    x = _randn(1, channels, size, size, dtype=dtype, seed=6).contiguous(memory_format=torch.channels_last)
+    assert conv.computes_with_winograd(x) and conv.tile_side(x) == output_tile
 
     def step(layer: nn.Module) -> list[torch.Tensor]:
         image = x.clone().requires_grad_()
@@ -796,27 +812,17 @@ def test_f4_gradcheck_float64(bias: bool, size: tuple[int, int]) -> None:
 
 
 def test_f4_overlapping_last_chunk_equals_conv2d(monkeypatch: pytest.MonkeyPatch) -> None:
-    """F(4x4) chunks hold 16/36 of F(2x2)'s tile count, rounded down to the granule: 448 by default. With 8 -> 3 tiles
-    per chunk and a granule of 3, 3 images of 9x7 (18 tiles) run in 6 chunks; output and all gradients equal
-    F.conv2d's in float64."""
+    """F(4x4) chunks hold 16/36 of F(2x2)'s tile count, rounded down to the granule: 448 by default. With 16 -> 6
+    tiles per chunk and a granule of 3, 5 images of 5x5 (20 tiles) run in 4 chunks, the last starting 1 tile inside
+    the one before; output and all gradients equal F.conv2d's in float64."""
     from lit_amp_det.models import winograd_conv
 
     assert winograd_conv.chunk_tiles(4) == 448 and winograd_conv.chunk_tiles(2) == winograd_conv.CHUNK_TILES
     monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 16)
     monkeypatch.setattr(winograd_conv, "TILE_GRANULE", 3)
     assert winograd_conv.chunk_tiles(4) == 6
-    monkeypatch.setattr(winograd_conv, "CHUNK_TILES", 8)
-    assert winograd_conv._chunks(tile_count(3, 9, 7, 4), 4) == [(0, 3, 0), (3, 6, 0), (6, 9, 0), (9, 12, 0),
-                                                                  (12, 15, 0), (15, 18, 0)]
-    x, w, b = _conv_inputs(3, 4, 5, (9, 7), torch.float64)
-    grad = _randn(3, 5, 9, 7, dtype=torch.float64, seed=4)
-    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-    out = winograd_conv3x3(*leaves, output_tile=4)
-    chunked = [out, *torch.autograd.grad(out, leaves, grad)]
-    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-    expected = F.conv2d(*leaves, padding=1)
-    torch.testing.assert_close(chunked, [expected, *torch.autograd.grad(expected, leaves, grad)],
-                               atol=1e-12, rtol=1e-12)
+    assert winograd_conv._chunks(tile_count(5, 5, 5, 4), 4) == [(0, 6, 0), (6, 12, 0), (12, 18, 0), (17, 20, 1)]
+    _assert_equals_conv2d_in_float64(5, (5, 5), output_tile=4)
 
 
 @needs_ext
@@ -873,55 +879,6 @@ def test_f4_is_taken_only_where_the_layer_computes_in_float32(monkeypatch: pytes
         use_winograd_convs(nn.Module(), ["mask_head"], 3)
 
 
-@needs_ext
-def test_f4_float32_parts_equal_direct_convolutions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``model.winograd_output_tile=4`` through the config: the tiny model's backbone + FPN, RPN head and mask head on
-    F(4x4) tiles give the direct model's outputs and parameter gradients to fp32 rounding (see the F(2x2) test
-    above for why parts, not a whole step)."""
-    from lit_amp_det.models import winograd_conv
-
-    monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNELS", 1)
-    monkeypatch.setattr(winograd_conv, "FP32_MIN_TILES", 1)
-    monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNEL_TILES", 1)
-    torch.manual_seed(0)
-    plain = _tiny_module("model.channels_last=true")
-    switched = _tiny_module("model.channels_last=true", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]",
-                            "model.winograd_output_tile=4")
-    switched.load_state_dict(plain.state_dict())
-    for module in (plain, switched):
-        smooth_activations(module).train()
-    layers = [m for m in switched.modules() if isinstance(m, WinogradConv2d)]
-    assert len(layers) >= 8 and all(m.output_tile == 4 for m in layers)
-    g = torch.Generator().manual_seed(1)
-    images = torch.rand(2, 3, 160, 160, generator=g).contiguous(memory_format=NHWC)
-    rois = torch.randn(12, 32, 14, 14, generator=g).contiguous(memory_format=NHWC)
-
-    def run(module: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        module.zero_grad()
-        detector = module.model
-        features = list(detector.backbone(images).values())
-        objectness, deltas = detector.rpn.head(features)
-        outputs = [*features, *objectness, *deltas, detector.roi_heads.mask_head(rois)]
-        weights = torch.Generator().manual_seed(3)
-        sum((out * torch.randn(out.shape, generator=weights)).sum() for out in outputs).backward()
-        return ([out.detach() for out in outputs],
-                {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None})
-
-    calls: list[int] = []
-    original = winograd_conv.winograd_conv3x3
-    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", lambda *a: calls.append(a[3]) or original(*a))
-    outputs, grads = run(switched)
-    assert len(calls) >= len(layers) and set(calls) == {4}
-    monkeypatch.setattr(winograd_conv, "winograd_conv3x3", original)
-    expected_outputs, expected_grads = run(plain)
-    for out, expected in zip(outputs, expected_outputs, strict=True):
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
-    assert grads.keys() == expected_grads.keys() and len(grads) > 40
-    for name, grad in grads.items():
-        reference = expected_grads[name]
-        assert (grad - reference).norm() <= 4e-4 * reference.norm() + 1e-6, name
-
-
 def test_f4_config_default_and_bad_value() -> None:
     assert compose_config([]).model.winograd_output_tile == 2
     with pytest.raises(Exception, match=r"model.winograd_output_tile must be 2 \(F\(2x2, 3x3\)\) or 4.*got 8"):
@@ -936,28 +893,3 @@ def test_f4_opcheck() -> None:
     torch.library.opcheck(torch.ops.lit_amp_det.winograd_gradient_tiles_.default, (torch.empty(36, 12, 3), x, 0))
     out = torch.zeros(2, 3, 9, 7).contiguous(memory_format=NHWC)
     torch.library.opcheck(torch.ops.lit_amp_det.winograd_output_.default, (out, _randn(36, 6, 3), _randn(3), 4))
-
-
-@needs_ext
-def test_f4_compiles_in_one_graph() -> None:
-    """An ``output_tile=4`` float32 layer under torch.compile (fullgraph): the F(4x4) path traces into one graph and
-    gives the eager values exactly."""
-    conv = nn.Conv2d(128, 128, 3, padding=1).to(memory_format=torch.channels_last)
-    conv.__class__ = WinogradConv2d
-    conv.output_tile = 4
-    x = _randn(1, 128, 32, 32, seed=6).contiguous(memory_format=torch.channels_last)
-    assert conv.computes_with_winograd(x) and conv.tile_side(x) == 4
-
-    def step(layer: nn.Module) -> list[torch.Tensor]:
-        image = x.clone().requires_grad_()
-        out = layer(image).relu()
-        return [out.detach(), *torch.autograd.grad(out.sum(), [image, conv.weight, conv.bias])]
-
-    eager = step(conv)
-    torch._dynamo.reset()
-    try:
-        compiled = step(torch.compile(conv, backend="aot_eager", fullgraph=True))
-    finally:
-        torch._dynamo.reset()
-    for got, expected in zip(compiled, eager, strict=True):
-        assert torch.equal(got, expected)
