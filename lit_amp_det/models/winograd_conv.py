@@ -70,9 +70,9 @@ __all__ = [
     "MIN_TILES",
     "TILE_GRANULE",
     "WINOGRAD_PARTS",
-    "chunk_tiles",
     "WinogradConv2d",
     "check_output_tile",
+    "chunk_tiles",
     "direct_convolutions",
     "is_winograd_shape",
     "release_workspace",
@@ -323,8 +323,9 @@ class WinogradConv2d(nn.Conv2d):
 
     def computes_with_winograd(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
         """True when ``forward(input)`` takes the Winograd path: a batched input on the CPU computed in fp16, bf16 or
-        fp32, with the compiled extension loaded, and a layer large enough for that dtype (:func:`winograd_pays`;
-        smaller layers run oneDNN's convolution, which is faster there)."""
+        fp32, with the compiled extension loaded, and a layer large enough for that dtype (:func:`winograd_pays`,
+        measured for F(2x2, 3x3) and counting 2x2 tiles whatever :attr:`output_tile`; smaller layers run oneDNN's
+        convolution, which is faster there)."""
         if _DIRECT.get() or input.dim() != 4 or input.device.type != "cpu" or not is_winograd_shape(self):
             return False
         tiles = tile_count(input.shape[0], input.shape[2], input.shape[3])
