@@ -33,6 +33,19 @@ def test_winograd_group_times_each_layer_against_conv2d(tmp_path: Path, capsys: 
     assert "ResNet-18 layer1, 224 px b4: 4x64x56x56, 64 -> 64" in capsys.readouterr().out
 
 
+@needs_ext
+def test_winograd_4x4_group_times_f4_against_f2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--only winograd_4x4``: one fp32 row per layer, F(4x4) tiles against F(2x2) tiles, both sides timed."""
+    layers = bench_ops.WINOGRAD_LAYERS[2:4]
+    monkeypatch.setattr(bench_ops, "WINOGRAD_LAYERS", layers)
+    out = tmp_path / "ops.json"
+    bench_ops.main(["--device=cpu", "--only=winograd_4x4", "--repeats=1", "--warmup=0", f"--json={out}"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size"].split(":")[0] for r in rows] == [name for name, *_ in layers]
+    assert all(r["dtype"] == "float32 channels_last, F(4x4) vs F(2x2)" and r["ours_ms"] > 0
+               and r["torchvision_ms"] > 0 for r in rows)
+
+
 def test_unknown_group_is_refused() -> None:
     with pytest.raises(SystemExit, match=r"--only: unknown group\(s\) \['winnograd'\]"):
         bench_ops.main(["--device=cpu", "--only=winnograd"])

@@ -216,8 +216,9 @@ def half_line(bench: Bench, setting: Setting) -> str:
             f"`{low_precision_weights(setting.device, half)}` for half weights)")
     if half != "fp32":
         fp32_only = ", ".join(row.name for row in bench.rows if row.needs_fp32)
-        return f"{text}; the rows that act in fp32 only ({fp32_only}) run only when `--rows` names them" if (
-            fp32_only) else text
+        if not fp32_only:
+            return text
+        return f"{text}; the rows that act in fp32 only ({fp32_only}) run only when `--rows` names them"
     skipped = ", ".join(row.name for row in bench.rows if row.needs_half)
     return (f"{text}: the rows that change nothing in fp32 ({skipped}) run only when `--rows` names them; "
             f"every row is an fp32 recipe")

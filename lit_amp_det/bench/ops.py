@@ -201,6 +201,14 @@ def _winograd_grid() -> list[tuple[str, int, int, int, int]]:
             for n, h in maps]
 
 
+def _winograd_operands(g: torch.Generator, name: str, n: int, c: int, h: int, w: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """A C -> C layer's channels_last input and 3x3 weight in ``dtype`` (both requiring grad), and its size label."""
+    x = torch.randn(n, c, h, w, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    weight = (torch.randn(c, c, 3, 3, generator=g) / (3 * c ** 0.5)).to(dtype)
+    return x.requires_grad_(), weight.requires_grad_(), f"{name}: {n}x{c}x{h}x{w}, {c} -> {c}"
+
+
 def _winograd_cases(device: str, half: torch.dtype,
                     layers: Sequence[tuple[str, int, int, int, int]] | None = None
                     ) -> list[tuple[str, str, str, Callable, Callable]]:
@@ -215,11 +223,7 @@ def _winograd_cases(device: str, half: torch.dtype,
     cases = []
     for name, n, c, h, w in WINOGRAD_LAYERS if layers is None else layers:
         for dtype in dtypes:
-            x = torch.randn(n, c, h, w, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
-            weight = (torch.randn(c, c, 3, 3, generator=g) / (3 * c ** 0.5)).to(dtype)
-            x.requires_grad_()
-            weight.requires_grad_()
-            size = f"{name}: {n}x{c}x{h}x{w}, {c} -> {c}"
+            x, weight, size = _winograd_operands(g, name, n, c, h, w, dtype)
             label = f"{str(dtype).split('.')[-1]} channels_last (vs F.conv2d)"
             cases.append(("winograd conv3x3 fwd+bwd", size, label,
                           _backward(lambda x=x, weight=weight: winograd_conv3x3(x, weight), [x, weight]),
@@ -239,10 +243,8 @@ def _winograd_4x4_cases(device: str) -> list[tuple[str, str, str, Callable, Call
     g = torch.Generator().manual_seed(12)
     cases = []
     for name, n, c, h, w in WINOGRAD_LAYERS:
-        x = torch.randn(n, c, h, w, generator=g).contiguous(memory_format=torch.channels_last).requires_grad_()
-        weight = (torch.randn(c, c, 3, 3, generator=g) / (3 * c ** 0.5)).requires_grad_()
-        cases.append(("winograd conv3x3 fwd+bwd", f"{name}: {n}x{c}x{h}x{w}, {c} -> {c}",
-                      "float32 channels_last, F(4x4) vs F(2x2)",
+        x, weight, size = _winograd_operands(g, name, n, c, h, w, torch.float32)
+        cases.append(("winograd conv3x3 fwd+bwd", size, "float32 channels_last, F(4x4) vs F(2x2)",
                       _backward(lambda x=x, weight=weight: winograd_conv3x3(x, weight, None, 4), [x, weight]),
                       _backward(lambda x=x, weight=weight: winograd_conv3x3(x, weight, None, 2), [x, weight])))
     return cases
