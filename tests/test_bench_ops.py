@@ -46,6 +46,28 @@ def test_winograd_4x4_group_times_f4_against_f2(tmp_path: Path, monkeypatch: pyt
                and r["torchvision_ms"] > 0 for r in rows)
 
 
+@needs_ext
+def test_winograd_weights_group_times_the_kernels_against_the_same_matmuls(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--only winograd_weights``: per channel count and tile size a weight-tiles row and a weight-gradient row, both
+    sides timed; and both sides of every row compute the same values (the A/B times the same work)."""
+    monkeypatch.setattr(bench_ops, "WINOGRAD_LAYERS", bench_ops.WINOGRAD_LAYERS[2:4])  # 64 and 128 channels
+    cases = bench_ops._winograd_weight_cases("cpu")
+    assert [(name, size) for name, size, *_ in cases] == [
+        (op, f"{c} -> {c} channels, F({m}x{m})") for c in (64, 128) for m in (2, 4)
+        for op in ("winograd weight tiles", "winograd weight gradient")]
+    for _, _, _, ours, theirs in cases:
+        mine, matmul = ours(), theirs()
+        assert mine.shape == matmul.shape
+        torch.testing.assert_close(mine, matmul, atol=1e-5 * matmul.abs().max().item(), rtol=1e-5)
+    out = tmp_path / "ops.json"
+    bench_ops.main(["--device=cpu", "--only=winograd_weights", "--repeats=1", "--warmup=0", f"--json={out}"])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 8 and all(r["dtype"] == "float32 channels_last weight (vs matmul)" and r["ours_ms"] > 0
+                                  and r["torchvision_ms"] > 0 for r in rows)
+    assert bench_ops._winograd_weight_cases("cuda") == []
+
+
 def test_unknown_group_is_refused() -> None:
     with pytest.raises(SystemExit, match=r"--only: unknown group\(s\) \['winnograd'\]"):
         bench_ops.main(["--device=cpu", "--only=winnograd"])

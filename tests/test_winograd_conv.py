@@ -70,6 +70,14 @@ def _reference_output(products: torch.Tensor, n: int, h: int, w: int, bias: torc
     return out
 
 
+def _use_weight_kernels(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight transforms by their C++ kernels (skipped without the extension), or by the reference."""
+    if compiled and not extension_available():
+        pytest.skip("the compiled extension is not built")
+    if not compiled:
+        monkeypatch.setattr("lit_amp_det.ops.winograd.extension_available", lambda: False)
+
+
 # ------------------------------------------------------------------------------------------- the ops
 
 @needs_ext
@@ -158,9 +166,13 @@ def test_bad_ranges_and_outputs_are_refused() -> None:
         winograd_gradient_tiles_(torch.zeros(16, 4, 2, dtype=torch.bfloat16), x)
 
 
-def test_the_reference_transforms_compose_to_a_convolution_in_float64() -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["weight-kernels", "weight-reference"])
+def test_the_reference_transforms_compose_to_a_convolution_in_float64(compiled: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The algebra itself: reference tiles, weight tiles and products give ``F.conv2d``, its input gradient and its
-    weight gradient to float64 rounding (odd sizes: the last tile row and column are partial)."""
+    weight gradient to float64 rounding (odd sizes: the last tile row and column are partial). The weight transforms
+    run as the C++ kernels and as their reference."""
+    _use_weight_kernels(compiled, monkeypatch)
     x, weight = _randn(2, 3, 5, 7, dtype=torch.float64), _randn(4, 3, 3, 3, dtype=torch.float64, seed=1)
     grad = _randn(2, 4, 5, 7, dtype=torch.float64, seed=2)
     out = _reference_output(torch.bmm(_reference_tiles("winograd_input_tiles_", x), winograd_weight_tiles(weight)),
@@ -352,16 +364,128 @@ def test_buffers_are_reused_and_never_returned(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_weight_tiles_out_must_match() -> None:
-    """winograd_weight_tiles(out=) writes into a contiguous [16, C_out, C_in] tensor of the weight's dtype and
-    refuses any other, naming the shape it needs."""
+    """winograd_weight_tiles(out=) writes into a contiguous [16, C_in, C_out] tensor of the weight's dtype
+    ([16, C_out, C_in] with transposed=True) and refuses any other, naming the shape it needs."""
     weight = _randn(4, 3, 3, 3, dtype=torch.float32, seed=5)
-    out = torch.empty(16, 4, 3)
-    tiles = winograd_weight_tiles(weight, out=out)
-    assert tiles.data_ptr() == out.data_ptr()
-    torch.testing.assert_close(tiles, winograd_weight_tiles(weight), atol=0, rtol=0)
-    for bad in (torch.empty(16, 3, 4), torch.empty(16, 4, 3, dtype=torch.float64), torch.empty(16, 3, 4).mT):
-        with pytest.raises(ValueError, match=r"out must be a contiguous \[16, 4, 3\]"):
-            winograd_weight_tiles(weight, out=bad)
+    for transposed, shape in ((False, (16, 3, 4)), (True, (16, 4, 3))):
+        out = torch.empty(shape)
+        tiles = winograd_weight_tiles(weight, transposed=transposed, out=out)
+        assert tiles is out
+        torch.testing.assert_close(tiles, winograd_weight_tiles(weight, transposed=transposed), atol=0, rtol=0)
+        other = (shape[0], shape[2], shape[1])
+        for bad in (torch.empty(other), torch.empty(shape, dtype=torch.float64), torch.empty(other).mT):
+            with pytest.raises(ValueError, match=rf"out must be a contiguous \[16, {shape[1]}, {shape[2]}\]"):
+                winograd_weight_tiles(weight, transposed=transposed, out=bad)
+
+
+# ------------------------------------------------------------------------------------------- the weight transforms
+
+#: [C_out, C_in]: counts ragged against the weight-tile kernel's blocks (16 rows of 32 filters), a block exactly, one
+#: filter, more rows than columns
+WEIGHTS = [(70, 33), (32, 16), (1, 1), (130, 5)]
+
+
+def _weight_layouts(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``weight`` contiguous, channels_last, and as a strided view (every other input channel of a wider tensor)."""
+    wide = torch.zeros(weight.shape[0], 2 * weight.shape[1], 3, 3, dtype=weight.dtype)
+    wide[:, ::2] = weight
+    return [weight.contiguous(), weight.contiguous(memory_format=NHWC), wide[:, ::2]]
+
+
+@needs_ext
+@pytest.mark.parametrize("output_tile", [2, 4], ids=["F2", "F4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", WEIGHTS, ids=str)
+def test_weight_tiles_op_matches_the_reference(output_tile: int, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """G w G^T of every filter, [positions, C_in, C_out] (transposed: of the rotated filters, [positions, C_out,
+    C_in]), from the weight in any memory format, to the rounding of the dtype."""
+    weight = _randn(*shape, 3, 3, dtype=dtype, seed=3)
+    positions = 16 if output_tile == 2 else 36
+    for transposed in (False, True):
+        expected = torch.empty(positions, *(shape if transposed else shape[::-1]), dtype=dtype)
+        reference.winograd_weight_tiles_(expected, weight, transposed)
+        for layout in _weight_layouts(weight):
+            tiles = winograd_weight_tiles(layout, transposed=transposed, output_tile=output_tile)
+            assert tiles.shape == expected.shape and tiles.dtype == dtype and tiles.is_contiguous()
+            _close_to_rounding(tiles, expected, weight)
+
+
+@needs_ext
+@pytest.mark.parametrize("output_tile", [2, 4], ids=["F2", "F4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", WEIGHTS, ids=str)
+def test_weight_gradient_op_matches_the_reference(output_tile: int, dtype: torch.dtype,
+                                                  shape: tuple[int, int]) -> None:
+    """A' s A'^T of every filter's summed products (fp32; fp64 for fp64) into a gradient of the weight's dtype and
+    memory format, to the rounding of the dtype (the back transform's coefficients reach 16: compared against the
+    result's scale)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    products = _randn(16 if output_tile == 2 else 36, *shape, dtype=acc, seed=4)
+    expected = torch.empty(*shape, 3, 3, dtype=dtype)
+    reference.winograd_weight_gradient_(expected, products)
+    for like in _weight_layouts(torch.zeros(*shape, 3, 3, dtype=dtype)):
+        grad = winograd_weight_gradient(products, like)
+        assert grad.dtype == dtype and grad.stride() == torch.empty_like(like).stride()
+        _close_to_rounding(grad, expected, expected)
+    holder = torch.full((shape[0], 2 * shape[1], 3, 3), float("nan"), dtype=dtype)
+    out = holder[:, ::2]  # written through its own strides, nothing in between
+    assert winograd_weight_gradient(products, out, out=out) is out
+    _close_to_rounding(out, expected, expected)
+    assert holder[:, 1::2].isnan().all()
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0, 0)], ids=str)
+def test_weight_transforms_of_empty_weights(shape: tuple[int, int]) -> None:
+    weight = torch.zeros(*shape, 3, 3)
+    for output_tile, positions in ((2, 16), (4, 36)):
+        assert winograd_weight_tiles(weight, output_tile=output_tile).shape == (positions, shape[1], shape[0])
+        assert winograd_weight_tiles(weight, True, output_tile=output_tile).shape == (positions, *shape)
+        products = torch.zeros(positions, *shape)
+        assert winograd_weight_gradient(products, weight).shape == weight.shape
+
+
+def test_weight_transforms_name_the_bad_argument() -> None:
+    weight = torch.zeros(4, 3, 3, 3)
+    with pytest.raises(ValueError, match=r"winograd_weight_tiles: weight must be \[C_out, C_in, 3, 3\] and floating "
+                                         r"point, got torch.int64"):
+        winograd_weight_tiles(torch.zeros(4, 3, 3, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"winograd_weight_gradient: products must be \[16, 4, 3\] for a "
+                                         r"\(4, 3, 3, 3\) weight, got \(16, 3, 4\)"):
+        winograd_weight_gradient(torch.zeros(16, 3, 4), weight)
+    with pytest.raises(ValueError, match=r"winograd_weight_gradient: like must be \[C_out, C_in, 3, 3\]"):
+        winograd_weight_gradient(torch.zeros(16, 4, 3), torch.zeros(4, 3, 5, 5))
+
+
+@needs_ext
+def test_weight_kernels_check_their_arguments() -> None:
+    """The ops themselves refuse what the wrappers never pass, naming the argument."""
+    weight = torch.zeros(4, 3, 3, 3)
+    with pytest.raises(RuntimeError, match=r"winograd_weight_tiles_: tiles must be a contiguous \[16, 3, 4\] tensor"):
+        torch.ops.lit_amp_det.winograd_weight_tiles_(torch.zeros(16, 4, 3), weight, False)
+    with pytest.raises(RuntimeError, match=r"winograd_weight_tiles_: tiles must be \[16, ...\] \(F\(2x2, 3x3\)\)"):
+        torch.ops.lit_amp_det.winograd_weight_tiles_(torch.zeros(25, 3, 4), weight, False)
+    with pytest.raises(RuntimeError, match="winograd_weight_tiles_: tiles are BFloat16 but the weight is Float"):
+        torch.ops.lit_amp_det.winograd_weight_tiles_(torch.zeros(16, 3, 4, dtype=torch.bfloat16), weight, False)
+    with pytest.raises(RuntimeError, match=r"winograd_weight_gradient_: products must be Float \(what a BFloat16 "
+                                           r"gradient is summed in\), got BFloat16"):
+        torch.ops.lit_amp_det.winograd_weight_gradient_(weight.bfloat16(), torch.zeros(16, 4, 3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"winograd_weight_gradient_: products must be a contiguous \[16, 4, 3\]"):
+        torch.ops.lit_amp_det.winograd_weight_gradient_(weight, torch.zeros(16, 3, 4).mT)
+    with pytest.raises(RuntimeError, match=r"winograd_weight_gradient_: grad_weight must be \[C_out, C_in, 3, 3\]"):
+        torch.ops.lit_amp_det.winograd_weight_gradient_(torch.zeros(4, 3, 2, 2), torch.zeros(16, 4, 3))
+
+
+@needs_ext
+def test_weight_ops_opcheck() -> None:
+    """torch.library.opcheck of the weight transforms (schemas, fake kernels, dispatch), both tile sizes."""
+    weight = _randn(5, 3, 3, 3).contiguous(memory_format=NHWC)
+    for positions in (16, 36):
+        for transposed, shape in ((False, (positions, 3, 5)), (True, (positions, 5, 3))):
+            torch.library.opcheck(torch.ops.lit_amp_det.winograd_weight_tiles_.default,
+                                  (torch.empty(shape), weight, transposed))
+        torch.library.opcheck(torch.ops.lit_amp_det.winograd_weight_gradient_.default,
+                              (torch.empty_like(weight), _randn(positions, 5, 3)))
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -762,9 +886,13 @@ def test_f4_tile_ranges_are_slices_of_the_whole(compiled: bool, monkeypatch: pyt
     torch.testing.assert_close(out[written], whole[written], atol=0, rtol=0)
 
 
-def test_f4_reference_transforms_compose_to_a_convolution_in_float64() -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["weight-kernels", "weight-reference"])
+def test_f4_reference_transforms_compose_to_a_convolution_in_float64(compiled: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """F(4x4, 3x3) forward and input gradient, and the weight gradient as F(3x3, 4x4) on the same input tiles, give
-    ``F.conv2d``'s to float64 rounding (partial last tiles both ways)."""
+    ``F.conv2d``'s to float64 rounding (partial last tiles both ways), by the weight transforms' kernels and their
+    reference."""
+    _use_weight_kernels(compiled, monkeypatch)
     x, weight = _randn(2, 3, 9, 6, dtype=torch.float64), _randn(4, 3, 3, 3, dtype=torch.float64, seed=1)
     grad = _randn(2, 4, 9, 6, dtype=torch.float64, seed=2)
     tiles = _f4_reference_tiles("winograd_input_tiles_", x)
@@ -786,7 +914,7 @@ def test_f4_bad_arguments_name_the_field() -> None:
         winograd_output(torch.zeros(36, 3, 2), 1, 5, 5)
     with pytest.raises(ValueError, match=r"Winograd tiles must be \[16, T, C\] \(F\(2x2, 3x3\)\) or \[36, T, C\]"):
         winograd_weight_gradient(torch.zeros(25, 2, 2), torch.zeros(2, 2, 3, 3))
-    with pytest.raises(ValueError, match=r"out must be a contiguous \[36, 4, 3\]"):
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[36, 3, 4\]"):
         winograd_weight_tiles(torch.zeros(4, 3, 3, 3), out=torch.zeros(16, 4, 3), output_tile=4)
     for bad in (3, True, "4"):
         with pytest.raises(ValueError, match=r"model.winograd_output_tile must be 2 \(F\(2x2, 3x3\)\) or 4"):

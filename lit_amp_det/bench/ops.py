@@ -23,6 +23,9 @@ and ``speed-up = torchvision median / ours median``. Sizes are Mask R-CNN's at 8
   ``--repeats 3``: the largest layers take seconds).
 * ``winograd_4x4`` (CPU): ``model.winograd_output_tile=4``'s A/B, the ``winograd`` layers by F(4x4, 3x3) tiles
   against F(2x2, 3x3) tiles, in fp32.
+* ``winograd_weights`` (CPU): the weight transforms' kernels (``G w G^T`` of every filter, and the weight gradient's
+  back transform) against the matrix products they replaced, at the ``winograd`` layers' channel counts, F(2x2) and
+  F(4x4), fp32.
 * ``model`` (end to end, the ``model.ops`` A/B): the light Mask R-CNN (``conf/model/maskrcnn_light.yaml``,
   224 px, batch 4) built with ``ops=ext`` and ``ops=torchvision`` with identical weights; a bf16-autocast
   training step (forward + backward) and an eval forward. On a GPU, ``maskrcnn_r50_fpn`` at 800 px, batch 2.
@@ -250,6 +253,45 @@ def _winograd_4x4_cases(device: str) -> list[tuple[str, str, str, Callable, Call
     return cases
 
 
+def _winograd_weight_cases(device: str) -> list[tuple[str, str, str, Callable, Callable]]:
+    """The weight transforms' kernels against the matrix-product form they replaced (``[alpha^2, 9] @ [9, C_out *
+    C_in]`` for the tiles, used through a transposed view; ``[9, alpha^2] @ [alpha^2, C_out * C_in]`` and a copy into
+    the weight's layout for the gradient), per channel count of :data:`WINOGRAD_LAYERS`, F(2x2) and F(4x4), fp32,
+    channels_last weights (the model's with ``model.channels_last=true``)."""
+    from lit_amp_det.ops.reference import _WINOGRAD_G, _WINOGRAD_GRAD_AT
+    from lit_amp_det.ops.winograd import POSITIONS, winograd_weight_gradient, winograd_weight_tiles
+
+    if device != "cpu":
+        print("  winograd_weights: CPU only; skipped", flush=True)
+        return []
+
+    def matmul_tiles(weight: Tensor, kron: Tensor) -> Tensor:
+        c_out, c_in = weight.shape[:2]
+        return torch.mm(kron, weight.reshape(c_out * c_in, 9).t()).view(-1, c_out, c_in).transpose(1, 2)
+
+    def matmul_gradient(products: Tensor, kron: Tensor, like: Tensor) -> Tensor:
+        positions, c_out, c_in = products.shape
+        grad = torch.mm(kron, products.reshape(positions, c_out * c_in))
+        return torch.empty_like(like).copy_(grad.t().reshape(c_out, c_in, 3, 3))
+
+    g = torch.Generator().manual_seed(12)
+    cases = []
+    for c in sorted({layer[2] for layer in WINOGRAD_LAYERS}):
+        weight = torch.randn(c, c, 3, 3, generator=g).contiguous(memory_format=torch.channels_last)
+        for side in (2, 4):
+            tiles_kron = torch.kron(*[torch.tensor(_WINOGRAD_G[side], dtype=torch.float32)] * 2)
+            back_kron = torch.kron(*[torch.tensor(_WINOGRAD_GRAD_AT[side], dtype=torch.float32)] * 2)
+            products = torch.randn(POSITIONS[side], c, c, generator=g)
+            size, label = f"{c} -> {c} channels, F({side}x{side})", "float32 channels_last weight (vs matmul)"
+            cases.append(("winograd weight tiles", size, label,
+                          lambda w=weight, s=side: winograd_weight_tiles(w, output_tile=s),
+                          lambda w=weight, k=tiles_kron: matmul_tiles(w, k)))
+            cases.append(("winograd weight gradient", size, label,
+                          lambda p=products, w=weight: winograd_weight_gradient(p, w),
+                          lambda p=products, k=back_kron, w=weight: matmul_gradient(p, k, w)))
+    return cases
+
+
 def _model_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
     from lit_amp_det.models.maskrcnn import build_detector
 
@@ -306,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", default="",
                         help="comma-separated groups: nms,iou,roi_align,pooler,winograd,winograd_sizes,winograd_4x4,"
-                             "model "
+                             "winograd_weights,model "
                              "(default all but winograd_sizes)")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
@@ -323,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               "winograd": lambda: _winograd_cases(args.device, half),
               "winograd_sizes": lambda: _winograd_cases(args.device, half, _winograd_grid()),
               "winograd_4x4": lambda: _winograd_4x4_cases(args.device),
+              "winograd_weights": lambda: _winograd_weight_cases(args.device),
               "model": lambda: _model_cases(args.device, half)}
     chosen = [g.strip() for g in args.only.split(",") if g.strip()] or [g for g in groups if g != "winograd_sizes"]
     unknown = sorted(set(chosen) - set(groups))

@@ -210,7 +210,7 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool =
     c_out = weight.shape[1] if transposed else weight.shape[0]
     positions = POSITIONS[output_tile]
     out = torch.empty((n, c_out, height, width), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    filters = _WORKSPACE.get("filters", weight.shape[0], weight.shape[1], weight, positions=positions)
+    filters = _WORKSPACE.get("filters", c_in, c_out, weight, positions=positions)  # [positions, C_in, C_out]
     tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed, out=filters, output_tile=output_tile)
     for begin, end, _ in _chunks(tile_count(n, height, width, output_tile), output_tile):
         tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x, positions=positions), x, begin)

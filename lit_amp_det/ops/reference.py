@@ -23,6 +23,8 @@ __all__ = [
     "winograd_gradient_tiles_",
     "winograd_input_tiles_",
     "winograd_output_",
+    "winograd_weight_gradient_",
+    "winograd_weight_tiles_",
 ]
 
 
@@ -261,6 +263,15 @@ _WINOGRAD_GRAD_G = {  # G': the output-gradient tile's transform (the weight gra
     4: ((1 / 4, 0, 0, 0), (-1 / 6, -1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6, 1 / 6),
         (1 / 24, 1 / 12, 1 / 6, 1 / 3), (1 / 24, -1 / 12, 1 / 6, -1 / 3), (0, 0, 0, 1)),
 }
+_WINOGRAD_G = {  # G: a 3x3 filter's transform
+    2: ((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1)),
+    4: ((1 / 4, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
+        (1 / 24, -1 / 12, 1 / 6), (0, 0, 1)),
+}
+_WINOGRAD_GRAD_AT = {  # A': the weight gradient's back transform of the summed products
+    2: ((1, 1, 1, 0), (0, 1, -1, 0), (0, 1, 1, 1)),
+    4: ((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 1)),
+}
 _WINOGRAD_SIDE = {16: 2, 36: 4}  # output tile side by transform positions
 
 
@@ -325,3 +336,24 @@ def winograd_output_(out: Tensor, products: Tensor, bias: Tensor | None, tile_be
     index = index.repeat_interleave(m, 2).repeat_interleave(m, 3)[:, :, :height, :width]
     inside = (index >= tile_begin) & (index < tile_begin + count)
     out.copy_(torch.where(inside, full.to(out.dtype), out))
+
+
+def winograd_weight_tiles_(tiles: Tensor, weight: Tensor, transposed: bool = False) -> None:
+    """Writes ``G w G^T`` of each 3x3 filter ``w`` of ``weight`` ``[C_out, C_in, 3, 3]`` into ``tiles`` ``[16 or 36,
+    C_in, C_out]``; ``transposed``: of each filter rotated by 180 degrees, into ``[16 or 36, C_out, C_in]``."""
+    m = _winograd_side(tiles)
+    acc = _accumulation_dtype(weight)
+    g = torch.tensor(_WINOGRAD_G[m], dtype=acc, device=weight.device)
+    filters = weight.to(acc).flip(2, 3) if transposed else weight.to(acc)
+    every = torch.einsum("ai,bj,oxij->abox" if transposed else "ai,bj,oxij->abxo", g, g, filters)
+    tiles.copy_(every.reshape(tiles.shape))
+
+
+def winograd_weight_gradient_(grad_weight: Tensor, products: Tensor) -> None:
+    """Writes ``A' s A'^T`` of each filter's alpha x alpha sum of products ``s`` (``products``: ``[16 or 36, C_out,
+    C_in]``) into ``grad_weight`` ``[C_out, C_in, 3, 3]``."""
+    m = _winograd_side(products)
+    acc = _accumulation_dtype(products, grad_weight)
+    back = torch.tensor(_WINOGRAD_GRAD_AT[m], dtype=acc, device=products.device)
+    sums = products.to(acc).reshape(m + 2, m + 2, *products.shape[1:])
+    grad_weight.copy_(torch.einsum("ia,jb,aboc->ocij", back, back, sums))

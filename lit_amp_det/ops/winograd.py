@@ -19,12 +19,13 @@ follows from its first dimension: 16 positions for 2x2 output tiles, 36 for 4x4 
   ``[N, C, H, W]`` map, in place (:func:`winograd_output`: into a new map).
 
 Each writes a range of tiles into a given tensor, so that a convolution can run in chunks through buffers it reuses.
-* :func:`winograd_weight_tiles` / :func:`winograd_weight_gradient` -- ``G w G^T`` of a 3x3 weight, and the 3x3
-  weight gradient ``A2^T s A2`` from the 16 gradient products (plain tensor ops: a weight is small).
+* :func:`winograd_weight_tiles` / :func:`winograd_weight_gradient` -- ``G w G^T`` of each 3x3 filter of a weight
+  (the products' right-hand operands), and the 3x3 weight gradient ``A' s A'^T`` from the summed gradient products.
 
-The first three are the C++ CPU kernels of ``lit_amp_det._C`` (one memory pass each, channels_last); elsewhere
-(CUDA, where cuDNN picks its own algorithms, or without the extension) their :mod:`lit_amp_det.ops.reference`
-implementations. :mod:`lit_amp_det.models.winograd_conv` composes them into a differentiable convolution.
+All are C++ CPU kernels of ``lit_amp_det._C`` (one memory pass each; maps channels_last, weights in any memory
+format); elsewhere (CUDA, where cuDNN picks its own algorithms, or without the extension) their
+:mod:`lit_amp_det.ops.reference` implementations. :mod:`lit_amp_det.models.winograd_conv` composes them into a
+differentiable convolution.
 """
 
 from __future__ import annotations
@@ -55,18 +56,6 @@ __all__ = [
 OUTPUT_TILES = (2, 4)
 #: Transform positions per tile, ``(output_tile + 2) ** 2``, by output tile side.
 POSITIONS = {2: 16, 4: 36}
-
-# Filter transforms G (alpha x 3) and the weight gradient's back transforms A'^T (3 x alpha), by output tile side.
-_G = {
-    2: ((1.0, 0.0, 0.0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0.0, 0.0, 1.0)),
-    4: ((1 / 4, 0.0, 0.0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
-        (1 / 24, -1 / 12, 1 / 6), (0.0, 0.0, 1.0)),
-}
-_GRAD_AT = {
-    2: ((1.0, 1.0, 1.0, 0.0), (0.0, 1.0, -1.0, 0.0), (0.0, 1.0, 1.0, 1.0)),
-    4: ((1.0, 1.0, 1.0, 1.0, 1.0, 0.0), (0.0, 1.0, -1.0, 2.0, -2.0, 0.0), (0.0, 1.0, 1.0, 4.0, 4.0, 1.0)),
-}
-
 
 def _compiled_on(tensor: Tensor) -> bool:
     return extension_available() and tensor.device.type == "cpu"
@@ -204,54 +193,53 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _kron(matrix: tuple[tuple[float, ...], ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``kron(M, M)``: maps a flattened k x k tile ``t`` to the flattened ``M t M^T``."""
-    m = torch.tensor(matrix, dtype=dtype, device=device)
-    return torch.kron(m, m)
+def _check_weight(weight: Tensor, op: str, name: str) -> None:
+    if weight.dim() != 4 or tuple(weight.shape[2:]) != (3, 3) or not weight.is_floating_point():
+        raise ValueError(f"{op}: {name} must be [C_out, C_in, 3, 3] and floating point, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
 
 
 def winograd_weight_tiles(weight: Tensor, transposed: bool = False, out: Tensor | None = None,
                           output_tile: int = 2) -> Tensor:
     """``[16, C_in, C_out]``: ``G w G^T`` of each 3x3 filter of ``weight`` ``[C_out, C_in, 3, 3]``, the right-hand
-    operands of the 16 products (a transposed view of ``[16, C_out, C_in]``). ``transposed``: the filters of the
-    input gradient's convolution instead (input and output channels swapped, filters rotated by 180 degrees):
-    ``[16, C_out, C_in]``. ``out``: a contiguous ``[16, C_out, C_in]`` tensor (the weight's channel order either way)
-    of the weight's dtype to write the tiles into; the result is then a view of it. ``output_tile=4``: F(4x4, 3x3)'s
-    36 positions instead of 16."""
-    if weight.dim() != 4 or tuple(weight.shape[2:]) != (3, 3):
-        raise ValueError(f"winograd_weight_tiles: weight must be [C_out, C_in, 3, 3], got {tuple(weight.shape)}")
+    operands of the 16 products. ``transposed``: the filters of the input gradient's convolution instead (input and
+    output channels swapped, filters rotated by 180 degrees): ``[16, C_out, C_in]``. ``out``: a contiguous tensor of
+    that shape and the weight's dtype to write the tiles into (returned). ``output_tile=4``: F(4x4, 3x3)'s 36
+    positions instead of 16. Computed in fp32 (fp64 for fp64) and rounded once; the weight is read in its own memory
+    format (C++ kernel on the CPU; elsewhere, or without the extension, the plain-PyTorch reference)."""
+    _check_weight(weight, "winograd_weight_tiles", "weight")
     _check_output_tile(output_tile, "winograd_weight_tiles")
-    positions = POSITIONS[output_tile]
     c_out, c_in = weight.shape[:2]
-    # F(2x2): kron(G, G)'s entries (0, +-1/4, +-1/2, 1) are exact in every float dtype, and the matmul accumulates in
-    # fp32 for fp16/bf16 and rounds once, as an fp32 product rounded to the weight's dtype does; computed in the
-    # weight's dtype it needs no fp32 copies of the weight and the tiles (8 MB of temporaries per call at 256 -> 256
-    # channels). F(4x4)'s entries (1/6, 1/24, ...) round in the weight's dtype: meant for float32.
-    kron = _kron(_G[output_tile], weight.dtype, weight.device)  # [positions, 9]
-    filters = weight.reshape(c_out * c_in, 9)  # (out, in, ky, kx) order: a view, or a copy of channels_last weights
-    if transposed:  # rotating a filter by 180 degrees reverses its 9 taps
-        kron = kron.flip(1)
-    if out is not None and (out.shape != (positions, c_out, c_in) or out.dtype != weight.dtype
-                            or not out.is_contiguous()):
-        raise ValueError(f"winograd_weight_tiles: out must be a contiguous [{positions}, {c_out}, {c_in}] "
+    shape = (POSITIONS[output_tile], *((c_out, c_in) if transposed else (c_in, c_out)))
+    if out is None:
+        out = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+    elif out.shape != shape or out.dtype != weight.dtype or not out.is_contiguous():
+        raise ValueError(f"winograd_weight_tiles: out must be a contiguous [{shape[0]}, {shape[1]}, {shape[2]}] "
                          f"{weight.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    flat = None if out is None else out.view(positions, c_out * c_in)
-    tiles = torch.mm(kron, filters.t(), out=flat).view(positions, c_out, c_in)  # [positions, C_out, C_in]
-    return tiles if transposed else tiles.transpose(1, 2)
+    if _compiled_on(weight):
+        torch.ops.lit_amp_det.winograd_weight_tiles_(out, weight, transposed)
+    else:
+        reference.winograd_weight_tiles_(out, weight, transposed)
+    return out
 
 
 def winograd_weight_gradient(products: Tensor, like: Tensor, out: Tensor | None = None) -> Tensor:
     """The ``[C_out, C_in, 3, 3]`` weight gradient ``A'^T s A'`` from the 16 (or 36: F(4x4, 3x3)) products ``s``
-    ``[16 or 36, C_out, C_in]`` of gradient tiles and input tiles, in ``like``'s dtype and memory format (the
-    weight's), written into ``out`` when given (allocated before the temporaries, so that they free the top of the
-    CPU heap again)."""
-    positions, c_out, c_in = products.shape
-    kron = _kron(_GRAD_AT[output_tile_of(products)], accumulation_dtype(products.dtype), products.device)
-    # one wide product [9, positions] @ [positions, C_out * C_in] (0.8 ms at 256 -> 256 channels on the dev CPU; the
-    # narrow [C_out * C_in, 16] @ [16, 9] took 4.8 ms), then one transposing copy into the weight's layout
-    grad = torch.mm(kron, products.reshape(positions, c_out * c_in).to(kron.dtype))  # [9, C_out * C_in]
+    ``[16 or 36, C_out, C_in]`` of gradient tiles and input tiles (summed in fp32; fp64 for a fp64 ``like``), in
+    ``like``'s dtype and memory format (the weight's), written into ``out`` when given (allocated before the
+    temporaries, so that they free the top of the CPU heap again)."""
+    _check_weight(like, "winograd_weight_gradient", "like")
+    output_tile = output_tile_of(products)
+    if tuple(products.shape[1:]) != tuple(like.shape[:2]):
+        raise ValueError(f"winograd_weight_gradient: products must be [{POSITIONS[output_tile]}, {like.shape[0]}, "
+                         f"{like.shape[1]}] for a {tuple(like.shape)} weight, got {tuple(products.shape)}")
     target = torch.empty_like(like) if out is None else out
-    return target.copy_(grad.t().reshape(c_out, c_in, 3, 3))
+    sums = products.to(accumulation_dtype(like.dtype)).contiguous()
+    if _compiled_on(like):
+        torch.ops.lit_amp_det.winograd_weight_gradient_(target, sums)
+    else:
+        reference.winograd_weight_gradient_(target, sums)
+    return target
 
 
 if extension_available():
@@ -264,4 +252,12 @@ if extension_available():
 
     @torch.library.register_fake("lit_amp_det::winograd_output_")
     def _output_fake(out: Tensor, products: Tensor, bias: Tensor | None, tile_begin: int = 0) -> None:
+        return None
+
+    @torch.library.register_fake("lit_amp_det::winograd_weight_tiles_")
+    def _weight_tiles_fake(tiles: Tensor, weight: Tensor, transposed: bool = False) -> None:
+        return None
+
+    @torch.library.register_fake("lit_amp_det::winograd_weight_gradient_")
+    def _weight_gradient_fake(grad_weight: Tensor, products: Tensor) -> None:
         return None

@@ -1,0 +1,104 @@
+"""Paired A/B of the Winograd weight transforms inside a training step: one model in one state, steps alternating
+between the matrix-product transforms of commit be19dda (A) and the C++ kernels (B), in one process.
+
+A step's time on a shared 2-core CPU drifts by more than this change saves (+-15 % between processes), so the two
+arms run in the same process, A B / B A alternately, and the paired differences are reported. The model is a
+``bench train`` row's, built from the bench's cached trained state (run ``bench train`` once to make it).
+
+    python examples/paired_weight_transforms_ab.py --row winograd-4x4 --model maskrcnn_light --pairs 120
+    python examples/paired_weight_transforms_ab.py --row winograd-4x4 --model maskrcnn_r50_fpn --size 256 \
+        --batch 2 --pairs 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import lit_amp_det.models.winograd_conv as winograd_conv
+from lit_amp_det.bench import e2e, e2e_rows, train
+from lit_amp_det.bench.common import compose, train_step
+from lit_amp_det.ops import winograd
+from lit_amp_det.ops.reference import _WINOGRAD_G, _WINOGRAD_GRAD_AT
+from lit_amp_det.optim import build_optimizer
+
+_BUFFERS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+
+def matmul_weight_tiles(weight: torch.Tensor, transposed: bool = False, out: torch.Tensor | None = None,
+                        output_tile: int = 2) -> torch.Tensor:
+    """A: ``kron(G, G) @ filters`` into a kept buffer, the forward's operand a transposed view (be19dda)."""
+    kron = torch.kron(*[torch.tensor(_WINOGRAD_G[output_tile], dtype=weight.dtype)] * 2)
+    kron = kron.flip(1) if transposed else kron
+    c_out, c_in = weight.shape[:2]
+    key = (kron.shape[0], c_out * c_in, weight.dtype)
+    flat = _BUFFERS.setdefault(key, torch.empty(key[:2], dtype=weight.dtype))
+    tiles = torch.mm(kron, weight.reshape(c_out * c_in, 9).t(), out=flat).view(-1, c_out, c_in)
+    return tiles if transposed else tiles.transpose(1, 2)
+
+
+def matmul_weight_gradient(products: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A: ``kron(A', A') @ products``, then a copy into the weight's layout (be19dda)."""
+    positions, c_out, c_in = products.shape
+    side = winograd.output_tile_of(products)
+    kron = torch.kron(*[torch.tensor(_WINOGRAD_GRAD_AT[side], dtype=products.dtype)] * 2)
+    grad = torch.mm(kron, products.reshape(positions, c_out * c_in))
+    target = torch.empty_like(like) if out is None else out
+    return target.copy_(grad.t().reshape(c_out, c_in, 3, 3))
+
+
+ARMS = {"A": (matmul_weight_tiles, matmul_weight_gradient),
+        "B": (winograd.winograd_weight_tiles, winograd.winograd_weight_gradient)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", default="winograd-4x4", help="a bench train row (its switches and the ones above)")
+    parser.add_argument("--model", default="maskrcnn_light")
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=120)
+    args = parser.parse_args()
+    setting = e2e_rows.Setting(device="cpu", model=args.model, batch=args.batch, height=args.size, width=args.size,
+                               num_classes=e2e_rows.default_num_classes(args.model), steps=1, warmup=0,
+                               compile_warmup=0, state="trained", state_steps=e2e.DEFAULT_STATE_STEPS, half="fp32")
+    # the bench's cached trained state (made here if missing) and its final learning rate, held constant
+    setting, _ = e2e.prepare(setting, argparse.Namespace(cache_dir=None, peak_seconds=0.5), ["fp32"])
+    index = [row.name for row in train.ROWS].index(args.row)
+    built = e2e_rows.build(compose(e2e_rows.row_overrides(train.ROWS, index, setting)), "cpu", "fit")
+    module, plugin = built.module, built.plugin
+    optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
+    plugin.connect(module, [optimizer], [])
+    for group in optimizer.param_groups:
+        group["lr"] = setting.lr
+    images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
+    module.train()
+    for callback in built.callbacks:
+        callback.on_fit_start(None, module)
+        callback.on_train_epoch_start(None, module)
+
+    def step(arm: str) -> float:
+        winograd_conv.winograd_weight_tiles, winograd_conv.winograd_weight_gradient = ARMS[arm]
+        start = time.perf_counter()
+        train_step(module, plugin, optimizer, images, targets)
+        return 1000 * (time.perf_counter() - start)
+
+    for arm in "ABAB":  # warm-up
+        step(arm)
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for i in range(args.pairs):
+        for arm in ("AB" if i % 2 == 0 else "BA"):
+            times[arm].append(step(arm))
+    diffs = [a - b for a, b in zip(times["A"], times["B"])]
+    quartiles = statistics.quantiles(diffs, n=4)
+    a, b = statistics.median(times["A"]), statistics.median(times["B"])
+    print(f"{args.row} {args.model} {args.size} px b{args.batch}: A (matmul) {a:.1f} ms, B (kernels) {b:.1f} ms, "
+          f"{a / b:.3f}x; paired A - B median {statistics.median(diffs):.1f} ms (quartiles {quartiles[0]:.1f}, "
+          f"{quartiles[2]:.1f}), B faster in {sum(d > 0 for d in diffs)}/{args.pairs} pairs")
+
+
+if __name__ == "__main__":
+    main()
