@@ -74,13 +74,30 @@ def test_unknown_group_is_refused() -> None:
 
 
 def test_winograd_size_grid_covers_the_rule_boundaries() -> None:
-    """The grid spans the fp32 rule's boundaries: 64 and 128 channels, 128 and 1024 tiles, and sizes on both sides."""
-    from lit_amp_det.models.winograd_conv import winograd_pays
+    """The grid spans the fp32 rules' boundaries: 64 and 128 channels, 64 tiles (the floor), 196 and 256 tiles (below
+    and at F4_MIN_TILES), ResNet-18's real maps at 224 px (7x7, 14x14, 28x28), and sizes on both sides of each rule."""
+    from lit_amp_det.models.winograd_conv import F4_MIN_TILES, winograd_pays
+    from lit_amp_det.ops.winograd import tile_count
 
     grid = bench_ops._winograd_grid()
-    tiles = {n * (h // 2) * (w // 2) for _, n, _, h, w in grid}
+    tiles = {tile_count(n, h, w) for _, n, _, h, w in grid}
     channels = {c for _, _, c, _, _ in grid}
-    assert tiles == {64, 128, 256, 1024, 4096} and channels == {32, 64, 128, 256, 512}
-    verdicts = {winograd_pays(torch.float32, c, n * (h // 2) * (w // 2)) for _, n, c, h, w in grid}
+    assert tiles == {64, 128, 196, 256, 784, 4096} and channels == {32, 64, 128, 256, 512}
+    assert {h for *_, h, _ in grid} >= {7, 14, 28}
+    verdicts = {winograd_pays(torch.float32, c, tile_count(n, h, w)) for _, n, c, h, w in grid}
     assert verdicts == {True, False}
-    assert all(name == f"{c} channels, {n * (h // 2) ** 2} tiles" for name, n, c, h, _ in grid)
+    assert {tile_count(n, h, w) >= F4_MIN_TILES for _, n, _, h, w in grid} == {True, False}
+    assert all(name == f"{c} channels, {tile_count(n, h, h)} tiles" for name, n, c, h, _ in grid)
+
+
+@needs_ext
+def test_winograd_4x4_sizes_group_runs_the_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--only winograd_4x4_sizes``: F(4x4) against F(2x2) on every grid layer (here two small ones)."""
+    monkeypatch.setattr(bench_ops, "_winograd_grid", lambda: [("64 channels, 64 tiles", 4, 64, 7, 7),
+                                                              ("64 channels, 256 tiles", 1, 64, 32, 32)])
+    out = tmp_path / "ops.json"
+    bench_ops.main(["--device=cpu", "--only=winograd_4x4_sizes", "--repeats=1", "--warmup=0", f"--json={out}"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size"] for r in rows] == ["64 channels, 64 tiles: 4x64x7x7, 64 -> 64",
+                                         "64 channels, 256 tiles: 1x64x32x32, 64 -> 64"]
+    assert all(r["dtype"] == "float32 channels_last, F(4x4) vs F(2x2)" and r["ours_ms"] > 0 for r in rows)

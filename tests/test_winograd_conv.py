@@ -575,17 +575,19 @@ def test_layer_takes_winograd_only_where_measured_faster() -> None:
 
 @needs_ext
 @pytest.mark.parametrize(("channels", "n", "size", "expected"), [
-    (256, 2, 16, True),    # 128 tiles: 1.47x
-    (256, 1, 16, False),   # 64 tiles: 0.89-1.15x, within the noise
-    (512, 1, 16, False),   # 64 tiles: below the tile floor
-    (128, 1, 32, True),    # 256 tiles: 1.33-1.44x
-    (128, 2, 16, False),   # 128 tiles: 0.92-1.22x, below 32768 channel-tiles
-    (64, 4, 32, True),     # 1024 tiles: 1.10-1.18x
-    (64, 2, 16, False),    # 128 tiles: 0.72-0.99x
-    (32, 4, 64, False),    # 4096 tiles: 1.02-1.03x at best
+    (512, 4, 7, True),     # 64 tiles (ResNet-18 layer4, 224 px b4): 1.58-1.74x
+    (256, 1, 16, True),    # 64 tiles: 1.73-1.89x
+    (128, 2, 16, True),    # 128 tiles: 1.17-1.21x
+    (128, 1, 16, False),   # 64 tiles: 0.94-1.14x, below 16384 channel-tiles
+    (64, 1, 32, True),     # 256 tiles: 1.14-1.23x
+    (64, 4, 14, False),    # 196 tiles: 0.85-1.03x
+    (64, 2, 16, False),    # 128 tiles: 1.00-1.04x
+    (32, 4, 28, False),    # 784 tiles: 0.90x at best
+    (512, 2, 8, False),    # 32 tiles: below the 64-tile floor, the smallest count measured
 ], ids=str)
 def test_float32_takes_winograd_where_measured_faster(channels: int, n: int, size: int, expected: bool) -> None:
-    """The fp32 size rule, at the sizes it was measured at (AVX2 CPU, forward + backward; FP32_MIN_* in the module)."""
+    """The fp32 size rule, at the sizes it was measured at (AVX2 CPU, forward + backward, two in-process sweeps;
+    FP32_MIN_* in the module)."""
     conv = _switched_layer(channels)
     assert conv.computes_with_winograd(torch.zeros(n, channels, size, size)) is expected
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
@@ -694,6 +696,7 @@ def test_float32_parts_equal_direct_convolutions_forward_and_backward(
     monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNELS", 1)
     monkeypatch.setattr(winograd_conv, "FP32_MIN_TILES", 1)
     monkeypatch.setattr(winograd_conv, "FP32_MIN_CHANNEL_TILES", 1)
+    monkeypatch.setattr(winograd_conv, "F4_MIN_TILES", 1)  # F(4x4) on the small maps too
     torch.manual_seed(0)
     plain = _tiny_module("model.channels_last=true")
     switched = _tiny_module("model.channels_last=true", "model.winograd_convs=[mask_head,rpn_head,fpn,backbone]",
@@ -997,7 +1000,7 @@ def test_f4_is_taken_only_where_the_layer_computes_in_float32(monkeypatch: pytes
     layer = nn.Conv2d(256, 256, 3, padding=1)
     assert use_winograd_convs(nn.ModuleDict({"roi_heads": nn.ModuleDict({"mask_head": layer})}), ["mask_head"], 4) == 1
     assert isinstance(layer, WinogradConv2d) and layer.output_tile == 4
-    x = torch.randn(1, 256, 16, 16).contiguous(memory_format=NHWC)
+    x = torch.randn(1, 256, 32, 32).contiguous(memory_format=NHWC)  # 256 2x2 tiles: F4_MIN_TILES
     layer(x)
     layer.bfloat16()(x.bfloat16())
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -1005,6 +1008,22 @@ def test_f4_is_taken_only_where_the_layer_computes_in_float32(monkeypatch: pytes
     assert calls == [4, 2, 2]
     with pytest.raises(ValueError, match="model.winograd_output_tile must be 2"):
         use_winograd_convs(nn.Module(), ["mask_head"], 3)
+
+
+@needs_ext
+def test_f4_is_taken_from_f4_min_tiles() -> None:
+    """fp32 ``output_tile=4`` layers take F(4x4) from F4_MIN_TILES 2x2 tiles and F(2x2) below it (where F(4x4)'s
+    larger weight tiles outweigh its fewer products); ``output_tile=2`` layers never take F(4x4)."""
+    from lit_amp_det.models.winograd_conv import F4_MIN_TILES
+
+    assert F4_MIN_TILES == 256
+    layer = _switched_layer(64)
+    layer.output_tile = 4
+    for shape, side in (((1, 64, 32, 32), 4), ((1, 64, 30, 32), 2), ((4, 64, 14, 14), 2), ((4, 64, 28, 28), 4)):
+        x = torch.zeros(shape).contiguous(memory_format=NHWC)
+        assert layer.tile_side(x) == side, shape
+    layer.output_tile = 2
+    assert layer.tile_side(torch.zeros(4, 64, 28, 28)) == 2
 
 
 def test_f4_config_default_and_bad_value() -> None:

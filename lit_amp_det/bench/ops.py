@@ -22,7 +22,8 @@ and ``speed-up = torchvision median / ours median``. Sizes are Mask R-CNN's at 8
   where the size rule of :func:`lit_amp_det.models.winograd_conv.winograd_pays` comes from (run it with
   ``--repeats 3``: the largest layers take seconds).
 * ``winograd_4x4`` (CPU): ``model.winograd_output_tile=4``'s A/B, the ``winograd`` layers by F(4x4, 3x3) tiles
-  against F(2x2, 3x3) tiles, in fp32.
+  against F(2x2, 3x3) tiles, in fp32; ``winograd_4x4_sizes`` the same over the ``winograd_sizes`` grid (where
+  :data:`lit_amp_det.models.winograd_conv.F4_MIN_TILES` comes from).
 * ``winograd_weights`` (CPU): the weight transforms' kernels (``G w G^T`` of every filter, and the weight gradient's
   back transform) against the matrix products they replaced, at the ``winograd`` layers' channel counts, F(2x2) and
   F(4x4), fp32.
@@ -196,10 +197,12 @@ WINOGRAD_LAYERS = (
 
 
 def _winograd_grid() -> list[tuple[str, int, int, int, int]]:
-    """The ``winograd_sizes`` layers: C -> C channels by 2x2-tile counts (N images of H x H: N * (H / 2)^2 tiles)."""
+    """The ``winograd_sizes`` layers: C -> C channels by 2x2-tile counts (N images of H x H: N * ceil(H / 2)^2
+    tiles)."""
     from lit_amp_det.ops.winograd import tile_count
 
-    maps = ((1, 16), (2, 16), (1, 32), (4, 32), (4, 64))  # 64, 128, 256, 1024, 4096 tiles
+    # 64 (ResNet-18 layer4 at 224 px, batch 4), 64, 128, 196 (its layer3), 256, 784 (its layer2), 4096 tiles
+    maps = ((4, 7), (1, 16), (2, 16), (4, 14), (1, 32), (4, 28), (4, 64))
     return [(f"{c} channels, {tile_count(n, h, h)} tiles", n, c, h, h) for c in (32, 64, 128, 256, 512)
             for n, h in maps]
 
@@ -235,9 +238,10 @@ def _winograd_cases(device: str, half: torch.dtype,
     return cases
 
 
-def _winograd_4x4_cases(device: str) -> list[tuple[str, str, str, Callable, Callable]]:
-    """``model.winograd_output_tile=4``'s A/B: each :data:`WINOGRAD_LAYERS` layer by F(4x4, 3x3) tiles against
-    F(2x2, 3x3) tiles, float32 (the dtype F(4x4) is taken in), forward + backward."""
+def _winograd_4x4_cases(device: str, layers: Sequence[tuple[str, int, int, int, int]] | None = None
+                        ) -> list[tuple[str, str, str, Callable, Callable]]:
+    """``model.winograd_output_tile=4``'s A/B: each :data:`WINOGRAD_LAYERS` layer (or each of ``layers``) by F(4x4,
+    3x3) tiles against F(2x2, 3x3) tiles, float32 (the dtype F(4x4) is taken in), forward + backward."""
     from lit_amp_det.models.winograd_conv import winograd_conv3x3
 
     if device != "cpu":
@@ -245,7 +249,7 @@ def _winograd_4x4_cases(device: str) -> list[tuple[str, str, str, Callable, Call
         return []
     g = torch.Generator().manual_seed(12)
     cases = []
-    for name, n, c, h, w in WINOGRAD_LAYERS:
+    for name, n, c, h, w in WINOGRAD_LAYERS if layers is None else layers:
         x, weight, size = _winograd_operands(g, name, n, c, h, w, torch.float32)
         cases.append(("winograd conv3x3 fwd+bwd", size, "float32 channels_last, F(4x4) vs F(2x2)",
                       _backward(lambda x=x, weight=weight: winograd_conv3x3(x, weight, None, 4), [x, weight]),
@@ -348,8 +352,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", default="",
                         help="comma-separated groups: nms,iou,roi_align,pooler,winograd,winograd_sizes,winograd_4x4,"
-                             "winograd_weights,model "
-                             "(default all but winograd_sizes)")
+                             "winograd_4x4_sizes,winograd_weights,model (default all but the two _sizes grids)")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if not ops.extension_available():
@@ -365,9 +368,10 @@ def main(argv: Sequence[str] | None = None) -> None:
               "winograd": lambda: _winograd_cases(args.device, half),
               "winograd_sizes": lambda: _winograd_cases(args.device, half, _winograd_grid()),
               "winograd_4x4": lambda: _winograd_4x4_cases(args.device),
+              "winograd_4x4_sizes": lambda: _winograd_4x4_cases(args.device, _winograd_grid()),
               "winograd_weights": lambda: _winograd_weight_cases(args.device),
               "model": lambda: _model_cases(args.device, half)}
-    chosen = [g.strip() for g in args.only.split(",") if g.strip()] or [g for g in groups if g != "winograd_sizes"]
+    chosen = [g.strip() for g in args.only.split(",") if g.strip()] or [g for g in groups if not g.endswith("_sizes")]
     unknown = sorted(set(chosen) - set(groups))
     if unknown:
         raise SystemExit(f"--only: unknown group(s) {unknown}; choose from {sorted(groups)}")

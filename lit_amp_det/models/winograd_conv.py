@@ -63,6 +63,7 @@ from lit_amp_det.ops.winograd import (
 
 __all__ = [
     "CHUNK_TILES",
+    "F4_MIN_TILES",
     "FP32_MIN_CHANNELS",
     "FP32_MIN_CHANNEL_TILES",
     "FP32_MIN_TILES",
@@ -95,16 +96,21 @@ WINOGRAD_PARTS = {
 #: 14.3 vs 14.3 ms, 40 RoIs (1960 tiles) 28.6 vs 25.6 ms; 128 channels on 4x64x64 maps (4096 tiles) 15.4 vs 15.8 ms.
 MIN_TILES = 1024
 MIN_CHANNELS = 256
-#: fp32: the smallest layers the Winograd form beat oneDNN's direct fp32 convolution on, forward + backward,
-#: channels_last, C -> C channels (AVX2 AMD EPYC, 2 cores; ``bench ops --only winograd_sizes --repeats 3``, medians;
-#: speed-up of Winograd at C channels and T 2x2 tiles): C=32 0.51-1.02x everywhere; C=64: T=128 0.99x, T=256 1.02x,
-#: T=1024 1.13x, T=4096 1.19x; C=128: T=64 0.96x, T=128 1.22x, T=256 1.44x; C=256: T=64 1.15x, T=128 1.47x,
-#: T=4096 2.18x; C=512: T=64 1.45x, T=4096 2.43x. An earlier best-of-3 sweep read C=128 T=128 0.92x, C=256 T=64 0.89x
-#: and C=512 T=64 0.86x: below 128 tiles and 32768 channel-tiles the verdict is within the noise, and small layers
-#: cost little either way, so the rule keeps oneDNN there: >= 64 channels, >= 128 tiles, channels x tiles >= 32768.
+#: fp32: the smallest layers the Winograd form beats oneDNN's direct fp32 convolution on, forward + backward,
+#: channels_last, C -> C channels (AVX2 AMD EPYC, 2 cores; two in-process sweeps with the weight transforms as
+#: kernels, 9 alternated calls each, medians; speed-up of F(2x2) tiles at C channels and T 2x2 tiles): C=32 0.56-0.90x
+#: everywhere; C=64: T=64 0.72-0.88x, T=128 1.00-1.04x, T=196 0.85-1.03x, T=256 1.14-1.23x, T=784 1.17-1.27x;
+#: C=128: T=64 0.89-1.14x, T=128 1.17-1.21x, T=196 1.18-1.25x; C=256: T=64 1.09-1.89x, T=128 1.53-1.59x; C=512: T=64
+#: 1.38-2.00x, T=128 1.97-2.16x. (Before the weight transforms were kernels, C=256 and C=512 at T=64 read 0.86-1.45x:
+#: their transforms weigh most where there are few tiles.) So: >= 64 channels, >= 64 tiles, channels x tiles >= 16384.
 FP32_MIN_CHANNELS = 64
-FP32_MIN_TILES = 128
-FP32_MIN_CHANNEL_TILES = 32768
+FP32_MIN_TILES = 64
+FP32_MIN_CHANNEL_TILES = 16384
+#: fp32 layers of ``output_tile=4`` take F(4x4, 3x3) tiles from this many 2x2 tiles, F(2x2, 3x3) below: F(4x4) has
+#: fewer, larger products and 2.25x the weight tiles, which pays only on enough tiles (the sweeps above, F(4x4) vs
+#: F(2x2): T=256 1.12-1.40x at every channel count; T=196 0.91-1.15x, T=128 0.89-1.14x, T=64 0.77-1.10x, the larger
+#: channel counts losing most: ResNet-18's layer3 at 224 px, batch 4, is T=196, its layer4 T=64).
+F4_MIN_TILES = 256
 #: Tiles per chunk: a chunk's input tiles and products (8 MB each for 1024 tiles of 256 channels in bf16) are made,
 #: multiplied and consumed before the next, in buffers kept from call to call (:class:`_Workspace`), so memory stays
 #: small at any image size (the R50-FPN level P2 at 800x1333 has 16 800 tiles per image). Profiled on the dev CPU
@@ -296,12 +302,12 @@ class WinogradConv2d(nn.Conv2d):
     the CPU by Winograd tiles where it is large enough (:func:`winograd_pays`); everything else runs ``nn.Conv2d``'s
     convolution. Same parameters and ``state_dict`` as the layer it replaces.
 
-    ``output_tile`` (class default 2, set per layer by :func:`use_winograd_convs`): 4 computes float32 layers by
-    F(4x4, 3x3) tiles, 1.78x fewer multiplications than F(2x2, 3x3) on maps a multiple of 4 wide (1.36x on the mask
-    head's 14x14) and fewer tile values per output pixel to transform, at a larger rounding error (about 4x
-    oneDNN's direct fp32 convolution's: 8e-6 against 2e-6 of the largest output on the mask head's layer, 500x below
-    bf16 autocast's rounding). fp16/bf16 layers keep F(2x2, 3x3): their tiles are rounded to 8 or 11 bits, which
-    F(4x4, 3x3)'s larger transform entries would amplify.
+    ``output_tile`` (class default 2, set per layer by :func:`use_winograd_convs`): 4 computes float32 layers of at
+    least :data:`F4_MIN_TILES` 2x2 tiles by F(4x4, 3x3) tiles, 1.78x fewer multiplications than F(2x2, 3x3) on maps
+    a multiple of 4 wide (1.36x on the mask head's 14x14) and fewer tile values per output pixel to transform, at a
+    larger rounding error (about 4x oneDNN's direct fp32 convolution's: 8e-6 against 2e-6 of the largest output on
+    the mask head's layer, 500x below bf16 autocast's rounding). fp16/bf16 layers keep F(2x2, 3x3): their tiles are
+    rounded to 8 or 11 bits, which F(4x4, 3x3)'s larger transform entries would amplify.
     """
 
     output_tile: int = 2
@@ -318,8 +324,10 @@ class WinogradConv2d(nn.Conv2d):
 
     def tile_side(self, input: Tensor) -> int:  # noqa: A002 (torch's name)
         """The output tile side the Winograd path takes for ``input``: :attr:`output_tile` where the layer computes
-        in float32, 2 otherwise."""
-        return self.output_tile if convolution_dtype(input) == torch.float32 else 2
+        in float32 on at least :data:`F4_MIN_TILES` 2x2 tiles, 2 otherwise."""
+        if self.output_tile == 2 or convolution_dtype(input) != torch.float32:
+            return 2
+        return self.output_tile if tile_count(input.shape[0], input.shape[2], input.shape[3]) >= F4_MIN_TILES else 2
 
     def computes_with_winograd(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
         """True when ``forward(input)`` takes the Winograd path: a batched input on the CPU computed in fp16, bf16 or

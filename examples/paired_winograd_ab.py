@@ -1,13 +1,19 @@
-"""Paired A/B of the Winograd weight transforms inside a training step: one model in one state, steps alternating
-between the matrix-product transforms of commit be19dda (A) and the C++ kernels (B), in one process.
+"""Paired A/B of a change to the Winograd convolutions inside a training step: one model in one state, steps
+alternating between the change's two arms in one process.
 
-A step's time on a shared 2-core CPU drifts by more than this change saves (+-15 % between processes), so the two
+``--change weight-transforms``: the matrix-product weight transforms of commit be19dda (A) against the C++ kernels
+(B). ``--change size-rule``: the fp32 size rule of commit 10865c7 (A: >= 128 2x2 tiles, channels x tiles
+>= 32768, F(4x4) on every such layer of ``output_tile=4``) against the current one (B: >= 64 tiles, >= 16384
+channel-tiles, F(4x4) from ``F4_MIN_TILES`` tiles).
+
+A step's time on a shared 2-core CPU drifts by more than such a change saves (+-15 % between processes), so the two
 arms run in the same process, A B / B A alternately, and the paired differences are reported. The model is a
-``bench train`` row's, built from the bench's cached trained state (run ``bench train`` once to make it).
+``bench train`` row's, built from the bench's cached trained state (made here if missing).
 
-    python examples/paired_weight_transforms_ab.py --row winograd-4x4 --model maskrcnn_light --pairs 120
-    python examples/paired_weight_transforms_ab.py --row winograd-4x4 --model maskrcnn_r50_fpn --size 256 \
-        --batch 2 --pairs 40
+    python examples/paired_winograd_ab.py --change weight-transforms --row winograd-4x4 --pairs 120
+    python examples/paired_winograd_ab.py --change weight-transforms --model maskrcnn_r50_fpn --size 256 --batch 2 \
+        --pairs 40
+    python examples/paired_winograd_ab.py --change size-rule --row winograd-4x4 --pairs 120
 """
 
 from __future__ import annotations
@@ -50,12 +56,30 @@ def matmul_weight_gradient(products: torch.Tensor, like: torch.Tensor, out: torc
     return target.copy_(grad.t().reshape(c_out, c_in, 3, 3))
 
 
-ARMS = {"A": (matmul_weight_tiles, matmul_weight_gradient),
-        "B": (winograd.winograd_weight_tiles, winograd.winograd_weight_gradient)}
+def weight_transforms(arm: str) -> None:
+    """A: the matrix products; B: the kernels."""
+    pair = ((matmul_weight_tiles, matmul_weight_gradient) if arm == "A"
+            else (winograd.winograd_weight_tiles, winograd.winograd_weight_gradient))
+    winograd_conv.winograd_weight_tiles, winograd_conv.winograd_weight_gradient = pair
+
+
+CURRENT_RULE = {name: getattr(winograd_conv, name)
+                for name in ("FP32_MIN_TILES", "FP32_MIN_CHANNEL_TILES", "F4_MIN_TILES")}
+EARLIER_RULE = {"FP32_MIN_TILES": 128, "FP32_MIN_CHANNEL_TILES": 32768, "F4_MIN_TILES": 0}
+
+
+def size_rule(arm: str) -> None:
+    """A: the earlier fp32 size rule; B: the current one."""
+    for name, value in (EARLIER_RULE if arm == "A" else CURRENT_RULE).items():
+        setattr(winograd_conv, name, value)
+
+
+CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--change", choices=sorted(CHANGES), default="weight-transforms")
     parser.add_argument("--row", default="winograd-4x4", help="a bench train row (its switches and the ones above)")
     parser.add_argument("--model", default="maskrcnn_light")
     parser.add_argument("--size", type=int, default=224)
@@ -81,7 +105,7 @@ def main() -> None:
         callback.on_train_epoch_start(None, module)
 
     def step(arm: str) -> float:
-        winograd_conv.winograd_weight_tiles, winograd_conv.winograd_weight_gradient = ARMS[arm]
+        CHANGES[args.change](arm)
         start = time.perf_counter()
         train_step(module, plugin, optimizer, images, targets)
         return 1000 * (time.perf_counter() - start)
@@ -95,7 +119,7 @@ def main() -> None:
     diffs = [a - b for a, b in zip(times["A"], times["B"])]
     quartiles = statistics.quantiles(diffs, n=4)
     a, b = statistics.median(times["A"]), statistics.median(times["B"])
-    print(f"{args.row} {args.model} {args.size} px b{args.batch}: A (matmul) {a:.1f} ms, B (kernels) {b:.1f} ms, "
+    print(f"{args.change}, {args.row} {args.model} {args.size} px b{args.batch}: A {a:.1f} ms, B {b:.1f} ms, "
           f"{a / b:.3f}x; paired A - B median {statistics.median(diffs):.1f} ms (quartiles {quartiles[0]:.1f}, "
           f"{quartiles[2]:.1f}), B faster in {sum(d > 0 for d in diffs)}/{args.pairs} pairs")
 
