@@ -134,8 +134,9 @@ def _layer(**kwargs: object) -> nn.ConvTranspose2d:
 
 
 def test_layer_takes_the_matmul_in_half_precision_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 input, or fp32 input under bf16 autocast: the matmul. fp32, an explicit output_size and an unbatched
-    input: torch's own layer, with its own result."""
+    """On a CPU outside FP32_MATMUL_CAPABILITIES: bf16 input, or fp32 input under bf16 autocast: the matmul. fp32,
+    an explicit output_size and an unbatched input: torch's own layer, with its own result."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     calls = _spy(monkeypatch)
     native = _layer()
     layer = _layer()
@@ -155,6 +156,27 @@ def test_layer_takes_the_matmul_in_half_precision_only(monkeypatch: pytest.Monke
         out, expected = layer(x), native(x)
     assert out.dtype == expected.dtype == torch.bfloat16 and len(calls) == 2
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_layer_takes_the_matmul_in_float32_on_an_avx2_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AVX2 CPU (FP32_MATMUL_CAPABILITIES, where the fp32 step measured faster with it) fp32 input takes the
+    matmul too, with the native layer's values to fp32 rounding; float64, an explicit output_size and an unbatched
+    input still run torch's own layer."""
+    from lit_amp_det.models.patch_deconv import FP32_MATMUL_CAPABILITIES
+
+    assert FP32_MATMUL_CAPABILITIES == {"AVX2"}
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    calls = _spy(monkeypatch)
+    native, layer = _layer(), _layer()
+    use_patch_deconv(layer)
+    x = torch.randn(2, 8, 5, 5)
+    assert layer.computes_as_matmul(x)
+    torch.testing.assert_close(layer(x), native(x), rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1
+    assert layer(x, output_size=[10, 10]).shape == (2, 6, 10, 10) and layer(x[0]).shape == (6, 10, 10)
+    layer.double(), native.double()
+    torch.testing.assert_close(layer(x.double()), native(x.double()), rtol=0, atol=0)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("kwargs", [dict(kernel_size=3, stride=2), dict(padding=1), dict(output_padding=1),

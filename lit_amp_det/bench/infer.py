@@ -14,7 +14,7 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 7. ``callbacks.conv_bn_eval.fold_on_predict=true``: the pairs folded once, permanently, before prediction
    (:func:`lit_amp_det.models.conv_bn.fold_conv_bn`; norms become ``nn.Identity``), the inference-time
    conv-BN switch;
-8. ``model.deconv_as_matmul=true``: the mask head's upsampling as one matrix product (fp16/bf16);
+8. ``model.deconv_as_matmul=true``: the mask head's upsampling as one matrix product (fp16/bf16; fp32 on AVX2);
 9. ``model.labelled_mask_logits=true``: each detection's mask logits of its predicted class only, the one map of
    all ``num_classes`` that torchvision's ``maskrcnn_inference`` keeps;
 10. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products;

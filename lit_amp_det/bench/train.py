@@ -18,7 +18,7 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 8. ``trainer.precision=16-weights`` (CUDA; ``bf16-weights`` on a CPU): the weights themselves in half precision
    with fp32 masters in the optimizer, no autocast (:mod:`lit_amp_det.precision.master_weights`);
 9. ``model.deconv_as_matmul=true``: the mask head's 2x2 stride-2 transposed convolution as one matrix product in
-   fp16/bf16 (:mod:`lit_amp_det.models.patch_deconv`);
+   fp16/bf16, and in fp32 on an AVX2 CPU (:mod:`lit_amp_det.models.patch_deconv`);
 10. ``precision.fused_master_step=true``: the half-weights mode's SGD step in one pass from the half-precision
     gradients, no fp32 gradients (:mod:`lit_amp_det.precision.fused_master_step`; a no-op for fp16 on CUDA,
     whose GradScaler steps through the hooks);
@@ -86,7 +86,7 @@ ROWS = (
     Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", "callbacks=[freeze_norm,conv_bn_eval]"),
     Row("fused-optim", "+ fused SGD", "optim.optimizer.fused=auto"),
     Row("low-precision-weights", "+ half weights, fp32 masters", "trainer.precision={weights}", needs_half=True),
-    Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true", needs_half=True),
+    Row("deconv-matmul", "+ mask upsampling as one matmul", "model.deconv_as_matmul=true"),
     Row("fused-master-step", "+ fused master SGD step", "precision.fused_master_step=true", needs_half=True),
     Row("retain-cpu-heap", "+ retained CPU heap", "callbacks=[freeze_norm,conv_bn_eval,retain_cpu_heap]"),
     Row("labelled-mask-logits", "+ own-class mask logits only", "model.labelled_mask_logits=true"),

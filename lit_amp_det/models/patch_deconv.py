@@ -11,10 +11,14 @@ substitution).
 Why: on the CPU oneDNN's bf16 backward of this layer is slow. Measured on the dev CPU (2-core AMD EPYC, torch
 2.14.1) for the R50-FPN mask head's shape (70 RoIs, 256 channels, 14x14 -> 28x28), forward + backward:
 75.9 ms native vs 37.1 ms as a matmul in bf16 channels_last, 73.9 vs 52.7 ms in bf16 NCHW, with the forward
-equal (11.3 vs 11.5 ms channels_last) and the bf16 outputs identical. In float32 MKL's matmul (its AVX2 path)
-loses to oneDNN's convolution (131 vs 169 ms channels_last), so :class:`PatchConvTranspose2d` takes the matmul
-only when the layer computes in float16 or bfloat16 (its input's dtype, or the autocast dtype when autocast is
-on) and calls ``nn.ConvTranspose2d.forward`` otherwise. End-to-end figures: BENCHMARKS.md.
+equal (11.3 vs 11.5 ms channels_last) and the bf16 outputs identical. In float32 it depends on the CPU: on that
+AVX-512 CPU MKL's matmul lost to oneDNN's convolution (131 vs 169 ms channels_last), while on an AVX2 CPU (where
+``trainer.precision=auto`` trains in fp32) oneDNN's fp32 backward of this layer runs at about 63 GFLOP/s and the
+matmul form made the whole fp32 training step faster: 1.04x on the R50-FPN (256 px, batch 2) and 1.035x on the
+light model (paired steps in one process). So :class:`PatchConvTranspose2d` takes the matmul when the layer computes
+in float16 or bfloat16 (its input's dtype, or the autocast dtype when autocast is on), or in float32 on a CPU whose
+capability is in :data:`FP32_MATMUL_CAPABILITIES`, and calls ``nn.ConvTranspose2d.forward`` otherwise. End-to-end
+figures: BENCHMARKS.md.
 
 :func:`use_patch_deconv` switches a built model over in place by changing the class of every qualifying
 ``nn.ConvTranspose2d``: no parameter, buffer or ``state_dict`` key changes, so checkpoints load either way.
@@ -29,10 +33,15 @@ import torch
 from torch import Tensor, nn
 
 from lit_amp_det.models.bounded_matmul import chunked_addmm
-from lit_amp_det.models.half_compute import computes_in_half
+from lit_amp_det.models.half_compute import computes_in_half, convolution_dtype
 from lit_amp_det.ops.layout import suggest_memory_format
 
-__all__ = ["PatchConvTranspose2d", "is_patchwise", "patch_conv_transpose2d", "patch_products", "use_patch_deconv"]
+__all__ = ["FP32_MATMUL_CAPABILITIES", "PatchConvTranspose2d", "is_patchwise", "patch_conv_transpose2d",
+           "patch_products", "use_patch_deconv"]
+
+#: torch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) on which the layer takes the matmul in
+#: float32 too: measured faster there (AVX2 AMD EPYC, paired training steps), and slower on the AVX-512 dev CPU.
+FP32_MATMUL_CAPABILITIES = frozenset({"AVX2"})
 
 def is_patchwise(layer: nn.ConvTranspose2d) -> bool:
     """True when ``layer``'s output patches do not overlap and it has no padding: kernel == stride, zero padding
@@ -110,9 +119,10 @@ def patch_conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Te
 
 
 class PatchConvTranspose2d(nn.ConvTranspose2d):
-    """``nn.ConvTranspose2d`` that computes a patchwise layer (:func:`is_patchwise`) in fp16/bf16 as one matrix
-    product; everything else (float32, an explicit ``output_size``, unbatched input, another geometry) runs
-    ``nn.ConvTranspose2d.forward``. Same parameters and ``state_dict`` as the layer it replaces."""
+    """``nn.ConvTranspose2d`` that computes a patchwise layer (:func:`is_patchwise`) in fp16/bf16, and in fp32 on a
+    CPU of :data:`FP32_MATMUL_CAPABILITIES`, as one matrix product; everything else (float32 elsewhere, float64, an
+    explicit ``output_size``, unbatched input, another geometry) runs ``nn.ConvTranspose2d.forward``. Same parameters
+    and ``state_dict`` as the layer it replaces."""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:  # noqa: A002 (torch's name)
         if output_size is None and self.computes_as_matmul(input):
@@ -120,8 +130,14 @@ class PatchConvTranspose2d(nn.ConvTranspose2d):
         return super().forward(input, output_size)
 
     def computes_as_matmul(self, input: Tensor) -> bool:  # noqa: A002 (torch's name)
-        """True when ``forward(input)`` takes the matrix product: a batched input computed in fp16/bf16."""
-        return input.dim() == 4 and is_patchwise(self) and computes_in_half(input)
+        """True when ``forward(input)`` takes the matrix product: a batched input computed in fp16/bf16, or in fp32
+        on a CPU of :data:`FP32_MATMUL_CAPABILITIES`."""
+        return input.dim() == 4 and is_patchwise(self) and (computes_in_half(input) or _fp32_matmul_pays(input))
+
+
+def _fp32_matmul_pays(x: Tensor) -> bool:
+    return (x.device.type == "cpu" and convolution_dtype(x) == torch.float32
+            and torch.backends.cpu.get_cpu_capability() in FP32_MATMUL_CAPABILITIES)
 
 
 def use_patch_deconv(model: nn.Module) -> int:

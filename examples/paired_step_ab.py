@@ -1,19 +1,22 @@
-"""Paired A/B of a change to the Winograd convolutions inside a training step: one model in one state, steps
-alternating between the change's two arms in one process.
+"""Paired A/B of a CPU change inside a training step: one model in one state, steps alternating between the
+change's two arms in one process.
 
 ``--change weight-transforms``: the matrix-product weight transforms of commit be19dda (A) against the C++ kernels
 (B). ``--change size-rule``: the fp32 size rule of commit 10865c7 (A: >= 128 2x2 tiles, channels x tiles
 >= 32768, F(4x4) on every such layer of ``output_tile=4``) against the current one (B: >= 64 tiles, >= 16384
-channel-tiles, F(4x4) from ``F4_MIN_TILES`` tiles).
+channel-tiles, F(4x4) from ``F4_MIN_TILES`` tiles). ``--change fp32-deconv``: the mask upsampling
+(``model.deconv_as_matmul=true``, which the Winograd rows carry) in fp32 by oneDNN's transposed convolution (A) or
+as one matmul (B, what ``FP32_MATMUL_CAPABILITIES`` CPUs take).
 
 A step's time on a shared 2-core CPU drifts by more than such a change saves (+-15 % between processes), so the two
 arms run in the same process, A B / B A alternately, and the paired differences are reported. The model is a
 ``bench train`` row's, built from the bench's cached trained state (made here if missing).
 
-    python examples/paired_winograd_ab.py --change weight-transforms --row winograd-4x4 --pairs 120
-    python examples/paired_winograd_ab.py --change weight-transforms --model maskrcnn_r50_fpn --size 256 --batch 2 \
+    python examples/paired_step_ab.py --change weight-transforms --row winograd-4x4 --pairs 120
+    python examples/paired_step_ab.py --change weight-transforms --model maskrcnn_r50_fpn --size 256 --batch 2 \
         --pairs 40
-    python examples/paired_winograd_ab.py --change size-rule --row winograd-4x4 --pairs 120
+    python examples/paired_step_ab.py --change size-rule --row winograd-4x4 --pairs 120
+    python examples/paired_step_ab.py --change fp32-deconv --row winograd-4x4 --pairs 100
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 
 import torch
 
+import lit_amp_det.models.patch_deconv as patch_deconv
 import lit_amp_det.models.winograd_conv as winograd_conv
 from lit_amp_det.bench import e2e, e2e_rows, train
 from lit_amp_det.bench.common import compose, train_step
@@ -74,7 +78,16 @@ def size_rule(arm: str) -> None:
         setattr(winograd_conv, name, value)
 
 
-CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule}
+CURRENT_DECONV = patch_deconv.FP32_MATMUL_CAPABILITIES
+
+
+def fp32_deconv(arm: str) -> None:
+    """A: the fp32 mask upsampling by oneDNN on every CPU; B: as one matmul on this one (an AVX2 CPU)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    patch_deconv.FP32_MATMUL_CAPABILITIES = frozenset() if arm == "A" else CURRENT_DECONV | {capability}
+
+
+CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule, "fp32-deconv": fp32_deconv}
 
 
 def main() -> None:
