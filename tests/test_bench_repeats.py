@@ -152,7 +152,7 @@ def test_count_flops_counts_the_winograd_weight_gradient() -> None:
     weight = torch.randn(c_out, c_in, 3, 3)
     tiles = tile_count(n, size, size)
     products = 2 * 16 * c_out * tiles * c_in  # the 16 [C_out, T] @ [T, C_in] products, summed by baddbmm_
-    # the back transform A' s A'^T, like the tile transforms, is a memory-bound kernel of the extension: not counted
+    # the back transform A'^T s A', like the tile transforms, is a memory-bound kernel of the extension: not counted
     assert roofline.count_flops(lambda: _weight_gradient(x, grad, weight)) == products
 
 

@@ -416,7 +416,7 @@ def test_weight_tiles_op_matches_the_reference(output_tile: int, dtype: torch.dt
 @pytest.mark.parametrize("shape", WEIGHTS, ids=str)
 def test_weight_gradient_op_matches_the_reference(output_tile: int, dtype: torch.dtype,
                                                   shape: tuple[int, int]) -> None:
-    """A' s A'^T of every filter's summed products (fp32; fp64 for fp64) into a gradient of the weight's dtype and
+    """A'^T s A' of every filter's summed products (fp32; fp64 for fp64) into a gradient of the weight's dtype and
     memory format, to the rounding of the dtype (the back transform's coefficients reach 16: compared against the
     result's scale)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -455,6 +455,10 @@ def test_weight_transforms_name_the_bad_argument() -> None:
         winograd_weight_gradient(torch.zeros(16, 3, 4), weight)
     with pytest.raises(ValueError, match=r"winograd_weight_gradient: like must be \[C_out, C_in, 3, 3\]"):
         winograd_weight_gradient(torch.zeros(16, 4, 3), torch.zeros(4, 3, 5, 5))
+    for bad in (torch.zeros(4, 3, 3, 3, dtype=torch.float64), torch.zeros(3, 4, 3, 3)):
+        with pytest.raises(ValueError, match=r"winograd_weight_gradient: out must be a \(4, 3, 3, 3\) torch.float32 "
+                                             r"tensor like the weight"):
+            winograd_weight_gradient(torch.zeros(16, 4, 3), weight, out=bad)
 
 
 @needs_ext

@@ -350,7 +350,7 @@ def winograd_weight_tiles_(tiles: Tensor, weight: Tensor, transposed: bool = Fal
 
 
 def winograd_weight_gradient_(grad_weight: Tensor, products: Tensor) -> None:
-    """Writes ``A' s A'^T`` of each filter's alpha x alpha sum of products ``s`` (``products``: ``[16 or 36, C_out,
+    """Writes ``A'^T s A'`` of each filter's alpha x alpha sum of products ``s`` (``products``: ``[16 or 36, C_out,
     C_in]``) into ``grad_weight`` ``[C_out, C_in, 3, 3]``."""
     m = _winograd_side(products)
     acc = _accumulation_dtype(products, grad_weight)

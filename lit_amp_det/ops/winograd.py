@@ -20,7 +20,7 @@ follows from its first dimension: 16 positions for 2x2 output tiles, 36 for 4x4 
 
 Each writes a range of tiles into a given tensor, so that a convolution can run in chunks through buffers it reuses.
 * :func:`winograd_weight_tiles` / :func:`winograd_weight_gradient` -- ``G w G^T`` of each 3x3 filter of a weight
-  (the products' right-hand operands), and the 3x3 weight gradient ``A' s A'^T`` from the summed gradient products.
+  (the products' right-hand operands), and the 3x3 weight gradient ``A'^T s A'`` from the summed gradient products.
 
 All are C++ CPU kernels of ``lit_amp_det._C`` (one memory pass each; maps channels_last, weights in any memory
 format); elsewhere (CUDA, where cuDNN picks its own algorithms, or without the extension) their
@@ -233,6 +233,9 @@ def winograd_weight_gradient(products: Tensor, like: Tensor, out: Tensor | None 
     if tuple(products.shape[1:]) != tuple(like.shape[:2]):
         raise ValueError(f"winograd_weight_gradient: products must be [{POSITIONS[output_tile]}, {like.shape[0]}, "
                          f"{like.shape[1]}] for a {tuple(like.shape)} weight, got {tuple(products.shape)}")
+    if out is not None and (out.shape != like.shape or out.dtype != like.dtype):
+        raise ValueError(f"winograd_weight_gradient: out must be a {tuple(like.shape)} {like.dtype} tensor like the "
+                         f"weight, got {tuple(out.shape)} {out.dtype}")
     target = torch.empty_like(like) if out is None else out
     sums = products.to(accumulation_dtype(like.dtype)).contiguous()
     if _compiled_on(like):

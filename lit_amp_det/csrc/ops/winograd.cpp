@@ -15,7 +15,7 @@ TORCH_LIBRARY_FRAGMENT(lit_amp_det, m) {
   m.def("winograd_gradient_tiles_(Tensor(a!) tiles, Tensor grad_output, int tile_begin=0) -> ()");
   m.def("winograd_output_(Tensor(a!) out, Tensor products, Tensor? bias, int tile_begin=0) -> ()");
   // The weight transforms: G w G^T of each 3x3 filter into [positions, C_in, C_out] tiles (transposed: of the
-  // rotated filters into [positions, C_out, C_in], the input gradient's), and the 3x3 weight gradient A' s A'^T from
+  // rotated filters into [positions, C_out, C_in], the input gradient's), and the 3x3 weight gradient A'^T s A' from
   // the [positions, C_out, C_in] sums of products (float32; float64 for a float64 gradient).
   m.def("winograd_weight_tiles_(Tensor(a!) tiles, Tensor weight, bool transposed=False) -> ()");
   m.def("winograd_weight_gradient_(Tensor(a!) grad_weight, Tensor products) -> ()");

@@ -3,7 +3,7 @@
 //   weight tiles     U = G w G^T     of each 3x3 filter w (or of the filter rotated by 180 degrees, with input and
 //                                    output channels swapped: the input gradient's convolution), written as the
 //                                    [alpha^2, rows, columns] right-hand operands of the per-position matrix products
-//   weight gradient  dw = A' s A'^T  of each filter's alpha x alpha sum of products s (F(3x3, m x m)), written into
+//   weight gradient  dw = A'^T s A'  of each filter's alpha x alpha sum of products s (F(3x3, m x m)), written into
 //                                    a [C_out, C_in, 3, 3] gradient of any memory format
 //
 // Both run a block of up to kLanes filters at a time: the block's values are widened into L1 buffers with one row per
@@ -15,10 +15,10 @@
 // They replace a [alpha^2, 9] @ [9, C_out * C_in] matrix product (and a transposing copy) whose 9-long inner
 // dimension left it far from memory speed: 2.6 ms for a 256 -> 256 layer's F(4x4) tiles inside a training step.
 //
-// G (alpha x 3):   F(2x2): [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
-//                  F(4x4): [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
-// A' (3 x alpha):  F(2x2): [1 1 1 0; 0 1 -1 0; 0 1 1 1]
-//                  F(4x4): [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 1]
+// G (alpha x 3):     F(2x2): [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
+//                    F(4x4): [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
+// A'^T (3 x alpha):  F(2x2): [1 1 1 0; 0 1 -1 0; 0 1 1 1]
+//                    F(4x4): [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 1]
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -82,7 +82,7 @@ __attribute__((always_inline)) inline void filter_transform(const acc_t* v0, con
   }
 }
 
-// out[r] = (A' s)[r] for the 3 rows of A', over n lanes; s[a] are the alpha input rows.
+// out[r] = (A'^T s)[r] for the 3 rows of A'^T, over n lanes; s[a] are the alpha input rows.
 template <int m, typename acc_t>
 __attribute__((always_inline)) inline void gradient_back_transform(const acc_t* const* s, acc_t* out0, acc_t* out1,
                                                                    acc_t* out2, int64_t n) {
@@ -169,24 +169,24 @@ struct GradientBlock {
   const int64_t* taps;
 };
 
-// dw = A' s A'^T of n <= kLanes filters.
+// dw = A'^T s A' of n <= kLanes filters.
 template <int m, typename scalar_t>
 __attribute__((always_inline)) inline void gradient_block(const GradientBlock<scalar_t>& block, int64_t n) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int alpha = m + 2;
   alignas(64) acc_t s[alpha * alpha][kLanes];
-  alignas(64) acc_t t[3 * alpha][kLanes];  // A' s: 3 rows of alpha
+  alignas(64) acc_t t[3 * alpha][kLanes];  // A'^T s: 3 rows of alpha
   alignas(64) acc_t g[9][kLanes];
   for (int p = 0; p < alpha * alpha; ++p) {
     const acc_t* src = block.sums + p * block.plane;
     for (int64_t l = 0; l < n; ++l) s[p][l] = src[l];
   }
-  for (int b = 0; b < alpha; ++b) {  // each column: A' s[:, b]
+  for (int b = 0; b < alpha; ++b) {  // each column: A'^T s[:, b]
     const acc_t* column[alpha];
     for (int a = 0; a < alpha; ++a) column[a] = s[alpha * a + b];
     gradient_back_transform<m>(column, t[b], t[alpha + b], t[2 * alpha + b], n);
   }
-  for (int i = 0; i < 3; ++i) {  // each row of A' s: (A' s A'^T)[i, :]
+  for (int i = 0; i < 3; ++i) {  // each row of A'^T s: (A'^T s A')[i, :]
     const acc_t* row[alpha];
     for (int b = 0; b < alpha; ++b) row[b] = t[alpha * i + b];
     gradient_back_transform<m>(row, g[3 * i], g[3 * i + 1], g[3 * i + 2], n);
