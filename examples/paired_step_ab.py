@@ -6,7 +6,8 @@ change's two arms in one process.
 >= 32768, F(4x4) on every such layer of ``output_tile=4``) against the current one (B: >= 64 tiles, >= 16384
 channel-tiles, F(4x4) from ``F4_MIN_TILES`` tiles). ``--change fp32-deconv``: the mask upsampling
 (``model.deconv_as_matmul=true``, which the Winograd rows carry) in fp32 by oneDNN's transposed convolution (A) or
-as one matmul (B, what ``FP32_MATMUL_CAPABILITIES`` CPUs take).
+as one matmul (B, what ``FP32_MATMUL_CAPABILITIES`` CPUs take). ``--change all``: the three at once (A: the
+step as of commit be19dda).
 
 A step's time on a shared 2-core CPU drifts by more than such a change saves (+-15 % between processes), so the two
 arms run in the same process, A B / B A alternately, and the paired differences are reported. The model is a
@@ -17,6 +18,7 @@ arms run in the same process, A B / B A alternately, and the paired differences 
         --pairs 40
     python examples/paired_step_ab.py --change size-rule --row winograd-4x4 --pairs 120
     python examples/paired_step_ab.py --change fp32-deconv --row winograd-4x4 --pairs 100
+    python examples/paired_step_ab.py --change all --row winograd-4x4 --pairs 120
 """
 
 from __future__ import annotations
@@ -87,7 +89,14 @@ def fp32_deconv(arm: str) -> None:
     patch_deconv.FP32_MATMUL_CAPABILITIES = frozenset() if arm == "A" else CURRENT_DECONV | {capability}
 
 
-CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule, "fp32-deconv": fp32_deconv}
+def all_three(arm: str) -> None:
+    """A: the step as of commit be19dda; B: with all three changes."""
+    for change in (weight_transforms, size_rule, fp32_deconv):
+        change(arm)
+
+
+CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule, "fp32-deconv": fp32_deconv,
+           "all": all_three}
 
 
 def main() -> None:
