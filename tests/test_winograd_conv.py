@@ -70,8 +70,9 @@ def _reference_output(products: torch.Tensor, n: int, h: int, w: int, bias: torc
     return out
 
 
-def _use_weight_kernels(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The weight transforms by their C++ kernels (skipped without the extension), or by the reference."""
+def _use_kernels(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lit_amp_det.ops.winograd``'s ops by their C++ kernels (skipped without the extension), or by their
+    references."""
     if compiled and not extension_available():
         pytest.skip("the compiled extension is not built")
     if not compiled:
@@ -121,10 +122,7 @@ def test_empty_maps(shape: tuple[int, int, int, int]) -> None:
 def test_tile_ranges_are_slices_of_the_whole(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiles [b, e) are columns b..e of all tiles, and writing the products chunk by chunk makes the whole map; a
     chunk leaves every other pixel as it was."""
-    if compiled and not extension_available():
-        pytest.skip("the compiled extension is not built")
-    if not compiled:
-        monkeypatch.setattr("lit_amp_det.ops.winograd.extension_available", lambda: False)
+    _use_kernels(compiled, monkeypatch)
     n, c, h, w = 2, 6, 5, 7
     x = _randn(n, c, h, w, dtype=torch.float64)
     tiles = tile_count(n, h, w)
@@ -172,7 +170,7 @@ def test_the_reference_transforms_compose_to_a_convolution_in_float64(compiled: 
     """The algebra itself: reference tiles, weight tiles and products give ``F.conv2d``, its input gradient and its
     weight gradient to float64 rounding (odd sizes: the last tile row and column are partial). The weight transforms
     run as the C++ kernels and as their reference."""
-    _use_weight_kernels(compiled, monkeypatch)
+    _use_kernels(compiled, monkeypatch)
     x, weight = _randn(2, 3, 5, 7, dtype=torch.float64), _randn(4, 3, 3, 3, dtype=torch.float64, seed=1)
     grad = _randn(2, 4, 5, 7, dtype=torch.float64, seed=2)
     out = _reference_output(torch.bmm(_reference_tiles("winograd_input_tiles_", x), winograd_weight_tiles(weight)),
@@ -872,10 +870,7 @@ def test_f4_empty_maps(shape: tuple[int, int, int, int]) -> None:
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "reference"])
 def test_f4_tile_ranges_are_slices_of_the_whole(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if compiled and not extension_available():
-        pytest.skip("the compiled extension is not built")
-    if not compiled:
-        monkeypatch.setattr("lit_amp_det.ops.winograd.extension_available", lambda: False)
+    _use_kernels(compiled, monkeypatch)
     n, c, h, w = 2, 6, 9, 7
     x = _randn(n, c, h, w, dtype=torch.float64)
     tiles = tile_count(n, h, w, 4)
@@ -899,7 +894,7 @@ def test_f4_reference_transforms_compose_to_a_convolution_in_float64(compiled: b
     """F(4x4, 3x3) forward and input gradient, and the weight gradient as F(3x3, 4x4) on the same input tiles, give
     ``F.conv2d``'s to float64 rounding (partial last tiles both ways), by the weight transforms' kernels and their
     reference."""
-    _use_weight_kernels(compiled, monkeypatch)
+    _use_kernels(compiled, monkeypatch)
     x, weight = _randn(2, 3, 9, 6, dtype=torch.float64), _randn(4, 3, 3, 3, dtype=torch.float64, seed=1)
     grad = _randn(2, 4, 9, 6, dtype=torch.float64, seed=2)
     tiles = _f4_reference_tiles("winograd_input_tiles_", x)
