@@ -9,6 +9,11 @@ channel-tiles, F(4x4) from ``F4_MIN_TILES`` tiles). ``--change fp32-deconv``: th
 as one matmul (B, what ``FP32_MATMUL_CAPABILITIES`` CPUs take). ``--change all``: the three at once (A: the
 step as of commit be19dda).
 
+``--against ROW``: no code change; two ``bench train`` rows' models side by side instead (A: ``ROW``'s, B:
+``--row``'s), the ratio of the best row to torchvision fp32 eager without the +-15 % drift between processes. Each
+model gets its own optimizer of its row's config; both load the same cached trained state and step on the same batch
+at the state's final learning rate, as the bench's rows do.
+
 A step's time on a shared 2-core CPU drifts by more than such a change saves (+-15 % between processes), so the two
 arms run in the same process, A B / B A alternately, and the paired differences are reported. The model is a
 ``bench train`` row's, built from the bench's cached trained state (made here if missing).
@@ -19,6 +24,7 @@ arms run in the same process, A B / B A alternately, and the paired differences 
     python examples/paired_step_ab.py --change size-rule --row winograd-4x4 --pairs 120
     python examples/paired_step_ab.py --change fp32-deconv --row winograd-4x4 --pairs 100
     python examples/paired_step_ab.py --change all --row winograd-4x4 --pairs 120
+    python examples/paired_step_ab.py --against torchvision-fp32 --row winograd-4x4 --pairs 60
 """
 
 from __future__ import annotations
@@ -99,38 +105,64 @@ CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule, "fp32
            "all": all_three}
 
 
+class RowModel:
+    """One ``bench train`` row's model, plugin, optimizer and callbacks, ready to step (in training mode)."""
+
+    def __init__(self, row: str, setting: e2e_rows.Setting) -> None:
+        index = [r.name for r in train.ROWS].index(row)
+        built = e2e_rows.build(compose(e2e_rows.row_overrides(train.ROWS, index, setting)), "cpu", "fit")
+        self.module, self.plugin = built.module, built.plugin
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.module.hparams.optimizer, params)
+        self.plugin.connect(self.module, [self.optimizer], [])
+        for group in self.optimizer.param_groups:
+            group["lr"] = setting.lr
+        self.module.train()
+        for callback in built.callbacks:
+            callback.on_fit_start(None, self.module)
+            callback.on_train_epoch_start(None, self.module)
+
+    def step(self, images: object, targets: object) -> float:
+        """One timed training step, in ms."""
+        start = time.perf_counter()
+        train_step(self.module, self.plugin, self.optimizer, images, targets)
+        return 1000 * (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--change", choices=sorted(CHANGES), default="weight-transforms")
+    parser.add_argument("--against", metavar="ROW", default=None,
+                        help="compare --row's model with this row's (A) instead of two arms of --change")
     parser.add_argument("--row", default="winograd-4x4", help="a bench train row (its switches and the ones above)")
     parser.add_argument("--model", default="maskrcnn_light")
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=120)
     args = parser.parse_args()
+    rows = [row.name for row in train.ROWS]
+    for name in (args.row, args.against):
+        if name is not None and name not in rows:
+            parser.error(f"no bench train row {name!r}; choose from {', '.join(rows)}")
     setting = e2e_rows.Setting(device="cpu", model=args.model, batch=args.batch, height=args.size, width=args.size,
                                num_classes=e2e_rows.default_num_classes(args.model), steps=1, warmup=0,
                                compile_warmup=0, state="trained", state_steps=e2e.DEFAULT_STATE_STEPS, half="fp32")
     # the bench's cached trained state (made here if missing) and its final learning rate, held constant
     setting, _ = e2e.prepare(setting, argparse.Namespace(cache_dir=None, peak_seconds=0.5), ["fp32"])
-    index = [row.name for row in train.ROWS].index(args.row)
-    built = e2e_rows.build(compose(e2e_rows.row_overrides(train.ROWS, index, setting)), "cpu", "fit")
-    module, plugin = built.module, built.plugin
-    optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
-    plugin.connect(module, [optimizer], [])
-    for group in optimizer.param_groups:
-        group["lr"] = setting.lr
     images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
-    module.train()
-    for callback in built.callbacks:
-        callback.on_fit_start(None, module)
-        callback.on_train_epoch_start(None, module)
+    if args.against is None:
+        model = RowModel(args.row, setting)
+        label = f"{args.change}, {args.row}"
 
-    def step(arm: str) -> float:
-        CHANGES[args.change](arm)
-        start = time.perf_counter()
-        train_step(module, plugin, optimizer, images, targets)
-        return 1000 * (time.perf_counter() - start)
+        def step(arm: str) -> float:
+            CHANGES[args.change](arm)
+            return model.step(images, targets)
+    else:
+        models = {"A": RowModel(args.against, setting), "B": RowModel(args.row, setting)}
+        label = f"{args.row} (B) against {args.against} (A)"
+
+        def step(arm: str) -> float:
+            return models[arm].step(images, targets)
 
     for arm in "ABAB":  # warm-up
         step(arm)
@@ -139,11 +171,14 @@ def main() -> None:
         for arm in ("AB" if i % 2 == 0 else "BA"):
             times[arm].append(step(arm))
     diffs = [a - b for a, b in zip(times["A"], times["B"])]
+    ratios = sorted(a / b for a, b in zip(times["A"], times["B"]))
     quartiles = statistics.quantiles(diffs, n=4)
+    ratio_quartiles = statistics.quantiles(ratios, n=4)
     a, b = statistics.median(times["A"]), statistics.median(times["B"])
-    print(f"{args.change}, {args.row} {args.model} {args.size} px b{args.batch}: A {a:.1f} ms, B {b:.1f} ms, "
-          f"{a / b:.3f}x; paired A - B median {statistics.median(diffs):.1f} ms (quartiles {quartiles[0]:.1f}, "
-          f"{quartiles[2]:.1f}), B faster in {sum(d > 0 for d in diffs)}/{args.pairs} pairs")
+    print(f"{label}, {args.model} {args.size} px b{args.batch}: A {a:.1f} ms, B {b:.1f} ms, {a / b:.3f}x; paired "
+          f"A - B median {statistics.median(diffs):.1f} ms (quartiles {quartiles[0]:.1f}, {quartiles[2]:.1f}), "
+          f"paired A / B median {statistics.median(ratios):.3f}x (quartiles {ratio_quartiles[0]:.3f}, "
+          f"{ratio_quartiles[2]:.3f}), B faster in {sum(d > 0 for d in diffs)}/{args.pairs} pairs")
 
 
 if __name__ == "__main__":
