@@ -780,9 +780,9 @@ def test_opcheck() -> None:
                          ids=["bf16 F(2x2)", "fp32 F(4x4)"])
 def test_compiles_in_one_graph(dtype: torch.dtype, channels: int, size: int, output_tile: int) -> None:
     """``model.compile=backbone`` with Winograd FPN layers: torch.compile traces the layer's Winograd path (the
-    size rule, the kept buffers, the in-place ops through their fake kernels) into one graph, forward and backward,
-    and gives the eager layer's values exactly (so it did not fall back to oneDNN, whose values differ); with F(2x2)
-    tiles in bf16 and F(4x4) tiles in fp32."""
+    size rule, the in-place ops through their fake kernels into buffers of the graph's own) into one graph, forward
+    and backward, and gives the eager layer's values exactly (so it did not fall back to oneDNN, whose values
+    differ); with F(2x2) tiles in bf16 and F(4x4) tiles in fp32."""
     conv = nn.Conv2d(channels, channels, 3, padding=1).to(dtype).to(memory_format=torch.channels_last)
     conv.__class__ = WinogradConv2d
     conv.output_tile = output_tile
@@ -805,6 +805,37 @@ def test_compiles_in_one_graph(dtype: torch.dtype, channels: int, size: int, out
     direct = F.conv2d(x, conv.weight, conv.bias, padding=1).relu()
     assert not torch.equal(eager[0], direct)
 
+
+@needs_ext
+@pytest.mark.parametrize("output_tile", [2, 4], ids=["F(2x2)", "F(4x4)"])
+def test_compiled_layers_train_beside_eager_ones(output_tile: int) -> None:
+    """``model.compile=backbone`` beside Winograd heads that stay eager: the compiled graph's layer and an eager layer
+    both run between the forward and the backward (as the FPN and the RPN head do). Traced, the layer takes buffers
+    of the graph's own rather than the kept buffers, which the eager layer rewrites in place: a compiled backward
+    that had saved those would fail autograd's version check (it did, in the fp32 ``compile`` bench row). Values
+    and gradients equal two eager layers'."""
+    first = nn.Conv2d(64, 64, 3, padding=1).to(memory_format=torch.channels_last)
+    second = nn.Conv2d(64, 64, 3, padding=1).to(memory_format=torch.channels_last)
+    for conv in (first, second):
+        conv.__class__ = WinogradConv2d
+        conv.output_tile = output_tile
+    x = _randn(2, 64, 72, 72, seed=8).contiguous(memory_format=torch.channels_last)  # 2 or 3 chunks of tiles
+    assert first.computes_with_winograd(x) and first.tile_side(x) == output_tile
+
+    def step(head: nn.Module) -> list[torch.Tensor]:
+        image = x.clone().requires_grad_()
+        out = second(head(image).relu())
+        return [out.detach(), *torch.autograd.grad(out.square().sum(), [image, *first.parameters(),
+                                                                        *second.parameters()])]
+
+    eager = step(first)
+    torch._dynamo.reset()
+    try:
+        compiled = step(torch.compile(first, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    for got, expected in zip(compiled, eager):
+        assert torch.equal(got, expected)
 
 # ------------------------------------------------------------------------------------------- F(4x4, 3x3)
 # model.winograd_output_tile=4: 6x6 input tiles at stride 4, 36 products per 4x4 output tile.

@@ -178,7 +178,12 @@ class _Workspace(threading.local):
     """The convolution's temporaries, kept from call to call (one set per thread, dtype and device): a chunk's tiles
     and products, the weight's tiles and the weight gradient's products and their fp32 sum are written into the same
     memory every time, so the convolution allocates only its result and the CPU heap does not fragment (fresh 10-16
-    MB temporaries per chunk raised a training step's resident peak by 50-120 MB)."""
+    MB temporaries per chunk raised a training step's resident peak by 50-120 MB).
+
+    Not while ``torch.compile`` traces the layer: a traced graph would take the kept buffers as inputs and save them
+    for its backward, and any eager Winograd layer that ran in between (the RPN head after a compiled FPN) rewrites
+    them in place, so the compiled backward failed autograd's version check. Traced, each call gets buffers of its
+    own, which the compiler plans and reuses itself."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -188,8 +193,10 @@ class _Workspace(threading.local):
         """A contiguous ``[positions, rows, columns]`` view of buffer ``slot`` in ``dtype`` (``like``'s by default)
         on ``like``'s device, grown when too small."""
         dtype = like.dtype if dtype is None else dtype
-        key = (slot, dtype, like.device)
         size = positions * rows * columns
+        if torch.compiler.is_compiling():
+            return torch.empty((positions, rows, columns), dtype=dtype, device=like.device)
+        key = (slot, dtype, like.device)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < size:
             self.buffers.pop(key, None)  # free the old one first
