@@ -11,6 +11,7 @@ it, and the model-level switch.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -794,16 +795,24 @@ def test_compiles_in_one_graph(dtype: torch.dtype, channels: int, size: int, out
         out = layer(image).relu()
         return [out.detach(), *torch.autograd.grad(out.sum(), [image, conv.weight, conv.bias])]
 
-    eager = step(conv)
-    torch._dynamo.reset()
-    try:
-        compiled = step(torch.compile(conv, backend="aot_eager", fullgraph=True))
-    finally:
-        torch._dynamo.reset()
-    for got, expected in zip(compiled, eager):
-        assert torch.equal(got, expected)
+    eager = _same_eager_and_compiled(step, conv)
     direct = F.conv2d(x, conv.weight, conv.bias, padding=1).relu()
     assert not torch.equal(eager[0], direct)
+
+
+def _same_eager_and_compiled(step: Callable[[nn.Module], list[torch.Tensor]], layer: nn.Module) -> list[torch.Tensor]:
+    """Runs ``step`` with ``layer`` and with ``torch.compile(layer)`` (``aot_eager``, one graph), asserts that
+    every returned tensor is equal, and returns the eager ones."""
+    eager = step(layer)
+    torch._dynamo.reset()
+    try:
+        compiled = step(torch.compile(layer, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    assert len(compiled) == len(eager)
+    for got, expected in zip(compiled, eager):
+        assert torch.equal(got, expected)
+    return eager
 
 
 @needs_ext
@@ -828,14 +837,8 @@ def test_compiled_layers_train_beside_eager_ones(output_tile: int) -> None:
         return [out.detach(), *torch.autograd.grad(out.square().sum(), [image, *first.parameters(),
                                                                         *second.parameters()])]
 
-    eager = step(first)
-    torch._dynamo.reset()
-    try:
-        compiled = step(torch.compile(first, backend="aot_eager", fullgraph=True))
-    finally:
-        torch._dynamo.reset()
-    for got, expected in zip(compiled, eager):
-        assert torch.equal(got, expected)
+    _same_eager_and_compiled(step, first)
+
 
 # ------------------------------------------------------------------------------------------- F(4x4, 3x3)
 # model.winograd_output_tile=4: 6x6 input tiles at stride 4, 36 products per 4x4 output tile.
