@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_amp_det.ops._extension import extension_available
+from lit_amp_det.ops.layout import in_layout_of, same_memory_order
 from lit_amp_det.ops.optim_step import all_finite, master_sgd_step_
 from lit_amp_det.precision.master_weights import MasterWeights
 
@@ -85,30 +86,6 @@ def gradients_finite(weights: MasterWeights, optimizer: torch.optim.Optimizer) -
     return all_finite(step_gradients(weights, optimizer))
 
 
-def _same_layout(a: Tensor, b: Tensor) -> bool:
-    """Same shape and memory order (strides may differ on dimensions of size 1)."""
-    return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
-
-
-def _dense(tensor: Tensor) -> bool:
-    """Its elements fill one block of memory without gaps or overlaps (any dimension order)."""
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _like(param: Tensor, value: Tensor) -> Tensor:
-    """``value`` in ``param``'s memory order (a copy only when it differs)."""
-    if _same_layout(param, value) and _dense(value):
-        return value
-    return torch.empty_like(param, dtype=value.dtype).copy_(value)
-
-
 @torch.no_grad()
 def fused_master_sgd_step(weights: MasterWeights, optimizer: torch.optim.SGD, grad_scale: float = 1.0) -> None:
     """One step of ``optimizer`` (a ``torch.optim.SGD`` attached to ``weights``) straight from the low-precision
@@ -124,7 +101,7 @@ def fused_master_sgd_step(weights: MasterWeights, optimizer: torch.optim.SGD, gr
         if grad.is_sparse:
             raise RuntimeError("the fused master step does not take sparse gradients; set "
                                "precision.fused_master_step=false")
-        if low is not None and not _same_layout(param, low):  # first step: the master takes its weight's order
+        if low is not None and not same_memory_order(param, low):  # first step: the master takes its weight's order
             param.data = torch.empty_like(low, dtype=torch.float32).copy_(param.data)
         momentum = optimizer.param_groups[index]["momentum"]
         first = False
@@ -133,10 +110,10 @@ def fused_master_sgd_step(weights: MasterWeights, optimizer: torch.optim.SGD, gr
             state = optimizer.state[param]
             buffer = state.get("momentum_buffer")
             first = buffer is None
-            buffer = state["momentum_buffer"] = torch.empty_like(param) if first else _like(param, buffer)
+            buffer = state["momentum_buffer"] = torch.empty_like(param) if first else in_layout_of(param, buffer)
         lists = buckets[(index, first, low is not None)]
         lists[0].append(param)
-        lists[1].append(_like(param, grad))
+        lists[1].append(in_layout_of(param, grad))
         if buffer is not None:
             lists[2].append(buffer)
         if low is not None:
