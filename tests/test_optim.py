@@ -153,15 +153,14 @@ ADAMW = {"_target_": "torch.optim.AdamW", "lr": 0.01, "weight_decay": 1e-2}
 def test_fused_steps_after_resuming_in_another_layout(config: dict, before: torch.memory_format,
                                                       after: torch.memory_format) -> None:
     """A fused optimizer from build_optimizer resumed under the other memory layout steps exactly as the for-loop
-    implementation does. PyTorch's fused SGD alone does not (the saved momentum buffer keeps the old layout, and
-    its CPU kernel pairs the tensors by memory order): that is asserted too, so this test notices when PyTorch
+    implementation does. PyTorch's fused SGD and AdamW alone do not (the loaded state keeps the old layout, and
+    their CPU kernels pair the tensors by memory order): that is asserted too, so this test notices when PyTorch
     fixes it."""
     expected = _resumed_run({**config, "foreach": False}, before, after, build=False)
     fused = {**config, "fused": "auto"}
     torch.testing.assert_close(_resumed_run(fused, before, after), expected, rtol=1e-6, atol=1e-6)
-    if config is SGD:
-        plain_fused = _resumed_run({**config, "fused": True}, before, after, build=False)
-        assert (plain_fused - expected).abs().max() > 1e-2
+    plain_fused = _resumed_run({**config, "fused": True}, before, after, build=False)
+    assert (plain_fused - expected).abs().max() > 1e-3  # SGD: 1.19, AdamW: 0.027 on parameters of about 4
 
 
 def test_alignment_copies_only_what_differs() -> None:
