@@ -160,7 +160,9 @@ def test_fused_steps_after_resuming_in_another_layout(config: dict, before: torc
     fused = {**config, "fused": "auto"}
     torch.testing.assert_close(_resumed_run(fused, before, after), expected, rtol=1e-6, atol=1e-6)
     plain_fused = _resumed_run({**config, "fused": True}, before, after, build=False)
-    assert (plain_fused - expected).abs().max() > 1e-3  # SGD: 1.19, AdamW: 0.027 on parameters of about 4
+    assert (plain_fused - expected).abs().max() > 1e-3, (  # SGD: 1.19, AdamW: 0.027 on parameters of about 4
+        f"torch {torch.__version__}'s fused {config['_target_']} now steps mixed layouts right: the alignment hook of "
+        "lit_amp_det.optim.build_optimizer may go")
 
 
 def test_alignment_copies_only_what_differs() -> None:
