@@ -68,16 +68,17 @@ def align_with_params(optimizer: torch.optim.Optimizer) -> int:
     copied = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
+            strides = param.stride()
             grad = param.grad
-            if grad is not None and not grad.is_sparse:
+            if grad is not None and not grad.is_sparse and grad.stride() != strides:  # equal strides: the fast path
                 aligned = in_layout_of(param, grad)
                 if aligned is not grad:
                     param.grad = aligned
                     copied += 1
             state = optimizer.state.get(param)
             for key, value in (state or {}).items():
-                if (isinstance(value, torch.Tensor) and value.shape == param.shape and not value.is_sparse
-                        and not same_memory_order(param, value)):
+                if (isinstance(value, torch.Tensor) and not value.is_sparse and value.shape == param.shape
+                        and value.stride() != strides and not same_memory_order(param, value)):
                     state[key] = in_layout_of(param, value)
                     copied += 1
     return copied
