@@ -24,7 +24,7 @@ ALLOWED = {
     "lit_amp_det.precision": ("lit_amp_det.ops",),  # the fused master step and finite check are ops
     "lit_amp_det.data": (),
     "lit_amp_det.models": ("lit_amp_det.ops",),
-    "lit_amp_det.optim": (),
+    "lit_amp_det.optim": ("lit_amp_det.ops",),  # the layout checks of the fused optimizers' step hook
     "lit_amp_det.distributed": (),
     "lit_amp_det.checkpoints": (),
     "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim",
