@@ -43,6 +43,7 @@ __all__ = ["FP32_MATMUL_CAPABILITIES", "PatchConvTranspose2d", "is_patchwise", "
 #: float32 too: measured faster there (AVX2 AMD EPYC, paired training steps), and slower on the AVX-512 dev CPU.
 FP32_MATMUL_CAPABILITIES = frozenset({"AVX2"})
 
+
 def is_patchwise(layer: nn.ConvTranspose2d) -> bool:
     """True when ``layer``'s output patches do not overlap and it has no padding: kernel == stride, zero padding
     and output padding, dilation 1, one group (the layers :func:`patch_conv_transpose2d` computes)."""
@@ -136,6 +137,8 @@ class PatchConvTranspose2d(nn.ConvTranspose2d):
 
 
 def _fp32_matmul_pays(x: Tensor) -> bool:
+    """Whether ``x`` computes in float32 on a CPU of :data:`FP32_MATMUL_CAPABILITIES` (read at every call, so that a
+    test can set the capability)."""
     return (x.device.type == "cpu" and convolution_dtype(x) == torch.float32
             and torch.backends.cpu.get_cpu_capability() in FP32_MATMUL_CAPABILITIES)
 

@@ -193,9 +193,9 @@ class _Workspace(threading.local):
         """A contiguous ``[positions, rows, columns]`` view of buffer ``slot`` in ``dtype`` (``like``'s by default)
         on ``like``'s device, grown when too small."""
         dtype = like.dtype if dtype is None else dtype
-        size = positions * rows * columns
         if torch.compiler.is_compiling():
             return torch.empty((positions, rows, columns), dtype=dtype, device=like.device)
+        size = positions * rows * columns
         key = (slot, dtype, like.device)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < size:
