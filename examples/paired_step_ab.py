@@ -7,7 +7,9 @@ change's two arms in one process.
 channel-tiles, F(4x4) from ``F4_MIN_TILES`` tiles). ``--change fp32-deconv``: the mask upsampling
 (``model.deconv_as_matmul=true``, which the Winograd rows carry) in fp32 by oneDNN's transposed convolution (A) or
 as one matmul (B, what ``FP32_MATMUL_CAPABILITIES`` CPUs take). ``--change all``: the three at once (A: the
-step as of commit be19dda).
+step as of commit be19dda). ``--change memory-order-views``: the row's fused SGD as ``torch.optim.SGD`` with the
+alignment pre-hook (A) or as ``lit_amp_det.optim.SGD``, stepping channels_last tensors through memory-order views
+without PyTorch's gradient copy (B); one optimizer, its step swapped per step.
 
 ``--against ROW``: no code change; two ``bench train`` rows' models side by side instead (A: ``ROW``'s, B:
 ``--row``'s), the ratio of the best row to torchvision fp32 eager without the +-15 % drift between processes. Each
@@ -25,11 +27,14 @@ arms run in the same process, A B / B A alternately, and the paired differences 
     python examples/paired_step_ab.py --change fp32-deconv --row winograd-4x4 --pairs 100
     python examples/paired_step_ab.py --change all --row winograd-4x4 --pairs 120
     python examples/paired_step_ab.py --against torchvision-fp32 --row winograd-4x4 --pairs 60
+    python examples/paired_step_ab.py --change memory-order-views --row winograd-4x4 --pairs 100
+    python examples/paired_step_ab.py --change memory-order-views --row winograd-4x4 --optimizer-only --pairs 200
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -38,10 +43,9 @@ import torch
 import lit_amp_det.models.patch_deconv as patch_deconv
 import lit_amp_det.models.winograd_conv as winograd_conv
 from lit_amp_det.bench import e2e, e2e_rows, train
-from lit_amp_det.bench.common import compose, train_step
 from lit_amp_det.ops import winograd
 from lit_amp_det.ops.reference import _WINOGRAD_G, _WINOGRAD_GRAD_AT
-from lit_amp_det.optim import build_optimizer
+from lit_amp_det import optim
 
 _BUFFERS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
@@ -68,7 +72,7 @@ def matmul_weight_gradient(products: torch.Tensor, like: torch.Tensor, out: torc
     return target.copy_(grad.t().reshape(c_out, c_in, 3, 3))
 
 
-def weight_transforms(arm: str) -> None:
+def weight_transforms(arm: str, model: RowModel) -> None:
     """A: the matrix products; B: the kernels."""
     pair = ((matmul_weight_tiles, matmul_weight_gradient) if arm == "A"
             else (winograd.winograd_weight_tiles, winograd.winograd_weight_gradient))
@@ -80,7 +84,7 @@ CURRENT_RULE = {name: getattr(winograd_conv, name)
 EARLIER_RULE = {"FP32_MIN_TILES": 128, "FP32_MIN_CHANNEL_TILES": 32768, "F4_MIN_TILES": 0}
 
 
-def size_rule(arm: str) -> None:
+def size_rule(arm: str, model: RowModel) -> None:
     """A: the earlier fp32 size rule; B: the current one."""
     for name, value in (EARLIER_RULE if arm == "A" else CURRENT_RULE).items():
         setattr(winograd_conv, name, value)
@@ -89,43 +93,46 @@ def size_rule(arm: str) -> None:
 CURRENT_DECONV = patch_deconv.FP32_MATMUL_CAPABILITIES
 
 
-def fp32_deconv(arm: str) -> None:
+def fp32_deconv(arm: str, model: RowModel) -> None:
     """A: the fp32 mask upsampling by oneDNN on every CPU; B: as one matmul on this one (an AVX2 CPU)."""
     capability = torch.backends.cpu.get_cpu_capability()
     patch_deconv.FP32_MATMUL_CAPABILITIES = frozenset() if arm == "A" else CURRENT_DECONV | {capability}
 
 
-def all_three(arm: str) -> None:
+def all_three(arm: str, model: RowModel) -> None:
     """A: the step as of commit be19dda; B: with all three changes."""
     for change in (weight_transforms, size_rule, fp32_deconv):
-        change(arm)
+        change(arm, model)
+
+
+def memory_order_views(arm: str, model: RowModel) -> None:
+    """A: torch's own fused SGD step; B: lit_amp_det's, in memory order (both on aligned tensors). The optimizer's
+    ``step`` is swapped on the instance, where the lr scheduler has put its wrapper around the class's step."""
+    optimizer = model.optimizer
+    if not optimizer.defaults.get("fused") or not isinstance(optimizer, optim.SGD):
+        raise SystemExit(f"--change memory-order-views needs a row with the fused SGD; {type(optimizer).__name__} "
+                         f"fused={optimizer.defaults.get('fused')}")
+    own_step = model.__dict__.setdefault("own_step", optimizer.step)
+    optimizer.step = functools.partial(torch.optim.SGD.step, optimizer) if arm == "A" else own_step
 
 
 CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule, "fp32-deconv": fp32_deconv,
-           "all": all_three}
+           "all": all_three, "memory-order-views": memory_order_views}
 
 
 class RowModel:
-    """One ``bench train`` row's model, plugin, optimizer and callbacks, ready to step (in training mode)."""
+    """One ``bench train`` row's model, plugin, optimizer and callbacks, ready to step (:func:`train.prepare_row`)."""
 
     def __init__(self, row: str, setting: e2e_rows.Setting) -> None:
-        index = [r.name for r in train.ROWS].index(row)
-        built = e2e_rows.build(compose(e2e_rows.row_overrides(train.ROWS, index, setting)), "cpu", "fit")
-        self.module, self.plugin = built.module, built.plugin
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.module.hparams.optimizer, params)
-        self.plugin.connect(self.module, [self.optimizer], [])
-        for group in self.optimizer.param_groups:
-            group["lr"] = setting.lr
-        self.module.train()
-        for callback in built.callbacks:
-            callback.on_fit_start(None, self.module)
-            callback.on_train_epoch_start(None, self.module)
+        self.row = train.prepare_row([r.name for r in train.ROWS].index(row), setting)
+        self.optimizer = self.row.optimizer
+        self.steps = 0
 
     def step(self, images: object, targets: object) -> float:
         """One timed training step, in ms."""
         start = time.perf_counter()
-        train_step(self.module, self.plugin, self.optimizer, images, targets)
+        self.row.step(self.steps, images, targets)
+        self.steps += 1
         return 1000 * (time.perf_counter() - start)
 
 
@@ -139,8 +146,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=120)
+    parser.add_argument("--optimizer-only", action="store_true",
+                        help="time only optimizer.step() on the gradients of one training step (with --change)")
     args = parser.parse_args()
     rows = [row.name for row in train.ROWS]
+    if args.optimizer_only and args.against is not None:
+        parser.error("--optimizer-only times one model's optimizer under --change; it does not go with --against")
     for name in (args.row, args.against):
         if name is not None and name not in rows:
             parser.error(f"no bench train row {name!r}; choose from {', '.join(rows)}")
@@ -154,9 +165,17 @@ def main() -> None:
         model = RowModel(args.row, setting)
         label = f"{args.change}, {args.row}"
 
+        if args.optimizer_only:
+            model.step(images, targets)  # leaves its gradients
+            label += ", optimizer.step() only"
+
         def step(arm: str) -> float:
-            CHANGES[args.change](arm)
-            return model.step(images, targets)
+            CHANGES[args.change](arm, model)
+            if not args.optimizer_only:
+                return model.step(images, targets)
+            start = time.perf_counter()
+            model.optimizer.step()
+            return 1000 * (time.perf_counter() - start)
     else:
         models = {"A": RowModel(args.against, setting), "B": RowModel(args.row, setting)}
         label = f"{args.row} (B) against {args.against} (A)"

@@ -150,7 +150,9 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval", "RetainCPUHeap"]
         assert not retains_freed_memory()  # the row's teardown handed glibc's policy back to this process
-        assert results["fused-optim"]["optimizer"]["fused"] is True
+        assert results["fused-optim"]["optimizer"] == {"type": "lit_amp_det.optim.memory_order.SGD", "fused": True,
+                                                       "foreach": None}
+        assert results["freeze-norm-convbn"]["optimizer"]["type"] == "torch.optim.sgd.SGD"
         assert results["freeze-norm-convbn"]["optimizer"]["fused"] is False
         assert results["low-precision-weights"]["compute_dtype"] == "bf16"
     else:

@@ -58,19 +58,24 @@ def _state_overrides(setting: Setting) -> list[str]:
     return overrides if reference is None else [*overrides, f"optim.reference_batch={reference}"]
 
 
-#: Model switches added after states were first cached, with the value the first row (which makes the state) gives
-#: them. At that value they change nothing the state's training computes, so the key leaves them out: adding a
-#: switch keeps the states already cached valid (an R50-FPN state takes over 20 minutes to make on 2 cores).
-KEY_OMITS_AT = {"winograd_output_tile": 2}
+#: Model switches (dotted paths in ``cfg.model``) added after states were first cached, with the value the first row
+#: (which makes the state) gives them. At that value they change nothing the state's training computes, so the key
+#: leaves them out: adding a switch keeps the states already cached valid (an R50-FPN state takes over 20 minutes to
+#: make on 2 cores). ``optimizer.memory_order_views`` acts on fused optimizers only; the first row's is not fused.
+KEY_OMITS_AT = {"winograd_output_tile": 2, "optimizer.memory_order_views": True}
 
 
 def state_key(setting: Setting, steps: int) -> dict[str, Any]:
     """Everything the state made for ``setting`` in ``steps`` steps depends on (its cache key)."""
     cfg = compose(_state_overrides(setting))
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    for name, value in KEY_OMITS_AT.items():
-        if model.get(name) == value:
-            del model[name]
+    for path, value in KEY_OMITS_AT.items():
+        *parents, name = path.split(".")
+        section = model
+        for parent in parents:
+            section = section.get(parent) if isinstance(section, dict) else None
+        if isinstance(section, dict) and section.get(name) == value:
+            del section[name]
     return {"format": FORMAT, "model_name": setting.model, "model": model, "height": setting.height,
             "width": setting.width, "batch": setting.batch, "num_classes": setting.num_classes, "steps": steps,
             "train_images": TRAIN_IMAGES, "device": setting.device, "torch": torch.__version__}

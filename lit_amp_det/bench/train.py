@@ -14,7 +14,8 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
 6. ``callbacks=[freeze_norm,conv_bn_eval]``: BatchNorm kept in eval mode (``norm_eval``; the R50-FPN's
    FrozenBatchNorm2d is frozen already, while the light/tiny models' trainable BatchNorm stops using batch
    statistics here, the fine-tuning recipe) and tune-mode conv-BN folding on top;
-7. ``optim.optimizer.fused=auto``: the fused SGD kernel;
+7. ``optim.optimizer.fused=auto``: the fused SGD kernel (on the CPU through ``lit_amp_det.optim.SGD``, which
+   skips PyTorch's per-step copy of channels_last gradients: ``optim.optimizer.memory_order_views``);
 8. ``trainer.precision=16-weights`` (CUDA; ``bf16-weights`` on a CPU): the weights themselves in half precision
    with fp32 masters in the optimizer, no autocast (:mod:`lit_amp_det.precision.master_weights`);
 9. ``model.deconv_as_matmul=true``: the mask head's 2x2 stride-2 transposed convolution as one matrix product in
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,7 +77,7 @@ from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
 from lit_amp_det.profiling import minor_page_faults, timed
 
-__all__ = ["BENCH", "ROWS", "main", "run_row"]
+__all__ = ["BENCH", "ROWS", "PreparedRow", "main", "prepare_row", "run_row"]
 
 ROWS = (
     Row("torchvision-fp32", "torchvision fp32 eager", None),
@@ -99,8 +101,37 @@ ROWS = (
 )
 
 
-def run_row(index: int, setting: Setting) -> dict[str, Any]:
-    """Times ``setting.steps`` training steps of ``ROWS[index]`` in this process."""
+@dataclass
+class PreparedRow:
+    """``ROWS[index]``'s model, plugin, callbacks, optimizer and schedule, built from the row's config and in
+    training mode: what :func:`run_row` times, and what ``examples/paired_step_ab.py`` steps side by side."""
+
+    cfg: Any
+    built: e2e_rows.Built
+    optimizer: torch.optim.Optimizer
+    scheduler: Any | None
+    warmup: int  #: untimed steps before the timed ones (the compile warm-up for a compiled row)
+    build_s: float
+
+    def step(self, batch_idx: int, images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """One training step as fit runs it: the callbacks' batch hook, :func:`train_step`, the schedule."""
+        module = self.built.module
+        for callback in self.built.callbacks:
+            callback.on_train_batch_start(None, module, (images, targets), batch_idx)
+        loss = train_step(module, self.built.plugin, self.optimizer, images, targets)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return loss
+
+    def teardown(self) -> None:
+        """As fit ends; RetainCPUHeap hands the process's heap policy back (rows also run in process)."""
+        for callback in self.built.callbacks:
+            callback.teardown(None, self.built.module, "fit")
+
+
+def prepare_row(index: int, setting: Setting) -> PreparedRow:
+    """Builds ``ROWS[index]`` for ``setting``: configure_optimizers' optimizer and schedule (it needs a Trainer for
+    the step count), connected to the plugin as the Trainer does, and the callbacks' fit and epoch starts run."""
     from hydra.utils import instantiate
 
     from lit_amp_det.optim import build_optimizer, warmup_schedule
@@ -108,10 +139,9 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     cfg = compose(e2e_rows.row_overrides(ROWS, index, setting))
     start = time.perf_counter()
     built = e2e_rows.build(cfg, setting.device, "fit")
-    module, plugin, callbacks = built.module, built.plugin, built.callbacks
-    # configure_optimizers' optimizer and schedule (it needs a Trainer for the step count)
+    module = built.module
     optimizer = build_optimizer(module.hparams.optimizer, [p for p in module.parameters() if p.requires_grad])
-    plugin.connect(module, [optimizer], [])  # as the Trainer does: low-precision weights step fp32 masters
+    built.plugin.connect(module, [optimizer], [])  # as the Trainer does: low-precision weights step fp32 masters
     warmup = setting.compile_warmup if cfg.model.compile else setting.warmup
     scheduler = None
     if setting.lr is not None:  # the trained state: its schedule's last lr, held
@@ -121,23 +151,26 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     elif module.hparams.scheduler:
         scheduler = instantiate(dict(module.hparams.scheduler), optimizer=optimizer,
                                 total_steps=warmup + setting.steps)
-    images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
     module.train()
-    for callback in callbacks:
+    for callback in built.callbacks:
         callback.on_fit_start(None, module)
         callback.on_train_epoch_start(None, module)
+    return PreparedRow(cfg, built, optimizer, scheduler, warmup, time.perf_counter() - start)
+
+
+def run_row(index: int, setting: Setting) -> dict[str, Any]:
+    """Times ``setting.steps`` training steps of ``ROWS[index]`` in this process."""
+    row = prepare_row(index, setting)
+    cfg, built, optimizer, warmup = row.cfg, row.built, row.optimizer, row.warmup
+    module, plugin = built.module, built.plugin
+    images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
     memory = e2e_rows.PeakMemory(setting.device)
-    build_s = time.perf_counter() - start
+    build_s = row.build_s
     losses: list[torch.Tensor] = []
 
     def step(batch_idx: int, batch: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]] | None = None) -> None:
         step_images, step_targets = (images, targets) if batch is None else batch
-        for callback in callbacks:
-            callback.on_train_batch_start(None, module, (step_images, step_targets), batch_idx)
-        loss = train_step(module, plugin, optimizer, step_images, step_targets)
-        if scheduler is not None:
-            scheduler.step()
-        losses.append(loss.detach())
+        losses.append(row.step(batch_idx, step_images, step_targets).detach())
 
     try:
         warmup_s = sum(timed(lambda i=i: step(i), setting.device) for i in range(warmup))
@@ -154,9 +187,8 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         where = time_breakdown(lambda: step(after + 1), setting.device, flops / 1e9)  # and one more
         peak = memory.peak_of(lambda: step(after + 2))  # it pins the CPU allocator
         drift = e2e_rows.memory_over_changing_batches(lambda k, batch: step(after + 3 + k, batch), setting, "train")
-    finally:  # as fit ends; RetainCPUHeap hands the process's heap policy back (rows also run in process)
-        for callback in callbacks:
-            callback.teardown(None, module, "fit")
+    finally:
+        row.teardown()
     stats = e2e_rows.summarise(times)
     del losses[warmup + setting.steps:]  # those of the counting, profiled, peak and changing-batch steps
     precision = getattr(plugin, "precision", str(cfg.trainer.precision))
@@ -179,7 +211,8 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "warmup_s": warmup_s,
         "losses": [float(loss) for loss in losses],
         "switches": e2e_rows.switches(cfg, built),
-        "optimizer": {"type": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
+        "optimizer": {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                      "fused": bool(optimizer.defaults.get("fused")),
                       "foreach": optimizer.defaults.get("foreach")},
     }
 

@@ -40,12 +40,13 @@ __all__ = [
 def unfused_reason(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``optimizer`` cannot take the fused step (None: it can).
 
-    Only ``torch.optim.SGD`` itself (a subclass may change ``step``), with float32 parameters (masters, and the
+    Only ``torch.optim.SGD`` itself (a subclass may change ``step``) or a subclass whose ``update_of`` says its
+    update is that of ``torch.optim.SGD`` (``lit_amp_det.optim.SGD``), with float32 parameters (masters, and the
     norms' own fp32 parameters), dense gradients and ``differentiable=False``, on the CPU with the compiled
     kernel: there is no CUDA kernel yet, and the plain-PyTorch reference (several passes) would be slower there
     than torch's own fused SGD behind the hooks.
     """
-    if type(optimizer) is not torch.optim.SGD:
+    if getattr(type(optimizer), "update_of", type(optimizer)) is not torch.optim.SGD:
         return f"{type(optimizer).__name__} is not torch.optim.SGD"
     if not extension_available():
         return "the compiled extension lit_amp_det._C is not built"

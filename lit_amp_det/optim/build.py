@@ -1,0 +1,102 @@
+"""Optimizers from a Hydra config: the fused kernels where the device has them, and the lr scaled to the global batch.
+
+Recipes quote their learning rate for a global batch (torchvision's Mask R-CNN: 0.02 for 16 images); with
+``optim.reference_batch`` set, :func:`scale_lr` applies the linear scaling rule (Goyal et al., 2017: lr
+proportional to the global batch), so one config serves 1 GPU and 8 GPUs alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from hydra.utils import get_class, instantiate
+
+from lit_amp_det.errors import ArgumentError
+from lit_amp_det.optim.memory_order import MEMORY_ORDER_STEPS, align_before_fused_step
+
+__all__ = ["build_optimizer", "check_reference_batch", "fused_available", "global_batch_size", "scale_lr"]
+
+
+def fused_available(params: Iterable[torch.Tensor]) -> bool:
+    """True when every parameter lives on a device with fused optimizer kernels (CUDA, and CPU since 2.4)."""
+    devices = {p.device.type for p in params}
+    return bool(devices) and devices <= {"cuda", "cpu"}
+
+
+def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Instantiates ``config`` (a ``_target_`` mapping such as ``torch.optim.SGD``) for ``params``.
+
+    Two keys are read here rather than passed on:
+
+    * ``fused: auto`` picks the fused single-kernel implementation wherever every parameter's device has one;
+      ``fused: null`` leaves the choice to PyTorch (``foreach``).
+    * ``memory_order_views`` (default true): a fused ``torch.optim.SGD``/``Adam``/``AdamW`` on the CPU is built
+      as its :mod:`lit_amp_det.optim.memory_order` subclass, the same update without PyTorch's per-step copy of
+      every channels_last gradient.
+
+    Every other fused optimizer gets a step pre-hook that gives the gradients and the state its parameters'
+    memory order first (:func:`~lit_amp_det.optim.memory_order.align_with_params`), which PyTorch's fused
+    kernels assume; the subclasses do that inside their step.
+    """
+    if "_target_" not in config:
+        raise ArgumentError("optimizer", dict(config), "needs a _target_ (e.g. torch.optim.SGD)")
+    options = dict(config)
+    views = options.pop("memory_order_views", True)
+    if not isinstance(views, bool):
+        raise ArgumentError("optimizer.memory_order_views", views, "must be true or false")
+    params = list(params)
+    if options.get("fused") == "auto":
+        options["fused"] = fused_available(params)
+    if options.get("fused") is None:
+        options.pop("fused", None)
+    fused = bool(options.get("fused"))
+    target = options["_target_"]
+    target_class = target if isinstance(target, type) else get_class(str(target))
+    if fused and views and target_class in MEMORY_ORDER_STEPS and all(p.device.type == "cpu" for p in params):
+        options["_target_"] = MEMORY_ORDER_STEPS[target_class]
+    optimizer = instantiate(options, params=params)
+    if fused and type(optimizer) not in MEMORY_ORDER_STEPS.values():
+        optimizer.register_step_pre_hook(align_before_fused_step)
+    return optimizer
+
+
+def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_batches: int) -> int:
+    """Images per optimizer step: ``per_device`` x processes (devices x nodes) x accumulated batches.
+
+    ``per_device`` is the data module's ``batch_size``; ``None`` (a data module without one, or loaders passed to
+    the Trainer directly) is an error, since the lr scaling cannot be computed without it.
+    """
+    if per_device is None:
+        raise ValueError(
+            "optim.reference_batch is set, so the lr is scaled to the global batch, but the per-device batch size is "
+            "unknown: the Trainer has no data module with a batch_size attribute. Fit with a data module that has "
+            "one, or set optim.reference_batch=null and give the lr for your batch"
+        )
+    for name, value in (("data.batch_size", per_device), ("world size", world_size),
+                        ("trainer.accumulate_grad_batches", accumulate_grad_batches)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1 to compute the global batch, got {value}")
+    return int(per_device) * int(world_size) * int(accumulate_grad_batches)
+
+
+def check_reference_batch(reference_batch: Any) -> None:
+    """``reference_batch`` is ``None`` or a positive integer."""
+    if reference_batch is None:
+        return
+    if isinstance(reference_batch, bool) or not isinstance(reference_batch, int) or reference_batch < 1:
+        raise ArgumentError("reference_batch", reference_batch, "must be a positive integer (the global batch the "
+                            "lr is given for, e.g. 16), or null to use the lr as it is")
+
+
+def scale_lr(config: Mapping[str, Any], global_batch: int, reference_batch: int) -> dict[str, Any]:
+    """A copy of the optimizer ``config`` with ``lr`` scaled by ``global_batch / reference_batch``.
+
+    ``reference_batch`` is the global batch the configured lr is meant for (``optim.reference_batch``).
+    """
+    check_reference_batch(reference_batch)
+    if "lr" not in config:
+        raise ValueError(f"optim.reference_batch={reference_batch} scales optimizer.lr, but the optimizer config "
+                         f"has no lr (keys {sorted(config)}); set optim.optimizer.lr")
+    return {**config, "lr": float(config["lr"]) * global_batch / reference_batch}
