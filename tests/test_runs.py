@@ -88,6 +88,23 @@ def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, 
     assert f"ckpt_path={older.resolve()}" in message  # and it names the run that could be resumed
 
 
+@pytest.mark.parametrize("saved", ["absent", "false"])
+def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, saved: str) -> None:
+    """``optim.optimizer.memory_order_views`` changes how a step is computed, not its result: a run saved without
+    the key (made before it existed) or with the other value is still the run ``last`` resumes."""
+    root = tmp_path / "runs"
+    killed = _fake_run(root, "a", status="interrupted", started=1.0,
+                       overrides=["optim.optimizer.memory_order_views=false"] if saved == "false" else [])
+    if saved == "absent":
+        saved_config = OmegaConf.load(killed / "config_resolved.yaml")
+        for section in (saved_config.optim.optimizer, saved_config.model.optimizer):
+            del section["memory_order_views"]
+        OmegaConf.save(saved_config, killed / "config_resolved.yaml")
+    assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
+    with pytest.raises(ResumeError, match="model.optimizer.lr"):  # a setting that changes the run still counts
+        _resolve(root, "last", ["optim.optimizer.lr=0.5"])
+
+
 def test_explicit_run_dir_and_resumed_chains(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     first = _fake_run(root, "a", status="interrupted", step=4, started=1.0)

@@ -46,6 +46,9 @@ _LOADER_KEYS = frozenset({"num_workers", "pin_memory", "persistent_workers", "ev
                           "predict_split", "verify_images", "bad_images", "verify_workers", "verify_cache_dir"})
 #: Model keys that only matter when training starts from scratch.
 _INIT_KEYS = frozenset({"checkpoint", "checkpoint_strict"})
+#: Settings whose values give the same run bit for bit (they change how a step is computed, not what): a run may
+#: resume under another value, or under a config from before the setting existed.
+_EXACT_SETTINGS = frozenset({"model.optimizer.memory_order_views"})
 
 
 class ResumeError(FileNotFoundError):
@@ -201,7 +204,7 @@ def _comparable(cfg: Mapping[str, Any], sections: Iterable[str]) -> dict[str, An
         node = cfg.get(section) or {}
         ignored = _LOADER_KEYS if section == "data" else _INIT_KEYS
         flat.update(_flatten({k: v for k, v in node.items() if k not in ignored}, section))
-    return flat
+    return {key: value for key, value in flat.items() if key not in _EXACT_SETTINGS}
 
 
 def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:

@@ -307,7 +307,8 @@ class MasterWeightPrecision(Precision):
         fp32_regions, init_scale, growth_interval, max_consecutive_skips: as for :class:`DetectionMixedPrecision`.
         fused_master_step: step a ``torch.optim.SGD`` in one pass from the low-precision gradients
             (:mod:`lit_amp_det.precision.fused_master_step`: no fp32 gradients, 20 instead of 32 bytes of memory
-            traffic per parameter). Taken where it applies: ``bf16-weights`` (no GradScaler), ``torch.optim.SGD``,
+            traffic per parameter). Taken where it applies: ``bf16-weights`` (no GradScaler), ``torch.optim.SGD`` (or
+            ``lit_amp_det.optim.SGD``),
             no value clipping, parameters on the CPU (the kernel is CPU-only so far); anything else steps
             through the hooks. With it, hooks from
             ``on_before_optimizer_step`` on see the gradients on ``model.parameters()`` (bf16/fp16), not on the
