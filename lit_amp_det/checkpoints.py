@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _RUNTIME_HPARAMS = {"optimizer", "scheduler", "checkpoint", "checkpoint_strict", "weights", "class_names",
                     "category_ids", "transform", "mask_threshold", "compile", "channels_last", "deconv_as_matmul", "ops",
                     "reference_batch", "eval_backend", "labelled_mask_logits", "pointwise_conv_as_matmul",
-                    "winograd_convs", "winograd_output_tile"}
+                    "winograd_convs", "winograd_output_tile", "winograd_weight_tile_cache"}
 #: The nested ones that do (the rest of ``rpn``/``roi_heads`` are thresholds and sample counts).
 _STRUCTURAL_NESTED = {"rpn.anchor_sizes", "rpn.aspect_ratios", "roi_heads.box_head_width", "roi_heads.mask_head_layers"}
 _EXAMPLES = 3  # key names quoted per kind of mismatch

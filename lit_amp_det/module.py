@@ -111,6 +111,10 @@ class MaskRCNNModule(LightningModule):
             multiplications) when a layer computes in fp16/bf16/fp32 on the CPU and is large enough; ``[]``: none.
         winograd_output_tile: 2 (F(2x2, 3x3)) or 4: those layers compute in float32 by F(4x4, 3x3) tiles, 4x fewer
             multiplications than the direct convolution (fp16/bf16 layers keep F(2x2, 3x3)).
+        winograd_weight_tile_cache: those layers keep their weight's Winograd tiles between calls that build no
+            autograd graph (inference, validation) while the weight is unchanged
+            (:class:`~lit_amp_det.models.winograd_conv.WeightTileCache`): faster calls, for the tiles' memory
+            (2-4x the layers' weights).
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
         scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
@@ -142,6 +146,7 @@ class MaskRCNNModule(LightningModule):
         pointwise_conv_as_matmul: bool = False,
         winograd_convs: Sequence[str] = (),
         winograd_output_tile: int = 2,
+        winograd_weight_tile_cache: bool = False,
         backbone: Mapping[str, Any] | None = None,
         transform: Mapping[str, Any] | None = None,
         rpn: Mapping[str, Any] | None = None,
@@ -182,7 +187,8 @@ class MaskRCNNModule(LightningModule):
             self._use_labelled_mask_logits()
         if pointwise_conv_as_matmul:
             use_pointwise_matmul(self.model)
-        if winograd_convs and use_winograd_convs(self.model, list(winograd_convs), winograd_output_tile) == 0:
+        if winograd_convs and use_winograd_convs(self.model, list(winograd_convs), winograd_output_tile,
+                                                 cache_weight_tiles=winograd_weight_tile_cache) == 0:
             log.warning("model.winograd_convs=%s: the model has no 3x3, stride-1 convolution there, so nothing was "
                         "switched", list(winograd_convs))
         compile_detector(self.model, compile)

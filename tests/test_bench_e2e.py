@@ -46,7 +46,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (17 if bench is train.BENCH else 14)
+    assert bench.rows[0].override is None and len(bench.rows) == (17 if bench is train.BENCH else 15)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -138,7 +138,8 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
                      "model.channels_last": False, "model.deconv_as_matmul": False, "model.compile": None,
                      "precision.fused_master_step": False, "model.labelled_mask_logits": False,
                      "model.pointwise_conv_as_matmul": False, "model.winograd_convs": [],
-                     "model.winograd_output_tile": 2, "callbacks": [], "optim.optimizer.fused": None}
+                     "model.winograd_output_tile": 2, "model.winograd_weight_tile_cache": False, "callbacks": [],
+                     "optim.optimizer.fused": None}
     assert last["trainer.precision"] == ("bf16-weights" if bench is train.BENCH else "bf16-mixed")
     assert last["precision.fp32_regions"] is None
     assert last["model.ops"] == "ext" and last["model.channels_last"] is True
@@ -147,6 +148,7 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     assert last["model.pointwise_conv_as_matmul"] is True
     assert last["model.winograd_convs"] == ["mask_head", "rpn_head", "fpn", "backbone"]
     assert last["model.winograd_output_tile"] == 4
+    assert last["model.winograd_weight_tile_cache"] is (bench is infer.BENCH)  # an inference row only
     if bench is train.BENCH:
         assert [c.split("(")[0] for c in last["callbacks"]] == ["FreezeNorm", "ConvBNEval", "RetainCPUHeap"]
         assert not retains_freed_memory()  # the row's teardown handed glibc's policy back to this process

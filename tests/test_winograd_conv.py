@@ -362,6 +362,31 @@ def test_buffers_are_reused_and_never_returned(monkeypatch: pytest.MonkeyPatch, 
         assert torch.equal(reused, fresh)
 
 
+@needs_ext
+def test_a_layer_trains_after_calls_under_inference_mode() -> None:
+    """Lightning validates under torch.inference_mode (the sanity check runs before the first training step), and
+    buffers made there are inference tensors, which may not be written outside it: training after them failed in
+    its first Winograd layer ("Inplace update to inference tensor outside InferenceMode"). The buffers are made
+    again outside inference mode, and serve both modes from then on."""
+    from lit_amp_det.models import winograd_conv
+
+    winograd_conv.release_workspace()
+    layer = _switched_layer(64).to(memory_format=NHWC)
+    x = _randn(1, 64, 32, 32).contiguous(memory_format=NHWC)
+    with torch.inference_mode():
+        evaluated = layer(x)
+    assert all(t.is_inference() for t in winograd_conv._WORKSPACE.buffers.values())
+    trained = layer(x.clone().requires_grad_())
+    trained.square().sum().backward()
+    assert not any(t.is_inference() for t in winograd_conv._WORKSPACE.buffers.values())
+    pointers = {key: t.data_ptr() for key, t in winograd_conv._WORKSPACE.buffers.items()}
+    with torch.inference_mode():  # a normal buffer serves inference mode as it is
+        again = layer(x)
+    assert {key: t.data_ptr() for key, t in winograd_conv._WORKSPACE.buffers.items()} == pointers
+    assert torch.equal(evaluated, trained.detach()) and torch.equal(again, evaluated)
+    assert layer.weight.grad is not None
+
+
 def test_weight_tiles_out_must_match() -> None:
     """winograd_weight_tiles(out=) writes into a contiguous [16, C_in, C_out] tensor of the weight's dtype
     ([16, C_out, C_in] with transposed=True) and refuses any other, naming the shape it needs."""

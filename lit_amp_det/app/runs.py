@@ -48,7 +48,7 @@ _LOADER_KEYS = frozenset({"num_workers", "pin_memory", "persistent_workers", "ev
 _INIT_KEYS = frozenset({"checkpoint", "checkpoint_strict"})
 #: Settings whose values give the same run bit for bit (they change how a step is computed, not what): a run may
 #: resume under another value, or under a config from before the setting existed.
-_EXACT_SETTINGS = frozenset({"model.optimizer.memory_order_views"})
+_EXACT_SETTINGS = frozenset({"model.optimizer.memory_order_views", "model.winograd_weight_tile_cache"})
 
 
 class ResumeError(FileNotFoundError):

@@ -73,6 +73,7 @@ BASELINE = (
     "model.pointwise_conv_as_matmul=false",
     "model.winograd_convs=[]",
     "model.winograd_output_tile=2",
+    "model.winograd_weight_tile_cache=false",
     "model.compile=null",
 )
 
@@ -283,6 +284,7 @@ def switches(cfg: DictConfig, built: Built) -> dict[str, Any]:
         "model.pointwise_conv_as_matmul": cfg.model.pointwise_conv_as_matmul,
         "model.winograd_convs": list(cfg.model.winograd_convs),
         "model.winograd_output_tile": cfg.model.winograd_output_tile,
+        "model.winograd_weight_tile_cache": cfg.model.winograd_weight_tile_cache,
         "model.compile": cfg.model.compile,
         "callbacks": [repr(c) for c in built.callbacks],
         "optim.optimizer.fused": cfg.optim.optimizer.get("fused"),

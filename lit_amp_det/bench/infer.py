@@ -23,7 +23,9 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
     :func:`lit_amp_det.models.winograd_conv.winograd_pays`);
 12. ``model.winograd_convs=[mask_head,rpn_head,fpn,backbone]``: the ResNet's stride-1 3x3 layers as well;
 13. ``model.winograd_output_tile=4``: those layers by F(4x4, 3x3) tiles where they compute in fp32;
-14. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
+14. ``model.winograd_weight_tile_cache=true``: those layers keep their weight's tiles from call to call
+    (:class:`lit_amp_det.models.winograd_conv.WeightTileCache`; the tiles' memory counts in the peak);
+15. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
     batch size).
 
 Rows 8-13 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
@@ -71,6 +73,7 @@ ROWS = (
     Row("convbn-fold", "+ conv-BN folded once", "callbacks.conv_bn_eval.fold_on_predict=true"),
     *(_TRAIN_ROW[name] for name in ("deconv-matmul", "labelled-mask-logits", "pointwise-matmul", "winograd",
                                     "winograd-backbone", "winograd-4x4")),
+    Row("weight-tile-cache", "+ Winograd weight tiles kept", "model.winograd_weight_tile_cache=true"),
     Row("compile", "+ torch.compile backbone", "model.compile=backbone"),
 )
 

@@ -71,6 +71,7 @@ __all__ = [
     "MIN_TILES",
     "TILE_GRANULE",
     "WINOGRAD_PARTS",
+    "WeightTileCache",
     "WinogradConv2d",
     "check_output_tile",
     "chunk_tiles",
@@ -180,6 +181,9 @@ class _Workspace(threading.local):
     memory every time, so the convolution allocates only its result and the CPU heap does not fragment (fresh 10-16
     MB temporaries per chunk raised a training step's resident peak by 50-120 MB).
 
+    A buffer made under ``torch.inference_mode`` is made again for the first call outside it (its successor, a
+    normal tensor, serves both).
+
     Not while ``torch.compile`` traces the layer: a traced graph would take the kept buffers as inputs and save them
     for its backward, and any eager Winograd layer that ran in between (the RPN head after a compiled FPN) rewrites
     them in place, so the compiled backward failed autograd's version check. Traced, each call gets buffers of its
@@ -198,7 +202,10 @@ class _Workspace(threading.local):
         size = positions * rows * columns
         key = (slot, dtype, like.device)
         buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() < size:
+        # a buffer made under torch.inference_mode (Lightning's validation, predict) is an inference tensor, which
+        # may not be written outside it: training after a validation would fail in its first Winograd layer
+        if (buffer is None or buffer.numel() < size
+                or (buffer.is_inference() and not torch.is_inference_mode_enabled())):
             self.buffers.pop(key, None)  # free the old one first
             buffer = self.buffers[key] = torch.empty(size, dtype=dtype, device=like.device)
         return buffer[:size].view(positions, rows, columns)
@@ -214,17 +221,20 @@ def release_workspace() -> None:
 
 
 def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool = False,
-              output_tile: int = 2) -> Tensor:
+              output_tile: int = 2, weight_tiles: Tensor | None = None) -> Tensor:
     """The convolution of NHWC ``x`` with ``weight`` (``transposed``: with its rotated, transposed filters, the
-    input gradient's convolution), chunk by chunk of ``output_tile``-sided tiles. The output is allocated before any
+    input gradient's convolution), chunk by chunk of ``output_tile``-sided tiles; ``weight_tiles``: the weight's
+    tiles made earlier (:class:`WeightTileCache`), else they are made here. The output is allocated before any
     temporary, so that the temporaries are freed from the top of the CPU heap and leave no holes below the
     long-lived tensors."""
     n, c_in, height, width = x.shape
     c_out = weight.shape[1] if transposed else weight.shape[0]
     positions = POSITIONS[output_tile]
     out = torch.empty((n, c_out, height, width), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    filters = _WORKSPACE.get("filters", c_in, c_out, weight, positions=positions)  # [positions, C_in, C_out]
-    tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed, out=filters, output_tile=output_tile)
+    tiles_of_weight = weight_tiles
+    if tiles_of_weight is None:
+        filters = _WORKSPACE.get("filters", c_in, c_out, weight, positions=positions)  # [positions, C_in, C_out]
+        tiles_of_weight = winograd_weight_tiles(weight, transposed=transposed, out=filters, output_tile=output_tile)
     for begin, end, _ in _chunks(tile_count(n, height, width, output_tile), output_tile):
         tiles = winograd_input_tiles_(_WORKSPACE.get("tiles", end - begin, c_in, x, positions=positions), x, begin)
         products = torch.bmm(tiles, tiles_of_weight,
@@ -304,6 +314,50 @@ def check_output_tile(output_tile: int) -> None:
                          f"{output_tile!r}")
 
 
+class WeightTileCache:
+    """One layer's forward weight tiles (``[positions, C_in, C_out]``), kept from call to call while its weight is
+    unchanged: inference and validation reuse them, instead of transforming every filter again in each call (7 % of
+    a light-model inference call at batch 4, and on 512-channel maps with few tiles up to 37 % of the layer's own
+    time; BENCHMARKS.md).
+
+    The tiles are reused only for the layer's own weight parameter, with no autograd graph to build, computing in
+    the weight's own dtype (no autocast cast, which makes a new weight each call), and while that weight is the same
+    memory (same address, strides and dtype) at the same version (in-place updates, as an optimizer step or
+    ``load_state_dict`` makes, count up the version). The cache holds an alias of the weight it was made from, so
+    that no other tensor can take that address while the entry lives. A call that builds a graph (training) drops
+    the entry: the memory is held only between weight updates.
+    """
+
+    def __init__(self) -> None:
+        self._entry: tuple[Tensor, int, int, Tensor] | None = None  # (weight alias, version, tile side, tiles)
+
+    def tiles(self, weight: Tensor, output_tile: int) -> Tensor:
+        """``weight``'s forward tiles for ``output_tile``-sided tiles: the kept ones when still valid, else new ones
+        (kept)."""
+        entry = self._entry
+        if entry is not None:
+            source, version, side, tiles = entry
+            if (side == output_tile and source.data_ptr() == weight.data_ptr() and source.device == weight.device
+                    and source.dtype == weight.dtype and source.stride() == weight.stride()
+                    and source.shape == weight.shape and version == weight._version):
+                return tiles
+        self._entry = None  # free the old tiles before making the new ones
+        c_out, c_in = weight.shape[:2]
+        tiles = torch.empty((POSITIONS[output_tile], c_in, c_out), dtype=weight.dtype, device=weight.device)
+        winograd_weight_tiles(weight, out=tiles, output_tile=output_tile)
+        self._entry = (weight.detach(), weight._version, output_tile, tiles)
+        return tiles
+
+    def clear(self) -> None:
+        """Drops the kept tiles."""
+        self._entry = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kept tiles (0 when none are kept)."""
+        return 0 if self._entry is None else self._entry[3].nbytes
+
+
 class WinogradConv2d(nn.Conv2d):
     """``nn.Conv2d`` that computes a 3x3, stride-1, padding-1 layer (:func:`is_winograd_shape`) in fp16/bf16/fp32 on
     the CPU by Winograd tiles where it is large enough (:func:`winograd_pays`); everything else runs ``nn.Conv2d``'s
@@ -318,6 +372,9 @@ class WinogradConv2d(nn.Conv2d):
     """
 
     output_tile: int = 2
+    #: the layer's :class:`WeightTileCache` (set per layer by :func:`use_winograd_convs` with ``cache_weight_tiles``);
+    #: None: the tiles are made in every call
+    weight_tile_cache: WeightTileCache | None = None
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (torch's name)
         return self.convolve(input, self.weight, self.bias)
@@ -325,9 +382,18 @@ class WinogradConv2d(nn.Conv2d):
     def convolve(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: A002
         """This layer's convolution of ``input`` with another ``weight`` and ``bias`` of the same shapes (conv-BN
         eval's folded ones), by Winograd tiles when :meth:`computes_with_winograd`."""
-        if self.computes_with_winograd(input):
-            return winograd_conv3x3(input, weight, bias, self.tile_side(input))
-        return self._conv_forward(input, weight, bias)
+        if not self.computes_with_winograd(input):
+            return self._conv_forward(input, weight, bias)
+        side = self.tile_side(input)
+        cache = self.weight_tile_cache
+        if cache is not None:
+            if torch.is_grad_enabled() or torch.compiler.is_compiling():
+                cache.clear()  # training: the weight changes every step
+            elif (weight is self.weight and input.dtype == weight.dtype == convolution_dtype(input)
+                  and not weight.is_inference()):
+                x = input.contiguous(memory_format=torch.channels_last)
+                return _convolve(x, weight, bias, output_tile=side, weight_tiles=cache.tiles(weight, side))
+        return winograd_conv3x3(input, weight, bias, side)
 
     def tile_side(self, input: Tensor) -> int:  # noqa: A002 (torch's name)
         """The output tile side the Winograd path takes for ``input``: :attr:`output_tile` where the layer computes
@@ -348,11 +414,13 @@ class WinogradConv2d(nn.Conv2d):
                 and extension_available())
 
 
-def use_winograd_convs(detector: nn.Module, parts: Sequence[str], output_tile: int = 2) -> int:
+def use_winograd_convs(detector: nn.Module, parts: Sequence[str], output_tile: int = 2,
+                       cache_weight_tiles: bool = False) -> int:
     """Switches every 3x3, stride-1 ``nn.Conv2d`` (the exact class: a subclass may have its own ``forward``) in the
     named ``parts`` of the detector (keys of :data:`WINOGRAD_PARTS`) to :class:`WinogradConv2d`, in place, with
-    ``output_tile`` (2: F(2x2, 3x3); 4: F(4x4, 3x3) where a layer computes in float32). A part the detector lacks (a
-    Faster R-CNN's mask head) is skipped. Returns how many layers were switched."""
+    ``output_tile`` (2: F(2x2, 3x3); 4: F(4x4, 3x3) where a layer computes in float32) and, with
+    ``cache_weight_tiles``, a :class:`WeightTileCache` each. A part the detector lacks (a Faster R-CNN's mask head)
+    is skipped. Returns how many layers were switched."""
     unknown = sorted(set(parts) - set(WINOGRAD_PARTS))
     if unknown:
         raise ValueError(f"model.winograd_convs: unknown part(s) {unknown}; choose from {sorted(WINOGRAD_PARTS)}")
@@ -368,5 +436,6 @@ def use_winograd_convs(detector: nn.Module, parts: Sequence[str], output_tile: i
             if type(conv) is nn.Conv2d and is_winograd_shape(conv) and "forward" not in vars(conv):
                 conv.__class__ = WinogradConv2d
                 conv.output_tile = output_tile
+                conv.weight_tile_cache = WeightTileCache() if cache_weight_tiles else None
                 switched += 1
     return switched
