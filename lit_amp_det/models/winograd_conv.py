@@ -325,7 +325,8 @@ class WeightTileCache:
     memory (same address, strides and dtype) at the same version (in-place updates, as an optimizer step or
     ``load_state_dict`` makes, count up the version). The cache holds an alias of the weight it was made from, so
     that no other tensor can take that address while the entry lives. A call that builds a graph (training) drops
-    the entry: the memory is held only between weight updates.
+    the entry: the memory is held only between weight updates. A weight folded with its BatchNorm on the fly
+    (ConvBNEval without ``fold_on_predict``) is a new tensor every call, and is not cached.
     """
 
     def __init__(self) -> None:
