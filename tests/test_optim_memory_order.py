@@ -202,6 +202,16 @@ def test_build_optimizer_picks_the_memory_order_classes() -> None:
     assert type(build_optimizer({"_target_": "torch.optim.Adagrad", "fused": True}, [param])) is torch.optim.Adagrad
     with pytest.raises(ValueError, match="memory_order_views"):
         build_optimizer({**sgd, "memory_order_views": "yes"}, [param])
+    # a function that makes the optimizer is a target too, and an unknown one is instantiate's error to report
+    made = build_optimizer({"_target_": "test_optim_memory_order.make_sgd", "fused": True}, [param])
+    assert type(made) is torch.optim.SGD and made.defaults["fused"] is True
+    with pytest.raises(Exception, match="no_such_optimizer"):
+        build_optimizer({"_target_": "torch.optim.no_such_optimizer", "fused": True}, [param])
+
+
+def make_sgd(params, fused: bool) -> torch.optim.SGD:
+    """An optimizer factory (a function target) for the test above."""
+    return torch.optim.SGD(params, lr=0.1, fused=fused)
 
 
 def test_the_bf16_weights_fused_master_step_accepts_the_sgd_subclass() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_object, instantiate
 
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.optim.memory_order import MEMORY_ORDER_STEPS, align_before_fused_step
@@ -52,14 +52,24 @@ def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Paramet
     if options.get("fused") is None:
         options.pop("fused", None)
     fused = bool(options.get("fused"))
-    target = options["_target_"]
-    target_class = target if isinstance(target, type) else get_class(str(target))
+    target_class = _located(options["_target_"])
     if fused and views and target_class in MEMORY_ORDER_STEPS and all(p.device.type == "cpu" for p in params):
         options["_target_"] = MEMORY_ORDER_STEPS[target_class]
     optimizer = instantiate(options, params=params)
     if fused and type(optimizer) not in MEMORY_ORDER_STEPS.values():
         optimizer.register_step_pre_hook(align_before_fused_step)
     return optimizer
+
+
+def _located(target: Any) -> Any:
+    """What ``_target_`` names (a class, or a function that makes the optimizer); None where it cannot be found,
+    which ``instantiate`` then reports in its own words."""
+    if not isinstance(target, str):
+        return target
+    try:
+        return get_object(target)
+    except Exception:  # noqa: BLE001 -- instantiate raises the error the user sees
+        return None
 
 
 def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_batches: int) -> int:
