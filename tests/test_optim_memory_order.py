@@ -221,3 +221,24 @@ def test_the_bf16_weights_fused_master_step_accepts_the_sgd_subclass() -> None:
     reason = fused_master_step.unfused_reason(build_optimizer({**CONFIGS["sgd-nesterov"], "fused": "auto"}, [param]))
     assert reason is None or "not built" in reason
     assert fused_master_step.unfused_reason(optim.AdamW([param])) == "AdamW is not torch.optim.SGD"
+
+
+@pytest.mark.parametrize("name", ["sgd-nesterov", "adam-amsgrad"])
+def test_unfused_memory_order_classes_step_as_torchs(name: str) -> None:
+    """Built by hand without ``fused``, the classes run torch's own (foreach) step, with the closure first."""
+    config = CONFIGS[name]
+    kwargs = {k: v for k, v in config.items() if k != "_target_"}
+    torch_class = torch.optim.__dict__[config["_target_"].rpartition(".")[2]]
+    results = []
+    for cls in (optim.memory_order.MEMORY_ORDER_STEPS[torch_class], torch_class):
+        params = _params()
+        optimizer = cls(params, **kwargs)
+        for step in range(3):
+            def closure(step: int = step) -> torch.Tensor:
+                _set_grads(params, step)
+                return torch.tensor(float(step))
+
+            assert optimizer.step(closure).item() == step
+        results.append([p.detach().clone() for p in params])
+    for ours, torchs in zip(*results):
+        assert torch.equal(ours, torchs)

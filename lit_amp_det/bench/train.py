@@ -165,7 +165,6 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
     module, plugin = built.module, built.plugin
     images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
     memory = e2e_rows.PeakMemory(setting.device)
-    build_s = row.build_s
     losses: list[torch.Tensor] = []
 
     def step(batch_idx: int, batch: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]] | None = None) -> None:
@@ -206,7 +205,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         "weights_sha256": built.weights_sha256,
         "batch_sha256": batch_sha256(images, targets),
         "lr": optimizer.param_groups[0]["lr"],
-        "build_s": build_s,
+        "build_s": row.build_s,
         "warmup_steps": warmup,
         "warmup_s": warmup_s,
         "losses": [float(loss) for loss in losses],

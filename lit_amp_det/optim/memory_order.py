@@ -50,10 +50,10 @@ def align_with_params(optimizer: torch.optim.Optimizer) -> int:
                 if aligned is not grad:
                     param.grad = aligned
                     copied += 1
-            state = optimizer.state.get(param)
-            for key, value in (state or {}).items():
-                if (isinstance(value, torch.Tensor) and not value.is_sparse and value.shape == param.shape
-                        and value.stride() != strides and not same_memory_order(param, value)):
+            state = optimizer.state.get(param, {})
+            for key in _state_tensors(state, param):
+                value = state[key]
+                if not value.is_sparse and value.stride() != strides and not same_memory_order(param, value):
                     state[key] = in_layout_of(param, value)
                     copied += 1
     return copied
@@ -79,14 +79,16 @@ def _state_tensors(state: dict[str, Any], param: Tensor) -> list[str]:
     return [key for key, value in state.items() if isinstance(value, Tensor) and value.shape == param.shape]
 
 
-def _viewable(param: Tensor, state: dict[str, Any]) -> bool:
-    """``param`` is dense but not contiguous (channels_last), on the CPU, and its gradient and its state tensors
-    are dense in its memory order: flat-strided views of all of them pair the same elements."""
+def _viewable_state(param: Tensor, state: dict[str, Any]) -> list[str] | None:
+    """The keys of ``param``'s state tensors when ``param`` is dense but not contiguous (channels_last), on the
+    CPU, and its gradient and those state tensors are dense in its memory order (flat-strided views of all of them
+    pair the same elements); None otherwise."""
     grad = param.grad
     if grad is None or param.device.type != "cpu" or param.is_contiguous() or not is_dense(param):
-        return False
-    tensors = [grad, *(state[key] for key in _state_tensors(state, param))]
-    return all(not t.is_sparse and is_dense(t) and same_memory_order(param, t) for t in tensors)
+        return None
+    keys = _state_tensors(state, param)
+    tensors = [grad, *(state[key] for key in keys)]
+    return keys if all(not t.is_sparse and is_dense(t) and same_memory_order(param, t) for t in tensors) else None
 
 
 @contextmanager
@@ -105,14 +107,15 @@ def memory_order_views(optimizer: torch.optim.Optimizer) -> Iterator[int]:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 state = optimizer.state.get(param, {})
-                if not _viewable(param, state):
+                keys = _viewable_state(param, state)
+                if keys is None:
                     continue
                 flat = _contiguous_strides(param.shape)
                 real, grad = param.data, param.grad
                 viewed.append((param, real, grad, real.stride()))
                 param.data = real.as_strided(real.shape, flat)
                 param.grad = grad.as_strided(grad.shape, flat)
-                for key in _state_tensors(state, param):
+                for key in keys:
                     state[key] = state[key].as_strided(param.shape, flat)
         yield len(viewed)
     finally:
