@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "check_checkpoint", "load_model_weights", "read_checkpoint"]
+__all__ = ["CheckpointError", "architecture_differences", "check_checkpoint", "load_model_weights", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,10 @@ def _override_value(value: Any) -> str:
     return str(value)
 
 
-def _hparam_differences(saved: Mapping[str, Any], configured: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(model.key, saved, configured)`` for every architecture hyper-parameter that differs."""
+def architecture_differences(saved: Mapping[str, Any], configured: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(model.key, saved, configured)`` for every hyper-parameter of the model section that differs and changes a
+    tensor's name or shape (the layers, widths, class count); runtime settings such as ``channels_last``, the
+    Winograd switches, the test-time transform and thresholds are left out. Keys only one side has are skipped."""
     old, new = _flatten(saved), _flatten(configured)
     keys = [k for k in old if k in new and _is_structural(k) and old[k] != new[k]]
     return [(f"model.{k}", old[k], new[k]) for k in keys]
@@ -177,7 +179,7 @@ def _mismatch(source: str, path: Path, mismatch: Mapping[str, list[str]], saved:
               own: Mapping[str, torch.Tensor], saved_hparams: Mapping[str, Any],
               configured: Mapping[str, Any]) -> tuple[str, list[tuple[str, Any, Any]]]:
     """The first half of the error: which file, and what differs (hyper-parameters if known, else a few tensors)."""
-    differences = _hparam_differences(saved_hparams, configured)
+    differences = architecture_differences(saved_hparams, configured)
     name = f"{source}={str(path)!r}"
     if not differences:
         return f"{name} does not fit the configured model: {_summary(mismatch, saved, own)}", differences

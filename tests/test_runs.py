@@ -89,7 +89,7 @@ def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, 
 
 
 @pytest.mark.parametrize("saved", ["absent", "false"])
-def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, saved: str) -> None:
+def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, saved: str, caplog) -> None:
     """``optim.optimizer.memory_order_views`` changes how a step is computed, not its result: a run saved without
     the key (made before it existed) or with the other value is still the run ``last`` resumes."""
     root = tmp_path / "runs"
@@ -100,9 +100,28 @@ def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, sav
         for section in (saved_config.optim.optimizer, saved_config.model.optimizer):
             del section["memory_order_views"]
         OmegaConf.save(saved_config, killed / "config_resolved.yaml")
-    assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
+    with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
+        assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
+    assert "model.optimizer.memory_order_views" in caplog.text  # said, not refused
     with pytest.raises(ResumeError, match="model.optimizer.lr"):  # a setting that changes the run still counts
         _resolve(root, "last", ["optim.optimizer.lr=0.5"])
+
+
+def test_last_resumes_under_other_implementation_settings(tmp_path: Path, caplog) -> None:
+    """Kernels, memory formats and compilation change how a step is computed, not the model, data or recipe (as
+    ``trainer.precision``, which is not compared): a run killed on one machine resumes with another's switches."""
+    root = tmp_path / "runs"
+    killed = _fake_run(root, "a", status="interrupted", started=1.0)
+    switches = ["model.channels_last=true", "model.winograd_convs=[backbone,fpn]", "model.winograd_output_tile=4",
+                "model.ops=torchvision", "model.deconv_as_matmul=true", "optim.optimizer.fused=null"]
+    with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
+        assert _resolve(root, "last", switches) == str((killed / "checkpoints" / "last.ckpt").resolve())
+    for key in ("model.channels_last: False -> True", "model.winograd_output_tile: 2 -> 4", "model.ops: 'ext'",
+                "model.optimizer.fused: 'auto' -> None"):
+        assert key in caplog.text
+    for changed in ("model.rpn.batch_size_per_image=64", "model.backbone.fpn_channels=16", "model.mask=false"):
+        with pytest.raises(ResumeError, match=changed.split("=")[0]):  # the model and the recipe still count
+            _resolve(root, "last", [*switches, changed])
 
 
 def test_explicit_run_dir_and_resumed_chains(tmp_path: Path) -> None:
@@ -126,8 +145,25 @@ def test_last_for_evaluation_takes_the_newest_fit_with_the_same_model(tmp_path: 
     _fake_run(root, "a", status="finished", step=8, started=1.0)
     newest = _fake_run(root, "b", status="finished", overrides=["data.train_size=12"], step=8, started=2.0)
     assert _resolve(root, "last", command="test") == str((newest / "checkpoints" / "last.ckpt").resolve())
-    with pytest.raises(ResumeError, match="different model"):
+    with pytest.raises(ResumeError, match="different model: model.backbone.fpn_channels: 32 -> 16"):
         _resolve(root, "last", overrides=["model.backbone.fpn_channels=16"], command="predict")
+    with pytest.raises(ResumeError, match="model.num_classes"):
+        _resolve(root, "last", overrides=["model.num_classes=9"], command="validate")
+
+
+@pytest.mark.parametrize("command", ["validate", "test", "predict"])
+def test_last_for_evaluation_takes_weights_across_settings_that_leave_them_usable(tmp_path: Path, command: str,
+                                                                                  caplog) -> None:
+    """Evaluating a fit's weights at another test size, score threshold, kernel or memory format is what one does
+    with weights: only a setting that changes a tensor's name or shape makes them another model's."""
+    root = tmp_path / "runs"
+    fit = _fake_run(root, "a", status="finished", step=8, started=1.0)
+    other = ["model.channels_last=true", "model.winograd_convs=[backbone]", "model.transform.min_size=96",
+             "model.transform.max_size=96", "model.roi_heads.score_thresh=0.3", "model.rpn.post_nms_top_n_test=20",
+             "model.mask_threshold=0.4", "model.eval_backend=pycocotools"]
+    with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
+        assert _resolve(root, "last", other, command=command) == str((fit / "checkpoints" / "last.ckpt").resolve())
+    assert "model.transform.min_size: 64 -> 96" in caplog.text and "model.roi_heads.score_thresh" in caplog.text
 
 
 def test_run_record_updates_keep_the_rest(tmp_path: Path) -> None:

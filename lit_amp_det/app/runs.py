@@ -46,9 +46,16 @@ _LOADER_KEYS = frozenset({"num_workers", "pin_memory", "persistent_workers", "ev
                           "predict_split", "verify_images", "bad_images", "verify_workers", "verify_cache_dir"})
 #: Model keys that only matter when training starts from scratch.
 _INIT_KEYS = frozenset({"checkpoint", "checkpoint_strict"})
-#: Settings whose values give the same run bit for bit (they change how a step is computed, not what): a run may
-#: resume under another value, or under a config from before the setting existed.
-_EXACT_SETTINGS = frozenset({"model.optimizer.memory_order_views", "model.winograd_weight_tile_cache"})
+#: Settings that change how a step is computed, not the model, the data or the recipe: the kernels, memory formats
+#: and compilation (some give the same step bit for bit, the others round differently, as another
+#: ``trainer.precision`` does, which is not compared either). A run resumes under other values -- on another
+#: machine, say -- or under a config from before the setting existed; the ones that differ are logged.
+_IMPLEMENTATION_SETTINGS = frozenset({
+    "model.ops", "model.channels_last", "model.compile", "model.deconv_as_matmul", "model.labelled_mask_logits",
+    "model.pointwise_conv_as_matmul", "model.winograd_convs", "model.winograd_output_tile",
+    "model.winograd_weight_tile_cache", "model.eval_backend", "model.optimizer.fused", "model.optimizer.foreach",
+    "model.optimizer.memory_order_views",
+})
 
 
 class ResumeError(FileNotFoundError):
@@ -204,21 +211,62 @@ def _comparable(cfg: Mapping[str, Any], sections: Iterable[str]) -> dict[str, An
         node = cfg.get(section) or {}
         ignored = _LOADER_KEYS if section == "data" else _INIT_KEYS
         flat.update(_flatten({k: v for k, v in node.items() if k not in ignored}, section))
-    return {key: value for key, value in flat.items() if key not in _EXACT_SETTINGS}
+    return flat
 
 
-def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:
-    """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
-    ``config_resolved.yaml`` (loader settings such as ``num_workers`` left out)."""
-    sections = tuple(sections)
+def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | None:
+    """``sections`` of the run's saved ``config_resolved.yaml`` as plain containers; None when the file is missing."""
     saved_file = Path(run_dir) / "config_resolved.yaml"
     if not saved_file.is_file():
-        return [f"{saved_file} is missing"]
-    saved = _comparable(OmegaConf.to_container(OmegaConf.load(saved_file), resolve=False), sections)
+        return None
+    saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=False)
+    return {s: saved.get(s) for s in sections if isinstance(saved, Mapping) and saved.get(s) is not None}
+
+
+def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ...]) -> list[str] | None:
+    """``key: earlier -> now`` for every setting of ``sections`` that differs (loader settings and
+    ``model.checkpoint`` left out); None when the run's saved config is missing."""
+    saved_sections = _saved_sections(run_dir, sections)
+    if saved_sections is None:
+        return None
+    saved = _comparable(saved_sections, sections)
     now = _comparable({s: OmegaConf.to_container(cfg[s], resolve=True) for s in sections if cfg.get(s) is not None},
                       sections)
     return [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
             for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
+
+
+def _is_implementation(difference: str) -> bool:
+    return difference.split(":", 1)[0] in _IMPLEMENTATION_SETTINGS
+
+
+def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:
+    """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
+    ``config_resolved.yaml``: what makes it another run. Loader settings such as ``num_workers`` and the
+    :data:`_IMPLEMENTATION_SETTINGS` are left out."""
+    differences = _setting_differences(run_dir, cfg, tuple(sections))
+    if differences is None:
+        return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
+    return [d for d in differences if not _is_implementation(d)]
+
+
+def _implementation_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
+    """``key: earlier -> now`` for each of the :data:`_IMPLEMENTATION_SETTINGS` in which ``cfg`` differs from the
+    run's saved config (a key the saved config lacks reads ``None``): logged when a run resumes under them."""
+    return [d for d in _setting_differences(run_dir, cfg, ("model",)) or [] if _is_implementation(d)]
+
+
+def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
+    """``key: earlier -> now`` for every model setting that changes the weights' names or shapes (the rule of
+    :func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into ``cfg``'s
+    model. The test-time transform, thresholds and implementation settings may differ."""
+    from lit_amp_det.checkpoints import architecture_differences as differing  # deferred: imports torch
+
+    saved = _saved_sections(run_dir, ("model",))
+    if saved is None:
+        return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
+    now = OmegaConf.to_container(cfg.model, resolve=True) if cfg.get("model") is not None else {}
+    return [f"{key}: {old!r} -> {new!r}" for key, old, new in differing(saved.get("model") or {}, now)]
 
 
 # ----------------------------------------------------------------------------------- ckpt_path resolution
@@ -277,6 +325,10 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it "
                           f"saved a checkpoint: there is nothing to resume. Start a new run, or lower "
                           f"callbacks.last_checkpoint.every_n_train_steps / every_n_minutes{hint}")
+    changed = _implementation_differences(newest.path, cfg)
+    if changed:
+        log.info("ckpt_path=last: resuming %s with other implementation settings than it had: %s", newest.path,
+                 "; ".join(changed))
     return checkpoint
 
 
@@ -286,11 +338,15 @@ def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
         checkpoint = resume_point(info.path)
         if checkpoint is None:
             continue
-        differences = config_differences(info.path, cfg, sections=("model",))
+        differences = _architecture_differences(info.path, cfg)
         if differences:
             raise ResumeError(f"ckpt_path=last: the newest fit with a checkpoint, {info.path}, has a different "
                               f"model: {'; '.join(differences[:8])}; pass the same model settings or "
                               "ckpt_path=/path/to/file.ckpt")
+        others = _setting_differences(info.path, cfg, ("model",)) or []
+        if others:
+            log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: "
+                     "%s", info.path, "; ".join(others[:8]))
         return checkpoint
     raise ResumeError(f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
                       "ckpt_path=/path/to/file.ckpt")
