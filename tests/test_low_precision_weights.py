@@ -331,10 +331,11 @@ def test_inf_gradients_skip_the_step_and_fp16_scales_the_loss(precision: str) ->
     assert all(bool(torch.isfinite(p).all()) for p in plugin.weights.masters)
 
 
-def test_memory_baseline_refuses_half_weights_and_run_stats_count_the_masters(tmp_path: Path) -> None:
-    """MemoryMonitor's fp32 baseline copies the model, so half weights cannot be compared (the error names the
-    fix); the order-free tensor-memory figure counts the fp32 masters and their gradients, which the model's
-    ``parameters()`` do not list."""
+def test_memory_baseline_takes_half_weights_and_run_stats_count_the_masters(tmp_path: Path) -> None:
+    """MemoryMonitor's fp32 baseline of a half-weights run is measured on a copy with the masters as weights, so
+    ``-weights`` is comparable while ``-true`` (no fp32 copies anywhere) is refused with the fix named; the
+    order-free tensor-memory figure counts the fp32 masters and their gradients, which the model's ``parameters()``
+    do not list."""
     from types import SimpleNamespace
 
     from lit_amp_det.callbacks.memory_savings import check_comparable
@@ -343,15 +344,61 @@ def test_memory_baseline_refuses_half_weights_and_run_stats_count_the_masters(tm
     module = _module(tmp_path)
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(module)
-    trainer = SimpleNamespace(precision_plugin=plugin)
-    with pytest.raises(ValueError, match=r"trainer.precision=bf16-weights stores the parameters in low precision; "
-                                         r"use 32-true, 16-mixed or bf16-mixed, or set compare_baseline=false"):
-        check_comparable(trainer, module)
+    check_comparable(SimpleNamespace(precision_plugin=plugin), module)
+    with pytest.raises(ValueError, match=r"trainer.precision=bf16-true stores the parameters in low precision "
+                                         r"without fp32 copies.*callbacks.memory_monitor.compare_baseline=false"):
+        check_comparable(SimpleNamespace(precision_plugin=SimpleNamespace(precision="bf16-true")), module)
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.01)
     plugin.connect(module, [optimizer], [])
     low = sum(p.numel() * p.element_size() for p in module.parameters())
     masters = sum(m.numel() * 4 for m in plugin.weights.masters)
     assert resident_training_bytes(module, [optimizer]) == low + masters
+
+
+def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_path: Path) -> None:
+    """``full_precision_copy``: the masters (not their bf16 rounding) as parameters in the weights' memory format,
+    no casting hooks or masters left, the same losses and gradients as an fp32 model with those values; the
+    converted model is untouched."""
+    from lit_amp_det.precision.master_weights import full_precision_copy
+
+    module = _module(tmp_path, "model.channels_last=true")
+    plugin = build_precision_plugin("bf16-weights", "cpu")
+    plugin.convert_module(module)
+    with torch.no_grad():  # masters off the bf16 grid, as after fp32 updates too small for the bf16 weights
+        for master in plugin.weights.masters:
+            master.add_(1e-4)
+    fp32 = _module(tmp_path, "model.channels_last=true")
+    fp32.load_state_dict(module.state_dict())  # the masters' values
+    low_before = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    assert full_precision_copy(module.model).state_dict().keys() == module.model.state_dict().keys()  # a part
+    full = full_precision_copy(module)
+    assert master_weights_of(full) is None and master_weights_of(module) is plugin.weights
+    params = dict(full.named_parameters())
+    assert params.keys() == dict(fp32.named_parameters()).keys()
+    for name, param in fp32.named_parameters():
+        assert params[name].dtype == torch.float32 and torch.equal(params[name], param), name
+        assert params[name].stride() == module.get_parameter(name).stride(), name  # channels_last kept
+    hooks = [h for m in full.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values(),
+                                                 *m._state_dict_hooks.values())]
+    assert not [h for h in hooks if h.__module__ == "lit_amp_det.precision.master_weights"]
+    assert {k: v.dtype for k, v in full.state_dict().items()} == {k: v.dtype for k, v in fp32.state_dict().items()}
+    full.load_state_dict(fp32.state_dict())  # no master hooks left to trip over
+
+    full.train(), fp32.train()
+    losses = []
+    for model in (full, fp32):
+        torch.manual_seed(0)
+        loss_dict = model.model(model.prepare_images(_batch()[0]), _batch()[1])
+        loss = model.compute_loss(loss_dict)
+        loss.backward()
+        losses.append((loss.detach(), [p.grad for p in model.parameters()]))
+    assert losses[0][0].dtype == torch.float32 and torch.equal(losses[0][0], losses[1][0])
+    assert all(a is not None and torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1]) if b is not None)
+    assert all(torch.equal(p, low_before[n]) and p.dtype in (torch.bfloat16, torch.float32)
+               for n, p in module.named_parameters())
+    with pytest.raises(ValueError, match="no fp32 masters"):
+        full_precision_copy(fp32)
 
 
 def test_the_bench_step_moves_fp16_gradients_to_the_masters_before_the_scaler_steps(tmp_path: Path) -> None:

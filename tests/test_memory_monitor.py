@@ -207,6 +207,41 @@ def test_conv_bn_eval_row_measures_copies_and_keeps_it_on_the_model(tmp_path: Pa
     assert seen == [True]  # the baselines disabled it on their copies only
 
 
+def test_half_weights_rows_measure_an_fp32_baseline_from_the_masters(tmp_path: Path) -> None:
+    """``bf16-weights``: the baseline runs on a full-precision copy (the masters as weights), the bf16-weights row on
+    a copy of the converted model; the real model's bf16 weights and masters are left as they were."""
+    from lit_amp_det.precision.master_weights import master_weights_of
+
+    overrides = ["trainer.max_epochs=1", "trainer.precision=bf16-weights", "trainer.max_steps=1",
+                 "callbacks.memory_monitor.compare_baseline=true", "callbacks.memory_monitor.baseline_steps=1",
+                 "callbacks.memory_monitor.warmup_steps=0"]
+    taken: list[dict[str, torch.Tensor]] = []
+
+    class Parameters(Callback):  # the bf16 weights themselves (state_dict() holds the masters)
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            taken.append({n: p.detach().clone() for n, p in pl_module.model.named_parameters()})
+
+    before, after = Snapshot(), Snapshot()
+    with pytest.warns(UserWarning, match="no native bf16") if not torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+            else contextlib.nullcontext():
+        trainer, monitor, _ = _fit(overrides, tmp_path, before=[before, Parameters()], after=[after, Parameters()])
+    base, half = monitor.rows
+    assert (base.label, half.label, half.optimisations) == ("baseline", "bf16-weights", ["bf16-weights"])
+    # bf16 activations are half the fp32 baseline's; no autocast weight casts in either (the weights are bf16)
+    assert half.saved_for_backward_mb < 0.7 * base.saved_for_backward_mb
+    assert base.weight_casts_mb == half.weight_casts_mb == 0
+    assert "| + bf16-weights (this run) |" in (tmp_path / "memory_savings.md").read_text()
+    weights = master_weights_of(trainer.lightning_module)  # the plugin converts the LightningModule
+    assert weights is not None and all(p.dtype == torch.bfloat16 for p in weights.params)
+    # the comparison ran between the snapshots: the masters (state_dict), the bf16 weights, the gradients, the
+    # optimizer and the RNG are as they were
+    assert _state_equal(before.taken["state"], after.taken["state"]) and _state_equal(*taken)
+    assert any(p.dtype == torch.bfloat16 for p in taken[0].values())
+    assert not any(after.taken["grads"]) and after.taken["optimizer_state"] == 0
+    assert torch.equal(before.taken["rng"], after.taken["rng"])
+
+
 class _ByKey(Dataset):
     """A dataset indexed by the ``(index, seed)`` keys of :class:`ResumableBatchSampler`."""
 

@@ -1,7 +1,8 @@
 """What each memory optimisation of a fit saves, measured on copies of the model: ``MemoryMonitor(compare_baseline)``.
 
 Rows are cumulative: a baseline with every optimisation off (fp32, conv-bn eval disabled), then the trainer's
-mixed precision, then conv-bn eval, each only if the run uses it. Each row runs forward and backward, no
+precision (autocast, or low-precision weights with fp32 masters, whose baseline copy takes the masters as its
+weights), then conv-bn eval, each only if the run uses it. Each row runs forward and backward, no
 optimizer step, on a deep copy of ``pl_module.model`` over the first training batches, so that the real model,
 its optimizer, its BatchNorm statistics, the random-number generators and the loader's resume position are
 never touched. Not a callback: :class:`~lit_amp_det.callbacks.memory_monitor.MemoryMonitor` drives it.
@@ -29,6 +30,7 @@ from lightning.pytorch.utilities import move_data_to_device, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_amp_det.precision.master_weights import full_precision_copy, holds_masters
 from lit_amp_det.profiling import (MB, MemoryProbe, SavedTensorBytes, count_images, release_freed_cpu_memory,
                                    timed)
 
@@ -71,10 +73,11 @@ def check_comparable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None
             "compare_baseline=false"
         )
     precision = str(trainer.precision_plugin.precision)
-    if (precision.endswith("-true") and precision not in _FULL_PRECISIONS) or precision.endswith("-weights"):
+    if precision.endswith("-true") and precision not in _FULL_PRECISIONS:
         raise ValueError(
             f"MemoryMonitor(compare_baseline=True) compares against fp32, but trainer.precision={precision} stores the "
-            "parameters in low precision; use 32-true, 16-mixed or bf16-mixed, or set compare_baseline=false"
+            "parameters in low precision without fp32 copies to measure the baseline on; use 32-true, 16-mixed, "
+            "bf16-mixed, 16-weights or bf16-weights, or set callbacks.memory_monitor.compare_baseline=false"
         )
 
 
@@ -169,7 +172,11 @@ class BaselineComparison:
             self._batches = draw_batches(trainer.train_dataloader, self.baseline_steps)
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, list[str], bool, bool]]:
-        """Rows as ``(label, optimisations on, use the precision context, disable conv-bn eval)``, cumulative."""
+        """Rows as ``(label, optimisations on, in the trainer's precision, disable conv-bn eval)``, cumulative.
+
+        A row outside the trainer's precision runs in fp32: without its forward context, and on a full-precision
+        copy where the model holds low-precision weights with fp32 masters (``*-weights``).
+        """
         api = _conv_bn_eval_api()
         conv_bn = api is not None and bool(api[0](pl_module.model))
         precision = str(trainer.precision_plugin.precision)
@@ -195,8 +202,9 @@ class BaselineComparison:
         batches = [move_data_to_device(b, device) for b in batches]
         self._batches = None
         with _rng_preserved(device), torch.enable_grad():
-            for label, on, autocast, conv_bn_off in self._plan(trainer, pl_module):
-                self.rows.append(self._measure(label, on, trainer, pl_module, batches, autocast, conv_bn_off, probe))
+            for label, on, in_precision, conv_bn_off in self._plan(trainer, pl_module):
+                self.rows.append(self._measure(label, on, trainer, pl_module, batches, in_precision, conv_bn_off,
+                                               probe))
         del batches
         gc.collect()
         if device.type == "cuda":
@@ -204,16 +212,19 @@ class BaselineComparison:
         self._log_rows(pl_module)
 
     def _measure(self, label: str, on: list[str], trainer: pl.Trainer, pl_module: pl.LightningModule,
-                 batches: list[Any], autocast: bool, conv_bn_off: bool, probe: MemoryProbe) -> SavingsRow:
-        model = copy.deepcopy(pl_module.model)
+                 batches: list[Any], in_precision: bool, conv_bn_off: bool, probe: MemoryProbe) -> SavingsRow:
+        if in_precision or not holds_masters(pl_module.model):
+            model = copy.deepcopy(pl_module.model)
+        else:  # the fp32 baseline of a *-weights run: the masters as the weights
+            model = full_precision_copy(pl_module.model)
         if conv_bn_off:
             api = _conv_bn_eval_api()
             assert api is not None
             api[1](model)
         plugin = trainer.precision_plugin
-        context = plugin.forward_context if autocast else contextlib.nullcontext
+        context = plugin.forward_context if in_precision else contextlib.nullcontext
         scaler = getattr(plugin, "scaler", None)
-        loss_scale = float(scaler.get_scale()) if autocast and scaler is not None else 1.0  # fp16: as trained
+        loss_scale = float(scaler.get_scale()) if in_precision and scaler is not None else 1.0  # fp16: as trained
         state = [*model.parameters(), *model.buffers()]
         peaks, steps, saved, casts, times = [], [], [], [], []
         for index in range(self.warmup_steps + self.baseline_steps):

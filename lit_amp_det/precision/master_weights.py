@@ -27,6 +27,7 @@ into a model of any precision. :meth:`MasterWeights.attach` points an optimizer 
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -37,7 +38,8 @@ from torch import Tensor, nn
 
 from lit_amp_det.precision.casting import LOW_PRECISION_DTYPES, cast_tensor_type
 
-__all__ = ["NORM_LAYERS", "MasterWeights", "master_weights_of", "use_low_precision_weights"]
+__all__ = ["NORM_LAYERS", "MasterWeights", "full_precision_copy", "holds_masters", "master_weights_of",
+           "use_low_precision_weights"]
 
 _BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 #: Norms that take a low-precision input with fp32 parameters natively (fp32 statistics, output in the input dtype,
@@ -268,3 +270,47 @@ def _convert_tree(weights: MasterWeights, module: nn.Module, prefix: str) -> Non
 def master_weights_of(module: nn.Module) -> MasterWeights | None:
     """The :class:`MasterWeights` of a module converted by :func:`use_low_precision_weights`, else None."""
     return getattr(module, _WEIGHTS_ATTR, None)
+
+
+#: The hooks :func:`use_low_precision_weights` registers, by the ``nn.Module`` hook dict that holds them.
+_CONVERSION_HOOKS = {
+    "_forward_pre_hooks": (_cast_inputs_to_weights, _norm_inputs_to_fp32),
+    "_forward_hooks": (_norm_output_to_low,),
+    "_state_dict_hooks": (_masters_into_state_dict,),
+    "_load_state_dict_pre_hooks": (_state_dict_into_masters,),
+}
+
+
+def holds_masters(module: nn.Module) -> bool:
+    """Whether ``module`` or a module inside it has low-precision weights with fp32 masters (a converted tree, or a
+    part of one: ``LightningModule.model`` when the plugin converted the LightningModule)."""
+    return any(_MASTERS_ATTR in m.__dict__ for m in module.modules())
+
+
+def full_precision_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of a module converted by :func:`use_low_precision_weights` (or of a part of one) as it would be
+    without the conversion: its fp32 masters as the parameters (in the low-precision parameters' memory format), no
+    casting or state-dict hooks, no masters. ``module`` itself is left as it is.
+
+    What ``MemoryMonitor(compare_baseline=True)`` measures the fp32 baseline of a ``-weights`` run on: the masters
+    are the values an fp32 run would have.
+    """
+    if not holds_masters(module):
+        raise ValueError(f"{type(module).__name__} has no fp32 masters: it was not converted by "
+                         "use_low_precision_weights, so copy.deepcopy gives its full-precision copy")
+    clone = copy.deepcopy(module)
+    clone.__dict__.pop(_WEIGHTS_ATTR, None)  # absent when ``module`` is a part of the converted tree
+    for submodule in clone.modules():
+        masters = submodule.__dict__.pop(_MASTERS_ATTR, {})
+        submodule.__dict__.pop(_DTYPE_ATTR, None)
+        for name, master in masters.items():
+            param = submodule._parameters[name]
+            assert param is not None
+            full = torch.empty_like(param, dtype=master.dtype)  # the parameter's strides: channels_last stays so
+            full.copy_(master.detach())
+            param.data = full
+        for hooks_attr, functions in _CONVERSION_HOOKS.items():
+            hooks = getattr(submodule, hooks_attr)
+            for key in [k for k, hook in hooks.items() if getattr(hook, "hook", hook) in functions]:
+                del hooks[key]  # _load_state_dict_pre_hooks holds its functions in a wrapper (``.hook``)
+    return clone
