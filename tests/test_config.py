@@ -105,6 +105,18 @@ def test_precisions_are_accepted(precision: str, tmp_path: Path) -> None:
     check_config(compose_config([f"trainer.precision={precision}"], tmp_path))
 
 
+def test_the_common_trainer_settings_are_plain_overrides(tmp_path: Path) -> None:
+    """What a Lightning user passes to the Trainer, and what the README names, needs no ``+`` (Hydra refuses a key
+    the config lacks without one): the values reach the Trainer."""
+    cfg = compose_config(["trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=0.5",
+                          "trainer.gradient_clip_algorithm=value"], tmp_path)
+    trainer = build_trainer(cfg)
+    assert trainer.accumulate_grad_batches == 2
+    assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) == (0.5, "value")
+    default = build_trainer(compose_config([], tmp_path))
+    assert default.accumulate_grad_batches == 1 and default.gradient_clip_val is None
+
+
 def test_bad_precision_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(CONFIG_ERRORS, match=r"trainer.precision='16'.*32-true, 16-mixed, bf16-mixed"):
         check_config(compose_config(["trainer.precision=16"], tmp_path))
