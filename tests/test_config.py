@@ -117,6 +117,16 @@ def test_the_common_trainer_settings_are_plain_overrides(tmp_path: Path) -> None
     assert default.accumulate_grad_batches == 1 and default.gradient_clip_val is None
 
 
+def test_data_settings_of_another_data_option_name_the_keys(tmp_path: Path) -> None:
+    """``experiment=smoke data=coco``: the smoke experiment's shapes settings reach CocoDataModule, which would fail
+    in ``instantiate`` as an unexpected keyword argument; the check names every such key and the way out."""
+    with pytest.raises(CONFIG_ERRORS, match=r"data.image_size, data.test_size, data.train_size, data.val_size: not a "
+                                            r"setting of CocoDataModule.*experiment=smoke.*CocoDataModule takes: root"):
+        check_config(compose_config(["experiment=smoke", "data=coco"], tmp_path))
+    check_config(compose_config(["data=coco"], tmp_path))  # the option's own keys pass
+    check_config(compose_config(["experiment=smoke"], tmp_path))
+
+
 def test_bad_precision_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(CONFIG_ERRORS, match=r"trainer.precision='16'.*32-true, 16-mixed, bf16-mixed"):
         check_config(compose_config(["trainer.precision=16"], tmp_path))

@@ -91,9 +91,39 @@ def check_config(cfg: DictConfig) -> None:
     if ops not in OPS_BACKENDS:
         raise ValueError(f"model.ops={ops!r}; choose one of {', '.join(OPS_BACKENDS)}")
     _check_sync_batchnorm(cfg)
+    _check_data_settings(cfg)
     seed = cfg.get("seed")
     if seed is not None and not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer or null")
+
+
+def _check_data_settings(cfg: DictConfig) -> None:
+    """Settings of ``data`` its data module does not take: what an experiment written for one ``data`` option
+    leaves when combined with another (``experiment=smoke data=coco``: ``data.train_size`` is the generated shapes'
+    setting), which ``instantiate`` would report as an unexpected keyword argument of ``__init__``."""
+    import inspect
+
+    from hydra.utils import get_class  # deferred: checks run before anything heavy is imported
+
+    data = cfg.get("data")
+    target = data.get("_target_") if data is not None else None
+    if target is None:
+        return
+    try:
+        parameters = inspect.signature(get_class(str(target))).parameters
+    except Exception:  # noqa: BLE001 -- an unknown target is instantiate's to report, with its own message
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(str(k) for k in data if not str(k).startswith("_") and k not in parameters)
+    name = str(target).rsplit(".", 1)[-1]
+    if unknown:
+        raise ValueError(
+            f"data.{', data.'.join(unknown)}: not a setting of {name}, the chosen data option's module. An "
+            "experiment written for other data sets such keys (experiment=smoke: the generated shapes data): leave "
+            f"the experiment out or choose its data, or drop the override. {name} takes: "
+            f"{', '.join(k for k in parameters if k != 'self')}"
+        )
 
 
 def _check_sync_batchnorm(cfg: DictConfig) -> None:
