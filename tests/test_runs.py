@@ -86,6 +86,8 @@ def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, 
     message = str(err.value)
     assert expected in message and str(newest.resolve()) in message
     assert f"ckpt_path={older.resolve()}" in message  # and it names the run that could be resumed
+    if case == "finished":  # and how to train the finished one further, as Lightning continues a checkpoint
+        assert f"ckpt_path={newest.resolve()} and a larger trainer.max_epochs" in message
 
 
 @pytest.mark.parametrize("saved", ["absent", "false"])

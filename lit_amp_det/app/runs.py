@@ -313,8 +313,10 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, is still running; stop it first{hint}")
     if newest.finished:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. "
-                          f"Start a new run (leave ckpt_path out), or fine-tune from its weights with "
-                          f"model.checkpoint={newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
+                          f"Start a new run (leave ckpt_path out); train it further with its optimizer and schedule "
+                          f"by ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or "
+                          f"fine-tune from its weights with model.checkpoint="
+                          f"{newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
     differences = config_differences(newest.path, cfg)
     if differences:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path} ({newest.status}), was made with a "
