@@ -22,11 +22,13 @@ from lit_amp_det.app.runs import holds_a_run
 __all__ = ["hydra_argv", "main", "usage"]
 
 _DESCRIPTIONS = {
-    "fit": "train (and validate every epoch); ckpt_path=last resumes the newest unfinished fit",
+    "fit": "train, validating every trainer.check_val_every_n_epoch epochs; ckpt_path=last resumes the newest "
+           "unfinished fit",
     "validate": "score a checkpoint (ckpt_path=... or model.checkpoint=...) on the validation split",
     "test": "score a checkpoint on the test split",
     "predict": "write COCO-format detections of data.predict_split to predictions.json",
-    "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), `bench precision|ops|convbn`",
+    "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), "
+             "`bench precision|ops|convbn|coco_eval|weights_ab`",
 }
 
 
