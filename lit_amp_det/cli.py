@@ -26,7 +26,8 @@ _DESCRIPTIONS = {
            "unfinished fit",
     "validate": "score a checkpoint (ckpt_path=... or model.checkpoint=...) on the validation split",
     "test": "score a checkpoint on the test split",
-    "predict": "write COCO-format detections of data.predict_split to predictions.json",
+    "predict": "write COCO-format detections of data.predict_split (or of the pictures in data.predict_images) "
+               "to predictions.json",
     "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), "
              "`bench precision|ops|convbn|coco_eval|weights_ab`",
 }

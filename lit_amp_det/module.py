@@ -375,6 +375,8 @@ class MaskRCNNModule(LightningModule):
         category_ids = self.hparams.category_ids
         for pred, target in zip(predictions, targets):
             pred["image_id"] = int(target["image_id"])
+            if "file_name" in target:  # a folder of pictures (data.predict_images): the writer records it
+                pred["file_name"] = target["file_name"]
             if category_ids:
                 pred["category_ids"] = torch.tensor([category_ids[int(i) - 1] for i in pred["labels"]])
         return predictions

@@ -78,6 +78,32 @@ def test_test_and_predict_from_checkpoint(trained: tuple[Path, str], tmp_path: P
     assert {r["category_id"] for r in records} <= set(ground_truth.getCatIds())
 
 
+def test_predict_on_a_folder_of_pictures(trained: tuple[Path, str], tmp_path: Path) -> None:
+    """``data.predict_images``: detections of unannotated pictures, with the images index that makes
+    ``predictions.json`` readable by pycocotools' ``loadRes`` (ids, file names, sizes, categories), and pictures
+    named after the files."""
+    from test_predict_folder import pictures_folder
+
+    run_dir, _ = trained
+    sizes = pictures_folder(tmp_path / "pictures")
+    run_cli(["predict", *SMOKE, f"ckpt_path={run_dir}", "data.predict_images=pictures",
+             "callbacks.prediction_writer.score_threshold=0.0"], cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "predict").glob("*/")
+    index = json.loads((run / "predictions_images.json").read_text())
+    assert index["images"] == [{"id": k + 1, "file_name": name, "height": sizes[name][0], "width": sizes[name][1]}
+                               for k, name in enumerate(sorted(sizes))]
+    assert [c["name"] for c in index["categories"]][:3] == ["circle", "square", "triangle"]
+    dataset = COCO()
+    dataset.dataset = {**index, "annotations": []}
+    dataset.createIndex()
+    records = json.loads((run / "predictions.json").read_text())
+    assert records and {r["image_id"] for r in records} <= {1, 2, 3}
+    results = dataset.loadRes(str(run / "predictions.json"))  # the official loader takes the pair
+    assert set(results.getImgIds()) <= {1, 2, 3} and set(results.getCatIds()) <= set(dataset.getCatIds())
+    pictures = sorted(p.name for p in (run / "predictions").glob("*.png"))
+    assert pictures == ["1_a_street.png", "2_b_night.png", "3_c_scan.png"]
+
+
 def test_help_lists_subcommands_and_groups(tmp_path: Path) -> None:
     out = run_cli(["--help"], cwd=tmp_path).stdout
     for word in ("fit", "validate", "test", "predict", "model", "data", "trainer", "callbacks", "logger",

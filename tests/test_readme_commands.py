@@ -51,6 +51,11 @@ def test_readme_command_line_examples_run_as_written(tmp_path: Path) -> None:
         if placeholder is not None:  # the README's example folder stands for one this test made
             newest = max((tmp_path / "runs" / "fit").iterdir(), key=lambda p: p.stat().st_mtime)
             overrides = [re.sub(r"runs/fit/[^/]+/", f"runs/fit/{newest.name}/", o) for o in overrides]
+        folder = next((o.split("=", 1)[1] for o in overrides if o.startswith("data.predict_images=")), None)
+        if folder is not None:  # the README's folder of pictures stands for one made here
+            from test_predict_folder import pictures_folder
+
+            pictures_folder(tmp_path / folder)
         proc = run_cli([command, *overrides], cwd=tmp_path, env=ENV)
         ran.append(" ".join([command, *overrides]))
         if "--cfg" in overrides:
@@ -59,6 +64,8 @@ def test_readme_command_line_examples_run_as_written(tmp_path: Path) -> None:
             assert "resuming " in proc.stdout
         elif command == "predict":
             assert "predictions: " in proc.stdout and "no mAP computed" not in proc.stdout
-            (predictions,) = (tmp_path / "runs" / "predict").glob("*/predictions.json")
+            predictions = max((tmp_path / "runs" / "predict").glob("*/predictions.json"),
+                              key=lambda p: p.stat().st_mtime)  # this command's: the newest
             assert isinstance(json.loads(predictions.read_text()), list)
+            assert (predictions.parent / "predictions_images.json").is_file() == (folder is not None)
     assert len(ran) == len(commands), ran

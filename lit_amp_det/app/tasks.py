@@ -293,7 +293,8 @@ def test(cfg: DictConfig) -> dict[str, float]:
 
 
 def predict(cfg: DictConfig) -> Path:
-    """Writes COCO-format detections of ``data.predict_split`` to ``predictions.json``; returns its path."""
+    """Writes COCO-format detections of ``data.predict_split`` (or of the pictures in ``data.predict_images``) to
+    ``predictions.json``; returns its path."""
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
     if ckpt_path is None and not cfg.model.get("checkpoint") and not _named_weights(cfg):

@@ -4,6 +4,11 @@ Masks are run-length encoded batch by batch, so memory stays flat however many i
 ``num_images`` images are also drawn with their detections (:func:`~lit_amp_det.callbacks.drawing.draw_detections`)
 into ``<dirpath>/<images_dirname>/<image id>.png``, batch by batch on the CPU; once they are written, the results
 file is all that is left to do.
+
+Images from a folder without annotations (``data.predict_images``) carry their file names: the pictures are named
+``<image id>_<file stem>.png``, and ``<results stem>_images.json`` beside the results is the COCO ``images`` and
+``categories`` of the run (id, file name, height and width of every image, detections or none), so that the two
+files read as a COCO dataset with its results.
 """
 
 from __future__ import annotations
@@ -60,17 +65,25 @@ class CocoPredictionWriter(BasePredictionWriter):
         self.images_dir = Path(dirpath) / images_dirname
         self.image_score_threshold = score_threshold if image_score_threshold is None else image_score_threshold
         self.min_side = min_side
+        self.images_path = self.path.with_name(f"{self.path.stem}_images.json")
         self._records: list[dict[str, Any]] = []
+        self._images: list[dict[str, Any]] = []  # COCO image records of images that came with a file name
         self._images_left = 0  # set by on_predict_start: pictures belong to a predict run
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._records = []
+        self._images = []
         self._images_left = self.num_images if trainer.is_global_zero else 0
 
     def write_on_batch_end(self, trainer: Trainer, pl_module: LightningModule, prediction: Any,
                            batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
-        for det in prediction:
+        images = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+        for index, det in enumerate(prediction):
             self._records.extend(self._image_records(det))
+            if "file_name" in det and images is not None:
+                height, width = images[index].shape[-2:]
+                self._images.append({"id": det["image_id"], "file_name": det["file_name"], "height": int(height),
+                                     "width": int(width)})
         if self._images_left:
             self._draw_batch(pl_module, prediction, batch)
 
@@ -87,6 +100,8 @@ class CocoPredictionWriter(BasePredictionWriter):
         names = class_names_of(pl_module)
         for image, det in zip(images[:self._images_left], prediction):
             name = f"{det.get('image_id', self.num_images - self._images_left)}.png"
+            if "file_name" in det:
+                name = f"{det['image_id']}_{Path(det['file_name']).stem}.png"
             self._images_left -= 1
             try:
                 picture = draw_detections(image, det, names, self.image_score_threshold, min_side=self.min_side)
@@ -115,12 +130,32 @@ class CocoPredictionWriter(BasePredictionWriter):
         return records
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        records: list[Any] = [self._records]
+        parts: list[Any] = [(self._records, self._images)]
         if trainer.world_size > 1 and torch.distributed.is_initialized():
-            records = [None] * trainer.world_size
-            torch.distributed.all_gather_object(records, self._records)
-        if trainer.is_global_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps([r for part in records for r in part]))
-            os.replace(tmp, self.path)
+            parts = [None] * trainer.world_size
+            torch.distributed.all_gather_object(parts, (self._records, self._images))
+        if not trainer.is_global_zero:
+            return
+        _write_json(self.path, [r for records, _ in parts for r in records])
+        images = sorted((i for _, part in parts for i in part), key=lambda image: image["id"])
+        if images:
+            _write_json(self.images_path, {"images": images, "categories": _categories(pl_module)})
+
+
+def _categories(pl_module: LightningModule) -> list[dict[str, Any]]:
+    """COCO ``categories`` of the model's classes: the ids the results carry (the dataset's category ids, else the
+    labels 1..K) with their names."""
+    names = class_names_of(pl_module)
+    hparams = getattr(pl_module, "hparams", {})
+    category_ids = hparams.get("category_ids") if hasattr(hparams, "get") else None
+    count = len(category_ids) if category_ids else len(names)
+    return [{"id": int(category_ids[k]) if category_ids else k + 1, "name": names[k] if k < len(names) else str(k + 1)}
+            for k in range(count)]
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Written whole or not at all (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lit_amp_det.data.coco import CocoInstances
+from lit_amp_det.data.image_folder import ImageFolder
 from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
 from lit_amp_det.data.verify import check_splits
@@ -57,6 +58,9 @@ class CocoDataModule(LightningDataModule):
         train_annotations, val_annotations, test_annotations: ``instances_*.json`` of each split. A test
             split left as ``None`` reuses the validation split.
         predict_split: which split ``predict`` runs on.
+        predict_images: a folder of pictures without annotations that ``predict`` runs on instead of
+            ``predict_split`` (:class:`~lit_amp_det.data.image_folder.ImageFolder`; relative to the working
+            directory). The class names and count still come from the training annotations (or the model config).
         batch_size: training images per batch and process; ``eval_batch_size`` defaults to it.
         num_workers, pin_memory, persistent_workers: ``DataLoader`` settings.
         flip_prob: probability of a horizontal flip of a training image.
@@ -84,6 +88,7 @@ class CocoDataModule(LightningDataModule):
         test_images: str | None = None,
         test_annotations: str | None = None,
         predict_split: Split = "val",
+        predict_images: str | os.PathLike | None = None,
         batch_size: int = 2,
         eval_batch_size: int | None = None,
         num_workers: int = 0,
@@ -113,6 +118,8 @@ class CocoDataModule(LightningDataModule):
             "test": (test_images or val_images, test_annotations or val_annotations),
         }
         self.predict_split = predict_split
+        self.predict_images = predict_images
+        self._predict_folder: ImageFolder | None = None
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.loader_options = dict(
@@ -176,9 +183,11 @@ class CocoDataModule(LightningDataModule):
             "fit": ("train", "val"),
             "validate": ("val",),
             "test": ("test",),
-            "predict": (self.predict_split,),
+            "predict": () if self.predict_images is not None else (self.predict_split,),
             None: ("train", "val", "test"),
         }
+        if stage == "predict" and self.predict_images is not None and self._predict_folder is None:
+            self._predict_folder = ImageFolder(self.predict_images)
         for split in needed[stage]:
             self.dataset(split)
         if stage == "fit":
@@ -223,8 +232,8 @@ class CocoDataModule(LightningDataModule):
         )
         return self._train_loader
 
-    def _eval_loader(self, split: Split) -> DataLoader:
-        dataset = self.dataset(split)
+    def _eval_loader(self, split: Split | ImageFolder) -> DataLoader:
+        dataset = split if isinstance(split, ImageFolder) else self.dataset(split)
         return DataLoader(
             dataset,
             batch_size=self.eval_batch_size,
@@ -241,6 +250,11 @@ class CocoDataModule(LightningDataModule):
         return self._eval_loader("test")
 
     def predict_dataloader(self) -> DataLoader:
+        """The ``predict_images`` folder when set, else the ``predict_split``."""
+        if self.predict_images is not None:
+            if self._predict_folder is None:
+                self._predict_folder = ImageFolder(self.predict_images)
+            return self._eval_loader(self._predict_folder)
         return self._eval_loader(self.predict_split)
 
     def state_dict(self) -> dict[str, int]:

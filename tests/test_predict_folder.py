@@ -1,0 +1,71 @@
+"""``predict`` on a folder of pictures without annotations (``data.predict_images``): which files are read, in
+which order and under which ids, and the errors that name the folder or file (the CLI run: ``test_cli.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lit_amp_det.data.datamodule import ShapesDataModule
+from lit_amp_det.data.image_folder import ImageFolder
+
+
+
+def pictures_folder(folder: Path) -> dict[str, tuple[int, int]]:
+    """Three pictures of different sizes and formats, plus files and a sub-folder that are not read."""
+    folder.mkdir(parents=True)
+    sizes = {"b_night.png": (48, 64), "a_street.JPG": (40, 72), "c_scan.bmp": (64, 64)}
+    rng = np.random.default_rng(0)
+    for name, (height, width) in sizes.items():
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / name)
+    (folder / "notes.txt").write_text("not a picture")
+    (folder / "nested").mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(folder / "nested" / "deeper.png")
+    return sizes
+
+
+def test_the_folder_s_pictures_in_name_order_with_ids_from_one(tmp_path: Path) -> None:
+    sizes = pictures_folder(tmp_path / "pictures")
+    dataset = ImageFolder(tmp_path / "pictures")
+    assert [p.name for p in dataset.files] == sorted(sizes)  # no .txt, nothing from the sub-folder
+    for index, name in enumerate(sorted(sizes)):
+        image, target = dataset[index]
+        assert image.dtype == torch.uint8 and tuple(image.shape) == (3, *sizes[name])
+        assert int(target["image_id"]) == index + 1 and target["file_name"] == name
+        assert target["image_id"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("case", ["missing", "a_file", "no_pictures"])
+def test_a_folder_that_cannot_be_read_names_the_setting(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "pictures"
+    if case == "a_file":
+        path.write_text("x")
+    elif case == "no_pictures":
+        path.mkdir()
+        (path / "readme.md").write_text("x")
+    expected = {"missing": "does not exist", "a_file": "is a file", "no_pictures": "holds no pictures"}[case]
+    with pytest.raises(FileNotFoundError, match=rf"data.predict_images='{path}' {expected}"):
+        ImageFolder(path)
+
+
+def test_a_corrupt_picture_is_named_when_read(tmp_path: Path) -> None:
+    pictures_folder(tmp_path / "pictures")
+    (tmp_path / "pictures" / "d_broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    dataset = ImageFolder(tmp_path / "pictures")
+    with pytest.raises(OSError, match="d_broken.jpg"):
+        dataset[3]
+
+
+def test_the_data_module_predicts_the_folder_not_the_split(tmp_path: Path) -> None:
+    pictures_folder(tmp_path / "pictures")
+    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
+                                  predict_images=str(tmp_path / "pictures"), verify_images=False)
+    datamodule.setup("predict")
+    assert "val" not in datamodule.datasets  # the predict split is neither built nor verified
+    images, targets = next(iter(datamodule.predict_dataloader()))
+    assert [t["file_name"] for t in targets] == ["a_street.JPG", "b_night.png"][:len(targets)]
+    assert datamodule.num_classes == 7  # the class list still comes from the training annotations
