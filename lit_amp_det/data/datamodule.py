@@ -186,8 +186,8 @@ class CocoDataModule(LightningDataModule):
             "predict": () if self.predict_images is not None else (self.predict_split,),
             None: ("train", "val", "test"),
         }
-        if stage == "predict" and self.predict_images is not None and self._predict_folder is None:
-            self._predict_folder = ImageFolder(self.predict_images)
+        if stage == "predict" and self.predict_images is not None:
+            self.predict_folder()  # a folder that cannot be read fails before the model runs
         for split in needed[stage]:
             self.dataset(split)
         if stage == "fit":
@@ -252,10 +252,16 @@ class CocoDataModule(LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         """The ``predict_images`` folder when set, else the ``predict_split``."""
         if self.predict_images is not None:
-            if self._predict_folder is None:
-                self._predict_folder = ImageFolder(self.predict_images)
-            return self._eval_loader(self._predict_folder)
+            return self._eval_loader(self.predict_folder())
         return self._eval_loader(self.predict_split)
+
+    def predict_folder(self) -> ImageFolder:
+        """The ``predict_images`` folder's dataset, built on first use."""
+        if self.predict_images is None:
+            raise ValueError("data.predict_images is not set: predict runs on data.predict_split")
+        if self._predict_folder is None:
+            self._predict_folder = ImageFolder(self.predict_images)
+        return self._predict_folder
 
     def state_dict(self) -> dict[str, int]:
         """Training-order progress, saved in every checkpoint for exact mid-epoch resume."""
