@@ -144,11 +144,12 @@ def test_explicit_run_dir_and_resumed_chains(tmp_path: Path) -> None:
 
 def test_last_for_evaluation_takes_the_newest_fit_with_the_same_model(tmp_path: Path) -> None:
     root = tmp_path / "runs"
-    _fake_run(root, "a", status="finished", step=8, started=1.0)
+    older = _fake_run(root, "a", status="finished", step=8, started=1.0, overrides=["model.backbone.fpn_channels=16"])
     newest = _fake_run(root, "b", status="finished", overrides=["data.train_size=12"], step=8, started=2.0)
     assert _resolve(root, "last", command="test") == str((newest / "checkpoints" / "last.ckpt").resolve())
-    with pytest.raises(ResumeError, match="different model: model.backbone.fpn_channels: 32 -> 16"):
+    with pytest.raises(ResumeError, match="different model: model.backbone.fpn_channels: 32 -> 16") as err:
         _resolve(root, "last", overrides=["model.backbone.fpn_channels=16"], command="predict")
+    assert f"the newest fit with this model is {older.resolve()}: pass ckpt_path={older.resolve()}" in str(err.value)
     with pytest.raises(ResumeError, match="model.num_classes"):
         _resolve(root, "last", overrides=["model.num_classes=9"], command="validate")
 

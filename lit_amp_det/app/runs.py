@@ -336,15 +336,18 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
 
 def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
     """``validate|test|predict ckpt_path=last``: the final weights of the newest fit, if its model matches."""
-    for info in list_runs(runs_root, "fit", exclude=run_dir):
+    fits = [info for info in list_runs(runs_root, "fit", exclude=run_dir) if resume_point(info.path) is not None]
+    for info in fits:
         checkpoint = resume_point(info.path)
-        if checkpoint is None:
-            continue
+        assert checkpoint is not None
         differences = _architecture_differences(info.path, cfg)
         if differences:
+            matching = next((f for f in fits if not _architecture_differences(f.path, cfg)), None)
+            hint = (f"; the newest fit with this model is {matching.path}: pass ckpt_path={matching.path}"
+                    if matching is not None else "")
             raise ResumeError(f"ckpt_path=last: the newest fit with a checkpoint, {info.path}, has a different "
                               f"model: {'; '.join(differences[:8])}; pass the same model settings or "
-                              "ckpt_path=/path/to/file.ckpt")
+                              f"ckpt_path=/path/to/file.ckpt{hint}")
         others = _setting_differences(info.path, cfg, ("model",)) or []
         if others:
             log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: "
