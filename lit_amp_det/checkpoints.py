@@ -23,15 +23,21 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "architecture_differences", "check_checkpoint", "load_model_weights", "read_checkpoint"]
+__all__ = ["IMPLEMENTATION_HPARAMS", "CheckpointError", "architecture_differences", "check_checkpoint",
+           "load_model_weights", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
+#: Top-level hyper-parameters that change how the model computes, not what it is or how it is trained: kernels,
+#: memory formats, compilation, the evaluation library. A run resumes under other values (``app.runs``).
+IMPLEMENTATION_HPARAMS = frozenset({
+    "ops", "channels_last", "compile", "deconv_as_matmul", "labelled_mask_logits", "pointwise_conv_as_matmul",
+    "winograd_convs", "winograd_output_tile", "winograd_weight_tile_cache", "eval_backend",
+})
 #: Top-level hyper-parameters that change no tensor's name or shape (never blamed for a mismatch).
-_RUNTIME_HPARAMS = {"optimizer", "scheduler", "checkpoint", "checkpoint_strict", "weights", "class_names",
-                    "category_ids", "transform", "mask_threshold", "compile", "channels_last", "deconv_as_matmul", "ops",
-                    "reference_batch", "eval_backend", "labelled_mask_logits", "pointwise_conv_as_matmul",
-                    "winograd_convs", "winograd_output_tile", "winograd_weight_tile_cache"}
+_RUNTIME_HPARAMS = IMPLEMENTATION_HPARAMS | {"optimizer", "scheduler", "checkpoint", "checkpoint_strict", "weights",
+                                             "class_names", "category_ids", "transform", "mask_threshold",
+                                             "reference_batch"}
 #: The nested ones that do (the rest of ``rpn``/``roi_heads`` are thresholds and sample counts).
 _STRUCTURAL_NESTED = {"rpn.anchor_sizes", "rpn.aspect_ratios", "roi_heads.box_head_width", "roi_heads.mask_head_layers"}
 _EXAMPLES = 3  # key names quoted per kind of mismatch

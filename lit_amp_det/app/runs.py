@@ -10,6 +10,7 @@ fit made with the same model and data -- and says why when it will not.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -46,16 +47,8 @@ _LOADER_KEYS = frozenset({"num_workers", "pin_memory", "persistent_workers", "ev
                           "predict_split", "verify_images", "bad_images", "verify_workers", "verify_cache_dir"})
 #: Model keys that only matter when training starts from scratch.
 _INIT_KEYS = frozenset({"checkpoint", "checkpoint_strict"})
-#: Settings that change how a step is computed, not the model, the data or the recipe: the kernels, memory formats
-#: and compilation (some give the same step bit for bit, the others round differently, as another
-#: ``trainer.precision`` does, which is not compared either). A run resumes under other values -- on another
-#: machine, say -- or under a config from before the setting existed; the ones that differ are logged.
-_IMPLEMENTATION_SETTINGS = frozenset({
-    "model.ops", "model.channels_last", "model.compile", "model.deconv_as_matmul", "model.labelled_mask_logits",
-    "model.pointwise_conv_as_matmul", "model.winograd_convs", "model.winograd_output_tile",
-    "model.winograd_weight_tile_cache", "model.eval_backend", "model.optimizer.fused", "model.optimizer.foreach",
-    "model.optimizer.memory_order_views",
-})
+#: Optimizer settings that pick its kernels, not its update (with the model's, :func:`_implementation_settings`).
+_OPTIMIZER_KERNEL_KEYS = ("fused", "foreach", "memory_order_views")
 
 
 class ResumeError(FileNotFoundError):
@@ -236,14 +229,27 @@ def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ..
             for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
 
 
+@functools.cache
+def _implementation_settings() -> frozenset[str]:
+    """Settings that change how a step is computed, not the model, the data or the recipe: the model's
+    :data:`lit_amp_det.checkpoints.IMPLEMENTATION_HPARAMS` and the optimizer's kernel choice (some give the same step
+    bit for bit, the others round differently, as another ``trainer.precision`` does, which is not compared either).
+    A run resumes under other values -- on another machine, say -- or under a config from before the setting
+    existed; the ones that differ are logged."""
+    from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS  # deferred: imports torch
+
+    return frozenset({f"model.{key}" for key in IMPLEMENTATION_HPARAMS}
+                     | {f"model.optimizer.{key}" for key in _OPTIMIZER_KERNEL_KEYS})
+
+
 def _is_implementation(difference: str) -> bool:
-    return difference.split(":", 1)[0] in _IMPLEMENTATION_SETTINGS
+    return difference.split(":", 1)[0] in _implementation_settings()
 
 
 def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:
     """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
     ``config_resolved.yaml``: what makes it another run. Loader settings such as ``num_workers`` and the
-    :data:`_IMPLEMENTATION_SETTINGS` are left out."""
+    :func:`_implementation_settings` are left out."""
     differences = _setting_differences(run_dir, cfg, tuple(sections))
     if differences is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
@@ -251,7 +257,7 @@ def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] =
 
 
 def _implementation_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
-    """``key: earlier -> now`` for each of the :data:`_IMPLEMENTATION_SETTINGS` in which ``cfg`` differs from the
+    """``key: earlier -> now`` for each of the :func:`_implementation_settings` in which ``cfg`` differs from the
     run's saved config (a key the saved config lacks reads ``None``): logged when a run resumes under them."""
     return [d for d in _setting_differences(run_dir, cfg, ("model",)) or [] if _is_implementation(d)]
 
@@ -336,25 +342,25 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
 
 def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
     """``validate|test|predict ckpt_path=last``: the final weights of the newest fit, if its model matches."""
-    fits = [info for info in list_runs(runs_root, "fit", exclude=run_dir) if resume_point(info.path) is not None]
-    for info in fits:
-        checkpoint = resume_point(info.path)
-        assert checkpoint is not None
-        differences = _architecture_differences(info.path, cfg)
-        if differences:
-            matching = next((f for f in fits if not _architecture_differences(f.path, cfg)), None)
-            hint = (f"; the newest fit with this model is {matching.path}: pass ckpt_path={matching.path}"
-                    if matching is not None else "")
-            raise ResumeError(f"ckpt_path=last: the newest fit with a checkpoint, {info.path}, has a different "
-                              f"model: {'; '.join(differences[:8])}; pass the same model settings or "
-                              f"ckpt_path=/path/to/file.ckpt{hint}")
-        others = _setting_differences(info.path, cfg, ("model",)) or []
-        if others:
-            log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: "
-                     "%s", info.path, "; ".join(others[:8]))
-        return checkpoint
-    raise ResumeError(f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
-                      "ckpt_path=/path/to/file.ckpt")
+    saved = [(info, point) for info in list_runs(runs_root, "fit", exclude=run_dir)
+             if (point := resume_point(info.path)) is not None]
+    if not saved:
+        raise ResumeError(f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
+                          "ckpt_path=/path/to/file.ckpt")
+    (newest, checkpoint), older = saved[0], saved[1:]
+    differences = _architecture_differences(newest.path, cfg)
+    if differences:
+        matching = next((info for info, _ in older if not _architecture_differences(info.path, cfg)), None)
+        hint = (f"; the newest fit with this model is {matching.path}: pass ckpt_path={matching.path}"
+                if matching is not None else "")
+        raise ResumeError(f"ckpt_path=last: the newest fit with a checkpoint, {newest.path}, has a different "
+                          f"model: {'; '.join(differences[:8])}; pass the same model settings or "
+                          f"ckpt_path=/path/to/file.ckpt{hint}")
+    others = _setting_differences(newest.path, cfg, ("model",)) or []
+    if others:
+        log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: %s",
+                 newest.path, "; ".join(others[:8]))
+    return checkpoint
 
 
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | None:
