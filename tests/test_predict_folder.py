@@ -67,5 +67,15 @@ def test_the_data_module_predicts_the_folder_not_the_split(tmp_path: Path) -> No
     datamodule.setup("predict")
     assert "val" not in datamodule.datasets  # the predict split is neither built nor verified
     images, targets = next(iter(datamodule.predict_dataloader()))
-    assert [t["file_name"] for t in targets] == ["a_street.JPG", "b_night.png"][:len(targets)]
+    assert len(targets) == len(images) == 2  # eval_batch_size: the first two pictures in name order
+    assert [t["file_name"] for t in targets] == ["a_street.JPG", "b_night.png"]
     assert datamodule.num_classes == 7  # the class list still comes from the training annotations
+
+
+def test_without_a_folder_predict_runs_on_the_split(tmp_path: Path) -> None:
+    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
+                                  verify_images=False)
+    datamodule.setup("predict")
+    assert "val" in datamodule.datasets and len(datamodule.predict_dataloader().dataset) == 2
+    with pytest.raises(ValueError, match="data.predict_images is not set"):
+        datamodule.predict_folder()

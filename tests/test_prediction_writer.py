@@ -38,3 +38,17 @@ def test_boxes_only_detections_have_no_segmentation(tmp_path):
     writer = CocoPredictionWriter(tmp_path)
     writer.write_on_batch_end(None, None, [det], None, None, 0, 0)
     assert len(writer._records) == 5 and all("segmentation" not in r for r in writer._records)
+
+
+def test_the_images_index_names_the_categories_the_records_carry():
+    """``predictions_images.json``'s categories: the dataset's category ids where the model has them, else the
+    labels 1..K, with the class names."""
+    from types import SimpleNamespace
+
+    from lit_amp_det.callbacks.prediction_writer import _categories
+
+    names = ["cat", "dog"]
+    with_ids = SimpleNamespace(class_names=names, hparams={"category_ids": [17, 18]})
+    assert _categories(with_ids) == [{"id": 17, "name": "cat"}, {"id": 18, "name": "dog"}]
+    labels_only = SimpleNamespace(class_names=names, hparams={"category_ids": None})
+    assert _categories(labels_only) == [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}]

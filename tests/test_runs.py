@@ -154,6 +154,13 @@ def test_last_for_evaluation_takes_the_newest_fit_with_the_same_model(tmp_path: 
         _resolve(root, "last", overrides=["model.num_classes=9"], command="validate")
 
 
+def test_last_for_evaluation_refuses_a_fit_without_its_saved_config(tmp_path: Path) -> None:
+    fit = _fake_run(tmp_path / "runs", "a", status="finished", step=8, started=1.0)
+    (fit / "config_resolved.yaml").unlink()
+    with pytest.raises(ResumeError, match="config_resolved.yaml is missing"):
+        _resolve(tmp_path / "runs", "last", command="test")
+
+
 @pytest.mark.parametrize("command", ["validate", "test", "predict"])
 def test_last_for_evaluation_takes_weights_across_settings_that_leave_them_usable(tmp_path: Path, command: str,
                                                                                   caplog) -> None:
