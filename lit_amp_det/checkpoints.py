@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["IMPLEMENTATION_HPARAMS", "CheckpointError", "architecture_differences", "check_checkpoint",
-           "load_model_weights", "read_checkpoint"]
+__all__ = ["CLASS_HPARAMS", "IMPLEMENTATION_HPARAMS", "CheckpointError", "architecture_differences",
+           "check_checkpoint", "load_model_weights", "read_checkpoint", "saved_classes"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ _RUNTIME_HPARAMS = IMPLEMENTATION_HPARAMS | {"optimizer", "scheduler", "checkpoi
 #: The nested ones that do (the rest of ``rpn``/``roi_heads`` are thresholds and sample counts).
 _STRUCTURAL_NESTED = {"rpn.anchor_sizes", "rpn.aspect_ratios", "roi_heads.box_head_width", "roi_heads.mask_head_layers"}
 _EXAMPLES = 3  # key names quoted per kind of mismatch
+#: The hyper-parameters that say which classes a model detects: background-inclusive count, names, COCO ids.
+CLASS_HPARAMS = ("num_classes", "class_names", "category_ids")
 
 
 class CheckpointError(ValueError):
@@ -97,6 +99,19 @@ def read_checkpoint(path: str | Path, source: str = "model.checkpoint") -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises EOFError, RuntimeError, UnpicklingError, KeyError ... for bad files
         raise _unreadable(source, path, err) from err
+
+
+def saved_classes(payload: Any) -> dict[str, Any]:
+    """The class hyper-parameters (:data:`CLASS_HPARAMS`) a Lightning checkpoint's module was built with.
+
+    ``payload`` is a loaded checkpoint (:func:`read_checkpoint`). Only the keys it holds a value for; empty when it
+    names no class count (a bare state dict, or a module without a ``num_classes`` argument).
+    """
+    hparams = payload.get("hyper_parameters") if isinstance(payload, dict) else None
+    if not isinstance(hparams, Mapping) or not isinstance(hparams.get("num_classes"), int):
+        return {}
+    return {key: list(value) if isinstance(value, (list, tuple)) else value
+            for key in CLASS_HPARAMS if (value := hparams.get(key)) is not None}
 
 
 def _state_dict_of(payload: Any, source: str, path: Path) -> dict[str, torch.Tensor]:
@@ -229,19 +244,21 @@ def load_model_weights(model: nn.Module, path: Path, *, strict: bool = True,
                     _summary(mismatch, state, own))
 
 
-def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module) -> dict[str, Any] | None:
+def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module,
+                     checkpoint: Any = None) -> dict[str, Any] | None:
     """Checks ``ckpt_path`` before Lightning restores it into ``module`` (the configured LightningModule).
 
     Reads the file once (``weights_only=True``) and compares its ``state_dict`` with the module's (the class
     count comes from the data, so the built module is the reference, not the config); a mismatch is one
     :class:`CheckpointError` naming the hyper-parameters that differ (Lightning saves the module's init
     arguments in the checkpoint) and the overrides that fix it. ``None`` and ``"best"`` are left to Lightning.
-    Returns the checkpoint it read (for the caller's own checks), ``None`` for those two.
+    Returns the checkpoint it read (for the caller's own checks), ``None`` for those two. ``checkpoint`` is the
+    file's content when the caller has already read it with :func:`read_checkpoint`.
     """
     if ckpt_path is None or str(ckpt_path) == "best":
         return None
     path = Path(ckpt_path)
-    payload = read_checkpoint(path, "ckpt_path")
+    payload = checkpoint if checkpoint is not None else read_checkpoint(path, "ckpt_path")
     if not isinstance(payload, dict) or "state_dict" not in payload:
         _state_dict_of(payload, "ckpt_path", path)  # raises unless it is a bare state dict
         raise CheckpointError(

@@ -12,7 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from pycocotools.coco import COCO
 
-from conftest import REPO, SMOKE, only_run_dir, run_cli
+from lit_amp_det.data import ShapesDataModule
+
+from conftest import REPO, SMOKE, compose_config, only_run_dir, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,10 @@ def test_test_and_predict_from_checkpoint(trained: tuple[Path, str], tmp_path: P
     predictions = next((tmp_path / "runs" / "predict").glob("*/predictions.json"))
     records = json.loads(predictions.read_text())
     assert records and {"image_id", "category_id", "bbox", "score", "segmentation"} <= records[0].keys()
-    (annotations,) = cache_dir.glob("shapes-*/annotations/instances_val.json")
+    smoke = compose_config(SMOKE).data  # the smoke data's own folder: other tests generate other sets in the cache
+    shapes = ShapesDataModule(cache_dir, train_size=smoke.train_size, val_size=smoke.val_size,
+                              test_size=smoke.test_size, image_size=smoke.image_size)
+    annotations = shapes.root / "annotations" / "instances_val.json"
     ground_truth = COCO(str(annotations))
     results = ground_truth.loadRes(str(predictions))  # the official loader accepts the file
     assert set(results.getImgIds()) <= set(ground_truth.getImgIds())
@@ -81,18 +86,23 @@ def test_test_and_predict_from_checkpoint(trained: tuple[Path, str], tmp_path: P
 def test_predict_on_a_folder_of_pictures(trained: tuple[Path, str], tmp_path: Path) -> None:
     """``data.predict_images``: detections of unannotated pictures, with the images index that makes
     ``predictions.json`` readable by pycocotools' ``loadRes`` (ids, file names, sizes, categories), and pictures
-    named after the files."""
+    named after the files. With ``data=coco`` and no ``data.root``: the training data is not on this machine, the
+    classes come from the checkpoint."""
     from test_predict_folder import pictures_folder
 
     run_dir, _ = trained
     sizes = pictures_folder(tmp_path / "pictures")
-    run_cli(["predict", *SMOKE, f"ckpt_path={run_dir}", "data.predict_images=pictures",
+    smoke_model = ["model=maskrcnn_tiny", "model.rpn.anchor_sizes=[8,16,32,64,128]", "model.transform.min_size=64",
+                   "model.transform.max_size=64", "trainer.enable_progress_bar=false"]  # experiment=smoke's model
+    run_cli(["predict", "data=coco", *smoke_model, f"ckpt_path={run_dir}", "data.predict_images=pictures",
              "callbacks.prediction_writer.score_threshold=0.0"], cwd=tmp_path)
     (run,) = (tmp_path / "runs" / "predict").glob("*/")
+    assert "6 classes from ckpt_path=" in (run / "predict.log").read_text()
     index = json.loads((run / "predictions_images.json").read_text())
     assert index["images"] == [{"id": k + 1, "file_name": name, "height": sizes[name][0], "width": sizes[name][1]}
                                for k, name in enumerate(sorted(sizes))]
-    assert [c["name"] for c in index["categories"]][:3] == ["circle", "square", "triangle"]
+    assert [c["name"] for c in index["categories"]] == ["circle", "square", "triangle", "star", "ring", "cross"]
+    assert [c["id"] for c in index["categories"]] == [1, 2, 3, 4, 5, 6]
     dataset = COCO()
     dataset.dataset = {**index, "annotations": []}
     dataset.createIndex()

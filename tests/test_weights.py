@@ -7,6 +7,7 @@ model can be compared tensor by tensor with the file.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from pathlib import Path
@@ -283,3 +284,36 @@ def test_finetune_coco_trains_a_step_on_own_coco_data(cached: Path, tmp_path: Pa
     # no warm-up in a 1-step run (5% of it): the scaled lr itself
     assert trainer.optimizers[0].param_groups[0]["initial_lr"] == pytest.approx(0.01 * 2 / 16)
     assert float(trainer.callback_metrics["train/lr"]) == pytest.approx(0.01 * 2 / 16)
+
+
+def test_coco_weights_predict_a_folder_under_coco_s_own_classes(cached: Path, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """``predict model.weights=COCO_V1 data=coco data.predict_images=DIR`` without ``data.root``: torchvision's COCO
+    model on one's own pictures. Its 91 labels (label ``i`` is COCO category id ``i``), every tensor loaded, the
+    predictors included; no annotations anywhere."""
+    from test_predict_folder import pictures_folder
+
+    from lit_amp_det.app.tasks import predict
+
+    pictures_folder(tmp_path / "pictures")
+    cfg = compose_config([
+        "command=predict", "model=maskrcnn_r50_fpn", "model.weights=COCO_V1", "data=coco",
+        f"data.predict_images={tmp_path / 'pictures'}", "data.num_workers=0", "model.transform.min_size=64",
+        "model.transform.max_size=64", "trainer=cpu", "trainer.precision=32-true", "logger=none",
+        "trainer.enable_progress_bar=false", "callbacks.prediction_writer.num_images=0",
+        "model.roi_heads.score_thresh=0.0",  # the random file's scores are low: keep every detection
+    ], tmp_path / "run")
+    with caplog.at_level(logging.INFO):
+        predict(cfg)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "predict on data.predict_images: 90 classes from model.weights=COCO_V1" in messages
+    assert any(m.startswith("weights='COCO_V1': loaded maskrcnn_resnet50_fpn_coco-bf2d0c1e.pth") for m in messages)
+    assert not any("re-initialised" in m for m in messages)
+    index = json.loads((tmp_path / "run" / "predictions_images.json").read_text())
+    categories = {c["id"]: c["name"] for c in index["categories"]}
+    assert len(categories) == 90 and categories[1] == "person" and categories[90] == "toothbrush"
+    assert categories[12] == "N/A"  # an id COCO does not use, as torchvision lists it
+    assert [image["file_name"] for image in index["images"]] == ["a_street.JPG", "b_night.png", "c_scan.bmp"]
+    records = json.loads((tmp_path / "run" / "predictions.json").read_text())
+    assert records and {r["category_id"] for r in records} <= set(range(1, 91))
+    assert len({r["category_id"] for r in records}) > 1

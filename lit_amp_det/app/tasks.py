@@ -31,11 +31,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_amp_det.app.config import check_command, check_config
 from lit_amp_det.app.launch import ddp_child_command
+from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder
 from lit_amp_det.app.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
-from lit_amp_det.checkpoints import check_checkpoint
+from lit_amp_det.checkpoints import CLASS_HPARAMS, check_checkpoint, read_checkpoint
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.weights import NO_WEIGHTS
 from lit_amp_det.precision.plugin import build_precision_plugin, warn_if_precision_changes
@@ -76,18 +77,21 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     return datamodule
 
 
-def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *,
-                weights_from_checkpoint: bool = False) -> pl.LightningModule:
+def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *, weights_from_checkpoint: bool = False,
+                classes: dict[str, Any] | None = None) -> pl.LightningModule:
     """Instantiates ``cfg.model``; class count, names and category ids come from the data unless set.
 
     ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named pretrained weights
     (``model.weights``, ``model.backbone.weights``) are not read: the run neither needs their file nor downloads it.
+    ``classes``: the class hyper-parameters to use instead of the data's, which is then not asked
+    (:func:`~lit_amp_det.app.model_classes.folder_prediction_classes`).
     """
-    from_data: dict[str, Any] = {}
-    for key in ("num_classes", "class_names", "category_ids"):
-        if cfg.model.get(key) is None and hasattr(datamodule, key):
-            value = getattr(datamodule, key)
-            from_data[key] = list(value) if isinstance(value, (list, tuple)) else value
+    from_data: dict[str, Any] = dict(classes) if classes is not None else {}
+    with config_node("data"):  # the data module reads its annotations here; its errors name data.<argument>
+        for key in CLASS_HPARAMS if classes is None else ():
+            if cfg.model.get(key) is None and hasattr(datamodule, key):
+                value = getattr(datamodule, key)
+                from_data[key] = list(value) if isinstance(value, (list, tuple)) else value
     model_cfg = cfg.model
     if weights_from_checkpoint and _named_weights(cfg):
         log.info("ckpt_path replaces every tensor: %s not read", ", ".join(_named_weights(cfg)))
@@ -213,9 +217,14 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
     else:  # rank 0 resolved ``last`` and pinned the file on this process's command line
         ckpt_path = cfg.get("ckpt_path")
     datamodule = build_datamodule(cfg)
-    model = build_model(cfg, datamodule, weights_from_checkpoint=ckpt_path is not None)
+    checkpoint, classes = None, None
+    if predicts_on_a_folder(cfg):  # no annotations to name the classes: the weights do
+        if ckpt_path is not None and str(ckpt_path) != "best":
+            checkpoint = read_checkpoint(ckpt_path, "ckpt_path")
+        classes = folder_prediction_classes(cfg, ckpt_path, checkpoint)
+    model = build_model(cfg, datamodule, weights_from_checkpoint=ckpt_path is not None, classes=classes)
     trainer = build_trainer(cfg)
-    checkpoint = check_checkpoint(ckpt_path, model)  # a bad or mismatched file fails here, with the fix
+    checkpoint = check_checkpoint(ckpt_path, model, checkpoint)  # a bad or mismatched file fails here, with the fix
     if checkpoint is not None and str(cfg.command) == "fit":
         warn_if_precision_changes(checkpoint, f"ckpt_path={ckpt_path}", str(trainer.precision_plugin.precision))
     del checkpoint  # Lightning reads the file again itself

@@ -53,14 +53,17 @@ class CocoDataModule(LightningDataModule):
     """Train/val/test/predict loaders over a COCO-format folder.
 
     Args:
-        root: dataset folder; relative image and annotation paths below are resolved against it.
+        root: dataset folder; relative image and annotation paths below are resolved against it. Only needed when
+            a split with relative paths is read: ``predict`` on ``predict_images`` with weights that name their
+            classes reads none.
         train_images, val_images, test_images: image folders of each split.
         train_annotations, val_annotations, test_annotations: ``instances_*.json`` of each split. A test
             split left as ``None`` reuses the validation split.
         predict_split: which split ``predict`` runs on.
         predict_images: a folder of pictures without annotations that ``predict`` runs on instead of
             ``predict_split`` (:class:`~lit_amp_det.data.image_folder.ImageFolder`; relative to the working
-            directory). The class names and count still come from the training annotations (or the model config).
+            directory). The model's classes then come from its weights where they name them (a Lightning
+            checkpoint, torchvision's COCO weights), else from the training annotations.
         batch_size: training images per batch and process; ``eval_batch_size`` defaults to it.
         num_workers, pin_memory, persistent_workers: ``DataLoader`` settings.
         flip_prob: probability of a horizontal flip of a training image.
@@ -79,7 +82,7 @@ class CocoDataModule(LightningDataModule):
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: str | os.PathLike | None = None,
         *,
         train_images: str = "train2017",
         train_annotations: str = "annotations/instances_train2017.json",
@@ -111,7 +114,7 @@ class CocoDataModule(LightningDataModule):
         for name, value in (("invalid_boxes", invalid_boxes), ("bad_images", bad_images)):
             if value not in ("error", "skip"):
                 raise ArgumentError(name, value, "is unknown; choose error or skip")
-        self.root = Path(root).expanduser()
+        self.root = Path(root).expanduser() if root is not None else None
         self.split_paths: dict[str, tuple[str, str]] = {
             "train": (train_images, train_annotations),
             "val": (val_images, val_annotations),
@@ -143,17 +146,25 @@ class CocoDataModule(LightningDataModule):
         self._resume_state: dict[str, int] | None = None
 
     # ----------------------------------------------------------------------------------------- splits
-    def _path(self, relative: str) -> Path:
+    def _path(self, relative: str, split: str, kind: str) -> Path:
         path = Path(relative).expanduser()
-        return path if path.is_absolute() else self.root / path
+        if path.is_absolute():
+            return path
+        if self.root is None:
+            raise ArgumentError(
+                "root", None, f"is not set, and the {split} split's {kind} {relative!r} is a relative path: set "
+                f"data.root=/path/to/dataset, or give {split}_{kind} as an absolute path (predict on "
+                "data.predict_images reads no split when ckpt_path or model.weights names the model's classes)"
+            )
+        return self.root / path
 
     def dataset(self, split: Split) -> CocoInstances:
         """The split's dataset, built on first use with the category mapping of the first split built."""
         if split not in self.datasets:
             images, annotations = self.split_paths[split]
             dataset = CocoInstances(
-                self._path(images),
-                self._path(annotations),
+                self._path(images, split, "images"),
+                self._path(annotations, split, "annotations"),
                 with_masks=self.with_masks,
                 invalid_boxes=self.invalid_boxes,
                 skip_empty=self.skip_empty_train and split == "train",
