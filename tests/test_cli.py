@@ -65,11 +65,15 @@ def test_validate_reproduces_the_final_fit_metrics(trained: tuple[Path, str], tm
 def test_test_and_predict_from_checkpoint(trained: tuple[Path, str], tmp_path: Path, cache_dir: Path) -> None:
     run_dir, _ = trained
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    run_cli(["test", *SMOKE, f"ckpt_path={ckpt}"], cwd=tmp_path)
+    proc = run_cli(["test", *SMOKE, f"ckpt_path={ckpt}"], cwd=tmp_path)
     tested = json.loads(next((tmp_path / "runs" / "test").glob("*/metrics.json")).read_text())
     assert tested["command"] == "test" and "test/segm_mAP" in tested["metrics"]
+    assert tested["best_model_path"] is None  # the fit's checkpoint callbacks are not this run's
+    assert "dirpath has changed" not in proc.stderr
 
-    run_cli(["predict", *SMOKE, f"ckpt_path={ckpt}", "callbacks.prediction_writer.score_threshold=0.0"], cwd=tmp_path)
+    proc = run_cli(["predict", *SMOKE, f"ckpt_path={ckpt}", "callbacks.prediction_writer.score_threshold=0.0"],
+                   cwd=tmp_path)
+    assert "dirpath has changed" not in proc.stderr
     predictions = next((tmp_path / "runs" / "predict").glob("*/predictions.json"))
     records = json.loads(predictions.read_text())
     assert records and {"image_id", "category_id", "bbox", "score", "segmentation"} <= records[0].keys()

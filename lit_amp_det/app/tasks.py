@@ -132,6 +132,7 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
     ``trainer.precision`` is translated into a plugin (Lightning refuses a precision string and a
     precision plugin together), configured by the ``precision`` node. A :class:`RunStats` callback is always
     added (it only measures) so that ``metrics.json`` records speed and peak memory whatever ``callbacks`` holds.
+    Commands other than ``fit`` get no checkpoint callbacks.
     """
     loggers = instantiate_all(cfg.get("logger"), "logger")
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
@@ -141,6 +142,10 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cfg.pop("precision", None)
     callbacks = [*instantiate_all(cfg.get("callbacks"), "callbacks"), RunStats()]
+    if str(cfg.get("command", "fit")) != "fit":  # nothing to save; restoring a fit's checkpoint callbacks would
+        # only warn that their folder is not this run's (Lightning restores callback states for every stage)
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.Checkpoint)]
+        trainer_cfg["enable_checkpointing"] = False
     if trainer_cfg.get("enable_progress_bar", True):
         if not stdout_is_terminal() and any(isinstance(c, ConsoleLog) for c in callbacks):
             trainer_cfg["enable_progress_bar"] = False  # a bar in a file keeps only its last state: lines instead
