@@ -79,3 +79,28 @@ def test_without_a_folder_predict_runs_on_the_split(tmp_path: Path) -> None:
     assert "val" in datamodule.datasets and len(datamodule.predict_dataloader().dataset) == 2
     with pytest.raises(ValueError, match="data.predict_images is not set"):
         datamodule.predict_folder()
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp"])
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_a_picture_stored_sideways_is_read_as_a_viewer_shows_it(tmp_path: Path, suffix: str,
+                                                                 orientation: int) -> None:
+    """EXIF orientation (3: upside down, 6 and 8: a quarter turn), as PIL's ``exif_transpose`` applies it; for a WebP
+    too, whose tag torchvision's decoder ignores. Annotated datasets keep the stored pixels."""
+    from PIL import ImageOps
+
+    from lit_amp_det.data.image_io import read_rgb_image
+
+    (tmp_path / "pictures").mkdir()
+    path = tmp_path / "pictures" / f"phone{suffix}"
+    stored = np.random.default_rng(orientation).integers(0, 256, (40, 72, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(stored).save(path, exif=exif)
+    with Image.open(path) as raw:
+        shown = torch.from_numpy(np.array(ImageOps.exif_transpose(raw).convert("RGB"))).permute(2, 0, 1)
+        decoded = torch.from_numpy(np.array(raw.convert("RGB"))).permute(2, 0, 1)
+    assert tuple(shown.shape) == ((3, 40, 72) if orientation == 3 else (3, 72, 40))
+    image, _ = ImageFolder(tmp_path / "pictures")[0]
+    assert torch.equal(image, shown)
+    assert torch.equal(read_rgb_image(path), decoded)  # the default: as stored

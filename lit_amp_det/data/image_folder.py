@@ -4,7 +4,9 @@ What a detection user does after training: run the detector on images nobody has
 ``image_demo`` or detectron2's ``demo.py --input folder/*`` do. The images are every file directly in the folder
 whose suffix names an image format (:data:`IMAGE_SUFFIXES`, any case), in file-name order; image ``k`` of that order
 gets the id ``k + 1``, which the detections in ``predictions.json`` carry, and the prediction writer records each
-id's file name and size beside them.
+id's file name and size beside them. Pictures are turned as their EXIF orientation tag says, as detectron2's
+``read_image`` and OpenCV's ``imread`` (MMDetection) do: a phone photo taken upright is often stored sideways with
+such a tag, and detections, sizes and drawings then refer to the picture as a viewer shows it.
 """
 
 from __future__ import annotations
@@ -53,5 +55,5 @@ class ImageFolder(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
-        image = read_rgb_image(self.files[index])
+        image = read_rgb_image(self.files[index], apply_exif_orientation=True)  # as a viewer shows a phone photo
         return image, {"image_id": torch.tensor(index + 1, dtype=torch.int64), "file_name": self.files[index].name}
