@@ -104,3 +104,45 @@ def test_a_picture_stored_sideways_is_read_as_a_viewer_shows_it(tmp_path: Path, 
     image, _ = ImageFolder(tmp_path / "pictures")[0]
     assert torch.equal(image, shown)
     assert torch.equal(read_rgb_image(path), decoded)  # the default: as stored
+
+
+def _folder_with_a_broken_picture(tmp_path: Path) -> Path:
+    pictures_folder(tmp_path / "pictures")
+    (tmp_path / "pictures" / "b_broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    return tmp_path / "pictures"
+
+
+def test_an_unreadable_picture_stops_predict_before_the_model_runs(tmp_path: Path) -> None:
+    from lit_amp_det.data.verify import BadImagesError
+
+    folder = _folder_with_a_broken_picture(tmp_path)
+    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
+                                  predict_images=str(folder))
+    with pytest.raises(BadImagesError, match=r"(?s)1 of 4 images cannot be used:\n  .*b_broken.jpg: cannot read "
+                                             r".*Replace these files or move them out of the folder, or set "
+                                             r"data.bad_images=skip"):
+        datamodule.setup("predict")
+    import pickle
+
+    error = BadImagesError({"x.jpg": "cannot read"}, 3, "Replace these files")
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)  # crosses DDP ranks and loader workers whole
+
+
+def test_bad_images_skip_leaves_the_picture_out_and_keeps_the_ids(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    folder = _folder_with_a_broken_picture(tmp_path)
+    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
+                                  predict_images=str(folder), bad_images="skip")
+    datamodule.setup("predict")
+    assert "left out 1 unreadable picture(s) of" in caplog.text and "b_broken.jpg" in caplog.text
+    dataset = datamodule.predict_folder()
+    assert [dataset[k][1]["file_name"] for k in range(len(dataset))] == ["a_street.JPG", "b_night.png", "c_scan.bmp"]
+    assert [int(dataset[k][1]["image_id"]) for k in range(len(dataset))] == [1, 3, 4]  # b_broken.jpg was id 2
+    (folder / "b_broken.jpg").write_bytes(b"")  # nothing left to read at all
+    for name in ("a_street.JPG", "b_night.png", "c_scan.bmp"):
+        (folder / name).write_bytes(b"")
+    from lit_amp_det.data.verify import BadImagesError
+
+    with pytest.raises(BadImagesError, match="4 of 4 images cannot be used"):
+        ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
+                         predict_images=str(folder), bad_images="skip").setup("predict")

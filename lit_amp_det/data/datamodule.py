@@ -24,7 +24,7 @@ from lit_amp_det.data.coco import CocoInstances
 from lit_amp_det.data.image_folder import ImageFolder
 from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
-from lit_amp_det.data.verify import check_splits
+from lit_amp_det.data.verify import check_folder, check_splits
 from lit_amp_det.data.transforms import RandomHorizontalFlip, collate_detection
 from lit_amp_det.errors import ArgumentError
 
@@ -75,8 +75,9 @@ class CocoDataModule(LightningDataModule):
             (negative-only data); by default ``fit`` stops before training, naming the file.
         with_masks: decode instance masks (``False`` for Faster R-CNN).
         seed: seed of the training order and augmentation.
-        verify_images: decode every image of the splits a stage reads before it starts (cached by file size
-            and modification time under ``verify_cache_dir``, default ``$LIT_AMP_DET_CACHE``).
+        verify_images: decode every image of the splits a stage reads (or of ``predict_images``) before it
+            starts (cached by file size and modification time under ``verify_cache_dir``, default
+            ``$LIT_AMP_DET_CACHE``).
         bad_images: ``error`` stops with every unreadable image listed; ``skip`` leaves them out with a warning.
     """
 
@@ -198,7 +199,10 @@ class CocoDataModule(LightningDataModule):
             None: ("train", "val", "test"),
         }
         if stage == "predict" and self.predict_images is not None:
-            self.predict_folder()  # a folder that cannot be read fails before the model runs
+            folder = self.predict_folder()  # a folder that cannot be read fails before the model runs
+            if self.verify_images and "predict_images" not in self._verified:  # so does any unreadable picture
+                check_folder(folder, self.bad_images, self.verify_cache_dir)
+                self._verified.add("predict_images")
         for split in needed[stage]:
             self.dataset(split)
         if stage == "fit":

@@ -3,7 +3,7 @@
 What a detection user does after training: run the detector on images nobody has labelled, as MMDetection's
 ``image_demo`` or detectron2's ``demo.py --input folder/*`` do. The images are every file directly in the folder
 whose suffix names an image format (:data:`IMAGE_SUFFIXES`, any case), in file-name order; image ``k`` of that order
-gets the id ``k + 1``, which the detections in ``predictions.json`` carry, and the prediction writer records each
+gets the id ``k + 1`` (kept when ``data.bad_images=skip`` leaves an unreadable picture out), which the detections in ``predictions.json`` carry, and the prediction writer records each
 id's file name and size beside them. Pictures are turned as their EXIF orientation tag says, as detectron2's
 ``read_image`` and OpenCV's ``imread`` (MMDetection) do: a phone photo taken upright is often stored sideways with
 such a tag, and detections, sizes and drawings then refer to the picture as a viewer shows it.
@@ -12,6 +12,7 @@ such a tag, and detections, sizes and drawings then refer to the picture as a vi
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +51,19 @@ class ImageFolder(Dataset):
         if not self.files:
             raise FileNotFoundError(f"{source}={str(folder)!r} holds no pictures (files ending in "
                                     f"{', '.join(IMAGE_SUFFIXES)}, directly in the folder)")
+        self.ids = list(range(1, len(self.files) + 1))
+
+    def drop(self, paths: Iterable[str | os.PathLike]) -> int:
+        """Leaves the pictures at ``paths`` out (unreadable ones); the others keep their ids. Returns how many."""
+        bad = {str(Path(p)) for p in paths}
+        kept = [(path, image_id) for path, image_id in zip(self.files, self.ids) if str(path) not in bad]
+        removed = len(self.files) - len(kept)
+        self.files, self.ids = [path for path, _ in kept], [image_id for _, image_id in kept]
+        return removed
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
         image = read_rgb_image(self.files[index], apply_exif_orientation=True)  # as a viewer shows a phone photo
-        return image, {"image_id": torch.tensor(index + 1, dtype=torch.int64), "file_name": self.files[index].name}
+        return image, {"image_id": torch.tensor(self.ids[index], dtype=torch.int64), "file_name": self.files[index].name}

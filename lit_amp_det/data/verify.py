@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Literal
 
 from lit_amp_det.data.coco import CocoInstances
+from lit_amp_det.data.image_folder import ImageFolder
 from lit_amp_det.data.image_io import read_rgb_image
 from lit_amp_det.errors import ArgumentError
 
-__all__ = ["BadImagesError", "check_splits", "drop_images", "verify_images"]
+__all__ = ["BadImagesError", "check_folder", "check_splits", "drop_images", "verify_images"]
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +33,29 @@ _CACHE_VERSION = 1
 _MAX_LISTED = 20
 
 
-class BadImagesError(OSError):
-    """Images that cannot be decoded (or whose size is not the annotated one); ``problems`` maps path -> reason."""
+_SPLIT_REMEDY = "Re-extract or replace these files, remove them from the annotation file"
+_FOLDER_REMEDY = "Replace these files or move them out of the folder"
 
-    def __init__(self, problems: Mapping[str, str], total: int) -> None:
+
+class BadImagesError(OSError):
+    """Images that cannot be decoded (or whose size is not the annotated one); ``problems`` maps path -> reason.
+
+    ``remedy`` says what to do with the files before the generic ways out (skip them, or skip the check).
+    """
+
+    def __init__(self, problems: Mapping[str, str], total: int, remedy: str = _SPLIT_REMEDY) -> None:
         self.problems = dict(problems)
+        self.total, self.remedy = total, remedy
         listed = [f"  {path}: {reason}" for path, reason in list(self.problems.items())[:_MAX_LISTED]]
         more = [f"  ... and {len(self.problems) - _MAX_LISTED} more"] if len(self.problems) > _MAX_LISTED else []
         super().__init__(
             f"{len(self.problems)} of {total} images cannot be used:\n" + "\n".join(listed + more) + "\n"
-            "Re-extract or replace these files, remove them from the annotation file, or set "
-            "data.bad_images=skip to leave them out with a warning (data.verify_images=false skips this check)."
+            f"{remedy}, or set data.bad_images=skip to leave them out with a warning (data.verify_images=false skips "
+            "this check)."
         )
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable across DDP / multiprocessing with its fields
+        return (type(self), (self.problems, self.total, self.remedy))
 
 
 def _signature(path: str) -> str | None:
@@ -158,3 +170,23 @@ def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "
                 raise BadImagesError({p: r for p, r in problems.items()}, removed)
             log.warning("data.bad_images=skip: left out %d unreadable image(s) of the %s split: %s", removed, split,
                         ", ".join(sorted(p for p, _ in entries[split] if p in problems)[:_MAX_LISTED]))
+
+
+def check_folder(folder: ImageFolder, mode: Literal["error", "skip"] = "error", cache_dir: Path | None = None,
+                 workers: int | None = None) -> None:
+    """Verifies every picture of a ``predict`` folder (no annotated sizes to compare) before the model runs.
+
+    ``mode="error"`` raises one :class:`BadImagesError` listing every unreadable picture; ``"skip"`` leaves them out
+    of ``folder`` (the others keep their ids) with one warning.
+    """
+    if mode not in ("error", "skip"):
+        raise ArgumentError("mode", mode, "is unknown; choose error or skip")
+    total = len(folder)
+    problems = verify_images([(str(path), None) for path in folder.files], cache_dir, workers)
+    if not problems:
+        return
+    if mode == "error" or len(problems) == total:
+        raise BadImagesError(problems, total, _FOLDER_REMEDY)
+    folder.drop(problems)
+    log.warning("data.bad_images=skip: left out %d unreadable picture(s) of %s: %s", len(problems), folder.folder,
+                ", ".join(sorted(Path(p).name for p in problems)[:_MAX_LISTED]))
