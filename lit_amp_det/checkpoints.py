@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 #: memory formats, compilation, the evaluation library. A run resumes under other values (``app.runs``).
 IMPLEMENTATION_HPARAMS = frozenset({
     "ops", "channels_last", "compile", "deconv_as_matmul", "labelled_mask_logits", "pointwise_conv_as_matmul",
-    "winograd_convs", "winograd_output_tile", "winograd_weight_tile_cache", "eval_backend",
+    "winograd_convs", "winograd_output_tile", "winograd_weight_tile_cache", "eval_backend", "binary_mask_paste",
 })
 #: Top-level hyper-parameters that change no tensor's name or shape (never blamed for a mismatch).
 _RUNTIME_HPARAMS = IMPLEMENTATION_HPARAMS | {"optimizer", "scheduler", "checkpoint", "checkpoint_strict", "weights",

@@ -35,6 +35,7 @@ from lit_amp_det.distributed import gather_list_states
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.ext_ops import ExtRoIHeads
 from lit_amp_det.models.labelled_mask_logits import logit_conv
+from lit_amp_det.models.mask_paste import use_binary_mask_paste
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.patch_deconv import use_patch_deconv
 from lit_amp_det.models.pointwise_conv import use_pointwise_matmul
@@ -121,6 +122,10 @@ class MaskRCNNModule(LightningModule):
         reference_batch: the global batch (images per optimizer step) that ``optimizer.lr`` is given for; the lr
             is scaled linearly to the run's global batch (:func:`lit_amp_det.optim.scale_lr`). ``None``: used as is.
         mask_threshold: mask probability above which a pixel belongs to the instance when scoring.
+        binary_mask_paste: at inference, paste each detection's mask into the image as booleans at
+            ``mask_threshold`` (:mod:`lit_amp_det.models.mask_paste`): torchvision's masks thresholded, bit for bit,
+            without its float canvas per detection. :meth:`postprocess` then receives boolean masks; ``False`` gives
+            it torchvision's probabilities.
         eval_backend: library that computes COCO mAP: ``"faster_coco_eval"`` (same numbers, faster on small
             images) or ``"pycocotools"`` (the reference); see :data:`EVAL_BACKENDS`.
         checkpoint: local state dict or Lightning checkpoint to initialise from (``weights_only`` loading).
@@ -154,6 +159,7 @@ class MaskRCNNModule(LightningModule):
         optimizer: Mapping[str, Any] | None = None,
         scheduler: Mapping[str, Any] | None = None,
         mask_threshold: float = 0.5,
+        binary_mask_paste: bool = True,
         eval_backend: str = "faster_coco_eval",
         checkpoint: str | None = None,
         checkpoint_strict: bool = True,
@@ -178,6 +184,10 @@ class MaskRCNNModule(LightningModule):
                 log.info("checkpoint=%r supplies the weights: %s checked but not loaded", str(checkpoint),
                          ", ".join(f"{k}={v!r}" for k, v in named.items()))
             load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict, hparams=self.hparams)
+        if binary_mask_paste and mask and not use_binary_mask_paste(self.model, mask_threshold):
+            log.warning("model.binary_mask_paste=true: the detector's transform is %s, not torchvision's "
+                        "GeneralizedRCNNTransform, so its masks are pasted as it pastes them",
+                        type(getattr(self.model, "transform", None)).__name__)
         if channels_last:
             use_channels_last(self.model)
         if deconv_as_matmul and use_patch_deconv(self.model) == 0:
@@ -228,12 +238,17 @@ class MaskRCNNModule(LightningModule):
         return torch.stack([value.float() for value in loss_dict.values()]).sum()
 
     def postprocess(self, detections: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-        """Turns raw detections into fp32 boxes/scores, int64 labels and boolean ``[N, H, W]`` masks."""
+        """Turns raw detections into fp32 boxes/scores, int64 labels and boolean ``[N, H, W]`` masks.
+
+        The raw masks are ``[N, 1, H, W]``: booleans already thresholded with ``binary_mask_paste`` (the default),
+        torchvision's probabilities without it.
+        """
         results = []
         for det in detections:
             out = {"boxes": det["boxes"].float(), "scores": det["scores"].float(), "labels": det["labels"].long()}
             if "masks" in det:
-                out["masks"] = det["masks"][:, 0].float() > self.hparams.mask_threshold
+                masks = det["masks"][:, 0]
+                out["masks"] = masks if masks.dtype == torch.bool else masks.float() > self.hparams.mask_threshold
             results.append(out)
         return results
 

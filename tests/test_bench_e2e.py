@@ -46,7 +46,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 @BENCHES
 def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows.Bench) -> None:
     """Every row composes, extends the previous row's list by one override, and changes exactly that key."""
-    assert bench.rows[0].override is None and len(bench.rows) == (17 if bench is train.BENCH else 15)
+    assert bench.rows[0].override is None and len(bench.rows) == (17 if bench is train.BENCH else 16)
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names)
     previous: list[str] = []
@@ -58,6 +58,7 @@ def test_each_row_is_the_previous_rows_overrides_plus_one_switch(bench: e2e_rows
             assert flat["model.ops"] == "torchvision" and flat["trainer.precision"] == "32-true"
             assert flat["callbacks"] == {} and flat["optim.optimizer.fused"] is None
             assert flat["model.channels_last"] is False and flat["model.compile"] is None
+            assert flat["model.binary_mask_paste"] is False  # torchvision's mask paste
         else:
             assert overrides[: len(previous)] == previous and len(overrides) == len(previous) + 1
             key = overrides[-1].split("=", 1)[0]

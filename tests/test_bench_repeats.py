@@ -234,17 +234,17 @@ def test_the_r50_state_scales_its_recipe_lr_to_the_bench_batch(tmp_path: Path,
 
 
 def test_state_key_leaves_out_switches_added_later_at_their_first_row_value() -> None:
-    """``model.winograd_output_tile``, ``optim.optimizer.memory_order_views`` and ``model.winograd_weight_tile_cache``
-    came after the cached states: at the first row's values they are not in the key, so the key (and the cached
-    state's file name) is what it was before the switches existed."""
+    """``model.winograd_output_tile``, ``optim.optimizer.memory_order_views``, ``model.winograd_weight_tile_cache``
+    and ``model.binary_mask_paste`` came after the cached states: at the first row's values they are not in the key,
+    so the key (and the cached state's file name) is what it was before the switches existed."""
     cfg_model = state.compose(state._state_overrides(SETTING)).model
     assert cfg_model.winograd_output_tile == 2 and cfg_model.optimizer.memory_order_views is True
-    assert cfg_model.winograd_weight_tile_cache is False
+    assert cfg_model.winograd_weight_tile_cache is False and cfg_model.binary_mask_paste is False
     assert state.KEY_OMITS_AT == {"winograd_output_tile": 2, "optimizer.memory_order_views": True,
-                                  "winograd_weight_tile_cache": False}
+                                  "winograd_weight_tile_cache": False, "binary_mask_paste": False}
     key = state.state_key(SETTING, 200)["model"]
     assert "winograd_output_tile" not in key and "memory_order_views" not in key["optimizer"]
-    assert "winograd_weight_tile_cache" not in key
+    assert "winograd_weight_tile_cache" not in key and "binary_mask_paste" not in key
     assert key["optimizer"]["fused"] is None  # why the views change nothing the state's training computes
 
 

@@ -15,6 +15,7 @@ from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads
+from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.precision.casting import mixed_precision_dtype
 from lit_amp_det.precision.plugin import (
     DetectionMixedPrecision,
@@ -72,6 +73,7 @@ REGION_METHODS = [
     (BoxCoder, "decode"),
     (ExtRoIHeads, "postprocess_detections"),
     (GeneralizedRCNNTransform, "postprocess"),
+    (BinaryMaskTransform, "postprocess"),  # the default model's transform (model.binary_mask_paste)
 ]
 
 

@@ -74,6 +74,7 @@ BASELINE = (
     "model.winograd_convs=[]",
     "model.winograd_output_tile=2",
     "model.winograd_weight_tile_cache=false",
+    "model.binary_mask_paste=false",
     "model.compile=null",
 )
 

@@ -9,26 +9,28 @@ Rows, each the previous row's Hydra overrides plus the one shown (see :mod:`lit_
    detection post-processing and mask pasting in fp32);
 4. ``model.ops=ext``: lit_amp_det's NMS and RoIAlign kernels;
 5. ``model.channels_last=true``;
-6. ``callbacks=[conv_bn_eval]``: ConvBNEval as ``predict`` runs it by default, each conv-BN pair folded on
+6. ``model.binary_mask_paste=true``: each detection's mask pasted into the image as booleans, box by box, instead
+   of torchvision's float canvas per detection (:mod:`lit_amp_det.models.mask_paste`; the same masks);
+7. ``callbacks=[conv_bn_eval]``: ConvBNEval as ``predict`` runs it by default, each conv-BN pair folded on
    the fly (without an autograd graph every pair folds);
-7. ``callbacks.conv_bn_eval.fold_on_predict=true``: the pairs folded once, permanently, before prediction
+8. ``callbacks.conv_bn_eval.fold_on_predict=true``: the pairs folded once, permanently, before prediction
    (:func:`lit_amp_det.models.conv_bn.fold_conv_bn`; norms become ``nn.Identity``), the inference-time
    conv-BN switch;
-8. ``model.deconv_as_matmul=true``: the mask head's upsampling as one matrix product (fp16/bf16; fp32 on AVX2);
-9. ``model.labelled_mask_logits=true``: each detection's mask logits of its predicted class only, the one map of
+9. ``model.deconv_as_matmul=true``: the mask head's upsampling as one matrix product (fp16/bf16; fp32 on AVX2);
+10. ``model.labelled_mask_logits=true``: each detection's mask logits of its predicted class only, the one map of
    all ``num_classes`` that torchvision's ``maskrcnn_inference`` keeps;
-10. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products;
-11. ``model.winograd_convs=[mask_head,rpn_head,fpn]``: Winograd F(2x2, 3x3) for the 3x3 layers large enough for it
+11. ``model.pointwise_conv_as_matmul=true``: the backbone's and FPN's 1x1 convolutions as matrix products;
+12. ``model.winograd_convs=[mask_head,rpn_head,fpn]``: Winograd F(2x2, 3x3) for the 3x3 layers large enough for it
     (in fp16/bf16 256 channels or more: the R50-FPN; in fp32 from 64 channels on large maps,
     :func:`lit_amp_det.models.winograd_conv.winograd_pays`);
-12. ``model.winograd_convs=[mask_head,rpn_head,fpn,backbone]``: the ResNet's stride-1 3x3 layers as well;
-13. ``model.winograd_output_tile=4``: those layers by F(4x4, 3x3) tiles where they compute in fp32;
-14. ``model.winograd_weight_tile_cache=true``: those layers keep their weight's tiles from call to call
+13. ``model.winograd_convs=[mask_head,rpn_head,fpn,backbone]``: the ResNet's stride-1 3x3 layers as well;
+14. ``model.winograd_output_tile=4``: those layers by F(4x4, 3x3) tiles where they compute in fp32;
+15. ``model.winograd_weight_tile_cache=true``: those layers keep their weight's tiles from call to call
     (:class:`lit_amp_det.models.winograd_conv.WeightTileCache`; the tiles' memory counts in the peak);
-15. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
+16. ``model.compile=backbone``: ``torch.compile`` of the ResNet+FPN (``--compile-warmup`` untimed calls per
     batch size).
 
-Rows 8-13 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
+Rows 9-14 are the training bench's switches of the same names (:mod:`lit_amp_det.bench.train`).
 
 A call is what ``predict`` runs per batch: ``MaskRCNNModule.forward`` (detector and post-processing: fp32
 boxes, scores, thresholded masks pasted at image size) inside the plugin's context under
@@ -69,6 +71,7 @@ _TRAIN_ROW = {row.name: row for row in TRAIN_ROWS}
 
 ROWS = (
     *TRAIN_ROWS[:5],  # torchvision fp32, autocast, fp32 regions, ext ops, channels_last
+    Row("binary-mask-paste", "+ masks pasted as booleans", "model.binary_mask_paste=true"),
     Row("convbn-eval", "+ ConvBNEval (fold on the fly)", "callbacks=[conv_bn_eval]"),
     Row("convbn-fold", "+ conv-BN folded once", "callbacks.conv_bn_eval.fold_on_predict=true"),
     *(_TRAIN_ROW[name] for name in ("deconv-matmul", "labelled-mask-logits", "pointwise-matmul", "winograd",

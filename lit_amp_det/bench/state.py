@@ -62,7 +62,8 @@ def _state_overrides(setting: Setting) -> list[str]:
 #: (which makes the state) gives them. At that value they change nothing the state's training computes, so the key
 #: leaves them out: adding a switch keeps the states already cached valid (an R50-FPN state takes over 20 minutes to
 #: make on 2 cores). ``optimizer.memory_order_views`` acts on fused optimizers only; the first row's is not fused.
-KEY_OMITS_AT = {"winograd_output_tile": 2, "optimizer.memory_order_views": True, "winograd_weight_tile_cache": False}
+KEY_OMITS_AT = {"winograd_output_tile": 2, "optimizer.memory_order_views": True, "winograd_weight_tile_cache": False,
+                "binary_mask_paste": False}
 
 
 def state_key(setting: Setting, steps: int) -> dict[str, Any]:
