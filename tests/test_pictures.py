@@ -88,6 +88,64 @@ def test_overlapping_masks_show_the_most_confident_instance_not_black():
     assert torch.equal(overlap, only_second) and not torch.equal(overlap, only_first)  # 0.9 beats 0.6
 
 
+def _many_detections(n: int, h: int, w: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    corner = torch.rand(n, 2, generator=gen) * torch.tensor([w * 0.8, h * 0.8])
+    boxes = torch.cat([corner, corner + torch.rand(n, 2, generator=gen) * torch.tensor([w * 0.5, h * 0.5]) + 2], 1)
+    masks = torch.rand(n, h, w, generator=gen) > 0.6
+    return {"boxes": boxes, "labels": torch.randint(1, 14, (n,), generator=gen),
+            "scores": torch.rand(n, generator=gen), "masks": masks}
+
+
+def test_masks_drawn_one_per_colour_make_torchvision_s_picture_of_them_all():
+    """The disjoint (first-owner) masks merged per colour draw exactly what one torchvision call per detection
+    would: 13 classes share tab10's 10 colours, and the masks overlap."""
+    from torchvision.utils import draw_segmentation_masks
+
+    from lit_amp_det.callbacks.drawing import _first_owner
+
+    image = torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    det = _many_detections(30, 48, 64)
+    order = torch.argsort(det["scores"], descending=True)
+    owned = _first_owner(det["masks"][order])
+    colors = [PALETTE[(int(k) - 1) % len(PALETTE)] for k in det["labels"][order]]
+    expected = draw_segmentation_masks(image, owned, alpha=0.5, colors=colors)
+    off_image = {**det, "boxes": torch.zeros(30, 4) - 10}  # boxes outside: only their captions reach the picture
+    drawn = draw_detections(image, off_image)
+    assert torch.equal(drawn[:, 16:], expected[:, 16:])  # below the captions' row
+
+
+def test_large_images_are_drawn_shrunk_to_max_side():
+    """A picture of a large image is the picture of that image shrunk (antialiased), its masks sampled at the
+    nearest pixel and its boxes scaled: nothing full-size is drawn."""
+    from torchvision.transforms.v2.functional import resize
+
+    image = torch.randint(0, 256, (3, 300, 400), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    det = _many_detections(6, 300, 400, seed=3)
+    picture = draw_detections(image, det, max_side=200)
+    assert picture.shape == (3, 150, 200)
+    rows, cols = torch.arange(150) * 2 + 1, torch.arange(200) * 2 + 1  # pixel centres: (k + 0.5) * 2, floored
+    shrunk = {**det, "boxes": det["boxes"] / 2, "masks": det["masks"][:, rows][:, :, cols]}
+    assert torch.equal(picture, draw_detections(resize(image, [150, 200], antialias=True), shrunk))
+    assert torch.equal(draw_detections(image, det, max_side=400), draw_detections(image, det))  # not larger
+
+
+def test_the_writer_encodes_each_mask_as_pycocotools_encodes_the_stack(tmp_path):
+    det = _many_detections(7, 37, 53, seed=4)
+    det["image_id"] = 3
+    keep = det["scores"] >= 0.3
+    stack = np.asfortranarray(det["masks"][keep].to(torch.uint8).permute(1, 2, 0).numpy())
+    expected = [{"size": r["size"], "counts": r["counts"].decode("ascii")} for r in mask_utils.encode(stack)]
+    records = CocoPredictionWriter(tmp_path, score_threshold=0.3)._image_records(det)
+    assert len(records) == int(keep.sum()) > 2 and [r["segmentation"] for r in records] == expected
+    soft = CocoPredictionWriter(tmp_path, score_threshold=0.3)._image_records({**det, "masks": det["masks"][:, None]})
+    assert [r["segmentation"] for r in soft] == expected  # [N, 1, H, W] as torchvision's output has them
+    with pytest.raises(ValueError, match=r"max_side=-1 must be an integer >= 0"):
+        CocoPredictionWriter(tmp_path, max_side=-1)
+    with pytest.raises(ValueError, match=r"min_side=512 is above max_side=256"):
+        CocoPredictionWriter(tmp_path, min_side=512, max_side=256)
+
+
 def test_a_mask_count_other_than_the_box_count_fails():
     det = {"boxes": torch.tensor([[1.0, 1.0, 5.0, 5.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([1.0])}
     with pytest.raises(ValueError, match="2 masks for 1 boxes"):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 from torch import Tensor
+from torchvision.transforms.v2.functional import resize
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 __all__ = ["DrawingWarning", "PALETTE", "class_names_of", "draw_detections", "draw_ground_truth", "save_png",
@@ -63,14 +64,29 @@ def _label_text(label: int, class_names: Sequence[str]) -> str:
     return class_names[label - 1] if 1 <= label <= len(class_names) else f"class {label}"
 
 
-def _binary_masks(masks: Tensor, size: tuple[int, int], mask_threshold: float) -> Tensor:
-    """Boolean ``[N, H, W]`` from boolean/uint8 ``[N, H, W]`` or soft ``[N, 1, H, W]`` (Mask R-CNN) masks."""
+def _binary_masks(masks: Tensor, size: tuple[int, int], mask_threshold: float, order: Tensor | None = None,
+                  drawn: tuple[int, int] | None = None) -> Tensor:
+    """Boolean ``[N, H, W]`` on the CPU from boolean/uint8 ``[N, H, W]`` or soft ``[N, 1, H, W]`` (Mask R-CNN) masks.
+
+    ``order``: the masks to keep, in that order; ``drawn``: the picture's size, each of its pixels the nearest mask
+    pixel. Both are taken in one gather, so no full-size copy of the masks is made on the way.
+    """
     shape = tuple(masks.shape)
     if masks.dim() == 4 and masks.shape[1] == 1:
         masks = masks[:, 0]
     if masks.dim() != 3 or tuple(masks.shape[-2:]) != size:
         raise ValueError(f"masks have shape {shape}; expected [N, {size[0]}, {size[1]}] or "
                          f"[N, 1, {size[0]}, {size[1]}] (the image's height and width)")
+    index = order.tolist() if order is not None else range(len(masks))
+    if drawn is not None and drawn != size:
+        rows, cols = (((torch.arange(n, device=masks.device) + 0.5) * (full / n)).long().clamp_(max=full - 1)
+                      for n, full in zip(drawn, size))
+        # mask by mask: one advanced index over all of them would build [N, h, w] int64 index tensors
+        masks = torch.stack([masks[i].index_select(0, rows).index_select(1, cols) for i in index]) if len(
+            index) else masks.new_zeros((0, *drawn))
+    else:
+        masks = masks[torch.as_tensor(list(index), dtype=torch.long, device=masks.device)]
+    masks = masks.cpu()
     if masks.is_floating_point():
         return masks > mask_threshold
     return masks.bool()
@@ -105,7 +121,11 @@ def _draw(image: Tensor, boxes: Tensor, labels: Tensor, texts: list[str], masks:
         return picture  # torchvision warns on an empty set
     colors = [PALETTE[(int(label) - 1) % len(PALETTE)] for label in labels.tolist()]
     if masks is not None:
-        picture = draw_segmentation_masks(picture, masks, alpha=_MASK_ALPHA, colors=colors)
+        # the masks are disjoint (first owner): one mask per colour draws the same picture, and torchvision's
+        # overlap count (an int64 image per mask) stays a few planes however many detections there are
+        palette = list(dict.fromkeys(colors))
+        merged = torch.stack([masks[[k for k, c in enumerate(colors) if c == color]].any(dim=0) for color in palette])
+        picture = draw_segmentation_masks(picture, merged, alpha=_MASK_ALPHA, colors=palette)
     width = max(1, round(min(picture.shape[-2:]) / 300))
     # captions on a patch of the class colour, in black or white, whichever reads better on it
     ink = [(0, 0, 0) if 0.299 * r + 0.587 * g + 0.114 * b > 140 else (255, 255, 255) for r, g, b in colors]
@@ -115,7 +135,8 @@ def _draw(image: Tensor, boxes: Tensor, labels: Tensor, texts: list[str], masks:
 
 
 def draw_detections(image: Tensor, detections: Mapping[str, Tensor], class_names: Sequence[str] = (),
-                    score_threshold: float = 0.0, mask_threshold: float = 0.5, min_side: int = 0) -> Tensor:
+                    score_threshold: float = 0.0, mask_threshold: float = 0.5, min_side: int = 0,
+                    max_side: int = 0) -> Tensor:
     """Predicted masks, boxes, class names and scores drawn onto ``image``.
 
     Args:
@@ -128,9 +149,12 @@ def draw_detections(image: Tensor, detections: Mapping[str, Tensor], class_names
         mask_threshold: probability above which a pixel of a soft mask belongs to the instance.
         min_side: an image whose shorter side is below this is enlarged ``k`` times (each pixel becomes ``k x k``,
             the smallest ``k`` that reaches it), so that captions stay readable; 0 keeps the size.
+        max_side: an image whose longer side is above this is drawn shrunk to it (antialiased; each mask pixel
+            the nearest one): a picture of a 12-megapixel photo would hold 50 detections' full-size masks three
+            times over, for a PNG nobody views at that size; 0 keeps the size.
 
     Returns:
-        ``uint8 [3, k*H, k*W]`` on the CPU; the most confident detection is drawn on top.
+        ``uint8 [3, k*H, k*W]`` (or the shrunk size) on the CPU; the most confident detection is drawn on top.
     """
     scores = detections["scores"].detach().float().cpu()
     order = torch.argsort(scores, descending=True)
@@ -139,11 +163,23 @@ def draw_detections(image: Tensor, detections: Mapping[str, Tensor], class_names
     labels = detections["labels"].detach().cpu()[order]
     texts = [f"{_label_text(int(label), class_names)} {float(score):.2f}"
              for label, score in zip(labels.tolist(), scores[order].tolist())]
+    size = tuple(image.shape[-2:])
+    drawn = _shrunk_size(size, max_side)
     masks = None
     if detections.get("masks") is not None:
-        masks = _binary_masks(detections["masks"].detach()[order.to(detections["masks"].device)].cpu(),
-                              tuple(image.shape[-2:]), mask_threshold)
+        masks = _binary_masks(detections["masks"].detach(), size, mask_threshold, order, drawn)
+    if drawn != size:
+        image = resize(to_uint8(image), list(drawn), antialias=True)
+        boxes = boxes.float() * torch.tensor([drawn[1] / size[1], drawn[0] / size[0]] * 2)
     return _draw(image, boxes, labels, texts, masks, min_side)
+
+
+def _shrunk_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
+    """``size`` scaled so that its longer side is ``max_side`` when it is longer; else ``size``."""
+    if max_side <= 0 or max(size) <= max_side:
+        return size
+    scale = max_side / max(size)
+    return max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
 
 
 def draw_ground_truth(image: Tensor, target: Mapping[str, Tensor], class_names: Sequence[str] = (),

@@ -47,11 +47,13 @@ class CocoPredictionWriter(BasePredictionWriter):
         image_score_threshold: detections below this score are not drawn; ``None``: ``score_threshold``.
         min_side: images with a shorter side below this are drawn enlarged by an integer factor (whole pixels) so
             that captions stay readable; 0 keeps their size.
+        max_side: images with a longer side above this are drawn shrunk to it (a phone photo's picture at full
+            size costs gigabytes of masks to draw); 0 keeps their size.
     """
 
     def __init__(self, dirpath: str | os.PathLike, filename: str = "predictions.json",
                  score_threshold: float = 0.0, num_images: int = 16, images_dirname: str = "predictions",
-                 image_score_threshold: float | None = None, min_side: int = 256) -> None:
+                 image_score_threshold: float | None = None, min_side: int = 256, max_side: int = 1333) -> None:
         super().__init__(write_interval="batch")
         if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 0:
             raise ValueError(f"callbacks.prediction_writer.num_images={num_images!r} must be an integer >= 0 "
@@ -64,7 +66,14 @@ class CocoPredictionWriter(BasePredictionWriter):
         self.num_images = num_images
         self.images_dir = Path(dirpath) / images_dirname
         self.image_score_threshold = score_threshold if image_score_threshold is None else image_score_threshold
+        if isinstance(max_side, bool) or not isinstance(max_side, int) or max_side < 0:
+            raise ValueError(f"callbacks.prediction_writer.max_side={max_side!r} must be an integer >= 0 (pixels; 0 "
+                             "keeps the images' size)")
+        if max_side and min_side > max_side:
+            raise ValueError(f"callbacks.prediction_writer.min_side={min_side} is above max_side={max_side}: no "
+                             "picture can be both; lower min_side or raise max_side")
         self.min_side = min_side
+        self.max_side = max_side
         self.images_path = self.path.with_name(f"{self.path.stem}_images.json")
         self._records: list[dict[str, Any]] = []
         self._images: list[dict[str, Any]] = []  # COCO image records of images that came with a file name
@@ -104,7 +113,8 @@ class CocoPredictionWriter(BasePredictionWriter):
                 name = f"{det['image_id']}_{Path(det['file_name']).stem}.png"
             self._images_left -= 1
             try:
-                picture = draw_detections(image, det, names, self.image_score_threshold, min_side=self.min_side)
+                picture = draw_detections(image, det, names, self.image_score_threshold, min_side=self.min_side,
+                                          max_side=self.max_side)
                 save_png(picture, self.images_dir / name)
             except Exception as err:  # a picture is not worth the results file
                 warnings.warn(f"predict: no picture {self.images_dir / name}: {type(err).__name__}: {err}",
@@ -122,10 +132,14 @@ class CocoPredictionWriter(BasePredictionWriter):
             for (x1, y1, x2, y2), score, category in zip(boxes, scores, categories)
         ]
         if "masks" in det and records:
-            masks = det["masks"][keep].reshape(len(records), *det["masks"].shape[-2:])
-            # pycocotools encodes a Fortran-ordered [H, W, N] stack in one call
-            stack = np.asfortranarray(masks.to(torch.uint8).permute(1, 2, 0).cpu().numpy())
-            for record, rle in zip(records, mask_utils.encode(stack)):
+            masks = det["masks"]
+            masks = masks.reshape(len(masks), *masks.shape[-2:])
+            # one mask at a time: pycocotools takes a Fortran-ordered [H, W, n] uint8 stack, which for all N masks
+            # at once is an N-image copy (600 MB for 50 detections on a 12-megapixel photo) on top of the masks
+            for record, index in zip(records, keep.nonzero().flatten().tolist()):
+                mask = masks[index].cpu()
+                plane = mask.numpy() if mask.dtype == torch.uint8 else mask.to(torch.uint8).numpy()
+                (rle,) = mask_utils.encode(np.asfortranarray(plane[:, :, None]))
                 record["segmentation"] = {"size": rle["size"], "counts": rle["counts"].decode("ascii")}
         return records
 
