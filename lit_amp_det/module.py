@@ -35,7 +35,7 @@ from lit_amp_det.distributed import gather_list_states
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.ext_ops import ExtRoIHeads
 from lit_amp_det.models.labelled_mask_logits import logit_conv
-from lit_amp_det.models.mask_paste import use_binary_mask_paste
+from lit_amp_det.models.mask_paste import BinaryMaskTransform, use_binary_mask_paste
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.patch_deconv import use_patch_deconv
 from lit_amp_det.models.pointwise_conv import use_pointwise_matmul
@@ -327,6 +327,9 @@ class MaskRCNNModule(LightningModule):
 
     def forward(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
         """Detections (post-processed, fp32) for a list of ``[3, H, W]`` images."""
+        transform = getattr(self.model, "transform", None)
+        if isinstance(transform, BinaryMaskTransform):  # the threshold is read per call, as postprocess reads it
+            transform.mask_threshold = float(self.hparams.mask_threshold)
         return self.postprocess(self.model(self.prepare_images(images)))
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:

@@ -109,6 +109,12 @@ def test_a_model_predicts_the_same_masks_with_the_switch_on_and_off(tmp_path: Pa
         assert got.keys() == expected.keys() and got["masks"].dtype == torch.bool
         for key in got:
             assert torch.equal(got[key], expected[key]), key
+    for module in (switched, plain):  # a threshold changed after construction applies to the next call
+        module.hparams.mask_threshold = 0.8
+    with torch.no_grad():
+        fast, reference = switched(images), plain(images)
+    assert all(torch.equal(a["masks"], b["masks"]) for a, b in zip(fast, reference))
+    assert sum(int(d["masks"].sum()) for d in fast) > 0
 
 
 def test_nothing_is_switched_for_a_detector_without_masks_or_with_its_own_transform(
