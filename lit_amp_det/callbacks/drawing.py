@@ -77,15 +77,17 @@ def _binary_masks(masks: Tensor, size: tuple[int, int], mask_threshold: float, o
     if masks.dim() != 3 or tuple(masks.shape[-2:]) != size:
         raise ValueError(f"masks have shape {shape}; expected [N, {size[0]}, {size[1]}] or "
                          f"[N, 1, {size[0]}, {size[1]}] (the image's height and width)")
-    index = order.tolist() if order is not None else range(len(masks))
+    index = order.to(masks.device) if order is not None else torch.arange(len(masks), device=masks.device)
     if drawn is not None and drawn != size:
         rows, cols = (((torch.arange(n, device=masks.device) + 0.5) * (full / n)).long().clamp_(max=full - 1)
                       for n, full in zip(drawn, size))
         # mask by mask: one advanced index over all of them would build [N, h, w] int64 index tensors
-        masks = torch.stack([masks[i].index_select(0, rows).index_select(1, cols) for i in index]) if len(
-            index) else masks.new_zeros((0, *drawn))
+        shrunk = masks.new_zeros((len(index), *drawn))
+        for k, i in enumerate(index.tolist()):
+            shrunk[k] = masks[i].index_select(0, rows).index_select(1, cols)
+        masks = shrunk
     else:
-        masks = masks[torch.as_tensor(list(index), dtype=torch.long, device=masks.device)]
+        masks = masks[index]
     masks = masks.cpu()
     if masks.is_floating_point():
         return masks > mask_threshold
