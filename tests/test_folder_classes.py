@@ -103,3 +103,23 @@ def test_without_root_absolute_split_paths_are_read(tmp_path: Path) -> None:
     datamodule = CocoDataModule(train_images=str(shapes.root / "images/train"),
                                 train_annotations=str(shapes.root / "annotations/instances_train.json"))
     assert datamodule.root is None and datamodule.num_classes == 7 and len(datamodule.dataset("train")) == 4
+
+
+def test_predict_on_a_folder_with_the_shapes_data_generates_no_split(tmp_path: Path) -> None:
+    """The shapes data is generated for the splits a run reads; ``predict`` on a folder with classes from a
+    checkpoint reads none, so nothing is generated (a fresh machine predicting with a trained model)."""
+    from lightning.pytorch import Trainer
+
+    pictures_folder(tmp_path / "pictures")
+    cfg = compose_config(["command=predict", "model=maskrcnn_tiny", "data.num_workers=0", "data.train_size=4",
+                          "data.val_size=2", "data.test_size=2", "data.image_size=64",
+                          f"data.cache_dir={tmp_path / 'cache'}", f"data.predict_images={tmp_path / 'pictures'}"],
+                         tmp_path)
+    datamodule = build_datamodule(cfg)
+    assert isinstance(datamodule, ShapesDataModule)
+    module = build_model(cfg, datamodule, classes=CLASSES)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    predictions = trainer.predict(module, datamodule=datamodule)
+    assert sum(len(batch) for batch in predictions) == 3
+    assert list((tmp_path / "cache").glob("shapes-*")) == []  # (the pictures' verification cache is there)
+    assert datamodule.num_classes == 7 and list((tmp_path / "cache").glob("shapes-*"))  # classes read: generated

@@ -52,3 +52,18 @@ def test_the_images_index_names_the_categories_the_records_carry():
     assert _categories(with_ids) == [{"id": 17, "name": "cat"}, {"id": 18, "name": "dog"}]
     labels_only = SimpleNamespace(class_names=names, hparams={"category_ids": None})
     assert _categories(labels_only) == [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}]
+
+
+def test_the_images_index_leaves_out_torchvision_s_unused_coco_ids():
+    """torchvision's COCO weights name 91 labels, the 10 ids COCO never uses ``N/A``: the index lists COCO's 80."""
+    from types import SimpleNamespace
+
+    from lit_amp_det.app.model_classes import weights_classes
+    from lit_amp_det.callbacks.prediction_writer import _categories
+
+    classes = weights_classes("COCO_V1", mask=True)
+    model = SimpleNamespace(class_names=classes["class_names"], hparams=classes)
+    categories = _categories(model)
+    assert len(categories) == 80 and all(c["name"] != "N/A" for c in categories)
+    assert categories[0] == {"id": 1, "name": "person"} and {"id": 13, "name": "stop sign"} in categories
+    assert 12 not in {c["id"] for c in categories} and categories[-1] == {"id": 90, "name": "toothbrush"}

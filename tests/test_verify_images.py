@@ -95,3 +95,17 @@ def test_fit_with_a_corrupt_val_image_stops_before_training(damaged, tmp_path: P
         assert str(path) in proc.stderr
     (run_dir,) = (tmp_path / "runs" / "fit").iterdir()
     assert not (run_dir / "checkpoints").exists() and "step 1" not in proc.stdout
+
+
+def test_the_checks_name_an_unknown_mode_before_reading_anything(tmp_path: Path) -> None:
+    """``check_splits`` / ``check_folder`` called directly (not through the data module, which checks
+    ``data.bad_images`` itself) refuse a mode they do not know before decoding a file."""
+    from lit_amp_det.data.image_folder import ImageFolder
+    from lit_amp_det.errors import ArgumentError
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    with pytest.raises(ArgumentError, match=r"^mode='ignore' is unknown; choose error or skip"):
+        verify.check_folder(ImageFolder(tmp_path), "ignore", tmp_path / "cache")
+    with pytest.raises(ArgumentError, match=r"^mode='warn' is unknown; choose error or skip"):
+        verify.check_splits({}, "warn", tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()

@@ -70,10 +70,15 @@ def config_node(path: str) -> Iterator[None]:
 
 
 def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
-    """Instantiates ``cfg.data`` and prepares it (the shapes dataset is generated on first use)."""
+    """Instantiates ``cfg.data`` and prepares it (the shapes dataset is generated on first use).
+
+    Not for ``predict`` on ``data.predict_images``, which reads no split: the shapes data is then generated only
+    if the model's classes must be read from it (no checkpoint or weights name them).
+    """
     with config_node("data"):
         datamodule = instantiate(cfg.data)
-    datamodule.prepare_data()
+    if not predicts_on_a_folder(cfg):
+        datamodule.prepare_data()
     return datamodule
 
 

@@ -155,15 +155,21 @@ class CocoPredictionWriter(BasePredictionWriter):
             _write_json(self.images_path, {"images": images, "categories": _categories(pl_module)})
 
 
+#: The name torchvision's COCO weights give the category ids COCO does not use (12, 26, 29, ...): no category.
+UNUSED_CATEGORY_NAME = "N/A"
+
+
 def _categories(pl_module: LightningModule) -> list[dict[str, Any]]:
     """COCO ``categories`` of the model's classes: the ids the results carry (the dataset's category ids, else the
-    labels 1..K) with their names."""
+    labels 1..K) with their names. The ids torchvision's COCO weights name ``N/A`` are left out: COCO's own
+    annotation files list only its 80 used ids, and such a label is never a detection of something."""
     names = class_names_of(pl_module)
     hparams = getattr(pl_module, "hparams", {})
     category_ids = hparams.get("category_ids") if hasattr(hparams, "get") else None
     count = len(category_ids) if category_ids else len(names)
-    return [{"id": int(category_ids[k]) if category_ids else k + 1, "name": names[k] if k < len(names) else str(k + 1)}
-            for k in range(count)]
+    categories = [{"id": int(category_ids[k]) if category_ids else k + 1,
+                   "name": names[k] if k < len(names) else str(k + 1)} for k in range(count)]
+    return [category for category in categories if category["name"] != UNUSED_CATEGORY_NAME]
 
 
 def _write_json(path: Path, data: Any) -> None:

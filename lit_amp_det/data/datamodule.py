@@ -24,7 +24,7 @@ from lit_amp_det.data.coco import CocoInstances
 from lit_amp_det.data.image_folder import ImageFolder
 from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
-from lit_amp_det.data.verify import check_folder, check_splits
+from lit_amp_det.data.verify import BAD_IMAGE_MODES, check_folder, check_splits
 from lit_amp_det.data.transforms import RandomHorizontalFlip, collate_detection
 from lit_amp_det.errors import ArgumentError
 
@@ -113,8 +113,8 @@ class CocoDataModule(LightningDataModule):
         if predict_split not in ("train", "val", "test"):
             raise ArgumentError("predict_split", predict_split, "is unknown; choose train, val or test")
         for name, value in (("invalid_boxes", invalid_boxes), ("bad_images", bad_images)):
-            if value not in ("error", "skip"):
-                raise ArgumentError(name, value, "is unknown; choose error or skip")
+            if value not in BAD_IMAGE_MODES:  # the same two modes for both
+                raise ArgumentError(name, value, f"is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
         self.root = Path(root).expanduser() if root is not None else None
         self.split_paths: dict[str, tuple[str, str]] = {
             "train": (train_images, train_annotations),
@@ -337,7 +337,13 @@ class ShapesDataModule(CocoDataModule):
         super().__init__(shapes_dataset_dir(self.cache_dir, self.spec, splits=self.splits), **paths, **kwargs)
 
     def prepare_data(self) -> None:
-        """Generates the dataset once (atomically; later runs reuse it)."""
+        """Generates the dataset once (atomically; later runs reuse it).
+
+        Not when a Trainer predicts on ``predict_images``: that run reads no split. Where the model's classes must
+        still come from the data (no weights name them), :meth:`dataset` generates it when they are read.
+        """
+        if self.predict_images is not None and self.trainer is not None and self.trainer.predicting:
+            return
         ensure_shapes(self.cache_dir, self.spec, splits=self.splits)
 
     def dataset(self, split: Split) -> CocoInstances:

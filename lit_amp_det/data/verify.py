@@ -148,6 +148,15 @@ def drop_images(dataset: CocoInstances, paths: Iterable[str]) -> int:
     return removed
 
 
+#: What ``data.bad_images`` may say: stop with every bad file listed, or leave them out with a warning.
+BAD_IMAGE_MODES = ("error", "skip")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in BAD_IMAGE_MODES:
+        raise ArgumentError("mode", mode, f"is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
+
+
 def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "skip"] = "error",
                  cache_dir: Path | None = None, workers: int | None = None) -> None:
     """Verifies every image of ``datasets`` (split name -> dataset) before training or evaluation starts.
@@ -155,8 +164,7 @@ def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "
     ``mode="error"`` raises one :class:`BadImagesError` listing every bad file of every split; ``"skip"`` drops
     them from their splits and logs one warning per split.
     """
-    if mode not in ("error", "skip"):
-        raise ArgumentError("mode", mode, "is unknown; choose error or skip")
+    _check_mode(mode)
     entries = {split: _entries(dataset) for split, dataset in datasets.items()}
     problems = verify_images([e for split_entries in entries.values() for e in split_entries], cache_dir, workers)
     if not problems:
@@ -179,8 +187,7 @@ def check_folder(folder: ImageFolder, mode: Literal["error", "skip"] = "error", 
     ``mode="error"`` raises one :class:`BadImagesError` listing every unreadable picture; ``"skip"`` leaves them out
     of ``folder`` (the others keep their ids) with one warning.
     """
-    if mode not in ("error", "skip"):
-        raise ArgumentError("mode", mode, "is unknown; choose error or skip")
+    _check_mode(mode)
     total = len(folder)
     problems = verify_images([(str(path), None) for path in folder.files], cache_dir, workers)
     if not problems:
