@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 __all__ = ["CLASS_HPARAMS", "IMPLEMENTATION_HPARAMS", "CheckpointError", "architecture_differences",
-           "check_checkpoint", "load_model_weights", "read_checkpoint", "saved_classes"]
+           "check_checkpoint", "load_model_weights", "names_a_checkpoint_file", "read_checkpoint", "saved_classes"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,12 @@ def _unreadable(source: str, path: Path, err: Exception) -> CheckpointError:
         f"weights_only=True raised {type(err).__name__}); pass a .ckpt written by Lightning or a file written by "
         "torch.save(model.state_dict(), path)"
     )
+
+
+def names_a_checkpoint_file(ckpt_path: str | Path | None) -> bool:
+    """Whether a (resolved) ``ckpt_path`` is a file this package reads: not ``None`` (no checkpoint) and not
+    Lightning's ``"best"`` (the fit's own best checkpoint, which Lightning finds and reads itself)."""
+    return ckpt_path is not None and str(ckpt_path) != "best"
 
 
 def read_checkpoint(path: str | Path, source: str = "model.checkpoint") -> Any:
@@ -255,7 +261,7 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module,
     Returns the checkpoint it read (for the caller's own checks), ``None`` for those two. ``checkpoint`` is the
     file's content when the caller has already read it with :func:`read_checkpoint`.
     """
-    if ckpt_path is None or str(ckpt_path) == "best":
+    if not names_a_checkpoint_file(ckpt_path):
         return None
     path = Path(ckpt_path)
     payload = checkpoint if checkpoint is not None else read_checkpoint(path, "ckpt_path")

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lit_amp_det.checkpoints import read_checkpoint, saved_classes
+from lit_amp_det.checkpoints import names_a_checkpoint_file, read_checkpoint, saved_classes
 from lit_amp_det.models.weights import NO_WEIGHTS, detection_checkpoint, resolve_weights
 
 __all__ = ["folder_prediction_classes", "predicts_on_a_folder", "weights_classes"]
@@ -55,7 +55,7 @@ def folder_prediction_classes(cfg: DictConfig, ckpt_path: str | None,
     the weights name, less those ``cfg.model`` sets itself; the data is then not read for classes at all.
     ``checkpoint`` is ``ckpt_path``'s content when the caller has already read it.
     """
-    if ckpt_path is not None and str(ckpt_path) != "best":
+    if names_a_checkpoint_file(ckpt_path):
         payload = checkpoint if checkpoint is not None else read_checkpoint(ckpt_path, "ckpt_path")
         found, source = saved_classes(payload), f"ckpt_path={ckpt_path}"
     elif cfg.model.get("checkpoint"):

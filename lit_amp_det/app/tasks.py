@@ -36,7 +36,7 @@ from lit_amp_det.app.runs import holds_a_run, resolve_ckpt_path, update_run_reco
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
-from lit_amp_det.checkpoints import CLASS_HPARAMS, check_checkpoint, read_checkpoint
+from lit_amp_det.checkpoints import CLASS_HPARAMS, check_checkpoint, names_a_checkpoint_file, read_checkpoint
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.weights import NO_WEIGHTS
 from lit_amp_det.precision.plugin import build_precision_plugin, warn_if_precision_changes
@@ -221,7 +221,7 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
                                   f"write into an earlier run's folder: choose another hydra.run.dir, or resume it "
                                   f"into a new folder with ckpt_path={out}")
         ckpt_path = resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root))
-        write_run_record(out, str(cfg.command), resumed_from=ckpt_path if ckpt_path != "best" else None)
+        write_run_record(out, str(cfg.command), resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None)
         OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
         _pin_ckpt_path_for_ddp_children(ckpt_path)
     else:  # rank 0 resolved ``last`` and pinned the file on this process's command line
@@ -229,7 +229,7 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
     datamodule = build_datamodule(cfg)
     checkpoint, classes = None, None
     if predicts_on_a_folder(cfg):  # no annotations to name the classes: the weights do
-        if ckpt_path is not None and str(ckpt_path) != "best":
+        if names_a_checkpoint_file(ckpt_path):
             checkpoint = read_checkpoint(ckpt_path, "ckpt_path")
         classes = folder_prediction_classes(cfg, ckpt_path, checkpoint)
     model = build_model(cfg, datamodule, weights_from_checkpoint=ckpt_path is not None, classes=classes)
