@@ -281,3 +281,26 @@ def test_box_head_layers_become_bounded() -> None:
         with _RecordShapes() as plain_products:
             plain = head(x)
     assert torch.equal(out, plain) and plain_products.rows == {300}
+
+
+@pytest.mark.parametrize("rows", [37, 1024, 1500], ids=lambda r: f"{r}-rows")
+def test_bounded_linear_hands_autograd_a_weight_gradient_in_the_weight_s_layout(rows: int) -> None:
+    """The weight's gradient reaches autograd contiguous, as ``F.linear``'s does, so that it is accumulated into
+    ``weight.grad`` without a copy (a transposed one cost 11.5 ms a step for the R50-FPN's fc6); a contiguous
+    right-hand operand (the mask upsampling's) keeps its contiguous gradient."""
+    from torch.nn import functional as F
+
+    x = _randn(rows, 96, dtype=torch.bfloat16, seed=3)
+    incoming: dict[str, torch.Tensor] = {}
+    for name, op in (("bounded", bounded_matmul.bounded_linear), ("plain", F.linear)):
+        w = _randn(48, 96, dtype=torch.bfloat16, seed=4).requires_grad_()
+        w.register_hook(lambda grad, name=name: incoming.__setitem__(name, grad))
+        out = op(x, w)
+        out.backward(_randn(*out.shape, dtype=out.dtype, seed=9))
+        assert w.grad.is_contiguous()
+    assert incoming["bounded"].is_contiguous() and incoming["plain"].is_contiguous()
+    torch.testing.assert_close(incoming["bounded"].float(), incoming["plain"].float(), rtol=2 ** -7, atol=0.5)
+    b = _randn(96, 48, dtype=torch.bfloat16, seed=5).requires_grad_()
+    b.register_hook(lambda grad: incoming.__setitem__("mm", grad))
+    chunked_addmm(x, b, chunk=512, granule=64).sum().backward()
+    assert incoming["mm"].is_contiguous() and b.grad.is_contiguous()

@@ -91,19 +91,35 @@ def _rows_product(a: Tensor, b: Tensor, bias: Tensor | None, chunks: list[Chunk]
     return out
 
 
-def _summed_over_rows(a: Tensor, grad: Tensor, chunks: list[Chunk]) -> Tensor:
+def _is_transposed(matrix: Tensor) -> bool:
+    """A 2-D column-major view, such as ``weight.t()`` of a contiguous ``weight``."""
+    return matrix.dim() == 2 and not matrix.is_contiguous() and matrix.t().is_contiguous()
+
+
+def _summed_over_rows(a: Tensor, grad: Tensor, chunks: list[Chunk], layout_of: Tensor) -> Tensor:
     """``a^T @ grad`` summed chunk by chunk in fp32 (fp64 for fp64), the last chunk's overlap rows zeroed in a copy
-    of its ``a`` rows so that each row counts once; returned in ``a``'s dtype."""
+    of its ``a`` rows so that each row counts once; returned in ``a``'s dtype, laid out as ``layout_of`` (the
+    operand it is the gradient of). Where that is a transposed view (:func:`bounded_linear`'s ``weight.t()``), the
+    sum is computed as ``(grad^T @ a)^T``: its transpose, the weight's gradient, is then contiguous, and autograd
+    accumulates it without copying it into the weight's layout (11.5 ms a step for the R50-FPN's fc6 gradient,
+    ``[1024, 12544]`` in bf16, measured on the dev CPU; the product itself takes the same time either way)."""
+    transposed = _is_transposed(layout_of)
+
+    def product(rows: Tensor, rows_grad: Tensor) -> Tensor:
+        return torch.mm(rows_grad.t(), rows).t() if transposed else torch.mm(rows.t(), rows_grad)
+
     if len(chunks) == 1:
-        return torch.mm(a.t(), grad)
-    total = a.new_zeros((a.shape[1], grad.shape[1]), dtype=accumulation_dtype(a.dtype))
+        return product(a, grad)
+    acc = accumulation_dtype(a.dtype)
+    total = (a.new_zeros((grad.shape[1], a.shape[1]), dtype=acc).t() if transposed
+             else a.new_zeros((a.shape[1], grad.shape[1]), dtype=acc))
     for begin, end, overlap in chunks:
         rows = a[begin:end]
         if overlap:
             rows = rows.clone()
             rows[:overlap] = 0
-        total.add_(torch.mm(rows.t(), grad[begin:end]))
-    return total.to(a.dtype)
+        total.add_(product(rows, grad[begin:end]))
+    return total.to(a.dtype)  # keeps total's strides
 
 
 class _ChunkedAddmm(torch.autograd.Function):
@@ -122,7 +138,7 @@ class _ChunkedAddmm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_a = _rows_product(grad, b.t(), None, ctx.chunks)
         if ctx.needs_input_grad[1]:
-            grad_b = _summed_over_rows(a, grad, ctx.chunks)
+            grad_b = _summed_over_rows(a, grad, ctx.chunks, b)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_a, grad_b, grad_bias, None, None
