@@ -86,9 +86,9 @@ def test_winograd_training_matches_direct_convolutions(tmp_path: Path, monkeypat
     calls: list[tuple[int, ...]] = []
     counted = winograd_conv.winograd_conv3x3
 
-    def counting(x, weight, bias=None):  # type: ignore[no-untyped-def]
+    def counting(x, weight, bias=None, output_tile=2):  # type: ignore[no-untyped-def]
         calls.append(tuple(x.shape))
-        return counted(x, weight, bias)
+        return counted(x, weight, bias, output_tile)
 
     monkeypatch.setattr(winograd_conv, "winograd_conv3x3", counting)
 

@@ -311,8 +311,8 @@ def test_coco_weights_predict_a_folder_under_coco_s_own_classes(cached: Path, tm
     assert not any("re-initialised" in m for m in messages)
     index = json.loads((tmp_path / "run" / "predictions_images.json").read_text())
     categories = {c["id"]: c["name"] for c in index["categories"]}
-    assert len(categories) == 90 and categories[1] == "person" and categories[90] == "toothbrush"
-    assert categories[12] == "N/A"  # an id COCO does not use, as torchvision lists it
+    assert len(categories) == 80 and categories[1] == "person" and categories[90] == "toothbrush"
+    assert 12 not in categories  # an id COCO does not use (torchvision names it N/A): no category
     assert [image["file_name"] for image in index["images"]] == ["a_street.JPG", "b_night.png", "c_scan.bmp"]
     records = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert records and {r["category_id"] for r in records} <= set(range(1, 91))
