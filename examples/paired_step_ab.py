@@ -11,6 +11,9 @@ step as of commit be19dda). ``--change memory-order-views``: the row's fused SGD
 alignment pre-hook (A) or as ``lit_amp_det.optim.SGD``, stepping channels_last tensors through memory-order views
 without PyTorch's gradient copy (B); one optimizer, its step swapped per step.
 
+``--change linear-gradient-layout``: the box head's weight gradients handed to autograd transposed (A) or in the
+weights' layout (B).
+
 ``--against ROW``: no code change; two ``bench train`` rows' models side by side instead (A: ``ROW``'s, B:
 ``--row``'s), the ratio of the best row to torchvision fp32 eager without the +-15 % drift between processes. Each
 model gets its own optimizer of its row's config; both load the same cached trained state and step on the same batch
@@ -27,6 +30,10 @@ arms run in the same process, A B / B A alternately, and the paired differences 
     python examples/paired_step_ab.py --change fp32-deconv --row winograd-4x4 --pairs 100
     python examples/paired_step_ab.py --change all --row winograd-4x4 --pairs 120
     python examples/paired_step_ab.py --against torchvision-fp32 --row winograd-4x4 --pairs 60
+    python examples/paired_step_ab.py --change linear-gradient-layout --row pointwise-matmul --precision bf16 \
+        --model maskrcnn_r50_fpn --size 256 --batch 2 --pairs 40
+    python examples/paired_step_ab.py --against torchvision-fp32 --row winograd --precision bf16 \
+        --model maskrcnn_r50_fpn --size 256 --batch 2 --pairs 12
     python examples/paired_step_ab.py --change memory-order-views --row winograd-4x4 --pairs 100
     python examples/paired_step_ab.py --change memory-order-views --row winograd-4x4 --optimizer-only --pairs 200
 """
@@ -40,6 +47,7 @@ import time
 
 import torch
 
+import lit_amp_det.models.bounded_matmul as bounded_matmul
 import lit_amp_det.models.patch_deconv as patch_deconv
 import lit_amp_det.models.winograd_conv as winograd_conv
 from lit_amp_det.bench import e2e, e2e_rows, train
@@ -116,8 +124,18 @@ def memory_order_views(arm: str, model: RowModel) -> None:
     optimizer.step = functools.partial(torch.optim.SGD.step, optimizer) if arm == "A" else own_step
 
 
+TRANSPOSED_OPERANDS = bounded_matmul._is_transposed
+
+
+def linear_gradient_layout(arm: str, model: RowModel) -> None:
+    """A: the box head's weight gradients as the transpose of ``x^T @ grad`` (autograd copies each into the
+    weight's layout); B: as ``(grad^T @ x)^T``, already in it (commit c9a372e)."""
+    bounded_matmul._is_transposed = (lambda matrix: False) if arm == "A" else TRANSPOSED_OPERANDS
+
+
 CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule, "fp32-deconv": fp32_deconv,
-           "all": all_three, "memory-order-views": memory_order_views}
+           "all": all_three, "memory-order-views": memory_order_views,
+           "linear-gradient-layout": linear_gradient_layout}
 
 
 class RowModel:
@@ -146,6 +164,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=120)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="what the precision rows compute in (bench train's --precision; fp32: the AVX2 rows; "
+                             "bf16: a CPU with native bf16)")
     parser.add_argument("--optimizer-only", action="store_true",
                         help="time only optimizer.step() on the gradients of one training step (with --change)")
     args = parser.parse_args()
@@ -157,9 +178,10 @@ def main() -> None:
             parser.error(f"no bench train row {name!r}; choose from {', '.join(rows)}")
     setting = e2e_rows.Setting(device="cpu", model=args.model, batch=args.batch, height=args.size, width=args.size,
                                num_classes=e2e_rows.default_num_classes(args.model), steps=1, warmup=0,
-                               compile_warmup=0, state="trained", state_steps=e2e.DEFAULT_STATE_STEPS, half="fp32")
+                               compile_warmup=0, state="trained", state_steps=e2e.DEFAULT_STATE_STEPS,
+                               half=args.precision)
     # the bench's cached trained state (made here if missing) and its final learning rate, held constant
-    setting, _ = e2e.prepare(setting, argparse.Namespace(cache_dir=None, peak_seconds=0.5), ["fp32"])
+    setting, _ = e2e.prepare(setting, argparse.Namespace(cache_dir=None, peak_seconds=0.5), [args.precision])
     images, targets = e2e_rows.synthetic_batch(setting, setting.batch)
     if args.against is None:
         model = RowModel(args.row, setting)
