@@ -38,7 +38,10 @@ from lit_amp_det.data.coco_format import (
 )
 from lit_amp_det.data.image_io import read_rgb_image
 
-__all__ = ["CocoInstances", "PER_INSTANCE_KEYS", "drop_crowd", "read_rgb_image"]
+__all__ = ["INVALID_BOX_MODES", "CocoInstances", "PER_INSTANCE_KEYS", "drop_crowd", "read_rgb_image"]
+
+#: What ``invalid_boxes`` may say: stop at the first degenerate box, or leave such annotations out.
+INVALID_BOX_MODES = ("error", "skip")
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +128,7 @@ class CocoInstances(torch.utils.data.Dataset):
         skip_empty: bool = False,
         category_ids: Sequence[int] | None = None,
     ) -> None:
-        if invalid_boxes not in ("error", "skip"):
+        if invalid_boxes not in INVALID_BOX_MODES:
             raise ValueError(f"invalid_boxes must be 'error' or 'skip', got {invalid_boxes!r}")
         self.image_dir = Path(image_dir)
         self.annotation_file = Path(annotation_file)

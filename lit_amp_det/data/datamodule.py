@@ -20,7 +20,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from lit_amp_det.data.coco import CocoInstances
+from lit_amp_det.data.coco import INVALID_BOX_MODES, CocoInstances
 from lit_amp_det.data.image_folder import ImageFolder
 from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
@@ -112,9 +112,10 @@ class CocoDataModule(LightningDataModule):
         super().__init__()
         if predict_split not in ("train", "val", "test"):
             raise ArgumentError("predict_split", predict_split, "is unknown; choose train, val or test")
-        for name, value in (("invalid_boxes", invalid_boxes), ("bad_images", bad_images)):
-            if value not in BAD_IMAGE_MODES:  # the same two modes for both
-                raise ArgumentError(name, value, f"is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
+        for name, value, modes in (("invalid_boxes", invalid_boxes, INVALID_BOX_MODES),
+                                   ("bad_images", bad_images, BAD_IMAGE_MODES)):
+            if value not in modes:
+                raise ArgumentError(name, value, f"is unknown; choose {' or '.join(modes)}")
         self.root = Path(root).expanduser() if root is not None else None
         self.split_paths: dict[str, tuple[str, str]] = {
             "train": (train_images, train_annotations),
