@@ -49,7 +49,7 @@ import torchvision
 from torch import Tensor
 
 import lit_amp_det.ops as ops
-from lit_amp_det.bench.common import compose, write_json
+from lit_amp_det.bench.common import compose, cpu_name, write_json
 from lit_amp_det.profiling import timed
 
 __all__ = ["main"]
@@ -382,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows.append(_compare(name, size, dtype, ours, theirs, device=args.device, repeats=repeats,
                                  warmup=args.warmup))
             print(f"  {name} [{size}, {dtype}]: {rows[-1]['speedup']:.2f}x", flush=True)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU x{torch.get_num_threads()} threads"
+    device_name = (torch.cuda.get_device_name() if args.device == "cuda"
+                   else f"{cpu_name()}, {torch.get_num_threads()} threads")
     header = (f"device={args.device} ({device_name}) torch={torch.__version__} torchvision={torchvision.__version__} "
               f"repeats={repeats} (median; warm-up {args.warmup} excluded)")
     print(_table(rows, header))

@@ -133,8 +133,9 @@ def count_flops(fn: Callable[[], Any]) -> int:
 
 
 def machine_key(device: str) -> str:
-    """What a peak depends on: the CPU model (with torch's CPU capability: one model name, "AMD EPYC" say, covers
-    CPUs with and without AVX-512) or GPU name, the torch version and the torch thread count."""
+    """What a peak depends on: the CPU (its model name, family and model numbers and Zen generation, with torch's CPU
+    capability: one model name, "AMD EPYC" say, covers CPUs with and without AVX-512, and Zen 4 and Zen 5 hosts whose
+    peaks differ 2x) or GPU name, the torch version and the torch thread count."""
     name = torch.cuda.get_device_name() if device == "cuda" else f"{cpu_name()} {cpu_capability()}"
     return f"{device}|{name}|torch {torch.__version__}|{torch.get_num_threads()} threads"
 
