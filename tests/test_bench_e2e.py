@@ -374,3 +374,36 @@ def test_an_inference_row_reports_its_changing_batch_calls() -> None:
     assert "drift_steps" not in plain
     assert result["drift_steps"] == 2 and result["drift_heap_growth_mb"] is not None
     assert result["detections_per_call"] == plain["detections_per_call"] > 0
+
+
+@pytest.mark.parametrize(("row", "peak_first"), [("torchvision-fp32", False), ("retain-cpu-heap", True)])
+def test_a_row_that_keeps_its_heap_measures_its_peak_before_the_instrumented_steps(
+        row: str, peak_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept heap is measured in the state the timed steps left: the FLOP count and the profiled step allocate
+    in their own patterns and grew an R50 row's kept heap by ~50 MB. A row whose heap is released and whose
+    allocator is pinned for the peak step measures it after them (the pin would change their allocations).
+    (``bench infer`` has no row that keeps its heap.)"""
+    calls: list[str] = []
+    count, peak_of, breakdown = train.count_flops, e2e_rows.PeakMemory.peak_of, train.time_breakdown
+
+    def counting(fn: Any) -> int:
+        calls.append(f"flops, heap kept: {retains_freed_memory()}")
+        return count(fn)
+
+    def measuring(self: e2e_rows.PeakMemory, fn: Any) -> dict[str, float]:
+        calls.append(f"peak, heap kept: {retains_freed_memory()}")
+        return peak_of(self, fn)
+
+    def profiling(*args: Any, **kwargs: Any) -> Any:
+        calls.append(f"profile, heap kept: {retains_freed_memory()}")
+        return breakdown(*args, **kwargs)
+
+    monkeypatch.setattr(train, "count_flops", counting)
+    monkeypatch.setattr(e2e_rows.PeakMemory, "peak_of", measuring)
+    monkeypatch.setattr(train, "time_breakdown", profiling)
+    result = train.run_row([r.name for r in train.ROWS].index(row), SETTING)
+    assert not retains_freed_memory()  # the row's teardown restored glibc's policy
+    instrumented = [f"flops, heap kept: {peak_first}", f"profile, heap kept: {peak_first}"]
+    peak = [f"peak, heap kept: {peak_first}"]
+    assert calls == (peak + instrumented if peak_first else instrumented + peak)
+    assert result["peak_memory_mb"] > 0

@@ -328,17 +328,29 @@ class PeakMemory:
     whatever heap the allocator kept from earlier steps, which depends on the order of the allocations, not on what
     the step holds. Measured on the R50-FPN at 256 px: two variants that hold the same tensors (577 vs 573 MB
     pinned) read 704-732 vs 630-657 MB unpinned. A row that keeps its freed heap on purpose
-    (:class:`~lit_amp_det.callbacks.retain_cpu_heap.RetainCPUHeap`) is measured as it runs, unpinned and untrimmed:
-    the heap it keeps is memory the process holds.
+    (:class:`~lit_amp_det.callbacks.retain_cpu_heap.RetainCPUHeap`) is measured as it runs, unpinned and untrimmed,
+    right after the timed steps (:attr:`measures_the_kept_heap`): the heap its training keeps is memory the process
+    holds, the heap the bench's own instrumented steps would add is not.
     """
 
     def __init__(self, device: str) -> None:
         self.probe = MemoryProbe(device)
         self.baseline = self.probe.baseline_bytes() / MB
         pinned = "" if self.probe.cuda else (", glibc's mmap threshold pinned and freed heap released first (a row "
-                                             "that retains its CPU heap: as it runs, the kept heap included)")
+                                             "that retains its CPU heap: as it runs, right after the timed steps, "
+                                             "the kept heap included)")
         self.method = (f"{self.probe.source}, one step after the timed ones{pinned}, minus what was in use after "
                        "building")
+
+    @property
+    def measures_the_kept_heap(self) -> bool:
+        """True for a CPU row that keeps its freed heap (:func:`~lit_amp_det.cpu_heap.retains_freed_memory`): its
+        peak is what the process holds, so it depends on what ran before. Such a row measures its peak step right
+        after the timed ones, before the bench's instrumented steps (the FLOP count under
+        ``FlopCounterMode``, the direct-convolution count, the profiled step): each of those allocates in its own
+        pattern, and on the R50-FPN at 256 px one of them grew the kept heap by about 50 MB that no training step
+        needs (BENCHMARKS.md, "The kept heap measured before the instrumented steps")."""
+        return not self.probe.cuda and retains_freed_memory()
 
     def peak_of(self, run: Callable[[], Any]) -> dict[str, float]:
         """Runs ``run`` once and returns its peak (see the class doc). On a CPU the pinned threshold is lifted again

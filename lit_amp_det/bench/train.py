@@ -61,6 +61,7 @@ the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 rep
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -176,16 +177,21 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         faults = minor_page_faults()
         times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
         faults = (minor_page_faults() - faults) / setting.steps
-        after = warmup + setting.steps  # the index of the next untimed step
-        flops = count_flops(lambda: step(after))  # one more step, after the timed ones
+        untimed = itertools.count(warmup + setting.steps)  # the indices of the steps after the timed ones
+        peak = None
+        if memory.measures_the_kept_heap:  # in the state the training steps left, before the instrumented ones
+            peak = memory.peak_of(lambda: step(next(untimed)))
+        flops = count_flops(lambda: step(next(untimed)))  # one more step, after the timed ones
         model_flops = flops
         if any(isinstance(m, WinogradConv2d) for m in module.modules()):  # and the same step done directly
-            after += 1
             with direct_convolutions():
-                model_flops = count_flops(lambda: step(after))
-        where = time_breakdown(lambda: step(after + 1), setting.device, flops / 1e9)  # and one more
-        peak = memory.peak_of(lambda: step(after + 2))  # it pins the CPU allocator
-        drift = e2e_rows.memory_over_changing_batches(lambda k, batch: step(after + 3 + k, batch), setting, "train")
+                model_flops = count_flops(lambda: step(next(untimed)))
+        where = time_breakdown(lambda: step(next(untimed)), setting.device, flops / 1e9)  # and one more
+        if peak is None:
+            peak = memory.peak_of(lambda: step(next(untimed)))  # it pins the CPU allocator: after the others
+        first_drift_step = next(untimed)
+        drift = e2e_rows.memory_over_changing_batches(lambda k, batch: step(first_drift_step + k, batch), setting,
+                                                      "train")
     finally:
         row.teardown()
     stats = e2e_rows.summarise(times)
