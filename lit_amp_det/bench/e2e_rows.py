@@ -349,7 +349,7 @@ class PeakMemory:
         after the timed ones, before the bench's instrumented steps (the FLOP count under
         ``FlopCounterMode``, the direct-convolution count, the profiled step): each of those allocates in its own
         pattern, and on the R50-FPN at 256 px one of them grew the kept heap by about 50 MB that no training step
-        needs (BENCHMARKS.md, "The kept heap measured before the instrumented steps")."""
+        needs (BENCHMARKS.md, the section on "the kept heap measured before the instrumented steps")."""
         return not self.probe.cuda and retains_freed_memory()
 
     def peak_of(self, run: Callable[[], Any]) -> dict[str, float]:
