@@ -1,0 +1,68 @@
+"""The A/B scripts in ``examples/`` run: each change they swap in and out still fits the code it replaces.
+
+They are measuring tools, so nothing here times anything: each runs on the tiny model for one or two pairs, in its
+own process (the scripts patch module globals), on a shared cache that holds the tiny model's trained bench state and
+the peaks. At 128 px, batch 2, the tiny model's backbone layer1 (64 channels, 512 2x2 tiles) passes the fp32
+Winograd size rule, so the Winograd changes run their patched paths. ``mask_paste_ab.py`` is left out: it measures
+on the light model's trained state, which takes minutes to make; ``weighted_loss.py`` trains in ``tests/test_cli.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lit_amp_det.precision.hardware import cpu_computes_bf16_natively
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model", "maskrcnn_tiny", "--size", "128", "--batch", "2"]
+#: the last line every paired script prints: both arms' medians and the paired figures
+SUMMARY = re.compile(r"A [\d.]+ ms, B [\d.]+ ms, [\d.]+x; paired A - B median .* B faster in \d+/(\d+) pairs")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One bench cache for the module: the tiny state and the peaks are made by the first script only."""
+    return tmp_path_factory.mktemp("example_cache")
+
+
+def run_example(script: str, args: list[str], cache: Path) -> str:
+    env = {**os.environ, "LIT_AMP_DET_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["--change", "all", "--row", "winograd-4x4"],  # the weight transforms, the size rule and the fp32 upsampling
+    ["--change", "memory-order-views", "--row", "winograd-4x4"],
+    ["--change", "memory-order-views", "--row", "winograd-4x4", "--optimizer-only"],
+    ["--change", "linear-gradient-layout", "--row", "pointwise-matmul", "--precision", "bf16"],
+    ["--against", "torchvision-fp32", "--row", "winograd-4x4"],
+], ids=["all", "memory-order-views", "optimizer-only", "linear-gradient-layout", "against"])
+def test_paired_step_ab_runs_each_change(args: list[str], cache: Path) -> None:
+    if "bf16" in args and not cpu_computes_bf16_natively():
+        pytest.skip("the bf16 row takes torch's slow paths on a CPU without native bf16")
+    out = run_example("paired_step_ab.py", [*args, *TINY, "--pairs", "2"], cache)
+    match = SUMMARY.search(out.strip().splitlines()[-1])
+    assert match is not None and match.group(1) == "2", out[-2000:]
+
+
+def test_paired_step_ab_names_an_unknown_row(cache: Path) -> None:
+    env = {**os.environ, "LIT_AMP_DET_CACHE": str(cache)}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "paired_step_ab.py"), "--row", "no-such-row"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no bench train row 'no-such-row'" in proc.stderr
+
+
+def test_paired_infer_ab_runs_the_weight_tile_cache(cache: Path) -> None:
+    out = run_example("paired_infer_ab.py", ["--row", "winograd-4x4", *TINY, "--pairs", "2"], cache)
+    assert out.count("B faster in") == 2, out[-2000:]  # throughput at --batch, then latency at batch 1
