@@ -33,10 +33,14 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("example_cache")
 
 
-def run_example(script: str, args: list[str], cache: Path) -> str:
+def launch(script: str, args: list[str], cache: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "LIT_AMP_DET_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def run_example(script: str, args: list[str], cache: Path) -> str:
+    proc = launch(script, args, cache)
     assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
@@ -57,9 +61,7 @@ def test_paired_step_ab_runs_each_change(args: list[str], cache: Path) -> None:
 
 
 def test_paired_step_ab_names_an_unknown_row(cache: Path) -> None:
-    env = {**os.environ, "LIT_AMP_DET_CACHE": str(cache)}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "paired_step_ab.py"), "--row", "no-such-row"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch("paired_step_ab.py", ["--row", "no-such-row"], cache)
     assert proc.returncode == 2 and "no bench train row 'no-such-row'" in proc.stderr
 
 

@@ -129,7 +129,8 @@ class CocoInstances(torch.utils.data.Dataset):
         category_ids: Sequence[int] | None = None,
     ) -> None:
         if invalid_boxes not in INVALID_BOX_MODES:
-            raise ValueError(f"invalid_boxes must be 'error' or 'skip', got {invalid_boxes!r}")
+            modes = " or ".join(map(repr, INVALID_BOX_MODES))
+            raise ValueError(f"invalid_boxes must be {modes}, got {invalid_boxes!r}")
         self.image_dir = Path(image_dir)
         self.annotation_file = Path(annotation_file)
         self.transforms = transforms
