@@ -14,6 +14,9 @@ larger than the model's input, as photos are:
 
     python examples/mask_paste_ab.py
     python examples/mask_paste_ab.py --size 1024 --batch 2 --pairs 20 --memory-repeats 3
+
+``--model``, ``--model-size`` and ``--state-batch`` pick another bench state (the tests run the tiny model's); the
+state is the one ``bench train`` / ``bench infer`` make at that size and batch, whatever ``--batch`` the timing uses.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ ROW = "channels-last"  # the last bench infer row before binary-mask-paste
 
 
 def _build(args: argparse.Namespace, score_thresh: float | None = None):
-    setting = e2e_rows.Setting(device="cpu", model="maskrcnn_light", batch=args.batch, height=224, width=224,
-                               num_classes=e2e_rows.default_num_classes("maskrcnn_light"), steps=1, warmup=0,
-                               compile_warmup=0, state="trained", state_steps=e2e.DEFAULT_STATE_STEPS, half="fp32")
+    # the setting's batch is the state's: the timing's --batch only sets how many pictures a call takes
+    setting = e2e_rows.Setting(device="cpu", model=args.model, batch=args.state_batch, height=args.model_size,
+                               width=args.model_size, num_classes=e2e_rows.default_num_classes(args.model), steps=1,
+                               warmup=0, compile_warmup=0, state="trained", state_steps=e2e.DEFAULT_STATE_STEPS,
+                               half="fp32")
     setting, _ = e2e.prepare(setting, argparse.Namespace(cache_dir=None, peak_seconds=0.5), ["fp32"])
     rows = [row.name for row in infer.ROWS]
     overrides = e2e_rows.row_overrides(infer.ROWS, rows.index(ROW), setting)
@@ -83,7 +88,7 @@ def paired_time(args: argparse.Namespace) -> None:
 def memory_arm(args: argparse.Namespace) -> None:
     """One call on the photo in this (fresh) process; prints the resident set's peak growth as JSON."""
     setting, built, arms = _build(args, score_thresh=args.photo_score)
-    small, _ = shapes_batch("val", range(1), 224, 224, setting.num_classes, "cpu")
+    small, _ = shapes_batch("val", range(1), args.model_size, args.model_size, setting.num_classes, "cpu")
     height, width = args.photo
     photo = F.interpolate(small[0][None].float(), size=(height, width), mode="bilinear").round().to(torch.uint8)[0]
     _call(built, arms, args.memory_arm, small)  # warm-up at the model's size
@@ -99,7 +104,8 @@ def memory(args: argparse.Namespace) -> None:
     for _ in range(args.memory_repeats):
         for arm in "AB":
             command = [sys.executable, __file__, "--memory-arm", arm, "--photo", *map(str, args.photo),
-                       "--photo-score", str(args.photo_score)]
+                       "--photo-score", str(args.photo_score), "--model", args.model,
+                       "--model-size", str(args.model_size), "--state-batch", str(args.state_batch)]
             line = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             results[arm].append(json.loads(line))
     a, b = results["A"], results["B"]
@@ -121,13 +127,16 @@ def main() -> None:
     parser.add_argument("--photo", type=int, nargs=2, default=(3024, 4032), metavar=("HEIGHT", "WIDTH"))
     parser.add_argument("--photo-score", type=float, default=0.0)
     parser.add_argument("--memory-repeats", type=int, default=3)
+    parser.add_argument("--model", default="maskrcnn_light", help="the bench state's model")
+    parser.add_argument("--model-size", type=int, default=224, help="the bench state's (and the model's) image side")
+    parser.add_argument("--state-batch", type=int, default=4, help="the bench state's batch")
     parser.add_argument("--memory-arm", choices=["A", "B"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_arm:
         memory_arm(args)
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; bench infer row {ROW!r}, the trained light "
-          "state (224 px in the model)", flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; bench infer row {ROW!r}, the trained "
+          f"{args.model} state ({args.model_size} px in the model, batch {args.state_batch})", flush=True)
     paired_time(args)
     memory(args)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 
-from lit_amp_det.bench import breakdown, e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
+from lit_amp_det.bench import breakdown, common, e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
 from lit_amp_det.bench.common import cpu_name, shapes_batch, weights_sha256
 
 SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=7,
@@ -305,6 +305,7 @@ def _cpuinfo(vendor: str, family: int, model: int, name: str = "AMD EPYC") -> st
     ("AuthenticAMD", 25, 97, "AMD Ryzen 9 7950X", "AMD Ryzen 9 7950X (family 25 model 97, Zen 4)"),
     ("AuthenticAMD", 26, 2, "AMD EPYC", "AMD EPYC (family 26 model 2, Zen 5)"),  # Turin
     ("AuthenticAMD", 23, 49, "AMD EPYC 7B12", "AMD EPYC 7B12 (family 23 model 49, Zen 2)"),
+    ("AuthenticAMD", 23, 1, "AMD EPYC 7601", "AMD EPYC 7601 (family 23 model 1, Zen/Zen+)"),  # Naples
     ("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8481C",
      "Intel(R) Xeon(R) Platinum 8481C (family 6 model 143)"),
 ])
@@ -317,6 +318,13 @@ def test_cpu_name_tells_hosts_with_one_model_name_apart(vendor: str, family: int
 def test_cpu_name_without_family_numbers_is_the_model_name() -> None:
     assert cpu_name("processor\t: 0\nmodel name\t: Some CPU\n") == "Some CPU"
     assert cpu_name("") != ""  # platform's name stands in
+
+
+def test_cpu_name_without_proc_cpuinfo_is_platforms_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # macOS, Windows or a sandbox without /proc: the bench still names the machine
+    monkeypatch.setattr(common, "CPUINFO_PATH", str(tmp_path / "absent"))
+    monkeypatch.setattr(common.platform, "processor", lambda: "arm")
+    assert cpu_name() == "arm"
 
 
 def test_peaks_of_zen4_and_zen5_hosts_are_kept_apart(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,7 +344,8 @@ def test_busy_cpus_reads_the_machine() -> None:
 
 
 def test_is_flop_op_bins_matmuls_and_convolutions() -> None:
-    for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::conv2d", "aten::conv_transpose2d", "aten::convolution",
+    for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::conv2d",
+                 "aten::conv_transpose2d", "aten::convolution",
                  "aten::convolution_backward", "aten::mkldnn_convolution", "aten::cudnn_convolution",
                  "mkldnn::_convolution_pointwise", "mkldnn::_linear_pointwise"):
         assert breakdown.is_flop_op(name), name

@@ -3,8 +3,8 @@
 They are measuring tools, so nothing here times anything: each runs on the tiny model for one or two pairs, in its
 own process (the scripts patch module globals), on a shared cache that holds the tiny model's trained bench state and
 the peaks. At 128 px, batch 2, the tiny model's backbone layer1 (64 channels, 512 2x2 tiles) passes the fp32
-Winograd size rule, so the Winograd changes run their patched paths. ``mask_paste_ab.py`` is left out: it measures
-on the light model's trained state, which takes minutes to make; ``weighted_loss.py`` trains in ``tests/test_cli.py``.
+Winograd size rule, so the Winograd changes run their patched paths. ``mask_paste_ab.py`` runs on the same tiny
+state (its default, the light model's, takes minutes to make); ``weighted_loss.py`` trains in ``tests/test_cli.py``.
 """
 
 from __future__ import annotations
@@ -68,3 +68,15 @@ def test_paired_step_ab_names_an_unknown_row(cache: Path) -> None:
 def test_paired_infer_ab_runs_the_weight_tile_cache(cache: Path) -> None:
     out = run_example("paired_infer_ab.py", ["--row", "winograd-4x4", *TINY, "--pairs", "2"], cache)
     assert out.count("B faster in") == 2, out[-2000:]  # throughput at --batch, then latency at batch 1
+
+
+def test_mask_paste_ab_compares_both_pastes_in_time_and_memory(cache: Path) -> None:
+    out = run_example("mask_paste_ab.py", ["--model", "maskrcnn_tiny", "--model-size", "128", "--state-batch", "2",
+                                           "--size", "160", "--batch", "2", "--pairs", "2", "--photo", "320", "240",
+                                           "--memory-repeats", "1"], cache)
+    timing = re.search(r"time: 160x160 pictures, batch 2, detections per picture \[(\d+), (\d+)\] \(the same masks "
+                       r"in both arms\).* B faster in \d+/2 pairs", out)
+    assert timing is not None, out[-2000:]
+    assert min(map(int, timing.groups())) > 0, out[-2000:]  # the pastes had masks to compare
+    assert re.search(r"memory: one 320x240 picture, [1-9]\d* detections \(the same masks in both arms\), 1 fresh "
+                     r"processes per arm", out), out[-2000:]

@@ -172,6 +172,10 @@ def _cpuinfo_fields(text: str) -> dict[str, str]:
     return fields
 
 
+#: Where Linux lists the CPU's vendor, family, model and name.
+CPUINFO_PATH = "/proc/cpuinfo"
+
+
 def cpu_name(cpuinfo: str | None = None) -> str:
     """The CPU's model name with its family and model numbers, and for AMD its Zen generation
     (:func:`amd_microarchitecture`): ``AMD EPYC (family 25 model 17, Zen 4)``. From ``/proc/cpuinfo`` (or the
@@ -180,7 +184,7 @@ def cpu_name(cpuinfo: str | None = None) -> str:
     peak FLOP rate."""
     if cpuinfo is None:
         try:
-            with open("/proc/cpuinfo") as f:
+            with open(CPUINFO_PATH) as f:
                 cpuinfo = f.read()
         except OSError:
             cpuinfo = ""
