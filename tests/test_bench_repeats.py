@@ -18,7 +18,8 @@ import pytest
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 
-from lit_amp_det.bench import breakdown, common, e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
+from lit_amp_det import cpu_model
+from lit_amp_det.bench import breakdown, e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
 from lit_amp_det.bench.common import cpu_name, shapes_batch, weights_sha256
 
 SETTING = e2e_rows.Setting(device="cpu", model="maskrcnn_tiny", batch=2, height=64, width=64, num_classes=7,
@@ -322,8 +323,8 @@ def test_cpu_name_without_family_numbers_is_the_model_name() -> None:
 
 def test_cpu_name_without_proc_cpuinfo_is_platforms_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # macOS, Windows or a sandbox without /proc: the bench still names the machine
-    monkeypatch.setattr(common, "CPUINFO_PATH", str(tmp_path / "absent"))
-    monkeypatch.setattr(common.platform, "processor", lambda: "arm")
+    monkeypatch.setattr(cpu_model, "CPUINFO_PATH", str(tmp_path / "absent"))
+    monkeypatch.setattr(cpu_model.platform, "processor", lambda: "arm")
     assert cpu_name() == "arm"
 
 

@@ -20,10 +20,13 @@ from conftest import compose_config, smooth_activations
 from hydra.utils import instantiate
 from torch import nn
 
+from lit_amp_det import cpu_model
 from lit_amp_det.models.conv_bn import enable_conv_bn_eval, find_conv_norm_pairs
 from lit_amp_det.models.winograd_conv import (
     MIN_TILES,
+    SPLIT_VECTOR_MIN_TILES,
     WinogradConv2d,
+    half_min_tiles,
     is_winograd_shape,
     use_winograd_convs,
     winograd_conv3x3,
@@ -587,7 +590,8 @@ def _switched_layer_without_bias(channels: int) -> WinogradConv2d:
 
 
 @needs_ext
-def test_layer_takes_winograd_only_where_measured_faster() -> None:
+def test_layer_takes_winograd_only_where_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_model, "splits_512_bit_vectors", lambda: False)  # a full-width CPU (Zen 5, AVX2 hosts)
     conv = _switched_layer(256)
     big = torch.zeros(1, 256, 64, 64)  # 32 x 32 = 1024 tiles
     assert MIN_TILES == 1024
@@ -599,6 +603,24 @@ def test_layer_takes_winograd_only_where_measured_faster() -> None:
     assert not conv.computes_with_winograd(torch.zeros(1, 256, 62, 62, dtype=torch.bfloat16))  # 961 tiles
     assert not _switched_layer(128).computes_with_winograd(torch.zeros(1, 128, 64, 64, dtype=torch.bfloat16))
     assert not conv.computes_with_winograd(torch.zeros(256, 64, 64, dtype=torch.bfloat16))  # unbatched
+
+
+@needs_ext
+def test_a_cpu_that_splits_512_bit_vectors_takes_half_layers_from_fewer_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Zen 4: the tiles paid from 128 of them at 256 and 512 channels (bf16), never at 128 channels
+    monkeypatch.setattr(cpu_model, "splits_512_bit_vectors", lambda: True)
+    assert half_min_tiles() == SPLIT_VECTOR_MIN_TILES == 128
+    conv = _switched_layer(256)
+    assert conv.computes_with_winograd(torch.zeros(2, 256, 16, 16, dtype=torch.bfloat16))  # 128 tiles
+    assert conv.computes_with_winograd(torch.zeros(2, 256, 16, 16, dtype=torch.half))
+    assert not conv.computes_with_winograd(torch.zeros(1, 256, 16, 16, dtype=torch.bfloat16))  # 64 tiles
+    assert not _switched_layer(128).computes_with_winograd(torch.zeros(1, 128, 64, 64, dtype=torch.bfloat16))
+    # float32 keeps its own rule (measured on an AVX2 CPU): 128 channels x 128 tiles is 16384 channel-tiles
+    assert _switched_layer(128).computes_with_winograd(torch.zeros(2, 128, 16, 16))
+    assert not _switched_layer(128).computes_with_winograd(torch.zeros(2, 128, 16, 16, dtype=torch.bfloat16))
+    monkeypatch.setattr(cpu_model, "splits_512_bit_vectors", lambda: False)
+    assert half_min_tiles() == MIN_TILES
+    assert not conv.computes_with_winograd(torch.zeros(2, 256, 16, 16, dtype=torch.bfloat16))
 
 
 @needs_ext

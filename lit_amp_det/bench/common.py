@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch import Tensor
+
+from lit_amp_det.cpu_model import amd_microarchitecture, cpu_name
 
 __all__ = ["amd_microarchitecture", "batch_sha256", "cache_root", "compose", "cpu_name", "detection_batch",
            "replace_file", "shapes_batch", "tensors_sha256", "train_step", "weights_sha256", "write_json"]
@@ -134,68 +135,6 @@ def cache_root(given: str | Path | None = None) -> Path:
     The same default as ``paths.cache_dir`` (``conf/paths/default.yaml``), so the benches and ``fit`` share it.
     """
     return Path(given or os.environ.get("LIT_AMP_DET_CACHE") or "~/.cache/lit_amp_det").expanduser().resolve()
-
-
-#: AMD family 19h (25) models of Zen 4; its other models are Zen 3 (AMD's family 19h documents list both).
-_ZEN4_MODEL_RANGES = ((0x10, 0x1F), (0x60, 0x7F), (0xA0, 0xAF))
-
-
-def amd_microarchitecture(family: int, model: int) -> str | None:
-    """The Zen generation of an AMD CPU from its ``cpu family`` and ``model`` (``/proc/cpuinfo``), or None.
-
-    Cloud VMs report the same model name ("AMD EPYC") and the same AVX-512 BF16 flags on Zen 4 and Zen 5 hosts, yet
-    Zen 4 runs a 512-bit instruction as two 256-bit halves and Zen 5 at full width: per core and cycle, Zen 4 does
-    32 fp32 / 64 bf16 FLOPs, Zen 5 twice that. On the 2-core dev VM the bench's probe reads fp32 226 / bf16 445
-    GFLOP/s on a Zen 4 host (family 25 model 17) and 472 / 963 on the faster one, so a peak, and every ratio that
-    leans on the FLOP rate, belongs to the generation, which the model name alone does not tell.
-    """
-    if family == 23:
-        return "Zen 2" if model >= 0x30 else "Zen/Zen+"
-    if family == 25:
-        return "Zen 4" if any(low <= model <= high for low, high in _ZEN4_MODEL_RANGES) else "Zen 3"
-    if family == 26:
-        return "Zen 5"
-    return None
-
-
-def _cpuinfo_fields(text: str) -> dict[str, str]:
-    """The first processor's ``key: value`` lines of a ``/proc/cpuinfo`` text."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the end of the first processor's block
-            continue
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-#: Where Linux lists the CPU's vendor, family, model and name.
-CPUINFO_PATH = "/proc/cpuinfo"
-
-
-def cpu_name(cpuinfo: str | None = None) -> str:
-    """The CPU's model name with its family and model numbers, and for AMD its Zen generation
-    (:func:`amd_microarchitecture`): ``AMD EPYC (family 25 model 17, Zen 4)``. From ``/proc/cpuinfo`` (or the
-    ``cpuinfo`` text given), else what :mod:`platform` knows. It names the machine in the bench reports and keys the
-    cached peaks (:func:`lit_amp_det.bench.roofline.machine_key`): two hosts with one model name can differ 2x in
-    peak FLOP rate."""
-    if cpuinfo is None:
-        try:
-            with open(CPUINFO_PATH) as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
-    fields = _cpuinfo_fields(cpuinfo)
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    family, model = fields.get("cpu family", ""), fields.get("model", "")
-    if not (family.isdigit() and model.isdigit()):
-        return name
-    generation = (amd_microarchitecture(int(family), int(model)) if fields.get("vendor_id") == "AuthenticAMD"
-                  else None)
-    return f"{name} (family {family} model {model}{f', {generation}' if generation else ''})"
 
 
 def tensors_sha256(tensors: Mapping[str, Tensor]) -> str:

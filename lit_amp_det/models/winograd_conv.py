@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_amp_det import cpu_model
 from lit_amp_det.models.bounded_matmul import Chunk, row_chunks
 from lit_amp_det.models.half_compute import HALF_DTYPES, apply_with_autocast_casts, convolution_dtype
 from lit_amp_det.ops._extension import extension_available
@@ -69,6 +70,7 @@ __all__ = [
     "FP32_MIN_TILES",
     "MIN_CHANNELS",
     "MIN_TILES",
+    "SPLIT_VECTOR_MIN_TILES",
     "TILE_GRANULE",
     "WINOGRAD_PARTS",
     "WeightTileCache",
@@ -76,6 +78,7 @@ __all__ = [
     "check_output_tile",
     "chunk_tiles",
     "direct_convolutions",
+    "half_min_tiles",
     "is_winograd_shape",
     "release_workspace",
     "use_winograd_convs",
@@ -92,11 +95,20 @@ WINOGRAD_PARTS = {
 }
 
 
-#: fp16/bf16: below these sizes oneDNN's direct convolution was as fast or faster (dev CPU with AVX-512 BF16, bf16,
-#: forward + backward): 256 -> 256 channels on 2x32x32 maps (512 tiles) 8.8 vs 9.5 ms, 20 RoIs of 14x14 (980 tiles)
-#: 14.3 vs 14.3 ms, 40 RoIs (1960 tiles) 28.6 vs 25.6 ms; 128 channels on 4x64x64 maps (4096 tiles) 15.4 vs 15.8 ms.
+#: fp16/bf16: below these sizes oneDNN's direct convolution was as fast or faster (dev CPU with AVX-512 BF16 on its
+#: Zen 5 host, bf16, forward + backward): 256 -> 256 channels on 2x32x32 maps (512 tiles) 8.8 vs 9.5 ms, 20 RoIs of
+#: 14x14 (980 tiles) 14.3 vs 14.3 ms, 40 RoIs (1960 tiles) 28.6 vs 25.6 ms; 128 channels on 4x64x64 maps (4096 tiles)
+#: 15.4 vs 15.8 ms.
 MIN_TILES = 1024
 MIN_CHANNELS = 256
+#: fp16/bf16 tiles from this many on a CPU that runs 512-bit instructions as two halves (AMD Zen 4:
+#: :func:`lit_amp_det.cpu_model.splits_512_bit_vectors`), where the direct convolution's multiplications take twice
+#: a full-width core's time and the memory-bound tile transforms the same. ``bench ops --only winograd_sizes
+#: --repeats 5`` on the dev VM's Zen 4 host (bf16, forward + backward, C -> C channels, T 2x2 tiles; speed-up of the
+#: tiles): C=256: T=64 0.78-0.79x, T=128 1.01x, T=196 1.12x, T=256 1.16x, T=784 1.32x, T=4096 1.34x; C=512: T=64
+#: 0.80-0.81x, T=128 1.10x, T=196 1.21x, T=784 1.55x; C=128 at most 0.99x, C <= 64 at most 0.77x. So
+#: :data:`MIN_CHANNELS` and 128 tiles there.
+SPLIT_VECTOR_MIN_TILES = 128
 #: fp32: the smallest layers the Winograd form beats oneDNN's direct fp32 convolution on, forward + backward,
 #: channels_last, C -> C channels (AVX2 AMD EPYC, 2 cores; two in-process sweeps with the weight transforms as
 #: kernels, 9 alternated calls each, medians; speed-up of F(2x2) tiles at C channels and T 2x2 tiles): C=32 0.56-0.90x
@@ -157,14 +169,21 @@ def is_winograd_shape(conv: nn.Conv2d) -> bool:
 
 def winograd_pays(dtype: torch.dtype, channels: int, tiles: int) -> bool:
     """Whether a layer computing in ``dtype`` with ``channels`` (the smaller of in and out) and ``tiles`` 2x2 output
-    tiles is large enough for the Winograd form to beat the direct convolution on the CPU (:data:`MIN_CHANNELS`,
-    :data:`MIN_TILES` for fp16/bf16; the ``FP32_`` sizes for float32; never for float64)."""
+    tiles is large enough for the Winograd form to beat the direct convolution on this CPU (fp16/bf16:
+    :data:`MIN_CHANNELS` and :func:`half_min_tiles`; float32: the ``FP32_`` sizes; never for float64)."""
     if dtype in HALF_DTYPES:
-        return channels >= MIN_CHANNELS and tiles >= MIN_TILES
+        return channels >= MIN_CHANNELS and tiles >= half_min_tiles()
     if dtype == torch.float32:
         return (channels >= FP32_MIN_CHANNELS and tiles >= FP32_MIN_TILES
                 and channels * tiles >= FP32_MIN_CHANNEL_TILES)
     return False
+
+
+@torch.compiler.assume_constant_result  # torch.compile takes its value (it reads /proc/cpuinfo, which Dynamo cannot)
+def half_min_tiles() -> int:
+    """The fewest 2x2 tiles an fp16/bf16 layer takes the Winograd form from on this CPU: :data:`MIN_TILES`, or
+    :data:`SPLIT_VECTOR_MIN_TILES` where the CPU splits its 512-bit instructions (AMD Zen 4)."""
+    return SPLIT_VECTOR_MIN_TILES if cpu_model.splits_512_bit_vectors() else MIN_TILES
 
 
 def _chunks(tiles: int, output_tile: int = 2) -> list[Chunk]:
