@@ -1,7 +1,7 @@
 """The import graph: no cycles, and every module imports only from its own layer or the layers below it.
 
 Layers, bottom up (``errors``, the library's argument error, under all of them): ``cpu_heap`` (glibc's heap policy)
--> ``profiling`` and ``ops`` (kernels and their front end) -> ``precision``, ``data``, ``models``
+and ``cpu_model`` (which CPU this is) -> ``profiling`` and ``ops`` (kernels and their front end) -> ``precision``, ``data``, ``models``
 -> ``module``, ``optim``, ``checkpoints``, ``distributed`` -> ``callbacks`` (each on its own: no callback imports
 another) -> the application: the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and
 launch plumbing), ``bench`` and ``cli``.
@@ -19,11 +19,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lit_amp_det"
 ALLOWED = {
     "lit_amp_det.errors": (),
     "lit_amp_det.cpu_heap": (),
+    "lit_amp_det.cpu_model": (),
     "lit_amp_det.profiling": ("lit_amp_det.cpu_heap",),
     "lit_amp_det.ops": (),
     "lit_amp_det.precision": ("lit_amp_det.ops",),  # the fused master step and finite check are ops
     "lit_amp_det.data": (),
-    "lit_amp_det.models": ("lit_amp_det.ops",),
+    "lit_amp_det.models": ("lit_amp_det.ops", "lit_amp_det.cpu_model"),  # the Winograd size rule per host
     "lit_amp_det.optim": ("lit_amp_det.ops",),  # the layout checks of the fused optimizers' step hook
     "lit_amp_det.distributed": (),
     "lit_amp_det.checkpoints": (),

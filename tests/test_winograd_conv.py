@@ -90,7 +90,8 @@ def _use_kernels(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("shape", MAPS, ids=str)
 def test_tile_ops_match_the_reference(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
     x = _randn(*shape, dtype=dtype)
-    for op, ref in ((winograd_input_tiles, "winograd_input_tiles_"), (winograd_gradient_tiles, "winograd_gradient_tiles_")):
+    for op, ref in ((winograd_input_tiles, "winograd_input_tiles_"),
+                    (winograd_gradient_tiles, "winograd_gradient_tiles_")):
         for layout in (torch.contiguous_format, NHWC):
             out = op(x.contiguous(memory_format=layout))
             n, c, h, w = shape
@@ -185,7 +186,8 @@ def test_the_reference_transforms_compose_to_a_convolution_in_float64(compiled: 
     leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
     expected = torch.autograd.grad(F.conv2d(*leaves, padding=1), leaves, grad)
     torch.testing.assert_close(grad_x, expected[0], atol=1e-12, rtol=1e-12)
-    products = torch.bmm(_reference_tiles("winograd_gradient_tiles_", grad).transpose(1, 2), _reference_tiles("winograd_input_tiles_", x))
+    products = torch.bmm(_reference_tiles("winograd_gradient_tiles_", grad).transpose(1, 2),
+                         _reference_tiles("winograd_input_tiles_", x))
     torch.testing.assert_close(winograd_weight_gradient(products, weight), expected[1], atol=1e-12, rtol=1e-12)
 
 
