@@ -87,8 +87,8 @@ def cpu_name(cpuinfo: str | None = None) -> str:
 def splits_512_bit_vectors(cpuinfo: str | None = None) -> bool:
     """Whether this CPU (or the one a ``/proc/cpuinfo`` text describes) has AVX-512 but runs each 512-bit
     instruction as two 256-bit halves: AMD Zen 4. There a bf16 or fp32 convolution does half a full-width core's
-    FLOPs per cycle (measured: bf16 417 GFLOP/s on two Zen 4 cores against 963 on two Zen 5 cores of the same VM
-    type), while memory-bound work runs at the same speed. Read once per process."""
+    FLOPs per cycle (the bench's bf16 peak probe: 445-457 GFLOP/s on the dev VM's two Zen 4 cores, 963 on two Zen 5
+    cores of the same VM type), while memory-bound work runs at the same speed. Read once per process."""
     return _splits_512_bit_vectors() if cpuinfo is None else _splits(cpuinfo)
 
 
