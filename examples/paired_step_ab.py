@@ -14,6 +14,9 @@ without PyTorch's gradient copy (B); one optimizer, its step swapped per step.
 ``--change linear-gradient-layout``: the box head's weight gradients handed to autograd transposed (A) or in the
 weights' layout (B).
 
+``--change split-vector-rule``: fp16/bf16 Winograd tiles from ``MIN_TILES`` (A: the full-width rule) or from
+``SPLIT_VECTOR_MIN_TILES`` (B: the rule of a CPU that splits its 512-bit vectors), whatever this CPU is.
+
 ``--against ROW``: no code change; two ``bench train`` rows' models side by side instead (A: ``ROW``'s, B:
 ``--row``'s), the ratio of the best row to torchvision fp32 eager without the +-15 % drift between processes. Each
 model gets its own optimizer of its row's config; both load the same cached trained state and step on the same batch
@@ -31,6 +34,8 @@ arms run in the same process, A B / B A alternately, and the paired differences 
     python examples/paired_step_ab.py --change all --row winograd-4x4 --pairs 120
     python examples/paired_step_ab.py --against torchvision-fp32 --row winograd-4x4 --pairs 60
     python examples/paired_step_ab.py --change linear-gradient-layout --row pointwise-matmul --precision bf16 \
+        --model maskrcnn_r50_fpn --size 256 --batch 2 --pairs 40
+    python examples/paired_step_ab.py --change split-vector-rule --row winograd --precision bf16 \
         --model maskrcnn_r50_fpn --size 256 --batch 2 --pairs 40
     python examples/paired_step_ab.py --against torchvision-fp32 --row winograd --precision bf16 \
         --model maskrcnn_r50_fpn --size 256 --batch 2 --pairs 12
@@ -133,9 +138,18 @@ def linear_gradient_layout(arm: str, model: RowModel) -> None:
     bounded_matmul._is_transposed = (lambda matrix: False) if arm == "A" else TRANSPOSED_OPERANDS
 
 
+HALF_MIN_TILES = winograd_conv.half_min_tiles  # what the rule calls (fails here if it is renamed)
+
+
+def split_vector_rule(arm: str, model: RowModel) -> None:
+    """A: fp16/bf16 tiles from ``MIN_TILES``; B: from ``SPLIT_VECTOR_MIN_TILES`` (commit 63b4522's Zen 4 rule)."""
+    minimum = winograd_conv.MIN_TILES if arm == "A" else winograd_conv.SPLIT_VECTOR_MIN_TILES
+    winograd_conv.half_min_tiles = lambda: minimum
+
+
 CHANGES = {"weight-transforms": weight_transforms, "size-rule": size_rule, "fp32-deconv": fp32_deconv,
            "all": all_three, "memory-order-views": memory_order_views,
-           "linear-gradient-layout": linear_gradient_layout}
+           "linear-gradient-layout": linear_gradient_layout, "split-vector-rule": split_vector_rule}
 
 
 class RowModel:

@@ -50,8 +50,9 @@ def run_example(script: str, args: list[str], cache: Path) -> str:
     ["--change", "memory-order-views", "--row", "winograd-4x4"],
     ["--change", "memory-order-views", "--row", "winograd-4x4", "--optimizer-only"],
     ["--change", "linear-gradient-layout", "--row", "pointwise-matmul", "--precision", "bf16"],
+    ["--change", "split-vector-rule", "--row", "winograd", "--precision", "bf16"],
     ["--against", "torchvision-fp32", "--row", "winograd-4x4"],
-], ids=["all", "memory-order-views", "optimizer-only", "linear-gradient-layout", "against"])
+], ids=["all", "memory-order-views", "optimizer-only", "linear-gradient-layout", "split-vector-rule", "against"])
 def test_paired_step_ab_runs_each_change(args: list[str], cache: Path) -> None:
     if "bf16" in args and not cpu_computes_bf16_natively():
         pytest.skip("the bf16 row takes torch's slow paths on a CPU without native bf16")
