@@ -136,3 +136,11 @@ def smooth_activations(model: torch.nn.Module) -> torch.nn.Module:
         else:
             smooth_activations(child)
     return model
+
+
+def cpuinfo_text(vendor: str, family: int, model: int, name: str = "AMD EPYC",
+                 flags: str = "avx512f avx512_bf16") -> str:
+    """A ``/proc/cpuinfo`` text of two processors; the second one's model (999) is a decoy: only the first counts."""
+    block = (f"processor\t: {{cpu}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+             f"model name\t: {name}\nflags\t\t: fpu sse2 avx2 {flags}\n")
+    return block.format(cpu=0) + "\n" + block.format(cpu=1).replace(f"model\t\t: {model}", "model\t\t: 999")

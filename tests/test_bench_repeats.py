@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import cpuinfo_text
 from lightning.fabric.utilities.data import AttributeDict
 
-from lit_amp_det import cpu_model
 from lit_amp_det.bench import breakdown, e2e, e2e_report, e2e_rows, precision, repeats, roofline, state
 from lit_amp_det.bench.common import cpu_name, shapes_batch, weights_sha256
 
@@ -294,44 +294,10 @@ def test_peaks_measured_under_load_are_used_but_not_cached(tmp_path: Path, monke
     assert "1.6 CPUs busy with other work: a low peak, not cached" in e2e_report.peaks_line(loaded)
 
 
-def _cpuinfo(vendor: str, family: int, model: int, name: str = "AMD EPYC") -> str:
-    block = (f"processor\t: {{cpu}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
-             f"model name\t: {name}\nflags\t\t: avx512f avx512_bf16\n")
-    return block.format(cpu=0) + "\n" + block.format(cpu=1).replace(f"model\t\t: {model}", "model\t\t: 999")
-
-
-@pytest.mark.parametrize(("vendor", "family", "model", "name", "expected"), [
-    ("AuthenticAMD", 25, 17, "AMD EPYC", "AMD EPYC (family 25 model 17, Zen 4)"),  # Genoa: the dev VM's slow host
-    ("AuthenticAMD", 25, 1, "AMD EPYC", "AMD EPYC (family 25 model 1, Zen 3)"),  # Milan: the AVX2 VM
-    ("AuthenticAMD", 25, 97, "AMD Ryzen 9 7950X", "AMD Ryzen 9 7950X (family 25 model 97, Zen 4)"),
-    ("AuthenticAMD", 26, 2, "AMD EPYC", "AMD EPYC (family 26 model 2, Zen 5)"),  # Turin
-    ("AuthenticAMD", 23, 49, "AMD EPYC 7B12", "AMD EPYC 7B12 (family 23 model 49, Zen 2)"),
-    ("AuthenticAMD", 23, 1, "AMD EPYC 7601", "AMD EPYC 7601 (family 23 model 1, Zen/Zen+)"),  # Naples
-    ("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8481C",
-     "Intel(R) Xeon(R) Platinum 8481C (family 6 model 143)"),
-])
-def test_cpu_name_tells_hosts_with_one_model_name_apart(vendor: str, family: int, model: int, name: str,
-                                                       expected: str) -> None:
-    # the first processor's block counts (the second one's model is a decoy)
-    assert cpu_name(_cpuinfo(vendor, family, model, name)) == expected
-
-
-def test_cpu_name_without_family_numbers_is_the_model_name() -> None:
-    assert cpu_name("processor\t: 0\nmodel name\t: Some CPU\n") == "Some CPU"
-    assert cpu_name("") != ""  # platform's name stands in
-
-
-def test_cpu_name_without_proc_cpuinfo_is_platforms_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # macOS, Windows or a sandbox without /proc: the bench still names the machine
-    monkeypatch.setattr(cpu_model, "CPUINFO_PATH", str(tmp_path / "absent"))
-    monkeypatch.setattr(cpu_model.platform, "processor", lambda: "arm")
-    assert cpu_name() == "arm"
-
-
 def test_peaks_of_zen4_and_zen5_hosts_are_kept_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     keys = set()
     for family, model in ((25, 17), (26, 2)):
-        text = _cpuinfo("AuthenticAMD", family, model)
+        text = cpuinfo_text("AuthenticAMD", family, model)
         monkeypatch.setattr(roofline, "cpu_name", lambda text=text: cpu_name(text))
         keys.add(roofline.machine_key("cpu"))
     assert len(keys) == 2
