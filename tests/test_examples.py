@@ -9,6 +9,7 @@ state (its default, the light model's, takes minutes to make); ``weighted_loss.p
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -81,3 +82,25 @@ def test_mask_paste_ab_compares_both_pastes_in_time_and_memory(cache: Path) -> N
     assert min(map(int, timing.groups())) > 0, out[-2000:]  # the pastes had masks to compare
     assert re.search(r"memory: one 320x240 picture, [1-9]\d* detections \(the same masks in both arms\), 1 fresh "
                      r"processes per arm", out), out[-2000:]
+
+
+def test_host_phases_probes_and_summarises(cache: Path) -> None:
+    out = run_example("host_phases.py", ["--seconds", "0", "--layer", "2x16x8x8", "--copy-mb", "4"], cache)
+    lines = out.strip().splitlines()
+    assert re.search(r"copy +[\d.]+ GB/s \| Winograd +[\d.]+ ms, direct +[\d.]+ ms, [\d.]+x", lines[-3]), out
+    assert lines[-2] == "one phase: no two groups of copy bandwidth 1.2x apart", out  # one probe: nothing to split
+    assert re.fullmatch(r"all probes: 1 probes, copy [\d.]+ GB/s, Winograd [\d.]+ ms, direct [\d.]+ ms, [\d.]+x",
+                        lines[-1]), out
+    assert launch("host_phases.py", ["--layer", "2x16x8"], cache).returncode == 2
+
+
+def test_host_phases_splits_probes_at_the_widest_gap_in_copy_bandwidth() -> None:
+    spec = importlib.util.spec_from_file_location("host_phases", ROOT / "examples" / "host_phases.py")
+    host_phases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_phases)
+    split = host_phases.split_at_widest_gap
+    # the dev VM's two phases: about 33 and 47 GB/s
+    assert split([32.5, 47.7, 33.2, 31.6, 48.5, 45.1], 1.2) == pytest.approx((33.2 + 45.1) / 2)
+    assert split([32.5, 33.2, 31.6, 34.0, 30.9], 1.2) is None  # one phase: the widest gap splits noise
+    assert split([32.5, 47.7, 33.2], 1.2) is None  # too few probes for two groups of two
+    assert split([20.0, 21.0, 23.0, 24.0], 1.1) == pytest.approx(22.0)
