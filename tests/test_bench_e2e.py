@@ -119,6 +119,8 @@ def test_every_row_but_compile_builds_and_runs_in_process(bench: e2e_rows.Bench)
     for name, result in results.items():
         speed = result["images_per_s"]
         assert speed > 0 and result["peak_memory_abs_mb"] > 0, (name, result)
+        before, after = result["host_copy_gbps"]  # the host's phase, before the warm-up and after the timed steps
+        assert before > 0 and after > 0, (name, result["host_copy_gbps"])
     # the same seeded weights in every row, and the same maths counted (the rows change how, not what); the extra
     # rows of lit_amp_det.models.bounded_matmul are counted as the work they are: a chunked product's overlapping
     # rows (< 0.1 %) and, at inference, the box head's padding to whole granules of rows (< 1 % here)

@@ -40,7 +40,9 @@ Every row loads the same weights (``--state``; by default the trained state of
 latency at batch 1 (median over repeats of each repeat's median, the min-max of the repeat medians, IQR),
 throughput at ``--batch`` (images per second from the median call), GFLOP per call at ``--batch`` and achieved
 GFLOP/s with the fraction of the device's peak, peak memory above the built model (of one call at ``--batch`` after
-the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, with ``--drift-steps N``
+the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, each repeat's copy
+probe of the host's phase before its warm-up and after its timed calls (:mod:`lit_amp_det.bench.host_probe`), with
+``--drift-steps N``
 how much the heap in use and the resident set grow over N more calls at ``--batch`` on images that change every
 call (the shapes data's val split: new proposal and detection counts, so new matmul shapes, every call;
 :func:`~lit_amp_det.bench.e2e_rows.memory_over_changing_batches`), and the warm-up time. Post-processing work follows
@@ -61,6 +63,7 @@ from lit_amp_det.bench.common import batch_sha256, compose
 from lit_amp_det.bench.e2e_report import previous_ratio_text, ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
+from lit_amp_det.bench.host_probe import PROBE_MB, CopyProbe, probe_text
 from lit_amp_det.bench.train import ROWS as TRAIN_ROWS
 from lit_amp_det.models.conv_bn import NORM_TYPES
 from lit_amp_det.profiling import timed
@@ -84,6 +87,7 @@ ROWS = (
 def run_row(index: int, setting: Setting) -> dict[str, Any]:
     """Times ``setting.steps`` eval calls at batch 1 and at ``setting.batch`` of ``ROWS[index]`` in this process."""
     cfg = compose(e2e_rows.row_overrides(ROWS, index, setting))
+    probe = CopyProbe(setting.device)  # before the model: its buffers count in no memory figure
     start = time.perf_counter()
     built = e2e_rows.build(cfg, setting.device, "predict")
     module, plugin = built.module, built.plugin
@@ -102,12 +106,14 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
 
     warmup = setting.compile_warmup if cfg.model.compile else setting.warmup
     # every batch size warms up before anything is timed (compile traces each input shape)
+    probe_before = probe.gbps()
     warmup_s = sum(timed(lambda: call(images[:1]), setting.device) for _ in range(warmup))
     warmup_s += sum(timed(lambda: call(images), setting.device) for _ in range(warmup))
     latency = e2e_rows.summarise([timed(lambda: call(images[:1]), setting.device) for _ in range(setting.steps)],
                                  "latency")
     throughput = e2e_rows.summarise([timed(lambda: call(images), setting.device) for _ in range(setting.steps)],
                                     "batch")
+    host_copy_gbps = [probe_before, probe.gbps()]
     flops = count_flops(lambda: call(images))  # one more call at --batch, after the timed ones
     peak = memory.peak_of(lambda: call(images))  # and one more: it pins the CPU allocator
     del detections[-2:]
@@ -121,6 +127,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         **peak,
         **drift,
         "memory_method": memory.method,
+        "host_copy_gbps": host_copy_gbps,
         "gflop_per_step": flops / 1e9,
         "compute_dtype": compute_dtype(precision),
         "weights_sha256": built.weights_sha256,
@@ -160,6 +167,7 @@ BENCH = e2e_rows.Bench(
         ("GFLOP/s (% of peak)", roofline_text),
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
         ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
+        (f"{PROBE_MB} MB copy GB/s, before-after (each repeat)", probe_text),
         e2e_rows.DRIFT_COLUMN,
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']}+{r['warmup_steps']} calls)"),
     ),

@@ -52,11 +52,12 @@ so the proposal counts that set a step's time, at the loaded state through warm-
 Columns: images/s (batch / median step time), step time (median over repeats of each repeat's median), the
 min-max of the repeat medians, IQR of the timed steps, GFLOP per step and achieved GFLOP/s with the fraction of
 the device's peak (:mod:`lit_amp_det.bench.roofline`), peak memory of one more step above the built model, ratios
-to the first row, each repeat's minor page faults per timed step, with ``--drift-steps N`` how much the heap in use
-and the resident set grow over N more steps on batches that change every step
-(:func:`~lit_amp_det.bench.e2e_rows.memory_over_changing_batches`),
-and the warm-up time (which holds the compile time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA;
-the light model (ResNet-18 FPN) at 224 px, batch 4, 3 + 10 steps on a CPU; 3 repeats.
+to the first row, each repeat's minor page faults per timed step, each repeat's copy probe of the host's phase
+before its warm-up and after its timed steps (:mod:`lit_amp_det.bench.host_probe`), with ``--drift-steps N`` how
+much the heap in use and the resident set grow over N more steps on batches that change every step
+(:func:`~lit_amp_det.bench.e2e_rows.memory_over_changing_batches`), and the warm-up time (which holds the compile
+time). Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 steps on CUDA; the light model (ResNet-18 FPN) at 224 px,
+batch 4, 3 + 10 steps on a CPU; 3 repeats.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from lit_amp_det.bench.common import batch_sha256, compose, train_step
 from lit_amp_det.bench.e2e_report import previous_ratio_text, ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
+from lit_amp_det.bench.host_probe import PROBE_MB, CopyProbe, probe_text
 from lit_amp_det.models.winograd_conv import WinogradConv2d, direct_convolutions
 from lit_amp_det.profiling import minor_page_faults, timed
 
@@ -161,6 +163,7 @@ def prepare_row(index: int, setting: Setting) -> PreparedRow:
 
 def run_row(index: int, setting: Setting) -> dict[str, Any]:
     """Times ``setting.steps`` training steps of ``ROWS[index]`` in this process."""
+    probe = CopyProbe(setting.device)  # before the model: its buffers count in no memory figure
     row = prepare_row(index, setting)
     cfg, built, optimizer, warmup = row.cfg, row.built, row.optimizer, row.warmup
     module, plugin = built.module, built.plugin
@@ -173,10 +176,12 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         losses.append(row.step(batch_idx, step_images, step_targets).detach())
 
     try:
+        probe_before = probe.gbps()
         warmup_s = sum(timed(lambda i=i: step(i), setting.device) for i in range(warmup))
         faults = minor_page_faults()
         times = [timed(lambda i=i: step(warmup + i), setting.device) for i in range(setting.steps)]
         faults = (minor_page_faults() - faults) / setting.steps
+        host_copy_gbps = [probe_before, probe.gbps()]
         untimed = itertools.count(warmup + setting.steps)  # the indices of the steps after the timed ones
         peak = None
         if memory.measures_the_kept_heap:  # in the state the training steps left, before the instrumented ones
@@ -204,6 +209,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
         **drift,
         "memory_method": memory.method,
         "page_faults_per_step": faults,
+        "host_copy_gbps": host_copy_gbps,
         "gflop_per_step": flops / 1e9,
         "model_gflop_per_step": model_flops / 1e9,
         **where,
@@ -252,6 +258,7 @@ BENCH = e2e_rows.Bench(
         ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
         ("memory ratio", lambda r: ratio_text(r.get("memory_ratio"), suffix="x")),
         ("page faults/step (each repeat)", _faults_text),
+        (f"{PROBE_MB} MB copy GB/s, before-after (each repeat)", probe_text),
         e2e_rows.DRIFT_COLUMN,
         ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} steps)"),
     ),
