@@ -2,11 +2,12 @@
 direct convolution of the same layer, forward + backward, all in one process.
 
 On the dev VM (2 vCPUs on an AMD EPYC Zen 4 host) a process alternates, every 5-30 s, between two phases that the
-copy probe tells apart. In one, a 64 MB copy runs at about 31-36 GB/s and the Winograd layer (4 x 64 x 64x64, fp32)
-takes 15-18 ms against the direct convolution's 17-19 ms. In the other, the copy reads 42-53 GB/s while the same
-Winograd layer takes 27-29 ms (its batched products 1.8x and its input-tile transform 2.3x as long) and the
-R50-FPN box head's RoIAlign backward 33-35 ms instead of 16-18; the direct convolution, and the bf16 Winograd layer
-of the R50 mask head, hardly move. Between 10 % and half of the probes fell in the second phase. The guest cannot
+copy probe tells apart. In one, a 64 MB copy runs at about 35 GB/s and the Winograd layer (4 x 64 x 64x64, fp32)
+takes 15-19 ms against the direct convolution's 17-19 ms. In the other, the copy reads about 52 GB/s (41-61) while
+the same Winograd layer takes 27-31 ms (its batched products 1.8x and its input-tile transform 2.3x as long), the
+R50-FPN box head's RoIAlign backward 33-35 ms instead of 16-18 and the whole R50 bf16 training step 1.11x as long;
+the direct convolution, and the bf16 Winograd layer of the R50 mask head, hardly move. 35 % and 62 % of the probes
+of two runs fell in the second phase. The guest cannot
 see why (a plausible cause: where the hypervisor places the two vCPUs against the host's L3 caches). It is what
 earlier sessions called the slow and fast "modes" of whole processes, and why one run of a one-layer size grid can
 disagree with the next (BENCHMARKS.md, "Two host phases").
@@ -29,17 +30,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lit_amp_det.bench.host_probe import PROBE_MB, CopyProbe
 from lit_amp_det.models.winograd_conv import winograd_conv3x3
-
-
-def copy_gbps(source: torch.Tensor, target: torch.Tensor, tries: int = 3) -> float:
-    """The best of ``tries`` copies of ``source`` into ``target``, in GB/s read + written."""
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.numel() * source.element_size() / best / 1e9
 
 
 def layer_ms(convolve, x: torch.Tensor, weight: torch.Tensor, tries: int = 3) -> float:
@@ -75,7 +67,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="pause between probes, s")
     parser.add_argument("--layer", default="4x64x64x64", help="N x C x H x W of the C -> C 3x3 layer")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--copy-mb", type=int, default=64, help="size of the copy probe's buffer, MB")
+    parser.add_argument("--copy-mb", type=int, default=PROBE_MB, help="size of the copy probe's buffer, MB")
     parser.add_argument("--split-ratio", type=float, default=1.2,
                         help="the least ratio of the two groups' median copy bandwidths that counts as two phases")
     args = parser.parse_args()
@@ -88,14 +80,13 @@ def main() -> None:
     x = torch.randn(n, c, h, w, generator=generator).to(dtype).contiguous(memory_format=torch.channels_last)
     weight = (torch.randn(c, c, 3, 3, generator=generator) / (3 * c ** 0.5)).to(dtype)
     x.requires_grad_(), weight.requires_grad_()
-    source = torch.randn(args.copy_mb * 2**18, generator=generator)  # fp32: 4 bytes an element
-    target = torch.empty_like(source)
+    probe = CopyProbe("cpu", megabytes=args.copy_mb)  # the probe every bench train|infer repeat reads
     print(f"{torch.get_num_threads()} threads, copy {args.copy_mb} MB, layer {n}x{c}x{h}x{w} {args.dtype} "
           "channels_last, forward + backward", flush=True)
     probes = []
     end = time.monotonic() + args.seconds
     while True:
-        bandwidth = copy_gbps(source, target)
+        bandwidth = probe.gbps()
         tiles = layer_ms(winograd_conv3x3, x, weight)
         direct = layer_ms(lambda t, k: F.conv2d(t, k, padding=1), x, weight)
         probes.append((bandwidth, tiles, direct))

@@ -6,9 +6,11 @@ as long, its RoIAlign backward 2x and fp32 Winograd layers 1.7x, while oneDNN's 
 (BENCHMARKS.md, "Two host phases"; ``examples/host_phases.py``). A repeat that ran in the other phase moves one of a
 row's repeat medians; the readings beside it say which, so a reader can tell host from code.
 
-The buffers are made (and touched) once per process, before the row's model is built, so that neither the row's
-peak memory above the built model nor its kept heap counts them; the copies make no page faults. On CUDA it reads
-nothing (the host's phase does not time GPU kernels).
+The buffers (2 x 64 MB) are made and touched once per process, before the row's model is built: the row's peak
+memory above the built model, its kept heap and its memory over changing batches do not count them (its absolute
+peak, ``peak_memory_abs_mb``, does), and the copies make no page faults. On CUDA it reads nothing (the host's phase
+does not time GPU kernels). JSON: each repeat's ``[before, after]`` as ``host_copy_gbps`` in ``repeat_results`` (the
+row's own ``host_copy_gbps`` is its first repeat's, as for every non-numeric field).
 """
 
 from __future__ import annotations

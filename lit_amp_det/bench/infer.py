@@ -42,12 +42,11 @@ throughput at ``--batch`` (images per second from the median call), GFLOP per ca
 GFLOP/s with the fraction of the device's peak, peak memory above the built model (of one call at ``--batch`` after
 the timed calls, :class:`~lit_amp_det.bench.e2e_rows.PeakMemory`), ratios to the first row, each repeat's copy
 probe of the host's phase before its warm-up and after its timed calls (:mod:`lit_amp_det.bench.host_probe`), with
-``--drift-steps N``
-how much the heap in use and the resident set grow over N more calls at ``--batch`` on images that change every
-call (the shapes data's val split: new proposal and detection counts, so new matmul shapes, every call;
-:func:`~lit_amp_det.bench.e2e_rows.memory_over_changing_batches`), and the warm-up time. Post-processing work follows
-the detections, which can differ a little between precisions. Defaults: R50-FPN at 800x1333, batch 8, 5 + 20 calls
-on CUDA; the light model at 224 px, batch 4, 3 + 10 calls on a CPU; 3 repeats.
+``--drift-steps N`` how much the heap in use and the resident set grow over N more calls at ``--batch`` on images
+that change every call (the shapes data's val split: new proposal and detection counts, so new matmul shapes,
+every call; :func:`~lit_amp_det.bench.e2e_rows.memory_over_changing_batches`), and the warm-up time. Post-processing
+work follows the detections, which can differ a little between precisions. Defaults: R50-FPN at 800x1333, batch 8,
+5 + 20 calls on CUDA; the light model at 224 px, batch 4, 3 + 10 calls on a CPU; 3 repeats.
 """
 
 from __future__ import annotations
