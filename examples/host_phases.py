@@ -7,10 +7,9 @@ takes 15-19 ms against the direct convolution's 17-19 ms. In the other, the copy
 the same Winograd layer takes 27-31 ms (its batched products 1.8x and its input-tile transform 2.3x as long), the
 R50-FPN box head's RoIAlign backward 33-35 ms instead of 16-18 and the whole R50 bf16 training step 1.11x as long;
 the direct convolution, and the bf16 Winograd layer of the R50 mask head, hardly move. 35 % and 62 % of the probes
-of two runs fell in the second phase. The guest cannot
-see why (a plausible cause: where the hypervisor places the two vCPUs against the host's L3 caches). It is what
-earlier sessions called the slow and fast "modes" of whole processes, and why one run of a one-layer size grid can
-disagree with the next (BENCHMARKS.md, "Two host phases").
+of two runs fell in the second phase. The guest cannot see why (a plausible cause: where the hypervisor places the
+two vCPUs against the host's L3 caches). It is what earlier sessions called the slow and fast "modes" of whole
+processes, and why one run of a one-layer size grid can disagree with the next (BENCHMARKS.md, "Two host phases").
 
 The summary splits the probes into two groups at the widest gap in copy bandwidth (when the two groups' medians
 differ by at least ``--split-ratio``) and gives each group's medians: a timing taken on such a host belongs to one
@@ -32,18 +31,17 @@ import torch.nn.functional as F
 
 from lit_amp_det.bench.host_probe import PROBE_MB, CopyProbe
 from lit_amp_det.models.winograd_conv import winograd_conv3x3
+from lit_amp_det.profiling import timed
 
 
 def layer_ms(convolve, x: torch.Tensor, weight: torch.Tensor, tries: int = 3) -> float:
     """Median ms of ``tries`` forward + backward calls of ``convolve(x, weight)`` (after one untimed call)."""
-    times = []
-    for i in range(tries + 1):
-        start = time.perf_counter()
+    def call() -> None:
         out = convolve(x, weight)
         torch.autograd.grad(out, (x, weight), torch.ones_like(out))
-        if i:
-            times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+
+    call()
+    return statistics.median(1000 * timed(call, "cpu") for _ in range(tries))
 
 
 def split_at_widest_gap(values: list[float], min_ratio: float) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,9 @@ from lit_amp_det.bench.common import cpu_name
 from lit_amp_det.bench.e2e_rows import Bench, Setting, low_precision_weights, mixed_precision, setting_half
 from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
-__all__ = ["cpu_bf16_text", "environment", "half_line", "peaks_line", "plot", "previous_ratio_text", "ratio_text",
-           "repeat_text", "repeats_line", "roofline_text", "state_line", "table", "write_report"]
+__all__ = ["cpu_bf16_text", "each_repeat_text", "environment", "half_line", "peaks_line", "plot",
+           "previous_ratio_text", "ratio_text", "repeat_text", "repeats_line", "roofline_text", "state_line", "table",
+           "write_report"]
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -58,6 +59,11 @@ def ratio_text(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
 def previous_ratio_text(row: Mapping[str, Any], key: str) -> str:
     """Ratio ``key`` of ``row`` against the row above it (``vs_previous``), or ``-`` for the first row."""
     return ratio_text((row.get("vs_previous") or {}).get(key), suffix="x")
+
+
+def each_repeat_text(row: Mapping[str, Any], text_of: Callable[[Mapping[str, Any]], str]) -> str:
+    """``text_of`` each of a row's repeats, in run order, joined by `` / `` (the row itself for a single run)."""
+    return " / ".join(text_of(repeat) for repeat in row.get("repeat_results") or [row])
 
 
 def repeat_text(row: Mapping[str, Any], prefix: str, spec: str = ".0f") -> str:

@@ -16,10 +16,12 @@ row's own ``host_copy_gbps`` is its first repeat's, as for every non-numeric fie
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from lit_amp_det.bench.e2e_report import each_repeat_text
 
 __all__ = ["PROBE_MB", "CopyProbe", "probe_text"]
 
@@ -51,12 +53,10 @@ class CopyProbe:
 def probe_text(row: Mapping[str, Any]) -> str:
     """Each repeat's copy probe before its warm-up and after its timed steps, GB/s, in run order (``35-34 / 52-51``:
     the second repeat ran in the other phase); ``-`` where a repeat has none (CUDA, or a result without the probe)."""
-    repeats: Sequence[Mapping[str, Any]] = row.get("repeat_results") or [row]
-    texts = []
-    for repeat in repeats:
+    def readings_text(repeat: Mapping[str, Any]) -> str:
         readings = repeat.get("host_copy_gbps")
         if not readings or any(r is None for r in readings):
-            texts.append("-")
-        else:
-            texts.append("-".join(f"{r:.0f}" for r in readings))
-    return " / ".join(texts)
+            return "-"
+        return "-".join(f"{r:.0f}" for r in readings)
+
+    return each_repeat_text(row, readings_text)

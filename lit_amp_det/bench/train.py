@@ -73,7 +73,7 @@ import torch
 from lit_amp_det.bench import e2e, e2e_rows
 from lit_amp_det.bench.breakdown import time_breakdown
 from lit_amp_det.bench.common import batch_sha256, compose, train_step
-from lit_amp_det.bench.e2e_report import previous_ratio_text, ratio_text, repeat_text, roofline_text
+from lit_amp_det.bench.e2e_report import each_repeat_text, previous_ratio_text, ratio_text, repeat_text, roofline_text
 from lit_amp_det.bench.roofline import compute_dtype, count_flops
 from lit_amp_det.bench.e2e_rows import Row, Setting
 from lit_amp_det.bench.host_probe import PROBE_MB, CopyProbe, probe_text
@@ -231,8 +231,7 @@ def run_row(index: int, setting: Setting) -> dict[str, Any]:
 def _faults_text(row: dict[str, Any]) -> str:
     """Each repeat's minor page faults per timed step, in run order: a repeat that faults its activations in every
     step (glibc handing them back to the OS) reads slower for that reason alone."""
-    repeats = row.get("repeat_results") or [row]
-    return " / ".join(f"{r['page_faults_per_step']:.0f}" if "page_faults_per_step" in r else "-" for r in repeats)
+    return each_repeat_text(row, lambda r: f"{r['page_faults_per_step']:.0f}" if "page_faults_per_step" in r else "-")
 
 
 def _ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
