@@ -1,4 +1,4 @@
-"""A research module: Mask R-CNN with re-weighted losses and a GroupNorm mask head.
+"""A research module: Mask R-CNN with re-weighted losses and a GroupNorm mask head, keeping the configured speedups.
 
 Run it without touching lit_amp_det (from the repository root):
 
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads
 
 from lit_amp_det import MaskRCNNModule
+from lit_amp_det.models.speedups import ModelTransform
 
 
 class WeightedLossMaskRCNN(MaskRCNNModule):
@@ -34,6 +35,11 @@ class WeightedLossMaskRCNN(MaskRCNNModule):
                 channels, layers, 1, norm_layer=lambda c: nn.GroupNorm(min(8, c), c)
             )
         return model
+
+    def model_transforms(self) -> list[ModelTransform]:
+        # build_model is overridden, so the speedups are off unless asked for: the detector is still torchvision's
+        # with another mask head, which every speedup (ext ops, binary mask paste, channels_last, compile) leaves be
+        return list(self.configured_speedups)
 
     def compute_loss(self, loss_dict: Mapping[str, Tensor]) -> Tensor:
         return torch.stack([v.float() * self.loss_weights.get(k, 1.0) for k, v in loss_dict.items()]).sum()

@@ -1,14 +1,10 @@
 """Loading local weights safely and checking checkpoints before a run uses them.
 
-Which run ``ckpt_path=last`` resumes is decided in :mod:`lit_amp_det.app.runs`.
-
-Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint is data, never code. Both a bare
-``state_dict`` of the torchvision model and a Lightning checkpoint (whose ``state_dict`` keys carry the
-module's ``model.`` prefix) are accepted as ``model.checkpoint``; ``ckpt_path`` takes Lightning checkpoints and
-is checked by :func:`check_checkpoint` before Lightning restores it. Every problem is one
-:class:`CheckpointError` that names the file, says what is wrong (empty, truncated, not a checkpoint, made for
-another model -- with the hyper-parameters that differ, read from the checkpoint) and what to pass instead,
-rather than torch's unpickler text or the full list of missing and unexpected keys.
+Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint is data, never code. ``model.weights`` takes a
+bare ``state_dict`` of the torchvision model or a Lightning checkpoint; ``ckpt_path`` takes Lightning checkpoints,
+checked by :func:`check_checkpoint` before Lightning restores them. Every problem is one :class:`CheckpointError`
+naming the file, what is wrong (empty, truncated, not a checkpoint, made for another model, with the differing
+hyper-parameters) and what to pass instead, rather than torch's unpickler text or the full list of mismatched keys.
 """
 
 from __future__ import annotations
@@ -23,21 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CLASS_HPARAMS", "IMPLEMENTATION_HPARAMS", "CheckpointError", "architecture_differences",
-           "check_checkpoint", "load_model_weights", "names_a_checkpoint_file", "read_checkpoint", "saved_classes"]
+__all__ = ["CHECKPOINT_SUFFIXES", "CLASS_HPARAMS", "IMPLEMENTATION_HPARAMS", "CheckpointError",
+           "architecture_differences", "check_checkpoint", "load_model_weights", "local_weights",
+           "names_a_checkpoint_file", "read_checkpoint", "saved_classes"]
 
 log = logging.getLogger(__name__)
 
-#: Top-level hyper-parameters that change how the model computes, not what it is or how it is trained: kernels,
-#: memory formats, compilation, the evaluation library. A run resumes under other values (``app.runs``).
-IMPLEMENTATION_HPARAMS = frozenset({
-    "ops", "channels_last", "compile", "deconv_as_matmul", "labelled_mask_logits", "pointwise_conv_as_matmul",
-    "winograd_convs", "winograd_output_tile", "winograd_weight_tile_cache", "eval_backend", "binary_mask_paste",
-})
+#: Top-level hyper-parameters that change how the model computes or is scored, not what it is or how it is trained:
+#: the implementation transforms and the evaluation settings. A run resumes under other values (``app.runs``).
+IMPLEMENTATION_HPARAMS = frozenset({"speedups", "evaluation"})
 #: Top-level hyper-parameters that change no tensor's name or shape (never blamed for a mismatch).
-_RUNTIME_HPARAMS = IMPLEMENTATION_HPARAMS | {"optimizer", "scheduler", "checkpoint", "checkpoint_strict", "weights",
-                                             "class_names", "category_ids", "transform", "mask_threshold",
-                                             "reference_batch"}
+_RUNTIME_HPARAMS = IMPLEMENTATION_HPARAMS | {"optim", "weights", "class_names", "category_ids", "transform"}
+#: File name endings that make ``model.weights`` a local file rather than a torchvision name.
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".tar")
 #: The nested ones that do (the rest of ``rpn``/``roi_heads`` are thresholds and sample counts).
 _STRUCTURAL_NESTED = {"rpn.anchor_sizes", "rpn.aspect_ratios", "roi_heads.box_head_width", "roi_heads.mask_head_layers"}
 _EXAMPLES = 3  # key names quoted per kind of mismatch
@@ -46,11 +40,8 @@ CLASS_HPARAMS = ("num_classes", "class_names", "category_ids")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used, with the file, the reason and the fix in its message.
-
-    Its ``repr`` is the message itself: Hydra reports an error raised inside ``instantiate`` (the module's
-    constructor loads ``model.checkpoint``) by the exception's ``repr``, which would otherwise quote and escape it.
-    """
+    """A checkpoint that cannot be used, with the file, the reason and the fix in its message; its ``repr`` is the
+    message itself, as Hydra reports errors raised inside ``instantiate`` by their ``repr``."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}: {self}"
@@ -87,7 +78,21 @@ def names_a_checkpoint_file(ckpt_path: str | Path | None) -> bool:
     return ckpt_path is not None and str(ckpt_path) != "best"
 
 
-def read_checkpoint(path: str | Path, source: str = "model.checkpoint") -> Any:
+def local_weights(weights: str | Path | None) -> Path | None:
+    """The local file ``model.weights`` names, or None when it names torchvision weights (``COCO_V1``) or none.
+
+    A value is a file when it has a directory part or one of :data:`CHECKPOINT_SUFFIXES`; torchvision's names have
+    neither.
+    """
+    if weights is None or isinstance(weights, bool):
+        return None
+    text = str(weights)
+    if isinstance(weights, Path) or "/" in text or "\\" in text or text.lower().endswith(CHECKPOINT_SUFFIXES):
+        return Path(text).expanduser()
+    return None
+
+
+def read_checkpoint(path: str | Path, source: str = "model.weights") -> Any:
     """Loads ``path`` once with ``weights_only=True``; ``source`` is the config key that named it, for messages."""
     path = Path(path)
     if path.is_dir():
@@ -108,11 +113,8 @@ def read_checkpoint(path: str | Path, source: str = "model.checkpoint") -> Any:
 
 
 def saved_classes(payload: Any) -> dict[str, Any]:
-    """The class hyper-parameters (:data:`CLASS_HPARAMS`) a Lightning checkpoint's module was built with.
-
-    ``payload`` is a loaded checkpoint (:func:`read_checkpoint`). Only the keys it holds a value for; empty when it
-    names no class count (a bare state dict, or a module without a ``num_classes`` argument).
-    """
+    """The class hyper-parameters (:data:`CLASS_HPARAMS`) a loaded Lightning checkpoint's module was built with:
+    only the keys it holds a value for; empty when it names no class count."""
     hparams = payload.get("hyper_parameters") if isinstance(payload, dict) else None
     if not isinstance(hparams, Mapping) or not isinstance(hparams.get("num_classes"), int):
         return {}
@@ -132,8 +134,8 @@ def _state_dict_of(payload: Any, source: str, path: Path) -> dict[str, torch.Ten
 
 def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The detector's tensors (``model.`` prefix removed) and the saved hyper-parameters (empty if none)."""
-    payload = read_checkpoint(path, "model.checkpoint")
-    state = _state_dict_of(payload, "model.checkpoint", path)
+    payload = read_checkpoint(path, "model.weights")
+    state = _state_dict_of(payload, "model.weights", path)
     if all(key.startswith("model.") for key in state):
         state = {key[len("model.") :]: value for key, value in state.items()}
     hparams = payload.get("hyper_parameters") if isinstance(payload, dict) else None
@@ -169,9 +171,8 @@ def _override_value(value: Any) -> str:
 
 
 def architecture_differences(saved: Mapping[str, Any], configured: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(model.key, saved, configured)`` for every hyper-parameter of the model section that differs and changes a
-    tensor's name or shape (the layers, widths, class count); runtime settings such as ``channels_last``, the
-    Winograd switches, the test-time transform and thresholds are left out. Keys only one side has are skipped."""
+    """``(model.key, saved, configured)`` for every model hyper-parameter that differs and changes a tensor's name or
+    shape (layers, widths, class count); runtime settings and keys only one side has are skipped."""
     old, new = _flatten(saved), _flatten(configured)
     keys = [k for k in old if k in new and _is_structural(k) and old[k] != new[k]]
     return [(f"model.{k}", old[k], new[k]) for k in keys]
@@ -219,47 +220,44 @@ def _mismatch(source: str, path: Path, mismatch: Mapping[str, list[str]], saved:
     return f"{name} was made for another model: {made} ({counts})", differences
 
 
-def load_model_weights(model: nn.Module, path: Path, *, strict: bool = True,
-                       hparams: Mapping[str, Any] | None = None) -> None:
-    """Loads ``path`` (``model.checkpoint``) into the detector ``model``.
+#: The predictor layers whose shapes follow the class count: re-initialised when fine-tuning on other classes.
+_CLASS_LAYERS = ("roi_heads.box_predictor.", "roi_heads.mask_predictor.mask_fcn_logits.")
 
-    With ``strict=True`` any tensor missing from the file, unknown to the model or of another shape is one
-    :class:`CheckpointError` that names the differing hyper-parameters (when the file is a Lightning checkpoint
-    and ``hparams``, the module's own, are given) and the fix. With ``strict=False`` the tensors that fit are
-    loaded, the others keep their initialisation (a head for another class count, say), and one log line says so.
+
+def _class_layer(key: str) -> bool:
+    return key.startswith(_CLASS_LAYERS)
+
+
+def load_model_weights(model: nn.Module, path: Path, *, hparams: Mapping[str, Any] | None = None) -> None:
+    """Loads ``path`` (``model.weights``) into the detector ``model``.
+
+    Every tensor must fit, except the class-dependent predictor layers when only the class count differs: those
+    keep their fresh initialisation (fine-tuning on other classes) and one log line says so. Any other mismatch is
+    one :class:`CheckpointError` naming the differing hyper-parameters (given ``hparams``, the module's) and the fix.
     """
     state, saved_hparams = _read_state_dict(path)
     own = model.state_dict()
     mismatch = _tensor_mismatch(state, own)
-    if strict and any(mismatch.values()):
-        what, differences = _mismatch("model.checkpoint", path, mismatch, state, own, saved_hparams, hparams or {})
+    reinitialised = mismatch["of other shapes"]
+    if mismatch["missing from the file"] or mismatch["unexpected"] or not all(map(_class_layer, reinitialised)):
+        what, differences = _mismatch("model.weights", path, mismatch, state, own, saved_hparams, hparams or {})
         fixes = " ".join(f"{k}={_override_value(a)}" for k, a, _ in differences if k != "model.num_classes")
-        if differences and not fixes:  # only the class count differs
-            advice = ("to fine-tune it on these classes pass model.checkpoint_strict=false (the class-specific "
-                      "layers are then newly initialised)")
-        else:
-            build = f"{fixes} to build the model it was made for" if fixes else "the model settings it was made with"
-            advice = f"pass {build}, or model.checkpoint_strict=false to load only the tensors that fit"
-        raise CheckpointError(f"{what}; {advice}")
-    skipped = set(mismatch["of other shapes"])
-    model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
-    if any(mismatch.values()):
-        loaded = len(state) - len(skipped) - len(mismatch["unexpected"])
-        log.warning("model.checkpoint=%r: loaded %d of the model's %d tensors, the others keep their "
-                    "initialisation (checkpoint_strict=false): %s", str(path), loaded, len(own),
-                    _summary(mismatch, state, own))
+        build = f"{fixes} to build the model it was made for" if fixes else "the model settings it was made with"
+        raise CheckpointError(f"{what}; pass {build}")
+    model.load_state_dict({k: v for k, v in state.items() if k not in reinitialised}, strict=False)
+    if reinitialised:
+        log.warning("model.weights=%r: the file was made for another class count; %d class-dependent predictor "
+                    "tensors keep their fresh initialisation (%s)", str(path), len(reinitialised),
+                    ", ".join(reinitialised[:_EXAMPLES]) + (", ..." if len(reinitialised) > _EXAMPLES else ""))
 
 
-def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module,
-                     checkpoint: Any = None) -> dict[str, Any] | None:
+def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module, checkpoint: Any = None) -> dict[str, Any] | None:
     """Checks ``ckpt_path`` before Lightning restores it into ``module`` (the configured LightningModule).
 
-    Reads the file once (``weights_only=True``) and compares its ``state_dict`` with the module's (the class
-    count comes from the data, so the built module is the reference, not the config); a mismatch is one
-    :class:`CheckpointError` naming the hyper-parameters that differ (Lightning saves the module's init
-    arguments in the checkpoint) and the overrides that fix it. ``None`` and ``"best"`` are left to Lightning.
-    Returns the checkpoint it read (for the caller's own checks), ``None`` for those two. ``checkpoint`` is the
-    file's content when the caller has already read it with :func:`read_checkpoint`.
+    Compares the file's ``state_dict`` with the built module's (the class count comes from the data); a mismatch is
+    one :class:`CheckpointError` naming the differing hyper-parameters and the overrides that fix it. Returns the
+    checkpoint read (or ``checkpoint``, when the caller already read it); ``None`` and ``"best"`` are left to
+    Lightning and return ``None``.
     """
     if not names_a_checkpoint_file(ckpt_path):
         return None
@@ -269,7 +267,7 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module,
         _state_dict_of(payload, "ckpt_path", path)  # raises unless it is a bare state dict
         raise CheckpointError(
             f"ckpt_path={str(path)!r} is a bare state dict, not a Lightning checkpoint (ckpt_path restores the "
-            f"whole training state); pass it as model.checkpoint={str(path)!r} instead"
+            f"whole training state); pass it as model.weights={str(path)!r} instead"
         )
     state = _state_dict_of(payload, "ckpt_path", path)
     own = module.state_dict()
@@ -280,7 +278,7 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module,
     what, differences = _mismatch("ckpt_path", path, mismatch, state, own,
                                   payload.get("hyper_parameters") or {}, configured)
     fixes = " ".join(f"{k}={_override_value(a)}" for k, a, _ in differences)
-    restart = f"model.checkpoint={str(path)!r} model.checkpoint_strict=false"
+    restart = f"model.weights={str(path)!r}"
     if [k for k, _, _ in differences] == ["model.num_classes"]:
         advice = (f"a checkpoint resumes or scores only the model it was made for: to fine-tune its weights on "
                   f"these classes start a new run with {restart} instead of ckpt_path, or pass {fixes} with the "
@@ -288,5 +286,5 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module,
     elif fixes:
         advice = f"pass {fixes} to use it"
     else:
-        advice = f"pass the model settings it was made with, or start a new run from the tensors that fit: {restart}"
+        advice = "pass the model settings it was made with"
     raise CheckpointError(f"{what}; {advice}")

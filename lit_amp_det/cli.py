@@ -24,12 +24,12 @@ __all__ = ["hydra_argv", "main", "usage"]
 _DESCRIPTIONS = {
     "fit": "train, validating every trainer.check_val_every_n_epoch epochs; ckpt_path=last resumes the newest "
            "unfinished fit",
-    "validate": "score a checkpoint (ckpt_path=... or model.checkpoint=...) on the validation split",
+    "validate": "score a checkpoint (ckpt_path=... or model.weights=...) on the validation split",
     "test": "score a checkpoint on the test split",
     "predict": "write COCO-format detections of data.predict_split (or of the pictures in data.predict_images) "
                "to predictions.json",
     "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), "
-             "`bench precision|ops|convbn|coco_eval|weights_ab`",
+             "`bench precision|ops|convbn|coco_eval`",
 }
 
 

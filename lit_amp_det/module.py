@@ -4,6 +4,7 @@
 subclasses it and overrides one of the documented hooks instead of copying the training loop:
 
 * :meth:`MaskRCNNModule.build_model` -- construct the detector (new heads, other backbones);
+* :meth:`MaskRCNNModule.model_transforms` -- the implementation transforms (``speedups``) applied to it;
 * :meth:`MaskRCNNModule.compute_loss` -- turn torchvision's loss dict into the scalar to optimise;
 * :meth:`MaskRCNNModule.postprocess` -- turn raw detections into the fp32 predictions that are scored;
 * :meth:`MaskRCNNModule.configure_optimizers` -- optimizer and schedule (defaults come from ``conf/optim``);
@@ -16,10 +17,8 @@ checkpoints that load with ``weights_only=True``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,55 +28,20 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 from torchmetrics.detection import MeanAveragePrecision
 
-from lit_amp_det.checkpoints import load_model_weights
+from lit_amp_det.checkpoints import load_model_weights, local_weights
 from lit_amp_det.data.coco import drop_crowd
 from lit_amp_det.distributed import gather_list_states
-from lit_amp_det.errors import ArgumentError
-from lit_amp_det.models.ext_ops import ExtRoIHeads
-from lit_amp_det.models.labelled_mask_logits import logit_conv
-from lit_amp_det.models.mask_paste import BinaryMaskTransform, use_binary_mask_paste
+from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.models.maskrcnn import build_detector
-from lit_amp_det.models.patch_deconv import use_patch_deconv
-from lit_amp_det.models.pointwise_conv import use_pointwise_matmul
-from lit_amp_det.models.speed import COMPILE_TARGETS, compile_detector, use_channels_last
-from lit_amp_det.models.winograd_conv import check_output_tile, use_winograd_convs
-from lit_amp_det.optim import build_optimizer, check_reference_batch, global_batch_size, scale_lr
+from lit_amp_det.models.speedups import DEFAULT_SPEEDUPS, ModelTransform, apply_transforms, build_transforms
+from lit_amp_det.module_settings import EVAL_BACKENDS, check_eval_backend, check_evaluation, check_optim
+from lit_amp_det.optim import build_optimizer, global_batch_size, scale_lr
 
 __all__ = ["EVAL_BACKENDS", "MaskRCNNModule", "check_eval_backend"]
 
 log = logging.getLogger(__name__)
 
 Batch = tuple[Sequence[Tensor], Sequence[dict[str, Tensor]]]
-
-_DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
-_DEFAULT_SCHEDULER = {"_target_": "lit_amp_det.optim.warmup_schedule", "warmup_steps": 100}
-
-#: ``eval_backend`` (the library behind torchmetrics' ``MeanAveragePrecision``) -> the pip package providing it.
-#: Both give the same numbers. faster-coco-eval's ``compute()`` takes half the time, but its RLE encoder, which
-#: torchmetrics runs on every mask in ``update()``, twice as long: on 160-px images the sum is 1.1-1.35x faster,
-#: on 480-px images 0.8x (``python -m lit_amp_det.bench.coco_eval``; BENCHMARKS.md, "COCO evaluation").
-EVAL_BACKENDS = {"faster_coco_eval": "faster-coco-eval", "pycocotools": "pycocotools"}
-
-
-def check_eval_backend(backend: object) -> None:
-    """Raises unless ``backend`` is a name in :data:`EVAL_BACKENDS` whose package imports.
-
-    Called by the constructor, so that a misspelt name or a missing package stops a run before any work rather
-    than at the first validation. Raises :class:`ArgumentError` (a ``ValueError``) for an unknown name and
-    ``ModuleNotFoundError``, with the ``pip install`` command and the other backend, for a missing package.
-    """
-    if backend not in EVAL_BACKENDS:
-        raise ArgumentError("eval_backend", backend, f"is unknown; choose one of {', '.join(EVAL_BACKENDS)}")
-    try:
-        importlib.import_module(str(backend))
-    except ImportError as err:
-        package = EVAL_BACKENDS[str(backend)]
-        other = next(name for name in EVAL_BACKENDS if name != backend)
-        raise ModuleNotFoundError(
-            f"eval_backend={backend!r} needs the {package!r} package, which does not import ({err}). Install it "
-            f"with `pip install {package}` (`make install` does), or set model.eval_backend={other} "
-            f"(eval_backend={other!r} when constructing MaskRCNNModule in Python)."
-        ) from err
 
 
 def _plain(value: Any) -> Any:
@@ -90,50 +54,35 @@ def _plain(value: Any) -> Any:
 class MaskRCNNModule(LightningModule):
     """Mask R-CNN (``mask=True``) or Faster R-CNN on a ResNet-FPN backbone.
 
+    The constructor takes what the model is, where its weights come from, how it is optimised and how it is
+    evaluated; how it computes (kernels, memory format, compilation) is ``speedups``, applied to the built detector
+    by :meth:`configure_model`.
+
     Args:
         num_classes: classes including background (the CLI fills it in from the data).
         class_names: names of classes 1..K, for logs and predictions.
         category_ids: dataset category id of each class 1..K, so predictions map back to the dataset.
         mask: predict instance masks (Mask R-CNN); ``False`` gives Faster R-CNN.
-        ops: ``"ext"`` (lit_amp_det's NMS, RoIAlign and IoU kernels) or ``"torchvision"`` (its own ops, for A/B).
-        channels_last: run the detector in the channels_last (NHWC) memory format
-            (:func:`lit_amp_det.models.speed.use_channels_last`).
-        compile: ``"backbone"`` compiles the ResNet+FPN with ``torch.compile``; ``None`` stays eager.
-        deconv_as_matmul: compute the mask head's stride-2 transposed convolution as one matrix product when it
-            runs in fp16/bf16 (:mod:`lit_amp_det.models.patch_deconv`; 2x faster forward + backward on a CPU).
-        labelled_mask_logits: compute only the mask logits that are read: in training each positive RoI's
-            ground-truth class's (the mask loss), at inference each detection's predicted class's
-            (:mod:`lit_amp_det.models.labelled_mask_logits`; with ``ops="ext"``).
-        pointwise_conv_as_matmul: compute the backbone's and FPN's 1x1 convolutions as matrix products when they run
-            in fp16/bf16 on channels_last maps (:mod:`lit_amp_det.models.pointwise_conv`; up to 3x faster forward +
-            backward on the CPU's small, deep maps).
-        winograd_convs: parts of the detector (``mask_head``, ``rpn_head``, ``fpn``, ``backbone``) whose 3x3,
-            stride-1 convolutions run Winograd F(2x2, 3x3) (:mod:`lit_amp_det.models.winograd_conv`; 2.25x fewer
-            multiplications) when a layer computes in fp16/bf16/fp32 on the CPU and is large enough; ``[]``: none.
-        winograd_output_tile: 2 (F(2x2, 3x3)) or 4: those layers compute in float32 by F(4x4, 3x3) tiles, 4x fewer
-            multiplications than the direct convolution (fp16/bf16 layers keep F(2x2, 3x3)).
-        winograd_weight_tile_cache: those layers keep their weight's Winograd tiles between calls that build no
-            autograd graph (inference, validation) while the weight is unchanged
-            (:class:`~lit_amp_det.models.winograd_conv.WeightTileCache`): faster calls, for the tiles' memory
-            (2-4x the layers' weights).
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
-        optimizer: a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused": "auto"}``.
-        scheduler: a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``; ``None`` for none.
-        reference_batch: the global batch (images per optimizer step) that ``optimizer.lr`` is given for; the lr
-            is scaled linearly to the run's global batch (:func:`lit_amp_det.optim.scale_lr`). ``None``: used as is.
-        mask_threshold: mask probability above which a pixel belongs to the instance when scoring.
-        binary_mask_paste: at inference, paste each detection's mask into the image as booleans at
-            ``mask_threshold`` (:mod:`lit_amp_det.models.mask_paste`): torchvision's masks thresholded, bit for bit,
-            without its float canvas per detection. :meth:`postprocess` then receives boolean masks; ``False`` gives
-            it torchvision's probabilities.
-        eval_backend: library that computes COCO mAP: ``"faster_coco_eval"`` (same numbers, faster on small
-            images) or ``"pycocotools"`` (the reference); see :data:`EVAL_BACKENDS`.
-        checkpoint: local state dict or Lightning checkpoint to initialise from (``weights_only`` loading).
-        checkpoint_strict: if ``False``, tensors whose shapes differ (e.g. a new class count) are skipped.
-        weights: a torchvision COCO checkpoint for this architecture by name (``"COCO_V1"``; see
-            :func:`lit_amp_det.models.maskrcnn.build_detector`), fetched through torch hub's cache. When
-            ``checkpoint`` is set too, the checkpoint wins: ``weights`` and ``backbone.weights`` are checked but not
-            fetched, since the checkpoint's tensors would replace them.
+        weights: where the weights come from: a torchvision COCO checkpoint for this architecture by name
+            (``"COCO_V1"``, ``"DEFAULT"``; see :func:`~lit_amp_det.models.maskrcnn.build_detector`), fetched through
+            torch hub's cache, or a local file: a state dict of the detector or a Lightning checkpoint, loaded with
+            ``weights_only=True``. With another class count than the file's, the class-dependent predictor layers
+            keep their fresh initialisation (fine-tuning); any other difference is an error that names the
+            settings the file was made with. A local file replaces ``backbone.weights``, which is then checked but
+            not fetched. ``None``: no detection weights.
+        optim: ``optimizer`` (a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused":
+            "auto"}``), ``scheduler`` (a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``;
+            ``None`` for none) and ``reference_batch`` (the global batch that ``optimizer.lr`` is given for; the lr
+            is scaled linearly to the run's global batch, :func:`lit_amp_det.optim.scale_lr`; ``None``: used as is).
+            The Hydra app passes ``conf/optim``.
+        evaluation: ``mask_threshold`` (mask probability above which a pixel belongs to the instance, for
+            predictions and scoring; 0.5) and ``backend``, the library that computes COCO mAP:
+            ``"faster_coco_eval"`` (the default) or ``"pycocotools"`` (see :data:`EVAL_BACKENDS`).
+        speedups: the implementation transforms :meth:`configure_model` applies, a mapping of names to
+            ``_target_`` mappings of :class:`~lit_amp_det.models.speedups.ModelTransform` (``conf/speedups``);
+            ``None``: :data:`~lit_amp_det.models.speedups.DEFAULT_SPEEDUPS`; ``{}``: none. See
+            :meth:`model_transforms` for a subclass that builds its own model.
     """
 
     def __init__(
@@ -143,28 +92,14 @@ class MaskRCNNModule(LightningModule):
         class_names: Sequence[str] | None = None,
         category_ids: Sequence[int] | None = None,
         mask: bool = True,
-        ops: str = "ext",
-        channels_last: bool = False,
-        compile: str | None = None,
-        deconv_as_matmul: bool = False,
-        labelled_mask_logits: bool = False,
-        pointwise_conv_as_matmul: bool = False,
-        winograd_convs: Sequence[str] = (),
-        winograd_output_tile: int = 2,
-        winograd_weight_tile_cache: bool = False,
         backbone: Mapping[str, Any] | None = None,
         transform: Mapping[str, Any] | None = None,
         rpn: Mapping[str, Any] | None = None,
         roi_heads: Mapping[str, Any] | None = None,
-        optimizer: Mapping[str, Any] | None = None,
-        scheduler: Mapping[str, Any] | None = None,
-        mask_threshold: float = 0.5,
-        binary_mask_paste: bool = True,
-        eval_backend: str = "faster_coco_eval",
-        checkpoint: str | None = None,
-        checkpoint_strict: bool = True,
         weights: str | None = None,
-        reference_batch: int | None = None,
+        optim: Mapping[str, Any] | None = None,
+        evaluation: Mapping[str, Any] | None = None,
+        speedups: Mapping[str, Mapping[str, Any] | None] | None = None,
     ) -> None:
         super().__init__()
         # every __init__ argument, a subclass's too; OmegaConf nodes become plain data so that
@@ -172,65 +107,65 @@ class MaskRCNNModule(LightningModule):
         self.save_hyperparameters()
         for key, value in list(self.hparams.items()):
             self.hparams[key] = _plain(value)
-        if compile not in COMPILE_TARGETS:
-            raise ArgumentError("compile", compile, f"is unknown; choose one of {list(COMPILE_TARGETS)} (null: eager)")
-        check_reference_batch(reference_batch)
-        check_eval_backend(eval_backend)
-        check_output_tile(winograd_output_tile)
+        self.optim_settings = check_optim(optim)
+        self.evaluation_settings = check_evaluation(evaluation)
+        self.configured_speedups = build_transforms(DEFAULT_SPEEDUPS if speedups is None else speedups)
+        self.applied_speedups: list[str] | None = None  # set by configure_model
         self.model = self.build_model()
-        if checkpoint:
-            named = {k: v for k, v in (("weights", weights), ("backbone.weights", (backbone or {}).get("weights"))) if v}
+        local = local_weights(weights)
+        if local is not None:
+            named = (backbone or {}).get("weights")
             if named:
-                log.info("checkpoint=%r supplies the weights: %s checked but not loaded", str(checkpoint),
-                         ", ".join(f"{k}={v!r}" for k, v in named.items()))
-            load_model_weights(self.model, Path(checkpoint), strict=checkpoint_strict, hparams=self.hparams)
-        if binary_mask_paste and mask and not use_binary_mask_paste(self.model, mask_threshold):
-            log.warning("model.binary_mask_paste=true: the detector's transform is %s, not torchvision's "
-                        "GeneralizedRCNNTransform, so its masks are pasted as it pastes them",
-                        type(getattr(self.model, "transform", None)).__name__)
-        if channels_last:
-            use_channels_last(self.model)
-        if deconv_as_matmul and use_patch_deconv(self.model) == 0:
-            log.warning("model.deconv_as_matmul=true: the model has no transposed convolution whose kernel equals "
-                        "its stride (a Faster R-CNN has none), so nothing was switched")
-        if labelled_mask_logits:
-            self._use_labelled_mask_logits()
-        if pointwise_conv_as_matmul:
-            use_pointwise_matmul(self.model)
-        if winograd_convs and use_winograd_convs(self.model, list(winograd_convs), winograd_output_tile,
-                                                 cache_weight_tiles=winograd_weight_tile_cache) == 0:
-            log.warning("model.winograd_convs=%s: the model has no 3x3, stride-1 convolution there, so nothing was "
-                        "switched", list(winograd_convs))
-        compile_detector(self.model, compile)
+                log.info("weights=%r supplies the weights: backbone.weights=%r checked but not loaded", str(local),
+                         named)
+            load_model_weights(self.model, local, hparams=self.hparams)
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()
         self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
 
-    def _use_labelled_mask_logits(self) -> None:
-        heads = getattr(self.model, "roi_heads", None)
-        if not isinstance(heads, ExtRoIHeads) or not heads.has_mask():
-            log.warning("model.labelled_mask_logits=true: it applies to Mask R-CNN with model.ops=ext (the RoI heads "
-                        "are %s), so nothing was switched", type(heads).__name__)
+    # ------------------------------------------------------------------------------ implementation choices
+    def model_transforms(self) -> list[ModelTransform]:
+        """The implementation transforms :meth:`configure_model` applies to :meth:`build_model`'s detector.
+
+        The configured ``speedups`` when this class builds the package's detector. A subclass that overrides
+        :meth:`build_model` gets exactly the model it built: it opts in by overriding this method, e.g. to return
+        ``self.configured_speedups`` (or transforms of its own).
+        """
+        if type(self).build_model is not MaskRCNNModule.build_model:
+            return []
+        return list(self.configured_speedups)
+
+    def configure_model(self) -> None:
+        """Applies :meth:`model_transforms` to ``self.model``, once (Lightning calls this before every fit, validate,
+        test and predict; call it yourself to use the module without a Trainer). Each transform applies only on
+        the device types it declares: the Trainer's device, or the module's outside a Trainer."""
+        if self.applied_speedups is not None:
             return
-        if logit_conv(heads.mask_predictor) is None:
-            log.warning("model.labelled_mask_logits=true: the mask predictor (%s) is not shaped like torchvision's "
-                        "MaskRCNNPredictor, so the loss keeps every class's logits", type(heads.mask_predictor).__name__)
-        heads.labelled_mask_logits = True
+        try:
+            device = self.trainer.strategy.root_device
+        except RuntimeError:  # not attached to a Trainer
+            device = self.device
+        transforms = self.model_transforms()
+        self.model, self.applied_speedups = apply_transforms(self.model, transforms, device)
+        if transforms:
+            log.info("speedups on %s: %s", device.type if isinstance(device, torch.device) else device,
+                     ", ".join(self.applied_speedups) or "none")
 
     # ------------------------------------------------------------------------------ override points
     def build_model(self) -> nn.Module:
         """Constructs the detector from ``self.hparams``. Override to change the architecture."""
         hp = self.hparams
+        weights = hp.get("weights")
+        local = local_weights(weights) is not None
         return build_detector(
             hp.num_classes,
             mask=hp.mask,
-            ops=hp.get("ops", "ext"),
             backbone=hp.backbone,
             transform=hp.transform,
             rpn=hp.rpn,
             roi_heads=hp.roi_heads,
-            weights=hp.get("weights"),
-            load_weights=not hp.get("checkpoint"),  # the checkpoint replaces them: see ``weights``
+            weights=None if local else weights,
+            load_weights=not local,  # the local file replaces them: see ``weights``
         )
 
     def compute_loss(self, loss_dict: Mapping[str, Tensor]) -> Tensor:
@@ -240,15 +175,16 @@ class MaskRCNNModule(LightningModule):
     def postprocess(self, detections: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """Turns raw detections into fp32 boxes/scores, int64 labels and boolean ``[N, H, W]`` masks.
 
-        The raw masks are ``[N, 1, H, W]``: booleans already thresholded with ``binary_mask_paste`` (the default),
-        torchvision's probabilities without it.
+        The raw masks are ``[N, 1, H, W]``: booleans already thresholded with the ``binary_mask_paste`` speedup (a
+        default), torchvision's probabilities without it.
         """
         results = []
         for det in detections:
             out = {"boxes": det["boxes"].float(), "scores": det["scores"].float(), "labels": det["labels"].long()}
             if "masks" in det:
                 masks = det["masks"][:, 0]
-                out["masks"] = masks if masks.dtype == torch.bool else masks.float() > self.hparams.mask_threshold
+                threshold = self.evaluation_settings.mask_threshold
+                out["masks"] = masks if masks.dtype == torch.bool else masks.float() > threshold
             results.append(out)
         return results
 
@@ -278,23 +214,24 @@ class MaskRCNNModule(LightningModule):
         """COCO mAP for boxes, and masks when the model predicts them.
 
         Under DDP each rank scores its shard; :meth:`_log_metric` gathers the shards before computing
-        (``sync_on_compute=False``: torchmetrics' own gather needs equally long shards). ``eval_backend`` picks
-        the library that computes it (:data:`EVAL_BACKENDS`).
+        (``sync_on_compute=False``: torchmetrics' own gather needs equally long shards). ``evaluation.backend``
+        picks the library that computes it (:data:`EVAL_BACKENDS`).
         """
         iou_types = ("bbox", "segm") if self.hparams.mask else ("bbox",)
-        backend = self.hparams.get("eval_backend", "faster_coco_eval")  # checked in __init__
+        backend = self.evaluation_settings.backend
         return MeanAveragePrecision(iou_type=iou_types, backend=backend, sync_on_compute=False)
 
     def configure_optimizers(self) -> Any:
-        """Optimizer from ``hparams.optimizer`` and a per-step schedule from ``hparams.scheduler``.
+        """Optimizer from ``optim.optimizer`` and a per-step schedule from ``optim.scheduler``.
 
-        With ``hparams.reference_batch`` set, the lr is scaled by the global batch over it (the global batch is
+        With ``optim.reference_batch`` set, the lr is scaled by the global batch over it (the global batch is
         the data module's ``batch_size`` x devices x nodes x ``accumulate_grad_batches``).
         """
         params = [p for p in self.parameters() if p.requires_grad]
-        given = self.hparams.optimizer or _DEFAULT_OPTIMIZER
+        settings = self.optim_settings
+        given = settings.optimizer
         optimizer_cfg = given
-        reference = self.hparams.get("reference_batch")
+        reference = settings.reference_batch
         if reference is not None:
             trainer = self.trainer
             batch = global_batch_size(getattr(trainer.datamodule, "batch_size", None), trainer.world_size,
@@ -304,7 +241,7 @@ class MaskRCNNModule(LightningModule):
                 log.info("lr %g for a global batch of %d images (%g given for reference_batch=%d)",
                          optimizer_cfg["lr"], batch, given["lr"], reference)
         optimizer = build_optimizer(optimizer_cfg, params)
-        scheduler_cfg = self.hparams.scheduler if self.hparams.scheduler is not None else _DEFAULT_SCHEDULER
+        scheduler_cfg = settings.scheduler
         if not scheduler_cfg:
             return optimizer
         scheduler = instantiate(
@@ -329,7 +266,7 @@ class MaskRCNNModule(LightningModule):
         """Detections (post-processed, fp32) for a list of ``[3, H, W]`` images."""
         transform = getattr(self.model, "transform", None)
         if isinstance(transform, BinaryMaskTransform):  # the threshold is read per call, as postprocess reads it
-            transform.mask_threshold = float(self.hparams.mask_threshold)
+            transform.mask_threshold = self.evaluation_settings.mask_threshold
         return self.postprocess(self.model(self.prepare_images(images)))
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:

@@ -1,13 +1,15 @@
 """How lit_amp_det measures: peak memory, bytes saved for backward, step time and images per batch.
 
 The callbacks (``MemoryMonitor``, ``Throughput``, ``RunStats``), the benches and the tasks all measure through
-this one module, so a figure means the same thing wherever it is printed. It imports only the standard library,
-torch and :mod:`lit_amp_det.cpu_heap` (glibc's heap settings, which the measurements pin), so any layer may use it.
+this one module, so a figure means the same thing wherever it is printed. It imports only the standard library and
+torch, so any layer may use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import re
 import resource
 import sys
@@ -19,23 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-# the glibc heap controls the measurements use, re-exported for the callers that measure
-from lit_amp_det.cpu_heap import pin_malloc_threshold, release_freed_cpu_memory, unpin_malloc_threshold
-
-__all__ = [
-    "MB",
-    "MemoryProbe",
-    "SavedTensorBytes",
-    "StepTimer",
-    "count_images",
-    "minor_page_faults",
-    "pin_malloc_threshold",
-    "resident_bytes",
-    "release_freed_cpu_memory",
-    "synchronize",
-    "timed",
-    "unpin_malloc_threshold",
-]
+__all__ = ["MB", "MemoryProbe", "SavedTensorBytes", "StepTimer", "count_images", "pin_malloc_threshold",
+           "release_freed_cpu_memory", "synchronize", "timed", "unpin_malloc_threshold"]
 
 MB = 2**20
 
@@ -52,12 +39,6 @@ def _proc_status_kib(field: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def resident_bytes() -> int | None:
-    """The process's resident set now (``VmRSS``), or None where ``/proc`` has none."""
-    kib = _proc_status_kib("VmRSS")
-    return None if kib is None else 1024 * kib
-
-
 def _reset_cpu_high_water_mark() -> bool:
     """Resets the process's peak resident set (``VmHWM``) to its current size; False where not allowed."""
     try:
@@ -68,10 +49,52 @@ def _reset_cpu_high_water_mark() -> bool:
     return True
 
 
-def minor_page_faults() -> int:
-    """Minor page faults this process has taken so far (``ru_minflt``): pages the kernel mapped in on first touch,
-    e.g. every page of a large block glibc got fresh from the OS (:mod:`lit_amp_det.cpu_heap`)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+# ------------------------------------------------------------------------------------- glibc's heap policy
+# A resident-set peak on a CPU counts the pages glibc keeps after a free: a measurement first hands them back.
+
+def _load_libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+#: glibc's ``mallopt`` parameters (malloc.h) and its defaults for a long-running process (64-bit).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_GLIBC_MMAP_THRESHOLD_MAX, _GLIBC_MMAP_MAX = 32 * 1024 * 1024, 65536
+
+
+def _mallopt(param: int, value: int) -> bool:
+    mallopt = getattr(_LIBC, "mallopt", None)
+    return mallopt is not None and mallopt(param, value) == 1
+
+
+def release_freed_cpu_memory() -> None:
+    """Returns freed heap to the OS, so a resident-set peak measures this step, not the last one's leftovers."""
+    gc.collect()
+    trim = getattr(_LIBC, "malloc_trim", None)  # glibc; musl has none
+    if trim is not None:
+        trim(0)
+
+
+def pin_malloc_threshold(threshold: int = 128 * 1024) -> None:
+    """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and the resident set stays
+    up), so that consecutive peaks are comparable. Costs page faults: :func:`unpin_malloc_threshold` afterwards."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is None or not _mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX):
+        return
+    _mallopt(_M_MMAP_THRESHOLD, threshold)  # fixed, so it no longer adapts upwards
+    trim(0)
+
+
+def unpin_malloc_threshold() -> None:
+    """Undoes :func:`pin_malloc_threshold`: glibc's thresholds for a long-running process."""
+    _mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX)
+    _mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
+    _mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX)
 
 
 # --------------------------------------------------------------------------------------------- the probe
@@ -79,10 +102,8 @@ def minor_page_faults() -> int:
 class MemoryProbe:
     """Peak and in-use memory of one device: the CUDA caching allocator, or this process on a CPU.
 
-    On a CPU the peak is the process's high-water mark (``VmHWM``, reset by writing ``5`` to
-    ``/proc/self/clear_refs``); where that is not allowed, ``ru_maxrss``, which only ever grows. ``source``
-    names what is measured; ``resettable`` is False in that last case, where :meth:`peak_bytes` is the peak
-    since the process started.
+    On a CPU the peak is the process's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``); where
+    that is not allowed, ``ru_maxrss``, which only grows (``resettable`` False). ``source`` names what is measured.
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -140,13 +161,10 @@ def _is_parameter_cast(tensor: Tensor) -> bool:
 class SavedTensorBytes:
     """Counts the bytes autograd saves for backward while the context is open.
 
-    Each distinct storage is counted once, whole (a saved view keeps all of its storage alive); storages of
-    ``exclude`` (the model's parameters and buffers, which are resident anyway) are not counted. Of the total,
-    ``weight_cast_bytes`` are dtype copies of trainable parameters: under autocast every conv and linear keeps
-    a low-precision copy of its weight, which on small inputs can outweigh the activations it halves; and
-    ``within_bytes`` are storages first saved while the forward of the module ``within`` ran (e.g. a
-    backbone). Tensors are saved unchanged, so this only observes. Device independent: it counts tensors, not
-    allocator blocks.
+    Each distinct storage is counted once, whole (a saved view keeps all of it alive); storages of ``exclude`` (the
+    parameters and buffers, resident anyway) are not counted. Of the total, ``weight_cast_bytes`` are dtype copies
+    of trainable parameters (autocast's low-precision weight copies), and ``within_bytes`` are storages first saved
+    during the forward of the module ``within``. It only observes, and counts tensors, not allocator blocks.
     """
 
     def __init__(self, exclude: Iterable[Tensor] = (), within: nn.Module | None = None) -> None:

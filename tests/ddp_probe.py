@@ -1,4 +1,5 @@
-"""A callback for the DDP test: each rank writes what it saw (strategy, dtypes, regions, shards, weights)."""
+"""A callback for the DDP test: each rank writes what it saw (strategy, dtypes, regions, speedups, shards,
+weights)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ class DDPProbe(Callback):
             "precision_plugin": type(trainer.precision_plugin).__name__,
             "precision": trainer.precision_plugin.precision,
             "fp32_region_installed": "filter_proposals" in vars(rpn),
+            "applied_speedups": pl_module.applied_speedups,
+            "rpn_class": type(rpn).__name__,
+            "transform_class": type(pl_module.model.transform).__name__,
+            # the regions go onto the model the speedups made (BinaryMaskPaste replaces the transform)
+            "transform_region_installed": "postprocess" in vars(pl_module.model.transform),
             "weights_checksum": float(sum(p.detach().double().sum() for p in pl_module.parameters())),
             "global_step": trainer.global_step,
         }

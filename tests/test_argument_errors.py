@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import SMOKE, compose_config
 from omegaconf import open_dict
 
-from lit_amp_det.app.tasks import build_datamodule, build_trainer, config_node
+from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer, config_node
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
 from lit_amp_det.data.datamodule import CocoDataModule
 from lit_amp_det.errors import ArgumentError
@@ -46,12 +47,23 @@ def test_library_classes_name_their_argument() -> None:
 @pytest.mark.parametrize(("override", "build", "message"), [
     ("data.predict_split=dev", "data", r"^data\.predict_split='dev' is unknown"),
     ("callbacks.freeze_norm.frozen_stages=7", "trainer", r"^callbacks\.freeze_norm\.frozen_stages=7 must be"),
+    ("model.evaluation.mask_threshold=1.5", "model", r"^model\.evaluation\.mask_threshold=1\.5 must be a probability"),
+    ("+model.evaluation.threshold=0.4", "model", r"^model\.evaluation=\{.*\} has unknown keys \['threshold'\]"),
+    # model.optim and model.speedups read the top-level groups, whose keys are the ones a user can override
+    ("optim.reference_batch=0", "model", r"^optim\.reference_batch=0 must be a positive integer"),
+    ("optim.optimizer._target_=null", "model", r"^optim\.optimizer=\{.*\} needs a _target_"),
+    ("speedups.ext_ops=true", "model", r"^speedups\.ext_ops=True must be a _target_ mapping"),
+    ("+speedups.mine={_target_:torch.nn.Identity}", "model", r"^speedups\.mine\._target_='torch\.nn\.Identity' made"),
+    # ... unless the model node was given its own value
+    ("model.optim={reference_batch:0}", "model", r"^model\.optim\.reference_batch=0 must be a positive integer"),
 ])
 def test_the_command_line_names_the_config_path(tmp_path: Path, override: str, build: str, message: str) -> None:
     groups = ["callbacks=[default,freeze_norm]"] if "freeze_norm" in override else []
     cfg = compose_config([*SMOKE, *groups, override], tmp_path)
+    builders = {"data": build_datamodule, "trainer": build_trainer,
+                "model": lambda cfg: build_model(cfg, SimpleNamespace(num_classes=4))}
     with pytest.raises(ArgumentError, match=message):
-        build_datamodule(cfg) if build == "data" else build_trainer(cfg)
+        builders[build](cfg)
 
 
 def test_a_callback_added_in_code_gets_its_path_too(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Bad checkpoints as a new user meets them: one message naming the file, what is wrong and what to pass.
 
-Both ways a checkpoint enters are covered: ``model.checkpoint=PATH`` (loaded by the module's constructor,
+Both ways a checkpoint enters are covered: ``model.weights=PATH`` (loaded by the module's constructor,
 inside Hydra's ``instantiate``) and ``ckpt_path=FILE`` (checked by ``check_checkpoint`` before Lightning
 restores it). Checkpoints are real Lightning ones, written by ``Trainer.save_checkpoint`` from a tiny model.
 """
@@ -56,7 +56,7 @@ def r18_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_empty_file(tmp_path: Path) -> None:
     path = tmp_path / "empty.ckpt"
     path.write_bytes(b"")
-    for message in (_message(lambda: _module(f"model.checkpoint={path}")),
+    for message in (_message(lambda: _module(f"model.weights={path}")),
                     _message(lambda: check_checkpoint(str(path), _module()))):
         assert str(path) in message and "is empty (0 bytes)" in message and "pass another checkpoint" in message
         assert "EOFError" not in message
@@ -65,7 +65,7 @@ def test_empty_file(tmp_path: Path) -> None:
 def test_garbage_bytes(tmp_path: Path) -> None:
     path = tmp_path / "notes.ckpt"
     path.write_bytes(b"these are my training notes, not weights\n" * 20)
-    for message in (_message(lambda: _module(f"model.checkpoint={path}")),
+    for message in (_message(lambda: _module(f"model.weights={path}")),
                     _message(lambda: check_checkpoint(str(path), _module()))):
         assert str(path) in message and "is not a PyTorch checkpoint" in message
         assert "torch.save(model.state_dict(), path)" in message
@@ -76,7 +76,7 @@ def test_truncated_checkpoint(r18_ckpt: Path, tmp_path: Path) -> None:
     path = tmp_path / "copied_halfway.ckpt"
     data = r18_ckpt.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    for message in (_message(lambda: _module(R18, f"model.checkpoint={path}")),
+    for message in (_message(lambda: _module(R18, f"model.weights={path}")),
                     _message(lambda: check_checkpoint(str(path), _module(R18)))):
         assert str(path) in message and "is truncated or corrupted" in message and "Use a complete copy" in message
         assert "PytorchStreamReader" not in message and "miniz" not in message
@@ -84,7 +84,7 @@ def test_truncated_checkpoint(r18_ckpt: Path, tmp_path: Path) -> None:
 
 def test_directory(r18_ckpt: Path) -> None:
     folder = r18_ckpt.parent
-    for message in (_message(lambda: _module(f"model.checkpoint={folder}")),
+    for message in (_message(lambda: _module(f"model.weights={folder}")),
                     _message(lambda: check_checkpoint(str(folder), _module()))):
         assert f"{str(folder)!r} is a directory" in message
         assert f"pass the checkpoint file inside it, e.g. {str(r18_ckpt)!r}" in message
@@ -92,7 +92,7 @@ def test_directory(r18_ckpt: Path) -> None:
 
 def test_r18_checkpoint_into_r34(r18_ckpt: Path) -> None:
     configured = ("model.backbone.name=resnet34",)
-    for message in (_message(lambda: _module(*configured, f"model.checkpoint={r18_ckpt}")),
+    for message in (_message(lambda: _module(*configured, f"model.weights={r18_ckpt}")),
                     _message(lambda: check_checkpoint(str(r18_ckpt), _module(*configured)))):
         assert str(r18_ckpt) in message
         assert "model.backbone.name=resnet18 in the checkpoint, resnet34 configured" in message
@@ -103,7 +103,7 @@ def test_r18_checkpoint_into_r34(r18_ckpt: Path) -> None:
 
 def test_mask_rcnn_checkpoint_into_faster_rcnn(r18_ckpt: Path) -> None:
     configured = (R18, "model.mask=false")
-    for message in (_message(lambda: _module(*configured, f"model.checkpoint={r18_ckpt}")),
+    for message in (_message(lambda: _module(*configured, f"model.weights={r18_ckpt}")),
                     _message(lambda: check_checkpoint(str(r18_ckpt), _module(*configured)))):
         assert str(r18_ckpt) in message
         assert "model.mask=true in the checkpoint, false configured" in message and "pass model.mask=true" in message
@@ -111,37 +111,46 @@ def test_mask_rcnn_checkpoint_into_faster_rcnn(r18_ckpt: Path) -> None:
 
 
 def test_seven_class_checkpoint_into_four_classes(r18_ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
-    message = _message(lambda: _module(R18, f"model.checkpoint={r18_ckpt}", num_classes=4))
-    assert str(r18_ckpt) in message and "was made with model.num_classes=7, 4 configured" in message
-    assert "pass model.checkpoint_strict=false" in message
-    _assert_no_key_dump(message)
-
     message = _message(lambda: check_checkpoint(str(r18_ckpt), _module(R18, num_classes=4)))
     assert "was made with model.num_classes=7, 4 configured" in message
-    assert f"model.checkpoint={str(r18_ckpt)!r} model.checkpoint_strict=false instead of ckpt_path" in message
+    assert f"start a new run with model.weights={str(r18_ckpt)!r} instead of ckpt_path" in message
     _assert_no_key_dump(message)
 
+    # as model.weights it fine-tunes: no switch, one log line, the class-dependent layers start fresh
     with caplog.at_level(logging.WARNING, logger="lit_amp_det.checkpoints"):
-        module = _module(R18, f"model.checkpoint={r18_ckpt}", "model.checkpoint_strict=false", num_classes=4)
+        module = _module(R18, f"model.weights={r18_ckpt}", num_classes=4)
     (record,) = [r for r in caplog.records if r.name == "lit_amp_det.checkpoints"]
     line = record.getMessage()
-    assert "\n" not in line and str(r18_ckpt) in line and "6 tensors of other shapes" in line
-    assert "roi_heads.box_predictor.cls_score.weight [7, 64] in the file, [4, 64] here" in line
+    assert "\n" not in line and str(r18_ckpt) in line
+    assert "made for another class count; 6 class-dependent predictor tensors keep their fresh initialisation" in line
+    assert "roi_heads.box_predictor.cls_score.weight" in line
     saved = torch.load(r18_ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    trunk = "backbone.body.layer1.0.conv1.weight"
-    assert torch.equal(module.model.state_dict()[trunk], saved[f"model.{trunk}"])
-    head = "roi_heads.box_predictor.cls_score.weight"
-    assert module.model.state_dict()[head].shape[0] == 4
+    own = module.model.state_dict()
+    assert sorted(k for k in own if own[k].shape != saved[f"model.{k}"].shape) == [
+        "roi_heads.box_predictor.bbox_pred.bias", "roi_heads.box_predictor.bbox_pred.weight",
+        "roi_heads.box_predictor.cls_score.bias", "roi_heads.box_predictor.cls_score.weight",
+        "roi_heads.mask_predictor.mask_fcn_logits.bias", "roi_heads.mask_predictor.mask_fcn_logits.weight"]
+    for key, value in own.items():
+        if value.shape == saved[f"model.{key}"].shape:
+            assert torch.equal(value, saved[f"model.{key}"]), key
+
+
+def test_another_class_count_does_not_excuse_another_architecture(r18_ckpt: Path) -> None:
+    message = _message(lambda: _module("model.backbone.name=resnet34", f"model.weights={r18_ckpt}", num_classes=4))
+    assert str(r18_ckpt) in message
+    assert "model.backbone.name=resnet18 in the checkpoint, resnet34 configured" in message
+    assert "pass model.backbone.name=resnet18" in message
+    _assert_no_key_dump(message)
 
 
 def test_cli_prints_the_message_not_hydras_wrapper_or_lightnings_key_list(r18_ckpt: Path, tmp_path: Path) -> None:
     truncated = tmp_path / "last.ckpt"
     truncated.write_bytes(r18_ckpt.read_bytes()[:4096])
     user_env = {"HYDRA_FULL_ERROR": "0"}  # what a user sees
-    proc = run_cli(["validate", "experiment=smoke", f"model.checkpoint={truncated}"], cwd=tmp_path, env=user_env,
+    proc = run_cli(["validate", "experiment=smoke", f"model.weights={truncated}"], cwd=tmp_path, env=user_env,
                    check=False)
     assert proc.returncode != 0
-    assert f"CheckpointError: model.checkpoint={str(truncated)!r} is truncated or corrupted" in proc.stderr
+    assert f"CheckpointError: model.weights={str(truncated)!r} is truncated or corrupted" in proc.stderr
     assert "PytorchStreamReader" not in proc.stderr
 
     proc = run_cli(["validate", "experiment=smoke", "model.backbone.name=resnet34", f"ckpt_path={r18_ckpt}"],

@@ -50,12 +50,21 @@ def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["hyper_parameters"]["num_classes"] == 7
     assert checkpoint["hyper_parameters"]["class_names"][0] == "circle"
+    assert checkpoint["hyper_parameters"]["speedups"] == {  # plain data, as conf/speedups/default.yaml names them
+        "ext_ops": {"_target_": "lit_amp_det.models.speedups.ExtensionOps"},
+        "binary_mask_paste": {"_target_": "lit_amp_det.models.speedups.BinaryMaskPaste"},
+        "channels_last": None, "compile": None}
+    assert "speedups on cpu: ext_ops, binary_mask_paste" in (run_dir / "fit.log").read_text()
 
 
-def test_validate_reproduces_the_final_fit_metrics(trained: tuple[Path, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["ckpt_path", "model.weights", "ckpt_path speedups=none"])
+def test_validate_reproduces_the_final_fit_metrics(trained: tuple[Path, str], tmp_path: Path, source: str) -> None:
+    """From the checkpoint as ``ckpt_path`` or as ``model.weights``, and on torchvision's model (the speedups change
+    how the model computes, not its detections)."""
     run_dir, _ = trained
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    run_cli(["validate", *SMOKE, f"ckpt_path={ckpt}"], cwd=tmp_path)
+    key, *more = source.split()
+    run_cli(["validate", *SMOKE, f"{key}={ckpt}", *more], cwd=tmp_path)
     validated = json.loads((only_run_dir(tmp_path / "runs") / "metrics.json").read_text())["metrics"]
     fitted = json.loads((run_dir / "metrics.json").read_text())["metrics"]
     for key in ("val/bbox_mAP", "val/segm_mAP", "val/segm_mAP_50"):
@@ -121,7 +130,7 @@ def test_predict_on_a_folder_of_pictures(trained: tuple[Path, str], tmp_path: Pa
 def test_help_lists_subcommands_and_groups(tmp_path: Path) -> None:
     out = run_cli(["--help"], cwd=tmp_path).stdout
     for word in ("fit", "validate", "test", "predict", "model", "data", "trainer", "callbacks", "logger",
-                 "optim", "experiment", "maskrcnn_light", "coco_r50_fpn", "bf16-mixed"):
+                 "optim", "speedups", "experiment", "maskrcnn_light", "coco_r50_fpn", "bf16-mixed"):
         assert word in out
     script = Path(sys.executable).parent / "lit-amp-det"
     assert script.is_file(), "the console script is installed with the package"

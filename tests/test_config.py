@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.app.config import check_config, config_groups
@@ -22,7 +23,8 @@ GROUPS = config_groups()
 
 
 def test_expected_groups_exist() -> None:
-    for group in ("model", "data", "trainer", "precision", "callbacks", "logger", "optim", "experiment", "hydra", "paths"):
+    for group in ("model", "speedups", "data", "trainer", "precision", "callbacks", "logger", "optim", "experiment",
+                  "hydra", "paths"):
         assert group in GROUPS and GROUPS[group], group
 
 
@@ -35,6 +37,30 @@ def test_every_model_instantiates(option: str, tmp_path: Path) -> None:
     assert hasattr(module.model.roi_heads, "mask_head") and (module.model.roi_heads.mask_head is None) == (
         option == "fasterrcnn_light"
     )
+
+
+#: What each conf/speedups option names, and what of it applies to a model on a CPU.
+SPEEDUPS = {
+    "default": (["ext_ops", "binary_mask_paste"], ["ext_ops", "binary_mask_paste"]),
+    "gpu": (["ext_ops", "binary_mask_paste", "channels_last", "compile"], ["ext_ops", "binary_mask_paste"]),
+    "none": ([], []),
+}
+
+
+def test_every_speedups_option_is_tested() -> None:
+    assert sorted(GROUPS["speedups"]) == sorted(SPEEDUPS)
+
+
+@pytest.mark.parametrize("option", GROUPS["speedups"])
+def test_every_speedups_option_instantiates(option: str, tmp_path: Path) -> None:
+    cfg = compose_config(["experiment=smoke", f"speedups={option}"], tmp_path)
+    assert cfg.model.speedups == cfg.speedups  # the model node reads the group
+    module = instantiate(cfg.model, num_classes=3)
+    named, on_cpu = SPEEDUPS[option]
+    assert [t.name for t in module.configured_speedups] == named
+    module.configure_model()
+    assert module.applied_speedups == on_cpu
+    assert module.hparams.speedups == OmegaConf.to_container(cfg.speedups)  # plain data in every checkpoint
 
 
 @pytest.mark.parametrize("option", GROUPS["data"])

@@ -36,6 +36,10 @@ def test_two_process_ddp_fit_on_cpu(tmp_path: Path) -> None:
         assert probe["backbone_dtype"] == "torch.bfloat16"
         assert probe["box_predictor_dtype"] == "torch.float32"
         assert probe["fp32_region_installed"]
+        # every rank runs the model its configure_model made, with the fp32 regions installed on it
+        assert probe["applied_speedups"] == ["ext_ops", "binary_mask_paste"]
+        assert (probe["rpn_class"], probe["transform_class"]) == ("ExtRegionProposalNetwork", "BinaryMaskTransform")
+        assert probe["transform_region_installed"]
         # callbacks=fast under DDP: frozen norms with the conv-bn eval fold on every rank
         assert probe["conv_bn_eval"] and probe["norms_in_train_mode"] == 0
         # each rank trains on its half of the data and scores its shard of the 7 validation images

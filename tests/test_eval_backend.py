@@ -1,4 +1,4 @@
-"""model.eval_backend: faster-coco-eval and pycocotools give the same COCO metrics; bad or missing backends fail
+"""model.evaluation.backend: faster-coco-eval and pycocotools give the same COCO metrics; bad or missing backends fail
 early with the fix."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lit_amp_det.app.config import config_groups
 from lit_amp_det.app.tasks import build_model
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.module import EVAL_BACKENDS, check_eval_backend
+from lit_amp_det.module_settings import check_evaluation
 
 from conftest import CONFIG_ERRORS, compose_config
 
@@ -23,7 +24,7 @@ SIZE = 128  # large enough for COCO's small (< 32^2), medium and large (> 96^2) 
 
 
 def _module(tmp_path: Path, backend: str) -> MaskRCNNModule:
-    cfg = compose_config(["experiment=smoke", f"model.eval_backend={backend}"], tmp_path)
+    cfg = compose_config(["experiment=smoke", f"model.evaluation.backend={backend}"], tmp_path)
     return instantiate(cfg.model, num_classes=4)
 
 
@@ -96,16 +97,18 @@ def test_default_backend_follows_the_measured_image_sizes(tmp_path: Path) -> Non
     """faster_coco_eval for the small-image configs (faster there), pycocotools at COCO sizes (faster there)."""
     expected = {option: "faster_coco_eval" for option in config_groups()["model"]} | {"maskrcnn_r50_fpn": "pycocotools"}
     for option, backend in expected.items():
-        assert compose_config([f"model={option}"], tmp_path).model.eval_backend == backend, option
-    assert MaskRCNNModule.__init__.__kwdefaults__["eval_backend"] == "faster_coco_eval"
+        assert compose_config([f"model={option}"], tmp_path).model.evaluation.backend == backend, option
+    assert MaskRCNNModule.__init__.__kwdefaults__["evaluation"] is None  # the defaults below
+    assert check_evaluation(None).backend == "faster_coco_eval"
+    assert check_evaluation({"mask_threshold": 0.3}).backend == "faster_coco_eval"
 
 
 def test_bad_backend_names_the_argument_and_the_choices(tmp_path: Path) -> None:
     choices = r"='cocoapi' is unknown; choose one of faster_coco_eval, pycocotools"
-    with pytest.raises(ArgumentError, match=rf"^eval_backend{choices}$"):
+    with pytest.raises(ArgumentError, match=rf"^evaluation\.backend{choices}$"):
         check_eval_backend("cocoapi")
-    cfg = compose_config(["experiment=smoke", "model.eval_backend=cocoapi"], tmp_path)
-    with pytest.raises(ArgumentError, match=rf"^model\.eval_backend{choices}$"):  # as the command line reports it
+    cfg = compose_config(["experiment=smoke", "model.evaluation.backend=cocoapi"], tmp_path)
+    with pytest.raises(ArgumentError, match=rf"^model\.evaluation\.backend{choices}$"):  # as the CLI reports it
         build_model(cfg, SimpleNamespace(num_classes=4))
 
 
@@ -114,7 +117,7 @@ def test_bad_backend_names_the_argument_and_the_choices(tmp_path: Path) -> None:
 def test_missing_package_says_how_to_install_or_switch(backend: str, package: str, other: str,
                                                        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, backend, None)  # the import fails as if the package were not installed
-    fix = rf"`pip install {package}` \(`make install` does\), or set model.eval_backend={other} "
+    fix = rf"`pip install {package}` \(`make install` does\), or set model\.evaluation\.backend={other}\."
     with pytest.raises(ModuleNotFoundError, match=fix):
         check_eval_backend(backend)
     with pytest.raises(CONFIG_ERRORS + (ModuleNotFoundError,), match=fix):

@@ -1,4 +1,4 @@
-"""The Mask R-CNN on lit_amp_det's ops (``model.ops=ext``) against the same weights on torchvision's ops."""
+"""The Mask R-CNN on lit_amp_det's ops (the ``ext_ops`` speedup) against the same weights on torchvision's ops."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def _pair(seed: int = 0):
     all sit near 0.5 (objectness) or 1/7 (classes), so fp32 ties would make the NMS order arbitrary
     (torchvision's batched_nms breaks ties by an unstable sort), and the comparison meaningless."""
     torch.manual_seed(seed)
-    ext = build_detector(ops="ext", **MODEL)
+    ext = use_extension_ops(build_detector(**MODEL))
     torch.nn.init.normal_(ext.rpn.head.cls_logits.weight, std=0.5)
     torch.nn.init.normal_(ext.roi_heads.box_predictor.cls_score.weight, std=0.5)
-    plain = build_detector(ops="torchvision", **MODEL)
+    plain = build_detector(**MODEL)
     plain.load_state_dict(ext.state_dict())
     return ext.eval(), plain.eval()
 
@@ -163,7 +163,7 @@ def test_use_extension_ops_refuses_a_subclassed_head():
     class MyHeads(RoIHeads):
         pass
 
-    model = build_detector(ops="torchvision", **MODEL)
+    model = build_detector(**MODEL)
     model.roi_heads.__class__ = MyHeads
     with pytest.raises(TypeError, match="MyHeads"):
         use_extension_ops(model)

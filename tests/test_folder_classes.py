@@ -46,22 +46,26 @@ def test_torchvision_coco_weights_name_their_91_labels() -> None:
         weights_classes("COCO_V9", mask=True)
 
 
-def test_the_checkpoint_then_model_checkpoint_then_weights_name_the_classes(tmp_path: Path) -> None:
+def test_the_checkpoint_then_a_weights_file_then_named_weights_name_the_classes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = _lightning_file(tmp_path / "fit.ckpt", CLASSES)
     other = _lightning_file(tmp_path / "other.ckpt", {"num_classes": 5, "class_names": list("abcd")})
     folder = ["command=predict", "data.predict_images=pics"]
-    cfg = compose_config([*folder, "model=maskrcnn_r50_fpn", "model.weights=COCO_V1", f"model.checkpoint={other}"],
-                         tmp_path)
+    cfg = compose_config([*folder, "model=maskrcnn_r50_fpn", f"model.weights={other}"], tmp_path)
     assert predicts_on_a_folder(cfg)
     assert folder_prediction_classes(cfg, str(ckpt)) == CLASSES
     assert folder_prediction_classes(cfg, None) == {"num_classes": 5, "class_names": list("abcd")}
-    cfg.model.checkpoint = None
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg.model.weights = "~/other.ckpt"  # the file the module would load
+    assert folder_prediction_classes(cfg, None) == {"num_classes": 5, "class_names": list("abcd")}
+    cfg.model.weights = "COCO_V1"
+    assert folder_prediction_classes(cfg, str(ckpt)) == CLASSES
     assert folder_prediction_classes(cfg, None)["num_classes"] == 91
     cfg.model.weights = None
     assert folder_prediction_classes(cfg, None) is None  # no weights name them: the data does
     bare = tmp_path / "bare.pt"
     torch.save({"w": torch.zeros(1)}, bare)
-    cfg.model.checkpoint = str(bare)
+    cfg.model.weights = str(bare)
     assert folder_prediction_classes(cfg, None) is None
 
 

@@ -1,10 +1,10 @@
 """The import graph: no cycles, and every module imports only from its own layer or the layers below it.
 
-Layers, bottom up (``errors``, the library's argument error, under all of them): ``cpu_heap`` (glibc's heap policy)
-and ``cpu_model`` (which CPU this is) -> ``profiling`` and ``ops`` (kernels and their front end) -> ``precision``, ``data``, ``models``
--> ``module``, ``optim``, ``checkpoints``, ``distributed`` -> ``callbacks`` (each on its own: no callback imports
-another) -> the application: the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and
-launch plumbing), ``bench`` and ``cli``.
+Layers, bottom up (``errors``, the library's argument error, under all of them): ``profiling`` and ``ops`` (kernels
+and their front end) -> ``precision``, ``data``, ``models`` -> ``module``, ``module_settings``, ``optim``,
+``checkpoints``, ``distributed`` -> ``callbacks`` (each on its own: no callback imports another) -> the application:
+the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and launch plumbing), ``bench`` and
+``cli``. The core (the module, models, precision, callbacks, data, ops) holds no CPU-only speed transform.
 Read from the source (``ast``), so nothing is imported and lazy imports inside functions count too.
 """
 
@@ -18,19 +18,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lit_amp_det"
 #: module prefix -> the prefixes it may import from (besides itself and its own package)
 ALLOWED = {
     "lit_amp_det.errors": (),
-    "lit_amp_det.cpu_heap": (),
-    "lit_amp_det.cpu_model": (),
-    "lit_amp_det.profiling": ("lit_amp_det.cpu_heap",),
+    "lit_amp_det.profiling": (),
     "lit_amp_det.ops": (),
-    "lit_amp_det.precision": ("lit_amp_det.ops",),  # the fused master step and finite check are ops
+    "lit_amp_det.precision": (),
     "lit_amp_det.data": (),
-    "lit_amp_det.models": ("lit_amp_det.ops", "lit_amp_det.cpu_model"),  # the Winograd size rule per host
+    "lit_amp_det.models": ("lit_amp_det.ops",),
     "lit_amp_det.optim": ("lit_amp_det.ops",),  # the layout checks of the fused optimizers' step hook
     "lit_amp_det.distributed": (),
     "lit_amp_det.checkpoints": (),
-    "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim",
+    "lit_amp_det.module_settings": ("lit_amp_det.optim",),
+    "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim", "lit_amp_det.module_settings",
                            "lit_amp_det.checkpoints", "lit_amp_det.distributed", "lit_amp_det.precision"),
-    "lit_amp_det.callbacks": ("lit_amp_det.cpu_heap", "lit_amp_det.profiling", "lit_amp_det.models",
+    "lit_amp_det.callbacks": ("lit_amp_det.profiling", "lit_amp_det.models",
                               "lit_amp_det.precision", "lit_amp_det.distributed"),
 }
 APPLICATION = ("lit_amp_det.app", "lit_amp_det.bench", "lit_amp_det.cli")
@@ -133,3 +132,69 @@ def test_application_modules_live_in_the_app_package():
     assert not misplaced, f"move {sorted(misplaced)} into lit_amp_det/app/ or give them a library layer"
     assert {"lit_amp_det.app.tasks", "lit_amp_det.app.config", "lit_amp_det.app.runs", "lit_amp_det.app.sweep",
             "lit_amp_det.app.launch"} <= set(_graph())
+
+
+#: The core: what every user's training step runs. It holds no CPU-only speed machinery.
+CORE = ("lit_amp_det.module", "lit_amp_det.models", "lit_amp_det.precision", "lit_amp_det.callbacks",
+        "lit_amp_det.data", "lit_amp_det.ops")
+#: Modules of CPU-only speed tricks removed from the core (issue 40); none may come back into it under these names.
+REMOVED_CPU_MODULES = ("winograd", "pointwise_conv", "patch_deconv", "half_compute", "bounded_matmul",
+                       "bounded_linear", "labelled_mask_logits", "fused_master_step", "optim_step", "cpu_model",
+                       "cpu_heap", "retain_cpu_heap", "host_probe")
+
+
+def _in_core(name: str) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in CORE)
+
+
+def _transform_classes() -> dict[str, tuple[str, ...] | None]:
+    """``module.Class`` -> the device types it declares (``default_devices``; None when it inherits them) for every
+    class of the package that subclasses a ``ModelTransform`` (read from the source, transitively)."""
+    classes: dict[str, tuple[list[str], tuple[str, ...] | None]] = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+            devices = None
+            for statement in node.body:
+                targets = getattr(statement, "targets", [getattr(statement, "target", None)])
+                if "default_devices" in [getattr(t, "id", None) for t in targets] and statement.value is not None:
+                    try:
+                        devices = tuple(ast.literal_eval(statement.value))
+                    except ValueError:  # a name (the base class's DEVICE_TYPES): every device
+                        devices = None
+            classes[f"{name}.{node.name}"] = (bases, devices)
+    by_short = {qualified.rpartition(".")[2]: qualified for qualified in classes}
+    found: dict[str, tuple[str, ...] | None] = {}
+    for qualified, (_, devices) in classes.items():
+        seen, todo = set(), [qualified]
+        while todo:
+            current = todo.pop()
+            for base in classes.get(current, ([], None))[0]:
+                if base == "ModelTransform":
+                    found[qualified] = devices
+                elif base in by_short and base not in seen:
+                    seen.add(base)
+                    todo.append(by_short[base])
+    return found
+
+
+def test_the_transform_scan_finds_the_packages_transforms():
+    """The scan below would pass vacuously if it found nothing."""
+    found = _transform_classes()
+    assert {"lit_amp_det.models.speedups.ExtensionOps", "lit_amp_det.models.speedups.ChannelsLast"} <= set(found)
+
+
+def test_no_core_module_holds_or_imports_a_cpu_only_transform():
+    """A speed trick for one CPU lives outside the core, applies only where it declares, and no core module imports
+    it: the core is what a GPU user runs."""
+    graph = _graph()
+    cpu_only = {qualified.rpartition(".")[0] for qualified, devices in _transform_classes().items()
+                if devices is not None and "cuda" not in devices}
+    assert not {module for module in cpu_only if _in_core(module)}, "a CPU-only transform lives in the core"
+    for name, targets in graph.items():
+        if _in_core(name):
+            assert not targets & cpu_only, f"{name} imports a CPU-only transform: {sorted(targets & cpu_only)}"
+            assert not [t for t in targets if t.rpartition(".")[2] in REMOVED_CPU_MODULES], name
+    assert not [name for name in graph if name.rpartition(".")[2] in REMOVED_CPU_MODULES]

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchvision
 from hydra.utils import instantiate
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchvision.models.detection._utils import BoxCoder
 from torchvision.models.detection.rpn import RegionProposalNetwork
 
+from lit_amp_det.precision import MasterWeightPrecision, build_precision_plugin
 from lit_amp_det.precision.master_weights import NORM_LAYERS, master_weights_of, use_low_precision_weights
-from lit_amp_det.precision.plugin import MasterWeightPrecision, build_precision_plugin
 
 from conftest import compose_config
 
@@ -24,6 +26,11 @@ def _module(tmp_path: Path, *overrides: str):
     cfg = compose_config(["experiment=smoke", *overrides], tmp_path)
     torch.manual_seed(0)
     return instantiate(cfg.model, _convert_="all", num_classes=4)
+
+
+def _channels_last_module(tmp_path: Path):
+    """The smoke model with NHWC 4-D weights, as ``speedups.channels_last`` makes it."""
+    return _module(tmp_path).to(memory_format=torch.channels_last)
 
 
 def _batch(size: int = 64) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
@@ -64,10 +71,10 @@ def test_weights_are_bf16_except_norms_and_the_masters_hold_the_fp32_values(tmp_
 
 
 def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_path: Path) -> None:
-    """The bf16 convolution weights stay channels_last (``model.channels_last=true``) while their fp32 masters are
+    """The bf16 convolution weights stay channels_last (``speedups.channels_last``) while their fp32 masters are
     contiguous: fused optimizers clone and copy back every non-contiguous tensor they step. A fused SGD step on the
     masters then gives what plain SGD gives."""
-    module = _module(tmp_path, "model.channels_last=true")
+    module = _channels_last_module(tmp_path)
     conv_weights = {n for n, p in module.named_parameters() if p.dim() == 4 and p.shape[-1] > 1}  # 1x1: both
     assert conv_weights and all(module.get_parameter(n).is_contiguous(memory_format=torch.channels_last)
                                 for n in conv_weights)
@@ -80,7 +87,7 @@ def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_
             assert low.is_contiguous(memory_format=torch.channels_last) and not low.is_contiguous(), name
     masters = {}
     for fused in (False, True):
-        copy = _module(tmp_path, "model.channels_last=true")
+        copy = _channels_last_module(tmp_path)
         copy.load_state_dict(module.state_dict())
         copy_plugin = build_precision_plugin("bf16-weights", "cpu")
         copy_plugin.convert_module(copy)
@@ -89,9 +96,9 @@ def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_
         copy_plugin.connect(copy, [optimizer], [])
         copy.train()
         torch.manual_seed(0)
-        from lit_amp_det.bench.common import train_step
-
-        train_step(copy, copy_plugin, optimizer, *_batch())
+        images, targets = _batch()
+        copy.compute_loss(copy.model(copy.prepare_images(images), copy.training_targets(targets))).backward()
+        copy_plugin.step_if_finite(optimizer)  # what the plugin's optimizer_step runs after Lightning's hooks
         masters[fused] = [m.detach().clone() for m in copy_plugin.weights.masters]
     assert len(masters[False]) == len(masters[True]) == len(plugin.weights) > 0
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(masters[False], masters[True]))
@@ -223,7 +230,8 @@ def test_gradient_equals_bf16_mixed_within_bf16_rounding(tmp_path: Path) -> None
 
 def test_torchvision_roi_ops_run_as_fp32_regions(tmp_path: Path) -> None:
     """torchvision's RoIAlign refuses bf16 features with fp32 boxes outside autocast; the plugin runs it in fp32."""
-    module = _module(tmp_path, "model.ops=torchvision")
+    module = _module(tmp_path)  # torchvision's model as built, its RoI ops included
+    assert type(module.model.roi_heads.box_roi_pool) is torchvision.ops.MultiScaleRoIAlign
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(module)
     images, targets = _batch()
@@ -267,38 +275,33 @@ class _Fit(pl.LightningModule):
         return DataLoader(self.batches, batch_size=None, collate_fn=lambda batch: batch)  # one item, one batch
 
 
-def _trainer(max_steps: int, precision: str, root: Path, fused: bool = True, **kwargs) -> pl.Trainer:
-    plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True, fused_master_step=fused)
+def _trainer(max_steps: int, precision: str, root: Path, **kwargs) -> pl.Trainer:
+    plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True)
     return pl.Trainer(max_steps=max_steps, plugins=[plugin],
                       logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                       default_root_dir=root, deterministic=True, **kwargs)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "hooks"])
-def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path, fused: bool) -> None:
-    """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32. The
-    hooks see fp32 master gradients (unfused), or the bf16 weights' own gradients (fused step)."""
+def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path) -> None:
+    """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32. The hooks
+    see the fp32 master gradients."""
     def fresh() -> _Fit:
         return _Fit(_module(tmp_path))
 
     straight = fresh()
-    _trainer(4, "bf16-weights", tmp_path / "a", fused, enable_checkpointing=False).fit(straight)
+    _trainer(4, "bf16-weights", tmp_path / "a", enable_checkpointing=False).fit(straight)
     first = fresh()
-    trainer = _trainer(2, "bf16-weights", tmp_path / "b", fused, enable_checkpointing=False)
+    trainer = _trainer(2, "bf16-weights", tmp_path / "b", enable_checkpointing=False)
     trainer.fit(first)
     assert isinstance(trainer.precision_plugin, MasterWeightPrecision)
-    if fused:  # the masters get no gradient; the norms' fp32 parameters keep theirs
-        assert first.grads_seen == [{torch.float32, None}] * 2
-        assert first.model_grads_seen == [{torch.float32, torch.bfloat16}] * 2
-    else:
-        assert first.grads_seen == [{torch.float32}, {torch.float32}]  # fp32 master gradients, all present
+    assert first.grads_seen == [{torch.float32}, {torch.float32}]  # fp32 master gradients, all present
     assert {p.dtype for g in trainer.optimizers[0].param_groups for p in g["params"]} == {torch.float32}
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
     saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)
     assert {v.dtype for v in saved["state_dict"].values() if v.is_floating_point()} == {torch.float32}
     assert saved["MasterWeightPrecision"]["guard"] == {"skipped": 0, "consecutive": 0}
     resumed = fresh()
-    resuming = _trainer(4, "bf16-weights", tmp_path / "c", fused, enable_checkpointing=False)
+    resuming = _trainer(4, "bf16-weights", tmp_path / "c", enable_checkpointing=False)
     resuming.fit(resumed, ckpt_path=tmp_path / "mid.ckpt")
     expected, got = straight.state_dict(), resumed.state_dict()
     assert expected.keys() == got.keys()
@@ -361,13 +364,13 @@ def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_p
     converted model is untouched."""
     from lit_amp_det.precision.master_weights import full_precision_copy
 
-    module = _module(tmp_path, "model.channels_last=true")
+    module = _channels_last_module(tmp_path)
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(module)
     with torch.no_grad():  # masters off the bf16 grid, as after fp32 updates too small for the bf16 weights
         for master in plugin.weights.masters:
             master.add_(1e-4)
-    fp32 = _module(tmp_path, "model.channels_last=true")
+    fp32 = _channels_last_module(tmp_path)
     fp32.load_state_dict(module.state_dict())  # the masters' values
     low_before = {n: p.detach().clone() for n, p in module.named_parameters()}
 
@@ -402,25 +405,6 @@ def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_p
         full_precision_copy(fp32)
 
 
-def test_the_bench_step_moves_fp16_gradients_to_the_masters_before_the_scaler_steps(tmp_path: Path) -> None:
-    """``bench``'s train step drives the GradScaler itself: with 16-weights it must give the scaler the masters'
-    gradients (otherwise GradScaler finds no gradient to unscale and refuses to step)."""
-    from lit_amp_det.bench.common import train_step
-
-    module = _module(tmp_path)
-    plugin = build_precision_plugin("16-weights", "cpu", fp16_on_cpu=True, init_scale=8.0)
-    plugin.convert_module(module)
-    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.01)
-    plugin.connect(module, [optimizer], [])
-    before = [m.detach().clone() for m in plugin.weights.masters]
-    module.train()
-    loss = train_step(module, plugin, optimizer, *_batch())
-    assert torch.isfinite(loss) and plugin.scaler.get_scale() == 8.0
-    changed = sum(not torch.equal(b, m) for b, m in zip(before, plugin.weights.masters))
-    assert changed > 20
-    assert all(torch.equal(low, master.to(low.dtype)) for low, master in plugin.weights.pairs())
-
-
 def test_gradients_add_onto_master_gradients_left_by_zero_grad_without_set_to_none() -> None:
     """``zero_grad(set_to_none=False)`` keeps the masters' gradient tensors (zeroed): the next bf16 gradient is
     added onto them in fp32 instead of replacing them, and the step is the same as with ``set_to_none=True``."""
@@ -440,42 +424,59 @@ def test_gradients_add_onto_master_gradients_left_by_zero_grad_without_set_to_no
             optimizer.step()
             assert master.grad.dtype == torch.float32 and float(master.grad) == 6.0
         assert len(fresh) == (3 if set_to_none else 1)  # kept gradients take the adding branch
-        results.append(float(master))
+        results.append(float(master.detach()))
     assert results[0] == results[1] == 1.0 - 3 * 0.25 * 6.0
 
 
-def _fit_state(tmp_path: Path, name: str, fused: bool, steps: int = 3, optimizer=None, **kwargs):
-    module = _Fit(_module(tmp_path))
-    if optimizer is not None:
-        module.configure_optimizers = lambda: optimizer(module.parameters())
-    trainer = _trainer(steps, "bf16-weights", tmp_path / name, fused, enable_checkpointing=False, **kwargs)
-    trainer.fit(module)
-    return trainer, module.state_dict()
+class _TinyConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.norm = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.conv(x)).mean((2, 3)))
 
 
-@pytest.mark.parametrize("clip", [None, "norm"])
-def test_fused_master_step_trains_as_the_hooks_step(tmp_path: Path, clip: str | None) -> None:
-    """The fused step (bf16 gradients straight into the masters) against the unfused one (fp32 master gradients,
-    ``torch.optim.SGD``, refresh), norm clipping included: the same weights up to fp32 rounding; and the clipping
-    does act (its run differs from an unclipped one by far more)."""
-    kwargs = {} if clip is None else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": clip}
-    fused_trainer, fused = _fit_state(tmp_path, "fused", True, **kwargs)
-    hooks_trainer, hooks = _fit_state(tmp_path, "hooks", False, **kwargs)
-    assert fused_trainer.precision_plugin.fuses(fused_trainer.optimizers[0])
-    assert not hooks_trainer.precision_plugin.fuses(hooks_trainer.optimizers[0])
-    assert fused.keys() == hooks.keys()
-    for key, value in fused.items():
-        torch.testing.assert_close(value, hooks[key], rtol=1e-4, atol=1e-5, msg=key)
-    if clip is not None:
-        _, unclipped = _fit_state(tmp_path, "unclipped", True)
-        assert max((unclipped[k] - v).abs().max().item() for k, v in fused.items()) > 1e-3
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_skipped_step_leaves_the_masters_the_weights_and_the_optimizer_state_unchanged(optimizer: str) -> None:
+    """``bf16-weights`` steps AdamW (or SGD with momentum and weight decay) through the guard: a step with a NaN
+    gradient leaves the fp32 masters, the bf16 weights and every optimizer state tensor (AdamW's step count too) as
+    they were; the steps around it train."""
+    model = _TinyConvNet()
+    plugin = build_precision_plugin("bf16-weights", "cpu")
+    plugin.convert_module(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if optimizer == "adamw" else
+           torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-2))
+    plugin.connect(model, [opt], [])
+    x = torch.randn(3, 2, 6, 6, generator=torch.Generator().manual_seed(1))
 
+    def step(poison: bool) -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        if poison:
+            model.conv.weight.grad[0, 0, 0, 0] = math.nan
+        plugin.step_if_finite(opt)
 
-def test_fused_master_step_steps_aside_for_value_clipping_and_other_optimizers(tmp_path: Path) -> None:
-    """Value clipping (which the fused step does not do) and optimizers other than SGD step through the hooks."""
-    trainer, _ = _fit_state(tmp_path, "value", True, steps=1, gradient_clip_val=0.01,
-                            gradient_clip_algorithm="value")
-    assert not trainer.precision_plugin.fuses(trainer.optimizers[0])
-    trainer, _ = _fit_state(tmp_path, "adamw", True, steps=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
-    assert not trainer.precision_plugin.fuses(trainer.optimizers[0])
-    assert all(m.grad is not None for m in trainer.precision_plugin.weights.masters if m.requires_grad)
+    def snapshot() -> list[Tensor]:
+        state = [v.clone() for p in params_of(opt) for v in opt.state[p].values() if isinstance(v, Tensor)]
+        weights = [p.detach().clone() for p in model.parameters()]
+        return weights + [m.detach().clone() for m in plugin.weights.masters] + state
+
+    def params_of(o: torch.optim.Optimizer) -> list[Tensor]:
+        return [p for group in o.param_groups for p in group["params"]]
+
+    for _ in range(2):
+        step(poison=False)
+    before = snapshot()
+    step(poison=True)
+    after = snapshot()
+    assert len(after) == len(before) > 2 * len(plugin.weights.masters)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert plugin.guard.skipped == 1
+    step(poison=False)
+    assert not torch.equal(snapshot()[0], before[0])
+    assert all(torch.equal(low, master.to(low.dtype)) for low, master in plugin.weights.pairs())

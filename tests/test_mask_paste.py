@@ -1,7 +1,9 @@
-"""``model.binary_mask_paste``: masks pasted as booleans box by box equal torchvision's float paste thresholded, bit
+"""The ``binary_mask_paste`` speedup: masks pasted as booleans box by box equal torchvision's float paste thresholded, bit
 for bit (``paste_masks_in_image`` is the reference), for every dtype, empty and degenerate inputs, and whole models."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import logging
 from pathlib import Path
@@ -91,13 +93,15 @@ def test_the_transform_is_torchvision_s_but_for_the_masks() -> None:
 def _module(tmp_path: Path, *overrides: str) -> nn.Module:
     cfg = compose_config(["experiment=smoke", "model.roi_heads.score_thresh=0.0", *overrides], tmp_path)
     torch.manual_seed(0)
-    return smooth_activations(instantiate(cfg.model, num_classes=4)).eval()
+    module = instantiate(cfg.model, num_classes=4)
+    module.configure_model()
+    return smooth_activations(module).eval()
 
 
 def test_a_model_predicts_the_same_masks_with_the_switch_on_and_off(tmp_path: Path) -> None:
-    assert "binary_mask_paste" in IMPLEMENTATION_HPARAMS  # a run resumes or is scored under either value
+    assert "speedups" in IMPLEMENTATION_HPARAMS  # a run resumes or is scored under either value
     switched = _module(tmp_path)
-    plain = _module(tmp_path, "model.binary_mask_paste=false")
+    plain = _module(tmp_path, "speedups.binary_mask_paste=null")
     assert type(switched.model.transform) is BinaryMaskTransform
     assert type(plain.model.transform) is GeneralizedRCNNTransform
     gen = torch.Generator().manual_seed(1)
@@ -110,7 +114,7 @@ def test_a_model_predicts_the_same_masks_with_the_switch_on_and_off(tmp_path: Pa
         for key in got:
             assert torch.equal(got[key], expected[key]), key
     for module in (switched, plain):  # a threshold changed after construction applies to the next call
-        module.hparams.mask_threshold = 0.8
+        module.evaluation_settings = dataclasses.replace(module.evaluation_settings, mask_threshold=0.8)
     with torch.no_grad():
         fast, reference = switched(images), plain(images)
     assert all(torch.equal(a["masks"], b["masks"]) for a, b in zip(fast, reference))
@@ -121,7 +125,7 @@ def test_nothing_is_switched_for_a_detector_without_masks_or_with_its_own_transf
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     faster = _module(tmp_path, "model.mask=false")
     assert type(faster.model.transform) is GeneralizedRCNNTransform
-    detector = _module(tmp_path, "model.binary_mask_paste=false").model
+    detector = _module(tmp_path, "speedups.binary_mask_paste=null").model
 
     class OwnTransform(GeneralizedRCNNTransform):
         pass
@@ -138,7 +142,14 @@ def test_nothing_is_switched_for_a_detector_without_masks_or_with_its_own_transf
             built.transform = OwnTransform(64, 64, [0.5] * 3, [0.2] * 3)
             return built
 
-    with caplog.at_level(logging.WARNING, logger="lit_amp_det.module"):
-        OwnModel(num_classes=4, **{k: v for k, v in instantiate(cfg.model, _partial_=True).keywords.items()
-                                   if k != "num_classes"})
-    assert "model.binary_mask_paste=true: the detector's transform is OwnTransform" in caplog.text
+    class OptedIn(OwnModel):
+        def model_transforms(self) -> list:
+            return list(self.configured_speedups)
+
+    with caplog.at_level(logging.INFO, logger="lit_amp_det.models.speedups"):
+        module = OptedIn(num_classes=4, **{k: v for k, v in instantiate(cfg.model, _partial_=True).keywords.items()
+                                           if k != "num_classes"})
+        module.configure_model()
+    assert type(module.model.transform) is OwnTransform
+    assert "speedups.binary_mask_paste: the detector has no mask head or not torchvision's transform (OwnTransform)" \
+        in caplog.text

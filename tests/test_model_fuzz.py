@@ -1,4 +1,5 @@
-"""Input fuzz test of the Mask R-CNN on both op sets (``model.ops=ext`` and ``model.ops=torchvision``).
+"""Input fuzz test of the Mask R-CNN on both op sets: lit_amp_det's (the ``ext_ops`` speedup) and torchvision's
+(``speedups.ext_ops=null``).
 
 Seeded random batches of what users feed a detector: images from 3 px to over 2000 px per side, aspect ratios
 up to 1:10 and 10:1, batches mixing them, 0 to 200 ground-truth boxes among which tiny, out-of-image and
@@ -14,6 +15,7 @@ import math
 import pytest
 import torch
 
+from lit_amp_det.models.ext_ops import ExtRoIHeads, use_extension_ops
 from lit_amp_det.models.maskrcnn import build_detector
 from ops_inputs import needs_extension
 
@@ -33,10 +35,10 @@ MODEL = dict(
 def _models(seed: int = 0):
     """The same weights on both op sets; wide score layers so that untrained scores are not all tied."""
     torch.manual_seed(seed)
-    ext = build_detector(ops="ext", **MODEL)
+    ext = use_extension_ops(build_detector(**MODEL))
     torch.nn.init.normal_(ext.rpn.head.cls_logits.weight, std=0.5)
     torch.nn.init.normal_(ext.roi_heads.box_predictor.cls_score.weight, std=0.5)
-    plain = build_detector(ops="torchvision", **MODEL)
+    plain = build_detector(**MODEL)
     plain.load_state_dict(ext.state_dict())
     return ext, plain
 
@@ -137,8 +139,11 @@ def test_zero_area_ground_truth_is_refused_alike_by_both_op_sets():
 def test_built_models_pool_at_the_backbone_strides_whatever_the_first_batch(ops):
     """A first batch of panoramas would make torchvision infer every level a power of two off (height ratio
     16 / 45 -> 1/2 for the stride-4 map); the models built here carry the strides instead."""
-    model = build_detector(ops=ops, **{**MODEL, "backbone": {**MODEL["backbone"], "returned_layers": [2, 3, 4]},
-                                       "rpn": {**MODEL["rpn"], "anchor_sizes": [32, 64, 128, 256]}})
+    model = build_detector(**{**MODEL, "backbone": {**MODEL["backbone"], "returned_layers": [2, 3, 4]},
+                              "rpn": {**MODEL["rpn"], "anchor_sizes": [32, 64, 128, 256]}})
+    if ops == "ext":
+        model = use_extension_ops(model)
+    assert isinstance(model.roi_heads, ExtRoIHeads) == (ops == "ext")
     model.eval()
     with torch.no_grad():
         model([torch.rand(3, 200, 1000)])

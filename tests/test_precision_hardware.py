@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from lit_amp_det.app.config import check_config
-from lit_amp_det.precision import hardware
-from lit_amp_det.precision.hardware import cpu_computes_bf16_natively, resolve_precision
-from lit_amp_det.precision.modes import PRECISIONS
-from lit_amp_det.precision.plugin import (
+from lit_amp_det.precision import (
     DetectionMixedPrecision,
     FiniteStepPrecision,
     MasterWeightPrecision,
     build_precision_plugin,
+    hardware,
     trained_precision,
     warn_if_precision_changes,
 )
+from lit_amp_det.precision.hardware import cpu_computes_bf16_natively, resolve_precision
+from lit_amp_det.precision.modes import PRECISIONS
 
 from conftest import SMOKE, compose_config, only_run_dir, run_cli
 

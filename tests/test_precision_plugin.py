@@ -10,19 +10,14 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from torch import nn
-from torchvision.models.detection._utils import BoxCoder
-from torchvision.models.detection.rpn import RegionProposalNetwork
-from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
-from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads
-from lit_amp_det.models.mask_paste import BinaryMaskTransform
-from lit_amp_det.precision.casting import mixed_precision_dtype
-from lit_amp_det.precision.plugin import (
+from lit_amp_det.precision import (
     DetectionMixedPrecision,
     FiniteStepPrecision,
     MasterWeightPrecision,
     build_precision_plugin,
 )
+from lit_amp_det.precision.casting import mixed_precision_dtype
 
 from conftest import compose_config
 
@@ -49,7 +44,8 @@ def _record(monkeypatch: pytest.MonkeyPatch, cls: type, name: str, log: list) ->
     def recorder(self, *args, **kwargs):
         floats = [a.dtype for a in _tensors(args) if a.is_floating_point()]
         out = original(self, *args, **kwargs)
-        log.append((name, floats, torch.is_autocast_enabled("cpu"), [t.dtype for t in _tensors(out) if t.is_floating_point()]))
+        outputs = [t.dtype for t in _tensors(out) if t.is_floating_point()]
+        log.append((name, floats, torch.is_autocast_enabled("cpu"), outputs))
         return out
 
     monkeypatch.setattr(cls, name, recorder)
@@ -65,21 +61,27 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-# the default model runs on lit_amp_det's ops (model.ops=ext), whose heads re-implement two of these
-REGION_METHODS = [
-    (RegionProposalNetwork, "compute_loss"),
-    (ExtRegionProposalNetwork, "filter_proposals"),
-    (BoxCoder, "encode"),
-    (BoxCoder, "decode"),
-    (ExtRoIHeads, "postprocess_detections"),
-    (GeneralizedRCNNTransform, "postprocess"),
-    (BinaryMaskTransform, "postprocess"),  # the default model's transform (model.binary_mask_paste)
-]
+#: the region methods every detector's fp32 regions include (whichever classes model.ops and the speedups built)
+REGION_NAMES = {"compute_loss", "filter_proposals", "encode", "decode", "postprocess_detections", "postprocess"}
+
+
+def _region_methods(module) -> set[tuple[type, str]]:
+    """The class and name of each ``fp32`` region method of ``module`` (the classes its config built)."""
+    methods = set()
+    for path, mode in module.fp32_regions().items():
+        *parents, name = path.split(".")
+        owner = module
+        for part in parents:
+            owner = getattr(owner, part)
+        if mode == "fp32" and owner is not None:
+            methods.add((type(owner), name))
+    assert {name for _, name in methods} >= REGION_NAMES
+    return methods
 
 
 def _run(module, plugin, monkeypatch) -> tuple[list, dict, list, list[torch.dtype]]:
     calls: list = []
-    for cls, name in REGION_METHODS:
+    for cls, name in _region_methods(module):
         _record(monkeypatch, cls, name, calls)  # patched before the plugin wraps: records inside the region
     plugin.convert_module(module)
     conv_dtypes, predictor_dtypes = [], []
@@ -107,7 +109,7 @@ def test_regions_run_in_fp32_while_the_backbone_runs_low(precision: str, tmp_pat
     assert backbone and set(backbone) == {low}  # the heavy convolutions really run in low precision
     assert predictors and set(predictors) == {torch.float32}  # losses and mask inference consume fp32
     seen = {name for name, *_ in calls}
-    assert seen == {name for _, name in REGION_METHODS}
+    assert seen == {name for _, name in _region_methods(module)}
     for name, inputs, autocast_on, outputs in calls:
         assert set(inputs) <= {torch.float32}, (name, inputs)
         assert not autocast_on, name
@@ -166,6 +168,8 @@ def test_low_precision_weight_strings_map_to_the_master_weight_plugin(cpu_bf16) 
             build_precision_plugin(name)
     with pytest.raises(ValueError, match="MasterWeightPrecision takes 16-weights or bf16-weights"):
         MasterWeightPrecision("bf16-mixed", "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="DetectionMixedPrecision takes 16-mixed or bf16-mixed"):
+        DetectionMixedPrecision("bf16-weights", "cpu")  # type: ignore[arg-type]
 
 
 class _Linear(pl.LightningModule):
@@ -214,7 +218,13 @@ def test_an_inf_gradient_skips_the_step_and_training_recovers(precision: str) ->
     assert abs(weights[-1] - 2.0) < abs(weights[0] - 2.0)
 
 
-def test_too_many_consecutive_skips_stop_with_a_clear_error() -> None:
-    plugin = build_precision_plugin("bf16-mixed", "cpu", max_consecutive_skips=3)
-    with pytest.raises(RuntimeError, match=r"3 consecutive optimizer steps had non-finite gradients.*gradient_clip_val"):
-        _fit(_Linear(poison_steps=set(range(100))), plugin, steps=10)
+def test_too_many_consecutive_skips_stop_with_a_clear_error_at_the_next_read() -> None:
+    """The counts are read on the host every ``skip_check_every_n_steps`` steps: the stop comes at the first read
+    after the limit, here the 4th step with a limit of 3; no step changed the weight."""
+    plugin = build_precision_plugin("bf16-mixed", "cpu", max_consecutive_skips=3, skip_check_every_n_steps=4)
+    module = _Linear(poison_steps=set(range(100)))
+    before = float(module.layer.weight.detach())
+    with pytest.raises(RuntimeError, match=r"4 consecutive optimizer steps had non-finite gradients.*"
+                                           r"max_consecutive_skips=3.*gradient_clip_val"):
+        _fit(module, plugin, steps=10)
+    assert module.weights == [before] * 3  # three steps ended; the fourth raised

@@ -1,7 +1,10 @@
 """lit_amp_det.profiling: saved-tensor bytes (whole model and one module), the step timer's warm-up and clock,
-the memory probe's baseline, and image counting."""
+the memory probe's baseline, image counting, and the bench's peak-memory step that measures through them."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -73,41 +76,54 @@ def test_count_images_reads_detection_batches_and_names_the_fix_otherwise() -> N
         count_images({"images": []})
 
 
-def test_bench_peak_of_one_step_counts_what_the_step_holds_not_the_heap_kept_before() -> None:
-    """The bench's PeakMemory: 96 MB allocated in small-ish blocks and freed (heap glibc may keep), then a step
-    that holds 64 MB more than an empty step reads 64 MB more."""
-    from lit_amp_det.bench.e2e_rows import PeakMemory
+def _timer_run(plan: list[str], step: Any) -> Any:
+    """The bench's RowTimer driven as Lightning drives it on a CPU, ``step(batch_idx)`` between the hooks."""
+    from lit_amp_det.bench.measure import RowTimer
 
-    memory = PeakMemory("cpu")
-    if not memory.probe.resettable:
+    timer = RowTimer(plan)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    timer.on_train_start(trainer, None)
+    for index in range(len(plan)):
+        timer.on_train_batch_start(trainer, None, None, index)
+        step(index)
+        timer.on_train_batch_end(trainer, None, None, None, index)
+    return timer
+
+
+def test_bench_peak_step_counts_what_the_step_holds_not_the_heap_kept_before() -> None:
+    """The bench's peak step: 96 MB allocated in small-ish blocks and freed (heap glibc may keep) before it, then a
+    step that holds 64 MB more than an empty step reads 64 MB more."""
+    if not MemoryProbe("cpu").resettable:
         pytest.skip("this kernel does not let the process reset its VmHWM")
-    blocks = [torch.ones(2 ** 20 // 4 * 3) for _ in range(32)]  # 32 x 3 MB, below glibc's grown mmap threshold
-    del blocks
 
-    def holds(mb: int) -> None:
-        tensor = torch.ones(mb * 2 ** 20 // 4)
-        assert tensor.sum() == tensor.numel()  # every page written
+    def holds(mb: int) -> Any:
+        def step(index: int) -> None:
+            if index == 0:
+                blocks = [torch.ones(2 ** 20 // 4 * 3) for _ in range(32)]  # 32 x 3 MB, below glibc's mmap threshold
+                del blocks
+            else:
+                tensor = torch.ones(mb * 2 ** 20 // 4)
+                assert tensor.sum() == tensor.numel()  # every page written
+        return step
 
-    empty = memory.peak_of(lambda: holds(0))["peak_memory_mb"]
-    full = memory.peak_of(lambda: holds(64))["peak_memory_mb"]
-    assert 60 <= full - empty <= 70
+    empty = _timer_run(["step", "memory"], holds(0))
+    full = _timer_run(["step", "memory"], holds(64))
+    assert 60 <= full.peak["peak_memory_mb"] - empty.peak["peak_memory_mb"] <= 70
+    assert len(full.times["step"]) == 1 and "memory" not in full.times  # the peak step is not a timed one
 
 
-def test_bench_peak_of_lifts_the_pinned_malloc_threshold_afterwards(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process that goes on working (the test suite runs bench rows in process) must not keep the 128 KB threshold:
-    every larger allocation would fault in fresh pages. Lifted after the step, also when the step raises."""
-    from lit_amp_det.bench import e2e_rows
+def test_bench_peak_step_lifts_the_pinned_malloc_threshold_afterwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that goes on working must not keep the 128 KB threshold (every larger allocation would fault in
+    fresh pages): lifted after the peak step, and after a failed one; the timed steps run unpinned."""
+    from lit_amp_det.bench import measure
 
     calls: list[str] = []
-    monkeypatch.setattr(e2e_rows, "pin_malloc_threshold", lambda: calls.append("pin"))
-    monkeypatch.setattr(e2e_rows, "unpin_malloc_threshold", lambda: calls.append("unpin"))
-    memory = e2e_rows.PeakMemory("cpu")
-    memory.peak_of(lambda: calls.append("step"))
-    assert calls == ["pin", "step", "unpin"]
-
-    def fails() -> None:
-        raise RuntimeError("step failed")
-
-    with pytest.raises(RuntimeError, match="step failed"):
-        memory.peak_of(fails)
-    assert calls[-1] == "unpin"
+    monkeypatch.setattr(measure, "pin_malloc_threshold", lambda: calls.append("pin"))
+    monkeypatch.setattr(measure, "unpin_malloc_threshold", lambda: calls.append("unpin"))
+    timer = _timer_run(["warmup", "step", "memory"], lambda index: calls.append(f"step {index}"))
+    assert calls == ["step 0", "step 1", "pin", "step 2", "unpin"] and list(timer.times) == ["warmup", "step"]
+    calls.clear()
+    timer.on_train_batch_start(None, None, None, 2)  # a memory step that raises: Lightning calls on_exception
+    timer.on_exception(None, None, RuntimeError("step failed"))
+    timer.on_exception(None, None, RuntimeError("again"))
+    assert calls == ["pin", "unpin"]

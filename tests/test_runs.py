@@ -90,40 +90,57 @@ def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, 
         assert f"ckpt_path={newest.resolve()} and a larger trainer.max_epochs" in message
 
 
-@pytest.mark.parametrize("saved", ["absent", "false"])
+@pytest.mark.parametrize("saved", ["fused_absent", "fused_null", "speedups_absent"])
 def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, saved: str, caplog) -> None:
-    """``optim.optimizer.memory_order_views`` changes how a step is computed, not its result: a run saved without
-    the key (made before it existed) or with the other value is still the run ``last`` resumes."""
+    """``optim.optimizer.fused`` and the ``speedups`` change how a step is computed, not its result: a run saved
+    without the key (made before it existed) or with another value is still the run ``last`` resumes."""
     root = tmp_path / "runs"
     killed = _fake_run(root, "a", status="interrupted", started=1.0,
-                       overrides=["optim.optimizer.memory_order_views=false"] if saved == "false" else [])
-    if saved == "absent":
+                       overrides=["optim.optimizer.fused=null"] if saved == "fused_null" else [])
+    if saved.endswith("absent"):
         saved_config = OmegaConf.load(killed / "config_resolved.yaml")
-        for section in (saved_config.optim.optimizer, saved_config.model.optimizer):
-            del section["memory_order_views"]
+        if saved == "fused_absent":
+            for section in (saved_config.optim.optimizer, saved_config.model.optim.optimizer):
+                del section["fused"]
+        else:
+            del saved_config["speedups"], saved_config.model["speedups"]
         OmegaConf.save(saved_config, killed / "config_resolved.yaml")
     with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
         assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
-    assert "model.optimizer.memory_order_views" in caplog.text  # said, not refused
-    with pytest.raises(ResumeError, match="model.optimizer.lr"):  # a setting that changes the run still counts
+    said = {"fused_absent": "model.optim.optimizer.fused: None -> 'auto'",
+            "fused_null": "model.optim.optimizer.fused: None -> 'auto'",
+            "speedups_absent": "model.speedups.ext_ops._target_: None -> 'lit_amp_det.models.speedups.ExtensionOps'"}
+    assert said[saved] in caplog.text  # said, not refused
+    with pytest.raises(ResumeError, match="model.optim.optimizer.lr"):  # a setting that changes the run still counts
         _resolve(root, "last", ["optim.optimizer.lr=0.5"])
 
 
 def test_last_resumes_under_other_implementation_settings(tmp_path: Path, caplog) -> None:
-    """Kernels, memory formats and compilation change how a step is computed, not the model, data or recipe (as
-    ``trainer.precision``, which is not compared): a run killed on one machine resumes with another's switches."""
+    """Kernels, memory formats, compilation and the evaluation settings change how a step is computed or scored, not
+    the model, data or recipe (as ``trainer.precision``, which is not compared): a run killed on one machine resumes
+    with another's ``speedups``, and from other ``model.weights`` (a resume restores every tensor)."""
     root = tmp_path / "runs"
     killed = _fake_run(root, "a", status="interrupted", started=1.0)
-    switches = ["model.channels_last=true", "model.winograd_convs=[backbone,fpn]", "model.winograd_output_tile=4",
-                "model.ops=torchvision", "model.deconv_as_matmul=true", "optim.optimizer.fused=null"]
+    switches = ["speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast}", "speedups.ext_ops=null",
+                "speedups.compile={_target_:lit_amp_det.models.speedups.CompileBackbone,devices:[cuda]}",
+                "model.evaluation.backend=pycocotools", "model.evaluation.mask_threshold=0.4",
+                "optim.optimizer.fused=null", f"model.weights={tmp_path / 'other.ckpt'}"]
     with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
         assert _resolve(root, "last", switches) == str((killed / "checkpoints" / "last.ckpt").resolve())
-    for key in ("model.channels_last: False -> True", "model.winograd_output_tile: 2 -> 4", "model.ops: 'ext'",
-                "model.optimizer.fused: 'auto' -> None"):
+    for key in ("model.speedups.channels_last._target_: None -> 'lit_amp_det.models.speedups.ChannelsLast'",
+                "model.speedups.ext_ops._target_: 'lit_amp_det.models.speedups.ExtensionOps' -> None",
+                "model.speedups.compile.devices: None -> ['cuda']", "model.evaluation.mask_threshold: 0.5 -> 0.4",
+                "model.evaluation.backend: 'faster_coco_eval' -> 'pycocotools'",
+                "model.optim.optimizer.fused: 'auto' -> None"):
         assert key in caplog.text
-    for changed in ("model.rpn.batch_size_per_image=64", "model.backbone.fpn_channels=16", "model.mask=false"):
-        with pytest.raises(ResumeError, match=changed.split("=")[0]):  # the model and the recipe still count
-            _resolve(root, "last", [*switches, changed])
+    assert "model.weights" not in caplog.text  # not even an implementation difference
+    assert _resolve(root, "last", ["speedups=none"]) == str((killed / "checkpoints" / "last.ckpt").resolve())
+    assert _resolve(root, "last", ["speedups=gpu"]) == str((killed / "checkpoints" / "last.ckpt").resolve())
+    for changed in ("model.rpn.batch_size_per_image=64", "model.backbone.fpn_channels=16", "model.mask=false",
+                    "optim.reference_batch=16", "optim.scheduler.warmup_steps=5"):
+        with pytest.raises(ResumeError, match=changed.split("=")[0].replace("optim.", "model.optim.", 1)
+                           if changed.startswith("optim.") else changed.split("=")[0]):
+            _resolve(root, "last", [*switches, changed])  # the model and the recipe still count
 
 
 def test_explicit_run_dir_and_resumed_chains(tmp_path: Path) -> None:
@@ -168,12 +185,16 @@ def test_last_for_evaluation_takes_weights_across_settings_that_leave_them_usabl
     with weights: only a setting that changes a tensor's name or shape makes them another model's."""
     root = tmp_path / "runs"
     fit = _fake_run(root, "a", status="finished", step=8, started=1.0)
-    other = ["model.channels_last=true", "model.winograd_convs=[backbone]", "model.transform.min_size=96",
+    other = ["speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast}", "speedups.ext_ops=null",
+             "model.transform.min_size=96",
              "model.transform.max_size=96", "model.roi_heads.score_thresh=0.3", "model.rpn.post_nms_top_n_test=20",
-             "model.mask_threshold=0.4", "model.eval_backend=pycocotools"]
+             "model.evaluation.mask_threshold=0.4", "model.evaluation.backend=pycocotools"]
     with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
         assert _resolve(root, "last", other, command=command) == str((fit / "checkpoints" / "last.ckpt").resolve())
     assert "model.transform.min_size: 64 -> 96" in caplog.text and "model.roi_heads.score_thresh" in caplog.text
+    assert "model.speedups.channels_last._target_: None -> 'lit_amp_det.models.speedups.ChannelsLast'" in caplog.text
+    for more in (["speedups=gpu"], ["speedups=none"], ["optim=sgd"]):
+        assert _resolve(root, "last", more, command=command) == str((fit / "checkpoints" / "last.ckpt").resolve())
 
 
 def test_run_record_updates_keep_the_rest(tmp_path: Path) -> None:

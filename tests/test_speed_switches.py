@@ -1,4 +1,5 @@
-"""model.channels_last and model.compile: same results and state_dict, clear errors for bad values."""
+"""The speedups (``conf/speedups``, :mod:`lit_amp_det.models.speedups`): each keeps the state_dict and the results,
+applies only on the devices it declares, and a bad entry is refused naming it."""
 
 from __future__ import annotations
 
@@ -8,13 +9,24 @@ from conftest import CONFIG_ERRORS, compose_config
 from hydra.utils import instantiate
 
 from lit_amp_det import MaskRCNNModule
-from lit_amp_det.models.speed import compile_detector
+from lit_amp_det.models.speedups import (
+    DEFAULT_SPEEDUPS,
+    ChannelsLast,
+    CompileBackbone,
+    ExtensionOps,
+    apply_transforms,
+    build_transforms,
+)
+
+CHANNELS_LAST = {"_target_": "lit_amp_det.models.speedups.ChannelsLast"}
 
 
-def _module(**overrides: object) -> MaskRCNNModule:
-    cfg = compose_config(["experiment=smoke"])
+def _module(*overrides: str) -> MaskRCNNModule:
+    cfg = compose_config(["experiment=smoke", *overrides])
     torch.manual_seed(0)
-    return instantiate(cfg.model, _convert_="all", num_classes=4, **overrides)
+    module = instantiate(cfg.model, _convert_="all", num_classes=4)
+    module.configure_model()
+    return module
 
 
 def _images() -> list[torch.Tensor]:
@@ -22,8 +34,18 @@ def _images() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=gen) for _ in range(2)]
 
 
+def test_the_default_config_lists_the_python_defaults() -> None:
+    cfg = compose_config([])
+    listed = {k: dict(v) for k, v in cfg.speedups.items() if v is not None}
+    assert listed == DEFAULT_SPEEDUPS
+    assert _module().applied_speedups == ["ext_ops", "binary_mask_paste"]
+    assert _module("speedups=none").applied_speedups == []
+
+
 def test_channels_last_gives_the_same_detections_and_state_dict() -> None:
-    plain, nhwc = _module(), _module(channels_last=True)
+    plain = _module()
+    nhwc = _module("speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast}")
+    assert nhwc.applied_speedups == ["ext_ops", "binary_mask_paste", "channels_last"]
     nhwc.load_state_dict(plain.state_dict())
     assert list(nhwc.state_dict()) == list(plain.state_dict())
     conv = nhwc.model.backbone.body.conv1.weight
@@ -47,7 +69,7 @@ def test_channels_last_gives_the_same_detections_and_state_dict() -> None:
 def test_compile_backbone_keeps_parameter_names_and_results() -> None:
     plain = _module()
     compiled = _module()
-    compile_detector(compiled.model, "backbone", backend="eager")  # the compile path without inductor's build time
+    CompileBackbone(backend="eager")(compiled.model)  # the compile path without inductor's build time
     assert list(compiled.state_dict()) == list(plain.state_dict())
     assert compiled.model.backbone._compiled_call_impl is not None
     plain.eval(), compiled.eval()
@@ -58,7 +80,27 @@ def test_compile_backbone_keeps_parameter_names_and_results() -> None:
         torch.testing.assert_close(actual[key], expected[key])
 
 
-@pytest.mark.parametrize("value", ["everything", "heads", True])
-def test_unknown_compile_target_is_refused(value: object) -> None:
-    with pytest.raises(CONFIG_ERRORS, match="compile="):
-        _module(compile=value)
+def test_a_transform_applies_only_on_the_devices_it_declares() -> None:
+    module = _module("speedups=none")
+    model, applied = apply_transforms(module.model, [ChannelsLast(devices=["cuda"]), ExtensionOps()], "cpu")
+    assert applied == ["ext_ops"]
+    assert model.backbone.body.conv1.weight.is_contiguous()  # channels_last was for CUDA only
+    assert ChannelsLast(devices=["cuda"]).applies_to(torch.device("cuda", 0))
+
+
+def test_the_gpu_option_adds_channels_last_and_compile_on_cuda_only() -> None:
+    transforms = build_transforms(compose_config(["speedups=gpu"]).speedups)
+    assert [t.name for t in transforms] == ["ext_ops", "binary_mask_paste", "channels_last", "compile"]
+    assert [t.devices for t in transforms[2:]] == [("cuda",), ("cuda",)]
+    assert _module("speedups=gpu").applied_speedups == ["ext_ops", "binary_mask_paste"]  # on this CPU
+
+
+@pytest.mark.parametrize(("entry", "match"), [
+    ("speedups.channels_last=true", "speedups.channels_last=True must be a _target_ mapping"),
+    ("speedups.ext_ops={_target_:torch.nn.Identity}", "speedups.ext_ops._target_='torch.nn.Identity' made a Identity"),
+    ("speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast,devices:[tpu]}",
+     r"speedups.channels_last.devices=\[.*tpu.*\] must list device types"),
+])
+def test_bad_entries_are_refused_naming_them(entry: str, match: str) -> None:
+    with pytest.raises(CONFIG_ERRORS, match=match):
+        _module(entry)

@@ -25,6 +25,7 @@ from torchvision.models.detection import (
 )
 
 from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer
+from lit_amp_det.checkpoints import local_weights
 from lit_amp_det.data import ShapesDataModule
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models import build_backbone, build_detector
@@ -238,23 +239,36 @@ def test_an_unreadable_cached_file_says_to_replace_it(tmp_path: Path, monkeypatc
     )
 
 
-def test_checkpoint_wins_over_named_weights_and_nothing_is_fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_local_weights_file_replaces_the_backbone_weights_and_nothing_is_fetched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # empty cache, no network: a fetch would fail
     cfg = compose_config(["model=maskrcnn_tiny", "model.backbone.name=resnet18"], tmp_path)
     source = instantiate(cfg.model, num_classes=4)
     torch.save(source.model.state_dict(), tmp_path / "mine.pt")
     cfg = compose_config(["model=maskrcnn_tiny", "model.backbone.name=resnet18", "model.backbone.weights=IMAGENET1K_V1",
-                          f"model.checkpoint={tmp_path / 'mine.pt'}"], tmp_path)
+                          f"model.weights={tmp_path / 'mine.pt'}"], tmp_path)
     with caplog.at_level(logging.INFO, logger="lit_amp_det.module"):
         module = instantiate(cfg.model, num_classes=4)
     assert _assert_loaded(module.model, source.model.state_dict()) == len(source.model.state_dict())
-    assert f"checkpoint='{tmp_path / 'mine.pt'}' supplies the weights: backbone.weights='IMAGENET1K_V1' " \
-           "checked but not loaded" in caplog.text
+    (line,) = [r.getMessage() for r in caplog.records if "supplies the weights" in r.getMessage()]
+    assert str(tmp_path / "mine.pt") in line
+    assert "supplies the weights: backbone.weights='IMAGENET1K_V1' checked but not loaded" in line
     # the names are still checked
     cfg.model.backbone.weights = "IMAGENET1K_V9"
     with pytest.raises(CONFIG_ERRORS, match=r"backbone.weights='IMAGENET1K_V9' is not one of"):
         instantiate(cfg.model, num_classes=4)
+
+
+@pytest.mark.parametrize(("weights", "path"), [
+    (None, None), ("COCO_V1", None), ("DEFAULT", None), ("MaskRCNN_ResNet50_FPN_Weights.COCO_V1", None),
+    ("runs/fit/2024-01-01_00-00-00/checkpoints/last.ckpt", "runs/fit/2024-01-01_00-00-00/checkpoints/last.ckpt"),
+    ("./model", "model"), ("mine.pt", "mine.pt"), ("MINE.PTH", "MINE.PTH"), ("detector.bin", "detector.bin"),
+    ("archive.tar", "archive.tar"), ("~/weights/coco", str(Path.home() / "weights/coco")),
+    (Path("plain_name"), "plain_name"),
+])
+def test_model_weights_is_a_local_file_when_it_looks_like_one(weights: object, path: str | None) -> None:
+    """A directory part or a checkpoint ending makes a file; torchvision's names have neither."""
+    assert local_weights(weights) == (None if path is None else Path(path))
 
 
 # ----------------------------------------------------------------------------- the experiment

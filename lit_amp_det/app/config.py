@@ -57,7 +57,7 @@ OmegaConf.register_new_resolver("pin_memory", _pin_memory, replace=True)
 
 def config_dir() -> Path:
     """Absolute path of the config tree (``conf/`` in a checkout, ``lit_amp_det/conf`` when installed)."""
-    checkout = Path(__file__).resolve().parent.parent / "conf"
+    checkout = Path(__file__).resolve().parents[2] / "conf"
     if (checkout / "config.yaml").is_file():
         return checkout
     return Path(str(resources.files("lit_amp_det.conf")))
@@ -85,11 +85,6 @@ def check_config(cfg: DictConfig) -> None:
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
-    ops = cfg.get("model", {}).get("ops", "ext")
-    from lit_amp_det.models.ext_ops import OPS_BACKENDS  # deferred: pulls in torchvision
-
-    if ops not in OPS_BACKENDS:
-        raise ValueError(f"model.ops={ops!r}; choose one of {', '.join(OPS_BACKENDS)}")
     _check_sync_batchnorm(cfg)
     _check_data_settings(cfg)
     seed = cfg.get("seed")

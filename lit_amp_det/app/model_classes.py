@@ -7,7 +7,7 @@ match, so there the classes are the model's own, taken where the weights come fr
 weights' ``meta["categories"]``:
 
 1. ``ckpt_path`` (a Lightning checkpoint saves the module's ``num_classes`` / ``class_names`` / ``category_ids``);
-2. ``model.checkpoint`` when it is a Lightning checkpoint (a bare state dict names none);
+2. ``model.weights`` when it names a Lightning checkpoint file (a bare state dict names none);
 3. ``model.weights`` (torchvision's COCO weights: 91 labels, label ``i`` is COCO category id ``i``);
 4. otherwise the data, as for the other commands (``data.root`` with the training annotations, or the shapes data).
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lit_amp_det.checkpoints import names_a_checkpoint_file, read_checkpoint, saved_classes
+from lit_amp_det.checkpoints import local_weights, names_a_checkpoint_file, read_checkpoint, saved_classes
 from lit_amp_det.models.weights import NO_WEIGHTS, detection_checkpoint, resolve_weights
 
 __all__ = ["folder_prediction_classes", "predicts_on_a_folder", "weights_classes"]
@@ -58,9 +58,9 @@ def folder_prediction_classes(cfg: DictConfig, ckpt_path: str | None,
     if names_a_checkpoint_file(ckpt_path):
         payload = checkpoint if checkpoint is not None else read_checkpoint(ckpt_path, "ckpt_path")
         found, source = saved_classes(payload), f"ckpt_path={ckpt_path}"
-    elif cfg.model.get("checkpoint"):
-        found = saved_classes(read_checkpoint(cfg.model.checkpoint, "model.checkpoint"))
-        source = f"model.checkpoint={cfg.model.checkpoint}"
+    elif (local := local_weights(cfg.model.get("weights"))) is not None:
+        found = saved_classes(read_checkpoint(local, "model.weights"))  # the file the module loads: ~ expanded
+        source = f"model.weights={cfg.model.weights}"
     elif cfg.model.get("weights") not in NO_WEIGHTS:
         found = weights_classes(str(cfg.model.weights), bool(cfg.model.get("mask", True)))
         source = f"model.weights={cfg.model.weights}"

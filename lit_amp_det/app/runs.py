@@ -1,11 +1,9 @@
 """Run folders: created exclusively, recorded in ``run.json``, and found again by ``ckpt_path=last``.
 
-Every command writes into its own folder (``runs/<command>/<timestamp>``, a ``_1``, ``_2`` ... suffix when
-two runs start in the same second) and never into one an earlier run used. Rank 0 keeps a small
-``run.json`` there: the command, its state (``running``, ``finished``, ``interrupted``, ``failed``), the
-process id and host, and the checkpoint it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are
-resolved from these records here, so that ``fit ckpt_path=last`` only ever continues the newest unfinished
-fit made with the same model and data -- and says why when it will not.
+Every command writes into its own new folder (``runs/<command>/<timestamp>``, suffixed ``_1``, ``_2`` ... on a
+clash), where rank 0 keeps a small ``run.json``: the command, its state, the process id and host, and the checkpoint
+it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are resolved from these records, so that
+``fit ckpt_path=last`` only continues the newest unfinished fit made with the same model and data, and says why not.
 """
 
 from __future__ import annotations
@@ -23,20 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = [
-    "RUN_RECORD",
-    "RunInfo",
-    "ResumeError",
-    "config_differences",
-    "holds_a_run",
-    "list_runs",
-    "read_run",
-    "resolve_ckpt_path",
-    "resume_point",
-    "unique_dir",
-    "update_run_record",
-    "write_run_record",
-]
+__all__ = ["RUN_RECORD", "RunInfo", "ResumeError", "config_differences", "holds_a_run", "list_runs", "read_run",
+           "resolve_ckpt_path", "resume_point", "unique_dir", "update_run_record", "write_run_record"]
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +31,10 @@ RUN_RECORD = "run.json"
 #: Data-module keys that change how data is loaded, not which data: they may differ between a run and its resume.
 _LOADER_KEYS = frozenset({"num_workers", "pin_memory", "persistent_workers", "eval_batch_size", "cache_dir",
                           "predict_split", "verify_images", "bad_images", "verify_workers", "verify_cache_dir"})
-#: Model keys that only matter when training starts from scratch.
-_INIT_KEYS = frozenset({"checkpoint", "checkpoint_strict"})
+#: Model keys that only matter when training starts from scratch (a resume restores every tensor).
+_INIT_KEYS = frozenset({"weights"})
 #: Optimizer settings that pick its kernels, not its update (with the model's, :func:`_implementation_settings`).
-_OPTIMIZER_KERNEL_KEYS = ("fused", "foreach", "memory_order_views")
+_OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")
 
 
 class ResumeError(FileNotFoundError):
@@ -59,9 +45,8 @@ class ResumeError(FileNotFoundError):
 def unique_dir(path: str) -> str:
     """Creates ``path`` -- or ``path_1``, ``path_2``, ... when it exists -- exclusively, and returns it.
 
-    Registered as the ``unique_dir`` resolver (``hydra.run.dir: ${unique_dir:...}``) with caching, so it runs
-    once per run; ``os.mkdir`` fails when another process created the folder first, so two runs started in
-    the same second can never share one.
+    The (cached) ``unique_dir`` resolver of ``hydra.run.dir``; ``mkdir`` fails when another process created the
+    folder first, so two runs can never share one.
     """
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -90,15 +75,9 @@ def _write_json(path: Path, record: Mapping[str, Any]) -> None:
 
 def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None) -> dict[str, Any]:
     """Writes the ``running`` record of a run that starts now; returns it."""
-    record = {
-        "command": command,
-        "status": "running",
-        "started": time.time(),
-        "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "resumed_from": resumed_from,
-    }
+    record = {"command": command, "status": "running", "started": time.time(),
+              "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(), "host": socket.gethostname(),
+              "resumed_from": resumed_from}
     _write_json(Path(run_dir) / RUN_RECORD, record)
     return record
 
@@ -140,8 +119,8 @@ def _process_alive(pid: int) -> bool:
 
 
 def read_run(path: Path) -> RunInfo | None:
-    """The run in folder ``path``; ``None`` when it holds none. Folders of older versions (no ``run.json``)
-    count as finished when they hold ``metrics.json``, else as killed."""
+    """The run in folder ``path``; ``None`` when it holds none. A folder without ``run.json`` counts as finished
+    when it holds ``metrics.json``, else as killed."""
     path = Path(path)
     try:
         record = json.loads((path / RUN_RECORD).read_text())
@@ -217,8 +196,8 @@ def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | 
 
 
 def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ...]) -> list[str] | None:
-    """``key: earlier -> now`` for every setting of ``sections`` that differs (loader settings and
-    ``model.checkpoint`` left out); None when the run's saved config is missing."""
+    """``key: earlier -> now`` for every differing setting of ``sections`` (loader settings and ``model.weights``
+    left out); None when the run's saved config is missing."""
     saved_sections = _saved_sections(run_dir, sections)
     if saved_sections is None:
         return None
@@ -231,25 +210,23 @@ def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ..
 
 @functools.cache
 def _implementation_settings() -> frozenset[str]:
-    """Settings that change how a step is computed, not the model, the data or the recipe: the model's
-    :data:`lit_amp_det.checkpoints.IMPLEMENTATION_HPARAMS` and the optimizer's kernel choice (some give the same step
-    bit for bit, the others round differently, as another ``trainer.precision`` does, which is not compared either).
-    A run resumes under other values -- on another machine, say -- or under a config from before the setting
-    existed; the ones that differ are logged."""
+    """Settings that change how a step is computed, not the model, data or recipe: the model's
+    :data:`lit_amp_det.checkpoints.IMPLEMENTATION_HPARAMS` and the optimizer's kernel choice. A run may resume under
+    other values (on another machine, say); the ones that differ are logged."""
     from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS  # deferred: imports torch
 
     return frozenset({f"model.{key}" for key in IMPLEMENTATION_HPARAMS}
-                     | {f"model.optimizer.{key}" for key in _OPTIMIZER_KERNEL_KEYS})
+                     | {f"model.optim.optimizer.{key}" for key in _OPTIMIZER_KERNEL_KEYS})
 
 
 def _is_implementation(difference: str) -> bool:
-    return difference.split(":", 1)[0] in _implementation_settings()
+    key = difference.split(":", 1)[0]
+    return any(key == setting or key.startswith(f"{setting}.") for setting in _implementation_settings())
 
 
 def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:
     """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
-    ``config_resolved.yaml``: what makes it another run. Loader settings such as ``num_workers`` and the
-    :func:`_implementation_settings` are left out."""
+    ``config_resolved.yaml`` (loader and :func:`_implementation_settings` left out): what makes it another run."""
     differences = _setting_differences(run_dir, cfg, tuple(sections))
     if differences is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
@@ -263,9 +240,9 @@ def _implementation_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
 
 
 def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
-    """``key: earlier -> now`` for every model setting that changes the weights' names or shapes (the rule of
+    """``key: earlier -> now`` for every model setting that changes the weights' names or shapes (see
     :func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into ``cfg``'s
-    model. The test-time transform, thresholds and implementation settings may differ."""
+    model."""
     from lit_amp_det.checkpoints import architecture_differences as differing  # deferred: imports torch
 
     saved = _saved_sections(run_dir, ("model",))
@@ -321,7 +298,7 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. "
                           f"Start a new run (leave ckpt_path out); train it further with its optimizer and schedule "
                           f"by ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or "
-                          f"fine-tune from its weights with model.checkpoint="
+                          f"fine-tune from its weights with model.weights="
                           f"{newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
     differences = config_differences(newest.path, cfg)
     if differences:

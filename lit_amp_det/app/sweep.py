@@ -1,12 +1,10 @@
 """One table and one plot per Hydra sweep: accuracy against speed and memory, job by job.
 
-A multirun (``python -m lit_amp_det fit -m ...`` or ``hparams_search=optuna``) leaves one directory per
-job, each with its own ``metrics.json``; picking the best precision/callback/hyper-parameter combination
-from those by hand is tedious and error-prone. :class:`SweepSummary`, registered as a Hydra callback in
-``conf/hydra/default.yaml``, writes ``summary.csv``, ``summary.md`` and ``summary.png`` into the sweep
-directory after each job and when the sweep ends; :func:`summarize_sweep` does the same from a notebook or a test, and
-:func:`collect_rows` only reads. A job that crashed, never wrote ``metrics.json`` or wrote a broken one
-gets a row with its status instead of stopping the summary.
+A multirun leaves one directory per job, each with its own ``metrics.json``, which is hard to compare by hand.
+:class:`SweepSummary`, a Hydra callback, writes ``summary.csv``, ``summary.md`` and ``summary.png`` into the sweep
+directory after each job and when the sweep ends; :func:`summarize_sweep` does the same from a notebook, and
+:func:`collect_rows` only reads. A job that crashed or wrote no (or a broken) ``metrics.json`` gets a row with its
+status instead of stopping the summary.
 """
 
 from __future__ import annotations
@@ -46,10 +44,8 @@ _NAN = float("nan")
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
-    """Subdirectories that hold a Hydra job (``.hydra/``) or its ``metrics.json``, in job-number order.
-
-    ``hydra.sweep.subdir`` is the job number here; folders with other names sort after the numbered ones.
-    """
+    """Subdirectories that hold a Hydra job (``.hydra/``) or its ``metrics.json``, in job-number order (folders with
+    other names sort after the numbered ones)."""
     jobs = [p for p in sweep_dir.iterdir()
             if p.is_dir() and ((p / ".hydra").is_dir() or (p / "metrics.json").is_file())]
     return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
@@ -107,10 +103,10 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
 def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
     """One row per job of ``sweep_dir``, in job order, all with the same keys in column order.
 
-    Columns: ``job``, ``status`` (one of :data:`STATUSES`), ``overrides`` (the job's Hydra overrides as
-    one string), one column per overridden key, ``objective`` (the value of ``metric``), every metric
-    whose name contains ``mAP``, ``images_per_s``, ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``,
-    ``tensor_memory_mb``, ``device``, ``time_s``, ``error``. Absent numbers are NaN, absent text is ``""``.
+    Columns: ``job``, ``status`` (one of :data:`STATUSES`), ``overrides`` (as one string), one column per
+    overridden key, ``objective`` (the value of ``metric``), every metric whose name contains ``mAP``,
+    ``images_per_s``, ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``, ``tensor_memory_mb``, ``device``,
+    ``time_s``, ``error``. Absent numbers are NaN, absent text is ``""``.
     """
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -124,11 +120,8 @@ def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
     map_keys = sorted({k for *_, job in jobs for k in job["metrics"] if "mAP" in k})
     rows = []
     for job_dir, overrides, pairs, job in jobs:
-        row: dict[str, Any] = {
-            "job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name,
-            "status": job["status"],
-            "overrides": " ".join(overrides),
-        }
+        row: dict[str, Any] = {"job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name,
+                               "status": job["status"], "overrides": " ".join(overrides)}
         row.update({key: pairs.get(key, "") for key in override_keys})
         row["objective"] = _number(job["metrics"].get(metric)) if metric else _NAN
         row.update({key: _number(job["metrics"].get(key)) for key in map_keys})
@@ -218,11 +211,10 @@ def _csv(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: Path) -> None:
-    """Two panels: objective against train images/s, and against memory (the tensor total on a CPU, the peak on a GPU).
+    """Two panels: objective against train images/s, and against memory (tensor total on a CPU, peak on a GPU).
 
-    Each point carries its job number; the legend below maps it to the job's varying overrides (labels
-    written next to the points overlap as soon as two jobs run at the same speed). A job keeps its colour
-    and marker in both panels.
+    Each point carries its job number, which the legend maps to the job's varying overrides (labels next to points
+    would overlap); a job keeps its colour and marker in both panels.
     """
     from matplotlib.figure import Figure  # no pyplot: renders with Agg and never touches the global backend
     from matplotlib.lines import Line2D
@@ -271,8 +263,7 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 def summarize_sweep(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
     """Writes ``summary.csv``, ``summary.md`` and ``summary.png`` into ``sweep_dir``; returns the rows.
 
-    ``metric`` is the objective column (``optimized_metric`` of the config, e.g. ``val/segm_mAP``). The
-    rows are those of :func:`collect_rows`. Without matplotlib the PNG is skipped with one warning.
+    ``metric`` is the objective column (the config's ``optimized_metric``). Without matplotlib the PNG is skipped.
     """
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir, metric)
@@ -290,13 +281,10 @@ def summarize_sweep(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]
 class SweepSummary(Callback):
     """Hydra callback: keeps ``summary.{csv,md,png}`` of the sweep directory current, job by job.
 
-    Register under ``hydra.callbacks`` (see ``conf/hydra/default.yaml``). Hydra calls ``on_multirun_end``
-    after every sweeper (basic and Optuna alike), but only when the sweep did not fail: the basic sweeper
-    re-raises a failed job's exception before that, and Optuna's does once failures exceed
-    ``max_failure_rate``. So :meth:`on_job_end` records a failure in the job directory
-    (:data:`FAILURE_FILE`) and refreshes the summary after each job of a multirun; ``on_multirun_end``
-    writes the final one and prints it. Single runs are left alone. A problem while summarising is logged,
-    never raised: a sweep does not fail, or hide a job's own error, because of its report.
+    Hydra calls ``on_multirun_end`` only when the sweep did not fail, so :meth:`on_job_end` records a failure in the
+    job directory (:data:`FAILURE_FILE`) and refreshes the summary after each job of a multirun; ``on_multirun_end``
+    writes the final one and prints it. Single runs are left alone. A problem while summarising is logged, never
+    raised: a sweep must not fail, or hide a job's own error, because of its report.
     """
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:

@@ -1,12 +1,8 @@
 """The four jobs behind the CLI -- ``train``, ``validate``, ``test``, ``predict`` -- as importable functions.
 
-Each takes a composed Hydra config, builds data module, model, callbacks, loggers and trainer from its
-``_target_`` nodes, runs, and writes ``metrics.json`` (and ``config_resolved.yaml``) into the run
-directory. They are separate from the Hydra entry point so notebooks, tests and sweepers can call them.
-
-Every run folder also gets ``run.json`` (:mod:`lit_amp_det.app.runs`): ``running`` while it runs, then ``finished``,
-``interrupted`` (Ctrl-C or SIGTERM: a checkpoint and the metrics so far are saved, and the command that
-resumes is printed) or ``failed``. ``ckpt_path=last`` reads these records to find the run to resume.
+Each takes a composed Hydra config, builds data module, model, callbacks, loggers and trainer from its ``_target_``
+nodes, runs, and writes ``metrics.json``, ``config_resolved.yaml`` and ``run.json`` (:mod:`lit_amp_det.app.runs`)
+into the run directory. They are separate from the Hydra entry point so notebooks, tests and sweepers can call them.
 """
 
 from __future__ import annotations
@@ -39,9 +35,10 @@ from lit_amp_det.callbacks.run_stats import RunStats
 from lit_amp_det.checkpoints import CLASS_HPARAMS, check_checkpoint, names_a_checkpoint_file, read_checkpoint
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.weights import NO_WEIGHTS
-from lit_amp_det.precision.plugin import build_precision_plugin, warn_if_precision_changes
+from lit_amp_det.precision import build_precision_plugin, warn_if_precision_changes
 
-__all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "config_node", "resume_command", "summary_line"]
+__all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "config_node", "resume_command",
+           "summary_line"]
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +51,8 @@ def _output_dir(cfg: DictConfig) -> Path:
 
 @contextmanager
 def config_node(path: str) -> Iterator[None]:
-    """A library :class:`ArgumentError` raised inside the block comes out naming its config path (``path.argument``).
-
-    Hydra wraps errors of a constructor in its own ``InstantiationException``; the library error is unwrapped so
-    the message a user reads is the one line that names the key to change.
-    """
+    """A library :class:`ArgumentError` raised inside the block comes out naming its config path (``path.argument``),
+    unwrapped from Hydra's ``InstantiationException`` so the user reads the one line naming the key to change."""
     try:
         yield
     except InstantiationException as err:
@@ -70,11 +64,7 @@ def config_node(path: str) -> Iterator[None]:
 
 
 def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
-    """Instantiates ``cfg.data`` and prepares it (the shapes dataset is generated on first use).
-
-    Not for ``predict`` on ``data.predict_images``, which reads no split: the shapes data is then generated only
-    if the model's classes must be read from it (no checkpoint or weights name them).
-    """
+    """Instantiates ``cfg.data`` and prepares it, except for ``predict`` on ``data.predict_images`` (no split read)."""
     with config_node("data"):
         datamodule = instantiate(cfg.data)
     if not predicts_on_a_folder(cfg):
@@ -86,10 +76,8 @@ def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *, weights_
                 classes: dict[str, Any] | None = None) -> pl.LightningModule:
     """Instantiates ``cfg.model``; class count, names and category ids come from the data unless set.
 
-    ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named pretrained weights
-    (``model.weights``, ``model.backbone.weights``) are not read: the run neither needs their file nor downloads it.
-    ``classes``: the class hyper-parameters to use instead of the data's, which is then not asked
-    (:func:`~lit_amp_det.app.model_classes.folder_prediction_classes`).
+    ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named pretrained weights are not read
+    (nor downloaded). ``classes``: the class hyper-parameters to use instead of the data's.
     """
     from_data: dict[str, Any] = dict(classes) if classes is not None else {}
     with config_node("data"):  # the data module reads its annotations here; its errors name data.<argument>
@@ -105,12 +93,31 @@ def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *, weights_
             model_cfg.weights = None
             if model_cfg.get("backbone") is not None:
                 model_cfg.backbone.weights = None
-    with config_node("model"):
-        return instantiate(model_cfg, _convert_="all", **from_data)  # plain dicts: checkpoints stay weights_only-safe
+    try:
+        with config_node("model"):
+            return instantiate(model_cfg, _convert_="all", **from_data)  # plain dicts: weights_only-safe checkpoints
+    except ArgumentError as err:
+        raise _named_by_group(err, model_cfg) from None
+
+
+#: Model arguments the root config fills from a top-level group of the same name (``model.optim: ${optim}``).
+_GROUP_ARGUMENTS = ("optim", "speedups")
+
+
+def _named_by_group(err: ArgumentError, model_cfg: DictConfig) -> ArgumentError:
+    """``err`` naming ``optim.*`` / ``speedups.*`` instead of ``model.optim.*`` / ``model.speedups.*`` where the model
+    node reads that group (Hydra refuses overrides below an interpolation)."""
+    argument = err.argument.removeprefix("model.")
+    group = argument.split(".", 1)[0]
+    if group not in _GROUP_ARGUMENTS or argument == err.argument:
+        return err
+    if OmegaConf.to_container(model_cfg, resolve=False).get(group) != f"${{{group}}}":
+        return err
+    return type(err)(argument, err.value, err.problem)
 
 
 def _named_weights(cfg: DictConfig) -> list[str]:
-    """The named pretrained weights the model config asks for, as ``key=value`` strings."""
+    """The pretrained weights the model config asks for, as ``key=value`` strings."""
     named = {"model.weights": cfg.model.get("weights"),
              "model.backbone.weights": (cfg.model.get("backbone") or {}).get("weights")}
     return [f"{key}={value}" for key, value in named.items() if value not in NO_WEIGHTS]
@@ -118,9 +125,7 @@ def _named_weights(cfg: DictConfig) -> list[str]:
 
 def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
     """Instantiates every ``_target_`` node of a group such as ``callbacks``; ``null`` entries are skipped.
-
-    ``group`` (the group's config path) prefixes the argument named by a library :class:`ArgumentError`.
-    """
+    ``group`` (the group's config path) prefixes the argument named by a library :class:`ArgumentError`."""
     if not nodes:
         return []
     built = []
@@ -134,16 +139,14 @@ def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
 def build_trainer(cfg: DictConfig) -> pl.Trainer:
     """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision plugin.
 
-    ``trainer.precision`` is translated into a plugin (Lightning refuses a precision string and a
-    precision plugin together), configured by the ``precision`` node. A :class:`RunStats` callback is always
-    added (it only measures) so that ``metrics.json`` records speed and peak memory whatever ``callbacks`` holds.
-    Commands other than ``fit`` get no checkpoint callbacks.
+    ``trainer.precision`` becomes a plugin configured by the ``precision`` node (Lightning refuses a precision
+    string and a plugin together). :class:`RunStats` is always added, so ``metrics.json`` records speed and peak
+    memory; commands other than ``fit`` get no checkpoint callbacks.
     """
     loggers = instantiate_all(cfg.get("logger"), "logger")
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
-    plugin = build_precision_plugin(
-        str(cfg.trainer.get("precision", "32-true")), str(cfg.trainer.get("accelerator", "auto")), **precision_options
-    )
+    plugin = build_precision_plugin(str(cfg.trainer.get("precision", "32-true")),
+                                    str(cfg.trainer.get("accelerator", "auto")), **precision_options)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cfg.pop("precision", None)
     callbacks = [*instantiate_all(cfg.get("callbacks"), "callbacks"), RunStats()]
@@ -160,11 +163,8 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
-    return {
-        key: float(value)
-        for key, value in sorted(trainer.callback_metrics.items())
-        if isinstance(value, torch.Tensor) and value.numel() == 1
-    }
+    return {key: float(value) for key, value in sorted(trainer.callback_metrics.items())
+            if isinstance(value, torch.Tensor) and value.numel() == 1}
 
 
 @rank_zero_only
@@ -292,9 +292,8 @@ def _announce_interrupt(stop: RunInterrupted, command: str) -> None:
 def _evaluate(cfg: DictConfig, stage: str) -> dict[str, float]:
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
-    if ckpt_path is None and not cfg.model.get("checkpoint") and not _named_weights(cfg):
-        log.warning("%s without ckpt_path, model.checkpoint or model.weights scores a randomly initialised model",
-                    stage)
+    if ckpt_path is None and not _named_weights(cfg):
+        log.warning("%s without ckpt_path or model.weights scores a randomly initialised model", stage)
     getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics = _scalar_metrics(trainer)
     _write_outputs(cfg, trainer, {"command": stage, "metrics": metrics, "time_s": time.perf_counter() - started})
@@ -316,8 +315,8 @@ def predict(cfg: DictConfig) -> Path:
     ``predictions.json``; returns its path."""
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
-    if ckpt_path is None and not cfg.model.get("checkpoint") and not _named_weights(cfg):
-        log.warning("predict without ckpt_path, model.checkpoint or model.weights uses a randomly initialised model")
+    if ckpt_path is None and not _named_weights(cfg):
+        log.warning("predict without ckpt_path or model.weights uses a randomly initialised model")
     trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=False, weights_only=True)
     _write_outputs(cfg, trainer, {"command": "predict", "metrics": {}, "time_s": time.perf_counter() - started})
     return _output_dir(cfg) / "predictions.json"
@@ -327,8 +326,8 @@ _TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict}
 
 
 def _route_lightning_logs() -> None:
-    """Lets Lightning's messages reach the run's log file: under Hydra's logging its own console handler (added
-    when ``lightning`` was imported before logging was configured) is dropped and its records propagate."""
+    """Lets Lightning's messages reach the run's log file: under Hydra's logging, Lightning's own console handler is
+    dropped and its records propagate."""
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):

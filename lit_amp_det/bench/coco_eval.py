@@ -1,7 +1,8 @@
 """``python -m lit_amp_det.bench.coco_eval``: COCO mAP with faster-coco-eval against pycocotools, same predictions.
 
-``model.eval_backend`` picks the library behind ``MaskRCNNModule``'s ``MeanAveragePrecision``
-(:data:`lit_amp_det.module.EVAL_BACKENDS`). This bench measures what the switch changes, on the split ``validate``
+``model.evaluation.backend`` picks the library behind ``MaskRCNNModule``'s ``MeanAveragePrecision``
+(:data:`lit_amp_det.module_settings.EVAL_BACKENDS`). This bench measures what the switch changes, on the split
+``validate``
 scores (by default the embedded shapes validation split, 100 images of 160 px, masks and boxes):
 
 1. predictions: the model (``--checkpoint``, else random weights) runs once over the split, in fp32 under
@@ -13,8 +14,8 @@ scores (by default the embedded shapes validation split, 100 images of 160 px, m
 3. agreement: every key of ``compute()`` (bbox and segm ``map``, ``map_50``, ``map_75``, ``map_small/medium/
    large``, ``mar_1/10/100``, ``mar_small/medium/large``, per-class entries, ``classes``) compared; the largest
    absolute difference per key and whether all are within ``--atol``;
-4. ``validate``: the whole command, ``python -m lit_amp_det validate model.eval_backend=B`` (with
-   ``model.checkpoint``), in a fresh process per run, backends interleaved, ``--validate-repeats`` runs each:
+4. ``validate``: the whole command, ``python -m lit_amp_det validate model.evaluation.backend=B`` (with
+   ``model.weights``), in a fresh process per run, backends interleaved, ``--validate-repeats`` runs each:
    process wall time and the ``time_s`` of its ``metrics.json``, and its logged ``val/*`` metrics compared.
 
 Exits with status 1 when the backends disagree beyond ``--atol`` (the table is printed first).
@@ -23,7 +24,9 @@ Exits with status 1 when the backends disagree beyond ``--atol`` (the table is p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_amp_det.bench.common import compose, write_json
-from lit_amp_det.bench.e2e_rows import summarise
-from lit_amp_det.module import EVAL_BACKENDS, check_eval_backend
+from lit_amp_det.bench.measure import summarise
+from lit_amp_det.bench.rows import compose
+from lit_amp_det.module_settings import EVAL_BACKENDS, check_eval_backend
 
 __all__ = ["collect", "compare", "main", "time_metric", "time_validate"]
 
@@ -48,7 +51,7 @@ def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pair
     """The module (with ``checkpoint``'s weights) and its (predictions, targets) for every validation batch."""
     from lit_amp_det.app.tasks import build_datamodule, build_model
 
-    weights = [f"model.checkpoint={checkpoint}"] if checkpoint else []
+    weights = [f"model.weights={checkpoint}"] if checkpoint else []
     cfg = compose(["command=validate", "paths.output_dir=/tmp", *weights, *overrides])
     datamodule = build_datamodule(cfg)
     datamodule.setup("validate")
@@ -62,7 +65,7 @@ def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pair
 
 def _score(module: Any, backend: str, pairs: Pairs) -> tuple[float, float, dict[str, Tensor]]:
     """Seconds of update() over every batch and of compute(), and compute()'s dict, for a fresh metric."""
-    module.hparams.eval_backend = backend
+    module.evaluation_settings = dataclasses.replace(module.evaluation_settings, backend=backend)
     metric = module.build_metric()
     start = time.perf_counter()
     for predictions, targets in pairs:
@@ -109,7 +112,7 @@ def time_validate(backends: Sequence[str], checkpoint: str | None, overrides: Se
     Returns per backend the wall-time statistics of the process and of ``metrics.json``'s ``time_s`` (ms), and
     the metrics of its last run.
     """
-    weights = [f"model.checkpoint={checkpoint}"] if checkpoint else []
+    weights = [f"model.weights={checkpoint}"] if checkpoint else []
     wall: dict[str, list[float]] = {b: [] for b in backends}
     inside: dict[str, list[float]] = {b: [] for b in backends}
     metrics: dict[str, dict[str, float]] = {}
@@ -117,7 +120,7 @@ def time_validate(backends: Sequence[str], checkpoint: str | None, overrides: Se
         for run in range(repeats):
             for backend in backends:
                 out = Path(root) / f"{backend}-{run}"
-                command = [sys.executable, "-m", "lit_amp_det", "validate", f"model.eval_backend={backend}",
+                command = [sys.executable, "-m", "lit_amp_det", "validate", f"model.evaluation.backend={backend}",
                            f"hydra.run.dir={out}", *weights, *overrides]
                 start = time.perf_counter()
                 done = subprocess.run(command, capture_output=True, text=True)
@@ -133,8 +136,17 @@ def time_validate(backends: Sequence[str], checkpoint: str | None, overrides: Se
 
 # --------------------------------------------------------------------------------------------- report
 
+def _iqr(stats: dict[str, Any], part: str) -> float:
+    """Interquartile range of the ``part`` times (ms); 0 for a single one."""
+    ms = stats[f"{part}_ms_all"]
+    if len(ms) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
+    return q3 - q1
+
+
 def _ms(stats: dict[str, Any], part: str) -> str:
-    return f"{stats[f'{part}_ms_median']:.0f} ({stats[f'{part}_ms_iqr']:.0f})"
+    return f"{stats[f'{part}_ms_median']:.0f} ({_iqr(stats, part):.0f})"
 
 
 def metric_table(stats: dict[str, dict[str, Any]], base: str) -> str:
@@ -152,9 +164,9 @@ def validate_table(stats: dict[str, dict[str, Any]], base: str) -> str:
              "|---|---|---|---|---|"]
     for backend, s in stats.items():
         lines.append(
-            f"| {backend} | {s['wall_ms_median'] / 1000:.2f} ({s['wall_ms_iqr'] / 1000:.2f}) | "
+            f"| {backend} | {s['wall_ms_median'] / 1000:.2f} ({_iqr(s, 'wall') / 1000:.2f}) | "
             f"{stats[base]['wall_ms_median'] / s['wall_ms_median']:.2f}x | "
-            f"{s['time_s_ms_median'] / 1000:.2f} ({s['time_s_ms_iqr'] / 1000:.2f}) | "
+            f"{s['time_s_ms_median'] / 1000:.2f} ({_iqr(s, 'time_s') / 1000:.2f}) | "
             f"{stats[base]['time_s_ms_median'] / s['time_s_ms_median']:.2f}x |"
         )
     return "\n".join(lines)
@@ -177,7 +189,7 @@ def _values(results: dict[str, Tensor]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lit_amp_det.bench.coco_eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="weights to score (a .ckpt or state dict; model.checkpoint=). Default: "
+    parser.add_argument("--checkpoint", help="weights to score (a .ckpt or state dict; model.weights=). Default: "
                                              "random weights, whose few low-score detections make a light load")
     parser.add_argument("--warmup", type=int, default=1, help="untimed metric rounds per backend")
     parser.add_argument("--repeats", type=int, default=7, help="timed metric rounds per backend (median reported)")
@@ -222,13 +234,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         for backend, d in validate_diffs.items():
             print(agreement_text(d, args.atol, f"validate metrics of {backend} vs {base}"))
 
-    write_json(args.json, {
+    _write_json(args.json, {
         "args": vars(args), "header": header, "images": images, "detections": detections, "metric": stats,
         "results": {b: {k: v.tolist() for k, v in r.items()} for b, r in results.items()}, "diffs": diffs,
         "validate": validate_stats, "validate_metrics": validate_metrics, "validate_diffs": validate_diffs,
     })
     if any(v > args.atol for d in (*diffs.values(), *validate_diffs.values()) for v in d.values()):
         sys.exit(f"the backends disagree beyond --atol {args.atol:g} (keys listed above)")
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2))
 
 
 def _versions() -> str:

@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torchvision
 from torch import Tensor, nn
 
-from lit_amp_det.bench.common import compose, detection_batch, write_json
+from lit_amp_det.bench.rows import compose
 from lit_amp_det.models.conv_bn import NORM_TYPES, enable_conv_bn_eval
 from lit_amp_det.profiling import MB, MemoryProbe, SavedTensorBytes, pin_malloc_threshold, timed
 
@@ -74,6 +76,23 @@ def _resnet50(batch: int, size: int) -> Callable[[str], tuple[nn.Module, nn.Modu
     return build
 
 
+def _detection_batch(batch: int, height: int, width: int, device: str) -> Batch:
+    """``batch`` seeded float images in [0, 1) with 3 boxes, labels 1-3 and box-shaped masks each."""
+    gen = torch.Generator().manual_seed(0)
+    images, targets = [], []
+    for _ in range(batch):
+        images.append(torch.rand(3, height, width, generator=gen).to(device))
+        xy = torch.rand(3, 2, generator=gen) * torch.tensor([width, height]) * 0.6
+        size = (0.15 + 0.25 * torch.rand(3, 2, generator=gen)) * torch.tensor([width, height])
+        boxes = torch.cat([xy, xy + size], 1)
+        masks = torch.zeros(3, height, width, dtype=torch.uint8)
+        for k, (x0, y0, x1, y1) in enumerate(boxes.int().tolist()):
+            masks[k, y0:y1, x0:x1] = 1
+        targets.append({"boxes": boxes.to(device), "labels": torch.tensor([1, 2, 3], device=device),
+                        "masks": masks.to(device)})
+    return images, targets
+
+
 def _detection_loss(model: nn.Module, batch: Batch) -> Tensor:
     torch.manual_seed(0)  # the RPN and RoI samplers draw from the global RNG: same samples for every variant
     return torch.stack([v.float() for v in model(*batch).values()]).sum()
@@ -90,7 +109,7 @@ def _detector(config: str, batch: int, overrides: Sequence[str],
                        f"model.transform.max_size={max(height, width)}", *overrides])
         torch.manual_seed(0)
         model = _norm_eval(instantiate(cfg.model, _convert_="all", num_classes=4).model.to(device))
-        return model, model.backbone, detection_batch(batch, height, width, device), _detection_loss
+        return model, model.backbone, _detection_batch(batch, height, width, device), _detection_loss
 
     return build
 
@@ -250,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"warm-up={args.warmup} repeats={args.repeats} (median) peak={_Peak(args.device).method} "
               f"torch={torch.__version__}")
     print(table(rows, header))
-    write_json(args.json, {"args": vars(args), "rows": rows})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

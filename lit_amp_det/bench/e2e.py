@@ -1,12 +1,25 @@
-"""The command line of ``bench train`` and ``bench infer``: parse the setting, prepare the shared state and the
-device's peaks, run each row's repeats in their own processes, write the report.
+"""``python -m lit_amp_det bench train|infer|precision``: Mask R-CNN speed and memory, one switch per row.
 
-Before any row: the model state every row loads (:mod:`lit_amp_det.bench.state`, ``--state``) and the
-device's peak GFLOP/s (:mod:`lit_amp_det.bench.roofline`), both cached. Then ``--repeats`` rounds, each row
-once per round (:mod:`lit_amp_det.bench.repeats`), every run in a fresh process (memory the allocators keep,
-compiled code and installed wrappers must not leak into the next row); a row whose process fails becomes a
-``failed`` row with the error's last line, and the others are still reported. The rows themselves are in
-:mod:`lit_amp_det.bench.e2e_rows`, the report in :mod:`lit_amp_det.bench.e2e_report`.
+``train`` times training steps as the speedups add up, each row the row above plus one switch: torchvision fp32
+eager (``speedups=none``, no callbacks, ``trainer.precision=32-true``, SGD without its fused kernel), + autocast
+(``16-mixed`` on CUDA, ``bf16-mixed`` on a CPU with native bf16; ``--precision``), + the precision plugin's fp32
+regions, + lit_amp_det's NMS/RoIAlign/IoU kernels (``speedups.ext_ops``), + channels_last, + the FreezeNorm and
+ConvBNEval callbacks, + the fused optimizer, + low-precision weights with fp32 masters, + ``torch.compile`` of the
+backbone. ``infer`` times inference calls (latency at batch 1, throughput at ``--batch``) through the same first
+rows, then + masks pasted as booleans, + ConvBNEval folding on the fly, + the pairs folded once, + compile.
+``precision`` times training steps of torchvision's model in each precision mode on its own (fp32; bf16 and fp16
+autocast with and without the fp32 regions; bf16 and fp16 weights with fp32 masters; fp16 rows on CUDA unless
+``--rows`` names them).
+
+Each row is built the way ``fit``/``predict`` build it (:mod:`lit_amp_det.bench.measure`) from its Hydra
+overrides (:mod:`lit_amp_det.bench.rows`, listed in the report), loads one shared model state
+(:mod:`lit_amp_det.bench.state`) and times one batch of shapes images. Every repeat of every row runs in a fresh
+process (memory the allocators keep, compiled code and installed hooks must not leak into the next row), rows
+interleaved round by round with the order rotated each round (:mod:`lit_amp_det.bench.repeats`); a row whose
+process fails is reported with its error and the other rows still are. The report (``bench_<kind>.md`` and
+``.json`` in ``--out``) gives per row images/s, the median step time over repeats and the spread of the repeat
+medians, the ratios to the first row and to the row above, the peak memory of one step above the built model, and
+the warm-up time (which holds a compiled row's compile time).
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -25,20 +39,16 @@ from typing import Any
 
 import torch
 
-from lit_amp_det.bench import repeats, roofline
-from lit_amp_det.bench.common import cache_root
-from lit_amp_det.bench.e2e_report import environment, write_report
-from lit_amp_det.bench.e2e_rows import (HALF_CHOICES, Bench, Row, Setting, default_half, default_num_classes,
-                                        device_defaults, mixed_precision, row_overrides, setting_half)
+from lit_amp_det.bench import repeats
+from lit_amp_det.bench.rows import (BENCHES, HALF_CHOICES, Bench, Setting, default_num_classes, default_rows,
+                                    device_defaults, resolve_half, row_adds, row_overrides)
 
-__all__ = ["DEFAULT_REPEATS", "DEFAULT_STATE_STEPS", "add_repeat_options", "default_rows", "finish_row", "main",
-           "parse_size", "prepare", "run_row_process"]
+__all__ = ["device_name", "infer", "main", "parse_size", "precision", "run_row_process", "train", "write_report"]
 
 #: Repeats per row, on a CPU and on CUDA alike: GPU clocks and cudnn.benchmark's choices vary per process too.
 DEFAULT_REPEATS = 3
-#: Training steps of the trained state: past the recipe's 100 warm-up steps.
+#: Training steps of the trained state: past the SGD recipe's 100 warm-up steps.
 DEFAULT_STATE_STEPS = 200
-
 #: Marks the one stdout line of a row process that carries its result.
 _MARKER = "BENCH_ROW "
 
@@ -56,31 +66,20 @@ def _positive(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value <= 60:
-        raise argparse.ArgumentTypeError(f"must be in (0, 60] seconds, got {value}")
-    return value
-
-
 def parse_size(text: str) -> tuple[int, int]:
     """``"224"`` (square) or ``"800x1333"`` (height x width) -> ``(height, width)``."""
-    parts = text.lower().split("x")
     try:
-        sides = [int(p) for p in parts]
+        sides = [int(p) for p in text.lower().split("x")]
     except ValueError:
         sides = []
     if len(sides) not in (1, 2) or min(sides) < 32:
         raise argparse.ArgumentTypeError(f"expected SIDE or HEIGHTxWIDTH in pixels (>= 32), e.g. 224 or 800x1333; "
                                          f"got {text!r}")
-    return (sides[0], sides[-1])
+    return sides[0], sides[-1]
 
 
-def _row_names(rows: Sequence[Row]) -> Callable[[str], list[str]]:
-    names = [row.name for row in rows]
+def _row_names(bench: Bench) -> Callable[[str], list[str]]:
+    names = [row.name for row in bench.rows]
 
     def parse(text: str) -> list[str]:
         chosen = [name.strip() for name in text.split(",") if name.strip()]
@@ -93,66 +92,42 @@ def _row_names(rows: Sequence[Row]) -> Callable[[str], list[str]]:
     return parse
 
 
-def add_repeat_options(parser: argparse.ArgumentParser) -> None:
-    """``--repeats``, ``--seed``, ``--state``, ``--state-steps``, ``--cache-dir``, ``--peak-seconds``: shared by
-    ``bench train``, ``bench infer`` and ``bench precision``."""
-    parser.add_argument("--repeats", type=_positive(1), default=DEFAULT_REPEATS,
-                        help=f"runs of each row, each in a fresh process, in rounds of one run per row "
-                             f"(default {DEFAULT_REPEATS}); a row's time is the median of its runs' medians")
-    parser.add_argument("--seed", type=_positive(0),
-                        help="shuffle the rows' order in every round with this seed (default: table order, "
-                             "A B C A B C ...)")
-    parser.add_argument("--state", choices=["trained", "random"], default="trained",
-                        help="model state every row loads: trained (default; --state-steps of the SGD recipe on "
-                             "the shapes data, made once and cached) or random (the seeded initialisation)")
-    parser.add_argument("--state-steps", type=_positive(1), default=DEFAULT_STATE_STEPS,
-                        help=f"training steps of the trained state (default {DEFAULT_STATE_STEPS})")
-    parser.add_argument("--cache-dir", type=Path,
-                        help="where the state and the peaks are cached (default: $LIT_AMP_DET_CACHE or "
-                             "~/.cache/lit_amp_det, as paths.cache_dir)")
-    parser.add_argument("--peak-seconds", type=_seconds, default=0.5,
-                        help="time one peak-measuring matmul should take, when the peaks are not cached yet "
-                             "(default 0.5)")
-
-
 def _parser(bench: Bench) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m lit_amp_det bench {bench.kind}", description=bench.doc,
+    parser = argparse.ArgumentParser(prog=f"python -m lit_amp_det bench {bench.kind}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
-    parser.add_argument("--model", help="model config (conf/model/*.yaml); default maskrcnn_r50_fpn on cuda, "
-                                        "maskrcnn_light on cpu")
-    parser.add_argument("--batch", type=_positive(1), help="images per step (default 8 on cuda, 4 on cpu)")
-    parser.add_argument("--size", type=parse_size, help="SIDE or HEIGHTxWIDTH (default 800x1333 on cuda, 224 on cpu)")
-    parser.add_argument("--num-classes", type=_positive(2),
-                        help="classes incl. background (default 81, COCO's, for maskrcnn_r50_fpn; else 7: "
-                             "background and the shapes data's 6)")
-    parser.add_argument("--steps", type=_positive(1), help="timed steps per row (default 20 on cuda, 10 on cpu)")
-    parser.add_argument("--warmup", type=_positive(0), help="untimed steps per row (default 5 on cuda, 3 on cpu)")
-    parser.add_argument("--compile-warmup", type=_positive(0),
-                        help="untimed steps for rows with model.compile set (default: --warmup + 3)")
-    parser.add_argument("--precision", choices=HALF_CHOICES, default="auto",
-                        help="the half precision of the rows that change precision (autocast, half weights, the "
-                             "fp16/bf16-only layers); auto: fp16 on cuda, bf16 on a CPU with native bf16, fp32 on "
-                             "other CPUs, where the rows that change nothing in fp32 are left out unless --rows "
-                             "names them")
-    parser.add_argument("--rows", type=_row_names(bench.rows),
-                        help=f"comma-separated subset of {','.join(r.name for r in bench.rows)} (default: all); "
-                             "a row keeps the overrides of the rows above it whether they run or not")
-    parser.add_argument("--out", type=Path, help=f"output directory (default: ${{LIT_AMP_DET_RUNS:-runs}}/bench/"
-                                                 f"{bench.kind}/<YYYY-mm-dd_HH-MM-SS>)")
-    add_repeat_options(parser)
-    steps = "train each row this many more steps" if bench.kind == "train" else "call each row this many more times"
-    parser.add_argument("--drift-steps", type=_positive(0), default=0,
-                        help=f"after the measurements, {steps} on batches that change every step (new shapes "
-                             "images) and report how much its heap in use and resident set grow (default 0: not "
-                             "measured; 40 shows a pile-up)")
-    parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON line
-    parser.add_argument("--state-file", help=argparse.SUPPRESS)  # internal: the state the row loads
-    parser.add_argument("--timing-lr", type=float, help=argparse.SUPPRESS)  # internal: the timed steps' lr
+    add = parser.add_argument
+    add("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    add("--model", help="model config (conf/model/*.yaml); default maskrcnn_r50_fpn on cuda, maskrcnn_light on cpu")
+    add("--batch", type=_positive(1), help="images per step (default 8 on cuda, 4 on cpu)")
+    add("--size", type=parse_size, help="SIDE or HEIGHTxWIDTH (default 800x1333 on cuda, 224 on cpu)")
+    add("--num-classes", type=_positive(2), help="classes incl. background (default 81, COCO's, for maskrcnn_r50_fpn; "
+                                                 "else 7: background and the shapes data's 6)")
+    add("--steps", type=_positive(1), help="timed steps (calls) per row and repeat (default 20 on cuda, 10 on cpu)")
+    add("--warmup", type=_positive(0), help="untimed steps before them (default 5 on cuda, 3 on cpu)")
+    add("--compile-warmup", type=_positive(0), help="untimed steps of the compile row (default: --warmup + 3)")
+    if bench.cumulative:
+        add("--precision", choices=HALF_CHOICES, default="auto",
+            help="half precision of the rows that change precision; auto: fp16 on cuda, bf16 on a CPU with native "
+                 "bf16, fp32 on other CPUs, where the rows that change nothing in fp32 are left out")
+    add("--rows", type=_row_names(bench), help=f"comma-separated subset of {','.join(r.name for r in bench.rows)} "
+        "(default: all that apply); in train and infer a row keeps the switches of the rows above it")
+    add("--repeats", type=_positive(1), default=DEFAULT_REPEATS,
+        help=f"runs of each row, each in a fresh process, rows interleaved (default {DEFAULT_REPEATS})")
+    add("--state", choices=["trained", "random"], default="trained",
+        help="model state every row loads: trained (default; --state-steps of the SGD recipe on the shapes data, "
+             "made once and cached) or random (the seeded initialisation)")
+    add("--state-steps", type=_positive(1), default=DEFAULT_STATE_STEPS,
+        help=f"training steps of the trained state (default {DEFAULT_STATE_STEPS})")
+    add("--cache-dir", type=Path, help="where the state is cached (default: $LIT_AMP_DET_CACHE or "
+                                       "~/.cache/lit_amp_det, as paths.cache_dir)")
+    add("--out", type=Path, help=f"output directory (default ${{LIT_AMP_DET_RUNS:-runs}}/bench/{bench.kind}/<time>)")
+    add("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON line
+    add("--state-file", help=argparse.SUPPRESS)  # internal: the state the row loads
+    add("--timing-lr", type=float, help=argparse.SUPPRESS)  # internal: the timed steps' lr
     return parser
 
 
-def _setting(bench: Bench, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setting:
+def _setting(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setting:
     from lit_amp_det.app.config import config_groups
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,93 +140,30 @@ def _setting(bench: Bench, args: argparse.Namespace, parser: argparse.ArgumentPa
     height, width = args.size or defaults["size"]
     warmup = defaults["warmup"] if args.warmup is None else args.warmup
     return Setting(device=device, model=model, batch=args.batch or defaults["batch"], height=height, width=width,
-                   num_classes=args.num_classes or default_num_classes(model),
-                   steps=args.steps or defaults["steps"], warmup=warmup,
-                   compile_warmup=warmup + 3 if args.compile_warmup is None else args.compile_warmup,
+                   num_classes=args.num_classes or default_num_classes(model), steps=args.steps or defaults["steps"],
+                   warmup=warmup, compile_warmup=warmup + 3 if args.compile_warmup is None else args.compile_warmup,
                    state=args.state, state_steps=args.state_steps if args.state == "trained" else 0,
-                   checkpoint=args.state_file, lr=args.timing_lr, drift_steps=args.drift_steps,
-                   half=default_half(device) if args.precision == "auto" else args.precision)
+                   weights=args.state_file, lr=args.timing_lr, half=getattr(args, "precision", None))
 
 
 def _setting_argv(setting: Setting) -> list[str]:
     argv = [f"--device={setting.device}", f"--model={setting.model}", f"--batch={setting.batch}",
             f"--size={setting.size}", f"--num-classes={setting.num_classes}", f"--steps={setting.steps}",
-            f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}", f"--state={setting.state}",
-            f"--state-steps={max(setting.state_steps, 1)}"]
-    if setting.checkpoint is not None:
-        argv.append(f"--state-file={setting.checkpoint}")
+            f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}", f"--state={setting.state}"]
+    if setting.weights is not None:
+        argv.append(f"--state-file={setting.weights}")
     if setting.lr is not None:
         argv.append(f"--timing-lr={setting.lr!r}")
-    if setting.drift_steps:
-        argv.append(f"--drift-steps={setting.drift_steps}")
     if setting.half is not None:
         argv.append(f"--precision={setting.half}")
     return argv
 
 
-def default_rows(bench: Bench, setting: Setting) -> list[str]:
-    """Every row, less those that change nothing in the rows' half precision: ``Row.needs_half`` rows when it is
-    fp32, ``Row.needs_fp32`` rows when it is fp16/bf16."""
-    fp32 = setting_half(setting) == "fp32"
-    return [row.name for row in bench.rows if not (row.needs_half and fp32) and not (row.needs_fp32 and not fp32)]
-
-
-def prepare(setting: Setting, args: argparse.Namespace, dtypes: Sequence[str]) -> tuple[Setting, dict[str, Any]]:
-    """The shared state (made or found in the cache) and the device's peaks for ``dtypes``, before any row runs.
-
-    Returns the setting with the state's file and timing learning rate filled in, and ``{"state", "peaks"}``
-    for the report: the state's record (``None`` for ``--state random``) and :func:`roofline.device_peaks`.
-    """
-    from lit_amp_det.bench.state import ensure_state
-
-    cache = cache_root(args.cache_dir)
-    state = None
-    if setting.state == "trained":
-        state = ensure_state(setting, setting.state_steps, cache)
-        state = {k: v for k, v in state.items() if k != "losses"}
-        setting = dataclasses.replace(setting, checkpoint=state["file"], lr=state["final_lr"])
-    print(f"peak GFLOP/s of {', '.join(dtypes)} on this machine ...", end=" ", file=sys.stderr, flush=True)
-    peaks = roofline.device_peaks(setting.device, dtypes, cache, args.peak_seconds)
-    where = " (cached)"
-    if peaks["measured"]:
-        where = (" (measured under load: not cached)" if (peaks["busy_cpus"] or 0) > roofline.MAX_BUSY_CPUS_TO_CACHE
-                 else f" (measured; cached in {peaks['file']})")
-    print(", ".join(f"{d} {p['gflops']:.0f}" for d, p in peaks["peaks"].items()) + where, file=sys.stderr, flush=True)
-    return setting, {"state": state, "peaks": peaks}
-
-
-def finish_row(row: dict[str, Any], batch: int, flop_timing: str, peaks: dict[str, Any]) -> dict[str, Any]:
-    """Adds what follows from a row's aggregated median: ``images_per_s`` and the roofline figures."""
-    if row.get("status") != "ok":
-        return row
-    median = row[f"{flop_timing}_ms_median"]
-    row["images_per_s"] = batch * 1000 / median
-    gflop = row.get("gflop_per_step")
-    row.update(roofline.roofline(gflop, median, row["compute_dtype"], peaks["peaks"]))
-    model = row.get("model_gflop_per_step")
-    if model is not None and gflop is not None and abs(model - gflop) > 1e-6 * gflop:  # an algorithm with fewer FLOPs
-        of_model = roofline.roofline(model, median, row["compute_dtype"], peaks["peaks"])
-        row["model_achieved_gflops"], row["model_peak_fraction"] = of_model["achieved_gflops"], of_model["peak_fraction"]
-    return row
-
-
-def _report_row(bench: Bench, index: int, setting: Setting, runs: list[dict[str, Any]],
-                peaks: dict[str, Any]) -> dict[str, Any]:
-    """The report's row for ``bench.rows[index]``: its name and overrides, and its repeats aggregated."""
-    row = bench.rows[index]
-    override = row.override_on(setting)
-    return finish_row({"name": row.name, "label": row.label, "override": override,
-                       "overrides": row_overrides(bench.rows, index, setting),
-                       **repeats.aggregate(runs, bench.timings)}, setting.batch, bench.flop_timing, peaks)
-
-
 def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
-    """Runs ``bench.rows[index]`` in a fresh ``python -m lit_amp_det.bench.<kind> --row=NAME`` process.
-
-    Returns its measurements with ``status: ok``, or ``status: failed`` with the last line of its stderr.
-    """
-    row = bench.rows[index]
-    command = [sys.executable, "-m", f"lit_amp_det.bench.{bench.kind}", f"--row={row.name}", *_setting_argv(setting)]
+    """Runs ``bench.rows[index]`` in a fresh ``python -m lit_amp_det.bench.e2e <kind> --row=NAME`` process; its
+    measurements with ``status: ok``, or ``status: failed`` with the last line of its stderr."""
+    command = [sys.executable, "-m", "lit_amp_det.bench.e2e", bench.kind, f"--row={bench.rows[index].name}",
+               *_setting_argv(setting)]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
@@ -259,9 +171,108 @@ def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any
     if proc.returncode == 0 and lines:
         return {**json.loads(lines[-1][len(_MARKER):]), "status": "ok", "wall_s": wall}
     errors = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-    error = errors[-1] if errors else f"exit status {proc.returncode}, no result line"
-    return {"status": "failed", "error": error, "returncode": proc.returncode, "wall_s": wall,
-            "stderr_tail": proc.stderr[-4000:]}
+    return {"status": "failed", "error": errors[-1] if errors else f"exit status {proc.returncode}, no result line",
+            "returncode": proc.returncode, "wall_s": wall, "stderr_tail": proc.stderr[-4000:]}
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model name with its core and torch thread counts."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    name = platform.processor() or "CPU"
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import lightning
+    import torchvision
+
+    from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
+
+    return {"device": device, "device_name": device_name(device), "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "lightning": lightning.__version__,
+            "cuda": torch.version.cuda if device == "cuda" else None, "cpu_capability": cpu_capability(),
+            "cpu_native_bf16": cpu_computes_bf16_natively(), "python": platform.python_version()}
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _columns(bench: Bench, setting: Setting) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """The table's columns after ``# | row | adds``: title and how a row's cell reads."""
+    unit = "steps" if bench.stage == "fit" else "calls"
+    columns = []
+    for timing in bench.timings:
+        title = {"step": "step ms", "latency": "latency ms (batch 1)", "batch": f"batch ms ({setting.batch})"}[timing]
+        columns += [(title, lambda r, t=timing: f"{r[f'{t}_ms_median']:.1f}"),
+                    ("repeats ms (spread)", lambda r, t=timing: (
+                        "-" if r["repeats"] < 2 else f"{min(r[f'{t}_ms_repeat_medians']):.1f}-"
+                        f"{max(r[f'{t}_ms_repeat_medians']):.1f} ({100 * r[f'{t}_ms_repeat_spread']:.0f} %)"))]
+    return [*columns, ("images/s", lambda r: f"{r['images_per_s']:.2f}"),
+            ("vs row 1", lambda r: _ratio(r.get("speedup"))), ("vs row above", lambda r: _ratio(r.get("vs_above"))),
+            ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
+            ("memory vs row 1", lambda r: _ratio(r.get("memory_ratio"))),
+            ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} {unit})")]
+
+
+def _header(bench: Bench, rows: Sequence[dict[str, Any]], setting: Setting, run: dict[str, Any]) -> list[str]:
+    """What every figure depends on besides the row's switches: device, versions, setting, state, repeats."""
+    env, state = run["environment"], run.get("state")
+    lines = [f"# bench {bench.kind}: {env['device_name']}", "",
+             f"- torch {env['torch']}, torchvision {env['torchvision']}, lightning {env['lightning']}"
+             + (f", CUDA {env['cuda']}" if env["cuda"] else f", CPU capability {env['cpu_capability']}"),
+             f"- model `{setting.model}` ({setting.num_classes} classes), batch {setting.batch}, image {setting.size}, "
+             f"{setting.steps} timed steps after {setting.warmup} warm-up ({setting.compile_warmup} for compile)",
+             f"- command: `{run['command']}`"]
+    if bench.cumulative:
+        lines.append(f"- precision rows in {resolve_half(setting)} (`--precision`); each row adds its override to "
+                     "the row above, whether the rows above ran or not")
+    if state:
+        lines.append(f"- model state: trained, `{state['file']}` (weights sha256 {state['weights_sha256'][:12]}): "
+                     f"{state['recipe']}; loss {state['loss_first']:.2f} -> {state['loss_last']:.2f}; timed steps at "
+                     f"the constant lr its schedule ended at, {state['final_lr']:.3g}")
+    else:
+        lines.append("- model state: random (the seeded initialisation); timed steps on the recipe's schedule")
+    source = next((row["memory_source"] for row in rows if row.get("memory_source")), "-")
+    return [*lines, f"- repeats: {run['repeats']} per row, each a fresh process, rows interleaved with the order "
+            "rotated every round; times are the median over repeats of each repeat's median, `repeats` the range of "
+            "the repeat medians and (max - min) / median",
+            f"- peak MB: one more step, above what was in use once the model was built ({source})"]
+
+
+def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, run: dict[str, Any], out: Path) -> str:
+    """Adds to each ok row its ratios to the first ok row and ``vs_above`` (images/s against the ok row above: what
+    its own switch changed); writes ``bench_<kind>.md`` and ``.json`` to ``out``; returns the markdown.
+
+    ``run`` holds the ``command``, the ``environment``, the ``state`` record (None for a random state) and the
+    ``repeats``, for the header and the JSON's top level.
+    """
+    ok = [row for row in rows if row["status"] == "ok"]
+    for above, row in zip([None, *ok], ok):
+        row["speedup"] = row["images_per_s"] / ok[0]["images_per_s"]
+        base_mb = ok[0]["peak_memory_mb"]
+        row["memory_ratio"] = row["peak_memory_mb"] / base_mb if base_mb > 0 else None
+        row["vs_above"] = None if above is None else row["images_per_s"] / above["images_per_s"]
+    columns = _columns(bench, setting)
+    lines = [*_header(bench, rows, setting, run), "", "| # | row | adds | " + " | ".join(t for t, _ in columns) + " |",
+             "|---" * (3 + len(columns)) + "|"]
+    for number, row in enumerate(rows, 1):
+        adds = " ".join(f"`{add}`" for add in row["adds"]) or "(baseline)"
+        cells = ([render(row) for _, render in columns] if row["status"] == "ok"
+                 else [f"**failed**: {row.get('error', '')}".replace("|", "\\|")] + [""] * (len(columns) - 1))
+        lines.append(f"| {number} | {row['label']} | {adds} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"bench_{bench.kind}.md").write_text(text + "\n")
+    (out / f"bench_{bench.kind}.json").write_text(json.dumps(
+        {"kind": bench.kind, "setting": dataclasses.asdict(setting), **run, "rows": rows}, indent=2, default=str))
+    return text
 
 
 def _out_dir(kind: str) -> Path:
@@ -273,45 +284,66 @@ def _out_dir(kind: str) -> Path:
     return out
 
 
-def main(bench: Bench, argv: Sequence[str] | None = None) -> None:
-    """``bench <kind> [options]``: every selected row in its own process, then the report."""
+def main(kind: str, argv: Sequence[str] | None = None) -> None:
+    """``bench <kind> [options]``: every selected row's repeats in their own processes, then the report."""
+    from lit_amp_det.bench.measure import run_row
+    from lit_amp_det.bench.state import cache_root, ensure_state
+
+    bench = BENCHES[kind]
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(bench)
     args = parser.parse_args(argv)
-    setting = _setting(bench, args, parser)
+    setting = _setting(args, parser)
     names = [row.name for row in bench.rows]
-    if args.row is not None:
+    if args.row is not None:  # a row process
         if args.row not in names:
             parser.error(f"--row {args.row!r}: choose one of {', '.join(names)}")
-        if setting.state == "trained" and setting.checkpoint is None:
-            parser.error("--row with --state trained needs --state-file (the parent process makes the state)")
-        index = names.index(args.row)
-        result = bench.run_row(index, setting)
-        print(_MARKER + json.dumps({"name": args.row, **result}), flush=True)
+        print(_MARKER + json.dumps({"name": args.row, **run_row(bench, names.index(args.row), setting)}), flush=True)
         return
     selected = args.rows or default_rows(bench, setting)
-    out = args.out or _out_dir(bench.kind)
-    command = shlex.join(["python", "-m", "lit_amp_det", "bench", bench.kind, *argv])
-    half_dtype = roofline.compute_dtype(mixed_precision(setting.device, setting.half))
-    setting, prepared = prepare(setting, args, list(dict.fromkeys(["fp32", half_dtype])))
-    env = environment(setting.device)  # the load average before the rows run
-    order = repeats.run_order(len(selected), args.repeats, args.seed)
+    state = None
+    if setting.state == "trained":
+        state = ensure_state(setting, setting.state_steps, cache_root(args.cache_dir))
+        setting = dataclasses.replace(setting, weights=state["file"], lr=state["final_lr"])
+    order = repeats.run_order(len(selected), args.repeats)
 
     def run(number: int, round_: int, position: int) -> dict[str, Any]:
-        row = bench.rows[names.index(selected[number])]
-        print(f"[{position + 1}/{len(order)}] round {round_ + 1}: {row.label} ...", end=" ", flush=True,
+        print(f"[{position + 1}/{len(order)}] round {round_ + 1}: {selected[number]} ...", end=" ", flush=True,
               file=sys.stderr)
         result = run_row_process(bench, names.index(selected[number]), setting)
         print(f"{result['status']} ({result['wall_s']:.0f} s)", flush=True, file=sys.stderr)
         return result
 
-    results = repeats.run_repeats(order, run, len(selected))
-    rows = [_report_row(bench, names.index(name), setting, runs, prepared["peaks"])
-            for name, runs in zip(selected, results)]
-    if hasattr(os, "getloadavg"):
-        env["load_average_after"] = list(os.getloadavg())
-    run_info = {**prepared, "repeats": args.repeats, "order_seed": args.seed,
+    rows = []
+    for name, runs in zip(selected, repeats.run_repeats(order, run, len(selected))):
+        index = names.index(name)
+        row = repeats.aggregate(runs, bench.timings)
+        if row["status"] == "ok":  # from the median time, as the table shows it
+            row["images_per_s"] = setting.batch * 1000 / row[f"{bench.timings[-1]}_ms_median"]
+        rows.append({"name": name, "label": bench.rows[index].label, "adds": row_adds(bench.rows[index], setting),
+                     "overrides": row_overrides(bench, index, setting), **row})
+    out = args.out or _out_dir(kind)
+    run_info = {"command": shlex.join(["python", "-m", "lit_amp_det", "bench", kind, *argv]),
+                "environment": _environment(setting.device), "state": state, "repeats": args.repeats,
                 "run_order": [{"position": k, "round": r, "row": selected[i]} for k, (r, i) in enumerate(order)]}
-    text = write_report(bench, rows, setting, env, command, out, run_info)
-    print(text)
-    print(f"\nwritten to {out}/bench_{bench.kind}.{{md,json,png}}")
+    print(write_report(bench, rows, setting, run_info, out))
+    print(f"\nwritten to {out}/bench_{kind}.{{md,json}}")
+
+
+def train(argv: Sequence[str] | None = None) -> None:
+    """``bench train``: training steps as the speedups add up."""
+    main("train", argv)
+
+
+def infer(argv: Sequence[str] | None = None) -> None:
+    """``bench infer``: inference calls as the speedups add up."""
+    main("infer", argv)
+
+
+def precision(argv: Sequence[str] | None = None) -> None:
+    """``bench precision``: training steps of torchvision's model in each precision mode."""
+    main("precision", argv)
+
+
+if __name__ == "__main__":  # a row process: python -m lit_amp_det.bench.e2e <kind> --row=NAME ...
+    main(sys.argv[1], sys.argv[2:])

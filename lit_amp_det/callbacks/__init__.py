@@ -6,11 +6,10 @@ from lit_amp_det.callbacks.freeze_norm import FreezeNorm
 from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint, RunInterrupted
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
 from lit_amp_det.callbacks.prediction_writer import CocoPredictionWriter
-from lit_amp_det.callbacks.retain_cpu_heap import RetainCPUHeap
 from lit_amp_det.callbacks.rng_state import RNGStateCheckpoint
 from lit_amp_det.callbacks.throughput import Throughput
 from lit_amp_det.callbacks.training_curves import TrainingCurves
 from lit_amp_det.callbacks.validation_images import ValidationImages
 
 __all__ = ["CocoPredictionWriter", "ConsoleLog", "ConvBNEval", "FreezeNorm", "LastCheckpoint", "MemoryMonitor",
-           "RNGStateCheckpoint", "RetainCPUHeap", "RunInterrupted", "Throughput", "TrainingCurves", "ValidationImages"]
+           "RNGStateCheckpoint", "RunInterrupted", "Throughput", "TrainingCurves", "ValidationImages"]

@@ -1,12 +1,9 @@
 """Plain-text training progress: one line every N steps and the metrics of every validation.
 
-A progress bar is useless in a file (``nohup``, ``sbatch``, CI logs): only its last state survives. This
-callback writes lines instead -- ``step 120/2000  epoch 1  loss 0.7341  lr 1.20e-04  14.2 images/s`` every
-``every_n_steps`` steps and ``validation after epoch 1 (step 400): val/segm_mAP 0.4123 ...`` after every
-validation -- through the ``lit_amp_det.progress`` logger, so they reach the console and the run's log file
-(``fit.log``) alike. With ``console: auto`` they go to the console only when stdout is not a terminal (or the
-progress bar is off); the log file always gets them. :func:`lit_amp_det.app.tasks.build_trainer` turns the
-progress bar off when stdout is not a terminal and this callback is present.
+A progress bar in a file (``nohup``, ``sbatch``, CI logs) keeps only its last state, so this callback writes lines
+instead (step, epoch, loss, learning rate, images/s every ``every_n_steps`` steps, and the metrics after every
+validation) through the ``lit_amp_det.progress`` logger, reaching the console and the run's log file alike. With
+``console: auto`` they go to the console only when stdout is not a terminal (or the progress bar is off).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Trains ``Conv2d -> BatchNorm`` pairs in tune mode while their norms are in eval mode (``norm_eval``).
 
-With the norm on its running statistics (BatchNorm in eval mode, or FrozenBatchNorm2d), each pair runs as one
-convolution whose weight is folded on the fly from the conv and norm parameters: same outputs and gradients,
-but the conv output is no longer kept for BatchNorm's backward (see :mod:`lit_amp_det.models.conv_bn`).
-Nothing is added to the module tree or the ``state_dict``, so checkpoints load with and without this
-callback. BatchNorms in training mode are left alone, call by call.
+With the norm on its running statistics, each pair runs as one convolution whose weight is folded on the fly: same
+outputs and gradients, but the conv output is not kept for BatchNorm's backward (:mod:`lit_amp_det.models.conv_bn`).
+The module tree and ``state_dict`` are unchanged, so checkpoints load with and without this callback.
 """
 
 from __future__ import annotations
@@ -15,12 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from lit_amp_det.errors import ArgumentError
-from lit_amp_det.models.conv_bn import (
-    conv_bn_eval_pairs,
-    disable_conv_bn_eval,
-    enable_conv_bn_eval,
-    fold_conv_bn,
-)
+from lit_amp_det.models.conv_bn import conv_bn_eval_pairs, disable_conv_bn_eval, enable_conv_bn_eval, fold_conv_bn
 
 __all__ = ["ConvBNEval"]
 

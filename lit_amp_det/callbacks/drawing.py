@@ -1,19 +1,16 @@
 """Pictures of detections: masks, boxes, class names and scores drawn onto an image, for people to look at.
 
-The reporting part shared by :class:`~lit_amp_det.callbacks.CocoPredictionWriter` (``predict`` pictures) and
-:class:`~lit_amp_det.callbacks.ValidationImages` (ground truth beside predictions during ``fit``). Drawing uses
-torchvision's ``draw_segmentation_masks`` and ``draw_bounding_boxes`` on the CPU, one image at a time, and
-returns ``uint8 [3, H, W]`` tensors that TensorBoard's ``add_image`` and :func:`save_png` both take. A class
-keeps its colour in every picture, ground truth and predictions alike, so the two sides compare at a glance.
+Shared by :class:`~lit_amp_det.callbacks.CocoPredictionWriter` and :class:`~lit_amp_det.callbacks.ValidationImages`.
+Drawing uses torchvision's drawing utilities on the CPU and returns ``uint8 [3, H, W]`` tensors that TensorBoard and
+:func:`save_png` both take. A class keeps its colour in every picture, so ground truth and predictions compare.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import math
 
 import numpy as np
 import torch
@@ -152,8 +149,7 @@ def draw_detections(image: Tensor, detections: Mapping[str, Tensor], class_names
         min_side: an image whose shorter side is below this is enlarged ``k`` times (each pixel becomes ``k x k``,
             the smallest ``k`` that reaches it), so that captions stay readable; 0 keeps the size.
         max_side: an image whose longer side is above this is drawn shrunk to it (antialiased; each mask pixel
-            the nearest one): a picture of a 12-megapixel photo would hold 50 detections' full-size masks three
-            times over, for a PNG nobody views at that size; 0 keeps the size.
+            the nearest one), so huge photos do not hold full-size masks; 0 keeps the size.
 
     Returns:
         ``uint8 [3, k*H, k*W]`` (or the shrunk size) on the CPU; the most confident detection is drawn on top.
@@ -186,11 +182,8 @@ def _shrunk_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
 
 def draw_ground_truth(image: Tensor, target: Mapping[str, Tensor], class_names: Sequence[str] = (),
                       min_side: int = 0) -> Tensor:
-    """The annotated masks, boxes and class names of ``target`` (the dataset's target dict) drawn onto ``image``.
-
-    Crowd regions (``iscrowd == 1``) are drawn too, captioned ``<name> (crowd)``. ``min_side`` as in
-    :func:`draw_detections`.
-    """
+    """The annotated masks, boxes and class names of ``target`` (the dataset's target dict) drawn onto ``image``;
+    crowd regions are captioned ``<name> (crowd)``. ``min_side`` as in :func:`draw_detections`."""
     boxes = target["boxes"].detach().cpu()
     labels = target["labels"].detach().cpu()
     crowd = target["iscrowd"].detach().cpu().tolist() if "iscrowd" in target else [0] * len(labels)

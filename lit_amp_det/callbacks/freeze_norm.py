@@ -1,29 +1,18 @@
 """Freezes normalisation (and optionally the first ResNet stages) for detection fine-tuning.
 
-Detection batches are a few images per device, too few for BatchNorm statistics, so fine-tuning recipes keep
-the pretrained statistics fixed. Setting ``requires_grad=False`` does not do that (BatchNorm in train mode
-still normalises with batch statistics and updates its running buffers), and neither does Lightning's
-``BaseFinetuning``. :class:`FreezeNorm` offers the two standard ways:
+Detection batches are too small for BatchNorm statistics, so fine-tuning keeps the pretrained ones fixed;
+``requires_grad=False`` does not (BatchNorm in train mode still uses and updates batch statistics), nor does
+Lightning's ``BaseFinetuning``. :class:`FreezeNorm` offers the two standard ways:
 
-* ``mode="norm_eval"`` (MMDetection's ``norm_eval``): every BatchNorm is put back in eval mode at the start of
-  each training epoch and before each training batch, so calls to ``train()`` by Lightning hooks, other
-  callbacks or user code cannot switch it back; its weight and bias may still train (``affine_trainable``).
-* ``mode="frozen_bn"`` (detectron2's ``FrozenBN``): every BatchNorm2d is replaced in ``setup()`` by
-  :class:`lit_amp_det.models.norms.FrozenBatchNorm2d`, buffers only, which keeps bf16/fp16 activations in
-  their dtype under autocast. ``setup()`` runs before ``configure_optimizers``, so the optimizer never sees
-  the former BatchNorm parameters.
+* ``mode="norm_eval"`` (MMDetection): every BatchNorm is put back in eval mode at each training epoch start and
+  before each training batch, so no ``train()`` call can switch it back; weight and bias may still train.
+* ``mode="frozen_bn"`` (detectron2): every BatchNorm2d is replaced in ``setup()``, before ``configure_optimizers``,
+  by the buffers-only :class:`lit_amp_det.models.norms.FrozenBatchNorm2d`.
 
-``frozen_stages`` follows MMDetection for the ResNet trunk at ``pl_module.model.backbone.body``: -1 freezes
-nothing, 0 the stem (conv1 + bn1), k the stem and layer1..layerk (parameters without gradients, modules kept
-in eval mode). detectron2's ``FREEZE_AT=2`` is ``frozen_stages=1``. State-dict keys do not change (frozen_bn
-only drops ``num_batches_tracked``, which both directions of loading handle), so checkpoints load into models
-trained with or without this callback.
-
-Frozen norms and stages have two homes on purpose: ``model.backbone.norm`` / ``trainable_layers`` say what the
-model *is* (torchvision's recipes build FrozenBN in, so pretrained weights load as they were trained), this
-callback is a training policy applied to whatever was built. It only ever freezes more, so when both are set
-the stricter wins for each stage (their union is frozen), and ``frozen_bn`` on a model built with FrozenBN is a
-no-op.
+``frozen_stages`` follows MMDetection for the ResNet trunk at ``pl_module.model.backbone.body``: -1 freezes nothing,
+0 the stem (conv1 + bn1), k the stem and layer1..layerk. State-dict keys do not change, so checkpoints load with or
+without this callback. The model config (``model.backbone.norm`` / ``trainable_layers``) says what the model *is*;
+this callback is a training policy on top that only ever freezes more, so with both set their union is frozen.
 """
 
 from __future__ import annotations
@@ -53,8 +42,7 @@ class FreezeNorm(Callback):
     Args:
         mode: ``"norm_eval"`` (BatchNorm kept in eval mode) or ``"frozen_bn"`` (swapped for buffers-only
             :class:`~lit_amp_det.models.norms.FrozenBatchNorm2d`).
-        affine_trainable: ``norm_eval`` only: whether BatchNorm weight and bias keep training. ``frozen_bn``
-            has no trainable affine values, and ignores this switch.
+        affine_trainable: ``norm_eval`` only: whether BatchNorm weight and bias keep training.
         frozen_stages: -1 nothing, 0 the stem (conv1, bn1), k in 1..4 the stem and layer1..layerk of the
             ResNet at ``pl_module.model.backbone.body``.
     """
@@ -80,11 +68,8 @@ class FreezeNorm(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Swaps norms (frozen_bn) and turns off gradients, before ``configure_optimizers`` runs.
-
-        Modules are put in eval mode from ``on_train_epoch_start`` on, not here: Lightning warns about modules
-        that are already in eval mode when training starts.
-        """
+        """Swaps norms (frozen_bn) and turns off gradients, before ``configure_optimizers`` runs; eval mode comes
+        at ``on_train_epoch_start`` (Lightning warns about modules in eval mode when training starts)."""
         self._frozen_stages(pl_module)  # fails before the model is changed
         if self.mode == "frozen_bn":
             convert_frozen_batchnorm(pl_module)
@@ -106,8 +91,7 @@ class FreezeNorm(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        # also per batch: validation hooks, other callbacks (BaseFinetuning.make_trainable) or user code may
-        # call train() in the middle of an epoch
+        # also per batch: validation, other callbacks or user code may call train() mid-epoch
         self._keep_frozen(pl_module)
 
     def _keep_frozen(self, pl_module: pl.LightningModule) -> None:
@@ -135,10 +119,8 @@ class FreezeNorm(Callback):
 
     @override
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(mode={self.mode!r}, affine_trainable={self.affine_trainable}, "
-            f"frozen_stages={self.frozen_stages})"
-        )
+        return (f"{type(self).__name__}(mode={self.mode!r}, affine_trainable={self.affine_trainable}, "
+                f"frozen_stages={self.frozen_stages})")
 
 
 def _batch_norms(module: nn.Module) -> list[nn.Module]:

@@ -1,15 +1,12 @@
 """``checkpoints/last.ckpt``: saved every N steps or M minutes (whichever comes first), at every epoch end, and
 when the run is stopped with Ctrl-C or SIGTERM.
 
-A run killed at any point loses at most ``every_n_train_steps`` steps or ``every_n_minutes`` of work, and
-``fit ckpt_path=last`` continues it exactly (checkpoints are taken at batch ends, where the data module
-records how many batches of the epoch were consumed). The file is written next to itself and renamed over
-the old one, so a kill during the save leaves the previous checkpoint intact.
+A killed run loses at most ``every_n_train_steps`` steps or ``every_n_minutes`` of work, and ``fit ckpt_path=last``
+continues it exactly (saves happen at batch ends, where the data module records its position). The file is written
+next to itself and renamed over the old one, so a kill during the save leaves the previous checkpoint intact.
 
-On the first SIGINT (Ctrl-C) or SIGTERM (SLURM preemption, ``kill``) during training the step in progress
-completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; :func:`lit_amp_det.app.tasks.train`
-then writes the metrics so far and prints the command that resumes. A second signal stops at once, as
-before. Under DDP every rank stops after the same step (the decision is reduced over ranks).
+On the first SIGINT or SIGTERM during training the step in progress completes, the checkpoint is saved and
+:class:`RunInterrupted` stops the fit; a second signal stops at once. Under DDP every rank stops after the same step.
 """
 
 from __future__ import annotations

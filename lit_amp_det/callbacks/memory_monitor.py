@@ -1,9 +1,7 @@
 """Logs peak memory per training step and epoch; optionally, what each memory optimisation of the run saves.
 
-The per-step figures come from :class:`~lit_amp_det.profiling.MemoryProbe` (the CUDA allocator's peak, or the
-process's high-water mark on a CPU), reset before each step. The savings comparison lives in
-:mod:`lit_amp_det.callbacks.memory_savings`; this callback only runs it before the first step and writes its
-table at the end of fit.
+Per-step peaks come from :class:`~lit_amp_det.profiling.MemoryProbe`, reset before each step; the savings
+comparison lives in :mod:`lit_amp_det.callbacks.memory_savings`, run here before the first step.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from lit_amp_det.profiling import MB, MemoryProbe, StepTimer
 __all__ = ["MemoryMonitor"]
 
 
-
 class MemoryMonitor(Callback):
     """Logs peak memory per training step and epoch; optionally measures savings against an unoptimised baseline.
 
@@ -32,13 +29,10 @@ class MemoryMonitor(Callback):
     on the GPU, resident set on a CPU, at the end of the step) and, on a GPU, ``memory/step_peak_reserved_mb``.
     Every epoch: ``memory/epoch_peak_mb`` (and ``memory/epoch_peak_reserved_mb`` on a GPU).
 
-    With ``compare_baseline``, once per fit (logged with the first epoch): for each measured row ``<row>`` in
-    ``baseline``, ``bf16_mixed`` / ``16_mixed``, ``conv_bn_eval`` and ``current`` (the configuration of this
-    run), ``memory/<row>_peak_mb``, ``memory/<row>_step_mb``, ``memory/<row>_saved_for_backward_mb``,
-    ``memory/<row>_weight_casts_mb`` and ``memory/<row>_step_ms``; and current over baseline as
-    ``memory/peak_ratio``, ``memory/step_memory_ratio``, ``memory/saved_for_backward_ratio`` and
-    ``memory/step_time_ratio``. At the end of fit the savings table is printed and written to
-    ``<trainer.log_dir>/memory_savings.md`` and ``.json``.
+    With ``compare_baseline``, once per fit: ``memory/<row>_{peak_mb,step_mb,saved_for_backward_mb,
+    weight_casts_mb,step_ms}`` for each row (``baseline``, the precision, ``conv_bn_eval``, ``current``) and
+    ``memory/{peak,step_memory,saved_for_backward,step_time}_ratio`` of current over baseline. At the end of fit
+    the savings table is printed and written to ``<trainer.log_dir>/memory_savings.md`` and ``.json``.
 
     Args:
         compare_baseline: measure the baseline and per-optimisation rows (costs ``(warmup_steps +

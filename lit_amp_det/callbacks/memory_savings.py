@@ -1,11 +1,10 @@
 """What each memory optimisation of a fit saves, measured on copies of the model: ``MemoryMonitor(compare_baseline)``.
 
 Rows are cumulative: a baseline with every optimisation off (fp32, conv-bn eval disabled), then the trainer's
-precision (autocast, or low-precision weights with fp32 masters, whose baseline copy takes the masters as its
-weights), then conv-bn eval, each only if the run uses it. Each row runs forward and backward, no
-optimizer step, on a deep copy of ``pl_module.model`` over the first training batches, so that the real model,
-its optimizer, its BatchNorm statistics, the random-number generators and the loader's resume position are
-never touched. Not a callback: :class:`~lit_amp_det.callbacks.memory_monitor.MemoryMonitor` drives it.
+precision, then conv-bn eval, each only if the run uses it. Each row runs forward and backward (no optimizer step)
+on a deep copy of ``pl_module.model`` over the first training batches, so the real model, optimizer, BatchNorm
+statistics, random generators and loader position are never touched. Driven by
+:class:`~lit_amp_det.callbacks.memory_monitor.MemoryMonitor`.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_amp_det.precision.master_weights import full_precision_copy, holds_masters
-from lit_amp_det.profiling import (MB, MemoryProbe, SavedTensorBytes, count_images, release_freed_cpu_memory,
-                                   timed)
+from lit_amp_det.profiling import MB, MemoryProbe, SavedTensorBytes, count_images, release_freed_cpu_memory, timed
 
 __all__ = ["BaselineComparison", "SavingsRow", "check_comparable", "draw_batches", "format_savings_table",
            "write_savings"]
@@ -99,11 +97,9 @@ def _rng_preserved(device: torch.device) -> Iterator[None]:
 def draw_batches(loader: Any, count: int) -> list[Any] | None:
     """The first ``count`` batches of a copy of ``loader``'s batch sampler (None: not possible).
 
-    The loader itself is not iterated: that would start its workers and, with a resumable sampler, consume
-    its resume position. With samplers seeded per epoch (:class:`~lit_amp_det.data.sampler.
-    ResumableBatchSampler`) these are exactly the first training batches; a plain shuffling ``DataLoader``
-    draws its order from a generator it also uses for worker seeds, so there they are an equally random
-    draw. Map-style datasets with a batch sampler only; otherwise the caller uses the first real batch.
+    The loader itself is not iterated: that would start its workers and consume a resumable sampler's position.
+    With per-epoch seeded samplers these are exactly the first training batches, else an equally random draw.
+    Map-style datasets with a batch sampler only; otherwise the caller uses the first real batch.
     """
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return None
@@ -174,8 +170,7 @@ class BaselineComparison:
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, list[str], bool, bool]]:
         """Rows as ``(label, optimisations on, in the trainer's precision, disable conv-bn eval)``, cumulative.
 
-        A row outside the trainer's precision runs in fp32: without its forward context, and on a full-precision
-        copy where the model holds low-precision weights with fp32 masters (``*-weights``).
+        A row outside the trainer's precision runs in fp32 (on a full-precision copy for ``*-weights`` models).
         """
         api = _conv_bn_eval_api()
         conv_bn = api is not None and bool(api[0](pl_module.model))
@@ -192,11 +187,8 @@ class BaselineComparison:
         return rows
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, first_batch: Any, probe: MemoryProbe) -> None:
-        """Measures every row of :meth:`_plan` on deep copies of ``pl_module.model`` and logs the numbers.
-
-        Called just before the first training step (after every ``on_train_epoch_start`` hook, so norms are in
-        the train/eval mode training uses).
-        """
+        """Measures every row of :meth:`_plan` on deep copies of ``pl_module.model`` and logs the numbers; called
+        just before the first training step, so norms are in the train/eval mode training uses."""
         device = pl_module.device
         batches = self._batches or [first_batch]  # the first real batch where the loader could not be sampled
         batches = [move_data_to_device(b, device) for b in batches]
@@ -326,23 +318,16 @@ def format_savings_table(data: dict[str, Any]) -> str:
         label = "baseline: fp32, conv-bn eval off" if index == 0 else f"+ {row['label']}"
         if index == len(rows) - 1:
             label += " (this run)"
-        cells = [
-            label,
-            f"{row['peak_mb']:.1f}", _x(row["peak_vs_baseline"]),
-            f"{row['step_mb']:.1f}", _x(row["step_mb_vs_baseline"]),
-            f"{row['saved_for_backward_mb']:.1f}", _x(row["saved_for_backward_vs_baseline"]),
-            f"{row['weight_casts_mb']:.1f}",
-            f"{row['step_ms']:.1f}", _x(row["step_ms_vs_baseline"]),
-        ]
+        cells = [label, f"{row['peak_mb']:.1f}", _x(row["peak_vs_baseline"]), f"{row['step_mb']:.1f}",
+                 _x(row["step_mb_vs_baseline"]), f"{row['saved_for_backward_mb']:.1f}",
+                 _x(row["saved_for_backward_vs_baseline"]), f"{row['weight_casts_mb']:.1f}", f"{row['step_ms']:.1f}",
+                 _x(row["step_ms_vs_baseline"])]
         lines.append("| " + " | ".join(cells) + " |")
     if training["peak_mb"] is not None:
         step_ms = training["step_ms_median"]
-        cells = [
-            f"training, observed over {training['steps']} steps",
-            f"{training['peak_mb']:.1f}", _x(_ratio(training["peak_mb"], base["peak_mb"])),
-            "-", "-", "-", "-", "-",
-            f"{step_ms:.1f}", _x(_ratio(step_ms, base["step_ms"])),
-        ]
+        cells = [f"training, observed over {training['steps']} steps", f"{training['peak_mb']:.1f}",
+                 _x(_ratio(training["peak_mb"], base["peak_mb"])), "-", "-", "-", "-", "-", f"{step_ms:.1f}",
+                 _x(_ratio(step_ms, base["step_ms"]))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",

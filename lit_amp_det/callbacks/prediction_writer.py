@@ -1,13 +1,9 @@
 """Writes ``predict`` output as a COCO results file that ``pycocotools``' ``loadRes`` accepts.
 
 Masks are run-length encoded batch by batch, so memory stays flat however many images are predicted. The first
-``num_images`` images are also drawn with their detections (:func:`~lit_amp_det.callbacks.drawing.draw_detections`)
-into ``<dirpath>/<images_dirname>/<image id>.png``, batch by batch on the CPU; once they are written, the results
-file is all that is left to do.
-
-Images from a folder without annotations (``data.predict_images``) carry their file names: the pictures are named
-``<image id>_<file stem>.png``, and ``<results stem>_images.json`` beside the results is the COCO ``images`` and
-``categories`` of the run (id, file name, height and width of every image, detections or none), so that the two
+``num_images`` images are also drawn with their detections into ``<dirpath>/<images_dirname>/<image id>.png``.
+Images from a folder without annotations (``data.predict_images``) are drawn as ``<image id>_<file stem>.png``, and
+``<results stem>_images.json`` beside the results holds the COCO ``images`` and ``categories`` of the run, so the two
 files read as a COCO dataset with its results.
 """
 
@@ -135,7 +131,7 @@ class CocoPredictionWriter(BasePredictionWriter):
             masks = det["masks"]
             masks = masks.reshape(len(masks), *masks.shape[-2:])
             # one mask at a time: pycocotools takes a Fortran-ordered [H, W, n] uint8 stack, which for all N masks
-            # at once is an N-image copy (600 MB for 50 detections on a 12-megapixel photo) on top of the masks
+            # at once is an N-image copy on top of the masks
             for record, index in zip(records, keep.nonzero().flatten().tolist()):
                 plane = masks[index].to(device="cpu", dtype=torch.uint8).numpy()
                 (rle,) = mask_utils.encode(np.asfortranarray(plane[:, :, None]))

@@ -1,16 +1,11 @@
 """Records a fit's training speed and peak memory for ``metrics.json`` (and so for sweep summaries).
 
-Every ``fit`` gets this callback from :func:`lit_amp_det.app.tasks.build_trainer`, whatever the ``callbacks``
-group holds, so that runs of a sweep that toggles callbacks (``callbacks=none,fast``) are measured the same
-way. It logs nothing and prints nothing: it keeps totals that ``train`` writes under ``perf`` in
-``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput` (batch start to
-batch end, CUDA-synchronised, the first ``warmup_steps`` of the fit left out); memory is the largest per-step
-peak (the peak is reset before each timed step), read with :class:`~lit_amp_det.profiling.MemoryProbe`, so
-one-off work before training (building the model, generating data, MemoryMonitor's baseline rows) does not count.
-
-A CPU process's resident set also holds what earlier jobs of a sweep left behind, so it ranks settings by job
-order. ``tensor_memory_mb`` does not: it adds up the tensors a training step needs -- parameters, gradients,
-optimizer state and what autograd saved for backward -- counted once, on the first timed step.
+Every ``fit`` gets this callback whatever the ``callbacks`` group holds, so runs of a sweep that toggles callbacks
+are measured the same way. It logs and prints nothing: ``train`` writes its totals under ``perf`` in
+``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput`; memory is the largest
+per-step peak, so one-off work before training does not count. A CPU resident set also holds what earlier jobs of a
+sweep left behind; ``tensor_memory_mb`` does not: it adds up parameters, gradients, optimizer state and what
+autograd saved for backward, once, on the first timed step.
 """
 
 from __future__ import annotations

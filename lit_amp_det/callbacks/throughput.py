@@ -1,9 +1,8 @@
 """Logs training step time and images per second, for spotting input stalls and comparing optimisations.
 
-A thin adapter over :class:`~lit_amp_det.profiling.StepTimer`, as Lightning's ``ThroughputMonitor`` is over
-``lightning.fabric.utilities.throughput``, but counting images of detection batches and needing no FLOP counts.
-A step runs from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer; not data
-loading or validation); the progress bar shows a moving median, which one slow step does not move.
+A thin adapter over :class:`~lit_amp_det.profiling.StepTimer` that counts images of detection batches. A step runs
+from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer; not data loading or
+validation); the progress bar shows a moving median, which one slow step does not move.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A PNG of the training curves (losses, learning rate, validation mAP) in the run folder, whatever the logger.
 
-The callback samples what the run logs itself -- ``trainer.callback_metrics`` every few training steps and at
-the end of each validation -- so the picture exists with the CSV logger, TensorBoard or no logger at all. It is
-drawn at the end of ``fit`` and also when ``fit`` stops on an exception (Ctrl-C, SIGTERM, a crash), so a stopped
-run keeps its picture. The samples travel in checkpoints, so a resumed run draws its whole history.
+The callback samples ``trainer.callback_metrics`` every few training steps and after each validation, so the picture
+exists with any logger or none. It is drawn at the end of ``fit``, also when ``fit`` stops on an exception, and the
+samples travel in checkpoints, so a resumed run draws its whole history.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Pictures of the first validation images at every validation of ``fit``: ground truth beside the predictions.
 
-Looking at a few predictions tells what mAP does not: masks that bleed, boxes on the background, classes swapped.
-The module's ``validation_step`` only updates its metric and returns nothing, so this callback runs the module's
-forward (the ``predict_step`` path) itself on the first ``num_images`` images of the first validation batches, at
-the end of each of those batches, on rank zero: the cost is one extra forward of those images per validation.
-The pictures go to the TensorBoard logger as image summaries when one is configured, otherwise to PNG files in
-the run folder, so the default CSV logger (or none) gets them too.
+A few predictions show what mAP does not: masks that bleed, boxes on the background, classes swapped. The module's
+``validation_step`` returns nothing, so this callback runs the forward itself on the first ``num_images`` images of
+the first validation batches, on rank zero (one extra forward of those images per validation). The pictures go to
+TensorBoard when it is configured, otherwise to PNG files in the run folder.
 """
 
 from __future__ import annotations
@@ -33,13 +31,12 @@ class ValidationImages(Callback):
     """Draws ground truth (left) and predictions (right) of the first validation images at each validation.
 
     With a :class:`~lightning.pytorch.loggers.TensorBoardLogger`, each picture is an image summary
-    ``val_images/<image id>`` at the current global step (TensorBoard's slider then shows one image across the
-    run). PNG files go to ``<dirpath>/val_images/epoch<EEE>-step<SSSSSS>/<image id>.png``: with ``png="auto"``
-    when no TensorBoard logger is configured (the CSV logger, or none), always with ``True``, never with ``False``.
+    ``val_images/<image id>`` at the current global step. PNG files go to
+    ``<dirpath>/val_images/epoch<EEE>-step<SSSSSS>/<image id>.png``: with ``png="auto"`` when no TensorBoard logger
+    is configured, always with ``True``, never with ``False``.
 
-    During ``fit`` and ``validate`` (the ``validate`` command, and the scoring of the final weights that ``fit``
-    runs when its last epoch did not validate), on rank zero, not during the sanity check. A picture that cannot be
-    drawn (odd input) is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning` and the run goes on.
+    Runs during ``fit`` and ``validate`` on rank zero, not during the sanity check. A picture that cannot be drawn
+    is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning` and the run goes on.
 
     Args:
         dirpath: folder that receives ``val_images/`` (the run folder).

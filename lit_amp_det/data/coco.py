@@ -1,15 +1,11 @@
 """COCO-format instance-segmentation dataset for the Mask R-CNN / Faster R-CNN training loop.
 
-`CocoInstances` reads any folder laid out the COCO way (an image directory plus an
-``instances_*.json`` file), validates the whole annotation file once at construction --
-malformed JSON, missing keys, unknown image or category ids, missing image files and
-degenerate boxes all fail early with a message naming the file, the record and the fix --
-and precomputes per-image box/label arrays so that ``__getitem__`` only pays for decoding
-the image and the masks.  Items follow the torchvision detection convention: a uint8
-``[3, H, W]`` RGB image and a target dict with xyxy ``boxes``, contiguous ``labels``
-(1..K, 0 is background), ``masks``, ``image_id``, ``area`` and ``iscrowd``.  Crowd
-regions stay in the target because COCO evaluation needs them; `drop_crowd` removes them
-before the target reaches the model.
+`CocoInstances` reads any folder laid out the COCO way (an image directory plus an ``instances_*.json`` file),
+validates the whole annotation file once at construction, so bad records fail early with a message naming the file,
+the record and the fix, and precomputes per-image arrays so ``__getitem__`` only decodes the image and masks. Items
+follow the torchvision detection convention: a uint8 ``[3, H, W]`` RGB image and a target dict with xyxy ``boxes``,
+contiguous ``labels`` (1..K, 0 is background), ``masks``, ``image_id``, ``area`` and ``iscrowd``. Crowd regions stay
+in the target because COCO evaluation needs them; `drop_crowd` removes them before the target reaches the model.
 """
 
 from __future__ import annotations
@@ -28,14 +24,8 @@ import torch
 from pycocotools import mask as mask_utils
 from torch import Tensor
 
-from lit_amp_det.data.coco_format import (
-    compressed_rle_runs,
-    index_with_pycocotools,
-    is_number,
-    load_annotation_file,
-    runs_problem,
-    segmentation_problem,
-)
+from lit_amp_det.data.coco_format import (compressed_rle_runs, index_with_pycocotools, is_number, load_annotation_file,
+                                          runs_problem, segmentation_problem)
 from lit_amp_det.data.image_io import read_rgb_image
 
 __all__ = ["INVALID_BOX_MODES", "CocoInstances", "PER_INSTANCE_KEYS", "drop_crowd", "read_rgb_image"]
@@ -45,8 +35,7 @@ INVALID_BOX_MODES = ("error", "skip")
 
 logger = logging.getLogger(__name__)
 
-#: Target fields that hold one entry per instance (first dimension N); code that
-#: removes instances (`drop_crowd`, ...) must index all of them together.
+#: Target fields with one entry per instance (first dimension N); code removing instances must index them together.
 PER_INSTANCE_KEYS: tuple[str, ...] = ("boxes", "labels", "masks", "area", "iscrowd")
 
 _MAX_LISTED_MISSING = 5
@@ -71,12 +60,9 @@ class _ImageRecord:
 
 
 def drop_crowd(target: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Return a copy of ``target`` without ``iscrowd == 1`` instances.
+    """Return a copy of ``target`` without ``iscrowd == 1`` instances, which the losses must not treat as objects.
 
-    The dataset keeps crowd regions because COCO evaluation uses them to ignore
-    detections, but the detection losses must not treat them as ordinary objects.
-    Every field in `PER_INSTANCE_KEYS` that is present is filtered with the same mask;
-    other fields (``image_id``, ...) are passed through unchanged.
+    Every present field in `PER_INSTANCE_KEYS` is filtered with the same mask; other fields pass through unchanged.
     """
     out = dict(target)
     if "iscrowd" not in target:
@@ -95,19 +81,15 @@ class CocoInstances(torch.utils.data.Dataset):
         image_dir: folder that the images' ``file_name`` entries are relative to.
         annotation_file: COCO ``instances_*.json`` file.
         transforms: optional ``transforms(image, target) -> (image, target)``.
-        with_masks: decode segmentations into a ``masks`` field; ``False`` omits it
-            (Faster R-CNN) and skips all mask work.
-        invalid_boxes: ``"error"`` fails on degenerate boxes (w or h <= 0, non-finite,
-            or completely outside the image); ``"skip"`` drops them and counts them in
-            `skipped_boxes`.
+        with_masks: decode segmentations into a ``masks`` field; ``False`` omits it (Faster R-CNN).
+        invalid_boxes: ``"error"`` fails on degenerate boxes (w or h <= 0, non-finite, or completely outside the
+            image); ``"skip"`` drops them and counts them in `skipped_boxes`.
         skip_empty: drop images that have no (remaining) annotations from the index.
-        category_ids: COCO category ids in label order to reuse another split's label
-            mapping (label ``i + 1`` is ``category_ids[i]``); default: this file's
-            categories sorted by id.
+        category_ids: COCO category ids in label order to reuse another split's label mapping (label ``i + 1`` is
+            ``category_ids[i]``); default: this file's categories sorted by id.
 
     Attributes:
-        coco: ``pycocotools.coco.COCO`` index over the file's images, categories and the
-            kept annotations (those dropped under ``invalid_boxes="skip"`` are left out), for
+        coco: ``pycocotools.coco.COCO`` index over the file's images, categories and kept annotations, for
             COCOeval; restrict evaluation to `image_ids` when ``skip_empty`` is set.
         category_ids: COCO category ids in contiguous-label order.
         class_names: category names in the same order.
@@ -150,17 +132,14 @@ class CocoInstances(torch.utils.data.Dataset):
         self.skipped_boxes = 0
         per_image = self._group_annotations(dataset["annotations"], images)
         if self.skipped_boxes:
-            logger.warning(
-                "dropped %d degenerate annotation(s) from %s (data.invalid_boxes=skip)",
-                self.skipped_boxes,
-                self.annotation_file,
-            )
+            logger.warning("dropped %d degenerate annotation(s) from %s (data.invalid_boxes=skip)",
+                           self.skipped_boxes, self.annotation_file)
         self._records = self._build_records(images, per_image)
         self.num_instances = sum(not ann.get("iscrowd", 0) for anns in per_image.values() for ann, _ in anns)
         self.image_ids = [rec.image_id for rec in self._records]
         self._check_files_exist()
-        # Built after validation (pycocotools fails cryptically on bad records) and from the
-        # kept annotations only, so COCO evaluation sees the same ground truth as the targets.
+        # Built after validation (pycocotools fails cryptically on bad records) and from the kept annotations only,
+        # so COCO evaluation sees the same ground truth as the targets.
         kept = [ann for anns in per_image.values() for ann, _ in anns]
         self.coco = index_with_pycocotools({**dataset, "annotations": kept})
 
@@ -218,9 +197,8 @@ class CocoInstances(torch.utils.data.Dataset):
             by_id[img["id"]] = img
         return by_id
 
-    def _group_annotations(
-        self, annotations: Any, images: dict[int, dict[str, Any]]
-    ) -> dict[int, list[tuple[dict[str, Any], list[float]]]]:
+    def _group_annotations(self, annotations: Any,
+                           images: dict[int, dict[str, Any]]) -> dict[int, list[tuple[dict[str, Any], list[float]]]]:
         """Validate every annotation and group ``(annotation, clipped xyxy box)`` by image id."""
         if not isinstance(annotations, list):
             raise ValueError(
@@ -310,9 +288,8 @@ class CocoInstances(torch.utils.data.Dataset):
     def _segmentation_usable(self, ann: dict[str, Any], ann_id: Any, img: dict[str, Any]) -> bool:
         """Cheap shape check of a segmentation so bad ones fail at construction, not mid-epoch.
 
-        Malformed structure always raises.  A degenerate one (a polygon with fewer than
-        3 points, or no polygon at all) is treated like a degenerate box: an error, or
-        ``False`` (drop the annotation) under ``invalid_boxes="skip"``.
+        Malformed structure always raises. A degenerate one (fewer than 3 points, no polygon) is treated like a
+        degenerate box: an error, or ``False`` (drop the annotation) under ``invalid_boxes="skip"``.
         """
         problem, degenerate = segmentation_problem(ann.get("segmentation"), img["height"], img["width"])
         if problem is None:
@@ -328,9 +305,8 @@ class CocoInstances(torch.utils.data.Dataset):
 
     # ------------------------------------------------------------------ index
 
-    def _build_records(
-        self, images: dict[int, dict[str, Any]], per_image: dict[int, list[tuple[dict[str, Any], list[float]]]]
-    ) -> list[_ImageRecord]:
+    def _build_records(self, images: dict[int, dict[str, Any]],
+                       per_image: dict[int, list[tuple[dict[str, Any], list[float]]]]) -> list[_ImageRecord]:
         """Turn validated annotations into per-image numpy arrays; apply ``skip_empty``."""
         records = []
         for image_id, img in images.items():
@@ -354,10 +330,7 @@ class CocoInstances(torch.utils.data.Dataset):
             area = ann.get("area")
             areas.append(float(area) if is_number(area) else (box[2] - box[0]) * (box[3] - box[1]))
         return _ImageRecord(
-            image_id=img["id"],
-            path=self.image_dir / img["file_name"],
-            width=img["width"],
-            height=img["height"],
+            image_id=img["id"], path=self.image_dir / img["file_name"], width=img["width"], height=img["height"],
             boxes=boxes,
             labels=np.asarray([self._label_of[ann["category_id"]] for ann, _ in anns], dtype=np.int64),
             areas=np.asarray(areas, dtype=np.float32),
@@ -418,10 +391,7 @@ class CocoInstances(torch.utils.data.Dataset):
         """Decode all segmentations of ``rec`` to a uint8 ``[N, H, W]`` tensor."""
         if not rec.segmentations:
             return torch.zeros((0, rec.height, rec.width), dtype=torch.uint8)
-        rles = [
-            self._to_rle(seg, ann_id, rec)
-            for seg, ann_id in zip(rec.segmentations, rec.annotation_ids, strict=True)
-        ]
+        rles = [self._to_rle(seg, i, rec) for seg, i in zip(rec.segmentations, rec.annotation_ids, strict=True)]
         try:
             with warnings.catch_warnings():  # pycocotools' Cython predates NumPy 2's __array__(copy=)
                 warnings.filterwarnings("ignore", message=_NUMPY_COPY_WARNING, category=DeprecationWarning)
@@ -462,7 +432,5 @@ class CocoInstances(torch.utils.data.Dataset):
         )
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(annotation_file={str(self.annotation_file)!r}, images={len(self)}, "
-            f"num_classes={self.num_classes}, with_masks={self.with_masks}, skipped_boxes={self.skipped_boxes})"
-        )
+        return (f"{type(self).__name__}(annotation_file={str(self.annotation_file)!r}, images={len(self)}, "
+                f"num_classes={self.num_classes}, with_masks={self.with_masks}, skipped_boxes={self.skipped_boxes})")

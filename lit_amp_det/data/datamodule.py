@@ -1,11 +1,10 @@
 """Lightning data modules: any COCO-format folder, and the embedded synthetic "shapes" dataset.
 
-:class:`CocoDataModule` reads a COCO-style tree (image folders plus ``instances_*.json``) through
-:class:`~lit_amp_det.data.coco.CocoInstances`; :class:`ShapesDataModule` first generates the synthetic
-dataset into a cache directory and then runs exactly the same code, so the default path exercises the
-real COCO loader. Training batches come from a resumable, deterministic sampler (see
-:mod:`lit_amp_det.data.sampler`), so a run killed mid-epoch resumes onto the same batches.
-Images stay ``uint8`` through the loader (4x less to pin and copy); the model converts them on device.
+:class:`CocoDataModule` reads a COCO-style tree through :class:`~lit_amp_det.data.coco.CocoInstances`;
+:class:`ShapesDataModule` first generates the synthetic dataset into a cache directory and then runs the same code,
+so the default path exercises the real COCO loader. Training batches come from a resumable, deterministic sampler
+(:mod:`lit_amp_det.data.sampler`), so a run killed mid-epoch resumes onto the same batches. Images stay ``uint8``
+through the loader (less to pin and copy); the model converts them on the device.
 """
 
 from __future__ import annotations
@@ -53,17 +52,15 @@ class CocoDataModule(LightningDataModule):
     """Train/val/test/predict loaders over a COCO-format folder.
 
     Args:
-        root: dataset folder; relative image and annotation paths below are resolved against it. Only needed when
-            a split with relative paths is read: ``predict`` on ``predict_images`` with weights that name their
-            classes reads none.
+        root: dataset folder that relative image and annotation paths are resolved against (only needed when a
+            split with relative paths is read).
         train_images, val_images, test_images: image folders of each split.
         train_annotations, val_annotations, test_annotations: ``instances_*.json`` of each split. A test
             split left as ``None`` reuses the validation split.
         predict_split: which split ``predict`` runs on.
         predict_images: a folder of pictures without annotations that ``predict`` runs on instead of
-            ``predict_split`` (:class:`~lit_amp_det.data.image_folder.ImageFolder`; relative to the working
-            directory). The model's classes then come from its weights where they name them (a Lightning
-            checkpoint, torchvision's COCO weights), else from the training annotations.
+            ``predict_split`` (relative to the working directory). The model's classes then come from its weights
+            where they name them, else from the training annotations.
         batch_size: training images per batch and process; ``eval_batch_size`` defaults to it.
         num_workers, pin_memory, persistent_workers: ``DataLoader`` settings.
         flip_prob: probability of a horizontal flip of a training image.
@@ -75,9 +72,8 @@ class CocoDataModule(LightningDataModule):
             (negative-only data); by default ``fit`` stops before training, naming the file.
         with_masks: decode instance masks (``False`` for Faster R-CNN).
         seed: seed of the training order and augmentation.
-        verify_images: decode every image of the splits a stage reads (or of ``predict_images``) before it
-            starts (cached by file size and modification time under ``verify_cache_dir``, default
-            ``$LIT_AMP_DET_CACHE``).
+        verify_images: decode every image a stage reads before it starts (cached by file size and modification
+            time under ``verify_cache_dir``, default ``$LIT_AMP_DET_CACHE``).
         bad_images: ``error`` stops with every unreadable image listed; ``skip`` leaves them out with a warning.
     """
 
@@ -164,14 +160,10 @@ class CocoDataModule(LightningDataModule):
         """The split's dataset, built on first use with the category mapping of the first split built."""
         if split not in self.datasets:
             images, annotations = self.split_paths[split]
-            dataset = CocoInstances(
-                self._path(images, split, "images"),
-                self._path(annotations, split, "annotations"),
-                with_masks=self.with_masks,
-                invalid_boxes=self.invalid_boxes,
-                skip_empty=self.skip_empty_train and split == "train",
-                category_ids=self.category_ids,
-            )
+            dataset = CocoInstances(self._path(images, split, "images"), self._path(annotations, split, "annotations"),
+                                    with_masks=self.with_masks, invalid_boxes=self.invalid_boxes,
+                                    skip_empty=self.skip_empty_train and split == "train",
+                                    category_ids=self.category_ids)
             self.category_ids = self.category_ids or list(dataset.category_ids)
             self.datasets[split] = dataset
         return self.datasets[split]
@@ -240,24 +232,17 @@ class CocoDataModule(LightningDataModule):
             sampler.resume(self._resume_state["epoch"], self._resume_state["consumed_batches"])
             self._resume_state = None
         self._train_loader = ResumableDataLoader(
-            _SeededAugmentation(dataset, self.flip),
-            sampler,
-            collate_fn=collate_detection,
+            _SeededAugmentation(dataset, self.flip), sampler, collate_fn=collate_detection,
             generator=torch.Generator().manual_seed(self.seed),  # keeps the global RNG untouched
-            **self.loader_options,
-        )
+            **self.loader_options)
         return self._train_loader
 
     def _eval_loader(self, split: Split | ImageFolder) -> DataLoader:
         dataset = split if isinstance(split, ImageFolder) else self.dataset(split)
         return DataLoader(
-            dataset,
-            batch_size=self.eval_batch_size,
+            dataset, batch_size=self.eval_batch_size,
             sampler=EvalShardSampler(len(dataset)),  # one shard per DDP rank; the whole split otherwise
-            collate_fn=collate_detection,
-            generator=torch.Generator().manual_seed(self.seed),
-            **self.loader_options,
-        )
+            collate_fn=collate_detection, generator=torch.Generator().manual_seed(self.seed), **self.loader_options)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("val")
@@ -338,11 +323,8 @@ class ShapesDataModule(CocoDataModule):
         super().__init__(shapes_dataset_dir(self.cache_dir, self.spec, splits=self.splits), **paths, **kwargs)
 
     def prepare_data(self) -> None:
-        """Generates the dataset once (atomically; later runs reuse it).
-
-        Not when a Trainer predicts on ``predict_images``: that run reads no split. Where the model's classes must
-        still come from the data (no weights name them), :meth:`dataset` generates it when they are read.
-        """
+        """Generates the dataset once (atomically; later runs reuse it), except when a Trainer predicts on
+        ``predict_images`` (no split read; :meth:`dataset` generates it if the classes must come from the data)."""
         if self.predict_images is not None and self.trainer is not None and self.trainer.predicting:
             return
         ensure_shapes(self.cache_dir, self.spec, splits=self.splits)

@@ -25,8 +25,8 @@ def read_rgb_image(path: str | Path, apply_exif_orientation: bool = False) -> Te
     """Decode ``path`` to a uint8 ``[3, H, W]`` RGB tensor (torchvision's decoder returns it as a view of
     ``[H, W, 3]`` memory, PIL's path contiguous: the loaders batch either).
 
-    Uses ``torchvision.io.decode_image`` (libjpeg-turbo/libpng; measured ~1.5x faster
-    than PIL for JPEG and already channel-first), converting greyscale, palette, RGBA and
+    Uses ``torchvision.io.decode_image`` (libjpeg-turbo/libpng: faster than PIL for
+    JPEG, and already channel-first), converting greyscale, palette, RGBA and
     CMYK to RGB.  torchvision 0.29 deprecates its decoders in favour of TorchCodec, so
     that one warning is silenced here; formats torchvision does not read (BMP, TIFF, ...)
     and torchvision builds without decoders fall back to PIL.  A missing, empty or

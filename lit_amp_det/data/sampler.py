@@ -1,12 +1,10 @@
 """Deterministic, resumable training batches with optional aspect-ratio grouping.
 
-Exact mid-epoch resume needs three things the stock ``DataLoader`` does not give: the epoch's order must be
-a pure function of (seed, epoch), the random augmentation of a sample must not depend on which worker or
-process loaded it, and the loader must remember how many batches the training loop really consumed (not
-how many it prefetched). :class:`ResumableBatchSampler` yields ``(index, sample_seed)`` keys so the
-augmentation seed travels with the sample; :class:`ResumableDataLoader` implements Lightning's
-``state_dict``/``load_state_dict`` protocol on top of it. The sampler also shards itself across
-distributed ranks, so the trainer runs with ``use_distributed_sampler=False``.
+Exact mid-epoch resume needs what the stock ``DataLoader`` does not give: an epoch order that is a pure function of
+(seed, epoch), augmentation independent of the worker that loaded a sample, and a count of the batches the loop
+really consumed (not prefetched). :class:`ResumableBatchSampler` yields ``(index, sample_seed)`` keys and shards
+itself across ranks (so ``use_distributed_sampler=False``); :class:`ResumableDataLoader` implements Lightning's
+``state_dict``/``load_state_dict`` protocol on top of it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Deterministic synthetic "shapes" instance-segmentation dataset written as real COCO.
 
-This module renders small RGB images of coloured geometric shapes (circle, square,
-triangle, star, ring, cross) on textured backgrounds and writes them to disk in the
-exact layout of a COCO detection dataset (``images/<split>/*.png`` plus
-``annotations/instances_<split>.json``). It exists so that the default training path
-(and the test-suite) exercises the very same COCO loader, mask decoding and evaluation
-code as the real dataset, without a download: shapes are occluded by one another, only
-their visible region is labelled, and both polygon and compressed-RLE segmentations
-occur, as in COCO. Every image is drawn from its own ``numpy`` PCG64 stream keyed by
-(seed, split, index), so the output is byte-identical across runs and independent per
-split, and the dataset is published with an atomic rename plus a completion marker so
-an interrupted or concurrent generation never leaves a dataset that only looks complete.
+Renders small RGB images of coloured shapes on textured backgrounds and writes them in the exact layout of a COCO
+dataset (``images/<split>/*.png`` plus ``annotations/instances_<split>.json``), so the default training path exercises
+the same COCO loader, mask decoding and evaluation code as real data, without a download: shapes occlude one another,
+only their visible region is labelled, and both polygon and compressed-RLE segmentations occur. Each image has its own
+PCG64 stream keyed by (seed, split, index), so output is byte-identical across runs, and the dataset is published with
+an atomic rename plus a completion marker, so an interrupted or concurrent generation never looks complete.
 """
 
 from __future__ import annotations
@@ -31,42 +26,23 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 
 from lit_amp_det.data.shapes_draw import RenderedImage, ShapeInstance, _rasterise, _render, render_shapes_image
-from lit_amp_det.data.shapes_spec import (
-    DEFAULT_SPLITS,
-    FORMAT_VERSION,
-    SHAPE_CLASSES,
-    ShapesSpec,
-    _make_params,
-    _Params,
-)
+from lit_amp_det.data.shapes_spec import (DEFAULT_SPLITS, FORMAT_VERSION, SHAPE_CLASSES, ShapesSpec, _make_params,
+                                          _Params)
 
-__all__ = [
-    "DEFAULT_SPLITS",
-    "MARKER_NAME",
-    "SHAPE_CLASSES",
-    "RenderedImage",
-    "ShapeInstance",
-    "ensure_shapes",
-    "generate_shapes",
-    "render_shapes_image",
-    "shapes_dataset_dir",
-    "ShapesSpec",
-]
+__all__ = ["DEFAULT_SPLITS", "MARKER_NAME", "SHAPE_CLASSES", "RenderedImage", "ShapeInstance", "ensure_shapes",
+           "generate_shapes", "render_shapes_image", "shapes_dataset_dir", "ShapesSpec"]
 
 MARKER_NAME = "DONE"
 """File written last into a dataset dir; its presence means the dataset is complete."""
 
-_PNG_COMPRESS_LEVEL = 1  # ~2x faster than the default, files barely larger (noise dominates)
+_PNG_COMPRESS_LEVEL = 1  # faster than the default, files barely larger (noise dominates)
 
 # --------------------------------------------------------------------------- annotation
 
 
 def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[float, float]]:
-    """Sutherland-Hodgman clip of a polygon to the image rectangle [0, W] x [0, H].
-
-    Correct for our shapes because each is star-shaped about a centre inside the image,
-    so the clipped region stays one piece.
-    """
+    """Sutherland-Hodgman clip of a polygon to the image rectangle [0, W] x [0, H] (one piece for our shapes: each
+    is star-shaped about a centre inside the image)."""
     points = [(float(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
     for axis, bound, keep_above in ((0, 0.0, True), (0, float(width), False),
                                     (1, 0.0, True), (1, float(height), False)):
@@ -96,11 +72,8 @@ def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[
 
 
 def _polygon_segmentation(inst: ShapeInstance, height: int, width: int) -> list[list[float]] | None:
-    """COCO polygon for a fully visible, hole-free instance, or None if RLE is needed.
-
-    The clipped polygon is re-rasterised and only used if it reproduces the visible mask
-    pixel for pixel, so polygon and RLE annotations are equally exact.
-    """
+    """COCO polygon for a fully visible, hole-free instance, or None if RLE is needed; used only if it re-rasterises
+    to the visible mask pixel for pixel, so polygon and RLE annotations are equally exact."""
     if inst.hole_vertices is not None or not np.array_equal(inst.visible_mask, inst.full_mask):
         return None
     flat: list[float] = []
@@ -155,15 +128,11 @@ def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[st
         image_id = index + 1
         rendered = _render(params, split, index)
         file_name = f"{image_id:06d}.png"
-        Image.fromarray(rendered.image).save(
-            image_dir / file_name, format="PNG", compress_level=_PNG_COMPRESS_LEVEL
-        )
+        Image.fromarray(rendered.image).save(image_dir / file_name, format="PNG", compress_level=_PNG_COMPRESS_LEVEL)
         images.append({"id": image_id, "file_name": file_name, "width": params.width, "height": params.height})
         for inst in rendered.instances:
             if inst.labelled:
-                annotations.append(
-                    _annotation(inst, len(annotations) + 1, image_id, params.height, params.width)
-                )
+                annotations.append(_annotation(inst, len(annotations) + 1, image_id, params.height, params.width))
     coco = {
         "info": {
             "description": "lit_amp_det synthetic shapes dataset",
@@ -176,15 +145,11 @@ def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[st
         "licenses": [],
         "images": images,
         "annotations": annotations,
-        "categories": [
-            {"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)
-        ],
+        "categories": [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)],
     }
     ann_dir = root / "annotations"
     ann_dir.mkdir(parents=True, exist_ok=True)
-    (ann_dir / f"instances_{split}.json").write_text(
-        json.dumps(coco, separators=(",", ":")) + "\n", encoding="utf-8"
-    )
+    (ann_dir / f"instances_{split}.json").write_text(json.dumps(coco, separators=(",", ":")) + "\n", encoding="utf-8")
     return {"images": len(images), "annotations": len(annotations)}
 
 
@@ -201,10 +166,7 @@ def _read_marker(root: Path) -> dict[str, Any] | None:
 
 
 def _looks_like_ours(root: Path) -> bool:
-    """True if ``root`` holds nothing but what a (partial) shapes dataset would.
-
-    Guards against deleting a user's unrelated folder passed as ``root`` by mistake.
-    """
+    """True if ``root`` holds nothing but what a (partial) shapes dataset would (guards a user's unrelated folder)."""
     return all(child.name in {"images", "annotations", MARKER_NAME} for child in root.iterdir())
 
 
@@ -216,9 +178,8 @@ def _remove_tree(path: Path) -> None:
 def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool) -> None:
     """Atomically move the finished ``tmp`` dataset to ``root``.
 
-    An existing ``root`` is first renamed aside (rename is atomic, rmtree is not), so at
-    every instant ``root`` is either absent, the old dataset, or the complete new one.
-    Losing a race to another process that published the same parameters is success.
+    An existing ``root`` is first renamed aside (rename is atomic, rmtree is not), so ``root`` is always absent, the
+    old dataset, or the complete new one. Losing a race to a process publishing the same parameters is success.
     """
     for _attempt in range(3):
         marker = _read_marker(root) if root.exists() else None
@@ -226,9 +187,7 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
             if marker.get("params") == params_json:
                 _remove_tree(tmp)  # generation is deterministic: theirs equals ours
                 return
-            raise FileExistsError(
-                f"root {str(root)!r} meanwhile received a shapes dataset with other parameters"
-            )
+            raise FileExistsError(f"root {str(root)!r} meanwhile received a shapes dataset with other parameters")
         aside = None
         if root.exists():
             aside = root.with_name(f".{root.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
@@ -250,20 +209,13 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
     raise RuntimeError(f"could not publish shapes dataset to {root}: it kept changing under us")
 
 
-def generate_shapes(
-    root: str | os.PathLike[str],
-    spec: ShapesSpec = ShapesSpec(),
-    *,
-    splits: Mapping[str, int] = DEFAULT_SPLITS,
-    overwrite: bool = False,
-) -> Path:
+def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
+                    splits: Mapping[str, int] = DEFAULT_SPLITS, overwrite: bool = False) -> Path:
     """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path.
 
-    ``spec`` says what is drawn (:class:`ShapesSpec`: image size, shapes per image and their sizes, the share
-    of empty images, the seed), ``splits`` how many images each split gets. If ``root`` already holds a complete dataset with the
-    same parameters nothing is done; a complete one with other parameters raises
-    FileExistsError unless ``overwrite``. A ``root`` without the completion marker (an
-    interrupted write by older code, or a deleted marker) is regenerated.
+    ``spec`` says what is drawn (:class:`ShapesSpec`), ``splits`` how many images each split gets. If ``root`` already
+    holds a complete dataset with the same parameters nothing is done; one with other parameters raises
+    FileExistsError unless ``overwrite``. A ``root`` without the completion marker is regenerated.
     """
     params = _make_params(spec, splits)
     root = Path(root)
@@ -299,32 +251,20 @@ def generate_shapes(
     return root
 
 
-def shapes_dataset_dir(
-    cache_dir: str | os.PathLike[str],
-    spec: ShapesSpec = ShapesSpec(),
-    *,
-    splits: Mapping[str, int] = DEFAULT_SPLITS,
-) -> Path:
+def shapes_dataset_dir(cache_dir: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
+                       splits: Mapping[str, int] = DEFAULT_SPLITS) -> Path:
     """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created).
 
-    The hash covers every generation parameter and the format version, so changing any
-    of them selects a fresh folder instead of silently reusing stale data.
+    The hash covers every generation parameter and the format version, so changing any selects a fresh folder.
     """
     params = _make_params(spec, splits)
     return Path(cache_dir) / f"shapes-{params.short_hash()}"
 
 
-def ensure_shapes(
-    cache_dir: str | os.PathLike[str],
-    spec: ShapesSpec = ShapesSpec(),
-    *,
-    splits: Mapping[str, int] = DEFAULT_SPLITS,
-) -> Path:
-    """Return the dataset dir for these parameters, generating it only if incomplete.
-
-    Cheap when the dataset exists (one small file read), so training can call it on
-    every start.
-    """
+def ensure_shapes(cache_dir: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
+                  splits: Mapping[str, int] = DEFAULT_SPLITS) -> Path:
+    """Return the dataset dir for these parameters, generating it only if incomplete (one small file read when it
+    exists, so training calls it on every start)."""
     root = shapes_dataset_dir(cache_dir, spec, splits=splits)
     if _read_marker(root) is not None:
         return root
@@ -345,10 +285,8 @@ def _parse_split(text: str) -> tuple[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m lit_amp_det.data.shapes OUTDIR [options]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lit_amp_det.data.shapes",
-        description="Generate the synthetic shapes dataset in COCO format.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m lit_amp_det.data.shapes",
+                                     description="Generate the synthetic shapes dataset in COCO format.")
     parser.add_argument("outdir", help="dataset folder (or cache folder with --cache)")
     parser.add_argument("--split", action="append", type=_parse_split, metavar="NAME=COUNT",
                         help="split and image count, repeatable (default train=800 val=100 test=100)")

@@ -1,11 +1,9 @@
 """Decode every image a run will read before it starts, so a corrupt file stops the run at once, not hours in.
 
-:func:`verify_images` decodes the files with the loader's own reader (:func:`~lit_amp_det.data.image_io.read_rgb_image`,
-so whatever would fail in training fails here), in a thread pool (the decoders release the GIL), and checks
-each image's size against its annotation record. Files that decoded before are remembered in a cache keyed
-by path, size and modification time, so the second run over the same data reads nothing.
-:func:`check_splits` runs it over the splits of a stage and raises one :class:`BadImagesError` that lists every
-unreadable file, or -- with ``bad_images="skip"`` -- drops them from their split with one warning.
+:func:`verify_images` decodes the files with the loader's own reader in a thread pool and checks each image's size
+against its annotation record; files that decoded before are cached by path, size and modification time.
+:func:`check_splits` runs it over the splits of a stage and raises one :class:`BadImagesError` listing every
+unreadable file, or (``bad_images="skip"``) drops them from their split with one warning.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 torchvision's ``AnchorGenerator`` builds the anchors in the dtype of the feature maps it is given. Under autocast
 (or with half-precision weights) those are bf16/fp16, so the anchor coordinates are rounded to the half format.
-torchvision's anchors are integers, exact in fp16 below 2048; bf16 keeps 8 significant bits, so the shift and then
-the shifted corner are each rounded to a multiple of 8 above 1024: on an 800x1333 batch anchors are up to 7 px off
-(measured, ``tests/test_anchors.py``) before the fp32 box decoding ever sees them. ``set_cell_anchors`` also
+bf16 keeps 8 significant bits, so above 1024 the shift and the shifted corner are each rounded to a multiple of 8,
+and anchors on a full-size image are pixels off before the fp32 box decoding sees them. ``set_cell_anchors`` also
 converts the generator's cell anchors *in place*, so after one bf16 step a cell anchor that is not a bf16 number
-(above 256: an anchor size of 800 with ratio 0.5 has a half-width of 566, which becomes 568) stays rounded in later
-fp32 calls, evaluation included.
+stays rounded in later fp32 calls, evaluation included.
 
 :class:`FullPrecisionAnchorGenerator` hands torchvision's code a zero-stride fp32 stand-in of each half feature
 map (the generator reads only its shape, dtype and device; nothing is allocated), so the anchors and the cell

@@ -1,15 +1,12 @@
 """Tune-mode conv-BN: a ``Conv2d -> BatchNorm`` pair in eval mode runs as one convolution during training.
 
-While a BatchNorm normalises with its running statistics (eval mode, i.e. ``norm_eval``, or a torchvision
-:class:`~torchvision.ops.FrozenBatchNorm2d`), ``bn(conv(x)) == conv(x, W * s) + ((b - mean) * s + beta)``
-with ``s = gamma / sqrt(var + eps)``. Building that folded weight on the fly from the parameters keeps every
-gradient (``W``, ``gamma``, ``beta``, ``x``) exact, but autograd no longer has to keep the conv output alive
-for BatchNorm's backward, only a weight-sized copy (Huang et al., "Tune-Mode ConvBN Blocks For Efficient
-Transfer Learning", 2024). :func:`enable_conv_bn_eval` installs this on a model without changing its module
-tree or ``state_dict`` keys (a callable stored as ``forward`` on the conv and the norm instances, removed by
-:func:`disable_conv_bn_eval`), and decides per call: a BatchNorm in training mode, or (``only_when_cheaper``)
-a pair where the weight copy would cost more than the activation it saves, runs as plain ``conv -> norm``.
-:func:`fold_conv_bn` is the permanent version for prediction and export (it does change the ``state_dict``).
+While a BatchNorm normalises with its running statistics (eval mode or :class:`~torchvision.ops.FrozenBatchNorm2d`),
+``bn(conv(x)) == conv(x, W * s) + ((b - mean) * s + beta)`` with ``s = gamma / sqrt(var + eps)``. Building that
+folded weight on the fly keeps every gradient exact, but autograd keeps a weight-sized copy instead of the conv
+output (Huang et al., "Tune-Mode ConvBN Blocks For Efficient Transfer Learning", 2024). :func:`enable_conv_bn_eval`
+installs this without changing the module tree or ``state_dict`` keys, and decides per call: a BatchNorm in training
+mode, or (``only_when_cheaper``) a pair where the weight copy would cost more than the activation it saves, runs as
+plain ``conv -> norm``. :func:`fold_conv_bn` is the permanent version for prediction and export.
 """
 
 from __future__ import annotations
@@ -19,27 +16,16 @@ import weakref
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torchvision.models import resnet
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.ops import FrozenBatchNorm2d
 
-from lit_amp_det.models.pointwise_conv import PointwiseConv2d, convolve
-from lit_amp_det.models.winograd_conv import WinogradConv2d
+__all__ = ["NORM_TYPES", "conv_bn_eval_enabled", "conv_bn_eval_pairs", "disable_conv_bn_eval", "enable_conv_bn_eval",
+           "find_conv_norm_pairs", "fold_conv_bn", "folded_weight_and_bias"]
 
-__all__ = [
-    "NORM_TYPES",
-    "conv_bn_eval_enabled",
-    "conv_bn_eval_pairs",
-    "disable_conv_bn_eval",
-    "enable_conv_bn_eval",
-    "find_conv_norm_pairs",
-    "fold_conv_bn",
-    "folded_weight_and_bias",
-]
-
-#: Norm layers that can be folded: BatchNorm (and SyncBatchNorm, which Lightning's ``sync_batchnorm``
-#: swaps in) only in eval mode with running statistics; FrozenBatchNorm2d and its subclasses always.
+#: Norm layers that can be folded: (Sync)BatchNorm only in eval mode with running statistics; FrozenBatchNorm2d always.
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.BatchNorm2d, nn.SyncBatchNorm, FrozenBatchNorm2d)
 
 Norm = nn.BatchNorm2d | nn.SyncBatchNorm | FrozenBatchNorm2d
@@ -49,11 +35,9 @@ Pair = tuple[str, str]
 # ------------------------------------------------------------------------------------------- the fold
 
 def _is_conv(module: nn.Module) -> bool:
-    """A Conv2d whose forward is Conv2d's own, :class:`PointwiseConv2d`'s or :class:`WinogradConv2d`'s (the same
-    function; subclasses that change it, e.g. weight standardisation, are not folded) with zero padding (the only
-    mode the folded call reproduces)."""
-    return (isinstance(module, nn.Conv2d)
-            and type(module).forward in (nn.Conv2d.forward, PointwiseConv2d.forward, WinogradConv2d.forward)
+    """A Conv2d whose forward is Conv2d's own (not e.g. weight standardisation) with zero padding (the only mode
+    the folded call reproduces)."""
+    return (isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward
             and module.padding_mode == "zeros")
 
 
@@ -76,10 +60,9 @@ def _uses_running_stats(norm: Norm) -> bool:
 def folded_weight_and_bias(conv: nn.Conv2d, norm: Norm) -> tuple[Tensor, Tensor]:
     """The weight ``[C_out, C_in / groups, kh, kw]`` and bias ``[C_out]`` of the conv equal to ``norm(conv(x))``.
 
-    Built from the live parameters and buffers with autograd on, so gradients flow to ``conv.weight``,
-    ``conv.bias``, ``norm.weight`` and ``norm.bias``. Computed in at least float32 (low-precision parameters
-    are upcast for ``rsqrt``) and returned in ``conv.weight.dtype``. Uses the running statistics whatever
-    the norm's mode.
+    Built from the live parameters and buffers with autograd on, so gradients flow to the conv's and norm's
+    parameters. Computed in at least float32 and returned in ``conv.weight.dtype``. Uses the running statistics
+    whatever the norm's mode.
     """
     dtype = torch.promote_types(conv.weight.dtype, torch.float32)
     mean = norm.running_mean.to(dtype)
@@ -114,11 +97,8 @@ def _records_graph(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
 def _fold_is_cheaper(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
     """Whether folding reduces the memory kept for backward (always, when nothing is kept).
 
-    The folded conv keeps a weight copy instead of its parameter. That pays only when the norm would keep the
-    conv output and that is larger: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale.
-    The same rule holds under autocast, where the plain conv keeps a cast weight copy too: folding the
-    weight-heavy layers there saves little memory and costs time, weight-sized work and fp32 temporaries every
-    step (figures: BENCHMARKS.md, "Conv-bn eval", ResNet-50 at 4x3x128x128 in bf16).
+    The folded conv keeps a weight copy instead of its parameter, which pays only when the norm would keep a larger
+    conv output: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale.
     """
     if not _records_graph(conv, norm, x):
         return True
@@ -130,9 +110,8 @@ def _fold_is_cheaper(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
 class _FoldedConv:
     """Stored as ``conv.forward``: runs the pair as one folded conv when the norm uses running statistics.
 
-    A class rather than a closure so that ``copy.deepcopy`` and pickling of the model keep working (the
-    copy points at the copied conv and norm). The output of a folded call is remembered (weakly) so that
-    the norm's :class:`_PassThroughNorm` can check it receives exactly that tensor and pass it through.
+    A class rather than a closure so that deep copies and pickles of the model point at the copied conv and norm.
+    The folded output is remembered (weakly) so :class:`_PassThroughNorm` can check it receives exactly that tensor.
     """
 
     def __init__(self, conv: nn.Conv2d, norm: Norm, names: Pair, only_when_cheaper: bool) -> None:
@@ -152,7 +131,7 @@ class _FoldedConv:
         if not self._folds(input):
             return type(conv).forward(conv, input)
         weight, bias = folded_weight_and_bias(conv, self.norm)
-        out = convolve(conv, input, weight, bias)
+        out = F.conv2d(input, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
         self.pending = weakref.ref(out)
         return out
 
@@ -220,10 +199,8 @@ def _sequence_pairs(children: list[tuple[str, nn.Module]], exclude: frozenset[st
 def _structural_pairs(module: nn.Module) -> list[Pair]:
     """Pairs among the direct children of torchvision ResNet pieces and ``nn.Sequential`` containers.
 
-    Relies on the dataflow of those classes' own ``forward`` (checked by identity, so subclasses that change
-    it are skipped), including two torchvision internals (``ResNet._forward_impl`` and
-    ``torchvision.models._utils.IntermediateLayerGetter``, the trunk wrapper of ``BackboneWithFPN``);
-    ``tests/test_conv_bn_eval.py`` checks the walk against the fx trace on ResNets and the detector.
+    Relies on the dataflow of those classes' own ``forward`` (checked by identity, so subclasses that change it are
+    skipped), including two torchvision internals (``ResNet._forward_impl`` and ``IntermediateLayerGetter``).
     """
     forward, children = type(module).forward, list(module.named_children())
     named = dict(children)
@@ -265,10 +242,9 @@ def find_conv_norm_pairs(model: nn.Module, *, method: str = "auto") -> list[Pair
 
     Args:
         model: any module; ``named_modules()`` order is kept in the result.
-        method: ``"auto"`` traces ``model`` with ``torch.fx`` and, where a module does not trace (a whole
-            detector does not; its ``backbone`` does), recurses into its children, reading torchvision ResNet
-            blocks and ``nn.Sequential`` containers (``Conv2dNormActivation``, ``downsample``) structurally;
-            ``"structure"`` uses only that structural walk.
+        method: ``"auto"`` traces ``model`` with ``torch.fx`` and, where a module does not trace, recurses into its
+            children, reading ResNet blocks and ``nn.Sequential`` containers structurally; ``"structure"`` uses only
+            that structural walk.
 
     Norms: :data:`NORM_TYPES`; BatchNorms only with running statistics. A conv or norm called more than once,
     or a conv whose output has a second user, is not paired.
@@ -304,8 +280,8 @@ def conv_bn_eval_enabled(model: nn.Module) -> bool:
 def conv_bn_eval_pairs(model: nn.Module) -> list[Pair]:
     """The ``(conv, norm)`` pairs of ``model`` that run through the fold now, by their current names.
 
-    A pair whose norm was replaced since :func:`enable_conv_bn_eval` (e.g. by
-    ``nn.SyncBatchNorm.convert_sync_batchnorm``) is missing here: enable again to pick up the new module.
+    A pair whose norm was replaced since :func:`enable_conv_bn_eval` (e.g. by ``convert_sync_batchnorm``) is missing
+    here: enable again to pick up the new module.
     """
     names = {id(module): name for name, module in model.named_modules()}
     pairs = []
@@ -319,19 +295,15 @@ def conv_bn_eval_pairs(model: nn.Module) -> list[Pair]:
 def enable_conv_bn_eval(model: nn.Module, *, only_when_cheaper: bool = True) -> list[Pair]:
     """Makes every conv-norm pair of ``model`` run as one folded conv whenever its norm uses running statistics.
 
-    Module tree and ``state_dict`` keys are unchanged; outputs and gradients equal the plain model's up to
-    float rounding. Decided per call: a BatchNorm in training mode runs as plain ``conv -> norm`` (batch
-    statistics, running-stat updates). Calling again re-installs (with the new ``only_when_cheaper``).
+    Module tree and ``state_dict`` keys are unchanged; outputs and gradients equal the plain model's up to float
+    rounding. Decided per call: a BatchNorm in training mode runs as plain ``conv -> norm``. Calling again
+    re-installs (with the new ``only_when_cheaper``).
 
     Args:
-        only_when_cheaper: fold a call only when that saves memory held for backward. For a BatchNorm: when the
-            conv output (``N * C_out * H_out * W_out``, which BatchNorm keeps) is larger than the folded weight
-            copy (``C_out * C_in / groups * kh * kw``, which the conv keeps instead), so late low-resolution
-            stages at small batches stay unfolded (also under autocast). A FrozenBatchNorm2d keeps no
-            activation, so it stays unfolded while gradients are recorded. Without an autograd graph
-            (``no_grad``, nothing trainable) every pair folds: nothing is kept, and one conv is less work.
-            ``False`` folds every call: faster with FrozenBatchNorm2d, but saved memory can grow where weights
-            outweigh activations (ResNet-50 at 4x128x128: 1.32x) and weight-heavy layers cost time.
+        only_when_cheaper: fold a call only when that saves memory held for backward: for a BatchNorm, when the conv
+            output (``N * C_out * H_out * W_out``) is larger than the folded weight (``C_out * C_in / groups * kh *
+            kw``); a FrozenBatchNorm2d keeps no activation, so it stays unfolded while gradients are recorded.
+            Without an autograd graph every pair folds. ``False`` folds every call.
 
     Returns:
         The ``(conv, norm)`` pairs installed.
@@ -355,9 +327,8 @@ def enable_conv_bn_eval(model: nn.Module, *, only_when_cheaper: bool = True) -> 
 def fold_conv_bn(model: nn.Module) -> nn.Module:
     """Folds every conv-norm pair permanently, for prediction and export; returns ``model`` (changed in place).
 
-    Each conv gets the folded weight and a bias, each norm becomes ``nn.Identity``: outputs equal the eval
-    model's, but the ``state_dict`` changes (norm entries disappear, convs gain ``bias``) and the norms cannot
-    train any more, so fold a copy if you still need the original. BatchNorms must be in eval mode.
+    Each conv gets the folded weight and a bias, each norm becomes ``nn.Identity``: outputs equal the eval model's,
+    but the ``state_dict`` changes and the norms cannot train any more. BatchNorms must be in eval mode.
     """
     pairs = find_conv_norm_pairs(model)
     modules = dict(model.named_modules())

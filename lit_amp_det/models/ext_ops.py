@@ -8,10 +8,8 @@ IoU kernel for the anchor and proposal matchers. They add no parameters, buffers
 ``rpn`` and ``roi_heads`` (torchvision builds both inside ``FasterRCNN.__init__`` and offers no hook to pass
 others); ``state_dict`` keys, checkpoints and the fp32 regions of the precision plugin are unchanged.
 The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which has no state beyond the
-level scales torchvision's pooler infers on its first call (carried over), and the box head's and predictor's
-``nn.Linear`` layers become :class:`lit_amp_det.models.bounded_linear.BoundedRowsLinear` (the same layer, with a
-bounded number of product shapes on the CPU in fp16/bf16, where each new one costs memory for the whole run). In
-training, the mask targets of the whole batch are cropped with one call of lit_amp_det's RoIAlign
+level scales torchvision's pooler infers on its first call (carried over). In training, the mask targets of the
+whole batch are cropped with one call of lit_amp_det's RoIAlign
 (:mod:`lit_amp_det.models.mask_targets`) instead of one torchvision ``roi_align`` per image; the losses are the same
 numbers.
 """
@@ -27,16 +25,11 @@ from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign as TorchvisionMultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
-from lit_amp_det.models.bounded_linear import use_bounded_linears
-from lit_amp_det.models.labelled_mask_logits import casts_outputs_to_fp32, labelled_logits, logit_conv
-from lit_amp_det.models.mask_targets import labelled_maskrcnn_loss, maskrcnn_loss, positive_labels
+from lit_amp_det.models.mask_targets import maskrcnn_loss
 from lit_amp_det.ops import MultiScaleRoIAlign, batched_nms, box_iou
 from lit_amp_det.ops.triton import batched_nms_padded
 
-__all__ = ["OPS_BACKENDS", "ExtRegionProposalNetwork", "ExtRoIHeads", "use_extension_ops"]
-
-#: values of ``model.ops``: lit_amp_det's kernels, or torchvision's own (for A/B comparisons)
-OPS_BACKENDS = ("ext", "torchvision")
+__all__ = ["ExtRegionProposalNetwork", "ExtRoIHeads", "use_extension_ops"]
 
 
 class ExtRegionProposalNetwork(RegionProposalNetwork):
@@ -82,7 +75,7 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
         keep = batched_nms(boxes, scores, levels, self.nms_thresh, max_output=self.post_nms_top_n())
         return boxes[keep], scores[keep]
 
-    # --- sync-free proposal selection (CUDA; issue 13) -----------------------------------------------------
+    # --- sync-free proposal selection (CUDA) ---------------------------------------------------------------
     def _select_padded(
         self, boxes: Tensor, scores: Tensor, levels: Tensor, image_shapes: list[tuple[int, int]]
     ) -> tuple[list[Tensor], list[Tensor]]:
@@ -128,14 +121,10 @@ class ExtRoIHeads(RoIHeads):
     and a training step crops the mask targets of all images with one RoIAlign call.
 
     ``batched_mask_targets`` (class attribute; set it on an instance to A/B) switches the last back to torchvision's
-    per-image ``project_masks_on_boxes``. ``labelled_mask_logits`` (off by default; ``model.labelled_mask_logits``)
-    computes only the mask logits that are used (:mod:`lit_amp_det.models.labelled_mask_logits`): in that training
-    branch each positive RoI's ground-truth class's, and at inference each detection's predicted class's (torchvision
-    computes every class's map and keeps that one).
+    per-image ``project_masks_on_boxes``.
     """
 
     batched_mask_targets: bool = True
-    labelled_mask_logits: bool = False
 
     def forward(
         self,
@@ -144,16 +133,9 @@ class ExtRoIHeads(RoIHeads):
         image_shapes: list[tuple[int, int]],
         targets: list[dict[str, Tensor]] | None = None,
     ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
-        """torchvision's ``RoIHeads.forward``; training a mask head (without keypoints) takes :meth:`_train_masks`,
-        and inference with ``labelled_mask_logits`` :meth:`_detect_with_own_class_masks`."""
-        if not self.has_mask() or self.has_keypoint():
-            return super().forward(features, proposals, image_shapes, targets)
-        if self.training and self.batched_mask_targets:
+        """torchvision's ``RoIHeads.forward``; training a mask head (without keypoints) takes :meth:`_train_masks`."""
+        if self.training and self.batched_mask_targets and self.has_mask() and not self.has_keypoint():
             return [], self._train_masks(features, proposals, image_shapes, targets)
-        if not self.training and self.labelled_mask_logits and logit_conv(self.mask_predictor) is not None:
-            if targets is not None:
-                _check_target_types(targets)
-            return self._detect_with_own_class_masks(features, proposals, image_shapes), {}
         return super().forward(features, proposals, image_shapes, targets)
 
     def _train_masks(
@@ -177,36 +159,9 @@ class ExtRoIHeads(RoIHeads):
         pos_matched_idxs = [idxs[pos] for idxs, pos in zip(matched_idxs, positives)]
         mask_features = self.mask_head(self.mask_roi_pool(features, mask_proposals, image_shapes))
         gt_masks, gt_labels = [t["masks"] for t in targets], [t["labels"] for t in targets]
-        own_class = None
-        if self.labelled_mask_logits:
-            own_class = labelled_logits(self.mask_predictor, mask_features, positive_labels(gt_labels, pos_matched_idxs))
-        if own_class is not None:
-            loss_mask = labelled_maskrcnn_loss(own_class, mask_proposals, gt_masks, pos_matched_idxs)
-        else:
-            loss_mask = maskrcnn_loss(self.mask_predictor(mask_features), mask_proposals, gt_masks, gt_labels,
-                                      pos_matched_idxs)
+        loss_mask = maskrcnn_loss(self.mask_predictor(mask_features), mask_proposals, gt_masks, gt_labels,
+                                  pos_matched_idxs)
         return {"loss_classifier": loss_classifier, "loss_box_reg": loss_box_reg, "loss_mask": loss_mask}
-
-    def _detect_with_own_class_masks(
-        self,
-        features: dict[str, Tensor],
-        proposals: list[Tensor],
-        image_shapes: list[tuple[int, int]],
-    ) -> list[dict[str, Tensor]]:
-        """The inference branch of torchvision's forward for box and mask heads, with each detection's mask from its
-        predicted class's logits only (torchvision's ``maskrcnn_inference`` keeps the same map of all of them).
-
-        The sigmoid runs in fp32 when the predictor has an ``fp32_outputs`` precision region (the default fp32
-        regions), as the region's cast logits would; otherwise in the logits' dtype, as torchvision's does."""
-        box_features = self.box_head(self.box_roi_pool(features, proposals, image_shapes))
-        class_logits, box_regression = self.box_predictor(box_features)
-        boxes, scores, labels = self.postprocess_detections(class_logits, box_regression, proposals, image_shapes)
-        mask_features = self.mask_head(self.mask_roi_pool(features, boxes, image_shapes))
-        logits = labelled_logits(self.mask_predictor, mask_features, torch.cat(labels))
-        if casts_outputs_to_fp32(self.mask_predictor):
-            logits = logits.float()
-        masks = logits.sigmoid().unsqueeze(1).split([len(image_labels) for image_labels in labels])
-        return [{"boxes": b, "labels": c, "scores": s, "masks": m} for b, c, s, m in zip(boxes, labels, scores, masks)]
 
     def assign_targets_to_proposals(
         self, proposals: list[Tensor], gt_boxes: list[Tensor], gt_labels: list[Tensor]
@@ -257,7 +212,7 @@ class ExtRoIHeads(RoIHeads):
         keep = batched_nms(boxes, scores, labels, self.nms_thresh, max_output=self.detections_per_img)
         return boxes[keep], scores[keep], labels[keep]
 
-    # --- sync-free post-processing (CUDA; issue 13) --------------------------------------------------------
+    # --- sync-free post-processing (CUDA) ------------------------------------------------------------------
     def _detections_padded(
         self, all_boxes: tuple[Tensor, ...], all_scores: tuple[Tensor, ...], image_shapes: list[tuple[int, int]]
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
@@ -312,7 +267,7 @@ def use_extension_ops(model: GeneralizedRCNN) -> GeneralizedRCNN:
             raise TypeError(
                 f"model.{name} is a {type(module).__qualname__}, not torchvision's {expected.__qualname__}; "
                 "use_extension_ops only converts torchvision's own heads. Call lit_amp_det.ops from your "
-                "subclass instead, or set model.ops=torchvision."
+                "subclass instead, or leave out the ext_ops speedup (speedups.ext_ops=null)."
             )
         module.__class__ = replacement
         module.box_similarity = box_iou
@@ -321,6 +276,4 @@ def use_extension_ops(model: GeneralizedRCNN) -> GeneralizedRCNN:
         pooler = getattr(heads, attr, None)
         if isinstance(pooler, TorchvisionMultiScaleRoIAlign):
             setattr(heads, attr, _lit_pooler(pooler))
-    for part in (heads.box_head, heads.box_predictor):  # their row count is the kept proposals' at inference
-        use_bounded_linears(part)
     return model

@@ -1,16 +1,14 @@
 """Pasting each detection's mask into the image as booleans, without torchvision's float canvas per detection.
 
 torchvision's ``GeneralizedRCNNTransform.postprocess`` pastes every detection's ``M x M`` mask probabilities into a
-float32 image of the original size (``paste_masks_in_image``: a zero canvas per detection, then a stacked copy of
-them all), and the caller thresholds that. For a 12-megapixel photo with 50 detections that is 2.4 GB of canvases
-plus 2.4 GB for the stack, to produce 600 MB of booleans.
+float32 image of the original size (a zero canvas per detection, then a stacked copy of them all), and the caller
+thresholds that: gigabytes for a large photo with many detections, to produce booleans.
 
 :func:`paste_masks_binary` computes the same thing in the order that needs no canvas: each mask is resized to its
-box exactly as torchvision resizes it (the same padding, box expansion, integer box and bilinear interpolation),
-compared with the threshold there, and only the boolean box region is written into a boolean ``[N, 1, H, W]``
-result. The booleans equal ``paste_masks_in_image(...) > threshold`` bit for bit (``tests/test_mask_paste.py``,
-against torchvision's function). :class:`BinaryMaskTransform` is torchvision's transform with that paste, and
-:func:`use_binary_mask_paste` installs it (``model.binary_mask_paste``).
+box exactly as torchvision resizes it, compared with the threshold there, and only the boolean box region is written
+into a boolean ``[N, 1, H, W]`` result, equal to ``paste_masks_in_image(...) > threshold`` bit for bit.
+:class:`BinaryMaskTransform` is torchvision's transform with that paste, and :func:`use_binary_mask_paste` installs
+it (``model.binary_mask_paste``).
 """
 
 from __future__ import annotations

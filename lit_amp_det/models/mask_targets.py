@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lit_amp_det.ops import roi_align
 
-__all__ = ["labelled_maskrcnn_loss", "maskrcnn_loss", "positive_labels", "project_masks_on_boxes"]
+__all__ = ["maskrcnn_loss", "positive_labels", "project_masks_on_boxes"]
 
 
 def _rois(proposals: Sequence[Tensor], matched_idxs: Sequence[Tensor], offsets: Sequence[int]) -> Tensor:
@@ -102,13 +102,3 @@ def maskrcnn_loss(mask_logits: Tensor, proposals: Sequence[Tensor], gt_masks: Se
 def positive_labels(gt_labels: Sequence[Tensor], mask_matched_idxs: Sequence[Tensor]) -> Tensor:
     """``Tensor[sum K_i]``: the class of every positive proposal's matched ground truth, in image order."""
     return torch.cat([labels[idxs] for labels, idxs in zip(gt_labels, mask_matched_idxs)])
-
-
-def labelled_maskrcnn_loss(labelled_logits: Tensor, proposals: Sequence[Tensor], gt_masks: Sequence[Tensor],
-                           mask_matched_idxs: Sequence[Tensor]) -> Tensor:
-    """:func:`maskrcnn_loss` from each proposal's own-class logits only (``Tensor[sum K_i, S, S]``, see
-    :mod:`lit_amp_det.models.labelled_mask_logits`), computed in fp32 as under the predictor's fp32 region."""
-    targets = project_masks_on_boxes(gt_masks, proposals, mask_matched_idxs, labelled_logits.shape[-1])
-    if targets.numel() == 0:
-        return labelled_logits.sum() * 0
-    return F.binary_cross_entropy_with_logits(labelled_logits.to(torch.float32), targets.to(torch.float32))

@@ -1,11 +1,10 @@
 """Builds torchvision Mask R-CNN / Faster R-CNN models from plain configuration values.
 
-Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, RPN and RoI-head
-settings, head widths) is an argument here, so the Hydra ``model`` node maps one to one onto these
-functions and :class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Pretrained weights are
-named as torchvision names them (``weights="IMAGENET1K_V1"`` for a trunk, ``weights="COCO_V1"`` for a detector whose
-architecture matches a torchvision checkpoint); each builder checks the name it owns and
-:mod:`lit_amp_det.models.weights` fetches the file through torch hub's cache.
+Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, RPN and RoI-head settings, head
+widths) is an argument here, so the Hydra ``model`` node maps one to one onto these functions and
+:class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Pretrained weights are named as torchvision
+names them (``"IMAGENET1K_V1"`` for a trunk, ``"COCO_V1"`` for a detector) and fetched by
+:mod:`lit_amp_det.models.weights`.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from torchvision.ops.poolers import initLevelMapper  # not in torchvision's __al
 
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
-from lit_amp_det.models.ext_ops import OPS_BACKENDS, use_extension_ops
 from lit_amp_det.models.norms import FrozenBatchNorm2d
 from lit_amp_det.models.weights import (
     BACKBONE_WEIGHTS,
@@ -90,7 +88,11 @@ def _detection_weights(weights: str | None, mask: bool) -> tuple[DetectionCheckp
     if weights in NO_WEIGHTS:
         return None
     family = detection_checkpoint(mask)
-    return family, resolve_weights(family.enum, str(weights), "weights")
+    try:
+        return family, resolve_weights(family.enum, str(weights), "weights")
+    except ArgumentError as err:  # the module also takes a local file here: say how one is told apart
+        raise ArgumentError(err.argument, err.value, f"{err.problem}; a local file needs a directory part or a "
+                            ".ckpt/.pt/.pth ending (./model.pt)") from None
 
 
 def build_backbone(
@@ -160,7 +162,6 @@ def build_detector(
     num_classes: int,
     *,
     mask: bool = True,
-    ops: str = "ext",
     backbone: Mapping[str, Any] | None = None,
     transform: Mapping[str, Any] | None = None,
     rpn: Mapping[str, Any] | None = None,
@@ -168,12 +169,13 @@ def build_detector(
     weights: str | None = None,
     load_weights: bool = True,
 ) -> FasterRCNN:
-    """Builds a torchvision Mask R-CNN (``mask=True``) or Faster R-CNN (``mask=False``).
+    """Builds a torchvision Mask R-CNN (``mask=True``) or Faster R-CNN (``mask=False``) on torchvision's ops.
+
+    lit_amp_det's kernels are an implementation choice applied afterwards
+    (:class:`lit_amp_det.models.speedups.ExtensionOps`).
 
     Args:
         num_classes: number of classes including background.
-        ops: ``"ext"`` runs NMS, RoIAlign and the matchers' IoU on lit_amp_det's kernels
-            (:func:`lit_amp_det.models.ext_ops.use_extension_ops`); ``"torchvision"`` keeps torchvision's.
         backbone: keyword arguments of :func:`build_backbone`.
         transform: ``min_size``, ``max_size``, ``image_mean``, ``image_std``, ``size_divisible``.
         rpn: ``anchor_sizes`` (one per FPN level), ``aspect_ratios``, ``pre_nms_top_n_train/test``,
@@ -193,8 +195,6 @@ def build_detector(
     """
     if num_classes < 2:
         raise ArgumentError("num_classes", num_classes, "must count background plus at least one class")
-    if ops not in OPS_BACKENDS:
-        raise ArgumentError("ops", ops, f"is unknown; choose one of {list(OPS_BACKENDS)}")
     pretrained = _detection_weights(weights, mask)
     backbone_cfg = dict(backbone or {})
     if pretrained is not None and load_weights and backbone_cfg.get("weights") not in NO_WEIGHTS:
@@ -257,7 +257,7 @@ def build_detector(
     _fix_pooler_scales(detector, returned_layers)
     if pretrained is not None and load_weights:
         load_detection_weights(detector, pretrained[1], num_classes, "weights", str(weights))
-    return use_extension_ops(detector) if ops == "ext" else detector
+    return detector
 
 
 def _check_architecture(weights: str | None, family: DetectionCheckpoint, configured: Mapping[str, Any]) -> None:

@@ -1,19 +1,12 @@
 """Pretrained weights by name, through torchvision's weight enums and torch hub's file cache.
 
-``model.backbone.weights=IMAGENET1K_V1`` names a member of the trunk's torchvision enum (``ResNet50_Weights``
-...), ``model.weights=COCO_V1`` a member of the enum of the torchvision detection checkpoint whose architecture
-the configured model has (:data:`DETECTION_CHECKPOINTS`). Files are fetched exactly as torchvision fetches them
-(``WeightsEnum.get_state_dict``, i.e. ``torch.hub.load_state_dict_from_url``): they live in
-``$TORCH_HOME/hub/checkpoints/`` under the file name of their URL, a file already there is loaded without touching
-the network (torch hub does not re-check its hash), and a download is checked against the hash in its name. So an
-offline machine works once the file has been copied into that folder, and when it is missing and the download
-fails, one :class:`WeightsUnavailableError` names the file, the URL and the folder.
-
-The builders in :mod:`lit_amp_det.models.maskrcnn` own the ``weights`` arguments: they resolve the names here
-(:func:`resolve_weights`), check the architecture (:func:`architecture_mismatches`) and load
-(:func:`load_backbone_weights`, :func:`load_detection_weights`). A COCO checkpoint loaded into a model with
-another class count loads everything but the class-dependent predictor layers (:data:`CLASS_DEPENDENT`), which
-keep their fresh initialisation: the usual fine-tuning start.
+``model.backbone.weights=IMAGENET1K_V1`` names a member of the trunk's torchvision enum, ``model.weights=COCO_V1`` a
+member of the enum of the torchvision detection checkpoint whose architecture the model has
+(:data:`DETECTION_CHECKPOINTS`). Files are fetched as torchvision fetches them (``torch.hub``): a file already in
+``$TORCH_HOME/hub/checkpoints/`` is loaded without the network, and a download is checked against its hash, so an
+offline machine works once the file is copied there; otherwise one :class:`WeightsUnavailableError` names the file,
+the URL and the folder. A COCO checkpoint loaded into a model with another class count loads everything but the
+class-dependent predictor layers (:data:`CLASS_DEPENDENT`): the usual fine-tuning start.
 """
 
 from __future__ import annotations
@@ -33,43 +26,24 @@ from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights, MaskRC
 
 from lit_amp_det.errors import ArgumentError
 
-__all__ = [
-    "NO_WEIGHTS",
-    "BACKBONE_WEIGHTS",
-    "CLASS_DEPENDENT",
-    "DETECTION_CHECKPOINTS",
-    "DetectionCheckpoint",
-    "WeightsMismatchError",
-    "WeightsUnavailableError",
-    "architecture_mismatches",
-    "cached_file",
-    "detection_checkpoint",
-    "fetch_state_dict",
-    "load_backbone_weights",
-    "load_detection_weights",
-    "resolve_weights",
-]
+__all__ = ["NO_WEIGHTS", "BACKBONE_WEIGHTS", "CLASS_DEPENDENT", "DETECTION_CHECKPOINTS", "DetectionCheckpoint",
+           "WeightsMismatchError", "WeightsUnavailableError", "architecture_mismatches", "cached_file",
+           "detection_checkpoint", "fetch_state_dict", "load_backbone_weights", "load_detection_weights",
+           "resolve_weights"]
 
 log = logging.getLogger(__name__)
 
 #: torchvision's ImageNet weight enum of each trunk (``resnet10`` is lit_amp_det's own and has none).
-BACKBONE_WEIGHTS: dict[str, type[WeightsEnum]] = {
-    "resnet18": ResNet18_Weights,
-    "resnet34": ResNet34_Weights,
-    "resnet50": ResNet50_Weights,
-    "resnet101": ResNet101_Weights,
-}
+BACKBONE_WEIGHTS: dict[str, type[WeightsEnum]] = {"resnet18": ResNet18_Weights, "resnet34": ResNet34_Weights,
+                                                  "resnet50": ResNet50_Weights, "resnet101": ResNet101_Weights}
 
 #: Detector tensors whose shape follows the class count: re-initialised when fine-tuning on other classes.
-CLASS_DEPENDENT = (
-    "roi_heads.box_predictor.cls_score.",
-    "roi_heads.box_predictor.bbox_pred.",
-    "roi_heads.mask_predictor.mask_fcn_logits.",
-)
-
+CLASS_DEPENDENT = ("roi_heads.box_predictor.cls_score.", "roi_heads.box_predictor.bbox_pred.",
+                   "roi_heads.mask_predictor.mask_fcn_logits.")
 
 #: Values of a ``weights`` argument that mean "no pretrained weights" (YAML's null and its spellings).
 NO_WEIGHTS = (None, "", "none", "None", "null")
+
 
 @dataclass(frozen=True)
 class DetectionCheckpoint:
@@ -97,16 +71,12 @@ _R50_FPN = {
     "roi_heads.box_head_width": 1024,
 }
 
-#: The torchvision checkpoints whose architecture :func:`lit_amp_det.models.build_detector` can build
-#: (``conf/model/maskrcnn_r50_fpn.yaml``; with ``model.mask=false`` for Faster R-CNN). The ``_v2`` families
-#: are left out: their heads (two-conv RPN, conv box head, BatchNorm in the heads) are not built here.
+#: The torchvision checkpoints whose architecture :func:`lit_amp_det.models.build_detector` can build (the ``_v2``
+#: families are left out: their heads are not built here).
 DETECTION_CHECKPOINTS: dict[str, DetectionCheckpoint] = {
     "maskrcnn_resnet50_fpn": DetectionCheckpoint(
-        "maskrcnn_resnet50_fpn",
-        MaskRCNN_ResNet50_FPN_Weights,
-        mask=True,
-        architecture={**_R50_FPN, "roi_heads.mask_head_layers": [256, 256, 256, 256]},
-    ),
+        "maskrcnn_resnet50_fpn", MaskRCNN_ResNet50_FPN_Weights, mask=True,
+        architecture={**_R50_FPN, "roi_heads.mask_head_layers": [256, 256, 256, 256]}),
     "fasterrcnn_resnet50_fpn": DetectionCheckpoint(
         "fasterrcnn_resnet50_fpn", FasterRCNN_ResNet50_FPN_Weights, mask=False, architecture=_R50_FPN
     ),
@@ -114,10 +84,8 @@ DETECTION_CHECKPOINTS: dict[str, DetectionCheckpoint] = {
 
 
 class WeightsUnavailableError(ArgumentError, FileNotFoundError):
-    """Named weights that are not in the cache and could not be downloaded (or are in it but unreadable).
-
-    Its ``repr`` is the message: Hydra reports errors raised inside ``instantiate`` by their ``repr``.
-    """
+    """Named weights that are not in the cache and could not be downloaded (or are in it but unreadable); its
+    ``repr`` is the message, as Hydra reports errors raised inside ``instantiate`` by their ``repr``."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}: {self}"
@@ -131,11 +99,8 @@ class WeightsMismatchError(ArgumentError):
 
 
 def resolve_weights(enum: type[WeightsEnum], name: str, argument: str) -> WeightsEnum:
-    """The member of ``enum`` called ``name`` (``"IMAGENET1K_V1"``, ``"DEFAULT"`` or ``"ResNet50_Weights.DEFAULT"``).
-
-    ``argument`` is the argument that gave the name (``backbone.weights``); an unknown name is an
-    :class:`ArgumentError` that quotes it and lists the valid ones.
-    """
+    """The member of ``enum`` called ``name`` (``"IMAGENET1K_V1"``, ``"DEFAULT"`` or ``"ResNet50_Weights.DEFAULT"``);
+    an unknown name is an :class:`ArgumentError` on ``argument`` that lists the valid ones."""
     member = str(name).removeprefix(f"{enum.__name__}.")
     if member not in enum.__members__:
         raise ArgumentError(
@@ -151,15 +116,10 @@ def detection_checkpoint(mask: bool) -> DetectionCheckpoint:
 
 
 def architecture_mismatches(checkpoint: DetectionCheckpoint, configured: Mapping[str, Any]) -> list[str]:
-    """``"backbone.fpn_channels=64 (needs 256)"`` for every setting that differs from the checkpoint's.
-
-    ``configured`` maps the same argument names as ``checkpoint.architecture`` to the model's effective values.
-    """
-    return [
-        f"{key}={_as_override(configured.get(key))} (needs {_as_override(value)})"
-        for key, value in checkpoint.architecture.items()
-        if _normalised(configured.get(key)) != _normalised(value)
-    ]
+    """``"backbone.fpn_channels=64 (needs 256)"`` for every setting that differs from the checkpoint's; ``configured``
+    maps the names of ``checkpoint.architecture`` to the model's effective values."""
+    return [f"{key}={_as_override(configured.get(key))} (needs {_as_override(value)})"
+            for key, value in checkpoint.architecture.items() if _normalised(configured.get(key)) != _normalised(value)]
 
 
 def _normalised(value: Any) -> Any:
@@ -181,8 +141,7 @@ def cached_file(weights: WeightsEnum) -> Path:
 def fetch_state_dict(weights: WeightsEnum, argument: str, name: str) -> dict[str, Tensor]:
     """``weights``' state dict, from the torch hub cache or downloaded into it (``weights_only`` loading).
 
-    ``argument`` and ``name`` are the argument that asked for them and the name it was given (``weights``,
-    ``"COCO_V1"``), for messages. Raises
+    ``argument`` and ``name`` (the argument and the name it was given) are for messages. Raises
     :class:`WeightsUnavailableError` naming the file, URL and folder when the file is not cached and the download
     fails, or when a cached file cannot be read.
     """
@@ -238,8 +197,7 @@ def _check_fit(module: nn.Module, state: Mapping[str, Tensor], argument: str, na
 def load_backbone_weights(trunk: nn.Module, weights: WeightsEnum, argument: str, name: str) -> None:
     """Loads ImageNet ``weights`` into a torchvision ResNet ``trunk`` (classifier included), as torchvision does.
 
-    The trunk's norm layers may be ``BatchNorm2d`` or a ``FrozenBatchNorm2d`` (whose loader drops the step
-    counters), so frozen and trainable norms start from the same statistics.
+    The trunk's norms may be ``BatchNorm2d`` or ``FrozenBatchNorm2d``: both start from the same statistics.
     """
     state = fetch_state_dict(weights, argument, name)
     _check_fit(trunk, state, argument, name, cached_file(weights))

@@ -4,10 +4,6 @@
 * :func:`roi_align` / :class:`RoIAlign` -- torchvision's RoIAlign, native in fp16/bf16 and channels_last.
 * :func:`multi_level_roi_align` / :class:`MultiScaleRoIAlign` -- every FPN level pooled in one call.
 * :func:`box_iou` -- the matchers' IoU matrix, in fp32.
-* :func:`master_sgd_step_` / :func:`all_finite` -- the half-weights mode's SGD step in one pass over memory, and
-  the step's non-finite check in one read.
-* :func:`winograd_input_tiles` / :func:`winograd_gradient_tiles` / :func:`winograd_output_` -- the tile transforms
-  of a Winograd F(2x2, 3x3) convolution (:mod:`lit_amp_det.ops.winograd`).
 
 The kernels live in ``lit_amp_det/csrc`` and register under ``torch.ops.lit_amp_det``; each function here
 has a fake kernel for ``torch.compile``/export and, where differentiable, an autograd formula. Without the
@@ -17,15 +13,12 @@ compiled extension every op runs its :mod:`lit_amp_det.ops.reference` implementa
 from lit_amp_det.ops._extension import compiled_cuda_version, extension_available, extension_error
 from lit_amp_det.ops.boxes import box_iou
 from lit_amp_det.ops.nms import batched_nms, nms
-from lit_amp_det.ops.optim_step import all_finite, master_sgd_step_
 from lit_amp_det.ops.poolers import MultiScaleRoIAlign, assign_fpn_levels, infer_spatial_scale
 from lit_amp_det.ops.roi_align import RoIAlign, boxes_to_rois, multi_level_roi_align, roi_align
-from lit_amp_det.ops.winograd import winograd_gradient_tiles, winograd_input_tiles, winograd_output, winograd_output_
 
 __all__ = [
     "MultiScaleRoIAlign",
     "RoIAlign",
-    "all_finite",
     "assign_fpn_levels",
     "batched_nms",
     "box_iou",
@@ -34,12 +27,7 @@ __all__ = [
     "extension_available",
     "extension_error",
     "infer_spatial_scale",
-    "master_sgd_step_",
     "multi_level_roi_align",
     "nms",
     "roi_align",
-    "winograd_gradient_tiles",
-    "winograd_input_tiles",
-    "winograd_output",
-    "winograd_output_",
 ]

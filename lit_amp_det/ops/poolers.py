@@ -1,13 +1,10 @@
 """Drop-in ``MultiScaleRoIAlign`` that pools all FPN levels with one kernel call.
 
-torchvision's module allocates a zeros output and, per level, selects that level's RoIs, pools them and
-scatters the rows back (TVM measured > 10 ms of Mask R-CNN inference in that loop). This one infers the
-levels' scales and assigns each box its level exactly as torchvision does, then
-:func:`lit_amp_det.ops.multi_level_roi_align` writes every row in place in RoI order: same output, no
-scatter, and one backward call.
-
-The helpers the forward calls are ``torch.fx.wrap``-ed, as torchvision's are, so ``symbolic_trace`` of a
-model that holds this module records them as leaves instead of failing on the Python control flow inside.
+torchvision's module allocates a zeros output and, per level, selects that level's RoIs, pools them and scatters
+the rows back. This one infers the levels' scales and assigns each box its level exactly as torchvision does, then
+:func:`lit_amp_det.ops.multi_level_roi_align` writes every row in place in RoI order: same output, no scatter, and
+one backward call. The forward's helpers are ``torch.fx.wrap``-ed, as torchvision's are, so ``symbolic_trace``
+records them as leaves.
 """
 
 from __future__ import annotations
@@ -153,7 +150,7 @@ class MultiScaleRoIAlign(nn.Module):
         raise RuntimeError(
             "lit_amp_det.ops.MultiScaleRoIAlign cannot be compiled with torch.jit.script (TorchScript is "
             "deprecated by PyTorch): use torch.compile or torch.export instead, which trace through the op's "
-            "fake kernels, or build the model with model.ops=torchvision for a scriptable one"
+            "fake kernels, or build the model with speedups.ext_ops=null (torchvision's ops) for a scriptable one"
         )
 
     def __repr__(self) -> str:

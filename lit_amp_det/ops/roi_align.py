@@ -1,10 +1,9 @@
 """RoIAlign that runs natively in fp16/bf16 and pools every FPN level in one call.
 
-Under autocast torchvision's RoIAlign copies the feature map to fp32 and the result back (and before that
-fix, fp32 RoIs meeting fp16 features raised). These kernels read fp16/bf16/fp32 features through their
-strides, channels_last included, take RoIs of any float dtype and accumulate in fp32: no copies, same
-numbers. :func:`multi_level_roi_align` pools RoIs assigned to different FPN levels straight into one output
-in RoI order, replacing the zeros-then-scatter loop over levels of ``torchvision.ops.MultiScaleRoIAlign``.
+Under autocast torchvision's RoIAlign copies the feature map to fp32 and the result back. These kernels read
+fp16/bf16/fp32 features through their strides, channels_last included, take RoIs of any float dtype and accumulate
+in fp32: no copies, same numbers. :func:`multi_level_roi_align` pools RoIs of all FPN levels straight into one
+output in RoI order, replacing ``torchvision.ops.MultiScaleRoIAlign``'s zeros-then-scatter loop over levels.
 
 Autocast policy: no autocast kernel is registered, so both ops run in the dtype they are given and return
 it; the backward accumulates in fp32 and returns the feature dtype.

@@ -11,10 +11,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 
 from lit_amp_det.errors import ArgumentError
-from lit_amp_det.optim.memory_order import MEMORY_ORDER_STEPS, align_before_fused_step
+from lit_amp_det.optim.memory_order import align_before_fused_step
 
 __all__ = ["build_optimizer", "check_reference_batch", "fused_available", "global_batch_size", "scale_lr"]
 
@@ -28,48 +28,23 @@ def fused_available(params: Iterable[torch.Tensor]) -> bool:
 def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """Instantiates ``config`` (a ``_target_`` mapping such as ``torch.optim.SGD``) for ``params``.
 
-    Two keys are read here rather than passed on:
-
-    * ``fused: auto`` picks the fused single-kernel implementation wherever every parameter's device has one;
-      ``fused: null`` leaves the choice to PyTorch (``foreach``).
-    * ``memory_order_views`` (default true): a fused ``torch.optim.SGD``/``Adam``/``AdamW`` on the CPU is built
-      as its :mod:`lit_amp_det.optim.memory_order` subclass, the same update without PyTorch's per-step copy of
-      every channels_last gradient.
-
-    Every other fused optimizer gets a step pre-hook that gives the gradients and the state its parameters'
-    memory order first (:func:`~lit_amp_det.optim.memory_order.align_with_params`), which PyTorch's fused
-    kernels assume; the subclasses do that inside their step.
+    ``fused: auto`` (read here, not passed on) picks the fused single-kernel implementation wherever every
+    parameter's device has one; ``fused: null`` leaves the choice to PyTorch (``foreach``). A fused optimizer gets a
+    step pre-hook that gives the gradients and the state their parameters' memory order first
+    (:func:`~lit_amp_det.optim.memory_order.align_with_params`), which PyTorch's fused kernels assume.
     """
     if "_target_" not in config:
         raise ArgumentError("optimizer", dict(config), "needs a _target_ (e.g. torch.optim.SGD)")
     options = dict(config)
-    views = options.pop("memory_order_views", True)
-    if not isinstance(views, bool):
-        raise ArgumentError("optimizer.memory_order_views", views, "must be true or false")
     params = list(params)
     if options.get("fused") == "auto":
         options["fused"] = fused_available(params)
     if options.get("fused") is None:
         options.pop("fused", None)
-    fused = bool(options.get("fused"))
-    target_class = _located(options["_target_"])
-    if fused and views and target_class in MEMORY_ORDER_STEPS and all(p.device.type == "cpu" for p in params):
-        options["_target_"] = MEMORY_ORDER_STEPS[target_class]
     optimizer = instantiate(options, params=params)
-    if fused and type(optimizer) not in MEMORY_ORDER_STEPS.values():
+    if options.get("fused"):
         optimizer.register_step_pre_hook(align_before_fused_step)
     return optimizer
-
-
-def _located(target: Any) -> Any:
-    """What ``_target_`` names (a class, or a function that makes the optimizer); None where it cannot be found,
-    which ``instantiate`` then reports in its own words."""
-    if not isinstance(target, str):
-        return target
-    try:
-        return get_object(target)
-    except Exception:  # noqa: BLE001 -- instantiate raises the error the user sees
-        return None
 
 
 def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_batches: int) -> int:

@@ -1,11 +1,13 @@
-"""Mixed precision for detection: casting helpers, fp32 regions, low-precision weights with fp32 masters, and the
-Lightning precision plugins.
+"""Mixed precision for detection: casting helpers, fp32 regions, low-precision weights with fp32 masters, the
+non-finite step guard, and the Lightning precision plugins built from ``trainer.precision``.
 
 :func:`force_fp32` / :func:`auto_fp16` mark methods of research modules; they take effect whenever the
-plugin (built from ``trainer.precision``) turns mixed precision on for the module, and are no-ops otherwise.
+plugin (built by :func:`build_precision_plugin`) turns mixed precision on for the module, and are no-ops otherwise.
 :func:`use_low_precision_weights` is what ``trainer.precision=bf16-weights|16-weights`` does to the model;
 :func:`resolve_precision` is what ``trainer.precision=auto`` runs on a device (bf16 only where the CPU computes it
-natively).
+natively). One module per job: ``casting`` (casts and regions on methods), ``regions`` (fp32 regions of a model),
+``master_weights`` (the weights conversion), ``skip`` and ``guard`` (the non-finite step guard), ``full`` /
+``mixed`` / ``low_precision_weights`` (the plugins), ``state`` and ``build`` (checkpoint state, plugin from config).
 The names are imported on first access, so the accepted values in :mod:`lit_amp_det.precision.modes` can be read
 without importing torch or Lightning.
 """
@@ -15,33 +17,33 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "auto_fp16",
-    "cast_tensor_type",
-    "force_fp32",
-    "mixed_precision_dtype",
-    "set_mixed_precision",
-    "wrap_method",
-    "unwrap_method",
-    "DetectionMixedPrecision",
-    "FiniteStepPrecision",
-    "MasterWeightPrecision",
-    "MasterWeights",
-    "NonFiniteStepGuard",
-    "build_precision_plugin",
-    "cpu_computes_bf16_natively",
-    "install_fp32_regions",
-    "resolve_precision",
-    "trained_precision",
-    "use_low_precision_weights",
-]
+#: public name -> the module that defines it
+_MODULES = {
+    "auto_fp16": "casting",
+    "cast_tensor_type": "casting",
+    "force_fp32": "casting",
+    "mixed_precision_dtype": "casting",
+    "set_mixed_precision": "casting",
+    "wrap_method": "casting",
+    "unwrap_method": "casting",
+    "MasterWeights": "master_weights",
+    "use_low_precision_weights": "master_weights",
+    "cpu_computes_bf16_natively": "hardware",
+    "resolve_precision": "hardware",
+    "install_fp32_regions": "regions",
+    "NonFiniteStepGuard": "guard",
+    "FiniteStepPrecision": "full",
+    "DetectionMixedPrecision": "mixed",
+    "MasterWeightPrecision": "low_precision_weights",
+    "build_precision_plugin": "build",
+    "trained_precision": "build",
+    "warn_if_precision_changes": "build",
+}
 
-_CASTING = {"auto_fp16", "cast_tensor_type", "force_fp32", "mixed_precision_dtype", "set_mixed_precision",
-            "wrap_method", "unwrap_method"}
-_MASTER_WEIGHTS = {"MasterWeights", "use_low_precision_weights"}
-_HARDWARE = {"cpu_computes_bf16_natively", "resolve_precision"}
+__all__ = list(_MODULES)
 
 if TYPE_CHECKING:
+    from lit_amp_det.precision.build import build_precision_plugin, trained_precision, warn_if_precision_changes
     from lit_amp_det.precision.casting import (
         auto_fp16,
         cast_tensor_type,
@@ -51,30 +53,19 @@ if TYPE_CHECKING:
         unwrap_method,
         wrap_method,
     )
+    from lit_amp_det.precision.full import FiniteStepPrecision
+    from lit_amp_det.precision.guard import NonFiniteStepGuard
     from lit_amp_det.precision.hardware import cpu_computes_bf16_natively, resolve_precision
+    from lit_amp_det.precision.low_precision_weights import MasterWeightPrecision
     from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
-    from lit_amp_det.precision.plugin import (
-        DetectionMixedPrecision,
-        FiniteStepPrecision,
-        MasterWeightPrecision,
-        NonFiniteStepGuard,
-        build_precision_plugin,
-        install_fp32_regions,
-        trained_precision,
-    )
+    from lit_amp_det.precision.mixed import DetectionMixedPrecision
+    from lit_amp_det.precision.regions import install_fp32_regions
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
+    if name not in _MODULES:
         raise AttributeError(f"module 'lit_amp_det.precision' has no attribute {name!r}")
-    module = "lit_amp_det.precision.plugin"
-    if name in _CASTING:
-        module = "lit_amp_det.precision.casting"
-    elif name in _MASTER_WEIGHTS:
-        module = "lit_amp_det.precision.master_weights"
-    elif name in _HARDWARE:
-        module = "lit_amp_det.precision.hardware"
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(f"lit_amp_det.precision.{_MODULES[name]}"), name)
     globals()[name] = value
     return value
 

@@ -1,13 +1,10 @@
 """Mixed-precision casting helpers: recursive dtype casts, per-module opt-in, and fp32/fp16 regions.
 
-Autocast picks a dtype per operator, but detection heads contain numerically fragile code (box
-decoding, IoU, losses, sampling) that must run in float32 even when the rest of the network runs in
-float16 or bfloat16, and some backbones are best run wholly in low precision. Following MMCV's
-``fp16_utils``, a module opts in to mixed precision through an attribute (:func:`set_mixed_precision`)
-and its methods mark regions with :func:`force_fp32` / :func:`auto_fp16`; :func:`wrap_method` does the
-same for methods of third-party objects (e.g. torchvision's heads) without touching their class. Unlike
-MMCV this works with ``torch.autocast`` on CUDA and CPU, knows bfloat16, keeps autograd intact, and is
-traceable by ``torch.compile`` without graph breaks (no ExitStack, no per-call signature binding).
+Detection heads hold numerically fragile code (box decoding, IoU, losses, sampling) that must run in float32
+while the rest of the network runs in float16/bfloat16. As in MMCV's ``fp16_utils``, a module opts in through an
+attribute (:func:`set_mixed_precision`) and its methods mark regions with :func:`force_fp32` / :func:`auto_fp16`;
+:func:`wrap_method` does the same for one instance of a third-party class. Unlike MMCV this works with
+``torch.autocast`` on CUDA and CPU, knows bfloat16 and traces under ``torch.compile`` without graph breaks.
 """
 
 from __future__ import annotations
@@ -108,15 +105,12 @@ def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) ->
     return inputs  # str, bytes, numpy arrays, numbers, None, arbitrary objects
 
 
-def cast_tensor_type(
-    inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] | None, dst_type: torch.dtype
-) -> Any:
+def cast_tensor_type(inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] | None, dst_type: torch.dtype) -> Any:
     """Returns ``inputs`` with every tensor of dtype ``src_type`` converted to ``dst_type``.
 
-    Recurses through mappings (their type kept where it can be rebuilt, else a dict), lists, tuples and
-    namedtuples; leaves modules, strings, numpy arrays, numbers, None and tensors of other dtypes (int64
-    labels, bool masks) alone. ``src_type`` may be one dtype, several, or None for any floating dtype.
-    Containers are rebuilt, never mutated, and the casts are differentiable.
+    Recurses through mappings (type kept where it can be rebuilt, else a dict), lists, tuples and namedtuples,
+    rebuilding rather than mutating them; everything else is left alone. ``src_type`` may be one dtype, several,
+    or None for any floating dtype. The casts are differentiable.
     """
     return _cast(inputs, _source_dtypes(src_type), _check_dtype(dst_type, "dst_type"))
 
@@ -141,11 +135,8 @@ def _set_attr(obj: object, dtype: torch.dtype | None) -> None:
 
 
 def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> None:
-    """Turns mixed precision on (``dtype`` float16/bfloat16) or off (None) for ``obj``.
-
-    For a module this applies to it and all its submodules, so every decorated method below it sees the
-    same setting; for any other object just to that object.
-    """
+    """Turns mixed precision on (``dtype`` float16/bfloat16) or off (None) for ``obj`` and, for a module, all
+    its submodules, so every decorated method below it sees the same setting."""
     if dtype is not None and dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or None (off), got {dtype!r}")
     targets = obj.modules() if isinstance(obj, nn.Module) else (obj,)
@@ -159,8 +150,7 @@ def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> N
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """A context switching autocast off for ``device_type`` if it is on now, else a no-op context.
 
-    Used as ``with _autocast_off("cuda"), _autocast_off("cpu"):`` rather than through an ExitStack or a
-    composite context manager, because torch.compile traces only autocast contexts entered by ``with``.
+    Entered by ``with`` (not an ExitStack) because torch.compile traces only autocast contexts entered so.
     """
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
@@ -215,9 +205,8 @@ def _checked_apply_to(
 class _ArgumentPlan:
     """Which positions and keywords of a call to cast, worked out once from the signature.
 
-    Per-call ``Signature.bind`` would be simpler, but torch.compile traces into ``inspect`` and breaks
-    the graph there as soon as the traced code has mutated any dict (e.g. a loss dict); tuple and dict
-    lookups against this plan trace cleanly. ``None`` in place of a plan means "cast all but self".
+    Per-call ``Signature.bind`` breaks torch.compile graphs once traced code has mutated a dict; lookups against
+    this plan trace cleanly. ``None`` in place of a plan means "cast all but self".
     """
 
     positions: frozenset[int]  # indices into args, self being index 0
@@ -244,13 +233,9 @@ class _ArgumentPlan:
                 var_positional_from = index  # positional parameters all come before *args
             if parameter.kind is kind.VAR_KEYWORD:
                 var_keyword = wanted
-        return cls(
-            positions=frozenset(positions),
-            keywords=frozenset(keywords),
-            var_positional_from=var_positional_from,
-            var_keyword=var_keyword,
-            parameter_keywords=frozenset(parameter_keywords),
-        )
+        return cls(positions=frozenset(positions), keywords=frozenset(keywords),
+                   var_positional_from=var_positional_from, var_keyword=var_keyword,
+                   parameter_keywords=frozenset(parameter_keywords))
 
     def casts_position(self, index: int) -> bool:
         """Whether ``args[index]`` of a call (self at 0) is to be cast."""
@@ -269,13 +254,8 @@ def _plan(decorator: str, func: Callable[..., Any], apply_to: Iterable[str] | No
     return None if names is None else _ArgumentPlan.build(signature, names)
 
 
-def _cast_call_arguments(
-    plan: _ArgumentPlan | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    src: tuple[torch.dtype, ...],
-    dst: torch.dtype,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _cast_call_arguments(plan: _ArgumentPlan | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         src: tuple[torch.dtype, ...], dst: torch.dtype) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Casts the call's arguments selected by ``plan`` from ``src`` to ``dst``; ``args[0]`` is self."""
     if plan is None:
         return (args[0], *_cast(args[1:], src, dst)), _cast(kwargs, src, dst)
@@ -291,12 +271,10 @@ def _mark(wrapper: _F, region: str) -> _F:
 
 
 def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) -> Callable[[_F], _F]:
-    """Decorates a method to run in float32 when mixed precision is on for its instance.
+    """Decorates a method to run in float32 when mixed precision is on for its instance (else unchanged).
 
-    The arguments named in ``apply_to`` (all but self when None) have their float16/bfloat16 tensors cast
-    to float32 and the body runs with autocast off, so losses and box arithmetic keep full precision.
-    ``out_fp16`` casts float32 outputs back to the instance's low dtype. With mixed precision off for the
-    instance the method runs unchanged.
+    The arguments named in ``apply_to`` (all but self when None) have their float16/bfloat16 tensors cast to
+    float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype.
     """
 
     def decorator(func: _F) -> _F:
@@ -318,12 +296,11 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
 
 
 def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> Callable[[_F], _F]:
-    """Decorates a method to run in its instance's low dtype when mixed precision is on for it.
+    """Decorates a method to run in its instance's low dtype when mixed precision is on for it (else unchanged).
 
-    The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the
-    low dtype and the body runs under ``torch.autocast`` with that dtype, on the device type of the first
-    tensor argument. ``out_fp32`` casts low-precision outputs to float32 for fp32 consumers. With mixed
-    precision off for the instance the method runs unchanged.
+    The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the low
+    dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type; ``out_fp32``
+    casts low-precision outputs to float32.
     """
 
     def decorator(func: _F) -> _F:
@@ -352,17 +329,15 @@ WrapMode = RegionMode
 class _InstanceRegion:
     """Callable stored on one instance in place of its method ``name``, running it as a precision region.
 
-    A class rather than a closure so that ``copy.deepcopy`` and pickling of the owner keep working: the
-    owner and the plain function are ordinary attributes, so a deep copy calls the copied owner.
+    A class rather than a closure so that a deep copy or pickle of the owner calls the copied owner.
     """
 
     def __init__(self, owner: object, name: str, mode: WrapMode) -> None:
         bound = getattr(owner, name)
-        # store the unbound function where possible, so copies of the owner are not tied to this one
+        # the unbound function where possible, so copies of the owner are not tied to this one
         is_method = inspect.ismethod(bound) and bound.__self__ is owner
         self.owner, self.name, self.mode = owner, name, mode
-        # an instance-level callable to put back on unwrap (a flag, not a sentinel: sentinels do not
-        # survive deepcopy or pickling)
+        # a flag, not a sentinel (sentinels do not survive deepcopy): an instance callable to restore on unwrap
         self.shadowed_instance_attr = name in vars(owner)
         self.previous = vars(owner).get(name)
         self.function = bound.__func__ if is_method else bound
@@ -380,9 +355,7 @@ class _InstanceRegion:
         return self.function(*args, **kwargs)
 
     def in_force(self) -> bool:
-        """Whether the region changes a call now: mixed precision is on for its owner (decided per call: the policy
-        may change later). Read by code that reproduces the region's effect without calling it (the own-class mask
-        logits of :mod:`lit_amp_det.models.labelled_mask_logits`)."""
+        """Whether mixed precision is on for the owner now (decided per call: the policy may change)."""
         return mixed_precision_dtype(self.owner) is not None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -411,10 +384,9 @@ def _current(owner: object, name: str) -> Any:
 def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
     """Makes ``owner.<name>`` a precision region on this instance only (its class is untouched).
 
-    ``mode="fp32"`` behaves like :func:`force_fp32` (low-precision inputs to float32, autocast off);
-    ``mode="fp32_outputs"`` runs the method as usual and casts its float16/bfloat16 outputs to float32.
-    Both do nothing while ``mixed_precision_dtype(owner)`` is None, checked at call time. Wrapping again
-    in the same mode is a no-op; for ``name="forward"`` on a module, ``module(x)`` goes through it.
+    ``mode="fp32"`` behaves like :func:`force_fp32`; ``mode="fp32_outputs"`` casts the method's low-precision
+    outputs to float32. Both do nothing while ``mixed_precision_dtype(owner)`` is None (checked per call).
+    Wrapping again in the same mode is a no-op.
     """
     if mode not in REGION_MODES:
         raise ValueError(f"mode must be one of {REGION_MODES}, got {mode!r}")

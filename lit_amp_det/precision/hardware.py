@@ -2,10 +2,8 @@
 
 Mixed precision pays on a CPU only where the CPU computes bf16 itself. torch routes a bf16 matmul or convolution to
 oneDNN's fast kernels only on CPUs with AVX-512 (BW/VL/DQ), AMX-BF16 or AVX-NE-CONVERT; everywhere else (AVX2-only
-CPUs: Intel Core chips without AVX-512, AMD before Zen 4, many cloud VMs) it takes slow paths. Measured on a 2-core
-AMD EPYC (Zen 3, AVX2; torch 2.14.1): a bf16 matmul ran at 1.3 GFLOP/s against 148 in fp32, and the light Mask
-R-CNN's training step (trained state, batch 4, 224 px) took 7.3 s in ``bf16-mixed`` against 0.58 s in ``32-true``:
-12.5x slower (BENCHMARKS.md, "A CPU without native bf16"). So:
+CPUs: Intel Core chips without AVX-512, AMD before Zen 4, many cloud VMs) it takes slow paths, and a bf16 training
+step runs many times slower than an fp32 one. So:
 
 - ``trainer.precision=auto`` (the default) is ``16-mixed`` on CUDA, ``bf16-mixed`` on a CPU that computes bf16
   natively, and ``32-true`` on any other CPU; the choice and its reason are logged.
@@ -26,7 +24,7 @@ __all__ = ["AUTO", "auto_precision", "cpu_computes_bf16_natively", "cpu_capabili
 
 #: the ``trainer.precision`` value that picks the device's fast precision
 AUTO = "auto"
-#: what a CPU without native bf16 costs, as measured (see the module docstring), for the messages
+#: what a CPU without native bf16 costs, for the messages
 _MEASURED_COST = "the light Mask R-CNN's training step ran 12x slower in bf16-mixed than in 32-true on such a CPU"
 
 

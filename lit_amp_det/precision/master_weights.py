@@ -1,28 +1,24 @@
 """Low-precision weights with fp32 master copies: MMCV's ``wrap_fp16_model`` + ``patch_norm_fp32`` + fp32 masters.
 
-Autocast keeps the parameters in fp32 and casts every weight to bf16/fp16 each time an op uses it (Lightning runs
-autocast with its weight cache off, so a weight shared by several calls, such as the RPN head over five FPN levels,
-is cast once per call), and the gradient of every cast back to fp32 in the backward. Here the model itself holds
-its weights in the low dtype, so the forward and backward use them as they are, and an fp32 *master* copy of each
-weight is what the optimizer steps: after backward each low-precision gradient is copied into its master's fp32
-gradient, the optimizer updates the masters, and the low-precision weights are refreshed from them. Small updates
-therefore accumulate in fp32 instead of vanishing in bf16 rounding.
+Autocast keeps parameters in fp32 and casts each weight to bf16/fp16 at every use (and its gradient back in the
+backward). Here the model holds its weights in the low dtype, so forward and backward use them as they are, and
+the optimizer steps an fp32 *master* copy of each: after backward each low-precision gradient goes into its
+master's fp32 gradient, the optimizer updates the masters, and the low-precision weights are refreshed from them,
+so small updates accumulate in fp32 instead of vanishing in bf16 rounding.
 
 What stays fp32:
 
-* **norm layers** -- every parameter and buffer of BatchNorm/SyncBatchNorm/FrozenBatchNorm2d/GroupNorm/LayerNorm/
-  InstanceNorm/RMSNorm. BatchNorm and FrozenBatchNorm2d take the low-precision activations directly (their kernels
-  compute the statistics and the per-channel scale in fp32 and return the input dtype, on CPUs and GPUs); the
-  other norms get fp32 inputs and return the low dtype (MMCV's ``patch_norm_fp32``);
+* **norm layers** -- every parameter and buffer. BatchNorm and FrozenBatchNorm2d take the low-precision
+  activations directly (their kernels compute statistics in fp32 and return the input dtype); the other norms
+  get fp32 inputs and return the low dtype (MMCV's ``patch_norm_fp32``);
 * **buffers** of every other module;
-* **fp32 regions** of :mod:`lit_amp_det.precision.plugin` (losses, box coding, post-processing): they run as under
-  autocast, on fp32 inputs. A module with low-precision weights computes in the low dtype wherever it is called
-  (a module's floating inputs are cast to its weights' dtype first), so regions are for parameter-free code.
+* **fp32 regions** of :mod:`lit_amp_det.precision.regions` (losses, box coding, post-processing). A module with
+  low-precision weights casts its floating inputs to its weights' dtype, so regions are for parameter-free code.
 
-The masters live beside the model (not in its ``_parameters``), so the model has one set of parameters, the
-low-precision ones, for DDP, hooks and ``named_parameters``; ``state_dict()`` returns the fp32 masters under the
-parameters' own keys and ``load_state_dict`` writes the masters too, so checkpoints hold fp32 weights that load
-into a model of any precision. :meth:`MasterWeights.attach` points an optimizer at the masters.
+The masters live beside the model (not in its ``_parameters``), so DDP, hooks and ``named_parameters`` see one set
+of parameters; ``state_dict()`` returns the fp32 masters under the parameters' keys and ``load_state_dict`` writes
+them too, so checkpoints hold fp32 weights that load into a model of any precision.
+:meth:`MasterWeights.attach` points an optimizer at the masters.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ __all__ = ["NORM_LAYERS", "MasterWeights", "full_precision_copy", "holds_masters
            "use_low_precision_weights"]
 
 _BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-#: Norms that take a low-precision input with fp32 parameters natively (fp32 statistics, output in the input dtype,
-#: or fp32 for torchvision's FrozenBatchNorm2d, whose consumer casts it back); the others are given fp32 inputs.
+#: Norms that take a low-precision input with fp32 parameters natively; the others are given fp32 inputs.
 _NATIVE_MIXED_NORMS: tuple[type[nn.Module], ...] = (*_BATCH_NORMS, torchvision.ops.FrozenBatchNorm2d)
 #: Norm layers whose parameters and buffers stay fp32 (lit_amp_det's FrozenBatchNorm2d subclasses torchvision's).
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
@@ -60,18 +55,12 @@ _WEIGHTS_ATTR = "_lit_master_weights"
 
 
 # ----------------------------------------------------------------------------------------------- hooks
-# Module-level functions reading what they need from the module they are called on, so that ``copy.deepcopy`` of a
-# converted model gives a model whose hooks act on the copy's own masters.
+# Module-level functions reading state from the module they are called on, so a deep copy's hooks use its masters.
 
 
 def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Forward pre-hook of a module with low-precision weights: floating inputs of another dtype are cast to it."""
     return cast_tensor_type(args, None, getattr(module, _DTYPE_ATTR))
-
-
-# Tells code that replaces a module's call by the same maths (lit_amp_det.models.labelled_mask_logits) that this hook
-# only casts the inputs to the weights' dtype, which it can do itself; the models layer reads the attribute by name.
-_cast_inputs_to_weights.casts_inputs_to_weight_dtype = True  # type: ignore[attr-defined]
 
 
 def _norm_inputs_to_fp32(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -93,10 +82,8 @@ def _masters_into_state_dict(module: nn.Module, state_dict: dict[str, Any], pref
 
 
 def _state_dict_into_masters(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Load-state-dict pre-hook: the loaded values also become the masters (in fp32, before rounding).
-
-    Mismatched shapes are left to ``load_state_dict``, which reports them with the key.
-    """
+    """Load-state-dict pre-hook: the loaded values also become the masters (in fp32, before rounding); mismatched
+    shapes are left to ``load_state_dict``, which reports them with the key."""
     for name, master in getattr(module, _MASTERS_ATTR).items():
         value = state_dict.get(prefix + name)
         if isinstance(value, Tensor) and value.shape == master.shape:
@@ -110,9 +97,8 @@ def _state_dict_into_masters(module: nn.Module, state_dict: dict[str, Any], pref
 class MasterWeights:
     """The low-precision parameters of a converted module and their fp32 masters, pair by pair.
 
-    Built by :func:`use_low_precision_weights`. The pairs keep their identities for the life of the model: the
-    low-precision parameters are the model's (converted in place, so hooks and optimizers that hold them see the
-    change), the masters are ``nn.Parameter`` objects held here and on their modules.
+    Built by :func:`use_low_precision_weights`. The low-precision parameters are the model's own (converted in
+    place, so holders see the change); the masters are ``nn.Parameter`` objects held here and on their modules.
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -137,9 +123,7 @@ class MasterWeights:
         for name, param in module.named_parameters(recurse=False):
             if not param.is_floating_point() or param.dtype == self.dtype:
                 continue
-            # contiguous masters: fused optimizers clone (and copy back) every non-contiguous tensor at each step, so
-            # channels_last masters would cost two copies each per step; the original storage when it is
-            # contiguous fp32 already (no copy)
+            # contiguous masters: fused optimizers clone and copy back every non-contiguous tensor at each step
             original = param.detach()
             fp32 = original.to(torch.float32).contiguous()
             with torch.no_grad():  # in place, as nn.Module.to() does: identity, hooks and memory format are kept
@@ -166,11 +150,10 @@ class MasterWeights:
 
     # ------------------------------------------------------------------------------------------ optimizer
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Points ``optimizer`` at the masters in place of the low-precision parameters, and makes its ``step()``
-        move the gradients to the masters first and refresh the low-precision parameters afterwards.
+        """Points ``optimizer`` at the masters in place of the low-precision parameters; its ``step()`` then moves
+        the gradients to the masters first and refreshes the low-precision parameters after (idempotent).
 
-        Any loop that calls ``optimizer.step()`` then trains with fp32 masters. Idempotent. The optimizer must not
-        have stepped the low-precision parameters yet (its state would belong to the wrong tensors).
+        The optimizer must not have stepped the low-precision parameters yet (its state would be theirs).
         """
         pairs = {id(low): (name, master) for name, low, master in zip(self.names, self.params, self.masters)}
         for index, group in enumerate(optimizer.param_groups):
@@ -202,9 +185,8 @@ class MasterWeights:
     def grads_to_masters(self) -> None:
         """Adds each low-precision gradient to its master's fp32 gradient and frees it (a no-op without any).
 
-        Called after backward (and after DDP's all-reduce), before gradient clipping and the optimizer step. A
-        master's gradient tensor is kept and reused from step to step (``zero_grad(set_to_none=True)`` only
-        unlinks it): a fresh allocation of a large fp32 gradient costs page faults on a CPU every step.
+        Called after backward (and DDP's all-reduce), before clipping and the step. Each master's gradient tensor
+        is reused across steps, so a large fp32 gradient is not freshly allocated every step.
         """
         for index, (low, master) in enumerate(self.pairs()):
             grad = low.grad
@@ -238,8 +220,7 @@ class MasterWeights:
 def use_low_precision_weights(module: nn.Module, dtype: torch.dtype) -> MasterWeights:
     """Converts ``module`` in place to ``dtype`` weights with fp32 masters; returns them (idempotent).
 
-    Every floating parameter of a module that is not a norm layer (:data:`NORM_LAYERS`) becomes ``dtype``; norms
-    and all buffers stay fp32. See the module docstring for what runs in which dtype.
+    Every floating parameter outside norm layers (:data:`NORM_LAYERS`) becomes ``dtype``; norms and buffers stay fp32.
     """
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
@@ -282,18 +263,15 @@ _CONVERSION_HOOKS = {
 
 
 def holds_masters(module: nn.Module) -> bool:
-    """Whether ``module`` or a module inside it has low-precision weights with fp32 masters (a converted tree, or a
-    part of one: ``LightningModule.model`` when the plugin converted the LightningModule)."""
+    """Whether ``module`` or a module inside it has low-precision weights with fp32 masters (a converted tree or
+    a part of one)."""
     return any(_MASTERS_ATTR in m.__dict__ for m in module.modules())
 
 
 def full_precision_copy(module: nn.Module) -> nn.Module:
     """A deep copy of a module converted by :func:`use_low_precision_weights` (or of a part of one) as it would be
-    without the conversion: its fp32 masters as the parameters (in the low-precision parameters' memory format), no
-    casting or state-dict hooks, no masters. ``module`` itself is left as it is.
-
-    What ``MemoryMonitor(compare_baseline=True)`` measures the fp32 baseline of a ``-weights`` run on: the masters
-    are the values an fp32 run would have.
+    without the conversion: its fp32 masters as the parameters (in the parameters' memory format), no casting or
+    state-dict hooks, no masters. ``module`` itself is untouched. Used for fp32 baselines of ``-weights`` runs.
     """
     if not holds_masters(module):
         raise ValueError(f"{type(module).__name__} has no fp32 masters: it was not converted by "

@@ -1,12 +1,9 @@
 """lit_amp_det's ops as Triton kernels, callable directly on any device Triton runs on.
 
-The same public names as :mod:`lit_amp_det.ops` (``nms``, ``batched_nms``, ``box_iou``, ``roi_align``,
-``RoIAlign``, ``MultiScaleRoIAlign``, plus ``multi_level_roi_align``) and the host-sync-free
-``nms_padded`` / ``batched_nms_padded``, all calling the Triton kernels of :mod:`._kernels` directly. These
-kernels are also what ``torch.ops.lit_amp_det.*`` runs on CUDA tensors (:mod:`._register`), so
-``lit_amp_det.ops`` on a GPU and this module compute the same thing. On CUDA tensors the kernels are compiled;
-on CPU tensors they run through Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment
-(slow: it is how CI executes every GPU kernel on a machine without one). RoIAlign is differentiable here too.
+The same public names as :mod:`lit_amp_det.ops` plus the host-sync-free ``nms_padded`` / ``batched_nms_padded``,
+calling the Triton kernels of :mod:`._kernels` directly. These kernels are also what ``torch.ops.lit_amp_det.*``
+runs on CUDA tensors, so both compute the same thing. On CPU tensors they run through Triton's interpreter under
+``TRITON_INTERPRET=1`` (slow; for testing without a GPU). RoIAlign is differentiable here too.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Device-agnostic launchers of the Triton kernels: check inputs, allocate outputs, pick blocks, launch.
 
-They serve both the CUDA kernels registered for ``torch.ops.lit_amp_det`` (:mod:`._register`) and the public
-functions of :mod:`lit_amp_det.ops.triton`. A CUDA tensor runs the compiled kernels; a CPU tensor runs them
-through Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment (that is how CI executes
-every kernel without a GPU). Nothing here synchronises with the host except :func:`nms` / :func:`batched_nms`,
-whose result size is data-dependent (one read of the kept count); :func:`nms_padded` has none.
+They serve the CUDA kernels registered for ``torch.ops.lit_amp_det`` and :mod:`lit_amp_det.ops.triton`. CUDA tensors
+run the compiled kernels; CPU tensors run them through Triton's interpreter under ``TRITON_INTERPRET=1`` (so every
+kernel can be tested without a GPU). Only :func:`nms` / :func:`batched_nms` synchronise with the host (their result
+size is data-dependent).
 """
 
 from __future__ import annotations
@@ -40,9 +39,7 @@ MAX_NMS_BOXES = 64 * 4096
 _INTERPRETED: ModuleType | None = None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Which kernels: compiled for CUDA tensors, interpreted for CPU tensors
-
+# -- Which kernels: compiled for CUDA tensors, interpreted for CPU tensors ------------------------------------------
 
 _KERNELS_MODULE = "lit_amp_det.ops.triton._kernels"
 
@@ -118,9 +115,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# box_iou
-
+# -- box_iou --------------------------------------------------------------------------------------------------------
 
 def _check_boxes(op: str, name: str, boxes: Tensor, *, integer_ok: bool = False) -> None:
     if boxes.dim() != 2 or boxes.shape[1] != 4:
@@ -159,9 +154,7 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# NMS
-
+# -- NMS ------------------------------------------------------------------------------------------------------------
 
 def _check_nms_inputs(op: str, boxes: Tensor, scores: Tensor, idxs: Tensor | None) -> None:
     _check_boxes(op, "boxes", boxes)
@@ -291,9 +284,7 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return keep[: int(count)]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# RoIAlign
-
+# -- RoIAlign -------------------------------------------------------------------------------------------------------
 
 def _check_feature(op: str, name: str, t: Tensor) -> None:
     if t.dim() != 4:

@@ -1,0 +1,242 @@
+"""One row of ``bench train``, ``bench infer`` or ``bench precision``, run in this process through Lightning.
+
+The row's config is composed from its overrides (:mod:`lit_amp_det.bench.rows`) and run the way ``fit`` and
+``predict`` run it: the module instantiated from ``cfg.model``, the callbacks from ``cfg.callbacks``, the precision
+plugin from ``trainer.precision`` and ``precision``, and a Lightning ``Trainer`` from ``cfg.trainer`` that calls the
+module's ``configure_model`` (its speedups), moves it to the device and builds its optimizer. The data is one batch
+of the embedded shapes data's ``val`` images at the bench's size, the same in every row, served again for every
+step; no logger, checkpoint or progress bar runs.
+
+:class:`RowTimer` times every step from batch start to batch end (forward, loss, backward, optimizer step, the
+callbacks' batch hooks; not the loading or the host-to-device copy of the batch), CUDA-synchronised, after the
+warm-up steps (which hold the compile time of a compiled row). One more step after the timed ones measures the peak
+memory: the CUDA allocator's peak, or on a CPU the process's resident high-water mark with glibc's mmap threshold
+pinned and its freed heap released first (otherwise the figure includes whatever heap earlier steps left, which
+depends on the order of allocations rather than on what the step needs), above what was in use once the model was
+built and on its device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lit_amp_det.bench.rows import Bench, Setting, compose, row_overrides
+from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
+                                   unpin_malloc_threshold)
+
+__all__ = ["RowTimer", "build_trainer", "instantiate_model", "run_row", "shapes_batch", "summarise", "weights_sha256"]
+
+Batch = tuple[list[Tensor], list[dict[str, Tensor]]]
+
+
+def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, num_classes: int) -> Batch:
+    """Images ``indices`` of ``split`` of the embedded shapes data, rendered at ``height`` x ``width``.
+
+    ``uint8`` ``[3, H, W]`` images (as the loaders deliver them) and targets as the COCO loader builds them: one
+    instance per labelled shape, its visible mask and the tight ``xyxy`` box of that mask, and the ``image_id``.
+    The 6 shape classes fold onto the model's ``num_classes - 1`` foreground classes when it has fewer.
+    """
+    from lit_amp_det.data.shapes import ShapesSpec, render_shapes_image
+
+    if num_classes < 2:
+        raise ValueError(f"num_classes={num_classes}: a detector needs background plus at least one class")
+    spec = ShapesSpec(image_size=(height, width))
+    images, targets = [], []
+    for index in indices:
+        rendered = render_shapes_image(split, index, spec)
+        shapes = [inst for inst in rendered.instances if inst.labelled]
+        boxes = []
+        for inst in shapes:
+            rows, cols = inst.visible_mask.any(axis=1).nonzero()[0], inst.visible_mask.any(axis=0).nonzero()[0]
+            boxes.append([float(cols[0]), float(rows[0]), float(cols[-1] + 1), float(rows[-1] + 1)])
+        masks = np.stack([inst.visible_mask for inst in shapes]) if shapes else np.zeros((0, height, width), bool)
+        images.append(torch.from_numpy(rendered.image).permute(2, 0, 1).contiguous())
+        targets.append({"boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
+                        "labels": torch.tensor([(inst.category_id - 1) % (num_classes - 1) + 1 for inst in shapes],
+                                               dtype=torch.int64),
+                        "masks": torch.from_numpy(masks).to(torch.uint8), "image_id": torch.tensor(index)})
+    return images, targets
+
+
+def weights_sha256(module: torch.nn.Module) -> str:
+    """SHA-256 of ``module``'s state dict (names, dtypes, shapes, values): equal in every row that loaded one state."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        value = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def summarise(seconds: Sequence[float], prefix: str) -> dict[str, Any]:
+    """``<prefix>_ms_median`` and ``<prefix>_ms_all`` (every time, in run order) of ``seconds``, in ms."""
+    ms = [1000 * s for s in seconds]
+    return {f"{prefix}_ms_median": statistics.median(ms), f"{prefix}_ms_all": ms}
+
+
+class RowTimer(pl.Callback):
+    """Times the batches of one fit or predict run by ``plan``: per batch index ``warmup``, a timing name, or
+    ``memory`` (the peak-memory step, last: on a CPU it pins glibc's mmap threshold while it runs)."""
+
+    def __init__(self, plan: Sequence[str]) -> None:
+        self.plan = list(plan)
+        self.times: dict[str, list[float]] = {}
+        self.detections = 0
+        self.peak: dict[str, float] = {}
+        self.probe: MemoryProbe | None = None  # set when the run starts
+        self._baseline = 0
+        self._started = 0.0
+        self._pinned = False
+
+    def _start(self, trainer: pl.Trainer) -> None:
+        self.probe = MemoryProbe(trainer.strategy.root_device)
+        if not self.probe.cuda:
+            release_freed_cpu_memory()
+        self.probe.synchronize()
+        self._baseline = self.probe.baseline_bytes()
+
+    def _batch_start(self, batch_idx: int) -> None:
+        if self.plan[batch_idx] == "memory":
+            if not self.probe.cuda:
+                pin_malloc_threshold()
+                self._pinned = True
+                release_freed_cpu_memory()
+            self.probe.reset_peak()
+        self.probe.synchronize()
+        self._started = time.perf_counter()
+
+    def _batch_end(self, batch_idx: int) -> None:
+        self.probe.synchronize()
+        seconds = time.perf_counter() - self._started
+        kind = self.plan[batch_idx]
+        if kind == "memory":
+            self._unpin()
+            peak = self.probe.peak_bytes()
+            self.peak = {"peak_memory_mb": (peak - self._baseline) / MB, "peak_memory_abs_mb": peak / MB}
+        else:
+            self.times.setdefault(kind, []).append(seconds)
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            unpin_malloc_threshold()
+            self._pinned = False
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unpin()  # a failed memory step must not leave this process's allocator pinned
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._batch_start(batch_idx)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._batch_end(batch_idx)
+
+    @override
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                               dataloader_idx: int = 0) -> None:
+        self._batch_start(batch_idx)
+
+    @override
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_end(batch_idx)
+        self.detections = sum(len(p["boxes"]) for p in outputs)  # of the last call
+
+
+def build_trainer(cfg: DictConfig, callbacks: Sequence[pl.Callback], **options: Any) -> pl.Trainer:
+    """The ``Trainer`` of ``cfg.trainer`` with the precision plugin of ``trainer.precision`` and ``precision``, and
+    ``callbacks``; no logger, checkpoints, progress bar or validation. ``options`` override trainer arguments."""
+    from hydra.utils import instantiate
+
+    from lit_amp_det.precision import build_precision_plugin
+
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.paths.output_dir = tempfile.gettempdir()  # default_root_dir: nothing is written there
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    plugin = build_precision_plugin(str(trainer_cfg.pop("precision")), str(trainer_cfg["accelerator"]),
+                                    **OmegaConf.to_container(cfg.precision, resolve=True))
+    trainer_cfg.update({"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                        "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0,
+                        "max_epochs": 1, "max_steps": -1, **options})
+    return instantiate(trainer_cfg, callbacks=list(callbacks), plugins=[plugin])
+
+
+def instantiate_model(cfg: DictConfig) -> Any:
+    """The module of ``cfg.model`` (a :class:`~lit_amp_det.MaskRCNNModule`), as ``fit`` instantiates it."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.model, _convert_="all")
+
+
+def _plan(bench: Bench, setting: Setting, warmup: int) -> tuple[list[str], DataLoader]:
+    """What each batch of the run is for (see :class:`RowTimer`), and the loader that serves the batches."""
+    images, targets = shapes_batch("val", range(setting.batch), setting.height, setting.width, setting.num_classes)
+    if bench.stage == "fit":
+        plan = ["warmup"] * warmup + ["step"] * setting.steps + ["memory"]
+        batches = [(images, targets)] * len(plan)
+    else:  # every batch size warms up before anything is timed (compile traces each input shape)
+        single, full = (images[:1], targets[:1]), (images, targets)
+        plan = ["warmup"] * 2 * warmup + ["latency"] * setting.steps + ["batch"] * setting.steps + ["memory"]
+        batches = [single] * warmup + [full] * warmup + [single] * setting.steps + [full] * (setting.steps + 1)
+    return plan, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)  # type: ignore[arg-type]
+
+
+def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
+    """Runs ``bench.rows[index]`` for ``setting`` in this process; its step times, peak memory and what ran."""
+    from lit_amp_det.app.tasks import instantiate_all
+
+    cfg = compose(row_overrides(bench, index, setting))
+    started = time.perf_counter()
+    torch.manual_seed(0)  # the random state's weights; model.weights, when set, replaces them all
+    module = instantiate_model(cfg)
+    loaded = weights_sha256(module.model)
+    plan, loader = _plan(bench, setting, setting.compile_warmup if cfg.speedups.get("compile") else setting.warmup)
+    timer = RowTimer(plan)
+    callbacks = [timer, *instantiate_all(cfg.get("callbacks"), "callbacks")]
+    trainer = build_trainer(cfg, callbacks)
+    if bench.stage == "fit":
+        trainer.fit(module, train_dataloaders=loader)
+    else:
+        trainer.predict(module, dataloaders=loader, return_predictions=False)
+    result: dict[str, Any] = {}
+    for timing in bench.timings:
+        result.update(summarise(timer.times[timing], timing))
+    result["images_per_s"] = setting.batch * 1000 / result[f"{bench.timings[-1]}_ms_median"]
+    result.update(timer.peak, memory_source=timer.probe.source, warmup_steps=plan.count("warmup"),
+                  warmup_s=sum(timer.times.get("warmup", [])), run_s=time.perf_counter() - started,
+                  weights_sha256=loaded, precision=trainer.precision_plugin.precision,
+                  speedups=module.applied_speedups, callbacks=[type(c).__name__ for c in callbacks[1:]])
+    if bench.stage == "fit":
+        optimizer = trainer.optimizers[0]
+        result["lr"] = optimizer.param_groups[0]["lr"]
+        result["optimizer"] = {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                               "fused": bool(optimizer.defaults.get("fused"))}
+    else:
+        result["detections_per_call"] = timer.detections
+    return result

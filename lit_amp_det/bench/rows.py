@@ -1,0 +1,208 @@
+"""The rows of ``bench train``, ``bench infer`` and ``bench precision``: what each row switches on, as Hydra overrides.
+
+A row is the list of overrides that ``fit`` or ``predict`` would be given. Every bench starts from
+:data:`BASELINE`, torchvision's model as built (``speedups=none``) trained or run in fp32 with no callbacks and
+PyTorch's default optimizer kernels. In ``train`` and ``infer`` each later row adds one switch to the row above
+(rows are cumulative), so the ratio to the row above is that switch's gain; in ``precision`` each row is the
+baseline plus its own precision settings. Every row of a run shares one :class:`Setting`: the device, the model
+config, the image size and batch, and the model state all rows load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from lit_amp_det.precision.hardware import auto_precision
+
+__all__ = ["BASELINE", "BENCHES", "HALF_CHOICES", "Bench", "Row", "Setting", "compose", "default_rows",
+           "device_defaults", "default_num_classes", "resolve_half", "row_adds", "row_overrides", "setting_overrides"]
+
+#: Overrides of the first row of every bench: torchvision's model as built, fp32, no callbacks, SGD (the recipe
+#: of ``conf/optim/sgd.yaml``) on PyTorch's default (foreach) kernel. ``precision.fp32_regions={}`` changes nothing
+#: in fp32; it makes the autocast row plain ``torch.autocast``, so that the next row adds the fp32 regions alone.
+BASELINE = ("speedups=none", "callbacks=none", "trainer.precision=32-true", "optim=sgd", "optim.optimizer.fused=null",
+            "precision.fp32_regions={}")
+
+#: ``--precision`` of ``bench train|infer``: the half precision of the rows that change precision.
+HALF_CHOICES = ("auto", "bf16", "fp16", "fp32")
+
+
+def _speedup(name: str, transform: str) -> str:
+    """The override that adds one transform of :mod:`lit_amp_det.models.speedups` to ``speedups=none``."""
+    return f"+speedups.{name}={{_target_:lit_amp_det.models.speedups.{transform}}}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: ``adds`` are its overrides on top of the row above (cumulative benches) or of :data:`BASELINE`.
+
+    ``{mixed}`` in an override stands for the run's autocast precision (``16-mixed``, ``bf16-mixed``, or ``32-true``
+    when the run's half precision is fp32), ``{weights}`` for its low-precision-weights twin. ``when`` says which
+    runs include the row unless ``--rows`` names it: ``always``; ``half``, not when the half precision is fp32 (the
+    row would change nothing); ``cuda``, not on a CPU (fp16 there is emulated and slow).
+    """
+
+    name: str
+    label: str
+    adds: tuple[str, ...] = ()
+    when: str = "always"
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What distinguishes the three benches: their rows, whether rows accumulate, and what a row times.
+
+    ``stage`` is ``fit`` (training steps) or ``predict`` (inference calls); ``timings`` name the timed series of
+    a row (``step``; ``latency`` at batch 1 and ``batch`` at the bench batch), the last giving images/s.
+    """
+
+    kind: str
+    stage: str
+    rows: tuple[Row, ...]
+    cumulative: bool
+    timings: tuple[str, ...]
+
+
+_FIRST_ROWS = (
+    Row("torchvision-fp32", "torchvision fp32 eager"),
+    Row("autocast", "+ torch.autocast", ("trainer.precision={mixed}",), "half"),
+    Row("fp32-regions", "+ precision plugin (fp32 regions)", ("precision.fp32_regions=null",), "half"),
+    Row("ext-ops", "+ lit_amp_det ops", (_speedup("ext_ops", "ExtensionOps"),)),
+    Row("channels-last", "+ channels_last", (_speedup("channels_last", "ChannelsLast"),)),
+)
+_COMPILE = Row("compile", "+ torch.compile backbone", (_speedup("compile", "CompileBackbone"),))
+
+TRAIN_ROWS = (
+    *_FIRST_ROWS,
+    Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", ("callbacks=[freeze_norm,conv_bn_eval]",)),
+    Row("fused-optim", "+ fused SGD", ("optim.optimizer.fused=auto",)),
+    Row("low-precision-weights", "+ half weights, fp32 masters", ("trainer.precision={weights}",), "half"),
+    _COMPILE,
+)
+INFER_ROWS = (
+    *_FIRST_ROWS,
+    Row("binary-mask-paste", "+ masks pasted as booleans", (_speedup("binary_mask_paste", "BinaryMaskPaste"),)),
+    Row("convbn-eval", "+ ConvBNEval (fold on the fly)", ("callbacks=[conv_bn_eval]",)),
+    Row("convbn-fold", "+ conv-BN folded once", ("callbacks.conv_bn_eval.fold_on_predict=true",)),
+    _COMPILE,
+)
+_FP16_ON_CPU = "precision.fp16_on_cpu=true"  # a no-op on CUDA; on a CPU fp16 as named, not its bf16 twin
+PRECISION_ROWS = (
+    Row("32-true", "32-true"),
+    Row("bf16-mixed", "bf16-mixed, fp32 regions", ("trainer.precision=bf16-mixed", "precision.fp32_regions=null")),
+    Row("bf16-mixed-plain", "bf16-mixed, plain autocast", ("trainer.precision=bf16-mixed",)),
+    Row("16-mixed", "16-mixed, fp32 regions", ("trainer.precision=16-mixed", "precision.fp32_regions=null",
+                                                _FP16_ON_CPU), "cuda"),
+    Row("16-mixed-plain", "16-mixed, plain autocast", ("trainer.precision=16-mixed", _FP16_ON_CPU), "cuda"),
+    Row("bf16-weights", "bf16 weights, fp32 masters", ("trainer.precision=bf16-weights",
+                                                       "precision.fp32_regions=null")),
+    Row("16-weights", "fp16 weights, fp32 masters", ("trainer.precision=16-weights", "precision.fp32_regions=null",
+                                                     _FP16_ON_CPU), "cuda"),
+)
+
+BENCHES = {
+    "train": Bench("train", "fit", TRAIN_ROWS, cumulative=True, timings=("step",)),
+    "infer": Bench("infer", "predict", INFER_ROWS, cumulative=True, timings=("latency", "batch")),
+    "precision": Bench("precision", "fit", PRECISION_ROWS, cumulative=False, timings=("step",)),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every row of one run shares.
+
+    ``weights``: the state file every row loads (``model.weights``), or None for the seeded initialisation.
+    ``lr``: the constant learning rate of the timed training steps (the state's final one); None runs the recipe's
+    warm-up schedule from step 0, as a fresh run starts. ``half``: ``bf16``, ``fp16`` or ``fp32``, the precision of
+    the rows that change it; None or ``auto`` is ``trainer.precision=auto``'s choice on the device.
+    """
+
+    device: str
+    model: str
+    batch: int
+    height: int
+    width: int
+    num_classes: int
+    steps: int
+    warmup: int
+    compile_warmup: int
+    state: str = "random"
+    state_steps: int = 0
+    weights: str | None = None
+    lr: float | None = None
+    half: str | None = None
+
+    @property
+    def size(self) -> str:
+        return f"{self.height}x{self.width}"
+
+
+def resolve_half(setting: Setting) -> str:
+    """The rows' half precision: ``setting.half``, or what ``trainer.precision=auto`` computes in on the device."""
+    if setting.half not in (None, "auto"):
+        return str(setting.half)
+    return {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}[auto_precision(setting.device)]
+
+
+def row_adds(row: Row, setting: Setting) -> list[str]:
+    """``row.adds`` with ``{mixed}`` and ``{weights}`` filled in for ``setting``."""
+    mixed = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[resolve_half(setting)]
+    return [add.replace("{mixed}", mixed).replace("{weights}", mixed.replace("-mixed", "-weights")) for add in row.adds]
+
+
+def device_defaults(device: str) -> dict[str, Any]:
+    """R50-FPN at COCO size on CUDA; on a CPU the light model (ResNet-18 FPN) at 224 px."""
+    if device == "cuda":
+        return {"model": "maskrcnn_r50_fpn", "batch": 8, "size": (800, 1333), "steps": 20, "warmup": 5}
+    return {"model": "maskrcnn_light", "batch": 4, "size": (224, 224), "steps": 10, "warmup": 3}
+
+
+def default_num_classes(model: str) -> int:
+    """81 (COCO's) for ``maskrcnn_r50_fpn``; else 7, background plus the shapes data's 6 classes."""
+    return 81 if model == "maskrcnn_r50_fpn" else 7
+
+
+def setting_overrides(setting: Setting) -> list[str]:
+    """The overrides every row shares: the device's trainer, the model and its input size, the state and its lr."""
+    # min/max size equal to the image sides: the transform keeps the images at their size
+    overrides = [f"trainer={'gpu' if setting.device == 'cuda' else 'cpu'}", f"model={setting.model}",
+                 f"model.num_classes={setting.num_classes}",
+                 f"model.transform.min_size={min(setting.height, setting.width)}",
+                 f"model.transform.max_size={max(setting.height, setting.width)}"]
+    if setting.weights is not None:  # quoted: a path may hold characters Hydra's grammar reads otherwise
+        quoted = setting.weights.replace("\\", "\\\\").replace("'", "\\'")
+        overrides.append(f"model.weights='{quoted}'")
+    return overrides
+
+
+def row_overrides(bench: Bench, index: int, setting: Setting) -> list[str]:
+    """The overrides of ``bench.rows[index]``: the setting's, :data:`BASELINE`, the timing lr, then the row's own
+    (in a cumulative bench, those of every row up to it)."""
+    rows = bench.rows[1: index + 1] if bench.cumulative else bench.rows[index: index + 1]
+    lr = [] if setting.lr is None else [f"optim.optimizer.lr={setting.lr!r}", "optim.scheduler=null"]
+    half = [_FP16_ON_CPU] if resolve_half(setting) == "fp16" and setting.device == "cpu" and bench.cumulative else []
+    return [*setting_overrides(setting), *BASELINE, *lr, *half,
+            *(add for row in rows for add in row_adds(row, setting))]
+
+
+def default_rows(bench: Bench, setting: Setting) -> list[str]:
+    """The rows a run includes unless ``--rows`` names others (see :attr:`Row.when`)."""
+    skipped = {"half"} if resolve_half(setting) == "fp32" else set()
+    if setting.device == "cpu":
+        skipped.add("cuda")
+    return [row.name for row in bench.rows if row.when not in skipped]
+
+
+def compose(overrides: Sequence[str]) -> DictConfig:
+    """``conf/config.yaml`` composed with ``overrides``, as the CLI composes it (no Hydra run)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from lit_amp_det.app.config import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
