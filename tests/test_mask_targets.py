@@ -8,7 +8,7 @@ import torchvision.models.detection.roi_heads as tv_roi_heads
 from torch import Tensor
 
 from lit_amp_det.models import mask_targets
-from lit_amp_det.models.ext_ops import ExtRoIHeads
+from lit_amp_det.models.ext_ops import ExtRoIHeads, use_extension_ops
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.mask_targets import maskrcnn_loss, project_masks_on_boxes
 from ops_inputs import needs_extension, random_boxes
@@ -97,8 +97,9 @@ def test_ext_heads_train_masks_with_batched_targets_and_the_switch_restores_torc
     """A training step of the ext model calls the batched loss (not torchvision's) and gives torchvision's losses;
     ``batched_mask_targets=False`` on the instance runs torchvision's own branch."""
     torch.manual_seed(0)
-    model = build_detector(7, backbone={"name": "resnet10", "fpn_channels": 32},
-                           transform={"min_size": 96, "max_size": 96}, roi_heads={"mask_head_layers": [16]})
+    model = use_extension_ops(build_detector(7, backbone={"name": "resnet10", "fpn_channels": 32},
+                                             transform={"min_size": 96, "max_size": 96},
+                                             roi_heads={"mask_head_layers": [16]}))
     assert type(model.roi_heads) is ExtRoIHeads
     g = torch.Generator().manual_seed(0)
     images = [torch.rand(3, 96, 96, generator=g) for _ in range(2)]
