@@ -148,8 +148,7 @@ class MaskRCNNModule(LightningModule):
         transforms = self.model_transforms()
         self.model, self.applied_speedups = apply_transforms(self.model, transforms, device)
         if transforms:
-            log.info("speedups on %s: %s", device.type if isinstance(device, torch.device) else device,
-                     ", ".join(self.applied_speedups) or "none")
+            log.info("speedups on %s: %s", device.type, ", ".join(self.applied_speedups) or "none")
 
     # ------------------------------------------------------------------------------ override points
     def build_model(self) -> nn.Module:
