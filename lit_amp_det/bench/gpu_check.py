@@ -10,13 +10,16 @@ On a machine with a CUDA GPU it runs, each step in its own process and in this o
 
 It writes ``gpu_check.md`` (the test summary and the three tables in BENCHMARKS.md's format, with the device,
 torch and triton versions) into ``--out`` (default ``runs/gpu_check/<timestamp>``), for pasting into the GPU
-section of BENCHMARKS.md. Without a GPU it stops at once and says so: it never writes a figure it did not measure.
+section of BENCHMARKS.md. The report is rewritten after every step, so a run stopped by a time limit keeps what it
+measured. ``--repeats``, ``--steps``, ``--warmup`` and ``--state-steps`` are passed to both benches, to fit a short
+lease. Without a GPU it stops at once and says so: it never writes a figure it did not measure.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,18 +32,26 @@ __all__ = ["main"]
 
 REPO = Path(__file__).resolve().parents[2]
 OP_TESTS = ["tests/test_ops_nms.py", "tests/test_ops_roi_align.py", "tests/test_triton_sync_free.py"]
+#: bench options ``gpu_check`` forwards to ``bench train`` and ``bench infer`` when given.
+BENCH_OPTIONS = ("repeats", "steps", "warmup", "state_steps")
 
 
 def _run(title: str, command: list[str], log: Path) -> tuple[int, str]:
-    """Runs one step, streaming it to the terminal and ``log``; returns (exit code, output)."""
+    """Runs one step, streaming its output line by line to the terminal and ``log`` (so a step stopped by a time
+    limit leaves its log); returns (exit code, output)."""
     print(f"\n== {title}: {' '.join(command)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    output = proc.stdout + proc.stderr
-    log.write_text(output)
-    print(output[-3000:], flush=True)
-    return proc.returncode, output
+    lines = []
+    with log.open("w") as sink, subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            sink.write(line)
+            sink.flush()
+            print(line, end="", flush=True)
+    return proc.returncode, "".join(lines)
 
 
 def _newest(directory: Path, name: str) -> str:
@@ -53,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="output directory (default runs/gpu_check/<timestamp>)")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip: tests,ops,train,infer")
+    for option in BENCH_OPTIONS:
+        flag = "--" + option.replace("_", "-")
+        parser.add_argument(flag, type=int, help=f"bench train/infer {flag} (default: the bench's)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu-check needs a CUDA GPU and torch sees none: nothing was run or measured. Run "
@@ -72,30 +86,43 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
         f"torch {torch.__version__}, triton {triton.__version__}, {stamp}",
     ]
-    failed = []
+    report = out / "gpu_check.md"
+    failed: list[str] = []
+
+    def write_report() -> None:
+        report.write_text("\n\n".join(sections) + "\n")
+
+    write_report()
     if "tests" not in skip:
-        code, output = _run("op tests on CUDA", [python, "-m", "pytest", "-q", *OP_TESTS], out / "tests.log")
+        # the CPU cases ran in CI already; xdist (when installed) spreads the Triton compiles over the cores
+        pytest = ["-m", "pytest", "-q", "-k", "not cpu", *OP_TESTS]
+        if importlib.util.find_spec("xdist") is not None:
+            pytest += ["-n", str(min(8, os.cpu_count() or 1))]
+        code, output = _run("op tests on CUDA", [python, *pytest], out / "tests.log")
         summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-        sections += ["## Op tests on CUDA (compiled Triton kernels)", f"`pytest -q {' '.join(OP_TESTS)}`: "
+        sections += ["## Op tests on CUDA (compiled Triton kernels)", f"`pytest -q -k 'not cpu' {' '.join(OP_TESTS)}`: "
                      + (summary[-1] if summary else f"exit code {code}")]
         failed += ["tests"] if code else []
+        write_report()
     if "ops" not in skip:
         code, output = _run("bench ops", [python, "-m", "lit_amp_det", "bench", "ops", "--device", "cuda",
                                           "--json", str(out / "ops_cuda.json")], out / "ops.log")
         table = [line for line in output.splitlines() if line.startswith("|")]
         sections += ["## Ops (`python -m lit_amp_det bench ops --device cuda`)", "\n".join(table) or "(no table)"]
         failed += ["ops"] if code else []
+        write_report()
+    forwarded = [f"--{option.replace('_', '-')}={getattr(args, option)}" for option in BENCH_OPTIONS
+                 if getattr(args, option) is not None]
     for bench in ("train", "infer"):
         if bench in skip:
             continue
         directory = out / f"bench_{bench}"
         code, _ = _run(f"bench {bench}", [python, "-m", "lit_amp_det", "bench", bench, "--device", "cuda",
-                                          "--out", str(directory)], out / f"{bench}.log")
-        sections += [f"## `python -m lit_amp_det bench {bench}` (R50-FPN, 800x1333, batch 8)",
+                                          "--out", str(directory), *forwarded], out / f"{bench}.log")
+        sections += [f"## `python -m lit_amp_det bench {bench} {' '.join(forwarded)}` (R50-FPN, 800x1333, batch 8)",
                      _newest(directory, f"bench_{bench}.md")]
         failed += [bench] if code else []
-    report = out / "gpu_check.md"
-    report.write_text("\n\n".join(sections) + "\n")
+        write_report()
     print(f"\nwrote {report}")
     if failed:
         raise SystemExit(f"gpu-check: these steps failed: {', '.join(failed)} (logs in {out})")
