@@ -164,6 +164,10 @@ def test_bench_train_runs_rows_in_processes_and_writes_the_report(tmp_path: Path
     assert rows[1]["adds"] == ["optim.optimizer.fused=auto"]
     assert rows[1]["speedups"] == ["ext_ops", "channels_last"] and rows[1]["optimizer"]["fused"] is True
     assert "| 2 | + fused SGD | `optim.optimizer.fused=auto` |" in table and state["weights_sha256"][:12] in table
+    # each repeat was kept as it finished (a run cut short by a time limit keeps them) and named in the log
+    kept = [json.loads(line) for line in (out / "bench_train_repeats.jsonl").read_text().splitlines()]
+    assert [(run["round"], run["row"]) for run in kept] == [(0, names[0]), (0, names[1]), (1, names[1]), (1, names[0])]
+    assert proc.stderr.count("step median") == 4
 
 
 @pytest.mark.long

@@ -25,6 +25,7 @@ from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import ModelTransform
 
 from conftest import CONFIG_ERRORS, compose_config
+from ops_inputs import needs_cuda
 
 
 def _tiny(tmp_path: Path, *overrides: str, configure: bool = True) -> MaskRCNNModule:
@@ -323,7 +324,7 @@ _ON_DEVICE = {"cpu": ["ext_ops", "binary_mask_paste"],
 
 
 @pytest.mark.parametrize("accelerator", [
-    "cpu", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+    "cpu", pytest.param("gpu", marks=needs_cuda)])
 def test_a_trainer_applies_the_speedups_of_its_device(tmp_path: Path, accelerator: str) -> None:
     """Lightning calls ``configure_model`` before it moves the module: the Trainer's device decides, not the
     module's (still on the CPU then)."""

@@ -10,7 +10,7 @@ from torch import Tensor
 
 import lit_amp_det.ops as ops
 from lit_amp_det.ops import reference
-from ops_inputs import DEVICES, needs_extension, random_boxes, random_rois
+from ops_inputs import DEVICES, assert_as_close_as_theirs, needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension
 
@@ -35,6 +35,11 @@ def _torchvision(x: Tensor, rois: Tensor, *args) -> Tensor:
     return torchvision.ops.roi_align(x.to(dtype).contiguous(), rois.to(dtype), *args).double()
 
 
+def _truth(x: Tensor, rois: Tensor, *args) -> Tensor:
+    """torchvision in float64 on the CPU, on the exact values we were given."""
+    return torchvision.ops.roi_align(x.double().cpu().contiguous(), rois.double().cpu(), *args)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -48,7 +53,7 @@ def test_roi_align_forward_matches_torchvision(device, dtype, layout, aligned, s
     got = ops.roi_align(x, rois, *args)
     assert got.dtype == dtype and got.shape == (300, 256, 7, 7)
     assert got.is_contiguous(memory_format=layout)
-    torch.testing.assert_close(got.double(), _torchvision(x, rois, *args), rtol=0, atol=TOLERANCE[dtype])
+    assert_as_close_as_theirs(got, _torchvision(x, rois, *args), _truth(x, rois, *args), atol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -122,8 +127,9 @@ def test_roi_align_backward_matches_torchvision(device, dtype, layout):
     torchvision.ops.roi_align(x32, rois, 14, 1 / 16, 2).backward(grad_out.float())
     # ours accumulates in fp32 and rounds once: within one output ulp of torchvision's fp32 gradient (plus
     # what a different fp32 summation order may move, far below a half-precision ulp)
-    one_ulp = torch.finfo(dtype).eps * x32.grad.abs()
-    assert ((x.grad.float() - x32.grad).abs() <= one_ulp + 1e-5).all()
+    x64 = x.detach().double().cpu().requires_grad_()
+    torchvision.ops.roi_align(x64, rois.double().cpu(), 14, 1 / 16, 2).backward(grad_out.double().cpu())
+    assert_as_close_as_theirs(x.grad, x32.grad, x64.grad, atol=1e-5, relative=torch.finfo(dtype).eps)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -167,8 +173,10 @@ def test_multi_level_matches_a_per_level_loop(device, dtype, layout):
     features, rois, levels, scales = _levels_input(dtype, layout, device)
     got = ops.multi_level_roi_align(features, rois, levels, scales, 7, 2)
     assert got.dtype == dtype and got.is_contiguous(memory_format=layout)
-    expected = reference.multi_level_roi_align([f.float() for f in features], rois, levels, scales, 7, 2).double()
-    torch.testing.assert_close(got.double(), expected, rtol=0, atol=TOLERANCE[dtype])
+    expected = reference.multi_level_roi_align([f.float() for f in features], rois, levels, scales, 7, 2)
+    truth = reference.multi_level_roi_align([f.double().cpu() for f in features], rois.double().cpu(), levels.cpu(),
+                                            scales, 7, 2)
+    assert_as_close_as_theirs(got, expected, truth, atol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -197,12 +205,15 @@ def test_multi_scale_roi_align_is_a_drop_in_for_torchvision(device, names):
     ours = ops.MultiScaleRoIAlign(names, 7, 2)
     theirs = torchvision.ops.MultiScaleRoIAlign(names, 7, 2)
     got, expected = ours(x, boxes, shapes), theirs(x, boxes, shapes)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    x64 = {name: value.detach().double().cpu().requires_grad_() for name, value in x.items()}
+    truth = theirs(x64, [b.double().cpu() for b in boxes], shapes)
+    assert_as_close_as_theirs(got, expected, truth, atol=1e-5, relative=1e-5)
     grad = torch.randn_like(got)
     ours_grads = torch.autograd.grad(got, [x[n] for n in names], grad)
     theirs_grads = torch.autograd.grad(expected, [x[n] for n in names], grad)
-    for a, b in zip(ours_grads, theirs_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    true_grads = torch.autograd.grad(truth, [x64[n] for n in names], grad.double().cpu())
+    for a, b, t in zip(ours_grads, theirs_grads, true_grads):
+        assert_as_close_as_theirs(a, b, t, atol=1e-5, relative=1e-5)
     assert repr(ours).startswith("MultiScaleRoIAlign(featmap_names=")
 
 

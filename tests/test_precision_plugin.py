@@ -172,6 +172,21 @@ def test_low_precision_weight_strings_map_to_the_master_weight_plugin(cpu_bf16) 
         DetectionMixedPrecision("bf16-weights", "cpu")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("plugin", "precision"), [(DetectionMixedPrecision, "16-mixed"),
+                                                   (MasterWeightPrecision, "16-weights")])
+def test_both_half_plugins_take_the_same_options(plugin, precision) -> None:
+    """One settings object builds both plugins' GradScaler, regions and guard; an unknown keyword is refused."""
+    built = plugin(precision, "cpu", fp32_regions={"model.roi_heads": "fp32"}, init_scale=8.0, growth_interval=3,
+                   max_consecutive_skips=4, skip_check_every_n_steps=5)
+    assert built.scaler.get_scale() == 8.0 and built.scaler.get_growth_interval() == 3
+    assert built.fp32_regions == {"model.roi_heads": "fp32"}
+    assert (built.guard.max_consecutive, built.guard.check_every_n_steps) == (4, 5)
+    defaults = plugin(precision.replace("16", "bf16"), "cpu")
+    assert defaults.scaler is None and defaults.fp32_regions is None
+    with pytest.raises(TypeError, match="init_scael"):
+        plugin(precision, "cpu", init_scael=8.0)
+
+
 class _Linear(pl.LightningModule):
     """Fits y = 2x; grads of chosen steps are replaced by inf."""
 

@@ -15,10 +15,9 @@ from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 import lit_amp_det.ops as ops
 from lit_amp_det.models import ext_ops
 from lit_amp_det.ops import triton as tops
-from ops_inputs import distinct_scores, needs_extension, random_boxes, random_rois
+from ops_inputs import distinct_scores, needs_extension, on_cuda_only, random_boxes, random_rois
 
 pytestmark = needs_extension
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: host syncs are counted on CUDA only")
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +89,7 @@ def test_detector_padded_postprocessing_matches_the_per_image_path(monkeypatch):
             assert torch.equal(g_t, e_t)
 
 
-@needs_gpu
+@on_cuda_only  # host syncs are counted on CUDA only
 def test_triton_ops_do_not_synchronise_with_the_host(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     device = torch.device("cuda")
@@ -111,7 +110,7 @@ def test_triton_ops_do_not_synchronise_with_the_host(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@needs_gpu
+@on_cuda_only  # host syncs are counted on CUDA only
 def test_rpn_step_on_cuda_reads_the_counts_once(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     rpn = _rpn(True).cuda()

@@ -306,12 +306,20 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
         state = ensure_state(setting, setting.state_steps, cache_root(args.cache_dir))
         setting = dataclasses.replace(setting, weights=state["file"], lr=state["final_lr"])
     order = repeats.run_order(len(selected), args.repeats)
+    out = args.out or _out_dir(kind)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"bench_{kind}_repeats.jsonl"  # one line per finished repeat: a run cut short keeps them
 
     def run(number: int, round_: int, position: int) -> dict[str, Any]:
         print(f"[{position + 1}/{len(order)}] round {round_ + 1}: {selected[number]} ...", end=" ", flush=True,
               file=sys.stderr)
         result = run_row_process(bench, names.index(selected[number]), setting)
-        print(f"{result['status']} ({result['wall_s']:.0f} s)", flush=True, file=sys.stderr)
+        timed = [f"{t} median {result[f'{t}_ms_median']:.1f} ms" for t in bench.timings
+                 if isinstance(result.get(f"{t}_ms_median"), (int, float))]
+        print(f"{result['status']} ({result['wall_s']:.0f} s{''.join('; ' + t for t in timed)})", flush=True,
+              file=sys.stderr)
+        with partial.open("a") as sink:
+            sink.write(json.dumps({"row": selected[number], "round": round_, **result}, default=str) + "\n")
         return result
 
     rows = []
@@ -322,7 +330,6 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
             row["images_per_s"] = setting.batch * 1000 / row[f"{bench.timings[-1]}_ms_median"]
         rows.append({"name": name, "label": bench.rows[index].label, "adds": row_adds(bench.rows[index], setting),
                      "overrides": row_overrides(bench, index, setting), **row})
-    out = args.out or _out_dir(kind)
     run_info = {"command": shlex.join(["python", "-m", "lit_amp_det", "bench", kind, *argv]),
                 "environment": _environment(setting.device), "state": state, "repeats": args.repeats,
                 "run_order": [{"position": k, "round": r, "row": selected[i]} for k, (r, i) in enumerate(order)]}

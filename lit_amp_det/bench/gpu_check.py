@@ -2,9 +2,9 @@
 
 On a machine with a CUDA GPU it runs, each step in its own process and in this order:
 
-1. the op tests on CUDA, compiled (not interpreted): ``tests/test_ops_nms.py``, ``tests/test_ops_roi_align.py``
-   (parametrised over ``cuda`` whenever a GPU is visible, so ``torch.ops.lit_amp_det`` runs the Triton kernels)
-   and ``tests/test_triton_sync_free.py`` (host-sync counts);
+1. the tests marked ``cuda`` (``pytest -m cuda tests``), compiled (not interpreted): the op tests' CUDA cases
+   (``torch.ops.lit_amp_det`` runs the Triton kernels against torchvision's CUDA ops), the host-sync counts and a
+   Trainer on the GPU applying its speedups;
 2. ``bench ops --device cuda``;
 3. ``bench train`` and ``bench infer`` at their GPU defaults: R50-FPN, 800x1333, batch 8.
 
@@ -31,7 +31,8 @@ import torch
 __all__ = ["main"]
 
 REPO = Path(__file__).resolve().parents[2]
-OP_TESTS = ["tests/test_ops_nms.py", "tests/test_ops_roi_align.py", "tests/test_triton_sync_free.py"]
+#: the tests that run on a GPU (marker ``cuda``); the CPU cases ran in CI already
+CUDA_TESTS = ["-m", "cuda", "tests"]
 #: bench options ``gpu_check`` forwards to ``bench train`` and ``bench infer`` when given.
 BENCH_OPTIONS = ("repeats", "steps", "warmup", "state_steps")
 
@@ -94,13 +95,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     write_report()
     if "tests" not in skip:
-        # the CPU cases ran in CI already; xdist (when installed) spreads the Triton compiles over the cores
-        pytest = ["-m", "pytest", "-q", "-k", "not cpu", *OP_TESTS]
+        # xdist (when installed) spreads the Triton compiles over the cores
+        pytest = ["-m", "pytest", "-q", *CUDA_TESTS]
         if importlib.util.find_spec("xdist") is not None:
             pytest += ["-n", str(min(8, os.cpu_count() or 1))]
-        code, output = _run("op tests on CUDA", [python, *pytest], out / "tests.log")
+        code, output = _run("tests on CUDA", [python, *pytest], out / "tests.log")
         summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-        sections += ["## Op tests on CUDA (compiled Triton kernels)", f"`pytest -q -k 'not cpu' {' '.join(OP_TESTS)}`: "
+        sections += ["## Tests on CUDA (compiled Triton kernels)", f"`pytest -q {' '.join(CUDA_TESTS)}`: "
                      + (summary[-1] if summary else f"exit code {code}")]
         failed += ["tests"] if code else []
         write_report()

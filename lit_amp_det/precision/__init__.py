@@ -6,8 +6,9 @@ plugin (built by :func:`build_precision_plugin`) turns mixed precision on for th
 :func:`use_low_precision_weights` is what ``trainer.precision=bf16-weights|16-weights`` does to the model;
 :func:`resolve_precision` is what ``trainer.precision=auto`` runs on a device (bf16 only where the CPU computes it
 natively). One module per job: ``casting`` (casts and regions on methods), ``regions`` (fp32 regions of a model),
-``master_weights`` (the weights conversion), ``skip`` and ``guard`` (the non-finite step guard), ``full`` /
-``mixed`` / ``low_precision_weights`` (the plugins), ``state`` and ``build`` (checkpoint state, plugin from config).
+``master_weights`` (the weights conversion), ``skip`` and ``guard`` (the non-finite step guard), ``options`` (the
+settings both half-precision plugins take), ``full`` / ``mixed`` / ``low_precision_weights`` (the plugins),
+``state`` and ``build`` (checkpoint state, plugin from config).
 The names are imported on first access, so the accepted values in :mod:`lit_amp_det.precision.modes` can be read
 without importing torch or Lightning.
 """
@@ -32,6 +33,7 @@ _MODULES = {
     "resolve_precision": "hardware",
     "install_fp32_regions": "regions",
     "NonFiniteStepGuard": "guard",
+    "HalfPrecisionOptions": "options",
     "FiniteStepPrecision": "full",
     "DetectionMixedPrecision": "mixed",
     "MasterWeightPrecision": "low_precision_weights",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from lit_amp_det.precision.low_precision_weights import MasterWeightPrecision
     from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
     from lit_amp_det.precision.mixed import DetectionMixedPrecision
+    from lit_amp_det.precision.options import HalfPrecisionOptions
     from lit_amp_det.precision.regions import install_fp32_regions
 
 

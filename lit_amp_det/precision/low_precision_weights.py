@@ -8,7 +8,7 @@ steps fp32 masters so that small updates are not lost to bf16/fp16 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -20,10 +20,10 @@ from typing_extensions import override
 
 from lit_amp_det.precision._lightning_internals import run_after_closure_hooks
 from lit_amp_det.precision.casting import wrap_method
-from lit_amp_det.precision.guard import NonFiniteStepGuard, guarded_optimizer_step
+from lit_amp_det.precision.guard import guarded_optimizer_step
 from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
-from lit_amp_det.precision.mixed import fp16_scaler
-from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS, RegionMode
+from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS
+from lit_amp_det.precision.options import HalfPrecisionOptions
 from lit_amp_det.precision.regions import install_fp32_regions, regions_for
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
@@ -51,30 +51,21 @@ class MasterWeightPrecision(Precision):
     Args:
         precision: ``bf16-weights`` or ``16-weights``.
         device: ``cuda`` or ``cpu`` (the GradScaler's device).
-        fp32_regions, init_scale, growth_interval, max_consecutive_skips, skip_check_every_n_steps: as for
+        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`, as for
             :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision`.
     """
 
-    def __init__(
-        self,
-        precision: Literal["16-weights", "bf16-weights"],
-        device: str,
-        *,
-        fp32_regions: Mapping[str, RegionMode] | None = None,
-        init_scale: float = 2.0**16,
-        growth_interval: int = 2000,
-        max_consecutive_skips: int = 20,
-        skip_check_every_n_steps: int = 50,
-    ) -> None:
+    def __init__(self, precision: Literal["16-weights", "bf16-weights"], device: str, **options: Any) -> None:
         if precision not in LOW_PRECISION_WEIGHTS:
             raise ValueError(f"trainer.precision={precision!r}; MasterWeightPrecision takes "
                              f"{' or '.join(LOW_PRECISION_WEIGHTS)}")
         super().__init__()
+        settings = HalfPrecisionOptions(**options)
         self.precision = precision  # type: ignore[assignment]
         self.device = device
-        self.scaler = fp16_scaler(precision, device, init_scale, growth_interval)
-        self.fp32_regions = None if fp32_regions is None else dict(fp32_regions)
-        self.guard = NonFiniteStepGuard(precision, max_consecutive_skips, skip_check_every_n_steps)
+        self.scaler = settings.scaler(precision, device)
+        self.fp32_regions = settings.regions()
+        self.guard = settings.guard(precision)
         self.weights: MasterWeights | None = None
 
     @property

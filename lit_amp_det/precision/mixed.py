@@ -8,7 +8,7 @@ skips its steps on the device; fp16 keeps GradScaler's own skipping and the guar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -17,21 +17,14 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lit_amp_det.precision.guard import NonFiniteStepGuard, guarded_optimizer_step
-from lit_amp_det.precision.modes import MIXED_PRECISIONS, RegionMode
+from lit_amp_det.precision.guard import guarded_optimizer_step
+from lit_amp_det.precision.modes import MIXED_PRECISIONS
+from lit_amp_det.precision.options import HalfPrecisionOptions
 from lit_amp_det.precision.regions import install_fp32_regions, regions_for
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
 
-__all__ = ["DetectionMixedPrecision", "fp16_scaler"]
-
-
-def fp16_scaler(precision: str, device: str, init_scale: float, growth_interval: int) -> torch.amp.GradScaler | None:
-    """A GradScaler for the fp16 precisions (``16-mixed``, ``16-weights``: fp16 gradients underflow without one);
-    ``None`` for the bf16 ones."""
-    if not precision.startswith("16-"):
-        return None
-    return torch.amp.GradScaler(device, init_scale=init_scale, growth_interval=growth_interval)
+__all__ = ["DetectionMixedPrecision"]
 
 
 class DetectionMixedPrecision(MixedPrecision):
@@ -40,31 +33,18 @@ class DetectionMixedPrecision(MixedPrecision):
     Args:
         precision: ``16-mixed`` (fp16 with a GradScaler) or ``bf16-mixed``.
         device: ``cuda`` or ``cpu`` (the autocast device type).
-        fp32_regions: method paths relative to the LightningModule mapped to ``fp32`` or ``fp32_outputs``
-            (:mod:`lit_amp_det.precision.regions`). ``None`` takes the module's ``fp32_regions()``; an empty
-            mapping turns regions off (plain autocast).
-        init_scale, growth_interval: GradScaler settings for ``16-mixed``.
-        max_consecutive_skips, skip_check_every_n_steps: the guard's settings
-            (:class:`~lit_amp_det.precision.guard.NonFiniteStepGuard`).
+        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions` (``fp32_regions``,
+            ``init_scale``, ``growth_interval``, ``max_consecutive_skips``, ``skip_check_every_n_steps``).
     """
 
-    def __init__(
-        self,
-        precision: Literal["16-mixed", "bf16-mixed"],
-        device: str,
-        *,
-        fp32_regions: Mapping[str, RegionMode] | None = None,
-        init_scale: float = 2.0**16,
-        growth_interval: int = 2000,
-        max_consecutive_skips: int = 20,
-        skip_check_every_n_steps: int = 50,
-    ) -> None:
+    def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str, **options: Any) -> None:
         if precision not in MIXED_PRECISIONS:
             raise ValueError(f"trainer.precision={precision!r}; DetectionMixedPrecision takes "
                              f"{' or '.join(MIXED_PRECISIONS)}")
-        super().__init__(precision, device, fp16_scaler(precision, device, init_scale, growth_interval))
-        self.fp32_regions = None if fp32_regions is None else dict(fp32_regions)
-        self.guard = NonFiniteStepGuard(precision, max_consecutive_skips, skip_check_every_n_steps)
+        settings = HalfPrecisionOptions(**options)
+        super().__init__(precision, device, settings.scaler(precision, device))
+        self.fp32_regions = settings.regions()
+        self.guard = settings.guard(precision)
 
     @property
     def low_dtype(self) -> torch.dtype:

@@ -1,0 +1,52 @@
+"""The settings both half-precision plugins take: fp32 regions, the fp16 GradScaler's and the step guard's.
+
+:class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision` and
+:class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` accept these as keywords and build their
+GradScaler, fp32-region mapping and :class:`~lit_amp_det.precision.guard.NonFiniteStepGuard` from them here, so
+the two plugins cannot drift apart in a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from lit_amp_det.precision.guard import NonFiniteStepGuard
+from lit_amp_det.precision.modes import RegionMode
+
+__all__ = ["HalfPrecisionOptions"]
+
+
+@dataclass(frozen=True)
+class HalfPrecisionOptions:
+    """What a half-precision plugin is configured with besides its precision and device.
+
+    Attributes:
+        fp32_regions: method paths relative to the LightningModule mapped to ``fp32`` or ``fp32_outputs``
+            (:mod:`lit_amp_det.precision.regions`). ``None`` takes the module's ``fp32_regions()``; an empty
+            mapping turns regions off (plain autocast).
+        init_scale, growth_interval: GradScaler settings, used by the fp16 precisions only.
+        max_consecutive_skips, skip_check_every_n_steps: the guard's settings.
+    """
+
+    fp32_regions: Mapping[str, RegionMode] | None = None
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    max_consecutive_skips: int = 20
+    skip_check_every_n_steps: int = 50
+
+    def scaler(self, precision: str, device: str) -> torch.amp.GradScaler | None:
+        """A GradScaler for the fp16 precisions (``16-mixed``, ``16-weights``: fp16 gradients underflow without
+        one); ``None`` for the bf16 ones."""
+        if not precision.startswith("16-"):
+            return None
+        return torch.amp.GradScaler(device, init_scale=self.init_scale, growth_interval=self.growth_interval)
+
+    def regions(self) -> dict[str, RegionMode] | None:
+        """A copy of ``fp32_regions`` (``None`` stays ``None``: the module's own regions)."""
+        return None if self.fp32_regions is None else dict(self.fp32_regions)
+
+    def guard(self, precision: str) -> NonFiniteStepGuard:
+        return NonFiniteStepGuard(precision, self.max_consecutive_skips, self.skip_check_every_n_steps)
