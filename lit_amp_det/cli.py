@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from lit_amp_det.app.config import COMMANDS, config_dir, config_groups
 from lit_amp_det.precision.modes import PRECISIONS
-from lit_amp_det.app.runs import holds_a_run
+from lit_amp_det.slurm import current_job
+from lit_amp_det.app.runs import holds_a_run, is_earlier_attempt
 
 __all__ = ["hydra_argv", "main", "usage"]
 
@@ -100,13 +101,17 @@ _INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "search
 def _used_run_dir(args: Sequence[str]) -> str | None:
     """An explicit ``hydra.run.dir=`` that already holds a run, checked before Hydra writes ``.hydra/`` into it.
 
-    DDP's other ranks are started with the first rank's folder on purpose (Lightning sets ``LOCAL_RANK``)."""
+    DDP's other ranks are started with the first rank's folder on purpose (Lightning sets ``LOCAL_RANK``), and a
+    requeued SLURM job continues in its preempted attempt's folder."""
     if int(os.environ.get("LOCAL_RANK", "0") or 0) > 0:
         return None
+    job = current_job()
     for arg in args:
         if arg.startswith("hydra.run.dir="):
-            path = arg.split("=", 1)[1].strip().strip("'\"")
-            return path if holds_a_run(Path(path)) else None
+            path = Path(arg.split("=", 1)[1].strip().strip("'\""))
+            if not holds_a_run(path) or (job is not None and is_earlier_attempt(path, job.job_id, job.restart_count)):
+                return None
+            return str(path)
     return None
 
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,12 +62,68 @@ def compose_config(overrides: Sequence[str] = (), output_dir: Path | None = None
         return compose(config_name="config", overrides=[*overrides, *extra])
 
 
+#: variables read while Python, torch or Triton import, or that change how processes start: a command whose
+#: environment differs from the warm parent's in one of these runs in a fresh process
+_IMPORT_TIME_VARIABLES = ("PYTHON", "TRITON_", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_", "LD_", "NCCL_")
+
+
+class _WarmParent:
+    """The session's :mod:`cli_zygote` process (one per pytest process), started on first use."""
+
+    process: subprocess.Popen | None = None
+    env: dict[str, str] = {}
+
+    @classmethod
+    def get(cls) -> subprocess.Popen | None:
+        if cls.process is None:
+            cls.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONUNBUFFERED": "1"}
+            cls.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], env=cls.env,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            atexit.register(cls.process.kill)
+            if json.loads(cls.process.stdout.readline() or "{}").get("ready") is not True:
+                cls.process.kill()
+        return cls.process if cls.process.poll() is None else None
+
+    @classmethod
+    def takes(cls, args: Sequence[str], env: dict[str, str]) -> bool:
+        if os.environ.get("LIT_AMP_DET_TESTS_FRESH_PROCESSES") == "1" or any("ddp" in a for a in args):
+            return False  # DDP starts its ranks from the command line: a fresh process, as a user's
+        keys = (cls.env.keys() | env.keys()) - {"PYTHONPATH", "PYTHONUNBUFFERED"}
+        return not any(k.startswith(_IMPORT_TIME_VARIABLES) and cls.env.get(k) != env.get(k) for k in keys)
+
+    @classmethod
+    def run(cls, args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        parent = cls.get()
+        if parent is None:
+            raise RuntimeError("the warm parent of the CLI tests (tests/cli_zygote.py) did not start")
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            request = {"argv": list(map(str, args)), "cwd": str(cwd), "env": env, "stdout": str(out),
+                       "stderr": str(err)}
+            parent.stdin.write(json.dumps(request) + "\n")
+            parent.stdin.flush()
+            pid = json.loads(parent.stdout.readline())["pid"]
+            ready, _, _ = select.select([parent.stdout], [], [], timeout)
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                parent.stdout.readline()
+                raise subprocess.TimeoutExpired(["python", "-m", "lit_amp_det", *args], timeout)
+            returncode = json.loads(parent.stdout.readline())["returncode"]
+            return subprocess.CompletedProcess(["python", "-m", "lit_amp_det", *args], returncode,
+                                               out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
 def run_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
-    """Runs ``python -m lit_amp_det ...`` in a subprocess, as a user would."""
+    """Runs ``python -m lit_amp_det ...`` as a user would: in a process of its own, forked from a warm parent
+    that has made the imports already (:mod:`cli_zygote`), or started afresh where that could differ
+    (``LIT_AMP_DET_TESTS_FRESH_PROCESSES=1`` starts every one afresh)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "lit_amp_det", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=600)
+    if _WarmParent.takes(args, full_env) and _WarmParent.get() is not None:
+        proc = _WarmParent.run(args, cwd, full_env, timeout=600)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "lit_amp_det", *args], cwd=cwd, env=full_env,
+                              capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"CLI failed ({proc.returncode}):\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}")
     return proc

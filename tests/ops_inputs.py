@@ -27,7 +27,8 @@ needs_extension = pytest.mark.skipif(
 )
 
 
-def assert_as_close_as_theirs(got: Tensor, theirs: Tensor, truth: Tensor, *, atol: float, relative: float = 0.0) -> None:
+def assert_as_close_as_theirs(got: Tensor, theirs: Tensor, truth: Tensor, *, atol: float,
+                              relative: float = 0.0) -> None:
     """``got`` (ours) against ``theirs`` (torchvision's op, or the plain-PyTorch reference, in the same working
     precision on the same device) and ``truth`` (the same computation in float64 on the CPU).
 

@@ -2,9 +2,9 @@
 
 Layers, bottom up (``errors``, the library's argument error, under all of them): ``profiling`` and ``ops`` (kernels
 and their front end) -> ``precision``, ``data``, ``models`` -> ``module``, ``module_settings``, ``optim``,
-``checkpoints``, ``distributed`` -> ``callbacks`` (each on its own: no callback imports another) -> the application:
-the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and launch plumbing), ``bench`` and
-``cli``. The core (the module, models, precision, callbacks, data, ops) holds no CPU-only speed transform.
+``checkpoints``, ``distributed``, ``slurm`` -> ``callbacks`` (each on its own: no callback imports another) -> the
+application: the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and launch plumbing),
+``bench`` and ``cli``. The core (the module, models, precision, callbacks, data, ops) holds no CPU-only speed transform.
 Read from the source (``ast``), so nothing is imported and lazy imports inside functions count too.
 """
 
@@ -25,12 +25,13 @@ ALLOWED = {
     "lit_amp_det.models": ("lit_amp_det.ops",),
     "lit_amp_det.optim": ("lit_amp_det.ops",),  # the layout checks of the fused optimizers' step hook
     "lit_amp_det.distributed": (),
+    "lit_amp_det.slurm": (),
     "lit_amp_det.checkpoints": (),
     "lit_amp_det.module_settings": ("lit_amp_det.optim",),
     "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim", "lit_amp_det.module_settings",
                            "lit_amp_det.checkpoints", "lit_amp_det.distributed", "lit_amp_det.precision"),
     "lit_amp_det.callbacks": ("lit_amp_det.profiling", "lit_amp_det.models",
-                              "lit_amp_det.precision", "lit_amp_det.distributed"),
+                              "lit_amp_det.precision", "lit_amp_det.distributed", "lit_amp_det.slurm"),
 }
 APPLICATION = ("lit_amp_det.app", "lit_amp_det.bench", "lit_amp_det.cli")
 #: the error type every layer raises (imports nothing from the package)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,33 @@ def test_slurm_launcher_sizes_the_allocation_from_the_trainer() -> None:
                                                     "timeout_min")}
     assert (resolved["nodes"], resolved["tasks_per_node"], resolved["gpus_per_node"]) == (2, 8, 8)
     assert resolved["partition"] == "gpu" and resolved["timeout_min"] == 1440
+
+
+def test_the_sbatch_script_submitit_would_submit_for_2_nodes_of_8_gpus(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's parameters go to submitit as the plugin passes them (``BaseSubmititLauncher.launch``: the
+    queue-independent keys as they are, the rest prefixed ``slurm_``); submitit writes the script, nothing is
+    submitted (a stand-in ``srun`` on PATH is all it looks for)."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{srun.parent}:{os.environ['PATH']}")
+    cfg = _hydra_config(["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", "trainer.devices=8",
+                         "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    params = {k: v for k, v in params.items() if k not in ("_target_", "submitit_folder", "max_num_timeout")}
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor = submitit.AutoExecutor(cluster="slurm", folder=tmp_path / ".submitit")
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    script = executor._executor._make_submission_file_text("python -u -m submitit.core._submit", "uid")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=6", "#SBATCH --partition=gpu", "#SBATCH --time=1440"):
+        assert line in script, f"{line!r} not in the sbatch script:\n{script}"
+    assert "srun" in script  # one task per GPU, each a DDP rank that Lightning's SLURMEnvironment reads
 
 
 def test_the_plugins_own_submitit_slurm_config_composes_too() -> None:

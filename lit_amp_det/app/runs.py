@@ -22,7 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["RUN_RECORD", "RunInfo", "ResumeError", "config_differences", "holds_a_run", "list_runs", "read_run",
-           "resolve_ckpt_path", "resume_point", "unique_dir", "update_run_record", "write_run_record"]
+           "is_earlier_attempt", "resolve_ckpt_path", "resume_point", "slurm_resume_point", "unique_dir", "update_run_record",
+           "write_run_record"]
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,13 @@ def _write_json(path: Path, record: Mapping[str, Any]) -> None:
     os.replace(tmp, path)  # atomic: a kill never leaves half a record
 
 
-def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None) -> dict[str, Any]:
-    """Writes the ``running`` record of a run that starts now; returns it."""
+def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None,
+                     **fields: Any) -> dict[str, Any]:
+    """Writes the ``running`` record of a run that starts now, with any extra ``fields`` (a SLURM job's id and
+    restart count); returns it."""
     record = {"command": command, "status": "running", "started": time.time(),
               "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(), "host": socket.gethostname(),
-              "resumed_from": resumed_from}
+              "resumed_from": resumed_from, **fields}
     _write_json(Path(run_dir) / RUN_RECORD, record)
     return record
 
@@ -99,9 +102,11 @@ class RunInfo:
 
     path: Path
     command: str
-    status: str  # running | finished | interrupted | failed | killed (running, but its process is gone)
+    status: str  # running | finished | interrupted | requeued | failed | killed (running, its process gone)
     started: float
     resumed_from: str | None
+    slurm_job_id: str | None = None  # the SLURM job it ran in, and that job's restart count then
+    slurm_restart_count: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -136,8 +141,10 @@ def read_run(path: Path) -> RunInfo | None:
     if status == "running" and record.get("host") == socket.gethostname() and record.get("pid") != os.getpid():
         if not _process_alive(int(record.get("pid", -1))):
             status = "killed"
+    restarts = record.get("slurm_restart_count")
     return RunInfo(path, str(record.get("command")), status, float(record.get("started", 0.0)),
-                   record.get("resumed_from"))
+                   record.get("resumed_from"), record.get("slurm_job_id"),
+                   restarts if isinstance(restarts, int) else None)
 
 
 def list_runs(runs_root: Path, command: str, exclude: Path | None = None) -> list[RunInfo]:
@@ -164,6 +171,30 @@ def resume_point(run_dir: Path, seen: Iterable[Path] = ()) -> Path | None:
         return origin
     if origin.is_dir() and origin not in set(seen):
         return resume_point(origin, [*seen, Path(run_dir)])
+    return None
+
+
+def is_earlier_attempt(folder: Path, job_id: str, restart_count: int) -> bool:
+    """Whether ``folder`` holds an unfinished earlier attempt of SLURM job ``job_id`` (a lower restart count): the
+    one kind of earlier run whose folder a run may continue in (a requeued sweep job is rerun with its folder)."""
+    info = read_run(folder)
+    return (info is not None and info.slurm_job_id == job_id and info.slurm_restart_count is not None
+            and info.slurm_restart_count < restart_count and not info.finished)
+
+
+def slurm_resume_point(runs_root: Path, job_id: str, restart_count: int) -> Path | None:
+    """The checkpoint that continues an earlier attempt of SLURM job ``job_id``: the resume point of the newest
+    unfinished fit under ``runs_root`` whose ``run.json`` records that job with a lower restart count. ``None`` on a
+    first attempt (``restart_count`` 0), or when the earlier attempts finished or saved nothing. Every rank finds the
+    same file: the attempt running now (this restart count) never counts."""
+    if restart_count <= 0:
+        return None
+    for info in list_runs(Path(runs_root), "fit"):
+        if (info.slurm_job_id == job_id and info.slurm_restart_count is not None
+                and info.slurm_restart_count < restart_count and not info.finished):
+            point = resume_point(info.path)
+            if point is not None:
+                return point
     return None
 
 

@@ -28,7 +28,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lit_amp_det.app.config import check_command, check_config
 from lit_amp_det.app.launch import ddp_child_command
 from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder
-from lit_amp_det.app.runs import holds_a_run, resolve_ckpt_path, update_run_record, write_run_record
+from lit_amp_det.app.runs import (
+    holds_a_run,
+    is_earlier_attempt,
+    resolve_ckpt_path,
+    resume_point,
+    slurm_resume_point,
+    update_run_record,
+    write_run_record,
+)
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
@@ -36,6 +44,7 @@ from lit_amp_det.checkpoints import CLASS_HPARAMS, check_checkpoint, names_a_che
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.weights import NO_WEIGHTS
 from lit_amp_det.precision import build_precision_plugin, warn_if_precision_changes
+from lit_amp_det.slurm import SlurmJob, cluster_plugins, current_job
 
 __all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "config_node", "resume_command",
            "summary_line"]
@@ -159,7 +168,7 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
             trainer_cfg["enable_progress_bar"] = False  # a bar in a file keeps only its last state: lines instead
         elif not any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks):
             callbacks.append(ReadableProgressBar())
-    return instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, plugins=[plugin])
+    return instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, plugins=[plugin, *cluster_plugins()])
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -214,18 +223,21 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     out = _output_dir(cfg)
+    job = current_job()
     ckpt_path = None
     if rank_zero_only.rank == 0:
-        if holds_a_run(out):
+        if holds_a_run(out) and not _earlier_attempt_of(job, out):
             raise FileExistsError(f"{out} already holds a run (run.json, metrics.json or checkpoints); runs never "
                                   f"write into an earlier run's folder: choose another hydra.run.dir, or resume it "
                                   f"into a new folder with ckpt_path={out}")
-        ckpt_path = resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root))
-        write_run_record(out, str(cfg.command), resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None)
+        ckpt_path = resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root)) or _requeued_job_checkpoint(cfg, job)
+        write_run_record(out, str(cfg.command), resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None,
+                         **(job.record() if job is not None else {}))
         OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
         _pin_ckpt_path_for_ddp_children(ckpt_path)
-    else:  # rank 0 resolved ``last`` and pinned the file on this process's command line
-        ckpt_path = cfg.get("ckpt_path")
+    else:  # rank 0 resolved ``last`` and pinned the file on this process's command line (under srun every task
+        # starts the command itself, so each finds the requeued job's checkpoint as rank 0 did)
+        ckpt_path = cfg.get("ckpt_path") or _requeued_job_checkpoint(cfg, job)
     datamodule = build_datamodule(cfg)
     checkpoint, classes = None, None
     if predicts_on_a_folder(cfg):  # no annotations to name the classes: the weights do
@@ -241,6 +253,30 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
     return datamodule, model, trainer, ckpt_path
 
 
+def _earlier_attempt_of(job: SlurmJob | None, folder: Path) -> bool:
+    return job is not None and is_earlier_attempt(folder, job.job_id, job.restart_count)
+
+
+def _requeued_job_checkpoint(cfg: DictConfig, job: SlurmJob | None) -> str | None:
+    """A requeued SLURM job's ``fit`` without ``ckpt_path``: the checkpoint of its preempted attempt, found in its
+    own folder (a sweep job's) or among the runs under ``paths.runs_root``; ``None`` on a first attempt."""
+    if job is None or str(cfg.command) != "fit" or cfg.get("ckpt_path") is not None:
+        return None
+    out = _output_dir(cfg)
+    checkpoint = resume_point(out) if _earlier_attempt_of(job, out) else None
+    if checkpoint is None:
+        runs_root = Path(cfg.paths.runs_root).expanduser().resolve()
+        checkpoint = slurm_resume_point(runs_root, job.job_id, job.restart_count)
+    if checkpoint is None:
+        if job.restart_count:
+            log.warning("SLURM job %s, restart %d: no earlier attempt of this job saved a checkpoint under %s; "
+                        "training starts from step 0", job.job_id, job.restart_count, cfg.paths.runs_root)
+        return None
+    log.info("SLURM job %s, restart %d: resuming its preempted attempt from %s", job.job_id, job.restart_count,
+             checkpoint)
+    return str(checkpoint)
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fits the model (resuming from ``cfg.ckpt_path`` if set); returns the final metrics."""
     started = time.perf_counter()
@@ -250,9 +286,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except RunInterrupted as stop:  # Ctrl-C / SIGTERM: the checkpoint is saved; keep the metrics so far too
         perf = next((c.summary() for c in trainer.callbacks if isinstance(c, RunStats)), None)
         command = resume_command(cfg)
-        record = {"command": "fit", "status": "interrupted", "interrupted_by": stop.signal_name,
-                  "metrics": _scalar_metrics(trainer), "time_s": time.perf_counter() - started, "perf": perf,
-                  "resume_command": command}
+        record = {"command": "fit", "status": "requeued" if stop.requeued_job else "interrupted",
+                  "interrupted_by": stop.signal_name, "metrics": _scalar_metrics(trainer),
+                  "time_s": time.perf_counter() - started, "perf": perf, "resume_command": command}
         _write_outputs(cfg, trainer, record)
         _announce_interrupt(stop, command)
         raise
@@ -286,6 +322,8 @@ def resume_command(cfg: DictConfig) -> str:
 def _announce_interrupt(stop: RunInterrupted, command: str) -> None:
     where = f"checkpoint saved at step {stop.global_step}: {stop.checkpoint}" if stop.checkpoint else "no checkpoint"
     emit(f"stopped by {stop.signal_name}; {where}")
+    if stop.requeued_job:
+        emit(f"SLURM job {stop.requeued_job} requeued: its next attempt resumes from this checkpoint by itself")
     emit(f"resume with: {command}")
 
 

@@ -6,7 +6,12 @@ continues it exactly (saves happen at batch ends, where the data module records 
 next to itself and renamed over the old one, so a kill during the save leaves the previous checkpoint intact.
 
 On the first SIGINT or SIGTERM during training the step in progress completes, the checkpoint is saved and
-:class:`RunInterrupted` stops the fit; a second signal stops at once. Under DDP every rank stops after the same step.
+:class:`RunInterrupted` stops the fit; a second signal stops at once, except during a save, which completes first.
+Under DDP every rank stops after the same step.
+
+In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's ``SIGUSR2``
+in a job it started) does the same and then requeues the job with ``scontrol requeue``; the requeued attempt resumes from the checkpoint by itself. Signals
+that follow (SLURM ends a requeued job with ``SIGTERM``) are logged and ignored while the run stops.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lit_amp_det.slurm import SlurmJob, current_job, requeue, requeue_signal
+
 __all__ = ["LastCheckpoint", "RunInterrupted"]
 
 log = logging.getLogger(__name__)
@@ -33,15 +40,18 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class RunInterrupted(Exception):
-    """A fit stopped by SIGINT or SIGTERM after saving ``checkpoint`` (``None`` if saving was off)."""
+    """A fit stopped by a signal after saving ``checkpoint`` (``None`` if saving was off); ``requeued_job`` is the
+    SLURM job id that ``scontrol requeue`` accepted, if any."""
 
-    def __init__(self, signum: int, checkpoint: str | None, global_step: int) -> None:
+    def __init__(self, signum: int, checkpoint: str | None, global_step: int, requeued_job: str | None = None) -> None:
         self.signum = signum
         self.checkpoint = checkpoint
         self.global_step = global_step
+        self.requeued_job = requeued_job
         self.signal_name = signal.Signals(signum).name
         super().__init__(f"{self.signal_name} received: stopped after step {global_step}"
-                         + (f", checkpoint {checkpoint}" if checkpoint else ""))
+                         + (f", checkpoint {checkpoint}" if checkpoint else "")
+                         + (f", SLURM job {requeued_job} requeued" if requeued_job else ""))
 
     @property
     def exit_code(self) -> int:
@@ -77,6 +87,9 @@ class LastCheckpoint(Checkpoint):
         self._last_saved_time = time.monotonic()
         self._signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self._job: SlurmJob | None = None
+        self._saving = False
+        self._stop_now = False  # a second signal arrived during a save: stop once it is written
 
     @property
     def path(self) -> Path:
@@ -86,13 +99,20 @@ class LastCheckpoint(Checkpoint):
     def save(self, trainer: pl.Trainer) -> str:
         """Writes ``last.ckpt`` now (all ranks must call it: the save is collective under DDP)."""
         tmp = self.path.with_name(f".{self.filename}.tmp")
-        trainer.save_checkpoint(tmp, weights_only=False)
-        if trainer.is_global_zero:
-            os.replace(tmp, self.path)
-        trainer.strategy.barrier("LastCheckpoint.save")
+        self._saving = True  # a signal now is answered after the write, never inside it
+        try:
+            trainer.save_checkpoint(tmp, weights_only=False)
+            if trainer.is_global_zero:
+                os.replace(tmp, self.path)
+            trainer.strategy.barrier("LastCheckpoint.save")
+        finally:
+            self._saving = False
         self.last_model_path = str(self.path)
         self._last_saved_step = trainer.global_step
         self._last_saved_time = time.monotonic()
+        if self._stop_now:
+            self._restore_handlers()
+            raise KeyboardInterrupt
         return self.last_model_path
 
     def _due(self, trainer: pl.Trainer) -> bool:
@@ -121,8 +141,9 @@ class LastCheckpoint(Checkpoint):
         if stop:
             signum = self._signal if self._signal is not None else signal.SIGTERM
             saved = self.save(trainer)
+            requeued = self._requeue_after_save(trainer, signum)
             self._restore_handlers()
-            raise RunInterrupted(signum, saved, trainer.global_step)
+            raise RunInterrupted(signum, saved, trainer.global_step, requeued)
         if self._due(trainer):
             self.save(trainer)
 
@@ -144,11 +165,25 @@ class LastCheckpoint(Checkpoint):
         return {"last_model_path": self.last_model_path}
 
     # --------------------------------------------------------------------------------------- signals
+    def _requeue_after_save(self, trainer: pl.Trainer, signum: int) -> str | None:
+        """Under SLURM, after the save that ``SIGUSR1`` asked for: rank 0 requeues the job; its id if requeued."""
+        asked = self._job is not None and signum == requeue_signal()
+        if trainer.world_size > 1 and self._job is not None:
+            asked = trainer.strategy.reduce_boolean_decision(asked, all=False)
+        if not asked or self._job is None:
+            return None
+        requeued = requeue(self._job) if trainer.is_global_zero else False
+        if trainer.world_size > 1:
+            requeued = bool(trainer.strategy.broadcast(requeued))
+        return self._job.job_id if requeued else None
+
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        self._signal = None
-        for signum in _SIGNALS:
+        self._signal, self._stop_now = None, False
+        self._job = current_job()
+        signals = (*_SIGNALS, requeue_signal()) if self._job is not None else _SIGNALS
+        for signum in signals:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
 
@@ -158,11 +193,22 @@ class LastCheckpoint(Checkpoint):
         self._previous_handlers = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._signal is not None:  # the second signal: stop now, without saving
+        name = signal.Signals(signum).name
+        if self._signal is not None and self._job is not None:  # SLURM's SIGTERM after a requeue, or a repeat
+            _announce(f"{name} received while stopping: ignored, {self.path} is saved after this step")
+            return
+        if self._signal is not None:  # the second signal: stop now, without saving (after a save in progress)
+            if self._saving:
+                self._stop_now = True
+                return
             self._restore_handlers()
             raise KeyboardInterrupt
         self._signal = signum
-        _announce(f"{signal.Signals(signum).name} received: saving {self.path} after this step, then stopping "
+        if self._job is not None and signum == requeue_signal():
+            _announce(f"{name} received: saving {self.path} after this step, then requeueing SLURM job "
+                      f"{self._job.job_id} and stopping")
+            return
+        _announce(f"{name} received: saving {self.path} after this step, then stopping "
                   "(send it again to stop at once without saving)")
 
 

@@ -1,0 +1,191 @@
+"""SLURM preemption, rehearsed on one machine: the variables SLURM sets for a one-task batch job and a fake
+``scontrol`` that records its call and then, as SLURM does when it requeues a job, sends the job SIGTERM.
+
+``SIGUSR1`` (``#SBATCH --signal=USR1@90``) mid-fit saves ``last.ckpt``, requeues the job once and stops; the
+requeued attempt (same command, same job id, ``SLURM_RESTART_COUNT=1``) resumes from it without ``ckpt_path`` and
+ends with the weights of an uninterrupted run. A signal during a checkpoint write never breaks the write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_amp_det.app.runs import slurm_resume_point, write_run_record
+from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint
+from lit_amp_det.slurm import SlurmJob, current_job, requeue_signal
+
+from conftest import REPO, SMOKE, run_cli
+
+COMMON = [*SMOKE, "trainer.deterministic=true"]
+#: what SLURM sets for the one task of batch job 4242
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "maskrcnn", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
+         "SLURM_NNODES": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+         "SLURM_NODELIST": "localhost"}
+FAKE_SCONTROL = """#!/bin/sh
+# records its arguments, then ends the job as SLURM does when it requeues one: SIGTERM to the job's process
+echo "$@" >> "$SCONTROL_LOG"
+kill -TERM "$PPID"
+"""
+
+
+def _fake_slurm(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IXUSR)
+    tests = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    return {**SLURM, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": tests,
+            "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+
+
+def _state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_a_preempted_job_requeues_and_its_next_attempt_resumes_exactly(tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    run_cli(["fit", *COMMON], cwd=tmp_path, env={"LIT_AMP_DET_RUNS": str(straight)})
+
+    runs = tmp_path / "runs"
+    env = {**_fake_slurm(tmp_path), "LIT_AMP_DET_RUNS": str(runs)}
+    # the same command for both attempts, as SLURM requeues it; the signal fires at step 3 only
+    command = ["fit", *COMMON, "+callbacks.sig._target_=signaller.SignalAtStep", "+callbacks.sig.step=3",
+               "+callbacks.sig.signum=SIGUSR1"]
+    preempted = run_cli(command, cwd=tmp_path, env=env, check=False)
+    assert preempted.returncode == 128 + signal.SIGUSR1, preempted.stderr[-4000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # once, with the job id
+    (first,) = (runs / "fit").iterdir()
+    record = json.loads((first / "run.json").read_text())
+    assert record["status"] == "requeued" and (record["slurm_job_id"], record["slurm_restart_count"]) == ("4242", 0)
+    assert json.loads((first / "metrics.json").read_text())["interrupted_by"] == "SIGUSR1"
+    assert torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
+    assert "SLURM job 4242 requeued" in preempted.stdout
+    log = (first / "fit.log").read_text()
+    assert "SIGTERM received while stopping: ignored" in log  # the fake scontrol's SIGTERM, during the stop
+
+    requeued = run_cli(command, cwd=tmp_path, env={**env, "SLURM_RESTART_COUNT": "1"})
+    (second,) = [p for p in (runs / "fit").iterdir() if p != first]
+    record = json.loads((second / "run.json").read_text())
+    assert record["status"] == "finished" and record["slurm_restart_count"] == 1
+    assert record["resumed_from"] == str((first / "checkpoints" / "last.ckpt").resolve())
+    assert "resuming its preempted attempt" in (second / "fit.log").read_text(), requeued.stdout[-2000:]
+    assert json.loads((second / "metrics.json").read_text())["global_step"] == 8
+    (straight_dir,) = (straight / "fit").iterdir()
+    expected, got = _state(straight_dir), _state(second)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert torch.equal(value, got[key]), key
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # the finished attempt requeued nothing
+
+
+def test_the_job_is_read_from_slurms_variables() -> None:
+    assert current_job({}) is None
+    assert current_job({**SLURM, "SLURM_JOB_NAME": "interactive"}) is None  # Lightning's rule: srun --pty bash
+    assert current_job(SLURM) == SlurmJob("4242", 0)
+    assert current_job({**SLURM, "SLURM_RESTART_COUNT": "2"}) == SlurmJob("4242", 2)
+    array = {**SLURM, "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}
+    assert current_job(array) == SlurmJob("77_3", 0)  # what `scontrol requeue` takes for an array task
+
+
+def test_the_requeue_signal_is_usr1_by_hand_and_submitits_under_submitit() -> None:
+    assert requeue_signal({}) == signal.SIGUSR1  # `#SBATCH --signal=USR1@90`
+    assert requeue_signal({"SUBMITIT_EXECUTOR": "slurm"}) == signal.SIGUSR2  # submitit's `--signal=USR2@<delay>`
+    assert requeue_signal({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}) == signal.SIGUSR1
+
+
+def test_a_requeued_attempt_continues_in_the_folder_its_job_was_given(tmp_path: Path) -> None:
+    """A job whose command fixes its folder (a sweep job's, as Hydra's submitit launcher reruns it on requeue)
+    continues there: the one folder that an earlier run may be written into is its own job's earlier attempt's."""
+    env = {**_fake_slurm(tmp_path), "LIT_AMP_DET_RUNS": str(tmp_path / "runs")}
+    folder = tmp_path / "runs" / "multirun" / "sweep" / "0"
+    command = ["fit", *SMOKE, f"hydra.run.dir={folder}", "+callbacks.sig._target_=signaller.SignalAtStep",
+               "+callbacks.sig.step=1", "+callbacks.sig.signum=SIGUSR1"]
+    preempted = run_cli(command, cwd=tmp_path, env=env, check=False)
+    assert preempted.returncode == 128 + signal.SIGUSR1, preempted.stderr[-4000:]
+    assert json.loads((folder / "run.json").read_text())["status"] == "requeued"
+    run_cli(command, cwd=tmp_path, env={**env, "SLURM_RESTART_COUNT": "1"})
+    record = json.loads((folder / "run.json").read_text())
+    assert record["status"] == "finished" and record["slurm_restart_count"] == 1
+    assert record["resumed_from"] == str((folder / "checkpoints" / "last.ckpt").resolve())
+    assert json.loads((folder / "metrics.json").read_text())["global_step"] == 8
+    # another job, or a fresh submission of this one, never writes into it
+    refused = run_cli(command, cwd=tmp_path, env={**env, "SLURM_JOB_ID": "5000", "SLURM_RESTART_COUNT": "1"},
+                      check=False)
+    assert refused.returncode != 0 and "already holds a run" in refused.stderr
+
+
+def _attempt(runs: Path, name: str, job: str, restart: int, status: str, started: float, saved: bool) -> Path:
+    run_dir = runs / "fit" / name
+    (run_dir / "checkpoints").mkdir(parents=True)
+    write_run_record(run_dir, "fit", slurm_job_id=job, slurm_restart_count=restart)
+    record = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**record, "status": status, "started": started}))
+    if saved:
+        (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    return run_dir
+
+
+def test_the_resume_point_is_the_newest_earlier_attempt_of_the_same_job(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    first = _attempt(runs, "a", "4242", 0, "requeued", 1.0, saved=True)
+    assert slurm_resume_point(runs, "4242", 0) is None  # a first attempt never resumes anything
+    assert slurm_resume_point(runs, "4242", 1) == first / "checkpoints" / "last.ckpt"
+    # a SIGTERM without SIGUSR1 (preemption with a grace time, scancel): the next attempt continues it too
+    second = _attempt(runs, "b", "4242", 1, "interrupted", 2.0, saved=True)
+    assert slurm_resume_point(runs, "4242", 2) == second / "checkpoints" / "last.ckpt"
+    _attempt(runs, "c", "4242", 2, "running", 3.0, saved=True)  # the attempt running now: never its own point
+    assert slurm_resume_point(runs, "4242", 2) == second / "checkpoints" / "last.ckpt"
+    _attempt(runs, "d", "999", 0, "requeued", 4.0, saved=True)  # another job
+    _attempt(runs, "e", "4242", 2, "killed", 5.0, saved=False)  # killed before its first save: the one before
+    assert slurm_resume_point(runs, "4242", 3) == runs / "fit" / "c" / "checkpoints" / "last.ckpt"
+    _attempt(runs, "f", "4242", 3, "finished", 6.0, saved=True)
+    assert slurm_resume_point(runs, "4242", 4) == runs / "fit" / "c" / "checkpoints" / "last.ckpt"
+
+
+class _SignallingTrainer:
+    """What ``LastCheckpoint.save`` uses of a Trainer; the write sends this process ``signum`` halfway through."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.global_step = 7
+        self.world_size = 1
+        self.is_global_zero = True
+        self.strategy = SimpleNamespace(barrier=lambda name: None)
+
+    def save_checkpoint(self, path: Path, weights_only: bool = False) -> None:
+        with open(path, "wb") as sink:
+            sink.write(b"first half;")
+            os.kill(os.getpid(), self.signum)  # Python runs the handler here, between the two writes
+            sink.write(b"second half")
+
+
+@pytest.mark.parametrize("under_slurm", [False, True])
+def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path: Path, monkeypatch, under_slurm) -> None:
+    for name in SLURM:
+        monkeypatch.delenv(name, raising=False)
+    if under_slurm:
+        for name, value in SLURM.items():
+            monkeypatch.setenv(name, value)
+    callback = LastCheckpoint(tmp_path)
+    callback.path.write_bytes(b"previous")
+    callback._install_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1 if under_slurm else signal.SIGINT)  # the first signal: stop after the step
+        trainer = _SignallingTrainer(signal.SIGTERM)  # the second arrives inside the write
+        if under_slurm:  # SLURM's SIGTERM while the run stops: ignored, the save completes and returns
+            assert callback.save(trainer) == str(callback.path)
+        else:  # a second Ctrl-C stops at once, but only once the file is complete
+            with pytest.raises(KeyboardInterrupt):
+                callback.save(trainer)
+        assert callback.path.read_bytes() == b"first half;second half"
+    finally:
+        callback._restore_handlers()
