@@ -125,7 +125,8 @@ def run_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
         proc = subprocess.run([sys.executable, "-m", "lit_amp_det", *args], cwd=cwd, env=full_env,
                               capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
-        raise AssertionError(f"CLI failed ({proc.returncode}):\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"CLI failed ({proc.returncode}):\nSTDOUT\n{proc.stdout[-4000:]}\n"
+                             f"STDERR\n{proc.stderr[-6000:]}")
     return proc
 
 

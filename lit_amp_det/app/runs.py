@@ -21,9 +21,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["RUN_RECORD", "RunInfo", "ResumeError", "config_differences", "holds_a_run", "list_runs", "read_run",
-           "is_earlier_attempt", "resolve_ckpt_path", "resume_point", "slurm_resume_point", "unique_dir", "update_run_record",
-           "write_run_record"]
+__all__ = ["RUN_RECORD", "RunInfo", "ResumeError", "config_differences", "holds_a_run", "is_earlier_attempt",
+           "list_runs", "read_run", "resolve_ckpt_path", "resume_point", "slurm_resume_point", "unique_dir",
+           "update_run_record", "write_run_record"]
 
 log = logging.getLogger(__name__)
 
