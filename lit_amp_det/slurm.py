@@ -2,13 +2,13 @@
 
 A job submitted with ``#SBATCH --signal=USR1@90`` (and ``--requeue``) gets ``SIGUSR1`` 90 seconds before its time
 limit or preemption (a job submitit started, ``SIGUSR2``: :func:`requeue_signal`).
-:class:`~lit_amp_det.callbacks.last_checkpoint.LastCheckpoint` answers it: the step in progress completes, ``checkpoints/last.ckpt`` is written, rank 0 runs ``scontrol requeue <job id>`` (this module's
-:func:`requeue`) and the run stops with status ``requeued``. SLURM then ends the job (``SIGTERM``, which the
-stopping run ignores) and starts the same command again with the same job id and ``SLURM_RESTART_COUNT``
-raised; ``fit`` finds the earlier attempt of that job (:func:`lit_amp_det.app.runs.slurm_resume_point`, from the
-job id and restart count every ``run.json`` records), so the new attempt resumes from its checkpoint without
-``ckpt_path``. Lightning's own SLURM requeue handler (which saves from inside the signal
-handler) is turned off: :func:`cluster_plugins`.
+:class:`~lit_amp_det.callbacks.last_checkpoint.LastCheckpoint` answers it: the step in progress completes,
+``checkpoints/last.ckpt`` is written, rank 0 runs ``scontrol requeue <job id>`` (:func:`requeue`) and the run stops
+with status ``requeued``. SLURM then ends the job (``SIGTERM``, which the stopping run ignores) and starts the same
+command again with the same job id and ``SLURM_RESTART_COUNT`` raised; ``fit`` finds the earlier attempt of that
+job (:func:`lit_amp_det.app.runs.slurm_resume_point`, from the job id and restart count every ``run.json``
+records), so the new attempt resumes from its checkpoint without ``ckpt_path``. Lightning's own SLURM requeue
+handler (which saves from inside the signal handler) is turned off: :func:`cluster_plugins`.
 
 Detection follows Lightning's :class:`~lightning.fabric.plugins.environments.SLURMEnvironment`: ``SLURM_NTASKS``
 is set and the job is not interactive (job name ``bash`` or ``interactive``).
