@@ -162,6 +162,14 @@ class CaptureLogger(Logger):
         return [metrics[key] for _, metrics in self.calls if key in metrics]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test``: two workers on the two cores of CI) each worker, and every command it
+    starts, computes with one torch thread: two workers of two threads each would contend for the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``long`` run only when the ``-m`` expression names them (``pytest -m long``); so do those marked
     ``bf16_training`` on a CPU without native bf16, where torch's bf16 kernels take slow paths (a 300-step bf16 parity
