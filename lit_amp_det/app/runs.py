@@ -189,13 +189,9 @@ def slurm_resume_point(runs_root: Path, job_id: str, restart_count: int) -> Path
     same file: the attempt running now (this restart count) never counts."""
     if restart_count <= 0:
         return None
-    for info in list_runs(Path(runs_root), "fit"):
-        if (info.slurm_job_id == job_id and info.slurm_restart_count is not None
-                and info.slurm_restart_count < restart_count and not info.finished):
-            point = resume_point(info.path)
-            if point is not None:
-                return point
-    return None
+    earlier = (info.path for info in list_runs(Path(runs_root), "fit")
+               if is_earlier_attempt(info.path, job_id, restart_count))
+    return next((point for path in earlier if (point := resume_point(path)) is not None), None)
 
 
 # -------------------------------------------------------------------------------------- config matching
