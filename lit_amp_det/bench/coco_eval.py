@@ -13,10 +13,7 @@ scores (by default the embedded shapes validation split, 100 images of 160 px, m
    update, compute and their sum;
 3. agreement: every key of ``compute()`` (bbox and segm ``map``, ``map_50``, ``map_75``, ``map_small/medium/
    large``, ``mar_1/10/100``, ``mar_small/medium/large``, per-class entries, ``classes``) compared; the largest
-   absolute difference per key and whether all are within ``--atol``;
-4. ``validate``: the whole command, ``python -m lit_amp_det validate model.evaluation.backend=B`` (with
-   ``model.weights``), in a fresh process per run, backends interleaved, ``--validate-repeats`` runs each:
-   process wall time and the ``time_s`` of its ``metrics.json``, and its logged ``val/*`` metrics compared.
+   absolute difference per key and whether all are within ``--atol``.
 
 Exits with status 1 when the backends disagree beyond ``--atol`` (the table is printed first).
 """
@@ -27,9 +24,7 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,35 +100,6 @@ def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float
     return diffs
 
 
-def time_validate(backends: Sequence[str], checkpoint: str | None, overrides: Sequence[str],
-                  repeats: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
-    """Runs ``python -m lit_amp_det validate`` ``repeats`` times per backend, interleaved, each in a new folder.
-
-    Returns per backend the wall-time statistics of the process and of ``metrics.json``'s ``time_s`` (ms), and
-    the metrics of its last run.
-    """
-    weights = [f"model.weights={checkpoint}"] if checkpoint else []
-    wall: dict[str, list[float]] = {b: [] for b in backends}
-    inside: dict[str, list[float]] = {b: [] for b in backends}
-    metrics: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench_coco_eval_") as root:
-        for run in range(repeats):
-            for backend in backends:
-                out = Path(root) / f"{backend}-{run}"
-                command = [sys.executable, "-m", "lit_amp_det", "validate", f"model.evaluation.backend={backend}",
-                           f"hydra.run.dir={out}", *weights, *overrides]
-                start = time.perf_counter()
-                done = subprocess.run(command, capture_output=True, text=True)
-                wall[backend].append(time.perf_counter() - start)
-                if done.returncode != 0:
-                    raise RuntimeError(f"`{' '.join(command)}` exited with {done.returncode}:\n{done.stderr[-3000:]}")
-                record = json.loads((out / "metrics.json").read_text())
-                inside[backend].append(record["time_s"])
-                metrics[backend] = record["metrics"]
-    stats = {b: {**summarise(wall[b], "wall"), **summarise(inside[b], "time_s")} for b in backends}
-    return stats, metrics
-
-
 # --------------------------------------------------------------------------------------------- report
 
 def _iqr(stats: dict[str, Any], part: str) -> float:
@@ -158,20 +124,6 @@ def metric_table(stats: dict[str, dict[str, Any]], base: str) -> str:
     return "\n".join(lines)
 
 
-def validate_table(stats: dict[str, dict[str, Any]], base: str) -> str:
-    """Markdown: the ``validate`` command's process wall time and its ``metrics.json`` ``time_s`` per backend."""
-    lines = ["| backend | `validate` wall s | speed-up | `time_s` in metrics.json | speed-up |",
-             "|---|---|---|---|---|"]
-    for backend, s in stats.items():
-        lines.append(
-            f"| {backend} | {s['wall_ms_median'] / 1000:.2f} ({_iqr(s, 'wall') / 1000:.2f}) | "
-            f"{stats[base]['wall_ms_median'] / s['wall_ms_median']:.2f}x | "
-            f"{s['time_s_ms_median'] / 1000:.2f} ({_iqr(s, 'time_s') / 1000:.2f}) | "
-            f"{stats[base]['time_s_ms_median'] / s['time_s_ms_median']:.2f}x |"
-        )
-    return "\n".join(lines)
-
-
 def agreement_text(diffs: dict[str, float], atol: float, what: str) -> str:
     """One line: the worst key and whether every key is within ``atol``; the keys beyond it, if any."""
     worst = max(diffs, key=diffs.get)
@@ -193,14 +145,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                                              "random weights, whose few low-score detections make a light load")
     parser.add_argument("--warmup", type=int, default=1, help="untimed metric rounds per backend")
     parser.add_argument("--repeats", type=int, default=7, help="timed metric rounds per backend (median reported)")
-    parser.add_argument("--validate-repeats", type=int, default=3,
-                        help="`validate` runs per backend, each a new process (0: skip the command)")
     parser.add_argument("--atol", type=float, default=1e-4, help="largest absolute difference allowed per metric")
     parser.add_argument("--json", help="also write the figures to this JSON file")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both parts, e.g. data.val_size=500")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the split and model, e.g. data.val_size=500")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.validate_repeats < 0:
-        parser.error("--repeats must be at least 1, --warmup and --validate-repeats at least 0")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be at least 1, --warmup at least 0")
     if args.checkpoint and not Path(args.checkpoint).is_file():
         parser.error(f"--checkpoint {args.checkpoint}: no such file")
     backends = list(EVAL_BACKENDS)
@@ -223,23 +173,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     for backend, d in diffs.items():
         print(agreement_text(d, args.atol, f"compute() of {backend} vs {base}"))
 
-    validate_stats, validate_metrics, validate_diffs = {}, {}, {}
-    if args.validate_repeats:
-        validate_stats, validate_metrics = time_validate(backends, args.checkpoint, args.overrides,
-                                                         args.validate_repeats)
-        validate_diffs = {b: compare(validate_metrics[base], validate_metrics[b]) for b in backends if b != base}
-        print(f"\n`python -m lit_amp_det validate` ({args.validate_repeats} runs per backend, interleaved; "
-              "median, IQR)")
-        print(validate_table(validate_stats, base))
-        for backend, d in validate_diffs.items():
-            print(agreement_text(d, args.atol, f"validate metrics of {backend} vs {base}"))
-
     _write_json(args.json, {
         "args": vars(args), "header": header, "images": images, "detections": detections, "metric": stats,
         "results": {b: {k: v.tolist() for k, v in r.items()} for b, r in results.items()}, "diffs": diffs,
-        "validate": validate_stats, "validate_metrics": validate_metrics, "validate_diffs": validate_diffs,
     })
-    if any(v > args.atol for d in (*diffs.values(), *validate_diffs.values()) for v in d.values()):
+    if any(v > args.atol for d in diffs.values() for v in d.values()):
         sys.exit(f"the backends disagree beyond --atol {args.atol:g} (keys listed above)")
 
 
