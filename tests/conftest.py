@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,26 @@ class _WarmParent:
         if cls.process is None:
             cls.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONUNBUFFERED": "1"}
             cls.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], env=cls.env,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             atexit.register(cls.process.kill)
-            if json.loads(cls.process.stdout.readline() or "{}").get("ready") is not True:
+            if (cls._answer(cls.process, 300) or {}).get("ready") is not True:
                 cls.process.kill()
         return cls.process if cls.process.poll() is None else None
+
+    @staticmethod
+    def _answer(parent: subprocess.Popen, timeout: float) -> dict | None:
+        """The parent's next line, read from its pipe a byte at a time (a buffered read could take the next answer
+        too, and ``select`` would then wait for it in vain); ``None`` after ``timeout`` seconds."""
+        line, deadline = b"", time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([parent.stdout], [], [], left)[0]:
+                return None
+            byte = os.read(parent.stdout.fileno(), 1)
+            if not byte:
+                raise RuntimeError("the warm parent of the CLI tests (tests/cli_zygote.py) ended")
+            line += byte
+        return json.loads(line)
 
     @classmethod
     def takes(cls, args: Sequence[str], env: dict[str, str]) -> bool:
@@ -100,15 +116,15 @@ class _WarmParent:
             out, err = Path(folder) / "stdout", Path(folder) / "stderr"
             request = {"argv": list(map(str, args)), "cwd": str(cwd), "env": env, "stdout": str(out),
                        "stderr": str(err)}
-            parent.stdin.write(json.dumps(request) + "\n")
+            parent.stdin.write((json.dumps(request) + "\n").encode())
             parent.stdin.flush()
-            pid = json.loads(parent.stdout.readline())["pid"]
-            ready, _, _ = select.select([parent.stdout], [], [], timeout)
-            if not ready:
+            pid = cls._answer(parent, 60)["pid"]
+            answer = cls._answer(parent, timeout)
+            if answer is None:
                 os.kill(pid, signal.SIGKILL)
-                parent.stdout.readline()
+                cls._answer(parent, 60)
                 raise subprocess.TimeoutExpired(["python", "-m", "lit_amp_det", *args], timeout)
-            returncode = json.loads(parent.stdout.readline())["returncode"]
+            returncode = answer["returncode"]
             return subprocess.CompletedProcess(["python", "-m", "lit_amp_det", *args], returncode,
                                                out.read_text(errors="replace"), err.read_text(errors="replace"))
 
