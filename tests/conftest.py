@@ -146,6 +146,17 @@ def run_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
     return proc
 
 
+def assert_same_last_weights(expected_run: Path, got_run: Path) -> None:
+    """The two runs' ``checkpoints/last.ckpt`` hold the same tensors, bit for bit (an exact resume)."""
+    def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+    expected, got = weights(expected_run), weights(got_run)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert torch.equal(value, got[key]), key
+
+
 def only_run_dir(root: Path) -> Path:
     """The single run directory below ``root`` (``runs/<command>/<timestamp>``)."""
     dirs = [p.parent for p in root.glob("*/*/metrics.json")]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import REPO, SMOKE, run_cli
+from conftest import REPO, SMOKE, assert_same_last_weights, run_cli
 
 COMMON = [*SMOKE, "trainer.deterministic=true"]
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
@@ -19,9 +19,6 @@ def _signal_at(step: int, signum: str) -> list[str]:
     return ["+callbacks.sig._target_=signaller.SignalAtStep", f"+callbacks.sig.step={step}",
             f"+callbacks.sig.signum={signum}"]
 
-
-def _state(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
 
 def test_ctrl_c_saves_a_checkpoint_and_metrics_and_the_printed_command_resumes_exactly(tmp_path: Path) -> None:
@@ -50,10 +47,7 @@ def test_ctrl_c_saves_a_checkpoint_and_metrics_and_the_printed_command_resumes_e
     (final_dir,) = [p for p in (runs / "fit").iterdir() if p != run_dir]
     assert json.loads((final_dir / "metrics.json").read_text())["global_step"] == 8
     (straight_dir,) = (straight / "fit").iterdir()
-    expected, got = _state(straight_dir), _state(final_dir)
-    assert expected.keys() == got.keys()
-    for key, value in expected.items():
-        assert torch.equal(value, got[key]), key
+    assert_same_last_weights(straight_dir, final_dir)
 
 
 def test_sigterm_saves_and_exits_with_143(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from lit_amp_det.app.runs import slurm_resume_point, write_run_record
 from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint
 from lit_amp_det.slurm import SlurmJob, current_job, requeue_signal
 
-from conftest import REPO, SMOKE, run_cli
+from conftest import REPO, SMOKE, assert_same_last_weights, run_cli
 
 COMMON = [*SMOKE, "trainer.deterministic=true"]
 #: what SLURM sets for the one task of batch job 4242
@@ -46,9 +46,6 @@ def _fake_slurm(tmp_path: Path) -> dict[str, str]:
     return {**SLURM, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": tests,
             "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
 
-
-def _state(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
 
 def test_a_preempted_job_requeues_and_its_next_attempt_resumes_exactly(tmp_path: Path) -> None:
@@ -80,10 +77,7 @@ def test_a_preempted_job_requeues_and_its_next_attempt_resumes_exactly(tmp_path:
     assert "resuming its preempted attempt" in (second / "fit.log").read_text(), requeued.stdout[-2000:]
     assert json.loads((second / "metrics.json").read_text())["global_step"] == 8
     (straight_dir,) = (straight / "fit").iterdir()
-    expected, got = _state(straight_dir), _state(second)
-    assert expected.keys() == got.keys()
-    for key, value in expected.items():
-        assert torch.equal(value, got[key]), key
+    assert_same_last_weights(straight_dir, second)
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # the finished attempt requeued nothing
 
 

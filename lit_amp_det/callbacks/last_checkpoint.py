@@ -10,8 +10,9 @@ On the first SIGINT or SIGTERM during training the step in progress completes, t
 Under DDP every rank stops after the same step.
 
 In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's ``SIGUSR2``
-in a job it started) does the same and then requeues the job with ``scontrol requeue``; the requeued attempt resumes from the checkpoint by itself. Signals
-that follow (SLURM ends a requeued job with ``SIGTERM``) are logged and ignored while the run stops.
+in a job it started) does the same and then requeues the job with ``scontrol requeue``; the requeued attempt
+resumes from the checkpoint by itself. Signals that follow (SLURM ends a requeued job with ``SIGTERM``) are logged
+and ignored while the run stops.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class LastCheckpoint(Checkpoint):
         self._signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._job: SlurmJob | None = None
+        self._requeue_signal: int | None = None  # the job's end-of-time signal, read when training starts
         self._saving = False
         self._stop_now = False  # a second signal arrived during a save: stop once it is written
 
@@ -167,7 +169,7 @@ class LastCheckpoint(Checkpoint):
     # --------------------------------------------------------------------------------------- signals
     def _requeue_after_save(self, trainer: pl.Trainer, signum: int) -> str | None:
         """Under SLURM, after the save that ``SIGUSR1`` asked for: rank 0 requeues the job; its id if requeued."""
-        asked = self._job is not None and signum == requeue_signal()
+        asked = self._job is not None and signum == self._requeue_signal
         if trainer.world_size > 1 and self._job is not None:
             asked = trainer.strategy.reduce_boolean_decision(asked, all=False)
         if not asked or self._job is None:
@@ -182,7 +184,8 @@ class LastCheckpoint(Checkpoint):
             return  # signal handlers can only be set from the main thread
         self._signal, self._stop_now = None, False
         self._job = current_job()
-        signals = (*_SIGNALS, requeue_signal()) if self._job is not None else _SIGNALS
+        self._requeue_signal = requeue_signal() if self._job is not None else None
+        signals = (*_SIGNALS, self._requeue_signal) if self._requeue_signal is not None else _SIGNALS
         for signum in signals:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
@@ -204,7 +207,7 @@ class LastCheckpoint(Checkpoint):
             self._restore_handlers()
             raise KeyboardInterrupt
         self._signal = signum
-        if self._job is not None and signum == requeue_signal():
+        if self._job is not None and signum == self._requeue_signal:
             _announce(f"{name} received: saving {self.path} after this step, then requeueing SLURM job "
                       f"{self._job.job_id} and stopping")
             return
