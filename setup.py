@@ -28,6 +28,25 @@ def _files(*patterns: str) -> list[str]:
     return sorted(str(p) for pattern in patterns for p in CSRC.glob(pattern))
 
 
+def torch_cxx_runtime() -> list[str]:
+    """The shared C++ runtime (``libstdc++.so.6``) that torch itself loaded, as a link argument.
+
+    Some toolchains link the C++ runtime statically (a ``g++`` whose library folder has only ``libstdc++.a``, as
+    a ``CXX`` set to a vendor compiler may be). The extension then carries its own ``__cxa_throw`` and
+    personality routine, and the first ``TORCH_CHECK`` that throws across into torch's frames crashes the process
+    instead of raising. Naming torch's own shared runtime on the link line makes the extension share it on every
+    toolchain; where it is already the default, this changes nothing.
+    """
+    import torch  # noqa: F401  (loads the runtime this process maps)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    except OSError:  # not Linux: nothing to pin
+        return []
+    return sorted(paths)[:1]
+
+
 def extensions() -> tuple[list, dict]:
     if os.environ.get("LIT_AMP_DET_BUILD_EXT", "1") == "0":
         return [], {}
@@ -38,7 +57,7 @@ def extensions() -> tuple[list, dict]:
         sources=_files("*.cpp", "ops/*.cpp", "ops/cpu/*.cpp"),
         depends=_files("**/*.h"),
         extra_compile_args={"cxx": ["-O3", "-fopenmp"]},  # at::parallel_for is OpenMP-backed
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp", *torch_cxx_runtime()],
     )
     return [extension], {"build_ext": BuildExtension}
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import REPO
 
 SCRIPT = textwrap.dedent(
@@ -62,3 +64,23 @@ def test_the_extension_is_built_for_this_machine():
     if importlib.util.find_spec("triton") is not None:
         assert triton_cuda_kernels(), "triton is installed but its kernels were not registered for CUDA"
         assert torch._C._dispatch_has_kernel_for_dispatch_key("lit_amp_det::roi_align", "CUDA")
+
+
+def test_the_extension_shares_torchs_cxx_runtime():
+    """A ``TORCH_CHECK`` in a C++ kernel throws through torch's frames: with a private, statically linked copy of
+    the C++ runtime (a toolchain whose ``g++`` has only ``libstdc++.a``) that crashes the process instead of
+    raising. ``setup.py`` links the shared runtime torch loaded; the built ``_C`` must need it and define none of
+    the runtime's throw machinery itself."""
+    import shutil
+
+    import lit_amp_det._C as extension
+
+    if not sys.platform.startswith("linux") or shutil.which("nm") is None:
+        pytest.skip("needs Linux and binutils' nm")
+    defined = subprocess.run(["nm", "-D", "--defined-only", extension.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    assert " __cxa_throw" not in defined and "__gxx_personality_v0" not in defined, (
+        f"{extension.__file__} carries its own C++ runtime: rebuild with `python setup.py build_ext --inplace`")
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", extension.__file__], capture_output=True,
+                               text=True, check=True).stdout
+    assert "__cxa_throw" in undefined, "the extension throws no C++ exception at all: its kernels lost TORCH_CHECK"
