@@ -10,12 +10,13 @@ ARGS   ?=
 install: $(STAMP) ext
 
 # Idempotent: reuses .venv and anything already installed; reruns only when the pins change. torch comes
-# first because the extension is compiled against it (hence --no-build-isolation).
+# first because the extension is compiled against it (hence --no-build-isolation). No byte-compiling of the
+# ~6 GB of packages (Python compiles what it imports) and no second copy of the wheels in pip's cache.
+PIP_FLAGS := --quiet --disable-pip-version-check --no-compile --no-cache-dir
 $(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt setuptools ninja torch torchvision
-	LIT_AMP_DET_BUILD_EXT=0 $(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation \
-		-c constraints.txt -e ".[test]"
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt setuptools ninja torch torchvision
+	LIT_AMP_DET_BUILD_EXT=0 $(PY) -m pip install $(PIP_FLAGS) --no-build-isolation -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 # Compiles lit_amp_det/_C*.so in place: the op schemas and their C++ CPU kernels (no nvcc: the CUDA kernels are
