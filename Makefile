@@ -10,9 +10,10 @@ ARGS   ?=
 install: $(STAMP) ext
 
 # Idempotent: reuses .venv and anything already installed; reruns only when the pins change. torch comes
-# first because the extension is compiled against it (hence --no-build-isolation). No byte-compiling of the
-# ~6 GB of packages (Python compiles what it imports) and no second copy of the wheels in pip's cache.
-PIP_FLAGS := --quiet --disable-pip-version-check --no-compile --no-cache-dir
+# first because the extension is compiled against it (hence --no-build-isolation). pip's byte-compiling stays:
+# with PYTHONDONTWRITEBYTECODE=1 (set on CI) every process would otherwise compile torch's sources again.
+# No second copy of the ~6 GB of wheels goes into pip's cache.
+PIP_FLAGS := --quiet --disable-pip-version-check --no-cache-dir
 $(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt setuptools ninja torch torchvision
