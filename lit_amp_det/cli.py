@@ -7,7 +7,6 @@ because Hydra has no notion of subcommands. ``--help`` prints the subcommands an
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lit_amp_det.app.config import COMMANDS, config_dir, config_groups
+from lit_amp_det.app.launch import launch_rank
 from lit_amp_det.precision.modes import PRECISIONS
 from lit_amp_det.slurm import current_job
 from lit_amp_det.app.runs import holds_a_run, is_earlier_attempt
@@ -88,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"lit_amp_det: hydra.run.dir={used} already holds a run (run.json, metrics.json or checkpoints); "
                  f"runs never write into an earlier run's folder. Choose another folder (or leave hydra.run.dir out: "
                  f"each run gets a new one), or resume that run into a new folder with ckpt_path={used}")
+    if launch_rank() and not any(arg.startswith("hydra.output_subdir=") for arg in rest):
+        rest = [*rest, "hydra.output_subdir=null"]  # another node's first process: rank 0 writes .hydra/
     sys.argv = [sys.argv[0], *hydra_argv(rest, command)]
     _hydra_entry()
 
@@ -101,9 +103,9 @@ _INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "search
 def _used_run_dir(args: Sequence[str]) -> str | None:
     """An explicit ``hydra.run.dir=`` that already holds a run, checked before Hydra writes ``.hydra/`` into it.
 
-    DDP's other ranks are started with the first rank's folder on purpose (Lightning sets ``LOCAL_RANK``), and a
-    requeued SLURM job continues in its preempted attempt's folder."""
-    if int(os.environ.get("LOCAL_RANK", "0") or 0) > 0:
+    DDP's other ranks (started by Lightning, or another node's processes) are given the first rank's folder on
+    purpose, and a requeued SLURM job continues in its preempted attempt's folder."""
+    if launch_rank():
         return None
     job = current_job()
     for arg in args:

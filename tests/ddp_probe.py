@@ -1,4 +1,4 @@
-"""A callback for the DDP test: each rank writes what it saw (strategy, dtypes, regions, speedups, shards,
+"""A callback for the DDP tests: each rank writes what it saw (strategy, dtypes, regions, speedups, shards,
 weights)."""
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class DDPProbe(Callback):
                              batch_idx: int) -> None:
         self._armed = True
         self.seen["train_images"] += len(batch[0])
+        self.seen.setdefault("train_ids", []).append(
+            [trainer.current_epoch, [int(t["image_id"]) for t in batch[1]]])
         model = pl_module.model
         self.seen.setdefault("conv_bn_eval", conv_bn_eval_enabled(model))
         self.seen.setdefault("norms_in_train_mode", sum(
@@ -49,6 +51,18 @@ class DDPProbe(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._armed = False
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metric = pl_module.val_metric
+        if getattr(metric, "_probed", False):
+            return
+        compute = metric.compute
+
+        def counted_compute() -> Any:  # after the module gathered the ranks' shards: the images scored
+            self.seen.setdefault("images_scored", []).append(len(metric.groundtruth_labels))
+            return compute()
+
+        metric.compute, metric._probed = counted_compute, True
 
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:

@@ -48,12 +48,48 @@ def test_loader_state_counts_consumed_not_prefetched_batches() -> None:
     next(iterator), next(iterator), next(iterator)  # three fetched (one of them only prefetched)
     loader.mark_consumed(), loader.mark_consumed()
     state = loader.state_dict()
-    assert state == {"epoch": 0, "consumed_batches": 2}
+    assert state == {"epoch": 0, "consumed_batches": 2, "world_size": 1, "epoch_batches": 5}
     fresh = ResumableDataLoader(_KeyEcho(), ResumableBatchSampler(10, 2, seed=0), collate_fn=lambda b: b)
     fresh.load_state_dict(state)
     expected = _epoch(ResumableBatchSampler(10, 2, seed=0), 0)[2:]
     assert list(fresh) == expected
-    assert fresh.state_dict() == {"epoch": 0, "consumed_batches": 2}
+    assert fresh.state_dict() == state
+
+
+def _loader_state(monkeypatch: pytest.MonkeyPatch, world: int, consumed: int) -> dict[str, int]:
+    monkeypatch.setattr("lit_amp_det.data.sampler._distributed_rank_and_size", lambda: (0, world))
+    loader = ResumableDataLoader(_KeyEcho(), ResumableBatchSampler(16, 2, seed=0), collate_fn=lambda b: b)
+    for _ in range(consumed):
+        loader.mark_consumed()
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(("saved_world", "world", "consumed", "refused"), [
+    (4, 2, 1, True),  # mid-epoch, fewer processes: the shares change
+    (2, 4, 3, True),  # mid-epoch, more processes
+    (4, 2, 2, False),  # the epoch's 2 batches (16 images / 4 / 2) were all consumed: any count resumes
+    (4, 2, 0, False),  # nothing of the epoch consumed yet
+    (4, 4, 1, False),  # the same count resumes anywhere, mid-epoch too
+])
+def test_a_mid_epoch_checkpoint_resumes_only_on_as_many_processes(
+    monkeypatch: pytest.MonkeyPatch, saved_world: int, world: int, consumed: int, refused: bool
+) -> None:
+    state = _loader_state(monkeypatch, saved_world, consumed)
+    monkeypatch.setattr("lit_amp_det.data.sampler._distributed_rank_and_size", lambda: (0, world))
+    loader = ResumableDataLoader(_KeyEcho(), ResumableBatchSampler(16, 2, seed=0), collate_fn=lambda b: b)
+    if refused:
+        with pytest.raises(ValueError, match=rf"taken by {saved_world} processes.*trainer.num_nodes x "
+                                             rf"trainer.devices = {saved_world}"):
+            loader.load_state_dict(state)
+    else:
+        loader.load_state_dict(state)
+        assert loader.consumed_batches == consumed
+
+
+def test_checkpoints_without_a_world_size_resume_as_before() -> None:
+    loader = ResumableDataLoader(_KeyEcho(), ResumableBatchSampler(16, 2, seed=0), collate_fn=lambda b: b)
+    loader.load_state_dict({"epoch": 1, "consumed_batches": 3})
+    assert loader.state_dict()["consumed_batches"] == 3
 
 
 class _KeyEcho(torch.utils.data.Dataset):

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 from omegaconf import DictConfig, open_dict, read_write
 
-__all__ = ["ddp_child_command", "rank_suffix"]
+__all__ = ["adopt_launch_rank", "ddp_child_command", "launch_rank", "rank_suffix"]
 
 
 def rank_suffix() -> str:
@@ -43,6 +43,33 @@ def rank_suffix() -> str:
     if node:  # no world size here to make a global rank: name other nodes' processes by node and local rank
         return f"_node{node}_rank{local}"
     return "" if local == 0 else f"_rank{local}"
+
+
+def launch_rank(devices_per_node: int = 1) -> int:
+    """This process's global rank as its launcher's environment gives it, before any process group exists.
+
+    ``RANK`` (torchrun), else ``SLURM_PROCID`` (srun), else ``NODE_RANK x devices_per_node + LOCAL_RANK``
+    (Lightning's launcher on each node of a multi-node run started by hand or by a scheduler's script).
+    """
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) or 0)
+    return node * devices_per_node + int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def adopt_launch_rank(devices_per_node: int) -> None:
+    """Tells Lightning's ``rank_zero_only`` this process's rank before the Trainer sets up its process group.
+
+    Lightning reads ``RANK``, ``LOCAL_RANK`` and ``SLURM_PROCID`` when it is imported; the first process of node
+    ``k > 0`` of a multi-node run has none of them (only ``NODE_RANK``), so until the Trainer connects it would
+    take itself for global rank 0 and claim the run folder that rank 0 on node 0 writes.
+    """
+    from lightning.pytorch.utilities import rank_zero_only
+
+    rank = launch_rank(devices_per_node)
+    if rank:
+        rank_zero_only.rank = rank
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_amp_det.app.config import check_command, check_config
-from lit_amp_det.app.launch import ddp_child_command
+from lit_amp_det.app.launch import adopt_launch_rank, ddp_child_command
 from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder
 from lit_amp_det.app.runs import (
     holds_a_run,
@@ -382,6 +382,8 @@ def run(cfg: DictConfig) -> Any:
     and metrics are written; a run that raised is marked ``failed`` in its ``run.json``.
     """
     check_command(cfg.get("command"))  # the rest of the config is checked once, when the job starts
+    devices = cfg.get("trainer", {}).get("devices")
+    adopt_launch_rank(devices if isinstance(devices, int) else 1)  # node k > 0 must not claim the run folder
     _route_lightning_logs()
     with ddp_child_command(cfg):  # so that DDP's other ranks start as this job (also inside a sweep)
         try:

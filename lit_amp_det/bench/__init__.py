@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -18,7 +19,5 @@ def main(argv: Sequence[str]) -> None:
     if not argv or argv[0] not in BENCHMARKS:
         sys.exit(f"lit_amp_det bench: choose one of {', '.join(BENCHMARKS)} (e.g. `python -m lit_amp_det bench "
                  "train --help`)")
-    import importlib
-
     module, function = BENCHMARKS[argv[0]].split(":")
     getattr(importlib.import_module(module), function)(list(argv[1:]))

@@ -2,18 +2,16 @@
 
 ``model.evaluation.backend`` picks the library behind ``MaskRCNNModule``'s ``MeanAveragePrecision``
 (:data:`lit_amp_det.module_settings.EVAL_BACKENDS`). This bench measures what the switch changes, on the split
-``validate``
-scores (by default the embedded shapes validation split, 100 images of 160 px, masks and boxes):
+``validate`` scores (by default the embedded shapes validation split, 100 images of 160 px, masks and boxes):
 
 1. predictions: the model (``--checkpoint``, else random weights) runs once over the split, in fp32 under
-   ``torch.inference_mode()``; predictions and targets are what ``MaskRCNNModule.validation_step`` gives its
-   metric (boolean masks at image size, targets with ``iscrowd`` and ``area``);
-2. metric: per backend, a fresh metric from ``MaskRCNNModule.build_metric`` gets ``update()`` with every batch,
-   then ``compute()``; backends interleaved per repeat after ``--warmup`` untimed rounds; median and IQR of
-   update, compute and their sum;
-3. agreement: every key of ``compute()`` (bbox and segm ``map``, ``map_50``, ``map_75``, ``map_small/medium/
-   large``, ``mar_1/10/100``, ``mar_small/medium/large``, per-class entries, ``classes``) compared; the largest
-   absolute difference per key and whether all are within ``--atol``.
+   ``torch.inference_mode()``; predictions and targets are what ``MaskRCNNModule.validation_step`` gives its metric
+   (boolean masks at image size, targets with ``iscrowd`` and ``area``);
+2. metric: per backend, a fresh metric from ``MaskRCNNModule.build_metric`` gets ``update()`` with every batch, then
+   ``compute()``; backends interleaved per repeat after ``--warmup`` untimed rounds; median and IQR of update,
+   compute and their sum;
+3. agreement: every key of ``compute()`` (bbox and segm mAP and mAR at each threshold and size, per class) compared;
+   the largest absolute difference per key and whether all are within ``--atol``.
 
 Exits with status 1 when the backends disagree beyond ``--atol`` (the table is printed first).
 """
@@ -27,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from lit_amp_det.bench.measure import summarise
 from lit_amp_det.bench.rows import compose
 from lit_amp_det.module_settings import EVAL_BACKENDS, check_eval_backend
 
-__all__ = ["collect", "compare", "main", "time_metric", "time_validate"]
+__all__ = ["collect", "compare", "main", "time_metric"]
 
 Pairs = list[tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]]  # (predictions, targets) per batch
 
@@ -51,11 +50,9 @@ def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pair
     datamodule = build_datamodule(cfg)
     datamodule.setup("validate")
     module = build_model(cfg, datamodule).eval()
-    pairs: Pairs = []
     with torch.inference_mode():
-        for images, targets in datamodule.val_dataloader():
-            pairs.append((module(images), [module._metric_target(t) for t in targets]))
-    return module, pairs
+        return module, [(module(images), [module._metric_target(t) for t in targets])
+                        for images, targets in datamodule.val_dataloader()]
 
 
 def _score(module: Any, backend: str, pairs: Pairs) -> tuple[float, float, dict[str, Tensor]]:
@@ -91,36 +88,24 @@ def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float
     sets differ."""
     diffs = {}
     for key in sorted(set(reference) | set(other)):
-        if key not in reference or key not in other:
-            diffs[key] = float("inf")
-            continue
-        a, b = torch.as_tensor(reference[key]).double(), torch.as_tensor(other[key]).double()
-        diffs[key] = float((a - b).abs().max()) if a.shape == b.shape and a.numel() else (
-            0.0 if a.shape == b.shape else float("inf"))
+        a, b = (torch.as_tensor(d[key]).double() if key in d else None for d in (reference, other))
+        same_shape = a is not None and b is not None and a.shape == b.shape
+        diffs[key] = (float((a - b).abs().max()) if a.numel() else 0.0) if same_shape else float("inf")
     return diffs
 
 
-# --------------------------------------------------------------------------------------------- report
-
-def _iqr(stats: dict[str, Any], part: str) -> float:
-    """Interquartile range of the ``part`` times (ms); 0 for a single one."""
-    ms = stats[f"{part}_ms_all"]
-    if len(ms) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
-    return q3 - q1
-
-
 def _ms(stats: dict[str, Any], part: str) -> str:
-    return f"{stats[f'{part}_ms_median']:.0f} ({_iqr(stats, part):.0f})"
+    """Median (interquartile range) of the ``part`` times in ms; the range is 0 for a single time."""
+    ms = stats[f"{part}_ms_all"]
+    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else (0.0, 0.0, 0.0)
+    return f"{stats[f'{part}_ms_median']:.0f} ({q3 - q1:.0f})"
 
 
 def metric_table(stats: dict[str, dict[str, Any]], base: str) -> str:
     """Markdown: update, compute and total ms (median, IQR) per backend, speed-up of the total against ``base``."""
     lines = ["| backend | update ms | compute ms | update + compute ms | speed-up |", "|---|---|---|---|---|"]
-    for backend, s in stats.items():
-        speedup = stats[base]["total_ms_median"] / s["total_ms_median"]
-        lines.append(f"| {backend} | {_ms(s, 'update')} | {_ms(s, 'compute')} | {_ms(s, 'total')} | {speedup:.2f}x |")
+    lines += [f"| {backend} | {_ms(s, 'update')} | {_ms(s, 'compute')} | {_ms(s, 'total')} | "
+              f"{stats[base]['total_ms_median'] / s['total_ms_median']:.2f}x |" for backend, s in stats.items()]
     return "\n".join(lines)
 
 
@@ -131,11 +116,6 @@ def agreement_text(diffs: dict[str, float], atol: float, what: str) -> str:
     verdict = "all within" if not bad else f"{len(bad)} beyond"
     text = f"{what}: {len(diffs)} keys, {verdict} {atol:g} (largest |diff| {diffs[worst]:.2e} at `{worst}`)"
     return text + "".join(f"\n  - `{k}`: |diff| {v:.2e}" for k, v in bad.items())
-
-
-def _values(results: dict[str, Tensor]) -> str:
-    keys = [k for k in results if k.split("_", 1)[-1] in ("map", "map_50", "map_75", "mar_100")]
-    return ", ".join(f"{k} {float(results[k]):.4f}" for k in keys)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -166,30 +146,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     header = (f"{images} images, {detections} detections, iou_type={module.build_metric().iou_type}, "
               f"weights={args.checkpoint or 'random'}, overrides={args.overrides}; threads={torch.get_num_threads()}, "
               f"warm-up={args.warmup}, repeats={args.repeats} (median, IQR), torch {torch.__version__}, "
-              f"{_versions()}")
+              + ", ".join(f"{name} {version(name)}" for name in ("torchmetrics", *EVAL_BACKENDS.values())))
     print(header)
     print(metric_table(stats, base))
-    print(f"\n{base}: {_values(results[base])}")
+    headline = [k for k in results[base] if k.split("_", 1)[-1] in ("map", "map_50", "map_75", "mar_100")]
+    print(f"\n{base}: " + ", ".join(f"{k} {float(results[base][k]):.4f}" for k in headline))
     for backend, d in diffs.items():
         print(agreement_text(d, args.atol, f"compute() of {backend} vs {base}"))
-
-    _write_json(args.json, {
-        "args": vars(args), "header": header, "images": images, "detections": detections, "metric": stats,
-        "results": {b: {k: v.tolist() for k, v in r.items()} for b, r in results.items()}, "diffs": diffs,
-    })
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "header": header, "images": images, "detections": detections, "metric": stats,
+            "results": {b: {k: v.tolist() for k, v in r.items()} for b, r in results.items()}, "diffs": diffs,
+        }, indent=2))
     if any(v > args.atol for d in diffs.values() for v in d.values()):
         sys.exit(f"the backends disagree beyond --atol {args.atol:g} (keys listed above)")
-
-
-def _write_json(path: str | None, data: dict[str, Any]) -> None:
-    if path:
-        Path(path).write_text(json.dumps(data, indent=2))
-
-
-def _versions() -> str:
-    from importlib.metadata import version
-
-    return ", ".join(f"{name} {version(name)}" for name in ("torchmetrics", *EVAL_BACKENDS.values()))
 
 
 if __name__ == "__main__":

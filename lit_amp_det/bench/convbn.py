@@ -1,23 +1,20 @@
 """``python -m lit_amp_det bench convbn``: what tune-mode conv-BN (the ``ConvBNEval`` callback) saves, side by side.
 
-Every BatchNorm is in eval mode (``norm_eval``; FrozenBatchNorm2d where a case says so). For each case the
-same weights and batch run side by side in this one process: ``plain``, then with
-:func:`~lit_amp_det.models.conv_bn.enable_conv_bn_eval` (``only_when_cheaper`` on; for ResNet-50 also off).
-Columns, with ratios to the ``plain`` row of the same case:
+Every BatchNorm is in eval mode (``norm_eval``; FrozenBatchNorm2d where a case says so). Each case runs the same
+weights and batch side by side in this one process: ``plain``, then with ``enable_conv_bn_eval``
+(``only_when_cheaper`` on; for ResNet-50 also off). Columns, with ratios to the case's ``plain`` row:
 
-* saved MB: bytes autograd keeps for backward, device independent: distinct storages packed by
-  ``torch.autograd.graph.saved_tensors_hooks`` during the forward, parameters and buffers excluded, counted
-  for the backbone (the ResNet; ``model.backbone``, i.e. trunk + FPN, for detectors) and for the whole model;
-* peak MB: one forward + backward above what was held before it (CUDA: ``max_memory_allocated``; CPU: the
-  resident-set high-water mark ``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``, with glibc's mmap
-  threshold pinned so freed tensors leave the resident set);
+* saved MB: bytes autograd keeps for backward, device independent (distinct storages packed by
+  ``saved_tensors_hooks`` during the forward, parameters and buffers excluded), for the backbone (the ResNet;
+  ``model.backbone``, i.e. trunk + FPN, for detectors) and for the whole model;
+* peak MB: one forward + backward above what was held before it (CUDA: ``max_memory_allocated``; CPU: the resident-set
+  high-water mark ``VmHWM``, with glibc's mmap threshold pinned so that freed tensors leave the resident set);
 * step ms: forward + backward, median of the timed repeats after warm-up, variants interleaved per repeat.
 
-Cases: ResNet-50 at 2x3x512x512 and 4x3x128x128 (where the folded weight copies outweigh the small late-stage
-activations), Mask R-CNN R50-FPN as in ``conf/model/maskrcnn_r50_fpn.yaml`` (2 images; 512 px on a CPU,
-800 x 1333 on CUDA) with BatchNorm in eval mode and with its FrozenBatchNorm2d, and the light model
-(``conf/model/maskrcnn_light.yaml``: ResNet-18, 224 px, batch 4). Target: >= 25 % fewer saved bytes in the
-backbone under norm_eval with no slowdown.
+Cases (``--cases``): ResNet-50 at 2x3x512x512 and 4x3x128x128 (where the folded weight copies outweigh the small
+late-stage activations), Mask R-CNN R50-FPN (``conf/model/maskrcnn_r50_fpn.yaml``; 2 images, 512 px on a CPU,
+800 x 1333 on CUDA) with BatchNorm in eval mode and with its FrozenBatchNorm2d, and the light model (ResNet-18, 224 px,
+batch 4). Target: >= 25 % fewer saved bytes in the backbone under norm_eval with no slowdown.
 """
 
 from __future__ import annotations
@@ -29,11 +26,13 @@ import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torchvision
+from hydra.utils import instantiate
 from torch import Tensor, nn
 
 from lit_amp_det.bench.rows import compose
@@ -56,8 +55,6 @@ class Case:
     variants: tuple[tuple[str, bool | None], ...] = (("plain", None), ("ConvBNEval", True))
 
 
-# ----------------------------------------------------------------------------------------- the cases
-
 def _norm_eval(model: nn.Module) -> nn.Module:
     model.train()
     for module in model.modules():
@@ -66,14 +63,11 @@ def _norm_eval(model: nn.Module) -> nn.Module:
     return model
 
 
-def _resnet50(batch: int, size: int) -> Callable[[str], tuple[nn.Module, nn.Module, Batch, LossFn]]:
-    def build(device: str) -> tuple[nn.Module, nn.Module, Batch, LossFn]:
-        torch.manual_seed(0)
-        model = _norm_eval(torchvision.models.resnet50().to(device))
-        images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device)
-        return model, model, images, lambda m, x: m(x).float().logsumexp(dim=1).mean()
-
-    return build
+def _resnet50(batch: int, size: int, device: str) -> tuple[nn.Module, nn.Module, Batch, LossFn]:
+    torch.manual_seed(0)
+    model = _norm_eval(torchvision.models.resnet50().to(device))
+    images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device)
+    return model, model, images, lambda m, x: m(x).float().logsumexp(dim=1).mean()
 
 
 def _detection_batch(batch: int, height: int, width: int, device: str) -> Batch:
@@ -98,48 +92,35 @@ def _detection_loss(model: nn.Module, batch: Batch) -> Tensor:
     return torch.stack([v.float() for v in model(*batch).values()]).sum()
 
 
-def _detector(config: str, batch: int, overrides: Sequence[str],
-              size: Callable[[str], tuple[int, int]]) -> Callable[[str], tuple[nn.Module, nn.Module, Batch, LossFn]]:
-    def build(device: str) -> tuple[nn.Module, nn.Module, Batch, LossFn]:
-        from hydra.utils import instantiate
-
-        height, width = size(device)
-        cfg = compose([f"model={config}", "paths.output_dir=/tmp", "paths.cache_dir=/tmp",
-                       f"model.transform.min_size={min(height, width)}",
-                       f"model.transform.max_size={max(height, width)}", *overrides])
-        torch.manual_seed(0)
-        model = _norm_eval(instantiate(cfg.model, _convert_="all", num_classes=4).model.to(device))
-        return model, model.backbone, _detection_batch(batch, height, width, device), _detection_loss
-
-    return build
-
-
-def _r50_fpn_size(device: str) -> tuple[int, int]:
-    return (800, 1333) if device == "cuda" else (512, 512)
+def _detector(config: str, batch: int, overrides: Sequence[str], cpu_size: tuple[int, int],
+              cuda_size: tuple[int, int], device: str) -> tuple[nn.Module, nn.Module, Batch, LossFn]:
+    height, width = cuda_size if device == "cuda" else cpu_size
+    cfg = compose([f"model={config}", "paths.output_dir=/tmp", "paths.cache_dir=/tmp",
+                   f"model.transform.min_size={min(height, width)}",
+                   f"model.transform.max_size={max(height, width)}", *overrides])
+    torch.manual_seed(0)
+    model = _norm_eval(instantiate(cfg.model, _convert_="all", num_classes=4).model.to(device))
+    return model, model.backbone, _detection_batch(batch, height, width, device), _detection_loss
 
 
 _BOTH = (("plain", None), ("ConvBNEval", True), ("ConvBNEval all", False))
 
 #: name -> case; ``--cases`` picks a subset.
 CASES: dict[str, Case] = {
-    "r50-512": Case("ResNet-50", "2x3x512x512", _resnet50(2, 512), _BOTH),
-    "r50-128": Case("ResNet-50", "4x3x128x128", _resnet50(4, 128), _BOTH),
-    "maskrcnn-r50": Case("Mask R-CNN R50-FPN, BN eval", "2 images, 512 px (CPU) / 800x1333 (CUDA)",
-                         _detector("maskrcnn_r50_fpn", 2, ["model.backbone.norm=bn"], _r50_fpn_size)),
+    "r50-512": Case("ResNet-50", "2x3x512x512", partial(_resnet50, 2, 512), _BOTH),
+    "r50-128": Case("ResNet-50", "4x3x128x128", partial(_resnet50, 4, 128), _BOTH),
+    "maskrcnn-r50": Case("Mask R-CNN R50-FPN, BN eval", "2 images, 512 px (CPU) / 800x1333 (CUDA)", partial(
+        _detector, "maskrcnn_r50_fpn", 2, ["model.backbone.norm=bn"], (512, 512), (800, 1333))),
     "maskrcnn-r50-frozen": Case("Mask R-CNN R50-FPN, FrozenBN", "2 images, 512 px (CPU) / 800x1333 (CUDA)",
-                                _detector("maskrcnn_r50_fpn", 2, [], _r50_fpn_size), _BOTH),
+                                partial(_detector, "maskrcnn_r50_fpn", 2, [], (512, 512), (800, 1333)), _BOTH),
     "maskrcnn-light": Case("Mask R-CNN light (R18-FPN), BN eval", "4 images, 224 px",
-                           _detector("maskrcnn_light", 4, [], lambda device: (224, 224))),
+                           partial(_detector, "maskrcnn_light", 4, [], (224, 224), (224, 224))),
 }
 
 
-# ------------------------------------------------------------------------------------------- measuring
-
 class _Peak:
-    """Peak memory of a block above what was held when it started, in MB (a :class:`MemoryProbe` window).
-
-    On a CPU glibc's mmap threshold is pinned first, so that freed tensors leave the resident set.
-    """
+    """Peak memory of a block above what was held when it started, in MB (a :class:`MemoryProbe` window); on a CPU
+    with glibc's mmap threshold pinned first, so that freed tensors leave the resident set."""
 
     def __init__(self, device: str) -> None:
         if device != "cuda":
@@ -176,7 +157,7 @@ def run_case(case: Case, *, device: str, warmup: int, repeats: int,
     """Measures every variant of ``case``; returns one row per variant."""
     model, backbone, batch, loss_fn = case.build(device)
     path = {id(m): name for name, m in model.named_modules()}[id(backbone)]
-    norm = next(type(m) for m in model.modules() if isinstance(m, NORM_TYPES))
+    norm = next(f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules() if isinstance(m, NORM_TYPES))
     variants = []
     for label, cheaper in case.variants:
         clone = copy.deepcopy(model)
@@ -204,9 +185,8 @@ def run_case(case: Case, *, device: str, warmup: int, repeats: int,
             del loss
         for handle in handles:
             handle.remove()
-        rows.append({"case": case.name, "input": case.input, "norm": f"{norm.__module__}.{norm.__qualname__}",
-                     "variant": v["label"], "pairs": len(v["pairs"]),
-                     "folded_calls": folds[0], "saved_backbone_mb": saved.within_bytes / MB,
+        rows.append({"case": case.name, "input": case.input, "norm": norm, "variant": v["label"],
+                     "pairs": len(v["pairs"]), "folded_calls": folds[0], "saved_backbone_mb": saved.within_bytes / MB,
                      "saved_total_mb": saved.bytes / MB, "peak_mb": memory["peak_mb"], "times": []})
     for _ in range(repeats):
         for v, row in zip(variants, rows):
@@ -214,11 +194,8 @@ def run_case(case: Case, *, device: str, warmup: int, repeats: int,
             v["model"].zero_grad(set_to_none=True)
     for row in rows:
         row["step_ms"] = 1000 * statistics.median(row.pop("times"))
-    del variants, model
     return rows
 
-
-# --------------------------------------------------------------------------------------------- report
 
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base > 0 else "-"
@@ -232,16 +209,12 @@ def table(rows: list[dict[str, Any]], header: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next(b for b in rows if b["case"] == r["case"] and b["input"] == r["input"] and b["variant"] == "plain")
-        lines.append(
-            f"| {r['case']} | {r['input']} | {r['variant']} | {r['pairs']} ({r['folded_calls']}) | "
-            f"{r['saved_backbone_mb']:.1f} | {_ratio(r['saved_backbone_mb'], base['saved_backbone_mb'])} | "
-            f"{r['saved_total_mb']:.1f} | {_ratio(r['saved_total_mb'], base['saved_total_mb'])} | "
-            f"{r['peak_mb']:.0f} | {_ratio(r['peak_mb'], base['peak_mb'])} | "
-            f"{r['step_ms']:.0f} | {_ratio(r['step_ms'], base['step_ms'])} |"
-        )
+        cells = [f"{r[key]:{spec}} | {_ratio(r[key], base[key])}" for key, spec in (
+            ("saved_backbone_mb", ".1f"), ("saved_total_mb", ".1f"), ("peak_mb", ".0f"), ("step_ms", ".0f"))]
+        lines.append(f"| {r['case']} | {r['input']} | {r['variant']} | {r['pairs']} ({r['folded_calls']}) | "
+                     + " | ".join(cells) + " |")
     norms = {r["case"]: r["norm"] for r in rows}
-    lines.append("")
-    lines.append("norm layers: " + "; ".join(f"{case}: `{norm}`" for case, norm in norms.items()))
+    lines += ["", "norm layers: " + "; ".join(f"{case}: `{norm}`" for case, norm in norms.items())]
     return "\n".join(lines)
 
 

@@ -1,31 +1,29 @@
 """``python -m lit_amp_det bench train|infer|precision``: Mask R-CNN speed and memory, one switch per row.
 
-``train`` times training steps as the speedups add up, each row the row above plus one switch: torchvision fp32
-eager (``speedups=none``, no callbacks, ``trainer.precision=32-true``, SGD without its fused kernel), + autocast
-(``16-mixed`` on CUDA, ``bf16-mixed`` on a CPU with native bf16; ``--precision``), + the precision plugin's fp32
-regions, + lit_amp_det's NMS/RoIAlign/IoU kernels (``speedups.ext_ops``), + channels_last, + the FreezeNorm and
-ConvBNEval callbacks, + the fused optimizer, + low-precision weights with fp32 masters, + ``torch.compile`` of the
-backbone. ``infer`` times inference calls (latency at batch 1, throughput at ``--batch``) through the same first
-rows, then + masks pasted as booleans, + ConvBNEval folding on the fly, + the pairs folded once, + compile.
-``precision`` times training steps of torchvision's model in each precision mode on its own (fp32; bf16 and fp16
-autocast with and without the fp32 regions; bf16 and fp16 weights with fp32 masters; fp16 rows on CUDA unless
-``--rows`` names them).
+``train`` times training steps as the speedups add up, each row the row above plus one switch: torchvision fp32 eager
+(``speedups=none``, no callbacks, ``trainer.precision=32-true``, SGD without its fused kernel), + autocast (``16-mixed``
+on CUDA, ``bf16-mixed`` on a CPU with native bf16; ``--precision``), + the precision plugin's fp32 regions, +
+lit_amp_det's NMS/RoIAlign/IoU kernels (``speedups.ext_ops``), + channels_last, + the FreezeNorm and ConvBNEval
+callbacks, + the fused optimizer, + low-precision weights with fp32 masters, + ``torch.compile`` of the backbone.
+``infer`` times inference calls (latency at batch 1, throughput at ``--batch``) through the same first rows, then +
+masks pasted as booleans, + ConvBNEval folding on the fly, + the pairs folded once, + compile. ``precision`` times
+training steps of torchvision's model in each precision mode on its own (fp32; bf16 and fp16 autocast with and without
+the fp32 regions; bf16 and fp16 weights with fp32 masters; fp16 rows on CUDA unless ``--rows`` names them).
 
-Each row is built the way ``fit``/``predict`` build it (:mod:`lit_amp_det.bench.measure`) from its Hydra
-overrides (:mod:`lit_amp_det.bench.rows`, listed in the report), loads one shared model state
-(:mod:`lit_amp_det.bench.state`) and times one batch of shapes images. Every repeat of every row runs in a fresh
-process (memory the allocators keep, compiled code and installed hooks must not leak into the next row), rows
-interleaved round by round with the order rotated each round (:mod:`lit_amp_det.bench.repeats`); a row whose
-process fails is reported with its error and the other rows still are. The report (``bench_<kind>.md`` and
-``.json`` in ``--out``) gives per row images/s, the median step time over repeats and the spread of the repeat
-medians, the ratios to the first row and to the row above, the peak memory of one step above the built model, and
-the warm-up time (which holds a compiled row's compile time).
+Each row is built as ``fit``/``predict`` build it from its Hydra overrides (listed in the report), loads one shared
+model state (``--state``) and times one batch of shapes images. Every repeat of every row runs in a fresh process
+(allocator caches, compiled code and hooks must not leak into the next row), rows interleaved with the order rotated
+each round; a failed row is reported with its error and the other rows still are. The report (``bench_<kind>.md`` and
+``.json`` in ``--out``) gives per row images/s, the median step time over repeats and the spread of the repeat medians,
+the ratios to the first row and to the row above, peak memory and warm-up time (which holds any compile time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -40,8 +38,9 @@ from typing import Any
 import torch
 
 from lit_amp_det.bench import repeats
-from lit_amp_det.bench.rows import (BENCHES, HALF_CHOICES, Bench, Setting, default_num_classes, default_rows,
-                                    device_defaults, resolve_half, row_adds, row_overrides)
+from lit_amp_det.bench.rows import (BENCHES, HALF_CHOICES, Bench, Setting, default_rows, device_defaults, resolve_half,
+                                    row_adds, row_overrides)
+from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
 __all__ = ["device_name", "infer", "main", "parse_size", "precision", "run_row_process", "train", "write_report"]
 
@@ -139,24 +138,21 @@ def _setting(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setti
         parser.error(f"--model {model!r}: no conf/model/{model}.yaml; choose one of {config_groups()['model']}")
     height, width = args.size or defaults["size"]
     warmup = defaults["warmup"] if args.warmup is None else args.warmup
+    num_classes = args.num_classes or (81 if model == "maskrcnn_r50_fpn" else 7)  # COCO's, else the shapes data's 6 + 1
     return Setting(device=device, model=model, batch=args.batch or defaults["batch"], height=height, width=width,
-                   num_classes=args.num_classes or default_num_classes(model), steps=args.steps or defaults["steps"],
+                   num_classes=num_classes, steps=args.steps or defaults["steps"],
                    warmup=warmup, compile_warmup=warmup + 3 if args.compile_warmup is None else args.compile_warmup,
                    state=args.state, state_steps=args.state_steps if args.state == "trained" else 0,
                    weights=args.state_file, lr=args.timing_lr, half=getattr(args, "precision", None))
 
 
 def _setting_argv(setting: Setting) -> list[str]:
-    argv = [f"--device={setting.device}", f"--model={setting.model}", f"--batch={setting.batch}",
+    optional = {"state-file": setting.weights, "timing-lr": None if setting.lr is None else repr(setting.lr),
+                "precision": setting.half}
+    return [f"--device={setting.device}", f"--model={setting.model}", f"--batch={setting.batch}",
             f"--size={setting.size}", f"--num-classes={setting.num_classes}", f"--steps={setting.steps}",
-            f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}", f"--state={setting.state}"]
-    if setting.weights is not None:
-        argv.append(f"--state-file={setting.weights}")
-    if setting.lr is not None:
-        argv.append(f"--timing-lr={setting.lr!r}")
-    if setting.half is not None:
-        argv.append(f"--precision={setting.half}")
-    return argv
+            f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}", f"--state={setting.state}",
+            *(f"--{flag}={value}" for flag, value in optional.items() if value is not None)]
 
 
 def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
@@ -180,19 +176,15 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     name = platform.processor() or "CPU"
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def _environment(device: str) -> dict[str, Any]:
     import lightning
     import torchvision
-
-    from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
     return {"device": device, "device_name": device_name(device), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "lightning": lightning.__version__,
@@ -247,12 +239,8 @@ def _header(bench: Bench, rows: Sequence[dict[str, Any]], setting: Setting, run:
 
 
 def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, run: dict[str, Any], out: Path) -> str:
-    """Adds to each ok row its ratios to the first ok row and ``vs_above`` (images/s against the ok row above: what
-    its own switch changed); writes ``bench_<kind>.md`` and ``.json`` to ``out``; returns the markdown.
-
-    ``run`` holds the ``command``, the ``environment``, the ``state`` record (None for a random state) and the
-    ``repeats``, for the header and the JSON's top level.
-    """
+    """Adds to each ok row its ratios to the first ok row and to the ok row above (what its own switch changed), writes
+    ``bench_<kind>.md`` and ``.json`` (``run``: command, environment, state, repeats) to ``out``; returns the text."""
     ok = [row for row in rows if row["status"] == "ok"]
     for above, row in zip([None, *ok], ok):
         row["speedup"] = row["images_per_s"] / ok[0]["images_per_s"]
@@ -337,20 +325,10 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
     print(f"\nwritten to {out}/bench_{kind}.{{md,json}}")
 
 
-def train(argv: Sequence[str] | None = None) -> None:
-    """``bench train``: training steps as the speedups add up."""
-    main("train", argv)
-
-
-def infer(argv: Sequence[str] | None = None) -> None:
-    """``bench infer``: inference calls as the speedups add up."""
-    main("infer", argv)
-
-
-def precision(argv: Sequence[str] | None = None) -> None:
-    """``bench precision``: training steps of torchvision's model in each precision mode."""
-    main("precision", argv)
-
+#: ``bench train``, ``bench infer`` and ``bench precision``: :func:`main` of that kind, taking the rest of the argv
+train = functools.partial(main, "train")
+infer = functools.partial(main, "infer")
+precision = functools.partial(main, "precision")
 
 if __name__ == "__main__":  # a row process: python -m lit_amp_det.bench.e2e <kind> --row=NAME ...
     main(sys.argv[1], sys.argv[2:])

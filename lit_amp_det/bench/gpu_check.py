@@ -8,11 +8,10 @@ On a machine with a CUDA GPU it runs, each step in its own process and in this o
 2. ``bench ops --device cuda``;
 3. ``bench train`` and ``bench infer`` at their GPU defaults: R50-FPN, 800x1333, batch 8.
 
-It writes ``gpu_check.md`` (the test summary and the three tables in BENCHMARKS.md's format, with the device,
-torch and triton versions) into ``--out`` (default ``runs/gpu_check/<timestamp>``), for pasting into the GPU
-section of BENCHMARKS.md. The report is rewritten after every step, so a run stopped by a time limit keeps what it
-measured. ``--repeats``, ``--steps``, ``--warmup`` and ``--state-steps`` are passed to both benches, to fit a short
-lease. Without a GPU it stops at once and says so: it never writes a figure it did not measure.
+It writes ``gpu_check.md`` (the test summary and the three tables in BENCHMARKS.md's format, with the device, torch and
+triton versions) into ``--out`` for the GPU section of BENCHMARKS.md, rewritten after every step so that a run stopped
+by a time limit keeps what it measured. ``--repeats``, ``--steps``, ``--warmup`` and ``--state-steps`` go to both
+benches (to fit a short lease). Without a GPU it stops at once and says so: it never writes a figure it did not measure.
 """
 
 from __future__ import annotations
@@ -55,11 +54,6 @@ def _run(title: str, command: list[str], log: Path) -> tuple[int, str]:
     return proc.returncode, "".join(lines)
 
 
-def _newest(directory: Path, name: str) -> str:
-    found = sorted(directory.rglob(name), key=lambda p: p.stat().st_mtime)
-    return found[-1].read_text() if found else f"({name} was not written; see the step's log)"
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lit_amp_det.bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,18 +76,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     import triton
 
     python = sys.executable
-    sections = [
-        "# gpu-check",
-        f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
-        f"torch {torch.__version__}, triton {triton.__version__}, {stamp}",
-    ]
+    capability = "".join(map(str, torch.cuda.get_device_capability()))
+    sections = ["# gpu-check", f"{torch.cuda.get_device_name()} (sm_{capability}), torch {torch.__version__}, "
+                f"triton {triton.__version__}, {stamp}"]
     report = out / "gpu_check.md"
     failed: list[str] = []
 
-    def write_report() -> None:
+    def record(step: str, code: int, *section: str) -> None:
+        sections.extend(section)
+        if code:
+            failed.append(step)
         report.write_text("\n\n".join(sections) + "\n")
 
-    write_report()
+    record("", 0)  # the header alone, before the first step
     if "tests" not in skip:
         # xdist (when installed) spreads the Triton compiles over the cores
         pytest = ["-m", "pytest", "-q", *CUDA_TESTS]
@@ -101,17 +96,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             pytest += ["-n", str(min(8, os.cpu_count() or 1))]
         code, output = _run("tests on CUDA", [python, *pytest], out / "tests.log")
         summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-        sections += ["## Tests on CUDA (compiled Triton kernels)", f"`pytest -q {' '.join(CUDA_TESTS)}`: "
-                     + (summary[-1] if summary else f"exit code {code}")]
-        failed += ["tests"] if code else []
-        write_report()
+        record("tests", code, "## Tests on CUDA (compiled Triton kernels)",
+               f"`pytest -q {' '.join(CUDA_TESTS)}`: " + (summary[-1] if summary else f"exit code {code}"))
     if "ops" not in skip:
         code, output = _run("bench ops", [python, "-m", "lit_amp_det", "bench", "ops", "--device", "cuda",
                                           "--json", str(out / "ops_cuda.json")], out / "ops.log")
-        table = [line for line in output.splitlines() if line.startswith("|")]
-        sections += ["## Ops (`python -m lit_amp_det bench ops --device cuda`)", "\n".join(table) or "(no table)"]
-        failed += ["ops"] if code else []
-        write_report()
+        table = "\n".join(line for line in output.splitlines() if line.startswith("|"))
+        record("ops", code, "## Ops (`python -m lit_amp_det bench ops --device cuda`)", table or "(no table)")
     forwarded = [f"--{option.replace('_', '-')}={getattr(args, option)}" for option in BENCH_OPTIONS
                  if getattr(args, option) is not None]
     for bench in ("train", "infer"):
@@ -120,10 +111,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         directory = out / f"bench_{bench}"
         code, _ = _run(f"bench {bench}", [python, "-m", "lit_amp_det", "bench", bench, "--device", "cuda",
                                           "--out", str(directory), *forwarded], out / f"{bench}.log")
-        sections += [f"## `python -m lit_amp_det bench {bench} {' '.join(forwarded)}` (R50-FPN, 800x1333, batch 8)",
-                     _newest(directory, f"bench_{bench}.md")]
-        failed += [bench] if code else []
-        write_report()
+        title = f"## `python -m lit_amp_det bench {bench} {' '.join(forwarded)}` (R50-FPN, 800x1333, batch 8)"
+        found = sorted(directory.rglob(f"bench_{bench}.md"), key=lambda p: p.stat().st_mtime)
+        record(bench, code, title,
+               found[-1].read_text() if found else f"(bench_{bench}.md was not written; see the step's log)")
     print(f"\nwrote {report}")
     if failed:
         raise SystemExit(f"gpu-check: these steps failed: {', '.join(failed)} (logs in {out})")

@@ -1,19 +1,11 @@
 """One row of ``bench train``, ``bench infer`` or ``bench precision``, run in this process through Lightning.
 
-The row's config is composed from its overrides (:mod:`lit_amp_det.bench.rows`) and run the way ``fit`` and
-``predict`` run it: the module instantiated from ``cfg.model``, the callbacks from ``cfg.callbacks``, the precision
-plugin from ``trainer.precision`` and ``precision``, and a Lightning ``Trainer`` from ``cfg.trainer`` that calls the
-module's ``configure_model`` (its speedups), moves it to the device and builds its optimizer. The data is one batch
-of the embedded shapes data's ``val`` images at the bench's size, the same in every row, served again for every
-step; no logger, checkpoint or progress bar runs.
-
-:class:`RowTimer` times every step from batch start to batch end (forward, loss, backward, optimizer step, the
-callbacks' batch hooks; not the loading or the host-to-device copy of the batch), CUDA-synchronised, after the
-warm-up steps (which hold the compile time of a compiled row). One more step after the timed ones measures the peak
-memory: the CUDA allocator's peak, or on a CPU the process's resident high-water mark with glibc's mmap threshold
-pinned and its freed heap released first (otherwise the figure includes whatever heap earlier steps left, which
-depends on the order of allocations rather than on what the step needs), above what was in use once the model was
-built and on its device.
+The row's config (:mod:`lit_amp_det.bench.rows`) runs as ``fit`` and ``predict`` run it (:func:`build_trainer`), every
+step on the same batch of the embedded shapes data's ``val`` images at the bench's size. :class:`RowTimer` times each
+step from batch start to batch end (forward, loss, backward, optimizer step, callbacks' batch hooks), CUDA-synchronised,
+after the warm-up steps (which hold a compiled row's compile time). One more step measures the peak memory above what
+was in use once the model was built: the CUDA allocator's peak, or on a CPU the resident high-water mark with glibc's
+mmap threshold pinned and freed heap released first, so that it counts what the step needs, not what earlier steps left.
 """
 
 from __future__ import annotations
@@ -28,12 +20,14 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lit_amp_det.bench.rows import Bench, Setting, compose, row_overrides
+from lit_amp_det.precision import build_precision_plugin
 from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
                                    unpin_malloc_threshold)
 
@@ -43,12 +37,10 @@ Batch = tuple[list[Tensor], list[dict[str, Tensor]]]
 
 
 def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, num_classes: int) -> Batch:
-    """Images ``indices`` of ``split`` of the embedded shapes data, rendered at ``height`` x ``width``.
-
-    ``uint8`` ``[3, H, W]`` images (as the loaders deliver them) and targets as the COCO loader builds them: one
-    instance per labelled shape, its visible mask and the tight ``xyxy`` box of that mask, and the ``image_id``.
-    The 6 shape classes fold onto the model's ``num_classes - 1`` foreground classes when it has fewer.
-    """
+    """Images ``indices`` of ``split`` of the embedded shapes data at ``height`` x ``width``: ``uint8`` ``[3, H, W]``
+    images (as the loaders deliver them) and targets as the COCO loader builds them (one instance per labelled shape,
+    its visible mask and the tight ``xyxy`` box of that mask, and the ``image_id``); the 6 shape classes fold onto the
+    model's ``num_classes - 1`` foreground classes when it has fewer."""
     from lit_amp_det.data.shapes import ShapesSpec, render_shapes_image
 
     if num_classes < 2:
@@ -101,34 +93,6 @@ class RowTimer(pl.Callback):
         self._started = 0.0
         self._pinned = False
 
-    def _start(self, trainer: pl.Trainer) -> None:
-        self.probe = MemoryProbe(trainer.strategy.root_device)
-        if not self.probe.cuda:
-            release_freed_cpu_memory()
-        self.probe.synchronize()
-        self._baseline = self.probe.baseline_bytes()
-
-    def _batch_start(self, batch_idx: int) -> None:
-        if self.plan[batch_idx] == "memory":
-            if not self.probe.cuda:
-                pin_malloc_threshold()
-                self._pinned = True
-                release_freed_cpu_memory()
-            self.probe.reset_peak()
-        self.probe.synchronize()
-        self._started = time.perf_counter()
-
-    def _batch_end(self, batch_idx: int) -> None:
-        self.probe.synchronize()
-        seconds = time.perf_counter() - self._started
-        kind = self.plan[batch_idx]
-        if kind == "memory":
-            self._unpin()
-            peak = self.probe.peak_bytes()
-            self.peak = {"peak_memory_mb": (peak - self._baseline) / MB, "peak_memory_abs_mb": peak / MB}
-        else:
-            self.times.setdefault(kind, []).append(seconds)
-
     def _unpin(self) -> None:
         if self._pinned:
             unpin_malloc_threshold()
@@ -140,41 +104,56 @@ class RowTimer(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(trainer)
-
-    @override
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(trainer)
+        self.probe = MemoryProbe(trainer.strategy.root_device)
+        if not self.probe.cuda:
+            release_freed_cpu_memory()
+        self.probe.synchronize()
+        self._baseline = self.probe.baseline_bytes()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._batch_start(batch_idx)
+        if self.plan[batch_idx] == "memory":
+            if not self.probe.cuda:
+                pin_malloc_threshold()
+                self._pinned = True
+                release_freed_cpu_memory()
+            self.probe.reset_peak()
+        self.probe.synchronize()
+        self._started = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._batch_end(batch_idx)
+        self.probe.synchronize()
+        seconds = time.perf_counter() - self._started
+        kind = self.plan[batch_idx]
+        if kind == "memory":
+            self._unpin()
+            peak = self.probe.peak_bytes()
+            self.peak = {"peak_memory_mb": (peak - self._baseline) / MB, "peak_memory_abs_mb": peak / MB}
+        else:
+            self.times.setdefault(kind, []).append(seconds)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_train_start(trainer, pl_module)
 
     @override
     def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
                                dataloader_idx: int = 0) -> None:
-        self._batch_start(batch_idx)
+        self.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._batch_end(batch_idx)
+        self.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.detections = sum(len(p["boxes"]) for p in outputs)  # of the last call
 
 
 def build_trainer(cfg: DictConfig, callbacks: Sequence[pl.Callback], **options: Any) -> pl.Trainer:
     """The ``Trainer`` of ``cfg.trainer`` with the precision plugin of ``trainer.precision`` and ``precision``, and
     ``callbacks``; no logger, checkpoints, progress bar or validation. ``options`` override trainer arguments."""
-    from hydra.utils import instantiate
-
-    from lit_amp_det.precision import build_precision_plugin
-
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.paths.output_dir = tempfile.gettempdir()  # default_root_dir: nothing is written there
@@ -189,8 +168,6 @@ def build_trainer(cfg: DictConfig, callbacks: Sequence[pl.Callback], **options: 
 
 def instantiate_model(cfg: DictConfig) -> Any:
     """The module of ``cfg.model`` (a :class:`~lit_amp_det.MaskRCNNModule`), as ``fit`` instantiates it."""
-    from hydra.utils import instantiate
-
     return instantiate(cfg.model, _convert_="all")
 
 
@@ -224,9 +201,7 @@ def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
         trainer.fit(module, train_dataloaders=loader)
     else:
         trainer.predict(module, dataloaders=loader, return_predictions=False)
-    result: dict[str, Any] = {}
-    for timing in bench.timings:
-        result.update(summarise(timer.times[timing], timing))
+    result = {key: value for timing in bench.timings for key, value in summarise(timer.times[timing], timing).items()}
     result["images_per_s"] = setting.batch * 1000 / result[f"{bench.timings[-1]}_ms_median"]
     result.update(timer.peak, memory_source=timer.probe.source, warmup_steps=plan.count("warmup"),
                   warmup_s=sum(timer.times.get("warmup", [])), run_s=time.perf_counter() - started,

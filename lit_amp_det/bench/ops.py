@@ -9,15 +9,15 @@ and ``speed-up = torchvision median / ours median``. Sizes are Mask R-CNN's at 8
 * ``batched_nms det``: detection post-processing, 5000 (box, class) pairs over 80 classes, 100 kept.
 * ``nms full``: 5000 boxes, no limit (the pure kernel speed).
 * ``box_iou``: the RPN matcher (20 ground-truth boxes x 240k anchors) and the RoI matcher (20 x 2000).
-* ``roi_align``: box head (512 RoIs, 7x7) and mask head (128 RoIs, 14x14) on a stride-8 map of 256
-  channels; forward and forward+backward; fp32, channels_last fp32, and bf16/fp16 (torchvision under
-  autocast, which is how it gets half inputs).
+* ``roi_align``: box head (512 RoIs, 7x7) and mask head (128 RoIs, 14x14) on a stride-8 map of 256 channels;
+  forward and forward+backward; fp32, channels_last fp32, and bf16/fp16 (torchvision under autocast: its half path).
 * ``MultiScaleRoIAlign``: 4 FPN levels, 1024 RoIs, 256 channels, forward+backward.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -37,6 +37,8 @@ __all__ = ["main"]
 
 IMAGE = (800, 1216)
 STRIDES = (4, 8, 16, 32)
+#: (op, size, dtype / layout, ours, torchvision's): one row of the table
+OpCase = tuple[str, str, str, Callable[[], Any], Callable[[], Any]]
 
 
 def _boxes(n: int, clusters: int, seed: int, max_size: float = 300.0) -> Tensor:
@@ -73,12 +75,24 @@ def _compare(name: str, size: str, dtype: str, ours: Callable[[], Any], theirs: 
 def _backward(fn: Callable[[], Tensor], inputs: Sequence[Tensor]) -> Callable[[], None]:
     def step() -> None:
         out = fn()
-        grads = torch.autograd.grad(out, list(inputs), torch.ones_like(out))
-        del grads
+        torch.autograd.grad(out, list(inputs), torch.ones_like(out))
     return step
 
 
-def _nms_cases(device: str) -> list[tuple[str, str, str, Callable, Callable]]:
+def _fwd_bwd(op: str, size: str, label: str, ours: Callable[[], Tensor], theirs: Callable[[], Tensor],
+             inputs: Sequence[Tensor], device: str, autocast: torch.dtype | None) -> list[OpCase]:
+    """The forward and the forward+backward case (gradients of ``inputs``) of one op; torchvision's side under
+    ``torch.autocast`` to ``autocast`` when given, which is how it gets half inputs."""
+    context = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None else nullcontext
+
+    def tv() -> Tensor:
+        with context():
+            return theirs()
+    return [(f"{op} fwd", size, label, lambda: ours().detach(), lambda: tv().detach()),
+            (f"{op} fwd+bwd", size, label, _backward(ours, inputs), _backward(tv, inputs))]
+
+
+def _nms_cases(device: str) -> list[OpCase]:
     rpn_boxes, rpn_scores = _boxes(12000, 300, 0).to(device), _scores(12000, 0).to(device)
     level_boxes = torch.cat([_boxes(2000, 60, seed) for seed in range(5)]).to(device)
     level_scores = _scores(10000, 1).to(device)
@@ -101,7 +115,7 @@ def _nms_cases(device: str) -> list[tuple[str, str, str, Callable, Callable]]:
     ]
 
 
-def _iou_cases(device: str) -> list[tuple[str, str, str, Callable, Callable]]:
+def _iou_cases(device: str) -> list[OpCase]:
     gt = _boxes(20, 20, 4).to(device)
     anchors = _boxes(240_000, 1000, 5).to(device)
     proposals = _boxes(2000, 100, 6).to(device)
@@ -113,32 +127,24 @@ def _iou_cases(device: str) -> list[tuple[str, str, str, Callable, Callable]]:
     ]
 
 
-def _roi_align_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
+def _roi_align_cases(device: str, half: torch.dtype) -> list[OpCase]:
     cases = []
     base = torch.randn(2, 256, IMAGE[0] // 8, IMAGE[1] // 8, generator=torch.Generator().manual_seed(7)).to(device)
-    variants = [("fp32", base, torch.contiguous_format, False),
-                ("fp32 channels_last", base, torch.channels_last, False),
-                (f"{str(half).split('.')[-1]} (tv: autocast)", base.to(half), torch.contiguous_format, True)]
+    variants = [("fp32", base, torch.contiguous_format, None),
+                ("fp32 channels_last", base, torch.channels_last, None),
+                (f"{str(half).split('.')[-1]} (tv: autocast)", base.to(half), torch.contiguous_format, half)]
     for head, k, out in (("box head", 512, 7), ("mask head", 128, 14)):
         rois = _rois(k, 8).to(device)
+        size = f"{head}: {k} RoIs {out}x{out}, 2x256x{IMAGE[0] // 8}x{IMAGE[1] // 8}"
         for label, features, layout, autocast in variants:
             x = features.contiguous(memory_format=layout).requires_grad_()
-            context = (lambda: torch.autocast(device, dtype=half)) if autocast else nullcontext
-
-            def theirs(x=x, rois=rois, out=out, context=context):
-                with context():
-                    return torchvision.ops.roi_align(x, rois, out, 0.125, 2)
-
-            def ours(x=x, rois=rois, out=out):
-                return ops.roi_align(x, rois, out, 0.125, 2)
-
-            size = f"{head}: {k} RoIs {out}x{out}, 2x256x{IMAGE[0] // 8}x{IMAGE[1] // 8}"
-            cases.append(("roi_align fwd", size, label, lambda f=ours: f().detach(), lambda f=theirs: f().detach()))
-            cases.append(("roi_align fwd+bwd", size, label, _backward(ours, [x]), _backward(theirs, [x])))
+            args = (x, rois, out, 0.125, 2)
+            cases += _fwd_bwd("roi_align", size, label, functools.partial(ops.roi_align, *args),
+                              functools.partial(torchvision.ops.roi_align, *args), [x], device, autocast)
     return cases
 
 
-def _pooler_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, Callable, Callable]]:
+def _pooler_cases(device: str, half: torch.dtype) -> list[OpCase]:
     names = [str(i) for i in range(len(STRIDES))]
     g = torch.Generator().manual_seed(9)
     boxes = [_boxes(512, 40, seed, max_size=700).clamp(min=0).to(device) for seed in (10, 11)]
@@ -146,33 +152,22 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[tuple[str, str, str, C
     ours_pool = ops.MultiScaleRoIAlign(names, 7, 2)
     tv_pool = torchvision.ops.MultiScaleRoIAlign(names, 7, 2)
     cases = []
-    for label, dtype, autocast in (("fp32", torch.float32, False),
-                                   (f"{str(half).split('.')[-1]} (tv: autocast)", half, True)):
+    half_label = f"{str(half).split('.')[-1]} (tv: autocast)"
+    for label, dtype, autocast in (("fp32", torch.float32, None), (half_label, half, half)):
         features = {n: torch.randn(2, 256, IMAGE[0] // s, IMAGE[1] // s, generator=g).to(device, dtype)
                     .requires_grad_() for n, s in zip(names, STRIDES)}
-        context = (lambda: torch.autocast(device, dtype=half)) if autocast else nullcontext
-
-        def theirs(features=features, context=context):
-            with context():
-                return tv_pool(features, boxes, shapes)
-
-        def ours(features=features):
-            return ours_pool(features, boxes, shapes)
-
-        size = "4 levels, 1024 RoIs 7x7, 256 channels"
-        cases.append(("MultiScaleRoIAlign fwd", size, label, lambda f=ours: f().detach(),
-                      lambda f=theirs: f().detach()))
-        cases.append(("MultiScaleRoIAlign fwd+bwd", size, label, _backward(ours, list(features.values())),
-                      _backward(theirs, list(features.values()))))
+        args = (features, boxes, shapes)
+        cases += _fwd_bwd("MultiScaleRoIAlign", "4 levels, 1024 RoIs 7x7, 256 channels", label,
+                          functools.partial(ours_pool, *args), functools.partial(tv_pool, *args),
+                          list(features.values()), device, autocast)
     return cases
 
 
 def _table(rows: list[dict[str, Any]], header: str) -> str:
     lines = [header, "| op | size | dtype / layout | ours ms | torchvision ms | speed-up |",
              "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['op']} | {r['size']} | {r['dtype']} | {r['ours_ms']:.2f} | {r['torchvision_ms']:.2f} "
-                     f"| **{r['speedup']:.2f}x** |")
+    lines += [f"| {r['op']} | {r['size']} | {r['dtype']} | {r['ours_ms']:.2f} | {r['torchvision_ms']:.2f} "
+              f"| **{r['speedup']:.2f}x** |" for r in rows]
     return "\n".join(lines)
 
 
@@ -192,9 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("--device=cuda but torch sees no GPU; use --device=cpu")
     repeats = args.repeats or (50 if args.device == "cuda" else 15)
     half = torch.float16 if args.device == "cuda" else torch.bfloat16
-    groups = {"nms": lambda: _nms_cases(args.device), "iou": lambda: _iou_cases(args.device),
-              "roi_align": lambda: _roi_align_cases(args.device, half),
-              "pooler": lambda: _pooler_cases(args.device, half)}
+    groups = {"nms": _nms_cases, "iou": _iou_cases, "roi_align": functools.partial(_roi_align_cases, half=half),
+              "pooler": functools.partial(_pooler_cases, half=half)}
     chosen = [g.strip() for g in args.only.split(",") if g.strip()] or list(groups)
     unknown = sorted(set(chosen) - set(groups))
     if unknown:
@@ -202,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(0)
     rows = []
     for group in chosen:
-        for name, size, dtype, ours, theirs in groups[group]():
+        for name, size, dtype, ours, theirs in groups[group](args.device):
             rows.append(_compare(name, size, dtype, ours, theirs, device=args.device, repeats=repeats,
                                  warmup=args.warmup))
             print(f"  {name} [{size}, {dtype}]: {rows[-1]['speedup']:.2f}x", flush=True)

@@ -1,11 +1,9 @@
 """The rows of ``bench train``, ``bench infer`` and ``bench precision``: what each row switches on, as Hydra overrides.
 
-A row is the list of overrides that ``fit`` or ``predict`` would be given. Every bench starts from
-:data:`BASELINE`, torchvision's model as built (``speedups=none``) trained or run in fp32 with no callbacks and
-PyTorch's default optimizer kernels. In ``train`` and ``infer`` each later row adds one switch to the row above
-(rows are cumulative), so the ratio to the row above is that switch's gain; in ``precision`` each row is the
-baseline plus its own precision settings. Every row of a run shares one :class:`Setting`: the device, the model
-config, the image size and batch, and the model state all rows load.
+A row is the list of overrides that ``fit`` or ``predict`` would be given. Every bench starts from :data:`BASELINE`.
+In ``train`` and ``infer`` each later row adds one switch to the row above (rows are cumulative), so the ratio to the
+row above is that switch's gain; in ``precision`` each row is the baseline plus its own precision settings. Every row
+of a run shares one :class:`Setting`.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from omegaconf import DictConfig
 from lit_amp_det.precision.hardware import auto_precision
 
 __all__ = ["BASELINE", "BENCHES", "HALF_CHOICES", "Bench", "Row", "Setting", "compose", "default_rows",
-           "device_defaults", "default_num_classes", "resolve_half", "row_adds", "row_overrides", "setting_overrides"]
+           "device_defaults", "resolve_half", "row_adds", "row_overrides"]
 
 #: Overrides of the first row of every bench: torchvision's model as built, fp32, no callbacks, SGD (the recipe
 #: of ``conf/optim/sgd.yaml``) on PyTorch's default (foreach) kernel. ``precision.fp32_regions={}`` changes nothing
@@ -38,13 +36,11 @@ def _speedup(name: str, transform: str) -> str:
 
 @dataclass(frozen=True)
 class Row:
-    """One row: ``adds`` are its overrides on top of the row above (cumulative benches) or of :data:`BASELINE`.
-
-    ``{mixed}`` in an override stands for the run's autocast precision (``16-mixed``, ``bf16-mixed``, or ``32-true``
-    when the run's half precision is fp32), ``{weights}`` for its low-precision-weights twin. ``when`` says which
-    runs include the row unless ``--rows`` names it: ``always``; ``half``, not when the half precision is fp32 (the
-    row would change nothing); ``cuda``, not on a CPU (fp16 there is emulated and slow).
-    """
+    """One row: ``adds`` are its overrides on top of the row above (cumulative benches) or of :data:`BASELINE`, where
+    ``{mixed}`` stands for the run's autocast precision (``16-mixed``, ``bf16-mixed``, or ``32-true`` when the run's
+    half precision is fp32) and ``{weights}`` for its low-precision-weights twin. ``when`` says which runs include the
+    row unless ``--rows`` names it: ``always``; ``half``, not when the half precision is fp32 (the row would change
+    nothing); ``cuda``, not on a CPU (fp16 there is emulated and slow)."""
 
     name: str
     label: str
@@ -54,11 +50,9 @@ class Row:
 
 @dataclass(frozen=True)
 class Bench:
-    """What distinguishes the three benches: their rows, whether rows accumulate, and what a row times.
-
-    ``stage`` is ``fit`` (training steps) or ``predict`` (inference calls); ``timings`` name the timed series of
-    a row (``step``; ``latency`` at batch 1 and ``batch`` at the bench batch), the last giving images/s.
-    """
+    """What distinguishes the benches: ``stage`` is ``fit`` (training steps) or ``predict`` (inference calls);
+    ``timings`` name a row's timed series (``step``; ``latency`` at batch 1 and ``batch`` at the bench batch), the last
+    giving images/s."""
 
     kind: str
     stage: str
@@ -113,13 +107,10 @@ BENCHES = {
 
 @dataclass(frozen=True)
 class Setting:
-    """What every row of one run shares.
-
-    ``weights``: the state file every row loads (``model.weights``), or None for the seeded initialisation.
-    ``lr``: the constant learning rate of the timed training steps (the state's final one); None runs the recipe's
-    warm-up schedule from step 0, as a fresh run starts. ``half``: ``bf16``, ``fp16`` or ``fp32``, the precision of
-    the rows that change it; None or ``auto`` is ``trainer.precision=auto``'s choice on the device.
-    """
+    """What every row of one run shares. ``weights``: the state file every row loads (``model.weights``), or None for
+    the seeded initialisation. ``lr``: the constant learning rate of the timed training steps (the state's final one);
+    None runs the recipe's warm-up schedule from step 0, as a fresh run starts. ``half``: ``bf16``, ``fp16`` or
+    ``fp32``, the precision of the rows that change it; None or ``auto`` is ``trainer.precision=auto``'s choice."""
 
     device: str
     model: str
@@ -161,13 +152,9 @@ def device_defaults(device: str) -> dict[str, Any]:
     return {"model": "maskrcnn_light", "batch": 4, "size": (224, 224), "steps": 10, "warmup": 3}
 
 
-def default_num_classes(model: str) -> int:
-    """81 (COCO's) for ``maskrcnn_r50_fpn``; else 7, background plus the shapes data's 6 classes."""
-    return 81 if model == "maskrcnn_r50_fpn" else 7
-
-
-def setting_overrides(setting: Setting) -> list[str]:
-    """The overrides every row shares: the device's trainer, the model and its input size, the state and its lr."""
+def row_overrides(bench: Bench, index: int, setting: Setting) -> list[str]:
+    """The overrides of ``bench.rows[index]``: the setting's (the device's trainer, the model and its input size, the
+    state), :data:`BASELINE`, the timing lr, then the row's own (in a cumulative bench, those of every row up to it)."""
     # min/max size equal to the image sides: the transform keeps the images at their size
     overrides = [f"trainer={'gpu' if setting.device == 'cuda' else 'cpu'}", f"model={setting.model}",
                  f"model.num_classes={setting.num_classes}",
@@ -176,25 +163,16 @@ def setting_overrides(setting: Setting) -> list[str]:
     if setting.weights is not None:  # quoted: a path may hold characters Hydra's grammar reads otherwise
         quoted = setting.weights.replace("\\", "\\\\").replace("'", "\\'")
         overrides.append(f"model.weights='{quoted}'")
-    return overrides
-
-
-def row_overrides(bench: Bench, index: int, setting: Setting) -> list[str]:
-    """The overrides of ``bench.rows[index]``: the setting's, :data:`BASELINE`, the timing lr, then the row's own
-    (in a cumulative bench, those of every row up to it)."""
     rows = bench.rows[1: index + 1] if bench.cumulative else bench.rows[index: index + 1]
     lr = [] if setting.lr is None else [f"optim.optimizer.lr={setting.lr!r}", "optim.scheduler=null"]
     half = [_FP16_ON_CPU] if resolve_half(setting) == "fp16" and setting.device == "cpu" and bench.cumulative else []
-    return [*setting_overrides(setting), *BASELINE, *lr, *half,
-            *(add for row in rows for add in row_adds(row, setting))]
+    return [*overrides, *BASELINE, *lr, *half, *(add for row in rows for add in row_adds(row, setting))]
 
 
 def default_rows(bench: Bench, setting: Setting) -> list[str]:
     """The rows a run includes unless ``--rows`` names others (see :attr:`Row.when`)."""
-    skipped = {"half"} if resolve_half(setting) == "fp32" else set()
-    if setting.device == "cpu":
-        skipped.add("cuda")
-    return [row.name for row in bench.rows if row.when not in skipped]
+    skipped = {"half": resolve_half(setting) == "fp32", "cuda": setting.device == "cpu"}
+    return [row.name for row in bench.rows if not skipped.get(row.when)]
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:

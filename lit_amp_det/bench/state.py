@@ -1,21 +1,16 @@
 """The model state the benches time: made once by training, cached on disk, loaded by every row.
 
-A step's time depends on the model's state, not only on its switches: an untrained Mask R-CNN proposes boxes that
-match nothing, and one trained at a constant high learning rate from random weights collapses, with proposal and
-detection counts (so step times) unlike a real run's. So every row starts from one representative state: the
-setting's model trained with ``fit``'s machinery for ``steps`` steps of the first row's config (torchvision's model,
-fp32, ``optim=sgd`` with its warm-up and multistep schedule over ``steps`` steps, no callbacks) on ``batch`` images
-a step, cycling through the first :data:`TRAIN_IMAGES` ``train`` images of the embedded shapes data at the bench's
-size. Making it is never timed. A model whose configured lr belongs to a larger batch
-(:data:`RECIPE_REFERENCE_BATCH`: the R50-FPN's 0.02 is torchvision's lr for 16 images) trains at that lr scaled
-linearly to the bench's batch, as ``optim.reference_batch`` scales it in ``fit``; unscaled, a randomly initialised
-R50-FPN diverges at batch 2.
+A step's time depends on the model's state, not only on its switches: an untrained Mask R-CNN proposes boxes that match
+nothing, and one trained at a constant high learning rate from random weights collapses, with proposal and detection
+counts (so step times) unlike a real run's. So every row starts from one representative state: the setting's model
+trained with ``fit``'s machinery (never timed) for ``steps`` steps of the first row's config (torchvision's model in
+fp32, ``optim=sgd`` with its warm-up and multistep schedule), ``batch`` images a step from the first
+:data:`TRAIN_IMAGES` shapes ``train`` images at the bench's size. A model whose lr belongs to a larger batch
+(:data:`RECIPE_REFERENCE_BATCH`) trains at that lr scaled linearly to the bench's batch, as ``optim.reference_batch``
+scales it in ``fit``; unscaled, a randomly initialised R50-FPN diverges at batch 2.
 
-The file is a Lightning-style checkpoint (``state_dict`` with ``model.`` keys, ``hyper_parameters``) that rows load
-through ``model.weights``, as a user would; a JSON next to it records how it was made, the hash of its weights and
-the learning rate its schedule ended at (the rows' timing learning rate). The cache key is everything that changes
-the state: the resolved model config, image size, batch, class count, steps, device type, torch version and
-:data:`FORMAT`.
+The file is a Lightning-style checkpoint that rows load through ``model.weights``, as a user would; a JSON next to it
+records how it was made, the hash of its weights and the lr its schedule ended at (the rows' timing lr).
 """
 
 from __future__ import annotations
@@ -40,6 +35,7 @@ from typing_extensions import override
 
 from lit_amp_det.bench.measure import build_trainer, instantiate_model, shapes_batch, weights_sha256
 from lit_amp_det.bench.rows import BENCHES, Setting, compose, row_overrides
+from lit_amp_det.optim import scale_lr
 
 __all__ = ["FORMAT", "RECIPE_REFERENCE_BATCH", "TRAIN_IMAGES", "cache_root", "ensure_state", "make_state",
            "state_key", "state_overrides", "state_paths"]
@@ -68,8 +64,6 @@ def _replace_file(path: Path, data: bytes) -> None:
 
 def state_overrides(setting: Setting) -> list[str]:
     """The first ``bench train`` row's overrides without a state to load, at the recipe's lr for the bench batch."""
-    from lit_amp_det.optim import scale_lr
-
     overrides = row_overrides(BENCHES["train"], 0, dataclasses.replace(setting, weights=None, lr=None))
     reference = RECIPE_REFERENCE_BATCH.get(setting.model)
     if reference is not None:
@@ -79,7 +73,7 @@ def state_overrides(setting: Setting) -> list[str]:
 
 
 def state_key(setting: Setting, steps: int) -> dict[str, Any]:
-    """Everything the state made for ``setting`` in ``steps`` steps depends on (its cache key)."""
+    """Everything the state made for ``setting`` in ``steps`` steps depends on (its cache key), with :data:`FORMAT`."""
     model = OmegaConf.to_container(compose(state_overrides(setting)).model, resolve=True)
     return {"format": FORMAT, "model_name": setting.model, "model": model, "height": setting.height,
             "width": setting.width, "batch": setting.batch, "num_classes": setting.num_classes, "steps": steps,

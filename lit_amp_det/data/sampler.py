@@ -189,9 +189,26 @@ class ResumableDataLoader(DataLoader):
         self.consumed_batches += 1
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._consumed_epoch, "consumed_batches": self.consumed_batches}
+        return {"epoch": self._consumed_epoch, "consumed_batches": self.consumed_batches,
+                "world_size": _distributed_rank_and_size()[1], "epoch_batches": len(self.batch_sampler)}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Continues the saved epoch after its consumed batches.
+
+        Each epoch's order depends on the seed and the epoch alone, and each of W processes takes every W-th
+        image of it; so a checkpoint taken between epochs resumes on any number of processes. One taken mid-epoch
+        resumes only on as many processes as saved it: with another count the shares change and images of the
+        epoch would be seen twice or not at all. (Checkpoints without a ``world_size`` are not checked.)
+        """
+        saved_world, world = int(state_dict.get("world_size", 0)), _distributed_rank_and_size()[1]
+        consumed, epoch_batches = int(state_dict["consumed_batches"]), int(state_dict.get("epoch_batches", 0))
+        if saved_world and saved_world != world and 0 < consumed < epoch_batches:
+            raise ValueError(
+                f"this checkpoint was taken by {saved_world} processes in the middle of epoch "
+                f"{state_dict['epoch']} ({consumed} of {epoch_batches} batches); resuming with {world} processes "
+                f"(trainer.num_nodes x trainer.devices) would see some of its images twice and others not at all. "
+                f"Resume with trainer.num_nodes x trainer.devices = {saved_world}, or from a checkpoint taken at "
+                f"the end of an epoch")
         self._consumed_epoch = int(state_dict["epoch"])
-        self.consumed_batches = int(state_dict["consumed_batches"])
+        self.consumed_batches = consumed
         self.batch_sampler.resume(self._consumed_epoch, self.consumed_batches)  # type: ignore[union-attr]
