@@ -52,16 +52,10 @@ def _reset_cpu_high_water_mark() -> bool:
 # ------------------------------------------------------------------------------------- glibc's heap policy
 # A resident-set peak on a CPU counts the pages glibc keeps after a free: a measurement first hands them back.
 
-def _load_libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
+_LIBC: ctypes.CDLL | None = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError):
+        _LIBC = ctypes.CDLL("libc.so.6")
 #: glibc's ``mallopt`` parameters (malloc.h) and its defaults for a long-running process (64-bit).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _GLIBC_MMAP_THRESHOLD_MAX, _GLIBC_MMAP_MAX = 32 * 1024 * 1024, 65536

@@ -32,10 +32,6 @@ def stdout_is_terminal() -> bool:
     return bool(getattr(sys.stdout, "isatty", None) and sys.stdout.isatty())
 
 
-def _file_handlers() -> list[logging.Handler]:
-    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-
-
 def emit(message: str, console: bool = True) -> None:
     """Writes ``message`` to the run's log file and, if ``console``, to stdout.
 
@@ -50,8 +46,9 @@ def emit(message: str, console: bool = True) -> None:
         log.info(message)
         return
     record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, None, None)
-    for handler in _file_handlers():
-        handler.handle(record)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _fmt(value: float) -> str:

@@ -52,8 +52,7 @@ class ConvBNEval(Callback):
             raise ValueError(
                 f"ConvBNEval found no Conv2d -> BatchNorm2d/FrozenBatchNorm2d pair in {type(model).__name__} (the "
                 "conv output must feed nothing but the norm); remove the callback, or use a backbone with conv-BN "
-                "blocks (the backbone's norm bn or frozen_bn); a model folded by "
-                "fold_on_predict has no pair left"
+                "blocks (the backbone's norm bn or frozen_bn); a model folded by fold_on_predict has no pair left"
             )
 
     @override
@@ -64,28 +63,18 @@ class ConvBNEval(Callback):
         rank_zero_info(f"ConvBNEval: {len(self._pairs)} conv-BN pairs fold while their norm uses running statistics "
                        f"({mode})")
 
-    def _refresh(self, pl_module: LightningModule) -> None:
+    def _refresh(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Re-installs when the strategy replaced modules after ``setup`` (e.g. BatchNorm -> SyncBatchNorm)."""
         model = _target(pl_module)
         if conv_bn_eval_pairs(model) != self._pairs:
             self._enable(model)
 
-    @override
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._refresh(pl_module)
-
-    @override
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._refresh(pl_module)
-
-    @override
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._refresh(pl_module)
+    on_fit_start = on_validation_start = on_test_start = _refresh
 
     @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.fold_on_predict:
-            self._refresh(pl_module)
+            self._refresh(trainer, pl_module)
             return
         model = _target(pl_module)  # Lightning has put the model in eval mode already
         fold_conv_bn(model)

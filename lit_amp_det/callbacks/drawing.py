@@ -86,9 +86,7 @@ def _binary_masks(masks: Tensor, size: tuple[int, int], mask_threshold: float, o
     else:
         masks = masks[index]
     masks = masks.cpu()
-    if masks.is_floating_point():
-        return masks > mask_threshold
-    return masks.bool()
+    return masks > mask_threshold if masks.is_floating_point() else masks.bool()
 
 
 def _first_owner(masks: Tensor) -> Tensor:

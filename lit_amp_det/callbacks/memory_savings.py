@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import move_data_to_device, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_amp_det.models.conv_bn import conv_bn_eval_enabled, disable_conv_bn_eval
 from lit_amp_det.precision.master_weights import full_precision_copy, holds_masters
 from lit_amp_det.profiling import MB, MemoryProbe, SavedTensorBytes, count_images, release_freed_cpu_memory, timed
 
@@ -101,9 +102,8 @@ def draw_batches(loader: Any, count: int) -> list[Any] | None:
     With per-epoch seeded samplers these are exactly the first training batches, else an equally random draw.
     Map-style datasets with a batch sampler only; otherwise the caller uses the first real batch.
     """
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-        return None
-    if loader.batch_sampler is None:
+    if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
+            or loader.batch_sampler is None):
         return None
     try:
         batch_sampler = copy.deepcopy(loader.batch_sampler)
@@ -118,15 +118,6 @@ def draw_batches(loader: Any, count: int) -> list[Any] | None:
     return batches or None
 
 
-def _conv_bn_eval_api() -> tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Any]] | None:
-    """``(conv_bn_eval_enabled, disable_conv_bn_eval)`` from :mod:`lit_amp_det.models.conv_bn`, if present."""
-    try:
-        from lit_amp_det.models.conv_bn import conv_bn_eval_enabled, disable_conv_bn_eval
-    except ImportError:
-        return None
-    return conv_bn_eval_enabled, disable_conv_bn_eval
-
-
 def _slug(label: str) -> str:
     return re.sub(r"[^0-9a-z]+", "_", label.lower()).strip("_")
 
@@ -134,6 +125,12 @@ def _slug(label: str) -> str:
 def _ratio(value: float, base: float) -> float | None:
     """``value / base``; None where the baseline is 0 (e.g. a step that needed no new CPU pages)."""
     return value / base if base > 0 else None
+
+
+#: SavingsRow fields compared with the baseline -> (the logged ratio's name, the report's key)
+_RATIOS = {"peak_mb": ("peak_ratio", "peak_vs_baseline"), "step_mb": ("step_memory_ratio", "step_mb_vs_baseline"),
+           "saved_for_backward_mb": ("saved_for_backward_ratio", "saved_for_backward_vs_baseline"),
+           "step_ms": ("step_time_ratio", "step_ms_vs_baseline")}
 
 
 def _forward_backward(model: nn.Module, pl_module: pl.LightningModule, batch: Any, context: Callable[[], Any],
@@ -148,12 +145,7 @@ def _forward_backward(model: nn.Module, pl_module: pl.LightningModule, batch: An
 
 
 class BaselineComparison:
-    """Measures the savings rows once per fit; see the module docstring.
-
-    Args:
-        baseline_steps: measured steps per row, on as many distinct training batches where the loader has them.
-        warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning).
-    """
+    """Measures the savings rows once per fit (see the module docstring); arguments as for ``MemoryMonitor``."""
 
     def __init__(self, baseline_steps: int, warmup_steps: int) -> None:
         self.baseline_steps = baseline_steps
@@ -172,8 +164,7 @@ class BaselineComparison:
 
         A row outside the trainer's precision runs in fp32 (on a full-precision copy for ``*-weights`` models).
         """
-        api = _conv_bn_eval_api()
-        conv_bn = api is not None and bool(api[0](pl_module.model))
+        conv_bn = bool(conv_bn_eval_enabled(pl_module.model))
         precision = str(trainer.precision_plugin.precision)
         mixed = precision not in _FULL_PRECISIONS
         rows = [("baseline", [], False, conv_bn)]
@@ -210,9 +201,7 @@ class BaselineComparison:
         else:  # the fp32 baseline of a *-weights run: the masters as the weights
             model = full_precision_copy(pl_module.model)
         if conv_bn_off:
-            api = _conv_bn_eval_api()
-            assert api is not None
-            api[1](model)
+            disable_conv_bn_eval(model)
         plugin = trainer.precision_plugin
         context = plugin.forward_context if in_precision else contextlib.nullcontext
         scaler = getattr(plugin, "scaler", None)
@@ -254,13 +243,8 @@ class BaselineComparison:
             for field in ("peak_mb", "step_mb", "saved_for_backward_mb", "weight_casts_mb", "step_ms"):
                 pl_module.log(f"memory/{name}_{field}", float(getattr(row, field)), on_step=False, on_epoch=True,
                               batch_size=1)
-        ratios = {
-            "peak_ratio": _ratio(current.peak_mb, base.peak_mb),
-            "step_memory_ratio": _ratio(current.step_mb, base.step_mb),
-            "saved_for_backward_ratio": _ratio(current.saved_for_backward_mb, base.saved_for_backward_mb),
-            "step_time_ratio": _ratio(current.step_ms, base.step_ms),
-        }
-        for name, value in ratios.items():
+        for field, (name, _) in _RATIOS.items():
+            value = _ratio(getattr(current, field), getattr(base, field))
             if value is not None:
                 pl_module.log(f"memory/{name}", value, on_step=False, on_epoch=True, batch_size=1)
 
@@ -268,16 +252,9 @@ class BaselineComparison:
                training: dict[str, Any]) -> dict[str, Any]:
         """The savings table's data: the measured rows, ratios to the baseline and ``training`` (observed)."""
         base = self.rows[0]
-        rows = []
-        for row in self.rows:
-            entry = dataclasses.asdict(row)
-            entry.update({
-                "peak_vs_baseline": _ratio(row.peak_mb, base.peak_mb),
-                "step_mb_vs_baseline": _ratio(row.step_mb, base.step_mb),
-                "saved_for_backward_vs_baseline": _ratio(row.saved_for_backward_mb, base.saved_for_backward_mb),
-                "step_ms_vs_baseline": _ratio(row.step_ms, base.step_ms),
-            })
-            rows.append(entry)
+        rows = [{**dataclasses.asdict(row),
+                 **{key: _ratio(getattr(row, field), getattr(base, field)) for field, (_, key) in _RATIOS.items()}}
+                for row in self.rows]
         return {
             "device": str(pl_module.device),
             "precision": str(trainer.precision_plugin.precision),

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -135,12 +135,12 @@ class CocoInstances(torch.utils.data.Dataset):
             logger.warning("dropped %d degenerate annotation(s) from %s (data.invalid_boxes=skip)",
                            self.skipped_boxes, self.annotation_file)
         self._records = self._build_records(images, per_image)
-        self.num_instances = sum(not ann.get("iscrowd", 0) for anns in per_image.values() for ann, _ in anns)
+        kept = [ann for anns in per_image.values() for ann, _ in anns]
+        self.num_instances = sum(not ann.get("iscrowd", 0) for ann in kept)
         self.image_ids = [rec.image_id for rec in self._records]
         self._check_files_exist()
         # Built after validation (pycocotools fails cryptically on bad records) and from the kept annotations only,
         # so COCO evaluation sees the same ground truth as the targets.
-        kept = [ann for anns in per_image.values() for ann, _ in anns]
         self.coco = index_with_pycocotools({**dataset, "annotations": kept})
 
     # ------------------------------------------------------------------ validation
@@ -151,15 +151,20 @@ class CocoInstances(torch.utils.data.Dataset):
             raise ValueError(f"'categories' in {self.annotation_file} must be a list, got {type(categories).__name__}")
         names: dict[int, str] = {}
         for position, cat in enumerate(categories):
-            if not isinstance(cat, dict) or not isinstance(cat.get("id"), int):
-                raise ValueError(
-                    f"category #{position} in {self.annotation_file} has no integer 'id' (got {cat!r}); "
-                    "each category must look like {'id': 3, 'name': 'cat'}"
-                )
-            if cat["id"] in names:
-                raise ValueError(f"category id {cat['id']} appears twice in 'categories' of {self.annotation_file}")
-            names[cat["id"]] = str(cat.get("name", f"category_{cat['id']}"))
+            cid = self._unique_id(cat, names, "category", "categories", lambda: (
+                f"category #{position} in {self.annotation_file} has no integer 'id' (got {cat!r}); "
+                "each category must look like {'id': 3, 'name': 'cat'}"))
+            names[cid] = str(cat.get("name", f"category_{cid}"))
         return names
+
+    def _unique_id(self, record: Any, seen: Container[int], kind: str, section: str,
+                   missing: Callable[[], str]) -> int:
+        """Return ``record``'s integer id; raise ``missing()`` if it has none, or if ``seen`` holds it already."""
+        if not isinstance(record, dict) or not isinstance(record.get("id"), int):
+            raise ValueError(missing())
+        if record["id"] in seen:
+            raise ValueError(f"{kind} id {record['id']} appears twice in '{section}' of {self.annotation_file}")
+        return record["id"]
 
     def _resolve_category_ids(self, file_categories: dict[int, str], given: Sequence[int] | None) -> list[int]:
         """Pick the label mapping: the caller's (shared with another split) or the file's sorted ids."""
@@ -207,48 +212,31 @@ class CocoInstances(torch.utils.data.Dataset):
         per_image: dict[int, list[tuple[dict[str, Any], list[float]]]] = {}
         seen_ids: set[int] = set()
         for position, ann in enumerate(annotations):
-            ann_id = self._annotation_id(ann, position, seen_ids)
-            img = self._image_of(ann, ann_id, images)
-            self._check_category(ann, ann_id)
+            ann_id = self._unique_id(ann, seen_ids, "annotation", "annotations", lambda: (
+                f"annotation #{position} in {self.annotation_file} has no integer 'id' ({str(ann)[:80]}); "
+                "COCO evaluation needs a unique integer id per annotation"))
+            seen_ids.add(ann_id)
+            image_id = ann.get("image_id")
+            if not isinstance(image_id, int) or image_id not in images:
+                raise ValueError(
+                    f"annotation {ann_id} in {self.annotation_file} has image_id {image_id!r}, which is not in "
+                    "'images'; fix or remove the annotation (the annotation and image lists are out of sync)"
+                )
+            img = images[image_id]
+            cat = ann.get("category_id")
+            known_in_file = isinstance(cat, int) and cat in self._file_category_ids
+            if not known_in_file or cat not in self._label_of:
+                where = "the file's 'categories'" if not known_in_file else "the given category_ids mapping"
+                raise ValueError(
+                    f"annotation {ann_id} in {self.annotation_file} has category_id {cat!r}, which is not in "
+                    f"{where}; known category ids: {self.category_ids}"
+                )
             box = self._clipped_box(ann, ann_id, img)
             if box is None or (self.with_masks and not self._segmentation_usable(ann, ann_id, img)):
                 self.skipped_boxes += 1
                 continue
             per_image.setdefault(img["id"], []).append((ann, box))
         return per_image
-
-    def _annotation_id(self, ann: Any, position: int, seen_ids: set[int]) -> int:
-        """Return the annotation's integer id, failing on non-objects, missing and duplicate ids."""
-        if not isinstance(ann, dict) or not isinstance(ann.get("id"), int):
-            raise ValueError(
-                f"annotation #{position} in {self.annotation_file} has no integer 'id' ({str(ann)[:80]}); "
-                "COCO evaluation needs a unique integer id per annotation"
-            )
-        if ann["id"] in seen_ids:
-            raise ValueError(f"annotation id {ann['id']} appears twice in 'annotations' of {self.annotation_file}")
-        seen_ids.add(ann["id"])
-        return ann["id"]
-
-    def _image_of(self, ann: dict[str, Any], ann_id: Any, images: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        """Return the image record an annotation belongs to, or fail naming the dangling id."""
-        image_id = ann.get("image_id")
-        if not isinstance(image_id, int) or image_id not in images:
-            raise ValueError(
-                f"annotation {ann_id} in {self.annotation_file} has image_id {image_id!r}, which is not in "
-                "'images'; fix or remove the annotation (the annotation and image lists are out of sync)"
-            )
-        return images[image_id]
-
-    def _check_category(self, ann: dict[str, Any], ann_id: Any) -> None:
-        """Fail if the annotation's category is unknown to the file or to the label mapping."""
-        cat = ann.get("category_id")
-        known_in_file = isinstance(cat, int) and cat in self._file_category_ids
-        if not known_in_file or cat not in self._label_of:
-            where = "the file's 'categories'" if not known_in_file else "the given category_ids mapping"
-            raise ValueError(
-                f"annotation {ann_id} in {self.annotation_file} has category_id {cat!r}, which is not in "
-                f"{where}; known category ids: {self.category_ids}"
-            )
 
     def _clipped_box(self, ann: dict[str, Any], ann_id: Any, img: dict[str, Any]) -> list[float] | None:
         """Convert COCO ``[x, y, w, h]`` to a clipped xyxy box; ``None`` if degenerate and skipping."""
@@ -307,13 +295,24 @@ class CocoInstances(torch.utils.data.Dataset):
 
     def _build_records(self, images: dict[int, dict[str, Any]],
                        per_image: dict[int, list[tuple[dict[str, Any], list[float]]]]) -> list[_ImageRecord]:
-        """Turn validated annotations into per-image numpy arrays; apply ``skip_empty``."""
+        """Turn validated annotations into per-image numpy arrays (no parsing left for `__getitem__`); apply
+        ``skip_empty``."""
         records = []
         for image_id, img in images.items():
             anns = per_image.get(image_id, [])
             if self.skip_empty and not anns:
                 continue
-            records.append(self._make_record(img, anns))
+            areas = [float(ann["area"]) if is_number(ann.get("area")) else (box[2] - box[0]) * (box[3] - box[1])
+                     for ann, box in anns]
+            records.append(_ImageRecord(
+                image_id=image_id, path=self.image_dir / img["file_name"], width=img["width"], height=img["height"],
+                boxes=np.asarray([box for _, box in anns], dtype=np.float32).reshape(-1, 4),
+                labels=np.asarray([self._label_of[ann["category_id"]] for ann, _ in anns], dtype=np.int64),
+                areas=np.asarray(areas, dtype=np.float32),
+                iscrowd=np.asarray([1 if ann.get("iscrowd", 0) else 0 for ann, _ in anns], dtype=np.int64),
+                segmentations=[ann.get("segmentation") for ann, _ in anns] if self.with_masks else [],
+                annotation_ids=[ann["id"] for ann, _ in anns],
+            ))
         if not records:
             raise ValueError(
                 f"{self.annotation_file} has no images with annotations, so skip_empty=True "
@@ -321,23 +320,6 @@ class CocoInstances(torch.utils.data.Dataset):
                 "train on negative images only, set data.skip_empty_train=false data.allow_empty_train=true"
             )
         return records
-
-    def _make_record(self, img: dict[str, Any], anns: list[tuple[dict[str, Any], list[float]]]) -> _ImageRecord:
-        """Precompute the arrays of one image so `__getitem__` does no Python-level parsing."""
-        boxes = np.asarray([box for _, box in anns], dtype=np.float32).reshape(-1, 4)
-        areas = []
-        for ann, box in anns:
-            area = ann.get("area")
-            areas.append(float(area) if is_number(area) else (box[2] - box[0]) * (box[3] - box[1]))
-        return _ImageRecord(
-            image_id=img["id"], path=self.image_dir / img["file_name"], width=img["width"], height=img["height"],
-            boxes=boxes,
-            labels=np.asarray([self._label_of[ann["category_id"]] for ann, _ in anns], dtype=np.int64),
-            areas=np.asarray(areas, dtype=np.float32),
-            iscrowd=np.asarray([1 if ann.get("iscrowd", 0) else 0 for ann, _ in anns], dtype=np.int64),
-            segmentations=[ann.get("segmentation") for ann, _ in anns] if self.with_masks else [],
-            annotation_ids=[ann["id"] for ann, _ in anns],
-        )
 
     def _check_files_exist(self) -> None:
         """Fail at construction, listing the first few, if any image file is missing."""
@@ -398,16 +380,12 @@ class CocoInstances(torch.utils.data.Dataset):
                 stacked = mask_utils.decode(rles)  # [H, W, N], Fortran order
         except Exception:  # find and name the offending annotation (rare path)
             for rle, ann_id in zip(rles, rec.annotation_ids, strict=True):
-                self._decode_one(rle, ann_id, rec)
+                try:
+                    mask_utils.decode(rle)
+                except Exception as err:
+                    raise self._segmentation_error(ann_id, rec, err) from err
             raise
         return torch.from_numpy(np.ascontiguousarray(stacked.transpose(2, 0, 1)))
-
-    def _decode_one(self, rle: dict[str, Any], ann_id: Any, rec: _ImageRecord) -> np.ndarray:
-        """Decode a single RLE, raising an error that names the annotation if pycocotools rejects it."""
-        try:
-            return mask_utils.decode(rle)
-        except Exception as err:
-            raise self._segmentation_error(ann_id, rec, err) from err
 
     def _to_rle(self, seg: Any, ann_id: Any, rec: _ImageRecord) -> dict[str, Any]:
         """Convert one COCO segmentation (polygons / RLE) to a compressed RLE, naming the annotation on failure."""

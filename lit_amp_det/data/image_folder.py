@@ -3,10 +3,11 @@
 What a detection user does after training: run the detector on images nobody has labelled, as MMDetection's
 ``image_demo`` or detectron2's ``demo.py --input folder/*`` do. The images are every file directly in the folder
 whose suffix names an image format (:data:`IMAGE_SUFFIXES`, any case), in file-name order; image ``k`` of that order
-gets the id ``k + 1`` (kept when ``data.bad_images=skip`` leaves an unreadable picture out), which the detections in ``predictions.json`` carry, and the prediction writer records each
-id's file name and size beside them. Pictures are turned as their EXIF orientation tag says, as detectron2's
-``read_image`` and OpenCV's ``imread`` (MMDetection) do: a phone photo taken upright is often stored sideways with
-such a tag, and detections, sizes and drawings then refer to the picture as a viewer shows it.
+gets the id ``k + 1`` (kept when ``data.bad_images=skip`` leaves an unreadable picture out), which the detections in
+``predictions.json`` carry, and the prediction writer records each id's file name and size beside them. Pictures
+are turned as their EXIF orientation tag says, as detectron2's ``read_image`` and OpenCV's ``imread`` (MMDetection)
+do: a phone photo taken upright is often stored sideways with such a tag, and detections, sizes and drawings then
+refer to the picture as a viewer shows it.
 """
 
 from __future__ import annotations
@@ -66,4 +67,5 @@ class ImageFolder(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
         image = read_rgb_image(self.files[index], apply_exif_orientation=True)  # as a viewer shows a phone photo
-        return image, {"image_id": torch.tensor(self.ids[index], dtype=torch.int64), "file_name": self.files[index].name}
+        image_id = torch.tensor(self.ids[index], dtype=torch.int64)
+        return image, {"image_id": image_id, "file_name": self.files[index].name}

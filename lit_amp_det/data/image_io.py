@@ -25,12 +25,11 @@ def read_rgb_image(path: str | Path, apply_exif_orientation: bool = False) -> Te
     """Decode ``path`` to a uint8 ``[3, H, W]`` RGB tensor (torchvision's decoder returns it as a view of
     ``[H, W, 3]`` memory, PIL's path contiguous: the loaders batch either).
 
-    Uses ``torchvision.io.decode_image`` (libjpeg-turbo/libpng: faster than PIL for
-    JPEG, and already channel-first), converting greyscale, palette, RGBA and
-    CMYK to RGB.  torchvision 0.29 deprecates its decoders in favour of TorchCodec, so
-    that one warning is silenced here; formats torchvision does not read (BMP, TIFF, ...)
-    and torchvision builds without decoders fall back to PIL.  A missing, empty or
-    corrupt file raises ``OSError`` naming the path.
+    Uses ``torchvision.io.decode_image`` (libjpeg-turbo/libpng: faster than PIL for JPEG, and already channel-first),
+    converting greyscale, palette, RGBA and CMYK to RGB. torchvision 0.29 deprecates its decoders in favour of
+    TorchCodec, so that one warning is silenced here; formats torchvision does not read (BMP, TIFF, ...) and
+    torchvision builds without decoders fall back to PIL. A missing, empty or corrupt file raises ``OSError`` naming
+    the path.
 
     ``apply_exif_orientation``: turn the pixels as the file's EXIF orientation tag says (a phone photo taken
     upright is often stored sideways with such a tag), so the picture is what a viewer shows. Off for annotated
@@ -67,14 +66,10 @@ def _read_with_pil(path: str | Path, tv_err: Exception | None, apply_exif_orient
             turned = ImageOps.exif_transpose(pil_image) if apply_exif_orientation else pil_image
             array = np.array(turned.convert("RGB"))
     except Exception as err:  # PIL raises several unrelated types for bad files
+        tv_note = f" (torchvision: {str(tv_err).splitlines()[0]})" if tv_err is not None and str(tv_err) else ""
         raise OSError(
-            f"cannot read image {path}: {err}{_first_line(tv_err)}; "
+            f"cannot read image {path}: {err}{tv_note}; "
             "the file is missing, truncated or not an image -- re-extract the dataset or "
             "remove the image from the annotation file"
         ) from err
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
-
-
-def _first_line(err: Exception | None) -> str:
-    """`` (torchvision: <first line of err>)`` for error messages, or nothing."""
-    return f" (torchvision: {str(err).splitlines()[0]})" if err is not None and str(err) else ""

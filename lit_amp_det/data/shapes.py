@@ -88,12 +88,6 @@ def _polygon_segmentation(inst: ShapeInstance, height: int, width: int) -> list[
     return [flat]
 
 
-def _rle_segmentation(mask: np.ndarray) -> dict[str, Any]:
-    """Compressed COCO RLE with ``counts`` as str, so it can go into JSON."""
-    rle = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))
-    return {"size": [int(rle["size"][0]), int(rle["size"][1])], "counts": rle["counts"].decode("ascii")}
-
-
 def _tight_bbox(mask: np.ndarray) -> list[float]:
     """[x, y, w, h] of the smallest pixel box containing the mask."""
     rows = np.flatnonzero(mask.any(axis=1))
@@ -105,17 +99,11 @@ def _tight_bbox(mask: np.ndarray) -> list[float]:
 def _annotation(inst: ShapeInstance, ann_id: int, image_id: int, height: int, width: int) -> dict[str, Any]:
     """COCO annotation dict for the visible part of one labelled instance."""
     segmentation: Any = _polygon_segmentation(inst, height, width)
-    if segmentation is None:
-        segmentation = _rle_segmentation(inst.visible_mask)
-    return {
-        "id": ann_id,
-        "image_id": image_id,
-        "category_id": inst.category_id,
-        "segmentation": segmentation,
-        "area": float(inst.visible_mask.sum()),
-        "bbox": _tight_bbox(inst.visible_mask),
-        "iscrowd": 0,
-    }
+    if segmentation is None:  # compressed RLE, with ``counts`` as str so it can go into JSON
+        rle = mask_utils.encode(np.asfortranarray(inst.visible_mask.astype(np.uint8)))
+        segmentation = {"size": [int(rle["size"][0]), int(rle["size"][1])], "counts": rle["counts"].decode("ascii")}
+    return {"id": ann_id, "image_id": image_id, "category_id": inst.category_id, "segmentation": segmentation,
+            "area": float(inst.visible_mask.sum()), "bbox": _tight_bbox(inst.visible_mask), "iscrowd": 0}
 
 
 def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[str, int]:
@@ -134,14 +122,8 @@ def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[st
             if inst.labelled:
                 annotations.append(_annotation(inst, len(annotations) + 1, image_id, params.height, params.width))
     coco = {
-        "info": {
-            "description": "lit_amp_det synthetic shapes dataset",
-            "version": str(FORMAT_VERSION),
-            "year": 2024,
-            "contributor": "lit_amp_det.data.shapes",
-            "date_created": "",
-            "generator": params.to_json(),
-        },
+        "info": {"description": "lit_amp_det synthetic shapes dataset", "version": str(FORMAT_VERSION), "year": 2024,
+                 "contributor": "lit_amp_det.data.shapes", "date_created": "", "generator": params.to_json()},
         "licenses": [],
         "images": images,
         "annotations": annotations,
@@ -165,16 +147,6 @@ def _read_marker(root: Path) -> dict[str, Any] | None:
     return content if isinstance(content, dict) else None
 
 
-def _looks_like_ours(root: Path) -> bool:
-    """True if ``root`` holds nothing but what a (partial) shapes dataset would (guards a user's unrelated folder)."""
-    return all(child.name in {"images", "annotations", MARKER_NAME} for child in root.iterdir())
-
-
-def _remove_tree(path: Path) -> None:
-    """Best-effort delete: a racing process may already have removed or moved it."""
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool) -> None:
     """Atomically move the finished ``tmp`` dataset to ``root``.
 
@@ -182,10 +154,10 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
     old dataset, or the complete new one. Losing a race to a process publishing the same parameters is success.
     """
     for _attempt in range(3):
-        marker = _read_marker(root) if root.exists() else None
+        marker = _read_marker(root)
         if marker is not None and not overwrite:
             if marker.get("params") == params_json:
-                _remove_tree(tmp)  # generation is deterministic: theirs equals ours
+                shutil.rmtree(tmp, ignore_errors=True)  # generation is deterministic: theirs equals ours
                 return
             raise FileExistsError(f"root {str(root)!r} meanwhile received a shapes dataset with other parameters")
         aside = None
@@ -197,15 +169,13 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
                 aside = None  # someone else moved it; just retry
         try:
             os.replace(tmp, root)
-        except OSError:
-            # Another process put a dataset in place between our checks; re-examine it.
-            if aside is not None:
-                _remove_tree(aside)
+        except OSError:  # another process put a dataset in place between our checks; re-examine it
             continue
-        if aside is not None:
-            _remove_tree(aside)
+        finally:
+            if aside is not None:  # ignore_errors: a racing process may already have removed it
+                shutil.rmtree(aside, ignore_errors=True)
         return
-    _remove_tree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     raise RuntimeError(f"could not publish shapes dataset to {root}: it kept changing under us")
 
 
@@ -231,7 +201,7 @@ def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(
                 f"root {str(root)!r} holds a shapes dataset made with other parameters "
                 f"({marker.get('params')}); pass overwrite=True to replace it"
             )
-        if not _looks_like_ours(root):
+        if not all(child.name in {"images", "annotations", MARKER_NAME} for child in root.iterdir()):
             raise FileExistsError(
                 f"root {str(root)!r} is a non-empty folder that is not a shapes dataset; "
                 "refusing to replace it without overwrite=True"
@@ -246,8 +216,7 @@ def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(
         (tmp / MARKER_NAME).write_text(marker_text + "\n", encoding="utf-8")
         _publish(tmp, root, params_json, overwrite)
     finally:
-        if tmp.exists():
-            _remove_tree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # left only if generating or publishing failed
     return root
 
 
@@ -257,8 +226,7 @@ def shapes_dataset_dir(cache_dir: str | os.PathLike[str], spec: ShapesSpec = Sha
 
     The hash covers every generation parameter and the format version, so changing any selects a fresh folder.
     """
-    params = _make_params(spec, splits)
-    return Path(cache_dir) / f"shapes-{params.short_hash()}"
+    return Path(cache_dir) / f"shapes-{_make_params(spec, splits).short_hash()}"
 
 
 def ensure_shapes(cache_dir: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,

@@ -15,29 +15,21 @@ from dataclasses import dataclass
 import numpy as np
 from pycocotools import mask as mask_utils
 
-from lit_amp_det.data.shapes_spec import (
-    CIRCLE_VERTICES,
-    ShapesSpec,
-    _is_int,
-    _make_params,
-    FORMAT_VERSION,
-    MIN_VISIBLE_FRACTION,
-    MIN_VISIBLE_PIXELS,
-    SHAPE_CLASSES,
-    _Params,
-)
+from lit_amp_det.data.shapes_spec import (CIRCLE_VERTICES, FORMAT_VERSION, MIN_VISIBLE_FRACTION, MIN_VISIBLE_PIXELS,
+                                          SHAPE_CLASSES, ShapesSpec, _is_int, _make_params, _Params)
 
 __all__ = ["RenderedImage", "ShapeInstance", "render_shapes_image"]
 
+#: Vertices of the shapes that are plain regular polygons.
+_POLYGON_SIDES = {"circle": CIRCLE_VERTICES, "square": 4, "triangle": 3}
 
 
 @dataclass(frozen=True)
 class ShapeInstance:
     """One drawn shape: its class, geometry and masks (bool HxW arrays).
 
-    ``full_mask`` is the shape clipped to the image but ignoring occlusion;
-    ``visible_mask`` is what remains after later shapes were drawn over it. Instances
-    with ``labelled=False`` were drawn but are too hidden to be annotated.
+    ``full_mask`` is the shape clipped to the image but ignoring occlusion; ``visible_mask`` is what remains after
+    later shapes were drawn over it. Instances with ``labelled=False`` were drawn but are too hidden to be annotated.
     """
 
     category_id: int
@@ -62,22 +54,18 @@ class RenderedImage:
     instances: tuple[ShapeInstance, ...]
 
 
-def _split_key(split: str) -> int:
-    """Stable 64-bit integer for a split name (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.sha256(split.encode("utf-8")).digest()[:8], "little")
-
-
 def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
     """Independent stream per image, so splits and images can be drawn in any order."""
-    seq = np.random.SeedSequence([FORMAT_VERSION, seed, _split_key(split), index])
+    split_key = int.from_bytes(hashlib.sha256(split.encode("utf-8")).digest()[:8], "little")  # hash() is salted
+    seq = np.random.SeedSequence([FORMAT_VERSION, seed, split_key, index])
     return np.random.Generator(np.random.PCG64(seq))
 
 
 def _unit_direction(rng: np.random.Generator) -> tuple[float, float]:
     """Random direction from a small integer vector.
 
-    Normalising by sqrt (correctly rounded by IEEE 754) instead of cos/sin of a random
-    angle keeps background pixels bit-identical across libm implementations.
+    Normalising by sqrt (correctly rounded by IEEE 754) instead of cos/sin of a random angle keeps background pixels
+    bit-identical across libm implementations.
     """
     while True:
         a, b = (int(v) for v in rng.integers(-4, 5, size=2))
@@ -147,18 +135,11 @@ def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
     return points @ np.array([[c, s], [-s, c]])
 
 
-def _shape_outline(
-    name: str, radius: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and
-    the outline of its hole (rings only)."""
+def _shape_outline(name: str, radius: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
+    """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and that of its hole (rings only)."""
     angle = 2.0 * math.pi * rng.random()
-    if name == "circle":
-        return _regular_polygon(CIRCLE_VERTICES, radius, angle), None
-    if name == "square":
-        return _regular_polygon(4, radius, angle), None
-    if name == "triangle":
-        return _regular_polygon(3, radius, angle), None
+    if name in _POLYGON_SIDES:
+        return _regular_polygon(_POLYGON_SIDES[name], radius, angle), None
     if name == "star":
         outer = _regular_polygon(10, radius, angle)
         inner_ratio = 0.38 + 0.14 * rng.random()
@@ -166,19 +147,13 @@ def _shape_outline(
         return outer, None
     if name == "ring":
         inner_ratio = 0.45 + 0.2 * rng.random()
-        return (
-            _regular_polygon(CIRCLE_VERTICES, radius, angle),
-            _regular_polygon(CIRCLE_VERTICES, radius * inner_ratio, angle),
-        )
+        return (_regular_polygon(CIRCLE_VERTICES, radius, angle),
+                _regular_polygon(CIRCLE_VERTICES, radius * inner_ratio, angle))
     if name == "cross":
         arm = radius * (0.2 + 0.1 * rng.random())
         r = radius
-        plus = np.array(
-            [
-                [arm, -r], [arm, -arm], [r, -arm], [r, arm], [arm, arm], [arm, r],
-                [-arm, r], [-arm, arm], [-r, arm], [-r, -arm], [-arm, -arm], [-arm, -r],
-            ]
-        )
+        plus = np.array([[arm, -r], [arm, -arm], [r, -arm], [r, arm], [arm, arm], [arm, r],
+                         [-arm, r], [-arm, arm], [-r, arm], [-r, -arm], [-arm, -arm], [-arm, -r]])
         return _rotate(plus, angle), None
     raise ValueError(f"unknown shape name {name!r}")
 
@@ -186,8 +161,8 @@ def _shape_outline(
 def _flat(points: np.ndarray) -> tuple[float, ...]:
     """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...].
 
-    Rounding before both rasterising and writing makes the JSON exactly describe the
-    drawn shape and hides last-bit differences between libm implementations.
+    Rounding before both rasterising and writing makes the JSON exactly describe the drawn shape and hides last-bit
+    differences between libm implementations.
     """
     return tuple(round(float(v), 2) for v in points.reshape(-1))
 
@@ -195,9 +170,8 @@ def _flat(points: np.ndarray) -> tuple[float, ...]:
 def _rasterise(flat: Sequence[float], height: int, width: int) -> np.ndarray:
     """Bool mask of a polygon via pycocotools, without antialiasing.
 
-    The COCO rasteriser is used (not PIL) so a written polygon decodes with
-    ``annToMask`` to exactly the pixels painted into the image; PIL's fill convention
-    differs by about half a pixel, a large error for 20 px shapes.
+    The COCO rasteriser is used (not PIL) so a written polygon decodes with ``annToMask`` to exactly the pixels
+    painted into the image; PIL's fill convention differs by about half a pixel, a large error for 20 px shapes.
     """
     rles = mask_utils.frPyObjects([list(flat)], height, width)
     return mask_utils.decode(rles)[:, :, 0].astype(bool)
@@ -238,10 +212,8 @@ def _render(params: _Params, split: str, index: int) -> RenderedImage:
     rng = _image_rng(params.seed, split, index)
     height, width = params.height, params.width
     canvas = _background(rng, height, width)
-    if rng.random() < params.empty_prob:
-        n_objects = 0
-    else:
-        n_objects = int(rng.integers(params.min_objects, params.max_objects + 1))
+    empty = rng.random() < params.empty_prob
+    n_objects = 0 if empty else int(rng.integers(params.min_objects, params.max_objects + 1))
     # owner[y, x] = 1 + index of the topmost shape covering the pixel (0 = background)
     owner = np.zeros((height, width), dtype=np.int32)
     drawn: list[tuple[int, np.ndarray, tuple[float, ...], tuple[float, ...] | None, np.ndarray]] = []
@@ -269,21 +241,11 @@ def _render(params: _Params, split: str, index: int) -> RenderedImage:
     instances = []
     for k, (category_id, mask, vertices, hole_vertices, colour) in enumerate(drawn):
         visible = owner == k + 1
-        full_area = int(mask.sum())
         visible_area = int(visible.sum())
-        labelled = (
-            visible_area >= MIN_VISIBLE_PIXELS and visible_area >= MIN_VISIBLE_FRACTION * full_area
-        )
-        instances.append(
-            ShapeInstance(
-                category_id=category_id,
-                colour=(int(colour[0]), int(colour[1]), int(colour[2])),
-                vertices=vertices,
-                hole_vertices=hole_vertices,
-                full_mask=mask,
-                visible_mask=visible,
-                labelled=labelled,
-            )
-        )
+        labelled = visible_area >= MIN_VISIBLE_PIXELS and visible_area >= MIN_VISIBLE_FRACTION * int(mask.sum())
+        instances.append(ShapeInstance(
+            category_id=category_id, colour=(int(colour[0]), int(colour[1]), int(colour[2])), vertices=vertices,
+            hole_vertices=hole_vertices, full_mask=mask, visible_mask=visible, labelled=labelled,
+        ))
     return RenderedImage(image=image, instances=tuple(instances))
 

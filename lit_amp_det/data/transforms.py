@@ -1,16 +1,15 @@
 """Detection transforms on ``(image, target)`` pairs and the detection batch collate.
 
-Each transform takes a uint8 ``[3, H, W]`` image and a torchvision-style target dict and
-returns the transformed pair, keeping ``boxes`` and ``masks`` consistent with the image.
-Randomness is drawn only from an explicit ``torch.Generator`` passed at call time (never
-from the global RNG), and every random transform draws the same amount whatever the
+Each transform takes a uint8 ``[3, H, W]`` image and a torchvision-style target dict and returns the transformed pair,
+keeping ``boxes`` and ``masks`` consistent with the image. Randomness is drawn only from an explicit ``torch.Generator``
+passed at call time (never from the global RNG), and every random transform draws the same amount whatever the
 outcome, so a data pipeline seeded per sample replays exactly when training resumes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -23,9 +22,8 @@ Target = dict[str, Tensor]
 class DetectionTransform(Protocol):
     """Call signature shared by all transforms in this module."""
 
-    def __call__(
-        self, image: Tensor, target: Target, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Target]: ...
+    def __call__(self, image: Tensor, target: Target,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Target]: ...
 
 
 class Compose:
@@ -37,9 +35,8 @@ class Compose:
             if not callable(transform):
                 raise TypeError(f"Compose: transform #{position} ({transform!r}) is not callable")
 
-    def __call__(
-        self, image: Tensor, target: Target, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Target]:
+    def __call__(self, image: Tensor, target: Target,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Target]:
         for transform in self.transforms:
             image, target = transform(image, target, generator)
         return image, target
@@ -52,8 +49,8 @@ class Compose:
 class RandomHorizontalFlip:
     """Mirror image, boxes and masks left-right with probability ``p``.
 
-    Exactly one number is drawn from ``generator`` per call (even for ``p`` of 0 or 1), so
-    the random stream does not depend on the outcome or on ``p``.
+    Exactly one number is drawn from ``generator`` per call (even for ``p`` of 0 or 1), so the random stream does not
+    depend on the outcome or on ``p``.
     """
 
     def __init__(self, p: float = 0.5) -> None:
@@ -64,11 +61,9 @@ class RandomHorizontalFlip:
             )
         self.p = float(p)
 
-    def __call__(
-        self, image: Tensor, target: Target, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Target]:
-        draw = torch.rand((), generator=generator).item()
-        if draw >= self.p:
+    def __call__(self, image: Tensor, target: Target,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Target]:
+        if torch.rand((), generator=generator).item() >= self.p:
             return image, target
         return hflip(image, target)
 
@@ -83,9 +78,7 @@ def hflip(image: Tensor, target: Target) -> tuple[Tensor, Target]:
     if "boxes" in target:
         boxes = target["boxes"]
         # x1' = W - x2 and x2' = W - x1 keeps x1 <= x2 in continuous pixel coordinates.
-        out["boxes"] = torch.stack(
-            (width - boxes[:, 2], boxes[:, 1], width - boxes[:, 0], boxes[:, 3]), dim=1
-        )
+        out["boxes"] = torch.stack((width - boxes[:, 2], boxes[:, 1], width - boxes[:, 0], boxes[:, 3]), dim=1)
     if "masks" in target:
         out["masks"] = target["masks"].flip(-1)
     return image.flip(-1), out
@@ -94,14 +87,11 @@ def hflip(image: Tensor, target: Target) -> tuple[Tensor, Target]:
 class ToFloat:
     """Convert a uint8 image to float32 in [0, 1] (what torchvision detection models expect)."""
 
-    def __call__(
-        self, image: Tensor, target: Target, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Target]:
+    def __call__(self, image: Tensor, target: Target,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Target]:
         if image.dtype != torch.uint8:
-            raise TypeError(
-                f"ToFloat expects a uint8 image, got {image.dtype}; it must run once, after the "
-                "uint8 transforms (is ToFloat listed twice in the Compose?)"
-            )
+            raise TypeError(f"ToFloat expects a uint8 image, got {image.dtype}; it must run once, after the "
+                            "uint8 transforms (is ToFloat listed twice in the Compose?)")
         return image.to(torch.float32).div_(255.0), target
 
     def __repr__(self) -> str:
@@ -111,12 +101,7 @@ class ToFloat:
 def collate_detection(batch: Sequence[tuple[Tensor, Target]]) -> tuple[list[Tensor], list[Target]]:
     """Collate detection samples into ``(images, targets)`` lists.
 
-    Images differ in size and targets in instance count, so nothing is stacked; the
-    detection model batches the images itself.
+    Images differ in size and targets in instance count, so nothing is stacked; the detection model batches the images
+    itself.
     """
-    images: list[Tensor] = []
-    targets: list[Any] = []
-    for image, target in batch:
-        images.append(image)
-        targets.append(target)
-    return images, targets
+    return [image for image, _ in batch], [target for _, target in batch]

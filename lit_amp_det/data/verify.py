@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 #: bump when what "verified" means changes, so old caches are ignored
 _CACHE_VERSION = 1
 _MAX_LISTED = 20
-
-
 _SPLIT_REMEDY = "Re-extract or replace these files, remove them from the annotation file"
 _FOLDER_REMEDY = "Replace these files or move them out of the folder"
 
@@ -117,7 +115,8 @@ def verify_images(images: Iterable[tuple[str, tuple[int, int] | None]], cache_di
     problems: dict[str, str] = {}
     if todo:
         workers = workers or min(16, os.cpu_count() or 1)
-        log.info("verifying %d images (%d already verified) with %d threads", len(todo), len(items) - len(todo), workers)
+        log.info("verifying %d images (%d already verified) with %d threads",
+                 len(todo), len(items) - len(todo), workers)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(lambda item: _check_one(*item), todo))
         for (path, size), reason in zip(todo, results):
@@ -128,11 +127,6 @@ def verify_images(images: Iterable[tuple[str, tuple[int, int] | None]], cache_di
         if cache_path is not None:
             _save_cache(cache_path, cache)
     return problems
-
-
-def _entries(dataset: CocoInstances) -> list[tuple[str, tuple[int, int]]]:
-    # the records are CocoInstances' own index (path and annotated size of every item)
-    return [(str(rec.path), (int(rec.width), int(rec.height))) for rec in dataset._records]
 
 
 def drop_images(dataset: CocoInstances, paths: Iterable[str]) -> int:
@@ -163,7 +157,9 @@ def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "
     them from their splits and logs one warning per split.
     """
     _check_mode(mode)
-    entries = {split: _entries(dataset) for split, dataset in datasets.items()}
+    # the records are CocoInstances' own index (path and annotated size of every item)
+    entries = {split: [(str(rec.path), (int(rec.width), int(rec.height))) for rec in dataset._records]
+               for split, dataset in datasets.items()}
     problems = verify_images([e for split_entries in entries.values() for e in split_entries], cache_dir, workers)
     if not problems:
         return
@@ -173,7 +169,7 @@ def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "
         removed = drop_images(dataset, problems)
         if removed:
             if len(dataset) == 0:
-                raise BadImagesError({p: r for p, r in problems.items()}, removed)
+                raise BadImagesError(problems, removed)
             log.warning("data.bad_images=skip: left out %d unreadable image(s) of the %s split: %s", removed, split,
                         ", ".join(sorted(p for p, _ in entries[split] if p in problems)[:_MAX_LISTED]))
 

@@ -21,6 +21,5 @@ def run_after_closure_hooks(plugin: Precision, model: pl.LightningModule, optimi
     Why private: a plugin that must act between the hooks and ``optimizer.step()`` (GradScaler's unscale before
     clipping, the non-finite guard's check after it) cannot hand Lightning a closure and let ``optimizer.step`` run it;
     Lightning's own ``MixedPrecision.optimizer_step`` calls ``Precision._after_closure(model, optimizer)`` for this.
-    Checked against lightning 2.6.6.
     """
     plugin._after_closure(model, optimizer)

@@ -30,12 +30,6 @@ __all__ = ["build_precision_plugin", "trained_precision", "warn_if_precision_cha
 _RECORDING_PLUGINS = (FiniteStepPrecision, DetectionMixedPrecision, MasterWeightPrecision)
 
 
-def _autocast_device(accelerator: str) -> str:
-    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
 def build_precision_plugin(
     precision: str,
     accelerator: str = "auto",
@@ -55,7 +49,7 @@ def build_precision_plugin(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
-    device = _autocast_device(str(accelerator))
+    device = "cuda" if str(accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
     precision = resolve_precision(precision, device, fp16_on_cpu)
     guard = {"max_consecutive_skips": max_consecutive_skips, "skip_check_every_n_steps": skip_check_every_n_steps}
     if precision == "32-true":

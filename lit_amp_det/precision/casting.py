@@ -123,25 +123,19 @@ def mixed_precision_dtype(obj: object) -> torch.dtype | None:
     return getattr(obj, AMP_DTYPE_ATTR, None)
 
 
-def _set_attr(obj: object, dtype: torch.dtype | None) -> None:
-    """Sets (or, for None, removes) the mixed-precision attribute on one object."""
-    if dtype is not None:
-        setattr(obj, AMP_DTYPE_ATTR, dtype)
-        return
-    with contextlib.suppress(AttributeError):
-        delattr(obj, AMP_DTYPE_ATTR)
-    if mixed_precision_dtype(obj) is not None:  # a class-level default still shows through: shadow it
-        setattr(obj, AMP_DTYPE_ATTR, None)
-
-
 def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> None:
     """Turns mixed precision on (``dtype`` float16/bfloat16) or off (None) for ``obj`` and, for a module, all
     its submodules, so every decorated method below it sees the same setting."""
     if dtype is not None and dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or None (off), got {dtype!r}")
-    targets = obj.modules() if isinstance(obj, nn.Module) else (obj,)
-    for target in targets:
-        _set_attr(target, dtype)
+    for target in obj.modules() if isinstance(obj, nn.Module) else (obj,):
+        if dtype is not None:
+            setattr(target, AMP_DTYPE_ATTR, dtype)
+            continue
+        with contextlib.suppress(AttributeError):
+            delattr(target, AMP_DTYPE_ATTR)
+        if mixed_precision_dtype(target) is not None:  # a class-level default still shows through: shadow it
+            setattr(target, AMP_DTYPE_ATTR, None)
 
 
 # ------------------------------------------------------------------------------------------- regions
@@ -170,14 +164,6 @@ def _first_tensor(values: Any) -> torch.Tensor | None:
         if found is not None:
             return found
     return None
-
-
-def _autocast_device_type(args: Any) -> str:
-    """The device type autocast should target: that of the first tensor argument, else the default one."""
-    tensor = _first_tensor(args)
-    if tensor is not None:
-        return tensor.device.type
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _checked_apply_to(
@@ -247,27 +233,34 @@ class _ArgumentPlan:
         return name in self.keywords or (self.var_keyword and name not in self.parameter_keywords)
 
 
-def _plan(decorator: str, func: Callable[..., Any], apply_to: Iterable[str] | None) -> _ArgumentPlan | None:
-    """Validates ``apply_to`` and turns it into an argument plan (None: cast all arguments but self)."""
-    signature = inspect.signature(func)
-    names = _checked_apply_to(decorator, func, signature, apply_to)
-    return None if names is None else _ArgumentPlan.build(signature, names)
+def _region_decorator(decorator: str, region: str, apply_to: Iterable[str] | None, to_low: bool,
+                      run: Callable[..., Any]) -> Callable[[_F], _F]:
+    """The decorator behind :func:`force_fp32` and :func:`auto_fp16`: while mixed precision is on for the instance,
+    the arguments ``apply_to`` names are cast to float32 (to its low dtype where ``to_low``) and the call returns
+    ``run(func, low dtype, args, kwargs)``; otherwise the method runs unchanged."""
 
+    def decorate(func: _F) -> _F:
+        signature = inspect.signature(func)  # the argument plan is worked out once here, not per call
+        names = _checked_apply_to(decorator, func, signature, apply_to)
+        plan = None if names is None else _ArgumentPlan.build(signature, names)
 
-def _cast_call_arguments(plan: _ArgumentPlan | None, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         src: tuple[torch.dtype, ...], dst: torch.dtype) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Casts the call's arguments selected by ``plan`` from ``src`` to ``dst``; ``args[0]`` is self."""
-    if plan is None:
-        return (args[0], *_cast(args[1:], src, dst)), _cast(kwargs, src, dst)
-    args = tuple(_cast(a, src, dst) if plan.casts_position(i) else a for i, a in enumerate(args))
-    kwargs = {k: _cast(v, src, dst) if plan.casts_keyword(k) else v for k, v in kwargs.items()}
-    return args, kwargs
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            low = mixed_precision_dtype(args[0])
+            if low is None:
+                return func(*args, **kwargs)
+            src, dst = ((torch.float32,), low) if to_low else (LOW_PRECISION_DTYPES, torch.float32)
+            if plan is None:  # all but self (args[0])
+                args, kwargs = (args[0], *_cast(args[1:], src, dst)), _cast(kwargs, src, dst)
+            else:
+                args = tuple(_cast(a, src, dst) if plan.casts_position(i) else a for i, a in enumerate(args))
+                kwargs = {k: _cast(v, src, dst) if plan.casts_keyword(k) else v for k, v in kwargs.items()}
+            return run(func, low, args, kwargs)
 
+        setattr(wrapper, REGION_ATTR, region)  # callers can tell it is a region already and not wrap it again
+        return wrapper  # type: ignore[return-value]
 
-def _mark(wrapper: _F, region: str) -> _F:
-    """Tags ``wrapper`` so callers can tell it is already a precision region and not wrap it again."""
-    setattr(wrapper, REGION_ATTR, region)
-    return wrapper
+    return decorate
 
 
 def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) -> Callable[[_F], _F]:
@@ -277,48 +270,30 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
     float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype.
     """
 
-    def decorator(func: _F) -> _F:
-        plan = _plan("force_fp32", func, apply_to)  # once here, not per call
+    def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with _autocast_off("cuda"), _autocast_off("cpu"):
+            output = func(*args, **kwargs)
+        return _cast(output, (torch.float32,), low) if out_fp16 else output
 
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            low = mixed_precision_dtype(args[0])
-            if low is None:
-                return func(*args, **kwargs)
-            args, kwargs = _cast_call_arguments(plan, args, kwargs, LOW_PRECISION_DTYPES, torch.float32)
-            with _autocast_off("cuda"), _autocast_off("cpu"):
-                output = func(*args, **kwargs)
-            return _cast(output, (torch.float32,), low) if out_fp16 else output
-
-        return _mark(wrapper, "fp32")
-
-    return decorator
+    return _region_decorator("force_fp32", "fp32", apply_to, to_low=False, run=run)
 
 
 def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> Callable[[_F], _F]:
     """Decorates a method to run in its instance's low dtype when mixed precision is on for it (else unchanged).
 
     The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the low
-    dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type; ``out_fp32``
-    casts low-precision outputs to float32.
+    dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type (else the default
+    one); ``out_fp32`` casts low-precision outputs to float32.
     """
 
-    def decorator(func: _F) -> _F:
-        plan = _plan("auto_fp16", func, apply_to)  # once here, not per call
+    def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tensor = _first_tensor((args[1:], kwargs))
+        device_type = tensor.device.type if tensor is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        with torch.autocast(device_type=device_type, dtype=low):
+            output = func(*args, **kwargs)
+        return _cast(output, LOW_PRECISION_DTYPES, torch.float32) if out_fp32 else output
 
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            low = mixed_precision_dtype(args[0])
-            if low is None:
-                return func(*args, **kwargs)
-            args, kwargs = _cast_call_arguments(plan, args, kwargs, (torch.float32,), low)
-            with torch.autocast(device_type=_autocast_device_type((args[1:], kwargs)), dtype=low):
-                output = func(*args, **kwargs)
-            return _cast(output, LOW_PRECISION_DTYPES, torch.float32) if out_fp32 else output
-
-        return _mark(wrapper, "fp16")
-
-    return decorator
+    return _region_decorator("auto_fp16", "fp16", apply_to, to_low=True, run=run)
 
 
 # --------------------------------------------------------------------------------- instance wrapping
@@ -354,12 +329,8 @@ class _InstanceRegion:
             return self.function(self.owner, *args, **kwargs)
         return self.function(*args, **kwargs)
 
-    def in_force(self) -> bool:
-        """Whether mixed precision is on for the owner now (decided per call: the policy may change)."""
-        return mixed_precision_dtype(self.owner) is not None
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.in_force():
+        if mixed_precision_dtype(self.owner) is None:  # decided per call: the policy may change
             return self._call_original(args, kwargs)
         if self.mode == "fp32":
             args, kwargs = _cast((args, kwargs), LOW_PRECISION_DTYPES, torch.float32)

@@ -39,9 +39,8 @@ def cpu_capability() -> str:
 def cpu_computes_bf16_natively() -> bool:
     """Whether torch runs bf16 matmuls and convolutions through oneDNN's fast kernels on this CPU.
 
-    The same test torch makes before it hands a bf16 matmul to oneDNN (``mkldnn_bf16_device_check``: AVX-512
-    BW/VL/DQ, AMX-BF16 or AVX-NE-CONVERT on x86). Where that private op is missing, torch's CPU capability stands in:
-    only its AVX-512 levels have the fast path. Asked once per process.
+    The test torch makes before it hands a bf16 matmul to oneDNN (``mkldnn_bf16_device_check``); where that private
+    op is missing, torch's CPU capability stands in: only its AVX-512 levels have the fast path. Asked once per process.
     """
     return _native_bf16()
 
@@ -70,20 +69,16 @@ def _no_native_bf16() -> str:
 
 
 def auto_precision(device: str) -> str:
-    """What ``trainer.precision=auto`` runs on ``device``: ``16-mixed`` on CUDA, ``bf16-mixed`` on a CPU that computes
-    bf16 natively, ``32-true`` on any other CPU (no log line: :func:`resolve_precision` says it)."""
+    """What ``trainer.precision=auto`` runs on ``device`` (see the module; no log line: :func:`resolve_precision`)."""
     if device == "cuda":
         return "16-mixed"
     return "bf16-mixed" if cpu_computes_bf16_natively() else "32-true"
 
 
 def resolve_precision(precision: str, device: str, fp16_on_cpu: bool = False) -> str:
-    """The precision that runs for ``trainer.precision=precision`` on ``device`` (``"cpu"`` or ``"cuda"``).
-
-    ``auto`` becomes the device's fast precision (logged); ``16-mixed``/``16-weights`` on a CPU become their bf16
-    twin, or ``32-true`` without native bf16 (warned), unless ``fp16_on_cpu``; explicit bf16 on a CPU without native
-    bf16 is kept, with a warning. Any other value is returned as it is (the caller checks it).
-    """
+    """The precision that runs for ``trainer.precision=precision`` on ``device`` (``"cpu"`` or ``"cuda"``), by the
+    rules of the module docstring, logged or warned as it says. Any other value is returned as it is (the caller
+    checks it)."""
     native_bf16 = device != "cpu" or cpu_computes_bf16_natively()
     if precision == AUTO:
         chosen = auto_precision(device)
@@ -95,8 +90,7 @@ def resolve_precision(precision: str, device: str, fp16_on_cpu: bool = False) ->
         return precision
     if precision.startswith("16-"):
         twin = f"bf{precision}" if native_bf16 else "32-true"
-        why = ("fp16 on CPUs is slow and needs loss scaling" if native_bf16 else
-               f"fp16 on CPUs is slow and needs loss scaling, and {_no_native_bf16()}")
+        why = "fp16 on CPUs is slow and needs loss scaling" + ("" if native_bf16 else f", and {_no_native_bf16()}")
         rank_zero_warn(f"trainer.precision={precision} on a CPU runs as {twin} ({why}); set "
                        "precision.fp16_on_cpu=true to force fp16.")
         return twin

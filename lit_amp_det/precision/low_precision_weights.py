@@ -39,14 +39,11 @@ _TORCHVISION_ROI_OPS = (torchvision.ops.MultiScaleRoIAlign, torchvision.ops.RoIA
 class MasterWeightPrecision(Precision):
     """``bf16-weights`` / ``16-weights``: bf16/fp16 weights, fp32 masters in the optimizer, no autocast.
 
-    Norm layers, buffers and the fp32 regions stay fp32, as under
-    :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision`. After backward the low-precision gradients move
-    to the fp32 masters, so gradient clipping and the non-finite check see fp32 gradients; the optimizer steps the
-    masters and the weights are refreshed from them. From ``on_before_optimizer_step`` on, the gradients are the
-    ``.grad`` of ``optimizer.param_groups``' tensors (the masters), not of ``model.parameters()``. ``16-weights``
-    scales the loss with a GradScaler (fp16 gradients underflow without it) and unscales the master gradients before
-    clipping; ``bf16-weights`` steps through the non-finite guard. ``state_dict()`` of the model, hence every
-    checkpoint, holds the fp32 masters.
+    What stays fp32 is as :mod:`lit_amp_det.precision.master_weights` says. After backward the low-precision
+    gradients move to the fp32 masters, so gradient clipping and the non-finite check see fp32 gradients: from
+    ``on_before_optimizer_step`` on, the gradients are the ``.grad`` of ``optimizer.param_groups``' tensors (the
+    masters), not of ``model.parameters()``. ``16-weights`` scales the loss with a GradScaler and unscales the master
+    gradients before clipping; ``bf16-weights`` steps through the non-finite guard.
 
     Args:
         precision: ``bf16-weights`` or ``16-weights``.
@@ -116,18 +113,14 @@ class MasterWeightPrecision(Precision):
             weights.grads_to_masters()  # before the hooks, clipping and the non-finite check
             return result
 
-        if self.scaler is None:
+        scaler = self.scaler
+        if scaler is None:
             return guarded_optimizer_step(self, self.guard, optimizer, model, closure_then_masters,
                                           self.step_if_finite, **kwargs)
-        return self._scaled_step(self.scaler, optimizer, model, closure_then_masters, **kwargs)
-
-    def _scaled_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, model: pl.LightningModule,
-                     closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Lightning's ``MixedPrecision.optimizer_step`` with a GradScaler, on the masters' gradients."""
-        closure_result = closure()
-        skip_unscaling = closure_result is None and model.automatic_optimization
+        # Lightning's MixedPrecision.optimizer_step with a GradScaler, on the masters' gradients
+        closure_result = closure_then_masters()
         found = None
-        if not skip_unscaling:
+        if closure_result is not None or not model.automatic_optimization:  # else backward was skipped on purpose
             found = non_finite(gradients(optimizer))  # what GradScaler finds: inf/NaN scaled gradients
             scaler.unscale_(optimizer)  # the masters' fp32 gradients, so that clipping sees true values
         run_after_closure_hooks(self, model, optimizer)

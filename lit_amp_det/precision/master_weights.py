@@ -263,8 +263,7 @@ _CONVERSION_HOOKS = {
 
 
 def holds_masters(module: nn.Module) -> bool:
-    """Whether ``module`` or a module inside it has low-precision weights with fp32 masters (a converted tree or
-    a part of one)."""
+    """Whether ``module`` or a module inside it has fp32 masters (a converted tree or a part of one)."""
     return any(_MASTERS_ATTR in m.__dict__ for m in module.modules())
 
 

@@ -33,8 +33,7 @@ class DetectionMixedPrecision(MixedPrecision):
     Args:
         precision: ``16-mixed`` (fp16 with a GradScaler) or ``bf16-mixed``.
         device: ``cuda`` or ``cpu`` (the autocast device type).
-        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions` (``fp32_regions``,
-            ``init_scale``, ``growth_interval``, ``max_consecutive_skips``, ``skip_check_every_n_steps``).
+        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`.
     """
 
     def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str, **options: Any) -> None:
