@@ -4,11 +4,12 @@ A multirun leaves one directory per job, each with its own ``metrics.json``, whi
 :class:`SweepSummary`, a Hydra callback, writes ``summary.csv``, ``summary.md`` and ``summary.png`` into the sweep
 directory after each job and when the sweep ends; :func:`summarize_sweep` does the same from a notebook, and
 :func:`collect_rows` only reads. A job that crashed or wrote no (or a broken) ``metrics.json`` gets a row with its
-status instead of stopping the summary.
+status instead of stopping the summary; under submitit, a failed job's row also names its submitit logs.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import importlib.util
@@ -17,7 +18,9 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,8 @@ log = logging.getLogger(__name__)
 
 #: What a job's row says: metrics read; the job raised; no metrics.json; metrics.json is not valid JSON.
 STATUSES = ("ok", "failed", "missing", "unreadable")
-#: Written into a job directory by :meth:`SweepSummary.on_job_end` when the job raised, with the error.
+#: Written into a job directory by :meth:`SweepSummary.on_job_end` when the job raised: the error, and under submitit
+#: a second line naming the job's submitit logs (the traceback is in the ``.err`` one).
 FAILURE_FILE = "failure.txt"
 
 # summary column -> key of metrics.json's "perf" record
@@ -283,9 +287,20 @@ class SweepSummary(Callback):
 
     Hydra calls ``on_multirun_end`` only when the sweep did not fail, so :meth:`on_job_end` records a failure in the
     job directory (:data:`FAILURE_FILE`) and refreshes the summary after each job of a multirun; ``on_multirun_end``
-    writes the final one and prints it. Single runs are left alone. A problem while summarising is logged, never
-    raised: a sweep must not fail, or hide a job's own error, because of its report.
+    writes the final one and prints it, with every job that did not finish named on stderr (its overrides, error and
+    logs). A sweep stopped by a failed job gets the same as the command exits. Single runs are left alone. A problem
+    while summarising is logged, never raised: a sweep must not fail, or hide a job's own error, because of its report.
     """
+
+    _open_sweep: Path | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._open_sweep = Path(str(config.hydra.sweep.dir))
+        atexit.register(self._at_exit, config)
+
+    def _at_exit(self, config: DictConfig) -> None:
+        if self._open_sweep is not None and self._open_sweep.is_dir() and _job_dirs(self._open_sweep):
+            self._summarize(config, final=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.get("mode") != RunMode.MULTIRUN:
@@ -295,6 +310,7 @@ class SweepSummary(Callback):
         self._summarize(config, final=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._open_sweep = None
         self._summarize(config, final=True)
 
     @staticmethod
@@ -307,6 +323,10 @@ class SweepSummary(Callback):
             return
         if final:
             print((sweep_dir / "summary.md").read_text(), flush=True)
+            for row in (r for r in rows if r["status"] != "ok"):
+                error = row["error"].replace("\n", "\n  ")
+                print(f"sweep job {row['job']} {row['status']} ({row['overrides']}):\n  {error}", file=sys.stderr,
+                      flush=True)
         done = "" if final else f" (jobs so far: {len(rows)})"
         print(f"sweep summary{done}: {sweep_dir}/summary.{{csv,md,png}}", flush=True)
 
@@ -318,9 +338,25 @@ def _record_failure(job_dir: Path, job_return: JobReturn) -> None:
             job_return.return_value  # the public way to the exception: it re-raises it
     except Exception as err:  # noqa: BLE001 -- whatever the job raised is what we record
         error = f"{type(err).__name__}: {err}"
+        if logs := _submitit_logs():  # the sweep's process gets the exception without its traceback: log it here
+            traceback.print_exception(err)
+            error += "\nsubmitit log: " + " ".join(logs)
     else:
         error = "the job failed"
     try:
         _write_atomic(job_dir / FAILURE_FILE, lambda p: p.write_text(error + "\n"))
     except OSError as err:
         log.warning("sweep summary: cannot record the failure in %s (%s)", job_dir, err)
+
+
+def _submitit_logs() -> list[str]:
+    """This process's submitit log files (stderr, stdout) when it runs as a submitit job; else none."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return []
+    try:
+        import submitit
+
+        paths = submitit.JobEnvironment().paths
+        return [str(p) for p in (paths.stderr, paths.stdout) if p.is_file()]
+    except Exception:  # noqa: BLE001 -- a report must never fail the job's return
+        return []
