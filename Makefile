@@ -29,9 +29,10 @@ ext: $(STAMP)
 fit: install
 	$(PY) -m lit_amp_det fit $(ARGS)
 
-# Two pytest workers (the CI machine has two cores), one torch thread each: tests/conftest.py.
+# Two pytest workers (the CI machine has two cores), one torch thread each, the slow tests first and an idle worker
+# taking over the other's queue, so that both end together: tests/conftest.py.
 test: install
-	$(PY) -m pytest -q -n 2 tests $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist worksteal tests $(ARGS)
 
 # On a GPU machine: the op tests on CUDA (compiled Triton kernels), bench ops/train/infer (R50-FPN 800x1333,
 # batch 8); writes runs/gpu_check/<timestamp>/gpu_check.md. Stops at once, measuring nothing, without a GPU.

@@ -198,7 +198,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``long`` run only when the ``-m`` expression names them (``pytest -m long``); so do those marked
+    """Runs the slow tests first. Tests marked ``long`` run only when the ``-m`` expression names them (``pytest -m long``); so do those marked
     ``bf16_training`` on a CPU without native bf16, where torch's bf16 kernels take slow paths (a 300-step bf16 parity
     run of the light model took 22 minutes on a 2-core AVX2 EPYC, against about 1 minute in fp32)."""
     markexpr = config.getoption("markexpr") or ""
@@ -216,6 +216,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
+    # longest first (the end-to-end runs are marked slow): with --dist worksteal the two workers then end together
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 def smooth_activations(model: torch.nn.Module) -> torch.nn.Module:

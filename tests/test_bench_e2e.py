@@ -135,6 +135,7 @@ def test_an_inference_row_folds_conv_bn_and_pastes_binary_masks() -> None:
     assert result["detections_per_call"] >= 0 and "optimizer" not in result
 
 
+@pytest.mark.slow
 def test_bench_train_runs_rows_in_processes_and_writes_the_report(tmp_path: Path) -> None:
     """Two rows, two repeats each, in rotated rounds; every repeat loaded the state the bench made first."""
     names = ["torchvision-fp32", "fused-optim"]  # it carries every switch but compile (fp32: no precision rows)
@@ -178,6 +179,7 @@ def test_the_compile_row_compiles_the_backbone() -> None:
     assert result["speedups"] == ["ext_ops", "channels_last", "compile"] and result["warmup_steps"] == 1
 
 
+@pytest.mark.slow
 def test_a_failed_row_becomes_a_table_line(tmp_path: Path) -> None:
     """A row whose process fails is reported with its error's last line; the row after it compares with the last
     row that ran."""

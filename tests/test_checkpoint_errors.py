@@ -143,6 +143,7 @@ def test_another_class_count_does_not_excuse_another_architecture(r18_ckpt: Path
     _assert_no_key_dump(message)
 
 
+@pytest.mark.slow
 def test_cli_prints_the_message_not_hydras_wrapper_or_lightnings_key_list(r18_ckpt: Path, tmp_path: Path) -> None:
     truncated = tmp_path / "last.ckpt"
     truncated.write_bytes(r18_ckpt.read_bytes()[:4096])

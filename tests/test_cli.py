@@ -26,6 +26,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[
     return only_run_dir(work / "runs"), proc.stdout
 
 
+@pytest.mark.slow
 def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str]) -> None:
     run_dir, stdout = trained
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -57,6 +58,7 @@ def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str
     assert "speedups on cpu: ext_ops, binary_mask_paste" in (run_dir / "fit.log").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["ckpt_path", "model.weights", "ckpt_path speedups=none"])
 def test_validate_reproduces_the_final_fit_metrics(trained: tuple[Path, str], tmp_path: Path, source: str) -> None:
     """From the checkpoint as ``ckpt_path`` or as ``model.weights``, and on torchvision's model (the speedups change
@@ -71,6 +73,7 @@ def test_validate_reproduces_the_final_fit_metrics(trained: tuple[Path, str], tm
         assert validated[key] == pytest.approx(fitted[key], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_test_and_predict_from_checkpoint(trained: tuple[Path, str], tmp_path: Path, cache_dir: Path) -> None:
     run_dir, _ = trained
     ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -96,6 +99,7 @@ def test_test_and_predict_from_checkpoint(trained: tuple[Path, str], tmp_path: P
     assert {r["category_id"] for r in records} <= set(ground_truth.getCatIds())
 
 
+@pytest.mark.slow
 def test_predict_on_a_folder_of_pictures(trained: tuple[Path, str], tmp_path: Path) -> None:
     """``data.predict_images``: detections of unannotated pictures, with the images index that makes
     ``predictions.json`` readable by pycocotools' ``loadRes`` (ids, file names, sizes, categories), and pictures
@@ -143,6 +147,7 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     assert cfg.model._target_ == "lit_amp_det.MaskRCNNModule"
 
 
+@pytest.mark.slow
 def test_unknown_subcommand_and_bad_precision_fail_clearly(tmp_path: Path) -> None:
     proc = run_cli(["train"], cwd=tmp_path, check=False)
     assert proc.returncode != 0 and "unknown subcommand 'train'" in proc.stderr
@@ -150,6 +155,7 @@ def test_unknown_subcommand_and_bad_precision_fail_clearly(tmp_path: Path) -> No
     assert proc.returncode != 0 and "trainer.precision='fp16'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_multirun_sweeps_precision(tmp_path: Path) -> None:
     run_cli(["fit", "-m", *SMOKE, "trainer.max_epochs=1", "trainer.precision=32-true,16-mixed"], cwd=tmp_path)
     jobs = sorted((tmp_path / "runs" / "multirun").glob("*/*/metrics.json"))
@@ -158,6 +164,7 @@ def test_multirun_sweeps_precision(tmp_path: Path) -> None:
     assert precisions == {"32-true", "16-mixed"}
 
 
+@pytest.mark.slow
 def test_research_subclass_runs_from_the_cli(tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "examples"), os.environ.get("PYTHONPATH", "")])}
     run_cli(["fit", *SMOKE, "trainer.max_epochs=1", "model._target_=weighted_loss.WeightedLossMaskRCNN",
@@ -168,6 +175,7 @@ def test_research_subclass_runs_from_the_cli(tmp_path: Path) -> None:
     assert any("mask_head.0.1.weight" in key for key in checkpoint["state_dict"])  # its GroupNorm head
 
 
+@pytest.mark.slow
 def test_bad_annotations_fail_clearly_and_keep_earlier_outputs(tmp_path: Path) -> None:
     root = tmp_path / "coco"
     (root / "annotations").mkdir(parents=True)

@@ -69,6 +69,7 @@ def _run(command: str, run_dir: Path, *overrides: str, cwd: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.mark.slow
 def test_fit_validate_predict_on_elongated_and_tiny_images(tmp_path: Path) -> None:
     annotations = _write_dataset(tmp_path / "data")
     data = _data_overrides(tmp_path / "data")

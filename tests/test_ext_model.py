@@ -50,6 +50,7 @@ def test_ext_model_uses_the_extension_ops_and_keeps_state_dict_keys():
     assert list(ext.state_dict()) == list(plain.state_dict())
 
 
+@pytest.mark.slow
 def test_same_detections_as_torchvision_on_the_validation_split():
     data = instantiate(compose_config().data)  # the embedded dataset, as `fit` uses it
     data.setup("validate")

@@ -7,6 +7,7 @@ import os
 import shlex
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import REPO, SMOKE, assert_same_last_weights, run_cli
@@ -21,6 +22,7 @@ def _signal_at(step: int, signum: str) -> list[str]:
 
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_metrics_and_the_printed_command_resumes_exactly(tmp_path: Path) -> None:
     straight = tmp_path / "straight"
     run_cli(["fit", *COMMON], cwd=tmp_path, env={**ENV, "LIT_AMP_DET_RUNS": str(straight)})
@@ -50,6 +52,7 @@ def test_ctrl_c_saves_a_checkpoint_and_metrics_and_the_printed_command_resumes_e
     assert_same_last_weights(straight_dir, final_dir)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_with_143(tmp_path: Path) -> None:
     stopped = run_cli(["fit", *SMOKE, "trainer.max_epochs=1", *_signal_at(1, "SIGTERM")], cwd=tmp_path, env=ENV,
                       check=False)

@@ -114,6 +114,7 @@ def _fuzz(cases: int, seed: int) -> None:
     assert detections > 50 and trained_boxes > 100  # the comparison and the training saw real work
 
 
+@pytest.mark.slow
 def test_fuzz_inference_agrees_and_training_survives():
     _fuzz(cases=10, seed=0)
 

@@ -13,6 +13,7 @@ from conftest import REPO, SMOKE, compose_config, only_run_dir, run_cli
 from lit_amp_det.app.tasks import train
 
 
+@pytest.mark.slow
 def test_research_force_fp32_method_takes_effect_under_the_plugin(tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     run_cli(["fit", *SMOKE, "trainer.max_epochs=1", "trainer.precision=bf16-mixed",

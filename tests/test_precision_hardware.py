@@ -134,6 +134,7 @@ def test_auto_is_the_default_and_a_valid_value(tmp_path: Path) -> None:
     assert compose_config(["trainer=gpu"], tmp_path).trainer.precision == "16-mixed"
 
 
+@pytest.mark.slow
 def test_metrics_json_records_the_precision_that_ran_and_a_resume_in_another_warns(tmp_path: Path) -> None:
     """A fit with ``trainer.precision=auto`` records what auto chose on this machine (and logs it); resuming its
     checkpoint in another precision (as ``auto`` does on a machine with other bf16 support) says so."""

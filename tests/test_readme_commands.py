@@ -8,6 +8,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, SMOKE, run_cli
@@ -29,6 +30,7 @@ def readme_commands() -> list[list[str]]:
     return commands
 
 
+@pytest.mark.slow
 def test_readme_command_line_examples_run_as_written(tmp_path: Path) -> None:
     commands = readme_commands()
     assert len(commands) >= 7

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import REPO, SMOKE, run_cli
@@ -24,6 +25,7 @@ def _final(run_root: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads(metrics_file.read_text())["metrics"], last["state_dict"]
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_run_resumes_to_identical_result(tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"

@@ -222,6 +222,7 @@ def _popen_fit(args: list[str], cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_two_fits_started_together_get_their_own_folders_and_plain_text_logs(tmp_path: Path) -> None:
     # both ask for the same folder name, as two runs started in the same second do
     same_second = "hydra.run.dir=${unique_dir:" + str(tmp_path / "runs" / "fit" / "2026-11-23_10-00-00") + "}"
@@ -255,6 +256,7 @@ def test_two_fits_started_together_get_their_own_folders_and_plain_text_logs(tmp
     assert "lr 0.000 " not in out
 
 
+@pytest.mark.slow
 def test_kill_9_then_last_resumes_that_run_and_not_a_finished_one(tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     fast = [*SMOKE, "trainer.max_epochs=1"]
@@ -274,6 +276,7 @@ def test_kill_9_then_last_resumes_that_run_and_not_a_finished_one(tmp_path: Path
     assert again.returncode != 0 and "finished: there is nothing to resume" in again.stderr
 
 
+@pytest.mark.slow
 def test_ddp_fit_stopped_by_ctrl_c_resumes_with_last_on_every_rank(tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     ddp = [*SMOKE, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none"]

@@ -48,6 +48,7 @@ def _fake_slurm(tmp_path: Path) -> dict[str, str]:
 
 
 
+@pytest.mark.slow
 def test_a_preempted_job_requeues_and_its_next_attempt_resumes_exactly(tmp_path: Path) -> None:
     straight = tmp_path / "straight"
     run_cli(["fit", *COMMON], cwd=tmp_path, env={"LIT_AMP_DET_RUNS": str(straight)})
@@ -96,6 +97,7 @@ def test_the_requeue_signal_is_usr1_by_hand_and_submitits_under_submitit() -> No
     assert requeue_signal({"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1"}) == signal.SIGUSR1
 
 
+@pytest.mark.slow
 def test_a_requeued_attempt_continues_in_the_folder_its_job_was_given(tmp_path: Path) -> None:
     """A job whose command fixes its folder (a sweep job's, as Hydra's submitit launcher reruns it on requeue)
     continues there: the one folder that an earlier run may be written into is its own job's earlier attempt's."""

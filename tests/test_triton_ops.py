@@ -281,6 +281,7 @@ def test_roi_align_empty_inputs():
     assert torch.equal(x.grad, torch.zeros_like(x)) and x.grad.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.slow
 def test_roi_align_gradcheck_fp64():
     x = _features((1, 2, 4, 5), torch.float64, torch.contiguous_format, seed=7).requires_grad_()
     rois = torch.tensor([[0, 0.3, 0.6, 4.1, 3.7], [0, 1.2, -0.5, 6.5, 4.2]], dtype=torch.float64)

@@ -85,6 +85,7 @@ def test_second_check_reads_nothing_and_a_changed_file_is_read_again(damaged, tm
     assert reads == [str(good[0])]
 
 
+@pytest.mark.slow
 def test_fit_with_a_corrupt_val_image_stops_before_training(damaged, tmp_path: Path) -> None:
     root, bad = damaged
     args = ["fit", "model=maskrcnn_tiny", "trainer.max_epochs=1", "data=coco", f"data.root={root}", "data.num_workers=0",
