@@ -34,10 +34,14 @@ fit: install
 test: install
 	$(PY) -m pytest -q -n 2 --dist worksteal tests $(ARGS)
 
-# On a GPU machine: the op tests on CUDA (compiled Triton kernels), bench ops/train/infer (R50-FPN 800x1333,
-# batch 8); writes runs/gpu_check/<timestamp>/gpu_check.md. Stops at once, measuring nothing, without a GPU.
-gpu-check: install
-	$(PY) -m lit_amp_det.bench.gpu_check $(ARGS)
+# On a GPU machine: the op tests on CUDA (compiled Triton kernels), bench ops and short train/infer rows (R50-FPN
+# 800x1333, batch 8; ARGS=--full for all of them); writes runs/gpu_check/<timestamp>/gpu_check.md. Never runs pip
+# (GPU machines may reach no registry): .venv's Python if there is one, else python3 with the packages importable.
+# Stops at once, measuring nothing, without a GPU.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) setup.py --quiet build_ext --inplace
+	$(GPU_PY) -m lit_amp_det.bench.gpu_check $(ARGS)
 
 clean-runs:
 	rm -rf runs

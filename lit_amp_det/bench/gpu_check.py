@@ -6,7 +6,9 @@ On a machine with a CUDA GPU it runs, each step in its own process and in this o
    (``torch.ops.lit_amp_det`` runs the Triton kernels against torchvision's CUDA ops), the host-sync counts and a
    Trainer on the GPU applying its speedups;
 2. ``bench ops --device cuda``;
-3. ``bench train`` and ``bench infer`` at their GPU defaults: R50-FPN, 800x1333, batch 8.
+3. ``bench train`` and ``bench infer`` on R50-FPN, 800x1333, batch 8: by default three rows each (torchvision fp32,
+   + autocast, all on but compile) from the seeded initialisation, one repeat, to fit a short lease; ``--full``
+   runs every row from the trained state with the benches' repeats.
 
 It writes ``gpu_check.md`` (the test summary and the three tables in BENCHMARKS.md's format, with the device, torch and
 triton versions) into ``--out`` for the GPU section of BENCHMARKS.md, rewritten after every step so that a run stopped
@@ -34,6 +36,11 @@ REPO = Path(__file__).resolve().parents[2]
 CUDA_TESTS = ["-m", "cuda", "tests"]
 #: bench options ``gpu_check`` forwards to ``bench train`` and ``bench infer`` when given.
 BENCH_OPTIONS = ("repeats", "steps", "warmup", "state_steps")
+#: what the benches run without ``--full``: first and last rows of the speedups (each row adds its override to the row
+#: above, whether that ran or not), one repeat, the seeded initialisation (no state to train first)
+QUICK = {"train": ["--rows", "torchvision-fp32,autocast,fused-optim"],
+         "infer": ["--rows", "torchvision-fp32,autocast,convbn-fold"]}
+QUICK_OPTIONS = ["--state", "random", "--repeats", "1", "--steps", "8", "--warmup", "3"]
 
 
 def _run(title: str, command: list[str], log: Path) -> tuple[int, str]:
@@ -62,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for option in BENCH_OPTIONS:
         flag = "--" + option.replace("_", "-")
         parser.add_argument(flag, type=int, help=f"bench train/infer {flag} (default: the bench's)")
+    parser.add_argument("--full", action="store_true", help="every bench row, trained state, the benches' repeats")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu-check needs a CUDA GPU and torch sees none: nothing was run or measured. Run "
@@ -109,9 +117,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if bench in skip:
             continue
         directory = out / f"bench_{bench}"
+        options = forwarded if args.full else [*QUICK[bench], *QUICK_OPTIONS, *forwarded]  # argparse: the last wins
         code, _ = _run(f"bench {bench}", [python, "-m", "lit_amp_det", "bench", bench, "--device", "cuda",
-                                          "--out", str(directory), *forwarded], out / f"{bench}.log")
-        title = f"## `python -m lit_amp_det bench {bench} {' '.join(forwarded)}` (R50-FPN, 800x1333, batch 8)"
+                                          "--out", str(directory), *options], out / f"{bench}.log")
+        title = f"## `python -m lit_amp_det bench {bench} {' '.join(options)}` (R50-FPN, 800x1333, batch 8)"
         found = sorted(directory.rglob(f"bench_{bench}.md"), key=lambda p: p.stat().st_mtime)
         record(bench, code, title,
                found[-1].read_text() if found else f"(bench_{bench}.md was not written; see the step's log)")
