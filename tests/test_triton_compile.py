@@ -118,3 +118,44 @@ def test_every_kernel_compiles_for_sm90_with_the_promised_numerics(monkeypatch):
             if "fp64" not in str(constexprs.get("ACC")):
                 assert "div.rn.f32" in ptx and "div.full.f32" not in ptx, f"{name}: fp32 division is not IEEE"
     assert len(seen) >= 8
+
+
+def _ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
+    """(registers, spill-store bytes) of one kernel, from Triton's own ``ptxas -v`` for sm_90a."""
+    import subprocess
+
+    source = tmp_path / "kernel.ptx"
+    source.write_text(ptx)
+    log = subprocess.run([triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(source), "-o", "/dev/null"],
+                         capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    return registers, sum(int(b) for b in re.findall(r"(\d+) bytes spill stores", log))
+
+
+@pytest.mark.parametrize("pool", [7, 14])  # the box head's and the mask head's RoIAlign
+def test_roi_align_kernels_do_not_spill_at_the_heads_sizes(monkeypatch, tmp_path, pool):
+    """The forward and the atomic backward, with the blocks ``_blocks`` picks for a CUDA device at 256 channels, in
+    every half and float dtype and both layouts: no spilled register, at most 128 registers per thread."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors stand in for the GPU's: the launches are recorded, not run
+    launches = []
+    monkeypatch.setattr(_launch, "_launch", lambda kernel, grid, *args, **meta: launches.append((kernel, args, meta)))
+    block_p, block_c, warps = _launch._blocks(256, pool * pool, torch.device("cuda"))
+    rois = torch.tensor([[0, 1.0, 1.0, 60.0, 40.0], [1, 5.0, 5.0, 90.0, 90.0]])
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for layout in (torch.contiguous_format, torch.channels_last):
+            x = torch.randn(2, 256, 25, 38, dtype=dtype).contiguous(memory_format=layout)
+            _launch._forward([x], rois.to(dtype), None, [0.25], pool, pool, 2, True)
+            grad = torch.randn(2, 256, pool, pool, dtype=dtype)
+            _launch._backward(grad, rois.to(dtype), None, [0.25], [(x.shape, layout)], pool, pool, 2, True)
+    kernels = _compiled_kernels()
+    assert len(launches) == 12
+    for kernel, args, meta in launches:
+        meta = {**meta, "BLOCK_P": block_p, "BLOCK_C": block_c, "num_warps": warps}
+        name = kernel.fn.__name__
+        signature, constexprs = _signature(getattr(kernels, name), args, meta)
+        compiled = triton.compile(ASTSource(getattr(kernels, name), signature, constexprs=constexprs), target=H100,
+                                  options={"enable_fp_fusion": False, "num_warps": warps})
+        registers, spilled = _ptxas_usage(compiled.asm["ptx"], tmp_path)
+        label = f"{name} {signature['x_ptr' if 'x_ptr' in signature else 'grad_ptr']} pool {pool}"
+        assert spilled == 0, f"{label}: {spilled} bytes spilled ({registers} registers)"
+        assert registers <= 128, f"{label}: {registers} registers"

@@ -308,11 +308,19 @@ def _check_pool(op: str, pooled_height: int, pooled_width: int) -> None:
         raise ValueError(f"{op}: pooled_height and pooled_width must be > 0, got {pooled_height} and {pooled_width}")
 
 
-def _blocks(channels: int, bins: int, device: torch.device) -> tuple[int, int]:
+#: RoIAlign tile on a GPU: bins x channels elements per program and its warps. Each element holds four gathered
+#: corners, their weights and 64-bit addresses in registers; at 1,024 elements over 8 warps (4 per thread) every
+#: forward and atomic-backward specialisation at the heads' pools fits in at most 100 registers without spilling
+#: (ptxas, sm_90), where 4,096 over 4 warps spilled 0.8-6 KB per thread (BENCHMARKS.md, "Triton registers").
+GPU_TILE, GPU_WARPS = 1024, 8
+
+
+def _blocks(channels: int, bins: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_C, num_warps) of a RoIAlign launch: all bins of one RoI, as many channels as the tile holds."""
     block_p = _next_pow2(bins)
-    # GPU: ~2-4k elements per program; interpreter: fewer, larger programs (each costs Python overhead)
-    cap = 64 if device.type == "cpu" else max(16, 4096 // block_p)
-    return block_p, max(1, min(_next_pow2(channels), cap))
+    if device.type == "cpu":  # the interpreter: fewer, larger programs (each costs Python overhead)
+        return block_p, max(1, min(_next_pow2(channels), 64)), 4
+    return block_p, max(1, min(_next_pow2(channels), GPU_TILE // block_p)), GPU_WARPS
 
 
 def _scale_tensors(scales: Sequence[float], acc: torch.dtype, device: torch.device) -> list[Tensor]:
@@ -334,7 +342,7 @@ def _forward(features: Sequence[Tensor], rois: Tensor, levels: Tensor | None, sp
         return out
     acc = _acc_dtype(first)
     k = _kernels(first.device)
-    block_p, block_c = _blocks(channels, pooled_height * pooled_width, first.device)
+    block_p, block_c, warps = _blocks(channels, pooled_height * pooled_width, first.device)
     grid = (num_rois, _cdiv(channels, block_c))
     if any(x.shape[2] == 0 or x.shape[3] == 0 for x in features):
         out.zero_()  # an empty map has no samples: its rows stay 0 (the kernels assume H, W > 0)
@@ -346,7 +354,7 @@ def _forward(features: Sequence[Tensor], rois: Tensor, levels: Tensor | None, sp
             level, len(features), x.shape[0], channels, x.shape[2], x.shape[3], *x.stride(), *rois.stride(),
             *out.stride(), pooled_height, pooled_width, int(sampling_ratio),
             ALIGNED=bool(aligned), HAS_LEVELS=levels is not None, ACC=_tl_dtype(acc), FP64=acc == torch.float64,
-            BLOCK_P=block_p, BLOCK_C=block_c,
+            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )
     return out
 
@@ -365,7 +373,7 @@ def _backward(grad: Tensor, rois: Tensor, levels: Tensor | None, spatial_scales:
     if num_rois and channels and grad.numel():
         k = _kernels(grad.device)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        block_p, block_c = _blocks(channels, pooled_height * pooled_width, grad.device)
+        block_p, block_c, warps = _blocks(channels, pooled_height * pooled_width, grad.device)
         for level, (gx, scale) in enumerate(zip(buffers, _scale_tensors(spatial_scales, acc, grad.device))):
             if gx.numel() == 0:
                 continue
@@ -381,7 +389,7 @@ def _backward(grad: Tensor, rois: Tensor, levels: Tensor | None, spatial_scales:
             else:
                 _launch(k.roi_align_backward_atomic_kernel, (num_rois, _cdiv(channels, block_c)),
                         grad, rois, _levels_or_dummy(levels, rois), scale, gx, level, len(specs), *sizes, *tail,
-                        BLOCK_P=block_p, BLOCK_C=block_c, **common)
+                        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, **common)
     return [b.to(grad.dtype) for b in buffers]  # .to keeps each buffer's layout
 
 
