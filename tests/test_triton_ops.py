@@ -239,6 +239,30 @@ def test_roi_align_backward_matches_the_cpu_kernel_and_keeps_the_layout(dtype, l
     assert_matches(got, expected, dtype, atol=1e-5 if dtype != torch.float64 else 1e-12)
 
 
+@pytest.mark.parametrize(("pool", "dtype"), [(7, torch.float16), (14, torch.float32)])  # box head, mask head
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_gpu_tiles_compute_the_same(monkeypatch, pool, dtype, layout):
+    """The blocks a CUDA device gets (few channels a program at these pools: several channel blocks, a partial last
+    one), run by the interpreter: forward and atomic backward equal the CPU kernel's."""
+    gpu_blocks = _launch._blocks
+    monkeypatch.setattr(_launch, "_blocks", lambda channels, bins, device: gpu_blocks(channels, bins,
+                                                                                     torch.device("cuda")))
+    block_p, block_c, _ = _launch._blocks(42, pool * pool, torch.device("cpu"))
+    assert block_p * block_c == _launch.GPU_TILE and 42 % block_c, "several channel blocks, the last one partial"
+    x = _features((2, 42, 12, 14), dtype, layout, seed=3)
+    rois = _rois(5, 2, (48, 56))
+    got = tops.roi_align(x, rois, pool, 0.25, 2, True)
+    expected = cpu_kernels.roi_align(x.to(_acc(dtype)), rois, 0.25, pool, pool, 2, True)
+    assert_matches(got, expected, dtype)
+    grad = _features((5, 42, pool, pool), dtype, layout, seed=4)
+    args = (0.25, pool, pool, 2, 42, 12, 14, 2, True)
+    expected_grad = cpu_kernels._roi_align_backward(grad.to(_acc(dtype)), rois, *args)
+    # the atomics add up to 4 x 196 samples a cell in another order than the CPU kernel: fp32 sums differ in their last
+    # bits, and an fp16 result may round one ulp apart
+    atol = expected_grad.abs().max().item() * (2.0**-10 if dtype == torch.float16 else 2.0**-16)
+    assert_matches(_launch.roi_align_backward(grad, rois, *args), expected_grad, dtype, atol=atol)
+
+
 def test_roi_align_deterministic_backward_is_the_same(monkeypatch):
     rois = _rois(6, 2, (40, 48))
     grad = _features((6, 4, 2, 2), torch.float64, torch.channels_last, seed=4)
