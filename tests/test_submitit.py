@@ -33,6 +33,7 @@ def test_submitit_sweep_finishes_the_good_jobs_and_names_the_failed_one_with_its
         assert metrics["status"] == "finished" and metrics["global_step"] == 2
         assert 0.0 <= metrics["metrics"]["val/segm_mAP"] <= 1.0
     assert not (sweep / "2" / "metrics.json").exists()
+    assert not (tmp_path / "runs" / "fit").exists(), "a sweep's jobs write into the sweep folder only"
     logs = sorted(sweep.glob(".submitit/*/*_0_log.out"))  # one submitit job (process, folder, logs) per sweep job
     assert len(logs) == 3 and len({p.parent for p in logs}) == 3
 

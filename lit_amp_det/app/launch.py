@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 __all__ = ["adopt_launch_rank", "ddp_child_command", "launch_rank", "rank_suffix"]
 
@@ -85,7 +85,9 @@ def ddp_child_command(cfg: DictConfig) -> Iterator[None]:
         yield
         return
     hydra_cfg = HydraConfig.get()
-    saved_argv, saved_run_dir, saved_environ = list(sys.argv), hydra_cfg.run.dir, dict(os.environ)
+    saved_argv, saved_environ = list(sys.argv), dict(os.environ)
+    # hydra.run.dir unresolved: resolving it runs the unique_dir resolver, which would create a folder in a sweep's job
+    saved_run_dir = OmegaConf.to_container(hydra_cfg.run)["dir"]
     task_overrides = list(hydra_cfg.overrides.task)
     sys.argv = [saved_argv[0], str(cfg.command), *task_overrides, "hydra.mode=RUN"]
     with read_write(hydra_cfg), open_dict(hydra_cfg):
