@@ -112,6 +112,11 @@ class RunInfo:
     def finished(self) -> bool:
         return self.status == "finished"
 
+    def is_earlier_attempt_of(self, job_id: str, restart_count: int) -> bool:
+        """An unfinished attempt of SLURM job ``job_id`` with a lower restart count than ``restart_count``."""
+        return (self.slurm_job_id == job_id and self.slurm_restart_count is not None
+                and self.slurm_restart_count < restart_count and not self.finished)
+
 
 def _process_alive(pid: int) -> bool:
     try:
@@ -178,8 +183,7 @@ def is_earlier_attempt(folder: Path, job_id: str, restart_count: int) -> bool:
     """Whether ``folder`` holds an unfinished earlier attempt of SLURM job ``job_id`` (a lower restart count): the
     one kind of earlier run whose folder a run may continue in (a requeued sweep job is rerun with its folder)."""
     info = read_run(folder)
-    return (info is not None and info.slurm_job_id == job_id and info.slurm_restart_count is not None
-            and info.slurm_restart_count < restart_count and not info.finished)
+    return info is not None and info.is_earlier_attempt_of(job_id, restart_count)
 
 
 def slurm_resume_point(runs_root: Path, job_id: str, restart_count: int) -> Path | None:
@@ -189,8 +193,8 @@ def slurm_resume_point(runs_root: Path, job_id: str, restart_count: int) -> Path
     same file: the attempt running now (this restart count) never counts."""
     if restart_count <= 0:
         return None
-    earlier = (info.path for info in list_runs(Path(runs_root), "fit")
-               if is_earlier_attempt(info.path, job_id, restart_count))
+    earlier = (info.path for info in list_runs(Path(runs_root), "fit")  # each run.json read once
+               if info.is_earlier_attempt_of(job_id, restart_count))
     return next((point for path in earlier if (point := resume_point(path)) is not None), None)
 
 

@@ -292,14 +292,18 @@ class SweepSummary(Callback):
     while summarising is logged, never raised: a sweep must not fail, or hide a job's own error, because of its report.
     """
 
-    _open_sweep: Path | None = None
+    _open_sweep: DictConfig | None = None  # the config of a sweep that has not reached on_multirun_end
+    _exit_registered = False
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._open_sweep = Path(str(config.hydra.sweep.dir))
-        atexit.register(self._at_exit, config)
+        if not self._exit_registered:  # one exit report per callback, however many sweeps a process runs
+            atexit.register(self._at_exit)
+            self._exit_registered = True
+        self._open_sweep = config
 
-    def _at_exit(self, config: DictConfig) -> None:
-        if self._open_sweep is not None and self._open_sweep.is_dir() and _job_dirs(self._open_sweep):
+    def _at_exit(self) -> None:
+        config = self._open_sweep
+        if config is not None and (sweep := Path(str(config.hydra.sweep.dir))).is_dir() and _job_dirs(sweep):
             self._summarize(config, final=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
