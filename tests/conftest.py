@@ -77,13 +77,20 @@ class _WarmParent:
     @classmethod
     def get(cls) -> subprocess.Popen | None:
         if cls.process is None:
-            cls.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONUNBUFFERED": "1"}
+            cls.env = cls._environment()
             cls.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], env=cls.env,
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             atexit.register(cls.process.kill)
             if (cls._answer(cls.process, 300) or {}).get("ready") is not True:
                 cls.process.kill()
         return cls.process if cls.process.poll() is None else None
+
+    @classmethod
+    def _environment(cls) -> dict[str, str]:
+        """The parent's environment: the one it started with, or the one it would start with now."""
+        if cls.process is not None:
+            return cls.env
+        return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONUNBUFFERED": "1"}
 
     @staticmethod
     def _answer(parent: subprocess.Popen, timeout: float) -> dict | None:
@@ -104,8 +111,9 @@ class _WarmParent:
     def takes(cls, args: Sequence[str], env: dict[str, str]) -> bool:
         if os.environ.get("LIT_AMP_DET_TESTS_FRESH_PROCESSES") == "1" or any("ddp" in a for a in args):
             return False  # DDP starts its ranks from the command line: a fresh process, as a user's
-        keys = (cls.env.keys() | env.keys()) - {"PYTHONPATH", "PYTHONUNBUFFERED"}
-        return not any(k.startswith(_IMPORT_TIME_VARIABLES) and cls.env.get(k) != env.get(k) for k in keys)
+        parent = cls._environment()
+        keys = (parent.keys() | env.keys()) - {"PYTHONPATH", "PYTHONUNBUFFERED"}
+        return not any(k.startswith(_IMPORT_TIME_VARIABLES) and parent.get(k) != env.get(k) for k in keys)
 
     @classmethod
     def run(cls, args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

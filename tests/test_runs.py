@@ -307,8 +307,21 @@ def test_progress_bar_shows_the_learning_rate_readably(monkeypatch) -> None:
 
 def test_coco_loader_defaults_follow_the_device() -> None:
     cpu = compose_config(["data=coco", "data.root=/x", "trainer.accelerator=cpu"], output_dir=Path("/tmp/x"))
-    assert cpu.data.pin_memory is False and 0 < cpu.data.num_workers <= min(4, len(os.sched_getaffinity(0)))
+    assert cpu.data.pin_memory is False and cpu.data.num_workers == 4
     gpu = compose_config(["data=coco", "data.root=/x", "trainer=gpu"], output_dir=Path("/tmp/x"))
     assert gpu.data.pin_memory is True
     quick = compose_config(["trainer.max_steps=50", "data.predict_split=test"], output_dir=Path("/tmp/x"))
     assert quick.trainer.max_steps == 50 and quick.data.predict_split == "test"  # keys a user sets often exist
+
+
+def test_loader_workers_are_clamped_where_the_data_is_loaded() -> None:
+    """The config keeps what was asked (a SLURM job's ``cpus_per_task`` is sized from it on the submitting host);
+    the data module starts no more workers than the CPUs its process may use."""
+    from lit_amp_det.data import CocoDataModule
+    from lit_amp_det.errors import ArgumentError
+
+    usable = len(os.sched_getaffinity(0))
+    assert CocoDataModule(root="/x", num_workers=usable + 3).loader_options["num_workers"] == usable
+    assert CocoDataModule(root="/x", num_workers=0).loader_options["num_workers"] == 0
+    with pytest.raises(ArgumentError, match="num_workers"):
+        CocoDataModule(root="/x", num_workers=-1)

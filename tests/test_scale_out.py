@@ -34,6 +34,10 @@ def test_slurm_launcher_sizes_the_allocation_from_the_trainer() -> None:
                                                     "timeout_min")}
     assert (resolved["nodes"], resolved["tasks_per_node"], resolved["gpus_per_node"]) == (2, 8, 8)
     assert resolved["partition"] == "gpu" and resolved["timeout_min"] == 1440
+    # CPUs per task follow the loader workers each rank starts, as asked on this host (not clamped to its CPUs)
+    for data, cpus in ((["data=coco"], 5), (["data=coco", "data.num_workers=11"], 12), (["data=shapes"], 1)):
+        sized = _hydra_config(["hydra/launcher=slurm", "trainer=ddp", *data])
+        assert OmegaConf.select(sized, "hydra.launcher")["cpus_per_task"] == cpus, data
 
 
 def test_the_sbatch_script_submitit_would_submit_for_2_nodes_of_8_gpus(tmp_path: Path,
@@ -50,7 +54,8 @@ def test_the_sbatch_script_submitit_would_submit_for_2_nodes_of_8_gpus(tmp_path:
     srun.chmod(0o755)
     monkeypatch.setenv("PATH", f"{srun.parent}:{os.environ['PATH']}")
     cfg = _hydra_config(["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", "trainer.devices=8",
-                         "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
+                         "data=coco", "data.num_workers=7", "hydra.launcher.partition=gpu",
+                         f"hydra.sweep.dir={tmp_path}"])
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     params = {k: v for k, v in params.items() if k not in ("_target_", "submitit_folder", "max_num_timeout")}
     base = set(OmegaConf.structured(BaseQueueConf).keys())
@@ -58,7 +63,7 @@ def test_the_sbatch_script_submitit_would_submit_for_2_nodes_of_8_gpus(tmp_path:
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     script = executor._executor._make_submission_file_text("python -u -m submitit.core._submit", "uid")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --cpus-per-task=6", "#SBATCH --partition=gpu", "#SBATCH --time=1440"):
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --partition=gpu", "#SBATCH --time=1440"):
         assert line in script, f"{line!r} not in the sbatch script:\n{script}"
     assert "srun" in script  # one task per GPU, each a DDP rank that Lightning's SLURMEnvironment reads
 

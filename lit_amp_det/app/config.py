@@ -6,7 +6,6 @@ The YAML tree sits in the repository's ``conf/`` folder and is installed as the 
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 from pathlib import Path
 
@@ -27,13 +26,9 @@ def _headline_kind(mask: bool) -> str:
     return "segm" if mask else "bbox"
 
 
-def _loader_workers(requested: int) -> int:
-    """``data.num_workers``: ``requested``, but no more than the CPUs this process may use (torch warns above)."""
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        available = os.cpu_count() or 1
-    return max(0, min(int(requested), available))
+def _cpus_per_rank(loader_workers: int) -> int:
+    """``hydra.launcher.cpus_per_task`` under SLURM: a rank's loader workers plus the rank itself."""
+    return int(loader_workers) + 1
 
 
 def _pin_memory(accelerator: str) -> bool:
@@ -51,7 +46,7 @@ OmegaConf.register_new_resolver("headline_kind", _headline_kind, replace=True)
 OmegaConf.register_new_resolver("rank_suffix", rank_suffix, replace=True)  # per-rank log files under DDP
 # run folders created exclusively, once per run (cached: Hydra copies the cache into each sweep job's config)
 OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replace=True)
-OmegaConf.register_new_resolver("loader_workers", _loader_workers, replace=True)
+OmegaConf.register_new_resolver("cpus_per_rank", _cpus_per_rank, replace=True)
 OmegaConf.register_new_resolver("pin_memory", _pin_memory, replace=True)
 
 

@@ -32,6 +32,22 @@ __all__ = ["CocoDataModule", "ShapesDataModule"]
 Split = Literal["train", "val", "test"]
 
 
+def _usable_workers(requested: int) -> int:
+    """``requested`` loader workers, but no more than the CPUs this process may use (torch warns above that).
+
+    Clamped here, where the data is loaded, rather than in the config: a sweep's config is composed on the host
+    that submits it, whose CPUs say nothing about the node a job runs on (SLURM grants each task its
+    ``cpus_per_task``, which is what ``sched_getaffinity`` reports there).
+    """
+    if requested < 0:
+        raise ArgumentError("num_workers", requested, "is negative; use 0 to load in the training process")
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        available = os.cpu_count() or 1
+    return min(int(requested), available)
+
+
 class _SeededAugmentation(Dataset):
     """Applies training augmentation with the per-sample seed carried by the sampler's ``(index, seed)`` key."""
 
@@ -123,6 +139,7 @@ class CocoDataModule(LightningDataModule):
         self._predict_folder: ImageFolder | None = None
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
+        num_workers = _usable_workers(num_workers)
         self.loader_options = dict(
             num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0
         )
