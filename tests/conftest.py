@@ -109,8 +109,8 @@ class _WarmParent:
 
     @classmethod
     def takes(cls, args: Sequence[str], env: dict[str, str]) -> bool:
-        if os.environ.get("LIT_AMP_DET_TESTS_FRESH_PROCESSES") == "1" or any("ddp" in a for a in args):
-            return False  # DDP starts its ranks from the command line: a fresh process, as a user's
+        if os.environ.get("LIT_AMP_DET_TESTS_FRESH_PROCESSES") == "1":
+            return False
         parent = cls._environment()
         keys = (parent.keys() | env.keys()) - {"PYTHONPATH", "PYTHONUNBUFFERED"}
         return not any(k.startswith(_IMPORT_TIME_VARIABLES) and parent.get(k) != env.get(k) for k in keys)

@@ -237,13 +237,16 @@ def _only_sweep_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_multirun_writes_the_summary(tmp_path: Path) -> None:
-    proc = run_cli(["fit", "-m", "trainer.precision=32-true,bf16-mixed", "callbacks=none,fast", *TINY], cwd=tmp_path)
+    # (callbacks=fast would add its baseline-comparison steps to every other job; freeze_norm is a cheap second value)
+    proc = run_cli(["fit", "-m", "trainer.precision=32-true,bf16-mixed", "callbacks=none,freeze_norm", *TINY],
+                   cwd=tmp_path)
     sweep = _only_sweep_dir(tmp_path)
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
     assert f"sweep summary: {sweep}/summary.{{csv,md,png}}" in proc.stdout
     table = list(csv.DictReader((sweep / "summary.csv").open()))
     assert [r["status"] for r in table] == ["ok"] * 4
-    assert {(r["trainer.precision"], r["callbacks"]) for r in table} == set(GRID)
+    assert {(r["trainer.precision"], r["callbacks"]) for r in table} == {
+        (precision, callbacks) for precision in ("32-true", "bf16-mixed") for callbacks in ("none", "freeze_norm")}
     for row in table:
         assert 0.0 <= float(row["objective"]) <= 1.0 and row["objective"] == row["val/segm_mAP"]
         assert float(row["images_per_s"]) > 0 and float(row["peak_memory_mb"]) > 0 and row["device"] == "cpu"
