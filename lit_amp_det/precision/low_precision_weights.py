@@ -23,7 +23,7 @@ from lit_amp_det.precision.casting import wrap_method
 from lit_amp_det.precision.guard import guarded_optimizer_step
 from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
 from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS
-from lit_amp_det.precision.options import HalfPrecisionOptions
+from lit_amp_det.precision.options import HalfPrecisionOptions, half_dtype
 from lit_amp_det.precision.regions import install_fp32_regions, regions_for
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
@@ -63,11 +63,8 @@ class MasterWeightPrecision(Precision):
         self.scaler = settings.scaler(precision, device)
         self.fp32_regions = settings.regions()
         self.guard = settings.guard(precision)
+        self.low_dtype = half_dtype(precision)
         self.weights: MasterWeights | None = None
-
-    @property
-    def low_dtype(self) -> torch.dtype:
-        return torch.float16 if self.precision == "16-weights" else torch.bfloat16
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

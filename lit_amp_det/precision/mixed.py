@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lit_amp_det.precision.guard import guarded_optimizer_step
 from lit_amp_det.precision.modes import MIXED_PRECISIONS
-from lit_amp_det.precision.options import HalfPrecisionOptions
+from lit_amp_det.precision.options import HalfPrecisionOptions, half_dtype
 from lit_amp_det.precision.regions import install_fp32_regions, regions_for
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
@@ -44,10 +44,7 @@ class DetectionMixedPrecision(MixedPrecision):
         super().__init__(precision, device, settings.scaler(precision, device))
         self.fp32_regions = settings.regions()
         self.guard = settings.guard(precision)
-
-    @property
-    def low_dtype(self) -> torch.dtype:
-        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+        self.low_dtype = half_dtype(precision)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

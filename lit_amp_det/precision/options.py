@@ -16,7 +16,12 @@ import torch
 from lit_amp_det.precision.guard import NonFiniteStepGuard
 from lit_amp_det.precision.modes import RegionMode
 
-__all__ = ["HalfPrecisionOptions"]
+__all__ = ["HalfPrecisionOptions", "half_dtype"]
+
+
+def half_dtype(precision: str) -> torch.dtype:
+    """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for ``bf16-*``."""
+    return torch.float16 if precision.startswith("16-") else torch.bfloat16
 
 
 @dataclass(frozen=True)
