@@ -129,3 +129,27 @@ def test_eval_shards_cover_every_image_once(size: int, monkeypatch: pytest.Monke
     assert sorted(i for shard in shards for i in shard) == list(range(size))
     monkeypatch.setattr(sampler, "_distributed_rank_and_size", lambda: (0, 1))
     assert list(EvalShardSampler(size)) == list(range(size))
+
+
+def test_the_readmes_batch_script_asks_slurm_for_what_its_command_runs() -> None:
+    """The README's ``sbatch`` script: its ``srun`` command composes, and its allocation is the one
+    ``hydra/launcher=slurm`` derives from that command's config (nodes, tasks and GPUs per node, CPUs per task)."""
+    import re
+    import shlex
+
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    script = re.search(r"\n```bash\n(#SBATCH [^\n]*)\n(srun .*?)\n```", text, re.S)
+    assert script is not None, "the Scaling out section has a batch script"
+    sbatch = dict(re.findall(r"--([a-z-]+)=(\S+)", script.group(1)))
+    words = shlex.split(script.group(2).replace("\\\n", " ").replace("$SLURM_JOB_ID", "4242"))
+    assert words[:5] == ["srun", "python", "-m", "lit_amp_det", "fit"]
+    assert "--requeue" in script.group(1) and sbatch["signal"] == "USR1@90"  # what LastCheckpoint answers
+    cfg = _hydra_config([*words[5:], "hydra/launcher=slurm"])
+    launcher = OmegaConf.select(cfg, "hydra.launcher")
+    assert cfg.trainer.strategy._target_.endswith("DDPStrategy") and cfg.data.root == "/data/coco"
+    assert {key: int(sbatch[key]) for key in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task")} == {
+        "nodes": launcher["nodes"], "ntasks-per-node": launcher["tasks_per_node"],
+        "gpus-per-node": launcher["gpus_per_node"], "cpus-per-task": launcher["cpus_per_task"]}
+    assert cfg.hydra.run.dir == "/shared/runs/4242"  # every task of the job, and its requeued attempts, in one folder

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,6 +83,53 @@ def test_a_preempted_job_requeues_and_its_next_attempt_resumes_exactly(tmp_path:
     (straight_dir,) = (straight / "fit").iterdir()
     assert_same_last_weights(straight_dir, second)
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # the finished attempt requeued nothing
+
+
+def _srun(command: list[str], cwd: Path, env: dict[str, str], tasks: int) -> list[tuple[int, str]]:
+    """``srun`` on one node: ``tasks`` processes of the command, each with its own ``SLURM_PROCID``; their exit codes
+    and output."""
+    with socket.socket() as sock:  # a port of this test's own (SLURM would derive one from the job id)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    shared = {**os.environ, **env, "SLURM_NTASKS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks),
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, "-m", "lit_amp_det", *command], cwd=cwd, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**shared, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)})
+                 for task in range(tasks)]
+    return [(process.wait(timeout=300), process.communicate()[0]) for process in processes]
+
+
+@pytest.mark.slow
+def test_a_preempted_two_task_job_requeues_once_and_resumes_in_its_folder(tmp_path: Path) -> None:
+    """``srun`` of two DDP tasks (the ranks SLURM starts, not Lightning) with the folder on the command line, as a
+    user's sbatch script has it: SIGUSR1 reaches both tasks, rank 0 alone requeues, both stop after one save, and
+    both tasks of the next attempt resume from it."""
+    env = {**_fake_slurm(tmp_path), "SLURM_JOB_ID": "4243", "LIT_AMP_DET_RUNS": str(tmp_path / "runs")}
+    folder = tmp_path / "shared" / "job-4243"
+    command = ["fit", *SMOKE, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none",
+               f"hydra.run.dir={folder}", "+callbacks.sig._target_=signaller.SignalAtStep", "+callbacks.sig.step=1",
+               "+callbacks.sig.signum=SIGUSR1"]
+    preempted = _srun(command, tmp_path, env, tasks=2)
+    for code, output in preempted:
+        assert code == 128 + signal.SIGUSR1, output[-4000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4243\n"  # rank 0 only, once
+    record = json.loads((folder / "run.json").read_text())
+    assert record["status"] == "requeued" and record["slurm_job_id"] == "4243"
+    assert torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
+    assert not (tmp_path / "runs").exists(), "no task may claim a folder of its own"
+
+    resumed = _srun(command, tmp_path, {**env, "SLURM_RESTART_COUNT": "1"}, tasks=2)
+    for code, output in resumed:
+        assert code == 0, output[-4000:]
+    record = json.loads((folder / "run.json").read_text())
+    assert record["status"] == "finished" and record["slurm_restart_count"] == 1
+    assert record["resumed_from"] == str((folder / "checkpoints" / "last.ckpt").resolve())
+    assert json.loads((folder / "metrics.json").read_text())["global_step"] == 4  # 16 images / (4 x 2 tasks) x 2
+    resumes = f"SLURM job 4243, restart 1: resuming its preempted attempt from {folder / 'checkpoints' / 'last.ckpt'}"
+    for log in ("fit.log", "fit_rank1.log"):  # each task found the attempt by itself
+        assert resumes in (folder / log).read_text(), log
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4243\n"
 
 
 def test_the_job_is_read_from_slurms_variables() -> None:
