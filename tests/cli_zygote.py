@@ -5,7 +5,8 @@ A fresh ``python -m lit_amp_det`` spends most of a smoke run importing torch, to
 torchmetrics, scipy) and Hydra; the CLI tests start dozens. A forked child is still its own process, with its own
 pid, signals, exit code, working directory, environment and output files, and it runs ``lit_amp_det.__main__``
 exactly as ``python -m`` does; it only skips the imports. :func:`conftest.run_cli` uses it for the commands that
-neither start DDP ranks nor change a variable read at import time, and a fresh process for the rest.
+do not change a variable read at import time (under DDP: rank 0, which starts the other ranks afresh from its command
+line), and a fresh process for the rest.
 
 Protocol (one JSON object per line): the test sends ``{"argv", "cwd", "env", "stdout", "stderr"}`` on stdin; this
 process answers ``{"pid": ...}`` at once and ``{"returncode": ...}`` (negative: killed by that signal) when the

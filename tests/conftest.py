@@ -143,7 +143,7 @@ def run_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
     that has made the imports already (:mod:`cli_zygote`), or started afresh where that could differ
     (``LIT_AMP_DET_TESTS_FRESH_PROCESSES=1`` starts every one afresh)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
-    if _WarmParent.takes(args, full_env) and _WarmParent.get() is not None:
+    if _WarmParent.takes(args, full_env) and _WarmParent.get() is not None:  # DDP: rank 0 (Lightning starts the rest)
         proc = _WarmParent.run(args, cwd, full_env, timeout=600)
     else:
         proc = subprocess.run([sys.executable, "-m", "lit_amp_det", *args], cwd=cwd, env=full_env,

@@ -25,7 +25,10 @@ def test_a_plain_command_goes_to_the_warm_parent_before_it_has_started(monkeypat
     assert not _WarmParent.takes(["fit"], _cli_environment(TORCH_LOGS="+dynamo"))  # read while torch imports
     assert not _WarmParent.takes(["fit"], {k: v for k, v in _cli_environment().items()
                                            if k != "PYTHONDONTWRITEBYTECODE"})
-    assert not _WarmParent.takes(["fit", "trainer=ddp"], _cli_environment())  # ranks start from the command line
+    # DDP's rank 0 too: Lightning starts the other ranks from its command line, each a fresh process
+    assert _WarmParent.takes(["fit", "trainer=ddp"], _cli_environment())
+    monkeypatch.setenv("LIT_AMP_DET_TESTS_FRESH_PROCESSES", "1")
+    assert not _WarmParent.takes(["fit"], _cli_environment())
 
 
 def test_a_forked_command_prints_what_a_fresh_one_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
