@@ -239,28 +239,65 @@ def test_roi_align_backward_matches_the_cpu_kernel_and_keeps_the_layout(dtype, l
     assert_matches(got, expected, dtype, atol=1e-5 if dtype != torch.float64 else 1e-12)
 
 
-@pytest.mark.parametrize(("pool", "dtype"), [(7, torch.float16), (14, torch.float32)])  # box head, mask head
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_gpu_tiles_compute_the_same(monkeypatch, pool, dtype, layout):
-    """The blocks a CUDA device gets (few channels a program at these pools: several channel blocks, a partial last
-    one), run by the interpreter: forward and atomic backward equal the CPU kernel's."""
-    gpu_blocks = _launch._blocks
-    monkeypatch.setattr(_launch, "_blocks", lambda channels, bins, device: gpu_blocks(channels, bins,
-                                                                                     torch.device("cuda")))
-    block_p, block_c, _ = _launch._blocks(42, pool * pool, torch.device("cpu"))
-    assert block_p * block_c == _launch.GPU_TILE and 42 % block_c, "several channel blocks, the last one partial"
-    x = _features((2, 42, 12, 14), dtype, layout, seed=3)
-    rois = _rois(5, 2, (48, 56))
-    got = tops.roi_align(x, rois, pool, 0.25, 2, True)
-    expected = cpu_kernels.roi_align(x.to(_acc(dtype)), rois, 0.25, pool, pool, 2, True)
-    assert_matches(got, expected, dtype)
-    grad = _features((5, 42, pool, pool), dtype, layout, seed=4)
-    args = (0.25, pool, pool, 2, 42, 12, 14, 2, True)
-    expected_grad = cpu_kernels._roi_align_backward(grad.to(_acc(dtype)), rois, *args)
-    # the atomics add up to 4 x 196 samples a cell in another order than the CPU kernel: fp32 sums differ in their last
-    # bits, and an fp16 result may round one ulp apart
-    atol = expected_grad.abs().max().item() * (2.0**-10 if dtype == torch.float16 else 2.0**-16)
-    assert_matches(_launch.roi_align_backward(grad, rois, *args), expected_grad, dtype, atol=atol)
+def _gpu_config(kernel: str, meta: dict) -> tuple:
+    """What distinguishes one CUDA launch configuration from another: kernel, warps, tile (elements per program)."""
+    tile = meta.get("BLOCK_P", 1) * meta["BLOCK_C"] if "BLOCK_C" in meta else None
+    return kernel, meta.get("num_warps", 4), tile, meta.get("BLOCK_N"), meta.get("BLOCK_M")
+
+
+@pytest.mark.slow
+def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monkeypatch):
+    """Under ``gpu_launch_configs()`` the interpreter runs the blocks a CUDA device gets: box IoU, NMS past 16 mask
+    words (1,100 boxes), RoIAlign at the box head's, mask head's and mask targets' pools (9 channels: several channel
+    blocks, a partial last one) forward, atomic backward and owned backward, each against the CPU kernels. Every
+    configuration the model's launches take on a GPU (``bench compile``'s, recorded on fake CUDA tensors) must be
+    among those run here: a launcher that gains one fails this test until it is run."""
+    from lit_amp_det.bench.triton_compile import model_launches
+
+    ran = set()
+    run = _launch._launch
+
+    def record(kernel, grid, *args, **meta):
+        ran.add(_gpu_config(kernel.fn.__name__, meta))
+        return run(kernel, grid, *args, **meta)
+
+    with _launch.gpu_launch_configs():
+        monkeypatch.setattr(_launch, "_launch", record)
+        boxes, scores = _nms_inputs(1100, torch.float32, clusters=40)
+        iou = tops.box_iou(boxes[:70].half(), boxes[:5].half())
+        torch.testing.assert_close(iou, cpu_kernels.box_iou(boxes[:70].half(), boxes[:5].half()), rtol=0, atol=0)
+        assert torch.equal(tops.nms(boxes, scores, 0.5), cpu_kernels.nms(boxes, scores, 0.5))
+        classes = torch.randint(3, (1100,), generator=torch.Generator().manual_seed(2))
+        assert torch.equal(tops.batched_nms(boxes, scores, classes, 0.5, 300),
+                           cpu_kernels.batched_nms(boxes, scores, classes, 0.5, 300))
+        rois = _rois(5, 2, (48, 56))
+        for pool, dtype, layout in ((7, torch.float16, torch.channels_last), (14, torch.float32, torch.contiguous_format),
+                                    (28, torch.bfloat16, torch.channels_last)):
+            x = _features((2, 9, 12, 14), dtype, layout, seed=3)
+            block_p, block_c, _ = _launch._blocks(9, pool * pool, x.device)
+            assert block_p * block_c >= _launch.GPU_TILE and 9 % block_c in (1, 0 if block_c == 1 else 1)
+            got = tops.roi_align(x, rois, pool, 0.25, 2, True)
+            assert_matches(got, cpu_kernels.roi_align(x.to(_acc(dtype)), rois, 0.25, pool, pool, 2, True), dtype)
+            grad = _features((5, 9, pool, pool), dtype, layout, seed=4)
+            args = (0.25, pool, pool, 2, 9, 12, 14, 2, True)
+            expected = cpu_kernels._roi_align_backward(grad.to(_acc(dtype)), rois, *args)
+            # the atomics add in another order than the CPU kernel: fp32 sums differ in their last bits, a half
+            # result may round one ulp apart
+            atol = expected.abs().max().item() * (2.0**-16 if dtype == torch.float32 else 2.0**-7)
+            assert_matches(_launch.roi_align_backward(grad, rois, *args), expected, dtype, atol=atol)
+        # the owned backward walks every RoI, bin and sample serially; its GPU block (up to 32 channels, whatever the
+        # pool) on 33 channels (a partial second block) and on one (mask targets), two RoIs
+        for channels in (33, 1):
+            grad = _features((2, channels, 7, 7), torch.float32, torch.channels_last, seed=6)
+            args = (0.25, 7, 7, 2, channels, 12, 14, 2, True)
+            with _deterministic():
+                owned = _launch.roi_align_backward(grad, rois[3:5], *args)
+            expected = cpu_kernels._roi_align_backward(grad, rois[3:5], *args)
+            torch.testing.assert_close(owned, expected, rtol=0, atol=1e-6)
+    model = {_gpu_config(launch.kernel, launch.meta)
+             for launch in model_launches(dtypes=(torch.float16,), pools=(7, 14, 28), channels=(256,),
+                                          layouts=(torch.channels_last,))}
+    assert model <= ran, f"CUDA launch configurations no interpreter test runs: {sorted(model - ran, key=str)}"
 
 
 def test_roi_align_deterministic_backward_is_the_same(monkeypatch):

@@ -8,11 +8,12 @@ size is data-dependent).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 import torch
@@ -86,6 +87,26 @@ def _kernels(device: torch.device) -> ModuleType:
     )
 
 
+_GPU_CONFIGS_ON_CPU = False
+
+
+@contextlib.contextmanager
+def gpu_launch_configs() -> Iterator[None]:
+    """For tests: within the block, CPU tensors (the interpreter) get the launch configurations of a CUDA device, so
+    the block shapes a GPU runs are executed and checked without one."""
+    global _GPU_CONFIGS_ON_CPU
+    previous, _GPU_CONFIGS_ON_CPU = _GPU_CONFIGS_ON_CPU, True
+    try:
+        yield
+    finally:
+        _GPU_CONFIGS_ON_CPU = previous
+
+
+def _gpu_configs(device: torch.device) -> bool:
+    """Whether a launch on ``device`` takes the GPU's block shapes."""
+    return device.type == "cuda" or _GPU_CONFIGS_ON_CPU
+
+
 def _launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     """Launches on the current device; compiled kernels go through ``wrap_triton`` so torch.compile traces them."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -144,7 +165,7 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     elif not a.dtype.is_floating_point or not b.dtype.is_floating_point:
         a, b = a.to(acc), b.to(acc)  # a float and an integer tensor: the integer one is compared as floats
     k = _kernels(out.device)
-    block_n, block_m = (32, 64) if out.device.type == "cuda" else (64, 128)
+    block_n, block_m = (32, 64) if _gpu_configs(out.device) else (64, 128)
     grid = (_cdiv(out.shape[0], block_n), _cdiv(out.shape[1], block_m))
     _launch(
         k.box_iou_kernel, grid, a, b, out, out.shape[0], out.shape[1], *a.stride(), *b.stride(),
@@ -218,7 +239,7 @@ def _kept_flags(boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshol
     threshold = torch.full((1,), float(iou_threshold), dtype=torch.float64, device=device)
     mask = torch.empty((n, band), dtype=torch.int64, device=device)  # only tiles the greedy pass reads are written
     _launch(k.nms_mask_kernel, (band, words), boxes, boxes.stride(0), boxes.stride(1), visit, cls, threshold, mask,
-            n, words, band, ACC=_tl_dtype(acc), FP64=acc == torch.float64)
+            n, words, band, ACC=_tl_dtype(acc), FP64=acc == torch.float64, num_warps=NMS_MASK_WARPS)
     keep_visit = torch.zeros(n, dtype=torch.int8, device=device)
     # one warp keeps the per-box reductions of the serial pass inside a warp, while the removed bits fit
     words_block = max(_next_pow2(words), 16)
@@ -308,19 +329,31 @@ def _check_pool(op: str, pooled_height: int, pooled_width: int) -> None:
         raise ValueError(f"{op}: pooled_height and pooled_width must be > 0, got {pooled_height} and {pooled_width}")
 
 
-#: RoIAlign tile on a GPU: bins x channels elements per program and its warps. Each element holds four gathered
-#: corners, their weights and 64-bit addresses in registers; at 1,024 elements over 8 warps (4 per thread) every
-#: forward and atomic-backward specialisation at the heads' pools fits in at most 100 registers without spilling
-#: (ptxas, sm_90), where 4,096 over 4 warps spilled 0.8-6 KB per thread (BENCHMARKS.md, "Triton registers").
-GPU_TILE, GPU_WARPS = 1024, 8
+#: RoIAlign on a GPU: elements (bins x channels) per program, and per thread. Each element holds four gathered corners,
+#: their weights and 64-bit addresses in registers, so registers follow the elements a thread holds: at 2 (512 over 8
+#: warps; a pool larger than the tile gets more warps) every fp16/bf16/fp32 forward and backward at the model's pools
+#: compiles without a spill on sm_80/90/100 (``bench compile``), where 4 a thread spilled a few bytes on each of them
+#: in some specialisation and 32 (4,096 over 4 warps) spilled kilobytes.
+GPU_TILE, GPU_ELEMENTS_PER_THREAD = 512, 2
+#: warps of an NMS mask program (one 64 x 64 tile of IoUs, 8 a thread): at 4 warps ptxas took all 255 registers and
+#: spilled on sm_100, at 8 it still spilled on sm_80
+NMS_MASK_WARPS = 16
 
 
 def _blocks(channels: int, bins: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_C, num_warps) of a RoIAlign launch: all bins of one RoI, as many channels as the tile holds."""
     block_p = _next_pow2(bins)
-    if device.type == "cpu":  # the interpreter: fewer, larger programs (each costs Python overhead)
+    if not _gpu_configs(device):  # the interpreter: fewer, larger programs (each costs Python overhead)
         return block_p, max(1, min(_next_pow2(channels), 64)), 4
-    return block_p, max(1, min(_next_pow2(channels), GPU_TILE // block_p)), GPU_WARPS
+    block_c = max(1, min(_next_pow2(channels), GPU_TILE // block_p))
+    return block_p, block_c, max(4, block_p * block_c // (32 * GPU_ELEMENTS_PER_THREAD))
+
+
+def _owned_blocks(channels: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_C, num_warps) of the deterministic backward: a program walks every RoI, bin and sample in a fixed order
+    for its block of channels, so its time is that walk whatever the block; one warp of channel lanes on a GPU."""
+    block_c = max(1, min(_next_pow2(channels), 32 if _gpu_configs(device) else 64))
+    return block_c, 1 if _gpu_configs(device) else 4
 
 
 def _scale_tensors(scales: Sequence[float], acc: torch.dtype, device: torch.device) -> list[Tensor]:
@@ -383,9 +416,10 @@ def _backward(grad: Tensor, rois: Tensor, levels: Tensor | None, spatial_scales:
             tail = (*grad.stride(), *rois.stride(), *gx.stride(), pooled_height, pooled_width, int(sampling_ratio))
             if deterministic:
                 # serial per (image, channel block): slow, but every sum has one fixed order
-                _launch(k.roi_align_backward_owned_kernel, (gx.shape[0], _cdiv(channels, block_c)),
+                owned_c, owned_warps = _owned_blocks(channels, grad.device)
+                _launch(k.roi_align_backward_owned_kernel, (gx.shape[0], _cdiv(channels, owned_c)),
                         grad, rois, _levels_or_dummy(levels, rois), scale, gx, level, len(specs), num_rois, *sizes,
-                        *tail, BLOCK_C=block_c, **common)
+                        *tail, BLOCK_C=owned_c, num_warps=owned_warps, **common)
             else:
                 _launch(k.roi_align_backward_atomic_kernel, (num_rois, _cdiv(channels, block_c)),
                         grad, rois, _levels_or_dummy(levels, rois), scale, gx, level, len(specs), *sizes, *tail,
