@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lit_amp_det-installed
 ARGS   ?=
 
-.PHONY: install ext fit test gpu-check clean-runs
+.PHONY: install ext fit test gpu-check gpu-compile clean-runs
 
 install: $(STAMP) ext
 
@@ -42,6 +42,10 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) setup.py --quiet build_ext --inplace
 	$(GPU_PY) -m lit_amp_det.bench.gpu_check $(ARGS)
+
+# Every Triton launch of the model compiled for sm_80/90/100 (and gfx942): registers and spills, no GPU needed.
+gpu-compile: install
+	$(PY) tools/triton_compile.py $(ARGS)
 
 clean-runs:
 	rm -rf runs

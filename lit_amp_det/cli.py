@@ -30,7 +30,7 @@ _DESCRIPTIONS = {
     "predict": "write COCO-format detections of data.predict_split (or of the pictures in data.predict_images) "
                "to predictions.json",
     "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), "
-             "`bench precision|ops|convbn|coco_eval`, `bench compile` (Triton kernels' registers and spills, no GPU)",
+             "`bench precision|ops|convbn|coco_eval`",
 }
 
 

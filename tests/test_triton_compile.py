@@ -3,7 +3,7 @@
 The interpreter (tests/test_triton_ops.py) checks what the kernels compute, but it is plain Python: it does not
 type-check loop-carried values, branches or constexpr folding the way the compiler does. Here the launches of a
 few representative op calls are recorded while they run interpreted, and each is specialised as Triton's launcher
-does and compiled to a cubin for an H100 (:mod:`lit_amp_det.bench.triton_compile`, which also reports registers and
+does and compiled to a cubin for an H100 (``tools/triton_compile.py``, which also reports registers and
 spills: the model's launches must not spill). The PTX is also checked for the numerics the kernels promise: no contracted multiply-adds in the box
 kernels and IEEE round-to-nearest fp32 division.
 """
@@ -56,7 +56,7 @@ def _record_launches(monkeypatch) -> list[tuple[str, tuple, dict]]:
 
 
 def test_every_kernel_compiles_for_sm90_with_the_promised_numerics(monkeypatch):
-    from lit_amp_det.bench import triton_compile
+    import triton_compile
 
     launches = [triton_compile.Launch(name, args, meta) for name, args, meta in _record_launches(monkeypatch)]
     kernels = triton_compile.compiled_kernels()
@@ -78,10 +78,10 @@ def test_every_kernel_compiles_for_sm90_with_the_promised_numerics(monkeypatch):
 
 @pytest.mark.slow
 def test_the_models_launches_compile_without_spills_on_hopper_and_blackwell():
-    """``bench compile`` on a subset (the heads' pools at 256 channels, both layouts, NMS and IoU at the model's
+    """``make gpu-compile`` on a subset (the heads' pools at 256 channels, both layouts, NMS and IoU at the model's
     sizes, every model dtype): no fp16/bf16/fp32 specialisation spills on sm_90 or sm_100, and the memory-bound
     RoIAlign kernels stay within 128 registers a thread."""
-    from lit_amp_det.bench import triton_compile
+    import triton_compile
 
     launches = triton_compile.model_launches(dtypes=triton_compile.MODEL_DTYPES, pools=(7, 14), channels=(256,))
     assert {launch.kernel for launch in launches} == {
@@ -99,7 +99,7 @@ def test_the_models_launches_compile_without_spills_on_hopper_and_blackwell():
 
 
 def test_the_compile_report_names_each_specialisation_once_at_its_worst():
-    from lit_amp_det.bench.triton_compile import Usage, report
+    from triton_compile import Usage, report
 
     rows = [Usage("sm_90", "k", "float16", "BLOCK_C=8", 4, 80, 0, 0), Usage("sm_90", "k", "float16", "BLOCK_C=8", 4, 90, 0, 0),
             Usage("sm_90", "k", "float64", "BLOCK_C=8", 4, 128, 24, 0)]

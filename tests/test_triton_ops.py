@@ -250,9 +250,9 @@ def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monke
     """Under ``gpu_launch_configs()`` the interpreter runs the blocks a CUDA device gets: box IoU, NMS past 16 mask
     words (1,100 boxes), RoIAlign at the box head's, mask head's and mask targets' pools (9 channels: several channel
     blocks, a partial last one) forward, atomic backward and owned backward, each against the CPU kernels. Every
-    configuration the model's launches take on a GPU (``bench compile``'s, recorded on fake CUDA tensors) must be
+    configuration the model's launches take on a GPU (``make gpu-compile``'s, recorded on fake CUDA tensors) must be
     among those run here: a launcher that gains one fails this test until it is run."""
-    from lit_amp_det.bench.triton_compile import model_launches
+    from triton_compile import model_launches
 
     ran = set()
     run = _launch._launch

@@ -11,8 +11,7 @@ __all__ = ["main", "BENCHMARKS"]
 #: benchmark name -> ``module:function`` taking the rest of the command line
 BENCHMARKS = {"train": "lit_amp_det.bench.e2e:train", "infer": "lit_amp_det.bench.e2e:infer",
               "precision": "lit_amp_det.bench.e2e:precision", "ops": "lit_amp_det.bench.ops:main",
-              "convbn": "lit_amp_det.bench.convbn:main", "coco_eval": "lit_amp_det.bench.coco_eval:main",
-              "compile": "lit_amp_det.bench.triton_compile:main"}
+              "convbn": "lit_amp_det.bench.convbn:main", "coco_eval": "lit_amp_det.bench.coco_eval:main"}
 
 
 def main(argv: Sequence[str]) -> None:

@@ -332,7 +332,7 @@ def _check_pool(op: str, pooled_height: int, pooled_width: int) -> None:
 #: RoIAlign on a GPU: elements (bins x channels) per program, and per thread. Each element holds four gathered corners,
 #: their weights and 64-bit addresses in registers, so registers follow the elements a thread holds: at 2 (512 over 8
 #: warps; a pool larger than the tile gets more warps) every fp16/bf16/fp32 forward and backward at the model's pools
-#: compiles without a spill on sm_80/90/100 (``bench compile``), where 4 a thread spilled a few bytes on each of them
+#: compiles without a spill on sm_80/90/100 (``make gpu-compile``), where 4 a thread spilled a few bytes on each of them
 #: in some specialisation and 32 (4,096 over 4 warps) spilled kilobytes.
 GPU_TILE, GPU_ELEMENTS_PER_THREAD = 512, 2
 #: warps of an NMS mask program (one 64 x 64 tile of IoUs, 8 a thread): at 4 warps ptxas took all 255 registers and

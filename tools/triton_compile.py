@@ -1,4 +1,4 @@
-"""``bench compile``: every Triton launch the model makes, compiled ahead of time for GPUs, with registers and spills.
+"""``make gpu-compile``: every Triton launch the model makes, compiled ahead of time for GPUs: registers and spills.
 
 No GPU is needed. The real launchers of :mod:`lit_amp_det.ops.triton` run on fake CUDA tensors (PyTorch's
 ``FakeTensorMode``: shapes, strides and dtypes, no memory), with the launch itself replaced by a recorder; each
@@ -13,8 +13,9 @@ The launches are those of the model's sizes: RoIAlign for the box head (7x7), th
 per level, 10,000 in all), of the detector (per class) and alone; the IoU of the matchers. fp64 kernels are
 compiled too and may spill (no model runs them on a GPU); the report marks them, the check ignores them.
 
-``python -m lit_amp_det bench compile [--targets sm_80,sm_90,sm_100,gfx942] [--out DIR]`` writes
-``triton_compile.md``/``.json``; it exits with status 1 if an fp16/bf16/fp32 specialisation spills.
+``python tools/triton_compile.py [--targets sm_80,sm_90,sm_100,gfx942] [--out DIR]`` (``make gpu-compile``) writes
+``triton_compile.md``/``.json``; it exits with status 1 if an fp16/bf16/fp32 specialisation spills. A developer's
+tool for the kernels, so it lives beside the package, not in it; ``tests/test_triton_compile.py`` runs it on a subset.
 """
 
 from __future__ import annotations
@@ -267,9 +268,9 @@ def report(rows: Sequence[Usage]) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lit_amp_det bench compile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/triton_compile.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: " + ", ".join(TARGETS))
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/compile"), help="folder of the report")
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu_compile"), help="folder of the report")
     args = parser.parse_args(list(argv))
     unknown = [t for t in args.targets.split(",") if t not in TARGETS]
     if unknown:
@@ -291,3 +292,7 @@ def main(argv: Sequence[str]) -> None:
     spilling = [r for r in rows if r.required and r.spill_bytes]
     if spilling:
         sys.exit(f"{len(spilling)} fp16/bf16/fp32 specialisations spill registers (table above)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
