@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import re
 import subprocess
@@ -100,15 +99,7 @@ def recorded_launches() -> Iterator[list[Launch]]:
 
 def compiled_kernels() -> ModuleType:
     """The kernels module decorated for compilation, whatever ``TRITON_INTERPRET`` said when it was first imported."""
-    import triton
-
-    spec = importlib.util.spec_from_file_location(_launch._KERNELS_MODULE + "_aot",
-                                                  importlib.util.find_spec(_launch._KERNELS_MODULE).origin)
-    module = importlib.util.module_from_spec(spec)
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = False
-        spec.loader.exec_module(module)
-    return module
+    return _launch.load_kernels(interpret=False)
 
 
 def _fpn_levels(channels: int, dtype: torch.dtype, layout: torch.memory_format) -> list[torch.Tensor]:
@@ -173,19 +164,25 @@ def _stand_in(value: Any) -> Any:
     return MockTensor(value.dtype) if isinstance(value, torch.Tensor) else value
 
 
+def _bind(kernel: Any, launch: Launch, backend: Any) -> tuple[dict, Any, Any, Any]:
+    """Triton's own binder on the recorded arguments: (launch keywords, bound arguments, specialisation, options)."""
+    from triton.runtime.jit import create_function_from_signature
+
+    meta = {**launch.meta, "enable_fp_fusion": False}  # as _launch passes it
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    return meta, *binder(*map(_stand_in, launch.args), **meta)
+
+
 def compile_launch(kernels: ModuleType, launch: Launch, target: str) -> Any:
     """Specialises ``launch`` as Triton's launcher would and compiles it for ``target``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
 
     kernel = getattr(kernels, launch.kernel)
     gpu = GPUTarget(*TARGETS[target])
     backend = make_backend(gpu)
-    meta = {**launch.meta, "enable_fp_fusion": False}  # as _launch passes it
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*map(_stand_in, launch.args), **meta)
+    meta, bound, specialization, options = _bind(kernel, launch, backend)
     options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__)
 
@@ -229,14 +226,11 @@ def specialisations(kernels: ModuleType, launches: Sequence[Launch], target: str
     """One launch per distinct specialisation (Triton compiles each once)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(GPUTarget(*TARGETS[target]))
     seen, distinct = set(), []
     for launch in launches:
-        kernel = getattr(kernels, launch.kernel)
-        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        _, specialization, _ = binder(*map(_stand_in, launch.args), **launch.meta, enable_fp_fusion=False)
+        _, _, specialization, _ = _bind(getattr(kernels, launch.kernel), launch, backend)
         key = (launch.kernel, repr(specialization), repr(sorted(launch.meta.items())))
         if key not in seen:
             seen.add(key)

@@ -53,22 +53,29 @@ def _interpreted() -> ModuleType:
     """The kernels module loaded a second time with Triton's interpreter on (or the first one if it already is)."""
     global _INTERPRETED
     if _INTERPRETED is None:
-        import triton
         from triton.runtime.interpreter import InterpretedFunction
 
         loaded = sys.modules.get(_KERNELS_MODULE)  # not imported here: that would fix its mode for CUDA too
         if loaded is not None and isinstance(loaded.box_iou_kernel, InterpretedFunction):
             _INTERPRETED = loaded
         else:
-            name = _KERNELS_MODULE + "_interpreted"
-            spec = importlib.util.spec_from_file_location(name, importlib.util.find_spec(_KERNELS_MODULE).origin)
-            module = importlib.util.module_from_spec(spec)
-            with triton.knobs.runtime.scope():
-                triton.knobs.runtime.interpret = True
-                spec.loader.exec_module(module)
-            sys.modules[name] = module
-            _INTERPRETED = module
+            _INTERPRETED = load_kernels(interpret=True)
+            sys.modules[_INTERPRETED.__name__] = _INTERPRETED
     return _INTERPRETED
+
+
+def load_kernels(interpret: bool) -> ModuleType:
+    """A fresh copy of the kernels module, decorated for Triton's interpreter or for compilation whatever
+    ``TRITON_INTERPRET`` said when the module was first imported (the AOT compile report takes the compiled one)."""
+    import triton
+
+    name = _KERNELS_MODULE + ("_interpreted" if interpret else "_compiled")
+    spec = importlib.util.spec_from_file_location(name, importlib.util.find_spec(_KERNELS_MODULE).origin)
+    module = importlib.util.module_from_spec(spec)
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = interpret
+        spec.loader.exec_module(module)
+    return module
 
 
 def _kernels(device: torch.device) -> ModuleType:
@@ -352,8 +359,8 @@ def _blocks(channels: int, bins: int, device: torch.device) -> tuple[int, int, i
 def _owned_blocks(channels: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_C, num_warps) of the deterministic backward: a program walks every RoI, bin and sample in a fixed order
     for its block of channels, so its time is that walk whatever the block; one warp of channel lanes on a GPU."""
-    block_c = max(1, min(_next_pow2(channels), 32 if _gpu_configs(device) else 64))
-    return block_c, 1 if _gpu_configs(device) else 4
+    gpu = _gpu_configs(device)
+    return max(1, min(_next_pow2(channels), 32 if gpu else 64)), 1 if gpu else 4
 
 
 def _scale_tensors(scales: Sequence[float], acc: torch.dtype, device: torch.device) -> list[Tensor]:
