@@ -20,8 +20,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import OmegaConf
 
 from lit_amp_det.app.runs import slurm_resume_point, write_run_record
+from lit_amp_det.app.tasks import _requeued_job_checkpoint
 from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint
 from lit_amp_det.slurm import SlurmJob, current_job, requeue_signal
 
@@ -87,17 +90,32 @@ def test_a_preempted_job_requeues_and_its_next_attempt_resumes_exactly(tmp_path:
 
 def _srun(command: list[str], cwd: Path, env: dict[str, str], tasks: int) -> list[tuple[int, str]]:
     """``srun`` on one node: ``tasks`` processes of the command, each with its own ``SLURM_PROCID``; their exit codes
-    and output."""
+    and output. Each task writes to a file, as SLURM's ``--output`` does: a pipe read only after the first task ends
+    fills up with the second task's output and blocks it inside a collective the first task is waiting in."""
     with socket.socket() as sock:  # a port of this test's own (SLURM would derive one from the job id)
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     shared = {**os.environ, **env, "SLURM_NTASKS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks),
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    processes = [subprocess.Popen([sys.executable, "-m", "lit_amp_det", *command], cwd=cwd, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  env={**shared, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)})
-                 for task in range(tasks)]
-    return [(process.wait(timeout=300), process.communicate()[0]) for process in processes]
+    restart = env.get("SLURM_RESTART_COUNT", "0")
+    logs = [cwd / f"srun-{restart}-task{task}.out" for task in range(tasks)]
+    processes = []
+    for task, log in enumerate(logs):
+        with log.open("w") as output:
+            processes.append(subprocess.Popen([sys.executable, "-m", "lit_amp_det", *command], cwd=cwd, stdout=output,
+                                              stderr=subprocess.STDOUT, text=True,
+                                              env={**shared, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)}))
+    try:
+        codes = [process.wait(timeout=300) for process in processes]
+    except subprocess.TimeoutExpired:
+        tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+        pytest.fail(f"srun of {tasks} tasks did not end in 300 s:\n{tails}")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [(code, log.read_text()) for code, log in zip(codes, logs)]
 
 
 @pytest.mark.slow
@@ -195,6 +213,21 @@ def test_the_resume_point_is_the_newest_earlier_attempt_of_the_same_job(tmp_path
     assert slurm_resume_point(runs, "4242", 3) == runs / "fit" / "c" / "checkpoints" / "last.ckpt"
     _attempt(runs, "f", "4242", 3, "finished", 6.0, saved=True)
     assert slurm_resume_point(runs, "4242", 4) == runs / "fit" / "c" / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("rank_zero_wrote_first", [False, True])
+def test_every_task_of_a_requeued_attempt_resumes_from_the_same_file(tmp_path: Path, monkeypatch,
+                                                                     rank_zero_wrote_first: bool) -> None:
+    """Under ``srun`` each task looks for the preempted attempt by itself, in the folder they share, while rank 0
+    replaces that folder's ``run.json`` with this attempt's record: before or after, task 1 finds rank 0's file."""
+    folder = _attempt(tmp_path / "runs", "job", "4243", 0, "requeued", 1.0, saved=True)
+    checkpoint = folder / "checkpoints" / "last.ckpt"
+    if rank_zero_wrote_first:
+        write_run_record(folder, "fit", resumed_from=str(checkpoint), slurm_job_id="4243", slurm_restart_count=1)
+    cfg = OmegaConf.create({"command": "fit", "ckpt_path": None,
+                            "paths": {"output_dir": str(folder), "runs_root": str(tmp_path / "elsewhere")}})
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert _requeued_job_checkpoint(cfg, SlurmJob("4243", 1)) == str(checkpoint)
 
 
 class _SignallingTrainer:

@@ -112,6 +112,10 @@ class RunInfo:
     def finished(self) -> bool:
         return self.status == "finished"
 
+    def is_attempt(self, job_id: str, restart_count: int) -> bool:
+        """The record of attempt ``restart_count`` of SLURM job ``job_id`` itself."""
+        return self.slurm_job_id == job_id and self.slurm_restart_count == restart_count
+
     def is_earlier_attempt_of(self, job_id: str, restart_count: int) -> bool:
         """An unfinished attempt of SLURM job ``job_id`` with a lower restart count than ``restart_count``."""
         return (self.slurm_job_id == job_id and self.slurm_restart_count is not None

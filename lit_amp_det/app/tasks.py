@@ -31,6 +31,7 @@ from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on
 from lit_amp_det.app.runs import (
     holds_a_run,
     is_earlier_attempt,
+    read_run,
     resolve_ckpt_path,
     resume_point,
     slurm_resume_point,
@@ -263,7 +264,14 @@ def _requeued_job_checkpoint(cfg: DictConfig, job: SlurmJob | None) -> str | Non
     if job is None or str(cfg.command) != "fit" or cfg.get("ckpt_path") is not None:
         return None
     out = _output_dir(cfg)
-    checkpoint = resume_point(out) if _earlier_attempt_of(job, out) else None
+    record = read_run(out)
+    if rank_zero_only.rank != 0 and record is not None and record.is_attempt(job.job_id, job.restart_count):
+        # rank 0 of this attempt recorded its choice over the earlier attempt's run.json first: follow it, or this
+        # task would start from step 0 beside a rank 0 that resumed (and the two would wait on each other forever)
+        checkpoint = Path(record.resumed_from) if record.resumed_from else None
+    else:
+        checkpoint = resume_point(out) if record is not None and record.is_earlier_attempt_of(
+            job.job_id, job.restart_count) else None
     if checkpoint is None:
         runs_root = Path(cfg.paths.runs_root).expanduser().resolve()
         checkpoint = slurm_resume_point(runs_root, job.job_id, job.restart_count)
