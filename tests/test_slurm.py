@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
 from lit_amp_det.app.runs import slurm_resume_point, write_run_record
-from lit_amp_det.app.tasks import _requeued_job_checkpoint
+from lit_amp_det.app.tasks import start_checkpoint
 from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint
 from lit_amp_det.slurm import SlurmJob, current_job, requeue_signal
 
@@ -227,7 +227,15 @@ def test_every_task_of_a_requeued_attempt_resumes_from_the_same_file(tmp_path: P
     cfg = OmegaConf.create({"command": "fit", "ckpt_path": None,
                             "paths": {"output_dir": str(folder), "runs_root": str(tmp_path / "elsewhere")}})
     monkeypatch.setattr(rank_zero_only, "rank", 1)
-    assert _requeued_job_checkpoint(cfg, SlurmJob("4243", 1)) == str(checkpoint)
+    assert start_checkpoint(cfg, folder, SlurmJob("4243", 1)) == str(checkpoint)
+
+
+def test_a_task_started_by_srun_resolves_a_run_folder_as_rank_zero_does(tmp_path: Path, monkeypatch) -> None:
+    earlier = _attempt(tmp_path / "runs", "earlier", "1", 0, "interrupted", 1.0, saved=True)
+    cfg = OmegaConf.create({"command": "fit", "ckpt_path": str(earlier),
+                            "paths": {"output_dir": str(tmp_path / "now"), "runs_root": str(tmp_path / "runs")}})
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert start_checkpoint(cfg, tmp_path / "now", None) == str((earlier / "checkpoints" / "last.ckpt").resolve())
 
 
 class _SignallingTrainer:

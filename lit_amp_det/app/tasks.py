@@ -225,20 +225,16 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
         pl.seed_everything(cfg.seed, workers=True)
     out = _output_dir(cfg)
     job = current_job()
-    ckpt_path = None
+    if rank_zero_only.rank == 0 and holds_a_run(out) and not _earlier_attempt_of(job, out):
+        raise FileExistsError(f"{out} already holds a run (run.json, metrics.json or checkpoints); runs never "
+                              f"write into an earlier run's folder: choose another hydra.run.dir, or resume it "
+                              f"into a new folder with ckpt_path={out}")
+    ckpt_path = start_checkpoint(cfg, out, job)
     if rank_zero_only.rank == 0:
-        if holds_a_run(out) and not _earlier_attempt_of(job, out):
-            raise FileExistsError(f"{out} already holds a run (run.json, metrics.json or checkpoints); runs never "
-                                  f"write into an earlier run's folder: choose another hydra.run.dir, or resume it "
-                                  f"into a new folder with ckpt_path={out}")
-        ckpt_path = resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root)) or _requeued_job_checkpoint(cfg, job)
         write_run_record(out, str(cfg.command), resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None,
                          **(job.record() if job is not None else {}))
         OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
         _pin_ckpt_path_for_ddp_children(ckpt_path)
-    else:  # rank 0 resolved ``last`` and pinned the file on this process's command line (under srun every task
-        # starts the command itself, so each finds the requeued job's checkpoint as rank 0 did)
-        ckpt_path = cfg.get("ckpt_path") or _requeued_job_checkpoint(cfg, job)
     datamodule = build_datamodule(cfg)
     checkpoint, classes = None, None
     if predicts_on_a_folder(cfg):  # no annotations to name the classes: the weights do
@@ -252,6 +248,13 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
         warn_if_precision_changes(checkpoint, f"ckpt_path={ckpt_path}", str(trainer.precision_plugin.precision))
     del checkpoint  # Lightning reads the file again itself
     return datamodule, model, trainer, ckpt_path
+
+
+def start_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -> str | None:
+    """The checkpoint this process starts from, resolved on every rank: the ranks Lightning starts get rank 0's file
+    pinned on their command line, the tasks ``srun`` starts (each its own command) resolve ``last``, a run folder or
+    a requeued job's attempt as rank 0 does."""
+    return resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root)) or _requeued_job_checkpoint(cfg, job)
 
 
 def _earlier_attempt_of(job: SlurmJob | None, folder: Path) -> bool:
