@@ -181,8 +181,9 @@ def test_frozen_batchnorm_and_subclasses_fold() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_tiny_maskrcnn_losses_and_gradients_match(dtype: torch.dtype) -> None:
-    """Losses in fp32 and float64; gradients in float64 only: the detector's backbone gradients are ill-conditioned
-    (in the plain fp32 model, moving one running mean by 1e-6 moves the stem's weight gradient by 4e-4)."""
+    """Losses in fp32 and float64; gradients in float64 only: the detector is ill-conditioned in fp32 (in the plain
+    model, moving the running means by 1e-6 moves the stem's weight gradient by 4e-4 and, with one torch thread on
+    an AVX-512 CPU, loss_classifier by 5e-5), so fp32 losses get 2e-4; a wrong fold moves them by far more."""
     torch.manual_seed(0)
     model = build_detector(7, backbone={"name": "resnet10", "fpn_channels": 32},
                            transform={"min_size": 128, "max_size": 128},
@@ -208,7 +209,7 @@ def test_tiny_maskrcnn_losses_and_gradients_match(dtype: torch.dtype) -> None:
     assert calls == {"folded": 12}
     assert sorted(actual) == sorted(expected) and len(expected) == 5
     for key in expected:
-        _assert_rel(actual[key].detach(), expected[key].detach(), 1e-5, key)
+        _assert_rel(actual[key].detach(), expected[key].detach(), 2e-4 if dtype == torch.float32 else 1e-10, key)
     if dtype == torch.float64:
         _assert_grads_match(plain, folded, 1e-10)
 

@@ -39,14 +39,20 @@ def _fit(tmp_path: Path, precision: str) -> tuple[dict, list[float]]:
     return metrics, [float(r["train/loss"]) for r in rows if r.get("train/loss")]
 
 
-def _assert_learns_alike(reference: tuple[dict, list[float]], other: tuple[dict, list[float]],
-                         map_tolerance: float) -> None:
-    """Both runs learned (segm mAP@50 > 0.12), their mAPs agree within ``map_tolerance`` and the mean of their
-    last 15 logged losses within 10 % (once past the first steps the curves must agree on average)."""
+def _assert_learns_alike(reference: tuple[dict, list[float]], other: tuple[dict, list[float]]) -> None:
+    """Both runs learned (segm mAP@50 > 0.12), their mAPs agree within the spread of seeds and the mean of their last
+    15 logged losses within 10 % (once past the first steps the curves must agree on average).
+
+    At 300 steps this recipe's mAP depends on the seed more than on the precision: which proposals get sampled
+    changes with the first rounding difference, so two precisions with one seed diverge like two seeds. Measured on
+    an AVX-512 BF16 CPU, seeds 0-2: segm/bbox mAP 0.091-0.118 / 0.091-0.131 in 32-true, 0.077-0.164 / 0.098-0.195 in
+    bf16-mixed, 0.115-0.167 / 0.116-0.183 in bf16-weights (every mAP@50 >= 0.16; same-seed pairs differ by up to
+    0.052 / 0.082, late loss means by up to 7.5 %). A broken precision path does not learn: mAP@50 near 0."""
     (ref, ref_losses), (run, run_losses) = reference, other
-    assert ref["val/segm_mAP_50"] > 0.12, ref  # a model that learned something worth comparing
+    for metrics in (ref, run):
+        assert metrics["val/segm_mAP_50"] > 0.12, metrics  # a model that learned something worth comparing
     for key in ("val/segm_mAP", "val/bbox_mAP"):
-        assert abs(run[key] - ref[key]) <= map_tolerance, (key, run[key], ref[key])
+        assert abs(run[key] - ref[key]) <= 0.1, (key, run[key], ref[key])
     assert len(ref_losses) == len(run_losses) == 30
     mean_ref, mean_run = sum(ref_losses[15:]) / 15, sum(run_losses[15:]) / 15
     assert abs(mean_run - mean_ref) <= 0.1 * mean_ref, (ref_losses, run_losses)
@@ -55,16 +61,12 @@ def _assert_learns_alike(reference: tuple[dict, list[float]], other: tuple[dict,
 @pytest.mark.slow
 @pytest.mark.bf16_training
 def test_bf16_training_matches_fp32_accuracy(tmp_path: Path) -> None:
-    _assert_learns_alike(_fit(tmp_path, "32-true"), _fit(tmp_path, "bf16-mixed"), map_tolerance=0.02)
+    _assert_learns_alike(_fit(tmp_path, "32-true"), _fit(tmp_path, "bf16-mixed"))
 
 
 @pytest.mark.slow
 @pytest.mark.bf16_training
 def test_bf16_weights_training_matches_bf16_mixed_accuracy(tmp_path: Path) -> None:
     """bf16-weights runs the same bf16 convolutions as bf16-mixed (the first step's losses are bit-identical, see
-    tests/test_low_precision_weights.py) and steps fp32 masters, so it must learn as well. Rounding differences
-    (gradients of shared weights are summed in bf16) still change which proposals get sampled after a few steps,
-    so the two runs diverge like two seeds of one recipe. The mAP tolerance is that spread: bf16-mixed with seed 0
-    and seed 1 of this recipe differ by 0.051 bbox / 0.015 segm mAP (0.150 / 0.112 vs 0.099 / 0.096); the two modes
-    with seed 0 by 0.026 / 0.025 (bf16-weights 0.176 / 0.136). The late loss means agree within 0.6 %."""
-    _assert_learns_alike(_fit(tmp_path, "bf16-mixed"), _fit(tmp_path, "bf16-weights"), map_tolerance=0.06)
+    tests/test_low_precision_weights.py) and steps fp32 masters, so it must learn as well."""
+    _assert_learns_alike(_fit(tmp_path, "bf16-mixed"), _fit(tmp_path, "bf16-weights"))

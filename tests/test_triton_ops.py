@@ -312,6 +312,37 @@ def test_roi_align_deterministic_backward_is_the_same(monkeypatch):
     torch.testing.assert_close(owned, cpu_kernels._roi_align_backward(grad, rois, *args), rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize(("dtype", "layout", "aligned", "sampling_ratio"), [
+    (torch.float32, torch.channels_last, True, 2), (torch.float16, torch.contiguous_format, False, -1),
+    (torch.float64, torch.channels_last, False, 1), (torch.bfloat16, torch.contiguous_format, True, -1)])
+def test_the_tiled_deterministic_backward_adds_in_the_serial_order(dtype, layout, aligned, sampling_ratio):
+    """The GPU's owned backward (``OWNED_TILE``-pixel tiles: here a 70 x 36 level and a 20 x 18 one, RoIs crossing
+    tile edges, leaving the map, of zero and negative size, NaN and of an image outside the batch) gives bit for bit
+    the sums of one tile a map (the serial walk), because every element still adds in (roi, bin, sample, corner)
+    order; and agrees with the CPU kernel. Levels, aligned and adaptive sampling, every float dtype."""
+    features = [_features((2, 3, 70, 36), dtype, layout, 0), _features((2, 3, 20, 18), dtype, layout, 1)]
+    g = torch.Generator().manual_seed(8)  # RoIs of up to 16 level-0 pixels (adaptive sampling costs their area)
+    rois = torch.cat([torch.randint(2, (9, 1), generator=g).float(),
+                      random_boxes(9, image=(280, 144), min_size=1.0, max_size=64.0, generator=g)], dim=1)
+    rois[2, 1:] = torch.tensor([-30.0, 100, 20, 150])  # leaves the map, crosses the tile edge at row 32
+    rois[3, 1:] = torch.tensor([40.0, 120, 30, 100])  # negative size: aligned pools it, unaligned forces 1 x 1
+    rois[4, 0] = 5.0  # an image outside the batch
+    rois[5, 1:] = torch.tensor([float("nan"), 10, 60, 50])
+    levels = torch.tensor([0, 1, 0, 1, 0, 0, 0, 1, 0])
+    scales, args = [0.25, 0.125], (2, 2, sampling_ratio, aligned)
+    grad = _features((9, 3, 2, 2), dtype, layout, 5)
+    with _deterministic():
+        with _launch.gpu_launch_configs():
+            tiled = _launch.multi_level_roi_align_backward(grad, features, rois, levels, scales, *args)
+        serial = _launch.multi_level_roi_align_backward(grad, features, rois, levels, scales, *args)
+    assert _launch.OWNED_TILE < 70 and features[0].shape[2] // _launch.OWNED_TILE >= 2
+    acc = [f.to(_acc(dtype)) for f in features]
+    expected = cpu_kernels._multi_level_roi_align_backward(grad.to(_acc(dtype)), acc, rois, levels, scales, *args)
+    for t, s, e in zip(tiled, serial, expected):
+        assert torch.equal(t, s) and t.is_contiguous(memory_format=layout)
+        assert_matches(t, e, dtype, atol=1e-6 * e.abs().max().item())
+
+
 class _deterministic:
     def __enter__(self):
         self.previous = torch.are_deterministic_algorithms_enabled()

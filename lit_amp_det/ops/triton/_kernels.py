@@ -398,23 +398,50 @@ def _add_corner(ptr, value, mask):
     tl.store(ptr, tl.load(ptr, mask=mask, other=0) + value, mask=mask)
 
 
-@triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio"])
+@triton.jit
+def _bins_reaching(first, end, start, bin_size, pooled):
+    """[lo, hi) of the bins along one axis whose samples can land on pixels [first, end).
+
+    A sample of bin b lies in [start + b * bin_size, start + (b + 1) * bin_size] and reaches pixels floor(pos) and
+    floor(pos) + 1, clamped into the map; two bins of slack on each side absorb rounding. Every bin when the
+    bin size or start is not finite, or the bin size is not positive (a malformed aligned RoI).
+    """
+    narrow = (bin_size > 0) & (bin_size < 1.0e30) & (start > -1.0e30) & (start < 1.0e30)  # NaN fails all
+    safe_size = tl.where(narrow, bin_size, 1.0)
+    safe_start = tl.where(narrow, start, 0.0)
+    lo = tl.floor((first - 1 - safe_start) / safe_size) - 2
+    hi = tl.floor((end - safe_start) / safe_size) + 3
+    lo = tl.minimum(tl.minimum(tl.maximum(lo, 0.0), 1.0e9).to(tl.int32), pooled)
+    hi = tl.minimum(tl.minimum(tl.maximum(hi, 0.0), 1.0e9).to(tl.int32), pooled)
+    return tl.where(narrow, lo, 0), tl.where(narrow, hi, pooled)
+
+
+@triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio", "tile_h", "tile_w"])
 def roi_align_backward_owned_kernel(
     grad_ptr, rois_ptr, levels_ptr, scale_ptr, gx_ptr,
     level, num_levels, num_rois, batch, channels, height, width,
     sg_k, sg_c, sg_h, sg_w, sr0, sr1, sx_n, sx_c, sx_h, sx_w,
-    pooled_h, pooled_w, sampling_ratio,
+    pooled_h, pooled_w, sampling_ratio, tile_h, tile_w,
     ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Deterministic backward: each program owns (image n, a block of channels) of gx and adds every roi's
-    contributions to it in one fixed order (roi, bin, sample, corner), as the CPU kernel's threads own
-    channels. No two programs write the same element, so no atomics; grid (N, cdiv(C, BLOCK_C)).
+    """Deterministic backward: each program owns a tile_h x tile_w tile of one image's gx for a block of channels and
+    adds into it, in one fixed order (roi, bin, sample, corner), every contribution that lands in the tile, as the CPU
+    kernel's threads own channels. No two programs write the same element, so no atomics, and every element's sum
+    has the serial kernel's order whatever the tiling; grid (N * tiles, cdiv(C, BLOCK_C)).
 
-    Serial per program, hence far slower than the atomic kernel on a GPU: it runs when
+    Each program checks every RoI (a few scalar loads) and walks only the bins that reach its tile, so the work
+    is the atomic kernel's plus that check and the bins straddling tile edges; it runs when
     ``torch.use_deterministic_algorithms(True)`` is on.
     """
-    n = tl.program_id(0)
+    tiles_w = tl.cdiv(width, tile_w)
+    tiles = tl.cdiv(height, tile_h) * tiles_w
+    n = tl.program_id(0) // tiles
+    tile = tl.program_id(0) % tiles
+    y_first = (tile // tiles_w) * tile_h
+    x_first = (tile % tiles_w) * tile_w
+    y_end = y_first + tile_h
+    x_end = x_first + tile_w
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < channels
     base = gx_ptr + n.to(tl.int64) * sx_n + c.to(tl.int64) * sx_c
@@ -424,24 +451,31 @@ def roi_align_backward_owned_kernel(
             rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64
         )
         if mine & in_batch & (image == n):
-            for p in range(0, pooled_h * pooled_w):
-                bin_y = p // pooled_w
-                bin_x = p % pooled_w
-                g_ptr = (grad_ptr + _i64(k) * sg_k + c.to(tl.int64) * sg_c
-                         + _i64(bin_y) * sg_h + _i64(bin_x) * sg_w)
-                g = _div(tl.load(g_ptr, mask=cmask, other=0).to(ACC), count, FP64)
-                for iy in range(0, grid_h):
-                    y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_tap(start_h, bin_h, bin_y, iy, grid_h, height, ACC, FP64)
-                    for ix in range(0, grid_w):
-                        x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_tap(
-                            start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64
-                        )
-                        ok = cmask & y_ok & x_ok
-                        y0 = y_lo.to(tl.int64) * sx_h
-                        y1 = y_hi.to(tl.int64) * sx_h
-                        x0 = x_lo.to(tl.int64) * sx_w
-                        x1 = x_hi.to(tl.int64) * sx_w
-                        _add_corner(base + y0 + x0, g * (wy_lo * wx_lo), ok)
-                        _add_corner(base + y0 + x1, g * (wy_lo * wx_hi), ok)
-                        _add_corner(base + y1 + x0, g * (wy_hi * wx_lo), ok)
-                        _add_corner(base + y1 + x1, g * (wy_hi * wx_hi), ok)
+            by_lo, by_hi = _bins_reaching(y_first, y_end, start_h, bin_h, pooled_h)
+            bx_lo, bx_hi = _bins_reaching(x_first, x_end, start_w, bin_w, pooled_w)
+            for y_bin in range(by_lo, by_hi):
+                bin_y = _i64(y_bin)
+                for x_bin in range(bx_lo, bx_hi):
+                    bin_x = _i64(x_bin)
+                    g_ptr = grad_ptr + _i64(k) * sg_k + c.to(tl.int64) * sg_c + bin_y * sg_h + bin_x * sg_w
+                    g = _div(tl.load(g_ptr, mask=cmask, other=0).to(ACC), count, FP64)
+                    for iy in range(0, grid_h):
+                        y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_tap(start_h, bin_h, bin_y, iy, grid_h, height, ACC,
+                                                                   FP64)
+                        lo_row = (y_lo >= y_first) & (y_lo < y_end)
+                        hi_row = (y_hi >= y_first) & (y_hi < y_end)
+                        for ix in range(0, grid_w):
+                            x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_tap(
+                                start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64
+                            )
+                            ok = cmask & y_ok & x_ok
+                            lo_col = (x_lo >= x_first) & (x_lo < x_end)
+                            hi_col = (x_hi >= x_first) & (x_hi < x_end)
+                            y0 = y_lo.to(tl.int64) * sx_h
+                            y1 = y_hi.to(tl.int64) * sx_h
+                            x0 = x_lo.to(tl.int64) * sx_w
+                            x1 = x_hi.to(tl.int64) * sx_w
+                            _add_corner(base + y0 + x0, g * (wy_lo * wx_lo), ok & lo_row & lo_col)
+                            _add_corner(base + y0 + x1, g * (wy_lo * wx_hi), ok & lo_row & hi_col)
+                            _add_corner(base + y1 + x0, g * (wy_hi * wx_lo), ok & hi_row & lo_col)
+                            _add_corner(base + y1 + x1, g * (wy_hi * wx_hi), ok & hi_row & hi_col)

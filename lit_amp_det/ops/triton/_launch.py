@@ -356,11 +356,19 @@ def _blocks(channels: int, bins: int, device: torch.device) -> tuple[int, int, i
     return block_p, block_c, max(4, block_p * block_c // (32 * GPU_ELEMENTS_PER_THREAD))
 
 
-def _owned_blocks(channels: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_C, num_warps) of the deterministic backward: a program walks every RoI, bin and sample in a fixed order
-    for its block of channels, so its time is that walk whatever the block; one warp of channel lanes on a GPU."""
-    gpu = _gpu_configs(device)
-    return max(1, min(_next_pow2(channels), 32 if gpu else 64)), 1 if gpu else 4
+#: the deterministic backward on a GPU: each program owns a square tile of one image's gradient (this many pixels a
+#: side) for a block of channels and walks, in order, every bin that reaches it. Larger tiles shorten the launch
+#: (fewer programs, each checking every RoI) but lengthen each program's walk where RoIs pile up, as on the coarse
+#: FPN levels, whose maps are a few tiles; ``python tools/owned_backward_cost.py`` counts both for the box head
+OWNED_TILE = 16
+
+
+def _owned_blocks(channels: int, height: int, width: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_C, num_warps, tile_h, tile_w) of the deterministic backward: one warp of channel lanes and
+    ``OWNED_TILE``-pixel tiles on a GPU; in the interpreter (every program costs Python overhead) one tile a map."""
+    if _gpu_configs(device):
+        return max(1, min(_next_pow2(channels), 32)), 1, OWNED_TILE, OWNED_TILE
+    return max(1, min(_next_pow2(channels), 64)), 4, height, width
 
 
 def _scale_tensors(scales: Sequence[float], acc: torch.dtype, device: torch.device) -> list[Tensor]:
@@ -421,12 +429,12 @@ def _backward(grad: Tensor, rois: Tensor, levels: Tensor | None, spatial_scales:
                           FP64=acc == torch.float64)
             sizes = (gx.shape[0], channels, gx.shape[2], gx.shape[3])
             tail = (*grad.stride(), *rois.stride(), *gx.stride(), pooled_height, pooled_width, int(sampling_ratio))
-            if deterministic:
-                # serial per (image, channel block): slow, but every sum has one fixed order
-                owned_c, owned_warps = _owned_blocks(channels, grad.device)
-                _launch(k.roi_align_backward_owned_kernel, (gx.shape[0], _cdiv(channels, owned_c)),
+            if deterministic:  # programs own tiles of gx: every sum has one fixed order
+                owned_c, owned_warps, tile_h, tile_w = _owned_blocks(channels, gx.shape[2], gx.shape[3], grad.device)
+                tiles = _cdiv(gx.shape[2], tile_h) * _cdiv(gx.shape[3], tile_w)
+                _launch(k.roi_align_backward_owned_kernel, (gx.shape[0] * tiles, _cdiv(channels, owned_c)),
                         grad, rois, _levels_or_dummy(levels, rois), scale, gx, level, len(specs), num_rois, *sizes,
-                        *tail, BLOCK_C=owned_c, num_warps=owned_warps, **common)
+                        *tail, tile_h, tile_w, BLOCK_C=owned_c, num_warps=owned_warps, **common)
             else:
                 _launch(k.roi_align_backward_atomic_kernel, (num_rois, _cdiv(channels, block_c)),
                         grad, rois, _levels_or_dummy(levels, rois), scale, gx, level, len(specs), *sizes, *tail,
