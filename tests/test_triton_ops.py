@@ -285,11 +285,12 @@ def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monke
             # result may round one ulp apart
             atol = expected.abs().max().item() * (2.0**-16 if dtype == torch.float32 else 2.0**-7)
             assert_matches(_launch.roi_align_backward(grad, rois, *args), expected, dtype, atol=atol)
-        # the owned backward walks every RoI, bin and sample serially; its GPU block (up to 32 channels, whatever the
-        # pool) on 33 channels (a partial second block) and on one (mask targets), two RoIs
+        # the owned backward's GPU block (up to 32 channels, whatever the pool, so a 2 x 2 pool: interpreted, it costs
+        # its bins) on 33 channels (a partial second block) and on one (mask targets), two RoIs; its tiles:
+        # test_the_tiled_deterministic_backward_adds_in_the_serial_order
         for channels in (33, 1):
-            grad = _features((2, channels, 7, 7), torch.float32, torch.channels_last, seed=6)
-            args = (0.25, 7, 7, 2, channels, 12, 14, 2, True)
+            grad = _features((2, channels, 2, 2), torch.float32, torch.channels_last, seed=6)
+            args = (0.25, 2, 2, 2, channels, 12, 14, 2, True)
             with _deterministic():
                 owned = _launch.roi_align_backward(grad, rois[3:5], *args)
             expected = cpu_kernels._roi_align_backward(grad, rois[3:5], *args)

@@ -434,8 +434,8 @@ def roi_align_backward_owned_kernel(
     is the atomic kernel's plus that check and the bins straddling tile edges; it runs when
     ``torch.use_deterministic_algorithms(True)`` is on.
     """
-    tiles_w = tl.cdiv(width, tile_w)
-    tiles = tl.cdiv(height, tile_h) * tiles_w
+    tiles_w = (width + tile_w - 1) // tile_w
+    tiles = (height + tile_h - 1) // tile_h * tiles_w
     n = tl.program_id(0) // tiles
     tile = tl.program_id(0) % tiles
     y_first = (tile // tiles_w) * tile_h
