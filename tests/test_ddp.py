@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, compose_config, run_cli
 
 pytestmark = pytest.mark.slow
@@ -16,17 +17,26 @@ def _probe(run_dir: Path, rank: int) -> dict:
     return json.loads((run_dir / f"ddp_probe_rank{rank}.json").read_text())
 
 
-def test_two_process_ddp_fit_on_cpu(tmp_path: Path) -> None:
+def test_a_ddp_fit_stopped_by_ctrl_c_resumes_with_last_on_every_rank_under_the_plugin(tmp_path: Path) -> None:
+    """Ctrl-C on a two-process fit saves one checkpoint; ``ckpt_path=last`` resumes it on both ranks (the second is
+    started with the file rank 0 resolved, not with ``last`` again), here in bf16-mixed with ``callbacks=fast``:
+    what every rank then runs (strategy, precision regions, speedups, frozen norms, shards) is probed."""
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    run_cli(["fit", "experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-             "trainer.precision=bf16-mixed", "callbacks=fast", "logger=none",
-             "callbacks.memory_monitor.warmup_steps=0", "callbacks.memory_monitor.baseline_steps=1",
-             "data.train_size=16", "data.val_size=7", "trainer.max_epochs=2",
-             "+callbacks.ddp_probe._target_=ddp_probe.DDPProbe", "+callbacks.ddp_probe.dirpath=${paths.output_dir}"],
-            cwd=tmp_path, env=env)
+    ddp = ["experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none",
+           "data.train_size=16", "data.val_size=7", "trainer.max_epochs=2"]
+    stopped = run_cli(["fit", *ddp, "+callbacks.sig._target_=signaller.SignalAtStep", "+callbacks.sig.step=1"],
+                      cwd=tmp_path, env=env, check=False)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    (first,) = (tmp_path / "runs" / "fit").iterdir()
+    assert torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
+    resumed = run_cli(["fit", *ddp, "ckpt_path=last", "trainer.precision=bf16-mixed", "callbacks=fast",
+                       "callbacks.memory_monitor.warmup_steps=0", "callbacks.memory_monitor.baseline_steps=1",
+                       "+callbacks.ddp_probe._target_=ddp_probe.DDPProbe",
+                       "+callbacks.ddp_probe.dirpath=${paths.output_dir}"], cwd=tmp_path, env=env)
+    assert f"resuming {first.resolve() / 'checkpoints' / 'last.ckpt'} (step 2" in resumed.stdout
     runs = sorted((tmp_path / "runs" / "fit").iterdir())
-    assert len(runs) == 1, f"the second rank must write into the first one's run directory, found {runs}"
-    run_dir = runs[0]
+    assert len(runs) == 2, f"the second rank must write into the first one's run directory, found {runs}"
+    (run_dir,) = [p for p in runs if p != first]
     ranks = [_probe(run_dir, 0), _probe(run_dir, 1)]
     for rank, probe in enumerate(ranks):
         assert probe["global_rank"] == rank and probe["world_size"] == 2
@@ -43,10 +53,10 @@ def test_two_process_ddp_fit_on_cpu(tmp_path: Path) -> None:
         assert probe["transform_region_installed"]
         # callbacks=fast under DDP: frozen norms with the conv-bn eval fold on every rank
         assert probe["conv_bn_eval"] and probe["norms_in_train_mode"] == 0
-        # each rank trains on its half of the data and scores its shard of the 7 validation images
-        assert probe["train_images"] == 16  # 2 epochs x 8
+        # each rank trains on its half of the second epoch's data and scores its shard of the 7 validation images
+        assert probe["train_images"] == 8
     assert sorted(p["val_images"] for p in ranks) == [3, 4]
-    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 4
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 4  # 16 images / (4 x 2 ranks) x 2 epochs
     assert ranks[0]["weights_checksum"] == pytest.approx(ranks[1]["weights_checksum"], rel=1e-12), \
         "gradients are all-reduced: both ranks must end with the same weights"
     metrics = json.loads((run_dir / "metrics.json").read_text())

@@ -276,23 +276,6 @@ def test_kill_9_then_last_resumes_that_run_and_not_a_finished_one(tmp_path: Path
     assert again.returncode != 0 and "finished: there is nothing to resume" in again.stderr
 
 
-@pytest.mark.slow
-def test_ddp_fit_stopped_by_ctrl_c_resumes_with_last_on_every_rank(tmp_path: Path) -> None:
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    ddp = [*SMOKE, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=none"]
-    stopped = run_cli(["fit", *ddp, "+callbacks.sig._target_=signaller.SignalAtStep", "+callbacks.sig.step=1"],
-                      cwd=tmp_path, env=env, check=False)
-    assert stopped.returncode == 130, stopped.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs" / "fit").iterdir()
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
-    # rank 0 resolves `last`; the second rank is started with that file, not with `last` again
-    resumed = run_cli(["fit", *ddp, "ckpt_path=last"], cwd=tmp_path, env=env)
-    assert f"resuming {run_dir.resolve() / 'checkpoints' / 'last.ckpt'} (step 2" in resumed.stdout
-    (final,) = [p for p in (tmp_path / "runs" / "fit").iterdir() if p != run_dir]
-    assert json.loads((final / "metrics.json").read_text())["global_step"] == 4  # 16 images / (4 x 2 ranks) x 2 epochs
-    assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == sorted([run_dir.name, final.name])
-
-
 # ------------------------------------------------------------------------------------------ small things
 def test_progress_bar_shows_the_learning_rate_readably(monkeypatch) -> None:
     from lightning.pytorch.callbacks import TQDMProgressBar

@@ -314,17 +314,17 @@ def test_roi_align_deterministic_backward_is_the_same(monkeypatch):
 
 
 @pytest.mark.parametrize(("dtype", "layout", "aligned", "sampling_ratio"), [
-    (torch.float32, torch.channels_last, True, 2), (torch.float16, torch.contiguous_format, False, -1),
-    (torch.float64, torch.channels_last, False, 1), (torch.bfloat16, torch.contiguous_format, True, -1)])
+    (torch.float32, torch.channels_last, True, 2), (torch.float16, torch.contiguous_format, False, 2),
+    (torch.float64, torch.channels_last, False, -1), (torch.bfloat16, torch.contiguous_format, True, 1)])
 def test_the_tiled_deterministic_backward_adds_in_the_serial_order(dtype, layout, aligned, sampling_ratio):
     """The GPU's owned backward (``OWNED_TILE``-pixel tiles: here a 70 x 36 level and a 20 x 18 one, RoIs crossing
     tile edges, leaving the map, of zero and negative size, NaN and of an image outside the batch) gives bit for bit
     the sums of one tile a map (the serial walk), because every element still adds in (roi, bin, sample, corner)
     order; and agrees with the CPU kernel. Levels, aligned and adaptive sampling, every float dtype."""
     features = [_features((2, 3, 70, 36), dtype, layout, 0), _features((2, 3, 20, 18), dtype, layout, 1)]
-    g = torch.Generator().manual_seed(8)  # RoIs of up to 16 level-0 pixels (adaptive sampling costs their area)
+    g = torch.Generator().manual_seed(8)  # RoIs of up to 10 level-0 pixels (adaptive sampling costs their area)
     rois = torch.cat([torch.randint(2, (9, 1), generator=g).float(),
-                      random_boxes(9, image=(280, 144), min_size=1.0, max_size=64.0, generator=g)], dim=1)
+                      random_boxes(9, image=(280, 144), min_size=1.0, max_size=40.0, generator=g)], dim=1)
     rois[2, 1:] = torch.tensor([-30.0, 100, 20, 150])  # leaves the map, crosses the tile edge at row 32
     rois[3, 1:] = torch.tensor([40.0, 120, 30, 100])  # negative size: aligned pools it, unaligned forces 1 x 1
     rois[4, 0] = 5.0  # an image outside the batch
