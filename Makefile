@@ -10,19 +10,25 @@ ARGS   ?=
 install: $(STAMP) ext
 
 # Idempotent: reuses .venv and anything already installed; reruns only when the pins change. torch comes
-# first because the extension is compiled against it (hence --no-build-isolation). pip's byte-compiling stays:
-# with PYTHONDONTWRITEBYTECODE=1 (set on CI) every process would otherwise compile torch's sources again.
-# No second copy of the ~6 GB of wheels goes into pip's cache.
+# first because the extension is compiled against it (hence --no-build-isolation); the other packages and the
+# extension build then run side by side (-j2 below). pip's byte-compiling stays: with PYTHONDONTWRITEBYTECODE=1 (set on
+# CI) every process would otherwise compile torch's sources again. No second copy of the ~6 GB of wheels goes into
+# pip's cache.
 PIP_FLAGS := --quiet --disable-pip-version-check --no-cache-dir
-$(STAMP): pyproject.toml constraints.txt setup.py
+TORCH_STAMP := $(VENV)/.torch-installed
+MAKEFLAGS += -j2
+$(TORCH_STAMP): constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt setuptools ninja torch torchvision
+	touch $(TORCH_STAMP)
+
+$(STAMP): $(TORCH_STAMP) pyproject.toml constraints.txt setup.py
 	LIT_AMP_DET_BUILD_EXT=0 $(PY) -m pip install $(PIP_FLAGS) --no-build-isolation -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 # Compiles lit_amp_det/_C*.so in place: the op schemas and their C++ CPU kernels (no nvcc: the CUDA kernels are
 # Triton kernels in lit_amp_det/ops/triton, compiled at run time). Incremental: a no-op when nothing changed.
-ext: $(STAMP)
+ext: $(TORCH_STAMP)
 	$(PY) setup.py --quiet build_ext --inplace
 
 # Trains the default light Mask R-CNN on the embedded shapes dataset and prints bbox and segm mAP.

@@ -5,7 +5,9 @@ command line of every step and the report written after each."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ def test_the_steps_and_their_options(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Stand-in GPU")
     commands = []
 
-    def run(title: str, command: list[str], log: Path) -> tuple[int, str]:
+    def run(title: str, command: list[str], log: Path, interpret: bool = False) -> tuple[int, str]:
         commands.append(command)
         return 0, "| op | ours ms |\n|---|---|\n| nms | 1.0 |\n" if "ops" in command else "1 passed in 1s\n"
 
@@ -50,3 +52,60 @@ def test_the_steps_and_their_options(tmp_path: Path, monkeypatch: pytest.MonkeyP
             assert command[command.index("--state") + 1] == "random"
     report = (tmp_path / "gpu_check.md").read_text()
     assert "Stand-in GPU (sm_90)" in report and "| nms | 1.0 |" in report and "1 passed" in report
+
+
+@pytest.mark.parametrize("bench", ["train", "infer"])
+def test_the_rows_gpu_check_runs_name_no_weights_to_download(bench: str) -> None:
+    """A GPU machine reaches no network and starts with empty caches: the rows ``make gpu-check`` runs by default
+    (R50-FPN from its seeded initialisation) must name no weights that torchvision would fetch."""
+    from omegaconf import OmegaConf
+
+    from lit_amp_det.bench.rows import Setting, compose, device_defaults, row_overrides
+
+    defaults = device_defaults("cuda")
+    setting = Setting("cuda", defaults["model"], defaults["batch"], *defaults["size"], num_classes=81, steps=8,
+                      warmup=3, compile_warmup=0, half="fp16")
+    assert gpu_check.QUICK_OPTIONS[gpu_check.QUICK_OPTIONS.index("--state") + 1] == "random"
+    spec = BENCHES[bench]
+    names = [row.name for row in spec.rows]
+    for row in gpu_check.QUICK[bench][1].split(","):
+        model = OmegaConf.to_container(compose(row_overrides(spec, names.index(row), setting)).model, resolve=True)
+        assert model["backbone"]["name"] == "resnet50"
+        named = {key: value for key, value in _flat(model).items() if key.endswith("weights") and value is not None}
+        assert not named, f"{bench} row {row}: {named} would be downloaded on first contact"
+
+
+def _flat(node: object, prefix: str = "model") -> dict[str, object]:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}").items()}
+    return {prefix: node}
+
+
+@pytest.mark.long
+def test_the_rehearsal_runs_every_step_with_no_network_pip_or_cache(tmp_path: Path) -> None:
+    """``make gpu-check ARGS=--rehearse`` as a fresh GPU machine would start it: HOME and every cache empty, pip
+    without an index, and any connection off the machine refused (a ``sitecustomize`` on PYTHONPATH). Every step
+    runs to its end and the report times each (long: about a minute on two cores)."""
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(
+        "import socket\n_connect = socket.socket.connect\n\n\n"
+        "def _local_only(self, address):\n"
+        "    host = address[0] if isinstance(address, tuple) else None\n"
+        "    if self.family in (socket.AF_INET, socket.AF_INET6) and host not in ('127.0.0.1', 'localhost', '::1'):\n"
+        "        raise OSError(f'no network on a GPU machine: {address}')\n"
+        "    return _connect(self, address)\n\n\n"
+        "socket.socket.connect = _local_only\n")
+    empty = {name: str(tmp_path / name.lower())
+             for name in ("HOME", "XDG_CACHE_HOME", "TORCH_HOME", "TRITON_CACHE_DIR")}
+    env = {**os.environ, **empty, "PIP_NO_INDEX": "1", "PYTHONPATH": str(guard),
+           "LIT_AMP_DET_RUNS": str(tmp_path / "runs")}
+    out = tmp_path / "report"
+    proc = subprocess.run(["make", "gpu-check", f"GPU_PY={sys.executable}", f"ARGS=--rehearse --out {out}"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "no network on a GPU machine" not in proc.stdout + proc.stderr
+    report = (out / "gpu_check.md").read_text()
+    assert "REHEARSAL on the CPU" in report and "skipped" in report
+    for name in ("tests", "ops", "train", "infer"):
+        assert f"| {name} | " in report and f"| {name} | " in report.split("## Steps")[1]

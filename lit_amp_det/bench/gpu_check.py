@@ -11,9 +11,15 @@ On a machine with a CUDA GPU it runs, each step in its own process and in this o
    runs every row from the trained state with the benches' repeats.
 
 It writes ``gpu_check.md`` (the test summary and the three tables in BENCHMARKS.md's format, with the device, torch and
-triton versions) into ``--out`` for the GPU section of BENCHMARKS.md, rewritten after every step so that a run stopped
-by a time limit keeps what it measured. ``--repeats``, ``--steps``, ``--warmup`` and ``--state-steps`` go to both
-benches (to fit a short lease). Without a GPU it stops at once and says so: it never writes a figure it did not measure.
+triton versions, and each step's wall time) into ``--out`` for the GPU section of BENCHMARKS.md, rewritten after every
+step so that a run stopped by a time limit keeps what it measured. ``--repeats``, ``--steps``, ``--warmup`` and
+``--state-steps`` go to both benches (to fit a short lease). Without a GPU it stops at once and says so: it never writes
+a figure it did not measure.
+
+``--rehearse`` runs the same steps on the CPU instead (the Triton kernels under the interpreter, the benches on the tiny
+model at 64 px, one step, the ops bench's NMS and IoU rows once): what a first contact needs besides the GPU -- the
+packages, no pip, no network, no cache -- and what the steps cost around the GPU's own work (process starts, imports,
+collection), timed. Its report says it is a rehearsal; none of its figures is a GPU figure.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,14 +48,19 @@ BENCH_OPTIONS = ("repeats", "steps", "warmup", "state_steps")
 QUICK = {"train": ["--rows", "torchvision-fp32,autocast,fused-optim"],
          "infer": ["--rows", "torchvision-fp32,autocast,convbn-fold"]}
 QUICK_OPTIONS = ["--state", "random", "--repeats", "1", "--steps", "8", "--warmup", "3"]
+#: ``--rehearse``: the smallest run of each step on the CPU
+REHEARSAL = {"ops": ["--only", "nms,iou", "--repeats", "1", "--warmup", "0"],
+             "bench": ["--model", "maskrcnn_tiny", "--size", "64", "--batch", "2", "--steps", "1", "--warmup", "0"]}
 
 
-def _run(title: str, command: list[str], log: Path) -> tuple[int, str]:
+def _run(title: str, command: list[str], log: Path, interpret: bool = False) -> tuple[int, str]:
     """Runs one step, streaming its output line by line to the terminal and ``log`` (so a step stopped by a time
-    limit leaves its log); returns (exit code, output)."""
+    limit leaves its log); returns (exit code, output). Compiled Triton kernels unless ``interpret``."""
     print(f"\n== {title}: {' '.join(command)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     lines = []
     with log.open("w") as sink, subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                                   stderr=subprocess.STDOUT, text=True) as proc:
@@ -70,10 +82,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         flag = "--" + option.replace("_", "-")
         parser.add_argument(flag, type=int, help=f"bench train/infer {flag} (default: the bench's)")
     parser.add_argument("--full", action="store_true", help="every bench row, trained state, the benches' repeats")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="the same steps on the CPU, smallest sizes: first-contact needs and the steps' overheads")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.rehearse and args.full:
+        parser.error("--rehearse runs the smallest steps on the CPU; --full the whole benches on a GPU: choose one")
+    if not args.rehearse and not torch.cuda.is_available():
         raise SystemExit("gpu-check needs a CUDA GPU and torch sees none: nothing was run or measured. Run "
-                         "`make gpu-check` on a GPU machine (after `make install`).")
+                         "`make gpu-check` on a GPU machine (after `make install`), or rehearse its steps on this "
+                         "CPU with ARGS=--rehearse.")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     unknown = skip - {"tests", "ops", "train", "infer"}
     if unknown:
@@ -84,17 +101,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     import triton
 
     python = sys.executable
-    capability = "".join(map(str, torch.cuda.get_device_capability()))
-    sections = ["# gpu-check", f"{torch.cuda.get_device_name()} (sm_{capability}), torch {torch.__version__}, "
-                f"triton {triton.__version__}, {stamp}"]
+    device = "cpu" if args.rehearse else "cuda"
+    if args.rehearse:
+        machine = ("REHEARSAL on the CPU (Triton interpreter, smallest sizes): the steps' overheads, no GPU figure; "
+                   f"torch {torch.__version__}, triton {triton.__version__}, {stamp}")
+    else:
+        capability = "".join(map(str, torch.cuda.get_device_capability()))
+        machine = (f"{torch.cuda.get_device_name()} (sm_{capability}), torch {torch.__version__}, "
+                   f"triton {triton.__version__}, {stamp}")
+    sections = ["# gpu-check", machine]
+    times: list[str] = []
     report = out / "gpu_check.md"
     failed: list[str] = []
 
-    def record(step: str, code: int, *section: str) -> None:
+    def step(name: str, title: str, command: list[str]) -> tuple[int, str]:
+        started = time.perf_counter()
+        code, output = _run(title, command, out / f"{name}.log", interpret=args.rehearse)
+        times.append(f"| {name} | {time.perf_counter() - started:.0f} | {code} |")
+        return code, output
+
+    def record(name: str, code: int, *section: str) -> None:
         sections.extend(section)
         if code:
-            failed.append(step)
-        report.write_text("\n\n".join(sections) + "\n")
+            failed.append(name)
+        table = "| step | s | exit code |\n|---|---:|---:|\n" + "\n".join(times)
+        timing = ["## Steps (wall time)", table] if times else []
+        report.write_text("\n\n".join([*sections, *timing]) + "\n")
 
     record("", 0)  # the header alone, before the first step
     if "tests" not in skip:
@@ -102,15 +134,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         pytest = ["-m", "pytest", "-q", *CUDA_TESTS]
         if importlib.util.find_spec("xdist") is not None:
             pytest += ["-n", str(min(8, os.cpu_count() or 1))]
-        code, output = _run("tests on CUDA", [python, *pytest], out / "tests.log")
-        summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-        record("tests", code, "## Tests on CUDA (compiled Triton kernels)",
+        code, output = step("tests", "tests on CUDA", [python, *pytest])
+        summary = [line for line in output.splitlines() if " passed" in line or " failed" in line
+                   or " skipped" in line]
+        heading = ("## Tests marked cuda (they skip without a GPU)" if args.rehearse
+                   else "## Tests on CUDA (compiled Triton kernels)")
+        record("tests", code, heading,
                f"`pytest -q {' '.join(CUDA_TESTS)}`: " + (summary[-1] if summary else f"exit code {code}"))
     if "ops" not in skip:
-        code, output = _run("bench ops", [python, "-m", "lit_amp_det", "bench", "ops", "--device", "cuda",
-                                          "--json", str(out / "ops_cuda.json")], out / "ops.log")
+        options = REHEARSAL["ops"] if args.rehearse else []
+        code, output = step("ops", "bench ops", [python, "-m", "lit_amp_det", "bench", "ops", "--device", device,
+                                                 *options, "--json", str(out / f"ops_{device}.json")])
         table = "\n".join(line for line in output.splitlines() if line.startswith("|"))
-        record("ops", code, "## Ops (`python -m lit_amp_det bench ops --device cuda`)", table or "(no table)")
+        record("ops", code, f"## Ops (`python -m lit_amp_det bench ops --device {device} {' '.join(options)}`)",
+               table or "(no table)")
     forwarded = [f"--{option.replace('_', '-')}={getattr(args, option)}" for option in BENCH_OPTIONS
                  if getattr(args, option) is not None]
     for bench in ("train", "infer"):
@@ -118,9 +155,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             continue
         directory = out / f"bench_{bench}"
         options = forwarded if args.full else [*QUICK[bench], *QUICK_OPTIONS, *forwarded]  # argparse: the last wins
-        code, _ = _run(f"bench {bench}", [python, "-m", "lit_amp_det", "bench", bench, "--device", "cuda",
-                                          "--out", str(directory), *options], out / f"{bench}.log")
-        title = f"## `python -m lit_amp_det bench {bench} {' '.join(options)}` (R50-FPN, 800x1333, batch 8)"
+        if args.rehearse:
+            options = [*options, *REHEARSAL["bench"]]
+        code, _ = step(bench, f"bench {bench}", [python, "-m", "lit_amp_det", "bench", bench, "--device", device,
+                                                 "--out", str(directory), *options])
+        size = "tiny model, 64 px, batch 2" if args.rehearse else "R50-FPN, 800x1333, batch 8"
+        title = f"## `python -m lit_amp_det bench {bench} {' '.join(options)}` ({size})"
         found = sorted(directory.rglob(f"bench_{bench}.md"), key=lambda p: p.stat().st_mtime)
         record(bench, code, title,
                found[-1].read_text() if found else f"(bench_{bench}.md was not written; see the step's log)")
