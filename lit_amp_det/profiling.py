@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MB", "MemoryProbe", "SavedTensorBytes", "StepTimer", "count_images", "pin_malloc_threshold",
+__all__ = ["MB", "HostSyncs", "MemoryProbe", "SavedTensorBytes", "StepTimer", "count_images", "pin_malloc_threshold",
            "release_freed_cpu_memory", "synchronize", "timed", "unpin_malloc_threshold"]
 
 MB = 2**20
@@ -267,3 +267,59 @@ def count_images(batch: Any) -> int:
         f"Throughput counts images in (images, targets) batches, but the training batch is a {kind}{length}; "
         "pass Throughput(batch_size_fn=...) returning the number of images of your batches"
     )
+
+
+# ------------------------------------------------------------------------------------- host synchronisations
+
+_aten = torch.ops.aten
+#: ops that read a tensor's values on the host, or size their output by them: on a GPU each waits for the queued
+#: kernels (and breaks a ``torch.compile`` graph, and forbids CUDA-graph capture); mask indexing is a nonzero inside
+_VALUE_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default,
+                _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default,
+                _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor}
+_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+_TORCH_DIR = str(Path(torch.__file__).parent) + "/"
+
+
+def _syncs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    if func in _VALUE_READS:
+        return func is not _aten.repeat_interleave.Tensor or kwargs.get("output_size") is None
+    return func in _INDEXING and any(isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] or ())
+
+
+def _call_site() -> str:
+    """``path:line`` of the innermost frame outside torch and this module: the code that asked for the value."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+
+
+class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts, while active, the aten calls that make the host wait for a device's values, by (op, call site).
+
+    CPU tensors dispatch these ops exactly as CUDA ones do, so a CPU run shows every point where a GPU step would
+    stop: ``.item()``/``bool()``/``int()`` on a tensor, ``nonzero`` and one-argument ``torch.where``, boolean-mask
+    indexing and assignment, ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: dict[tuple[str, str], int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _syncs(func, args, kwargs):
+            key = (str(func.overloadpacket), _call_site())
+            self.sites[key] = self.sites.get(key, 0) + 1
+        return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
+
+    def table(self) -> str:
+        """One line a call site, most frequent first."""
+        rows = sorted(self.sites.items(), key=lambda item: -item[1])
+        return "\n".join(f"{count:6d}  {op:32s} {site}" for (op, site), count in rows)

@@ -3,6 +3,8 @@ the memory probe's baseline, image counting, and the bench's peak-memory step th
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_amp_det.profiling import MemoryProbe, SavedTensorBytes, StepTimer, count_images, timed
+import lit_amp_det
+from lit_amp_det.profiling import HostSyncs, MemoryProbe, SavedTensorBytes, StepTimer, count_images, timed
 
 
 def test_saved_tensor_bytes_counts_distinct_storages_and_skips_model_state() -> None:
@@ -127,3 +130,46 @@ def test_bench_peak_step_lifts_the_pinned_malloc_threshold_afterwards(monkeypatc
     timer.on_exception(None, None, RuntimeError("step failed"))
     timer.on_exception(None, None, RuntimeError("again"))
     assert calls == ["pin", "unpin"]
+
+
+# ------------------------------------------------------------------------------------- host synchronisations
+
+
+def test_host_syncs_counts_what_waits_for_the_device_and_names_the_line() -> None:
+    x = torch.randn(10)
+    line = inspect.currentframe().f_lineno
+    with HostSyncs() as syncs:
+        x.sum().item()  # +2: a value read
+        x[x > 0]  # +3: a boolean mask index (a nonzero inside the kernel)
+        torch.where(x > 0)  # +4: one-argument where is nonzero
+        x.repeat_interleave(torch.ones(10, dtype=torch.long))  # +5: output sized by the values
+        y = x.clone()
+        y[y > 0] = 0  # +7: boolean setitem
+        torch.unique(x)  # +8
+        bool(x.sum() > 0)  # +9
+        # none of these waits: an integer index, a sized repeat, three-argument where, masked_fill, topk
+        x[torch.tensor([1, 2])], x.repeat_interleave(torch.ones(10, dtype=torch.long), output_size=10)
+        torch.where(x > 0, x, 0), x.masked_fill(x > 0, 0), x.topk(3)
+    here = Path(__file__).resolve()
+    assert {(op, site): n for (op, site), n in syncs.sites.items()} == {
+        ("aten._local_scalar_dense", f"{here}:{line + 2}"): 1, ("aten.index", f"{here}:{line + 3}"): 1,
+        ("aten.nonzero", f"{here}:{line + 4}"): 1, ("aten.repeat_interleave", f"{here}:{line + 5}"): 1,
+        ("aten.index_put_", f"{here}:{line + 7}"): 1, ("aten._unique2", f"{here}:{line + 8}"): 1,
+        ("aten._local_scalar_dense", f"{here}:{line + 9}"): 1}
+    assert syncs.total == 7 and f"{here}:{line + 2}" in syncs.table()
+
+
+def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
+    """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code does
+    and at the known sites of ``models/ext_ops.py`` (issue 42 removes them): a new one fails here, named."""
+    from host_syncs import count, tiny_model
+
+    from lit_amp_det.models.speedups import ExtensionOps
+
+    syncs = count(ExtensionOps()(tiny_model()), train=True)
+    package = Path(lit_amp_det.__file__).parent
+    ours = {f"{Path(site.rsplit(':', 1)[0]).relative_to(package)}:{site.rsplit(':', 1)[1]}": n
+            for (_, site), n in syncs.sites.items() if Path(site.rsplit(":", 1)[0]).is_relative_to(package)}
+    assert set(ours) <= {"models/ext_ops.py:73", "models/ext_ops.py:157", "models/ext_ops.py:180",
+                         "models/ext_ops.py:181"}, syncs.table()
+    assert sum(ours.values()) == 8 and syncs.total == 41, syncs.table()

@@ -16,10 +16,9 @@ step so that a run stopped by a time limit keeps what it measured. ``--repeats``
 ``--state-steps`` go to both benches (to fit a short lease). Without a GPU it stops at once and says so: it never writes
 a figure it did not measure.
 
-``--rehearse`` runs the same steps on the CPU instead (the Triton kernels under the interpreter, the benches on the tiny
-model at 64 px, one step, the ops bench's NMS and IoU rows once): what a first contact needs besides the GPU -- the
-packages, no pip, no network, no cache -- and what the steps cost around the GPU's own work (process starts, imports,
-collection), timed. Its report says it is a rehearsal; none of its figures is a GPU figure.
+``--rehearse`` runs the steps on the CPU (interpreter, tiny model at 64 px, one step; NMS and IoU ops once): what a
+first contact needs besides the GPU (packages; no pip, network or cache) and what the steps cost around the GPU's work,
+timed. Its report says so; none of its figures is a GPU figure.
 """
 
 from __future__ import annotations
@@ -102,14 +101,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     python = sys.executable
     device = "cpu" if args.rehearse else "cuda"
-    if args.rehearse:
-        machine = ("REHEARSAL on the CPU (Triton interpreter, smallest sizes): the steps' overheads, no GPU figure; "
-                   f"torch {torch.__version__}, triton {triton.__version__}, {stamp}")
-    else:
-        capability = "".join(map(str, torch.cuda.get_device_capability()))
-        machine = (f"{torch.cuda.get_device_name()} (sm_{capability}), torch {torch.__version__}, "
-                   f"triton {triton.__version__}, {stamp}")
-    sections = ["# gpu-check", machine]
+    machine = ("REHEARSAL on the CPU (Triton interpreter, smallest sizes): the steps' overheads, no GPU figure"
+               if args.rehearse else
+               f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
+    sections = ["# gpu-check", f"{machine}, torch {torch.__version__}, triton {triton.__version__}, {stamp}"]
     times: list[str] = []
     report = out / "gpu_check.md"
     failed: list[str] = []

@@ -400,12 +400,9 @@ def _add_corner(ptr, value, mask):
 
 @triton.jit
 def _bins_reaching(first, end, start, bin_size, pooled):
-    """[lo, hi) of the bins along one axis whose samples can land on pixels [first, end).
-
-    A sample of bin b lies in [start + b * bin_size, start + (b + 1) * bin_size] and reaches pixels floor(pos) and
-    floor(pos) + 1, clamped into the map; two bins of slack on each side absorb rounding. Every bin when the
-    bin size or start is not finite, or the bin size is not positive (a malformed aligned RoI).
-    """
+    """[lo, hi) of the bins along one axis whose samples can land on pixels [first, end): bin b's samples lie in
+    [start + b * bin_size, start + (b + 1) * bin_size] and reach floor(pos) and floor(pos) + 1, clamped into the map;
+    two bins of slack each side absorb rounding. Every bin when start or bin_size is not finite or bin_size <= 0."""
     narrow = (bin_size > 0) & (bin_size < 1.0e30) & (start > -1.0e30) & (start < 1.0e30)  # NaN fails all
     safe_size = tl.where(narrow, bin_size, 1.0)
     safe_start = tl.where(narrow, start, 0.0)

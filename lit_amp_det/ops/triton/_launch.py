@@ -356,10 +356,8 @@ def _blocks(channels: int, bins: int, device: torch.device) -> tuple[int, int, i
     return block_p, block_c, max(4, block_p * block_c // (32 * GPU_ELEMENTS_PER_THREAD))
 
 
-#: the deterministic backward on a GPU: each program owns a square tile of one image's gradient (this many pixels a
-#: side) for a block of channels and walks, in order, every bin that reaches it. Larger tiles shorten the launch
-#: (fewer programs, each checking every RoI) but lengthen each program's walk where RoIs pile up, as on the coarse
-#: FPN levels, whose maps are a few tiles; ``python tools/owned_backward_cost.py`` counts both for the box head
+#: the deterministic backward's tile side on a GPU: larger tiles mean fewer programs (each checks every RoI) but longer
+#: walks where RoIs pile up, as on the coarse FPN levels (``python tools/owned_backward_cost.py`` counts both)
 OWNED_TILE = 16
 
 
