@@ -69,8 +69,8 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
         self, boxes: Tensor, scores: Tensor, levels: Tensor, image_shape: tuple[int, int]
     ) -> tuple[Tensor, Tensor]:
         boxes = box_ops.clip_boxes_to_image(boxes, image_shape)
-        keep = box_ops.remove_small_boxes(boxes, self.min_size)
-        keep = keep[scores[keep] >= self.score_thresh]
+        widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]  # remove_small_boxes + scores, 1 sync
+        keep = torch.where((widths >= self.min_size) & (heights >= self.min_size) & (scores >= self.score_thresh))[0]
         boxes, scores, levels = boxes[keep], scores[keep], levels[keep]
         keep = batched_nms(boxes, scores, levels, self.nms_thresh, max_output=self.post_nms_top_n())
         return boxes[keep], scores[keep]
@@ -176,9 +176,9 @@ class ExtRoIHeads(RoIHeads):
                 continue
             matches = self.proposal_matcher(box_iou(gt_boxes_in_image, proposals_in_image))
             matched = matches.clamp(min=0)
-            image_labels = gt_labels_in_image[matched].to(torch.int64)
-            image_labels[matches == self.proposal_matcher.BELOW_LOW_THRESHOLD] = 0
-            image_labels[matches == self.proposal_matcher.BETWEEN_THRESHOLDS] = -1  # ignored by the sampler
+            image_labels = gt_labels_in_image[matched].to(torch.int64)  # masked_fill: no mask index, no host sync
+            image_labels = image_labels.masked_fill(matches == self.proposal_matcher.BELOW_LOW_THRESHOLD, 0)
+            image_labels = image_labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1)  # ignored
             matched_idxs.append(matched)
             labels.append(image_labels)
         return matched_idxs, labels
@@ -206,8 +206,8 @@ class ExtRoIHeads(RoIHeads):
         boxes = box_ops.clip_boxes_to_image(boxes, image_shape)[:, 1:].reshape(-1, 4)  # every (box, class) pair
         labels = torch.arange(1, num_classes, device=scores.device).repeat(scores.shape[0])
         scores = scores[:, 1:].reshape(-1)  # column 0 is background
-        keep = torch.where(scores > self.score_thresh)[0]
-        keep = keep[box_ops.remove_small_boxes(boxes[keep], min_size=1e-2)]
+        widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]  # torchvision's filters, one nonzero
+        keep = torch.where((scores > self.score_thresh) & (widths >= 1e-2) & (heights >= 1e-2))[0]
         boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
         keep = batched_nms(boxes, scores, labels, self.nms_thresh, max_output=self.detections_per_img)
         return boxes[keep], scores[keep], labels[keep]
