@@ -3,7 +3,8 @@
 For the tiny Mask R-CNN at 128x128, batch 2, seeded weights and data: one training step (forward, backward, SGD step)
 and one inference call, with torchvision's ops, with lit_amp_det's (``ExtensionOps``), and with lit_amp_det's ops and
 ``BinaryMaskPaste`` (the module's default on a CPU). :class:`lit_amp_det.profiling.HostSyncs` counts every aten call
-that reads a value on the host or sizes its output by the values; ``--sites`` lists them by call site.
+that reads a value on the host or sizes its output by the values; ``--sites`` lists them by call site. The graph
+breaks are ``torch._dynamo.explain``'s for the training forward and for inference.
 
     python tools/host_syncs.py [--sites]
 """
@@ -54,6 +55,18 @@ def count(model: torch.nn.Module, train: bool) -> HostSyncs:
     return syncs
 
 
+def graph_breaks(model: torch.nn.Module, train: bool) -> int:
+    """Graph breaks ``torch.compile`` meets in the training forward (with targets) or in inference."""
+    import torch._dynamo
+
+    images, targets = batch()
+    model.train(train)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    explain = torch._dynamo.explain(model)
+    return (explain(images, targets) if train else explain(images)).graph_break_count
+
+
 def variants() -> dict[str, torch.nn.Module]:
     plain = tiny_model()
     ext = ExtensionOps()(copy.deepcopy(plain))
@@ -66,17 +79,18 @@ def main() -> None:
     parser.add_argument("--sites", action="store_true", help="list the syncs by call site")
     args = parser.parse_args()
     package = str(Path(__file__).resolve().parents[1] / "lit_amp_det")
-    print("| model | training step (of which in lit_amp_det/) | inference call (of which in lit_amp_det/) |")
-    print("|---|---:|---:|")
+    print("| model | host syncs, training step (in lit_amp_det/) | graph breaks, training forward "
+          "| host syncs, inference (in lit_amp_det/) | graph breaks, inference |")
+    print("|---|---:|---:|---:|---:|")
     for name, model in variants().items():
+        counted = {train: count(model, train) for train in (True, False)}  # before explain changes the model's state
         cells = []
-        for train in (True, False):
-            syncs = count(model, train)
+        for train, syncs in counted.items():
             ours = sum(n for (_, site), n in syncs.sites.items() if site.startswith(package))
-            cells.append(f"{syncs.total} ({ours})")
+            cells += [f"{syncs.total} ({ours})", str(graph_breaks(model, train))]
             if args.sites:
                 print(f"\n{name}, {'training' if train else 'inference'}:\n{syncs.table()}\n")
-        print(f"| {name} | {cells[0]} | {cells[1]} |")
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
