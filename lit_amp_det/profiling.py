@@ -297,12 +297,9 @@ def _call_site() -> str:
 
 
 class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts, while active, the aten calls that make the host wait for a device's values, by (op, call site).
-
-    CPU tensors dispatch these ops exactly as CUDA ones do, so a CPU run shows every point where a GPU step would
-    stop: ``.item()``/``bool()``/``int()`` on a tensor, ``nonzero`` and one-argument ``torch.where``, boolean-mask
-    indexing and assignment, ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``.
-    """
+    """Counts, while active, the aten calls that make the host wait for a device's values, by (op, call site). CPU
+    tensors dispatch them as CUDA ones do, so a CPU run shows where a GPU step would stop: ``.item()``, ``bool()``,
+    ``nonzero``, one-argument ``torch.where``, mask indexing, ``unique``, unsized ``repeat_interleave``..."""
 
     def __init__(self) -> None:
         super().__init__()

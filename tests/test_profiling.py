@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -172,3 +173,46 @@ def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
     ours = {site: n for (_, site), n in syncs.sites.items() if Path(site.rsplit(":", 1)[0]).is_relative_to(package)}
     assert {site.rsplit(":", 1)[0] for site in ours} == {str(package / "models" / "ext_ops.py")}, syncs.table()
     assert len(ours) == 2 and sum(ours.values()) == 4 and syncs.total == 35, syncs.table()
+
+
+class _CountSyncsPerStep(pl.Callback):
+    """Host syncs from each training batch's start (after its transfer) to its end: forward, backward, optimizer
+    and precision plugin, and the callbacks' per-step hooks."""
+
+    def __init__(self) -> None:
+        self.steps: list[HostSyncs] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.steps.append(HostSyncs())
+        self.steps[-1].__enter__()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.steps[-1].__exit__(None, None, None)
+
+
+def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Path, monkeypatch) -> None:
+    """A smoke ``fit`` step with the default callbacks and the precision plugin: the module, the data module (crowd
+    instances dropped on the host), the plugin and the callbacks add no host sync to the model's own after the
+    first step."""
+    from conftest import SMOKE, compose_config
+
+    from lit_amp_det.app import tasks
+
+    counter, build_trainer = _CountSyncsPerStep(), tasks.build_trainer
+
+    def with_counter(cfg):
+        trainer = build_trainer(cfg)
+        trainer.callbacks.insert(0, counter)
+        return trainer
+
+    monkeypatch.setattr(tasks, "build_trainer", with_counter)
+    tasks.train(compose_config([*SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=0"], tmp_path))
+    package = Path(lit_amp_det.__file__).parent
+    assert len(counter.steps) == 2
+    for step, syncs in enumerate(counter.steps):
+        ours = {str(Path(site.rsplit(":", 1)[0]).relative_to(package)) for (_, site), _ in syncs.sites.items()
+                if Path(site.rsplit(":", 1)[0]).is_relative_to(package)}
+        # the first step reads once more: SGD creates its momentum buffers, and the host decides whether to keep
+        # them (tests/test_precision_guard.py)
+        assert ours == ({"models/ext_ops.py", "precision/skip.py"} if step == 0 else {"models/ext_ops.py"}), \
+            syncs.table()

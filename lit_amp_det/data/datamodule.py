@@ -19,7 +19,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from lit_amp_det.data.coco import INVALID_BOX_MODES, CocoInstances
+from lit_amp_det.data.coco import INVALID_BOX_MODES, CocoInstances, drop_crowd
 from lit_amp_det.data.image_folder import ImageFolder
 from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
@@ -290,9 +290,12 @@ class CocoDataModule(LightningDataModule):
         self._resume_state = dict(state_dict) or None
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Counts training batches the loop really takes, for exact mid-epoch resume."""
+        """Counts training batches the loop really takes, for exact mid-epoch resume, and drops their crowd instances
+        here, on the host: on a GPU each field's boolean index would make the step wait for the device."""
         if self.trainer is not None and self.trainer.training and self._train_loader is not None:
             self._train_loader.mark_consumed()
+            images, targets = batch
+            batch = images, [{k: v for k, v in drop_crowd(t).items() if k != "iscrowd"} for t in targets]
         return batch
 
 
