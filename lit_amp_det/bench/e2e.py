@@ -210,6 +210,7 @@ def _columns(bench: Bench, setting: Setting) -> list[tuple[str, Callable[[dict[s
             ("vs row 1", lambda r: _ratio(r.get("speedup"))), ("vs row above", lambda r: _ratio(r.get("vs_above"))),
             ("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
             ("memory vs row 1", lambda r: _ratio(r.get("memory_ratio"))),
+            ("host syncs", lambda r: str(r.get("host_syncs_per_step", "-"))),
             ("warm-up s", lambda r: f"{r['warmup_s']:.1f} ({r['warmup_steps']} {unit})")]
 
 

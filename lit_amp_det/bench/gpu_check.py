@@ -2,19 +2,17 @@
 
 On a machine with a CUDA GPU it runs, each step in its own process and in this order:
 
-1. the tests marked ``cuda`` (``pytest -m cuda tests``), compiled (not interpreted): the op tests' CUDA cases
-   (``torch.ops.lit_amp_det`` runs the Triton kernels against torchvision's CUDA ops), the host-sync counts and a
-   Trainer on the GPU applying its speedups;
+1. the tests marked ``cuda`` (``pytest -m cuda tests``), compiled: the ops' Triton kernels against torchvision's CUDA
+   ops, the host-sync counts, a Trainer on the GPU applying its speedups;
 2. ``bench ops --device cuda``;
 3. ``bench train`` and ``bench infer`` on R50-FPN, 800x1333, batch 8: by default three rows each (torchvision fp32,
    + autocast, all on but compile) from the seeded initialisation, one repeat, to fit a short lease; ``--full``
    runs every row from the trained state with the benches' repeats.
 
-It writes ``gpu_check.md`` (the test summary and the three tables in BENCHMARKS.md's format, with the device, torch and
-triton versions, and each step's wall time) into ``--out`` for the GPU section of BENCHMARKS.md, rewritten after every
-step so that a run stopped by a time limit keeps what it measured. ``--repeats``, ``--steps``, ``--warmup`` and
-``--state-steps`` go to both benches (to fit a short lease). Without a GPU it stops at once and says so: it never writes
-a figure it did not measure.
+It writes ``gpu_check.md`` (test summary, the three tables, device, versions, each step's wall time) into ``--out``,
+rewritten after every step so that a run stopped by a time limit keeps what it measured. ``--repeats``, ``--steps``,
+``--warmup`` and ``--state-steps`` go to both benches. Without a GPU it stops at once: it never writes a figure it did
+not measure.
 
 ``--rehearse`` runs the steps on the CPU (interpreter, tiny model at 64 px, one step; NMS and IoU ops once): what a
 first contact needs besides the GPU (packages; no pip, network or cache) and what the steps cost around the GPU's work,
@@ -53,8 +51,7 @@ REHEARSAL = {"ops": ["--only", "nms,iou", "--repeats", "1", "--warmup", "0"],
 
 
 def _run(title: str, command: list[str], log: Path, interpret: bool = False) -> tuple[int, str]:
-    """Runs one step, streaming its output line by line to the terminal and ``log`` (so a step stopped by a time
-    limit leaves its log); returns (exit code, output). Compiled Triton kernels unless ``interpret``."""
+    """Runs one step, its output streamed to the terminal and ``log``; (exit code, output). Interpreted if asked."""
     print(f"\n== {title}: {' '.join(command)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)

@@ -1,11 +1,10 @@
 """One row of ``bench train``, ``bench infer`` or ``bench precision``, run in this process through Lightning.
 
-The row's config (:mod:`lit_amp_det.bench.rows`) runs as ``fit`` and ``predict`` run it (:func:`build_trainer`), every
-step on the same batch of the embedded shapes data's ``val`` images at the bench's size. :class:`RowTimer` times each
-step from batch start to batch end (forward, loss, backward, optimizer step, callbacks' batch hooks), CUDA-synchronised,
-after the warm-up steps (which hold a compiled row's compile time). One more step measures the peak memory above what
-was in use once the model was built: the CUDA allocator's peak, or on a CPU the resident high-water mark with glibc's
-mmap threshold pinned and freed heap released first, so that it counts what the step needs, not what earlier steps left.
+The row's config (:mod:`lit_amp_det.bench.rows`) runs as ``fit`` and ``predict`` run it, every step on one batch of the
+shapes data's ``val`` images. :class:`RowTimer` times each step from batch start to end (forward, loss, backward,
+optimizer step, callbacks' batch hooks), CUDA-synchronised, after the warm-up steps (a compiled row's compile time).
+One more step measures the peak memory above what the built model used (the CUDA allocator's peak, or the resident
+high-water mark with glibc's mmap threshold pinned and freed heap released first) and counts its host syncs.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from typing_extensions import override
 
 from lit_amp_det.bench.rows import Bench, Setting, compose, row_overrides
 from lit_amp_det.precision import build_precision_plugin
-from lit_amp_det.profiling import (MB, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
+from lit_amp_det.profiling import (MB, HostSyncs, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
                                    unpin_malloc_threshold)
 
 __all__ = ["RowTimer", "build_trainer", "instantiate_model", "run_row", "shapes_batch", "summarise", "weights_sha256"]
@@ -92,8 +91,12 @@ class RowTimer(pl.Callback):
         self._baseline = 0
         self._started = 0.0
         self._pinned = False
+        self._syncs: HostSyncs | None = None
 
     def _unpin(self) -> None:
+        if self._syncs is not None:  # the memory step's counter ends with it, even when it fails
+            self._syncs.__exit__(None, None, None)
+            self._syncs = None
         if self._pinned:
             unpin_malloc_threshold()
             self._pinned = False
@@ -119,6 +122,7 @@ class RowTimer(pl.Callback):
                 self._pinned = True
                 release_freed_cpu_memory()
             self.probe.reset_peak()
+            self._syncs = HostSyncs().__enter__()
         self.probe.synchronize()
         self._started = time.perf_counter()
 
@@ -129,9 +133,11 @@ class RowTimer(pl.Callback):
         seconds = time.perf_counter() - self._started
         kind = self.plan[batch_idx]
         if kind == "memory":
+            syncs = self._syncs
             self._unpin()
             peak = self.probe.peak_bytes()
-            self.peak = {"peak_memory_mb": (peak - self._baseline) / MB, "peak_memory_abs_mb": peak / MB}
+            self.peak = {"peak_memory_mb": (peak - self._baseline) / MB, "peak_memory_abs_mb": peak / MB,
+                         "host_syncs_per_step": syncs.total}
         else:
             self.times.setdefault(kind, []).append(seconds)
 

@@ -1,17 +1,13 @@
 """Runs torchvision's R-CNN heads on lit_amp_det's own ops.
 
-:class:`ExtRegionProposalNetwork` and :class:`ExtRoIHeads` are torchvision's RPN and RoI heads with three
-methods re-implemented around :mod:`lit_amp_det.ops`: NMS that stops at the number of boxes kept afterwards
-(``post_nms_top_n`` proposals, ``detections_per_img`` detections) instead of NMS-then-slice, and the fused fp32
-IoU kernel for the anchor and proposal matchers. They add no parameters, buffers or attributes, so
-:func:`use_extension_ops` switches an already built torchvision model over by changing the class of its
-``rpn`` and ``roi_heads`` (torchvision builds both inside ``FasterRCNN.__init__`` and offers no hook to pass
-others); ``state_dict`` keys, checkpoints and the fp32 regions of the precision plugin are unchanged.
-The poolers are swapped for :class:`lit_amp_det.ops.MultiScaleRoIAlign`, which has no state beyond the
-level scales torchvision's pooler infers on its first call (carried over). In training, the mask targets of the
-whole batch are cropped with one call of lit_amp_det's RoIAlign
-(:mod:`lit_amp_det.models.mask_targets`) instead of one torchvision ``roi_align`` per image; the losses are the same
-numbers.
+:class:`ExtRegionProposalNetwork` and :class:`ExtRoIHeads` are torchvision's RPN and RoI heads with a few methods
+re-implemented around :mod:`lit_amp_det.ops`: NMS that stops at the number of boxes kept afterwards (``post_nms_top_n``
+proposals, ``detections_per_img`` detections), the fused fp32 IoU for the matchers, one RoIAlign call for a training
+batch's mask targets (:mod:`lit_amp_det.models.mask_targets`), fewer host syncs. They add no parameters, buffers or
+attributes, so :func:`use_extension_ops` switches a built torchvision model by changing the class of its ``rpn`` and
+``roi_heads`` (torchvision offers no hook to pass others); ``state_dict`` keys, checkpoints and the fp32 regions are
+unchanged. The poolers become :class:`lit_amp_det.ops.MultiScaleRoIAlign` (level scales carried over); the losses are
+the same numbers.
 """
 
 from __future__ import annotations
