@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-import lit_amp_det
 from lit_amp_det.profiling import HostSyncs, MemoryProbe, SavedTensorBytes, StepTimer, count_images, timed
 
 
@@ -164,14 +163,13 @@ def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
     """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code does
     and at two known points of ``models/ext_ops.py`` (the RPN's filters, the mask head's positives; issue 42 removes
     them): a new one fails here, with the list of call sites."""
-    from host_syncs import count, tiny_model
+    from host_syncs import count, package_sites, tiny_model
 
     from lit_amp_det.models.speedups import ExtensionOps
 
     syncs = count(ExtensionOps()(tiny_model()), train=True)
-    package = Path(lit_amp_det.__file__).parent
-    ours = {site: n for (_, site), n in syncs.sites.items() if Path(site.rsplit(":", 1)[0]).is_relative_to(package)}
-    assert {site.rsplit(":", 1)[0] for site in ours} == {str(package / "models" / "ext_ops.py")}, syncs.table()
+    ours = package_sites(syncs)
+    assert {site.rsplit(":", 1)[0] for site in ours} == {"models/ext_ops.py"}, syncs.table()
     assert len(ours) == 2 and sum(ours.values()) == 4 and syncs.total == 35, syncs.table()
 
 
@@ -195,6 +193,7 @@ def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Pat
     instances dropped on the host), the plugin and the callbacks add no host sync to the model's own after the
     first step."""
     from conftest import SMOKE, compose_config
+    from host_syncs import package_sites
 
     from lit_amp_det.app import tasks
 
@@ -207,11 +206,9 @@ def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Pat
 
     monkeypatch.setattr(tasks, "build_trainer", with_counter)
     tasks.train(compose_config([*SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=0"], tmp_path))
-    package = Path(lit_amp_det.__file__).parent
     assert len(counter.steps) == 2
     for step, syncs in enumerate(counter.steps):
-        ours = {str(Path(site.rsplit(":", 1)[0]).relative_to(package)) for (_, site), _ in syncs.sites.items()
-                if Path(site.rsplit(":", 1)[0]).is_relative_to(package)}
+        ours = {site.rsplit(":", 1)[0] for site in package_sites(syncs)}
         # the first step reads once more: SGD creates its momentum buffers, and the host decides whether to keep
         # them (tests/test_precision_guard.py)
         assert ours == ({"models/ext_ops.py", "precision/skip.py"} if step == 0 else {"models/ext_ops.py"}), \

@@ -254,19 +254,18 @@ def start_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -> str | 
     """The checkpoint this process starts from, resolved on every rank: the ranks Lightning starts get rank 0's file
     pinned on their command line, the tasks ``srun`` starts (each its own command) resolve ``last``, a run folder or
     a requeued job's attempt as rank 0 does."""
-    return resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root)) or _requeued_job_checkpoint(cfg, job)
+    return resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root)) or _requeued_job_checkpoint(cfg, out, job)
 
 
 def _earlier_attempt_of(job: SlurmJob | None, folder: Path) -> bool:
     return job is not None and is_earlier_attempt(folder, job.job_id, job.restart_count)
 
 
-def _requeued_job_checkpoint(cfg: DictConfig, job: SlurmJob | None) -> str | None:
+def _requeued_job_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -> str | None:
     """A requeued SLURM job's ``fit`` without ``ckpt_path``: the checkpoint of its preempted attempt, found in its
     own folder (a sweep job's) or among the runs under ``paths.runs_root``; ``None`` on a first attempt."""
     if job is None or str(cfg.command) != "fit" or cfg.get("ckpt_path") is not None:
         return None
-    out = _output_dir(cfg)
     record = read_run(out)
     if rank_zero_only.rank != 0 and record is not None and record.is_attempt(job.job_id, job.restart_count):
         # rank 0 of this attempt recorded its choice over the earlier attempt's run.json first: follow it, or this

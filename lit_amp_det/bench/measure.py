@@ -93,8 +93,8 @@ class RowTimer(pl.Callback):
         self._pinned = False
         self._syncs: HostSyncs | None = None
 
-    def _unpin(self) -> None:
-        if self._syncs is not None:  # the memory step's counter ends with it, even when it fails
+    def _end_memory_step(self) -> None:
+        if self._syncs is not None:  # the step's counter and pinned threshold end with it, even when it fails
             self._syncs.__exit__(None, None, None)
             self._syncs = None
         if self._pinned:
@@ -103,7 +103,7 @@ class RowTimer(pl.Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._unpin()  # a failed memory step must not leave this process's allocator pinned
+        self._end_memory_step()  # a failed memory step must not leave this process's allocator pinned
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -134,7 +134,7 @@ class RowTimer(pl.Callback):
         kind = self.plan[batch_idx]
         if kind == "memory":
             syncs = self._syncs
-            self._unpin()
+            self._end_memory_step()
             peak = self.probe.peak_bytes()
             self.peak = {"peak_memory_mb": (peak - self._baseline) / MB, "peak_memory_abs_mb": peak / MB,
                          "host_syncs_per_step": syncs.total}
