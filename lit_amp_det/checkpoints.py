@@ -58,8 +58,7 @@ def _unreadable(source: str, path: Path, err: Exception) -> CheckpointError:
             "was it copied while still being written? Use a complete copy, e.g. checkpoints/last.ckpt of a finished "
             "run, or the best-*.ckpt next to it"
         )
-    unsafe = re.search(r"GLOBAL ([\w.]+)", str(err))
-    if unsafe:
+    if unsafe := re.search(r"GLOBAL ([\w.]+)", str(err)):
         return CheckpointError(
             f"{source}={str(path)!r} could not be loaded with weights_only=True: it holds Python objects "
             f"({unsafe.group(1)}), not only tensors and plain data; save model.state_dict() (or a Lightning "
@@ -79,11 +78,9 @@ def names_a_checkpoint_file(ckpt_path: str | Path | None) -> bool:
 
 
 def local_weights(weights: str | Path | None) -> Path | None:
-    """The local file ``model.weights`` names, or None when it names torchvision weights (``COCO_V1``) or none.
-
-    A value is a file when it has a directory part or one of :data:`CHECKPOINT_SUFFIXES`; torchvision's names have
-    neither.
-    """
+    """The local file ``model.weights`` names, or None when it names torchvision weights (``COCO_V1``) or none. A
+    value is a file when it has a directory part or one of :data:`CHECKPOINT_SUFFIXES`; torchvision's names have
+    neither."""
     if weights is None or isinstance(weights, bool):
         return None
     text = str(weights)
@@ -194,10 +191,8 @@ def _summary(mismatch: Mapping[str, list[str]], saved: Mapping[str, torch.Tensor
     for kind, keys in mismatch.items():
         if not keys:
             continue
-        if kind == "of other shapes":
-            shown = [f"{k} {list(saved[k].shape)} in the file, {list(own[k].shape)} here" for k in keys[:_EXAMPLES]]
-        else:
-            shown = keys[:_EXAMPLES]
+        shown = keys[:_EXAMPLES] if kind != "of other shapes" else [
+            f"{k} {list(saved[k].shape)} in the file, {list(own[k].shape)} here" for k in keys[:_EXAMPLES]]
         more = ", ..." if len(keys) > _EXAMPLES else ""
         parts.append(f"{len(keys)} tensors {kind}" + (f" ({', '.join(shown)}{more})" if examples else ""))
     return "; ".join(parts)
@@ -224,22 +219,17 @@ def _mismatch(source: str, path: Path, mismatch: Mapping[str, list[str]], saved:
 _CLASS_LAYERS = ("roi_heads.box_predictor.", "roi_heads.mask_predictor.mask_fcn_logits.")
 
 
-def _class_layer(key: str) -> bool:
-    return key.startswith(_CLASS_LAYERS)
-
-
 def load_model_weights(model: nn.Module, path: Path, *, hparams: Mapping[str, Any] | None = None) -> None:
-    """Loads ``path`` (``model.weights``) into the detector ``model``.
-
-    Every tensor must fit, except the class-dependent predictor layers when only the class count differs: those
-    keep their fresh initialisation (fine-tuning on other classes) and one log line says so. Any other mismatch is
-    one :class:`CheckpointError` naming the differing hyper-parameters (given ``hparams``, the module's) and the fix.
-    """
+    """Loads ``path`` (``model.weights``) into the detector ``model``. Every tensor must fit, except the
+    class-dependent predictor layers when only the class count differs: those keep their fresh initialisation
+    (fine-tuning on other classes) and one log line says so. Any other mismatch is one :class:`CheckpointError`
+    naming the differing hyper-parameters (given ``hparams``, the module's) and the fix."""
     state, saved_hparams = _read_state_dict(path)
     own = model.state_dict()
     mismatch = _tensor_mismatch(state, own)
     reinitialised = mismatch["of other shapes"]
-    if mismatch["missing from the file"] or mismatch["unexpected"] or not all(map(_class_layer, reinitialised)):
+    only_class_layers = all(key.startswith(_CLASS_LAYERS) for key in reinitialised)
+    if mismatch["missing from the file"] or mismatch["unexpected"] or not only_class_layers:
         what, differences = _mismatch("model.weights", path, mismatch, state, own, saved_hparams, hparams or {})
         fixes = " ".join(f"{k}={_override_value(a)}" for k, a, _ in differences if k != "model.num_classes")
         build = f"{fixes} to build the model it was made for" if fixes else "the model settings it was made with"
@@ -256,8 +246,7 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module, checkpoint
 
     Compares the file's ``state_dict`` with the built module's (the class count comes from the data); a mismatch is
     one :class:`CheckpointError` naming the differing hyper-parameters and the overrides that fix it. Returns the
-    checkpoint read (or ``checkpoint``, when the caller already read it); ``None`` and ``"best"`` are left to
-    Lightning and return ``None``.
+    checkpoint read (or ``checkpoint``, if the caller read it); ``None`` for ``None`` and ``"best"``, left to Lightning.
     """
     if not names_a_checkpoint_file(ckpt_path):
         return None
@@ -274,15 +263,13 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module, checkpoint
     mismatch = _tensor_mismatch(state, own)
     if not any(mismatch.values()) or not getattr(module, "strict_loading", True):
         return payload
-    configured = getattr(module, "hparams", {})
-    what, differences = _mismatch("ckpt_path", path, mismatch, state, own,
-                                  payload.get("hyper_parameters") or {}, configured)
+    what, differences = _mismatch("ckpt_path", path, mismatch, state, own, payload.get("hyper_parameters") or {},
+                                  getattr(module, "hparams", {}))
     fixes = " ".join(f"{k}={_override_value(a)}" for k, a, _ in differences)
-    restart = f"model.weights={str(path)!r}"
     if [k for k, _, _ in differences] == ["model.num_classes"]:
         advice = (f"a checkpoint resumes or scores only the model it was made for: to fine-tune its weights on "
-                  f"these classes start a new run with {restart} instead of ckpt_path, or pass {fixes} with the "
-                  "data it was trained on")
+                  f"these classes start a new run with model.weights={str(path)!r} instead of ckpt_path, or pass "
+                  f"{fixes} with the data it was trained on")
     elif fixes:
         advice = f"pass {fixes} to use it"
     else:

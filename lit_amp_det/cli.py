@@ -42,10 +42,7 @@ def usage() -> str:
     lines += ["", f"config groups (choose with group=option; tree at {config_dir()}):"]
     lines += [f"  {group:<10} {', '.join(options)}" for group, options in config_groups().items()]
     lines += [
-        "",
-        f"trainer.precision: {' | '.join(PRECISIONS)}",
-        "",
-        "examples:",
+        "", f"trainer.precision: {' | '.join(PRECISIONS)}", "", "examples:",
         "  python -m lit_amp_det fit trainer.max_steps=50          (a quick run)",
         "  python -m lit_amp_det fit trainer.precision=16-mixed",
         "  python -m lit_amp_det fit ckpt_path=last                (resume the newest unfinished fit)",
@@ -83,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:
         print(usage())
         return
-    used = _used_run_dir(rest)
-    if used is not None:
+    if (used := _used_run_dir(rest)) is not None:
         sys.exit(f"lit_amp_det: hydra.run.dir={used} already holds a run (run.json, metrics.json or checkpoints); "
                  f"runs never write into an earlier run's folder. Choose another folder (or leave hydra.run.dir out: "
                  f"each run gets a new one), or resume that run into a new folder with ckpt_path={used}")
@@ -111,18 +107,15 @@ def _used_run_dir(args: Sequence[str]) -> str | None:
     for arg in args:
         if arg.startswith("hydra.run.dir="):
             path = Path(arg.split("=", 1)[1].strip().strip("'\""))
-            if not holds_a_run(path) or (job is not None and is_earlier_attempt(path, job.job_id, job.restart_count)):
-                return None
-            return str(path)
+            earlier = job is not None and is_earlier_attempt(path, job.job_id, job.restart_count)
+            return str(path) if holds_a_run(path) and not earlier else None
     return None
 
 
 def hydra_argv(args: Sequence[str], command: str) -> list[str]:
-    """Hydra's argv for ``args``: flags (with their values) first, then the overrides, then ``command=...``.
-
-    Hydra parses with argparse, which rejects overrides on both sides of a flag (``seed=1 --cfg job x=2``);
-    moving the flags to the front accepts any order, and ``command=`` goes last so it is one more override.
-    """
+    """Hydra's argv for ``args``: flags (with their values) first, then the overrides, then ``command=...``. Hydra's
+    argparse rejects overrides on both sides of a flag (``seed=1 --cfg job x=2``); moving the flags to the front
+    accepts any order, and ``command=`` goes last so it is one more override."""
     flags: list[str] = []
     overrides: list[str] = []
     position = 0

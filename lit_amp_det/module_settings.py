@@ -72,12 +72,10 @@ def check_optim(optim: Mapping[str, Any] | None) -> OptimSettings:
 
 
 def check_eval_backend(backend: object) -> None:
-    """Raises unless ``backend`` is a name in :data:`EVAL_BACKENDS` whose package imports.
-
-    So that a misspelt name or a missing package stops a run before any work rather than at the first validation:
-    :class:`ArgumentError` (a ``ValueError``) for an unknown name, ``ModuleNotFoundError`` with the ``pip install``
-    command and the other backend for a missing package.
-    """
+    """Raises unless ``backend`` is a name in :data:`EVAL_BACKENDS` whose package imports, so that a misspelt name
+    or a missing package stops a run before any work rather than at the first validation: :class:`ArgumentError` (a
+    ``ValueError``) for an unknown name, ``ModuleNotFoundError`` naming ``pip install`` and the other backend for a
+    missing package."""
     if backend not in EVAL_BACKENDS:
         raise ArgumentError("evaluation.backend", backend, f"is unknown; choose one of {', '.join(EVAL_BACKENDS)}")
     try:

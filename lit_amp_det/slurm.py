@@ -1,14 +1,14 @@
 """What a SLURM job adds to a run: its identity, the requeue call, and the preempted attempt to continue.
 
 A job submitted with ``#SBATCH --signal=USR1@90`` (and ``--requeue``) gets ``SIGUSR1`` 90 seconds before its time
-limit or preemption (a job submitit started, ``SIGUSR2``: :func:`requeue_signal`).
+limit or preemption (``SIGUSR2`` if submitit started it: :func:`requeue_signal`).
 :class:`~lit_amp_det.callbacks.last_checkpoint.LastCheckpoint` answers it: the step in progress completes,
-``checkpoints/last.ckpt`` is written, rank 0 runs ``scontrol requeue <job id>`` (:func:`requeue`) and the run stops
-with status ``requeued``. SLURM then ends the job (``SIGTERM``, which the stopping run ignores) and starts the same
-command again with the same job id and ``SLURM_RESTART_COUNT`` raised; ``fit`` finds the earlier attempt of that
-job (:func:`lit_amp_det.app.runs.slurm_resume_point`, from the job id and restart count every ``run.json``
-records), so the new attempt resumes from its checkpoint without ``ckpt_path``. Lightning's own SLURM requeue
-handler (which saves from inside the signal handler) is turned off: :func:`cluster_plugins`.
+``checkpoints/last.ckpt`` is written, rank 0 runs ``scontrol requeue`` (:func:`requeue`) and the run stops with
+status ``requeued``. SLURM then ends the job (``SIGTERM``, which the stopping run ignores) and starts the same command
+again with the same job id and ``SLURM_RESTART_COUNT`` raised; ``fit`` finds the earlier attempt from the job id and
+restart count its ``run.json`` records (:func:`lit_amp_det.app.runs.slurm_resume_point`) and resumes from its
+checkpoint without ``ckpt_path``. Lightning's own requeue handler (which saves inside the signal handler) is turned
+off: :func:`cluster_plugins`.
 
 Detection follows Lightning's :class:`~lightning.fabric.plugins.environments.SLURMEnvironment`: ``SLURM_NTASKS``
 is set and the job is not interactive (job name ``bash`` or ``interactive``).
@@ -36,11 +36,9 @@ SUBMITIT_SIGNAL_VARIABLE = "SUBMITIT_PREEMPT_SIGNAL"
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """The SLURM job this process runs in.
-
-    ``job_id`` is ``<array job>_<task>`` for an array task (what ``scontrol requeue`` takes), else
-    ``SLURM_JOB_ID``; ``restart_count`` is ``SLURM_RESTART_COUNT`` (0 on the first attempt).
-    """
+    """The SLURM job this process runs in: ``job_id`` is ``<array job>_<task>`` for an array task (what
+    ``scontrol requeue`` takes), else ``SLURM_JOB_ID``; ``restart_count`` is ``SLURM_RESTART_COUNT`` (0 on the first
+    attempt)."""
 
     job_id: str
     restart_count: int

@@ -6,6 +6,7 @@ The YAML tree sits in the repository's ``conf/`` folder and is installed as the 
 
 from __future__ import annotations
 
+import inspect
 from importlib import resources
 from pathlib import Path
 
@@ -21,32 +22,22 @@ __all__ = ["COMMANDS", "config_dir", "config_groups", "check_command", "check_co
 COMMANDS = ("fit", "validate", "test", "predict")
 
 
-def _headline_kind(mask: bool) -> str:
-    """``segm`` when the model predicts masks, else ``bbox``: picks the metric checkpoints monitor."""
-    return "segm" if mask else "bbox"
-
-
-def _cpus_per_rank(loader_workers: int) -> int:
-    """``hydra.launcher.cpus_per_task`` under SLURM: a rank's loader workers plus the rank itself."""
-    return int(loader_workers) + 1
-
-
 def _pin_memory(accelerator: str) -> bool:
     """``data.pin_memory``: only when batches go to a GPU (on a CPU pinning is wasted and Lightning warns)."""
-    if str(accelerator) in ("gpu", "cuda"):
-        return True
     if str(accelerator) != "auto":
-        return False
+        return str(accelerator) in ("gpu", "cuda")
     import torch  # deferred: only when a config asks
 
     return torch.cuda.is_available()
 
 
-OmegaConf.register_new_resolver("headline_kind", _headline_kind, replace=True)
+# the metric checkpoints monitor: ``segm`` when the model predicts masks, else ``bbox``
+OmegaConf.register_new_resolver("headline_kind", lambda mask: "segm" if mask else "bbox", replace=True)
 OmegaConf.register_new_resolver("rank_suffix", rank_suffix, replace=True)  # per-rank log files under DDP
 # run folders created exclusively, once per run (cached: Hydra copies the cache into each sweep job's config)
 OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replace=True)
-OmegaConf.register_new_resolver("cpus_per_rank", _cpus_per_rank, replace=True)
+# hydra.launcher.cpus_per_task under SLURM: a rank's loader workers plus the rank itself
+OmegaConf.register_new_resolver("cpus_per_rank", lambda loader_workers: int(loader_workers) + 1, replace=True)
 OmegaConf.register_new_resolver("pin_memory", _pin_memory, replace=True)
 
 
@@ -77,13 +68,11 @@ def check_command(command: object) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Rejects values that would otherwise fail deep inside Lightning with a less helpful message."""
     check_command(cfg.get("command"))
-    precision = str(cfg.trainer.get("precision", "32-true"))
-    if precision not in PRECISIONS:
+    if (precision := str(cfg.trainer.get("precision", "32-true"))) not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     _check_sync_batchnorm(cfg)
     _check_data_settings(cfg)
-    seed = cfg.get("seed")
-    if seed is not None and not isinstance(seed, int):
+    if (seed := cfg.get("seed")) is not None and not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer or null")
 
 
@@ -91,8 +80,6 @@ def _check_data_settings(cfg: DictConfig) -> None:
     """Settings of ``data`` its data module does not take: what an experiment written for one ``data`` option
     leaves when combined with another (``experiment=smoke data=coco``: ``data.train_size`` is the generated shapes'
     setting), which ``instantiate`` would report as an unexpected keyword argument of ``__init__``."""
-    import inspect
-
     from hydra.utils import get_class  # deferred: checks run before anything heavy is imported
 
     data = cfg.get("data")
@@ -105,9 +92,8 @@ def _check_data_settings(cfg: DictConfig) -> None:
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
-    unknown = sorted(str(k) for k in data if not str(k).startswith("_") and k not in parameters)
-    name = str(target).rsplit(".", 1)[-1]
-    if unknown:
+    if unknown := sorted(str(k) for k in data if not str(k).startswith("_") and k not in parameters):
+        name = str(target).rsplit(".", 1)[-1]
         raise ValueError(
             f"data.{', data.'.join(unknown)}: not a setting of {name}, the chosen data option's module. An "
             "experiment written for other data sets such keys (experiment=smoke: the generated shapes data): leave "
@@ -123,8 +109,7 @@ def _check_sync_batchnorm(cfg: DictConfig) -> None:
     import torch  # deferred: config checks run before anything heavy is imported
 
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if on_cpu:
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
         raise ValueError(
             "trainer.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm has no CPU kernel. On CPUs leave it "
             "false (each process keeps its own batch statistics), or freeze the norms (callbacks=fast)."

@@ -1,10 +1,9 @@
 """Which classes a model detects when ``predict`` runs on a folder of pictures that has no annotations.
 
 Every other command reads the class count, names and COCO category ids from the data's annotations, because its
-metrics or its ``predictions.json`` must use the data's ids. Pictures in ``data.predict_images`` have no ids to
-match, so there the classes are the model's own, taken where the weights come from -- as MMDetection's
-``init_detector`` takes ``dataset_meta`` from the checkpoint and torchvision names a COCO model's labels from its
-weights' ``meta["categories"]``:
+metrics or ``predictions.json`` must use the data's ids. Pictures in ``data.predict_images`` have none, so there the
+classes are the model's own, taken where the weights come from (as MMDetection's ``init_detector`` takes
+``dataset_meta`` from the checkpoint, and torchvision a COCO model's labels from ``meta["categories"]``):
 
 1. ``ckpt_path`` (a Lightning checkpoint saves the module's ``num_classes`` / ``class_names`` / ``category_ids``);
 2. ``model.weights`` when it names a Lightning checkpoint file (a bare state dict names none);
@@ -36,11 +35,9 @@ def predicts_on_a_folder(cfg: DictConfig) -> bool:
 
 
 def weights_classes(name: str, mask: bool) -> dict[str, Any]:
-    """The classes of torchvision's detection weights ``name`` (``COCO_V1``, ``DEFAULT``) from their metadata.
-
-    torchvision's COCO detectors predict label ``i`` for COCO category id ``i`` (1..90, the unused ids named
-    ``N/A``), so the category ids are the labels themselves. Reads no file.
-    """
+    """The classes of torchvision's detection weights ``name`` (``COCO_V1``, ``DEFAULT``) from their metadata, reading
+    no file. torchvision's COCO detectors predict label ``i`` for COCO category id ``i`` (1..90, the unused ids named
+    ``N/A``), so the category ids are the labels themselves."""
     weights = resolve_weights(detection_checkpoint(mask).enum, name, "model.weights")
     categories = list(weights.meta["categories"])  # index 0 is the background
     return {"num_classes": len(categories), "class_names": categories[1:],
@@ -49,12 +46,9 @@ def weights_classes(name: str, mask: bool) -> dict[str, Any]:
 
 def folder_prediction_classes(cfg: DictConfig, ckpt_path: str | None,
                               checkpoint: Any = None) -> dict[str, Any] | None:
-    """The class hyper-parameters ``predict`` on ``data.predict_images`` builds the model with (see the module).
-
-    ``None`` when no weights name them: the data does, as for the other commands (rule 4). Otherwise the keys
-    the weights name, less those ``cfg.model`` sets itself; the data is then not read for classes at all.
-    ``checkpoint`` is ``ckpt_path``'s content when the caller has already read it.
-    """
+    """The class hyper-parameters ``predict`` on ``data.predict_images`` builds the model with (see the module):
+    ``None`` when no weights name them (the data does, rule 4), else the keys the weights name less those ``cfg.model``
+    sets itself (the data is then not read for classes). ``checkpoint``: ``ckpt_path``'s content, if already read."""
     if names_a_checkpoint_file(ckpt_path):
         payload = checkpoint if checkpoint is not None else read_checkpoint(ckpt_path, "ckpt_path")
         found, source = saved_classes(payload), f"ckpt_path={ckpt_path}"

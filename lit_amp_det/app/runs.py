@@ -44,11 +44,9 @@ class ResumeError(FileNotFoundError):
 
 # ------------------------------------------------------------------------------------------ run folders
 def unique_dir(path: str) -> str:
-    """Creates ``path`` -- or ``path_1``, ``path_2``, ... when it exists -- exclusively, and returns it.
-
-    The (cached) ``unique_dir`` resolver of ``hydra.run.dir``; ``mkdir`` fails when another process created the
-    folder first, so two runs can never share one.
-    """
+    """Creates ``path`` -- or ``path_1``, ``path_2``, ... when it exists -- exclusively, and returns it: the (cached)
+    ``unique_dir`` resolver of ``hydra.run.dir``. ``mkdir`` fails when another process made the folder first, so two
+    runs never share one."""
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(10_000):
@@ -191,10 +189,9 @@ def is_earlier_attempt(folder: Path, job_id: str, restart_count: int) -> bool:
 
 
 def slurm_resume_point(runs_root: Path, job_id: str, restart_count: int) -> Path | None:
-    """The checkpoint that continues an earlier attempt of SLURM job ``job_id``: the resume point of the newest
-    unfinished fit under ``runs_root`` whose ``run.json`` records that job with a lower restart count. ``None`` on a
-    first attempt (``restart_count`` 0), or when the earlier attempts finished or saved nothing. Every rank finds the
-    same file: the attempt running now (this restart count) never counts."""
+    """The resume point of the newest unfinished fit under ``runs_root`` whose ``run.json`` records SLURM job
+    ``job_id`` with a lower restart count; ``None`` on a first attempt, or when the earlier attempts finished or saved
+    nothing. The attempt running now never counts, so every rank finds the same file."""
     if restart_count <= 0:
         return None
     earlier = (info.path for info in list_runs(Path(runs_root), "fit")  # each run.json read once
@@ -233,8 +230,7 @@ def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | 
 def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ...]) -> list[str] | None:
     """``key: earlier -> now`` for every differing setting of ``sections`` (loader settings and ``model.weights``
     left out); None when the run's saved config is missing."""
-    saved_sections = _saved_sections(run_dir, sections)
-    if saved_sections is None:
+    if (saved_sections := _saved_sections(run_dir, sections)) is None:
         return None
     saved = _comparable(saved_sections, sections)
     now = _comparable({s: OmegaConf.to_container(cfg[s], resolve=True) for s in sections if cfg.get(s) is not None},
@@ -262,8 +258,7 @@ def _is_implementation(difference: str) -> bool:
 def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:
     """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
     ``config_resolved.yaml`` (loader and :func:`_implementation_settings` left out): what makes it another run."""
-    differences = _setting_differences(run_dir, cfg, tuple(sections))
-    if differences is None:
+    if (differences := _setting_differences(run_dir, cfg, tuple(sections))) is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
     return [d for d in differences if not _is_implementation(d)]
 
@@ -275,13 +270,11 @@ def _implementation_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
 
 
 def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
-    """``key: earlier -> now`` for every model setting that changes the weights' names or shapes (see
-    :func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into ``cfg``'s
-    model."""
+    """``key: earlier -> now`` for every model setting that changes the weights' names or shapes
+    (:func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into ``cfg``'s."""
     from lit_amp_det.checkpoints import architecture_differences as differing  # deferred: imports torch
 
-    saved = _saved_sections(run_dir, ("model",))
-    if saved is None:
+    if (saved := _saved_sections(run_dir, ("model",))) is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
     now = OmegaConf.to_container(cfg.model, resolve=True) if cfg.get("model") is not None else {}
     return [f"{key}: {old!r} -> {new!r}" for key, old, new in differing(saved.get("model") or {}, now)]
@@ -306,12 +299,8 @@ def _continued(runs: list[RunInfo]) -> set[Path]:
         if info.resumed_from:
             key = Path(info.resumed_from).resolve()
             resumed_at[key] = max(resumed_at.get(key, 0.0), info.started)
-    continued = set()
-    for info in runs:
-        point = resume_point(info.path)
-        if point is not None and resumed_at.get(point.resolve(), -1.0) > info.started:
-            continued.add(info.path.resolve())
-    return continued
+    return {info.path.resolve() for info in runs if (point := resume_point(info.path)) is not None
+            and resumed_at.get(point.resolve(), -1.0) > info.started}
 
 
 def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
@@ -335,18 +324,15 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
                           f"by ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or "
                           f"fine-tune from its weights with model.weights="
                           f"{newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
-    differences = config_differences(newest.path, cfg)
-    if differences:
+    if differences := config_differences(newest.path, cfg):
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path} ({newest.status}), was made with a "
                           f"different model or data: {'; '.join(differences[:8])}. Run with the same settings "
                           f"to resume it{hint}")
-    checkpoint = resume_point(newest.path)
-    if checkpoint is None:
+    if (checkpoint := resume_point(newest.path)) is None:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it "
                           f"saved a checkpoint: there is nothing to resume. Start a new run, or lower "
                           f"callbacks.last_checkpoint.every_n_train_steps / every_n_minutes{hint}")
-    changed = _implementation_differences(newest.path, cfg)
-    if changed:
+    if changed := _implementation_differences(newest.path, cfg):
         log.info("ckpt_path=last: resuming %s with other implementation settings than it had: %s", newest.path,
                  "; ".join(changed))
     return checkpoint
@@ -360,16 +346,14 @@ def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
         raise ResumeError(f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
                           "ckpt_path=/path/to/file.ckpt")
     (newest, checkpoint), older = saved[0], saved[1:]
-    differences = _architecture_differences(newest.path, cfg)
-    if differences:
+    if differences := _architecture_differences(newest.path, cfg):
         matching = next((info for info, _ in older if not _architecture_differences(info.path, cfg)), None)
         hint = (f"; the newest fit with this model is {matching.path}: pass ckpt_path={matching.path}"
                 if matching is not None else "")
         raise ResumeError(f"ckpt_path=last: the newest fit with a checkpoint, {newest.path}, has a different "
                           f"model: {'; '.join(differences[:8])}; pass the same model settings or "
                           f"ckpt_path=/path/to/file.ckpt{hint}")
-    others = _setting_differences(newest.path, cfg, ("model",)) or []
-    if others:
+    if others := _setting_differences(newest.path, cfg, ("model",)):
         log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: %s",
                  newest.path, "; ".join(others[:8]))
     return checkpoint
@@ -390,10 +374,7 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | 
     runs_root = Path(runs_root).expanduser().resolve()
     command = str(cfg.get("command", "fit"))
     if ckpt_path == "last":
-        if command == "fit":
-            checkpoint = _resume_last(cfg, run_dir, runs_root)
-        else:
-            checkpoint = _newest_weights(cfg, run_dir, runs_root)
+        checkpoint = (_resume_last if command == "fit" else _newest_weights)(cfg, run_dir, runs_root)
     else:
         path = Path(str(ckpt_path)).expanduser()
         if path.is_dir():

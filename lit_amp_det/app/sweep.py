@@ -98,9 +98,8 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         log.warning("sweep summary: %s is not readable JSON (%s); its row is marked unreadable", path, err)
         row.update(status="unreadable", error=f"{path.name}: {err}")
         return row
-    row["metrics"] = record.get("metrics") if isinstance(record.get("metrics"), dict) else {}
-    row["perf"] = record.get("perf") if isinstance(record.get("perf"), dict) else {}
-    row["time_s"] = _number(record.get("time_s"))
+    row.update({key: record[key] for key in ("metrics", "perf") if isinstance(record.get(key), dict)},
+               time_s=_number(record.get("time_s")))
     return row
 
 
@@ -124,15 +123,13 @@ def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
     map_keys = sorted({k for *_, job in jobs for k in job["metrics"] if "mAP" in k})
     rows = []
     for job_dir, overrides, pairs, job in jobs:
-        row: dict[str, Any] = {"job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name,
-                               "status": job["status"], "overrides": " ".join(overrides)}
-        row.update({key: pairs.get(key, "") for key in override_keys})
-        row["objective"] = _number(job["metrics"].get(metric)) if metric else _NAN
-        row.update({key: _number(job["metrics"].get(key)) for key in map_keys})
-        row.update({column: _number(job["perf"].get(key)) for column, key in _PERF.items()})
-        row["device"] = str(job["perf"].get("device") or "")
-        row.update(time_s=job["time_s"], error=job["error"])
-        rows.append(row)
+        metrics, perf = job["metrics"], job["perf"]
+        rows.append({"job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name, "status": job["status"],
+                     "overrides": " ".join(overrides), **{key: pairs.get(key, "") for key in override_keys},
+                     "objective": _number(metrics.get(metric)) if metric else _NAN,
+                     **{key: _number(metrics.get(key)) for key in map_keys},
+                     **{column: _number(perf.get(key)) for column, key in _PERF.items()},
+                     "device": str(perf.get("device") or ""), "time_s": job["time_s"], "error": job["error"]})
     return rows
 
 
@@ -187,8 +184,7 @@ def _markdown(rows: Sequence[dict[str, Any]], sweep_dir: Path, metric: str | Non
     lines = [f"# Sweep summary: `{sweep_dir}`", "",
              f"{len(rows)} jobs ({counts or 'none found'}); objective = `{metric or 'not set'}` "
              f"(the config's `optimized_metric`).", ""]
-    scored = [r for r in rows if not math.isnan(r["objective"])]
-    if scored:
+    if scored := [r for r in rows if not math.isnan(r["objective"])]:
         best = max(scored, key=lambda r: r["objective"])
         lines += [f"Highest `{metric}`: {best['objective']:.4f}, job {_label(best, varying)}.", ""]
     if any(str(r.get("device", "")).startswith("cpu") for r in rows):
@@ -215,11 +211,9 @@ def _csv(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: Path) -> None:
-    """Two panels: objective against train images/s, and against memory (tensor total on a CPU, peak on a GPU).
-
-    Each point carries its job number, which the legend maps to the job's varying overrides (labels next to points
-    would overlap); a job keeps its colour and marker in both panels.
-    """
+    """Two panels: objective against train images/s, and against memory (tensor total on a CPU, peak on a GPU). Each
+    point carries its job number, which the legend maps to the job's varying overrides (labels next to points would
+    overlap); a job keeps its colour and marker in both panels."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg and never touches the global backend
     from matplotlib.lines import Line2D
 
@@ -241,8 +235,7 @@ def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: 
             ax.text(0.5, 0.5, f"no job has both {metric or 'an objective'} and {column} (metrics.json 'perf')",
                     ha="center", va="center", transform=ax.transAxes)
         ax.margins(0.12)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(metric or "objective")
+        ax.set(xlabel=xlabel, ylabel=metric or "objective")
         ax.grid(True, alpha=0.3)
     handles = [Line2D([], [], linestyle="", label=_label(r, varying), **style[id(r)])
                for r in rows if not math.isnan(r["objective"])]
@@ -265,10 +258,8 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def summarize_sweep(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
-    """Writes ``summary.csv``, ``summary.md`` and ``summary.png`` into ``sweep_dir``; returns the rows.
-
-    ``metric`` is the objective column (the config's ``optimized_metric``). Without matplotlib the PNG is skipped.
-    """
+    """Writes ``summary.csv``, ``summary.md`` and (with matplotlib) ``summary.png`` into ``sweep_dir``; returns the
+    rows. ``metric`` is the objective column (the config's ``optimized_metric``)."""
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir, metric)
     if not rows:

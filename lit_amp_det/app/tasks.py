@@ -1,15 +1,13 @@
 """The four jobs behind the CLI -- ``train``, ``validate``, ``test``, ``predict`` -- as importable functions.
 
-Each takes a composed Hydra config, builds data module, model, callbacks, loggers and trainer from its ``_target_``
-nodes, runs, and writes ``metrics.json``, ``config_resolved.yaml`` and ``run.json`` (:mod:`lit_amp_det.app.runs`)
-into the run directory. They are separate from the Hydra entry point so notebooks, tests and sweepers can call them.
+Each builds data module, model, callbacks, loggers and trainer from a composed Hydra config's ``_target_`` nodes, runs,
+and writes ``metrics.json``, ``config_resolved.yaml`` and ``run.json`` into the run directory. They are separate from
+the Hydra entry point so notebooks, tests and sweepers can call them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shlex
 import sys
 import time
@@ -20,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
@@ -28,16 +27,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lit_amp_det.app.config import check_command, check_config
 from lit_amp_det.app.launch import adopt_launch_rank, ddp_child_command
 from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder
-from lit_amp_det.app.runs import (
-    holds_a_run,
-    is_earlier_attempt,
-    read_run,
-    resolve_ckpt_path,
-    resume_point,
-    slurm_resume_point,
-    update_run_record,
-    write_run_record,
-)
+from lit_amp_det.app.runs import (_write_json, holds_a_run, is_earlier_attempt, read_run, resolve_ckpt_path,
+                                  resume_point, slurm_resume_point, update_run_record, write_run_record)
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
@@ -84,11 +75,9 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
 
 def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *, weights_from_checkpoint: bool = False,
                 classes: dict[str, Any] | None = None) -> pl.LightningModule:
-    """Instantiates ``cfg.model``; class count, names and category ids come from the data unless set.
-
-    ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named pretrained weights are not read
-    (nor downloaded). ``classes``: the class hyper-parameters to use instead of the data's.
-    """
+    """Instantiates ``cfg.model``; class count, names and category ids come from ``classes`` if given, else from the
+    data unless set. ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named pretrained
+    weights are not read (nor downloaded)."""
     from_data: dict[str, Any] = dict(classes) if classes is not None else {}
     with config_node("data"):  # the data module reads its annotations here; its errors name data.<argument>
         for key in CLASS_HPARAMS if classes is None else ():
@@ -119,9 +108,8 @@ def _named_by_group(err: ArgumentError, model_cfg: DictConfig) -> ArgumentError:
     node reads that group (Hydra refuses overrides below an interpolation)."""
     argument = err.argument.removeprefix("model.")
     group = argument.split(".", 1)[0]
-    if group not in _GROUP_ARGUMENTS or argument == err.argument:
-        return err
-    if OmegaConf.to_container(model_cfg, resolve=False).get(group) != f"${{{group}}}":
+    if (group not in _GROUP_ARGUMENTS or argument == err.argument
+            or OmegaConf.to_container(model_cfg, resolve=False).get(group) != f"${{{group}}}"):
         return err
     return type(err)(argument, err.value, err.problem)
 
@@ -136,10 +124,8 @@ def _named_weights(cfg: DictConfig) -> list[str]:
 def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
     """Instantiates every ``_target_`` node of a group such as ``callbacks``; ``null`` entries are skipped.
     ``group`` (the group's config path) prefixes the argument named by a library :class:`ArgumentError`."""
-    if not nodes:
-        return []
     built = []
-    for name, node in nodes.items():
+    for name, node in (nodes or {}).items():
         if node is not None and "_target_" in node:
             with config_node(f"{group}.{name}" if group else str(name)):
                 built.append(instantiate(node))
@@ -149,10 +135,9 @@ def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
 def build_trainer(cfg: DictConfig) -> pl.Trainer:
     """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision plugin.
 
-    ``trainer.precision`` becomes a plugin configured by the ``precision`` node (Lightning refuses a precision
-    string and a plugin together). :class:`RunStats` is always added, so ``metrics.json`` records speed and peak
-    memory; commands other than ``fit`` get no checkpoint callbacks.
-    """
+    ``trainer.precision`` becomes a plugin configured by the ``precision`` node (Lightning refuses a precision string
+    and a plugin together). :class:`RunStats` is always added, so ``metrics.json`` records speed and peak memory;
+    commands other than ``fit`` get no checkpoint callbacks."""
     loggers = instantiate_all(cfg.get("logger"), "logger")
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
     plugin = build_precision_plugin(str(cfg.trainer.get("precision", "32-true")),
@@ -186,9 +171,7 @@ def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any])
     record["best_model_path"] = next((c.best_model_path for c in checkpoints if c.best_model_path), None)
     record["last_model_path"] = next((c.last_model_path for c in checkpoints if c.last_model_path), None)
     record.setdefault("status", "finished")
-    tmp = out / "metrics.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, out / "metrics.json")  # atomic: a crash never leaves a half-written file
+    _write_json(out / "metrics.json", record)
     update_run_record(out, status=record["status"], global_step=trainer.global_step)
     if record["command"] == "predict":
         emit(f"predictions: {out / 'predictions.json'}")
@@ -199,24 +182,12 @@ def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any])
 
 def summary_line(metrics: dict[str, float]) -> str:
     """One line with the headline COCO numbers of whichever stage ran last."""
-    parts = []
     for stage in ("test", "val"):
-        for kind in ("bbox", "segm"):
-            key = f"{stage}/{kind}_mAP"
-            if key in metrics:
-                parts.append(
-                    f"{stage} {kind} mAP {metrics[key]:.3f} (mAP@0.5 {metrics.get(key + '_50', float('nan')):.3f})"
-                )
+        parts = [f"{stage} {kind} mAP {metrics[key]:.3f} (mAP@0.5 {metrics.get(key + '_50', float('nan')):.3f})"
+                 for kind in ("bbox", "segm") if (key := f"{stage}/{kind}_mAP") in metrics]
         if parts:
-            break
-    return " | ".join(parts) if parts else "no mAP computed (no validation ran)"
-
-
-def _pin_ckpt_path_for_ddp_children(ckpt_path: str | None) -> None:
-    """DDP's other ranks re-run this command line: give them the file rank 0 resolved, not ``last`` again."""
-    if ckpt_path is None or not any(arg.startswith("ckpt_path=") for arg in sys.argv):
-        return
-    sys.argv = [f"ckpt_path={ckpt_path}" if arg.startswith("ckpt_path=") else arg for arg in sys.argv]
+            return " | ".join(parts)
+    return "no mAP computed (no validation ran)"
 
 
 def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
@@ -234,7 +205,8 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
         write_run_record(out, str(cfg.command), resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None,
                          **(job.record() if job is not None else {}))
         OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
-        _pin_ckpt_path_for_ddp_children(ckpt_path)
+        if ckpt_path is not None:  # DDP's other ranks re-run this command line: give them this file, not `last` again
+            sys.argv = [f"ckpt_path={ckpt_path}" if arg.startswith("ckpt_path=") else arg for arg in sys.argv]
     datamodule = build_datamodule(cfg)
     checkpoint, classes = None, None
     if predicts_on_a_folder(cfg):  # no annotations to name the classes: the weights do
@@ -275,8 +247,7 @@ def _requeued_job_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -
         checkpoint = resume_point(out) if record is not None and record.is_earlier_attempt_of(
             job.job_id, job.restart_count) else None
     if checkpoint is None:
-        runs_root = Path(cfg.paths.runs_root).expanduser().resolve()
-        checkpoint = slurm_resume_point(runs_root, job.job_id, job.restart_count)
+        checkpoint = slurm_resume_point(Path(cfg.paths.runs_root).expanduser().resolve(), job.job_id, job.restart_count)
     if checkpoint is None:
         if job.restart_count:
             log.warning("SLURM job %s, restart %d: no earlier attempt of this job saved a checkpoint under %s; "
@@ -317,8 +288,6 @@ def resume_command(cfg: DictConfig) -> str:
     """The command line that continues this fit: its overrides, with ``ckpt_path`` set to its run folder."""
     overrides: list[str] = []
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         if HydraConfig.initialized():
             overrides = [o for o in HydraConfig.get().overrides.task
                          if not o.startswith(("ckpt_path=", "command=", "hydra.", "~hydra.", "+hydra."))]
@@ -386,11 +355,9 @@ def _route_lightning_logs() -> None:
 
 
 def run(cfg: DictConfig) -> Any:
-    """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises.
-
-    A fit stopped by SIGINT/SIGTERM exits with 128 + the signal's number (130 for Ctrl-C) once its checkpoint
-    and metrics are written; a run that raised is marked ``failed`` in its ``run.json``.
-    """
+    """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises. A fit stopped by
+    SIGINT/SIGTERM exits with 128 + the signal's number (130 for Ctrl-C) once its checkpoint and metrics are written;
+    a run that raised is marked ``failed`` in its ``run.json``."""
     check_command(cfg.get("command"))  # the rest of the config is checked once, when the job starts
     devices = cfg.get("trainer", {}).get("devices")
     adopt_launch_rank(devices if isinstance(devices, int) else 1)  # node k > 0 must not claim the run folder
@@ -405,6 +372,4 @@ def run(cfg: DictConfig) -> Any:
                 status = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed"
                 update_run_record(Path(cfg.paths.output_dir), status=status, error=f"{type(err).__name__}: {err}")
             raise
-    if isinstance(result, dict) and cfg.get("optimized_metric"):
-        return result.get(cfg.optimized_metric)
-    return None
+    return result.get(cfg.optimized_metric) if isinstance(result, dict) and cfg.get("optimized_metric") else None

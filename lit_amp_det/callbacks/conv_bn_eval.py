@@ -49,11 +49,10 @@ class ConvBNEval(Callback):
     def _enable(self, model: nn.Module) -> None:
         self._pairs = enable_conv_bn_eval(model, only_when_cheaper=self.only_when_cheaper)
         if not self._pairs:
-            raise ValueError(
-                f"ConvBNEval found no Conv2d -> BatchNorm2d/FrozenBatchNorm2d pair in {type(model).__name__} (the "
-                "conv output must feed nothing but the norm); remove the callback, or use a backbone with conv-BN "
-                "blocks (the backbone's norm bn or frozen_bn); a model folded by fold_on_predict has no pair left"
-            )
+            raise ValueError(f"ConvBNEval found no Conv2d -> BatchNorm2d/FrozenBatchNorm2d pair in "
+                             f"{type(model).__name__} (the conv output must feed nothing but the norm); remove the "
+                             "callback, or use a backbone with conv-BN blocks (the backbone's norm bn or frozen_bn); a "
+                             "model folded by fold_on_predict has no pair left")
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -79,10 +79,8 @@ class FreezeNorm(Callback):
         for module in self._frozen_stages(pl_module):  # after the swap: bn1 may be a new module
             module.requires_grad_(False)
         if not any(isinstance(m, (*_BATCH_NORMS, _AnyFrozenBatchNorm2d)) for m in pl_module.modules()):
-            rank_zero_warn(
-                f"FreezeNorm(mode={self.mode!r}) found no BatchNorm in {type(pl_module).__name__}; it freezes no "
-                "statistics (remove the callback if that is expected)"
-            )
+            rank_zero_warn(f"FreezeNorm(mode={self.mode!r}) found no BatchNorm in {type(pl_module).__name__}; it "
+                           "freezes no statistics (remove the callback if that is expected)")
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -110,11 +108,9 @@ class FreezeNorm(Callback):
         missing = [name for name in names if not isinstance(getattr(body, name, None), nn.Module)]
         if missing:
             present = [name for name, _ in body.named_children()]
-            raise ValueError(
-                f"FreezeNorm(frozen_stages={self.frozen_stages}) freezes {names}, but the ResNet trunk at "
-                f"model.backbone.body has no {missing} (it has {present}); lower frozen_stages, or return "
-                "that stage from the backbone (its returned_layers)"
-            )
+            raise ValueError(f"FreezeNorm(frozen_stages={self.frozen_stages}) freezes {names}, but the ResNet trunk "
+                             f"at model.backbone.body has no {missing} (it has {present}); lower frozen_stages, or "
+                             "return that stage from the backbone (its returned_layers)")
         return [getattr(body, name) for name in names]
 
     @override
@@ -135,9 +131,7 @@ def _resnet_body(pl_module: pl.LightningModule, frozen_stages: int) -> nn.Module
         node = getattr(node, attr, None)
         path += f".{attr}"
         if not isinstance(node, nn.Module):
-            raise ValueError(
-                f"FreezeNorm(frozen_stages={frozen_stages}) needs a torchvision ResNet trunk at "
-                f"pl_module.model.backbone.body (a Mask R-CNN built by lit_amp_det.models.build_detector), but "
-                f"{path} is missing; set frozen_stages=-1 to freeze norms only"
-            )
+            raise ValueError(f"FreezeNorm(frozen_stages={frozen_stages}) needs a torchvision ResNet trunk at "
+                             "pl_module.model.backbone.body (a Mask R-CNN built by lit_amp_det.models.build_detector), "
+                             f"but {path} is missing; set frozen_stages=-1 to freeze norms only")
     return node

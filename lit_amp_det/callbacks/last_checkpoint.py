@@ -97,7 +97,6 @@ class LastCheckpoint(Checkpoint):
     def path(self) -> Path:
         return self.dirpath / self.filename
 
-    # ---------------------------------------------------------------------------------------- saving
     def save(self, trainer: pl.Trainer) -> str:
         """Writes ``last.ckpt`` now (all ranks must call it: the save is collective under DDP)."""
         tmp = self.path.with_name(f".{self.filename}.tmp")
@@ -166,7 +165,6 @@ class LastCheckpoint(Checkpoint):
     def state_dict(self) -> dict[str, Any]:
         return {"last_model_path": self.last_model_path}
 
-    # --------------------------------------------------------------------------------------- signals
     def _requeue_after_save(self, trainer: pl.Trainer, signum: int) -> str | None:
         """Under SLURM, after the save that ``SIGUSR1`` asked for: rank 0 requeues the job; its id if requeued."""
         asked = self._job is not None and signum == self._requeue_signal

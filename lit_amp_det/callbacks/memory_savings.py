@@ -57,27 +57,21 @@ class SavingsRow:
 
 def check_comparable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """Fails with the fix named where copies of ``pl_module.model`` cannot be measured against fp32."""
+    fix = "use a MaskRCNNModule (sub)class or set compare_baseline=false"
     model = getattr(pl_module, "model", None)
     if not isinstance(model, nn.Module):
-        raise ValueError(
-            f"MemoryMonitor(compare_baseline=True) measures deep copies of `pl_module.model`, but "
-            f"{type(pl_module).__name__}.model is {type(model).__name__}; use a MaskRCNNModule (sub)class or set "
-            "compare_baseline=false"
-        )
+        raise ValueError(f"MemoryMonitor(compare_baseline=True) measures deep copies of `pl_module.model`, but "
+                         f"{type(pl_module).__name__}.model is {type(model).__name__}; {fix}")
     missing = [name for name in _MODULE_API if not callable(getattr(pl_module, name, None))]
     if missing:
-        raise ValueError(
-            f"MemoryMonitor(compare_baseline=True) runs steps as MaskRCNNModule.training_step does, but "
-            f"{type(pl_module).__name__} has no {missing}; use a MaskRCNNModule (sub)class or set "
-            "compare_baseline=false"
-        )
+        raise ValueError(f"MemoryMonitor(compare_baseline=True) runs steps as MaskRCNNModule.training_step does, but "
+                         f"{type(pl_module).__name__} has no {missing}; {fix}")
     precision = str(trainer.precision_plugin.precision)
     if precision.endswith("-true") and precision not in _FULL_PRECISIONS:
-        raise ValueError(
-            f"MemoryMonitor(compare_baseline=True) compares against fp32, but trainer.precision={precision} stores the "
-            "parameters in low precision without fp32 copies to measure the baseline on; use 32-true, 16-mixed, "
-            "bf16-mixed, 16-weights or bf16-weights, or set callbacks.memory_monitor.compare_baseline=false"
-        )
+        raise ValueError(f"MemoryMonitor(compare_baseline=True) compares against fp32, but trainer.precision="
+                         f"{precision} stores the parameters in low precision without fp32 copies to measure the "
+                         "baseline on; use 32-true, 16-mixed, bf16-mixed, 16-weights or bf16-weights, or set "
+                         "callbacks.memory_monitor.compare_baseline=false")
 
 
 @contextlib.contextmanager
@@ -306,14 +300,11 @@ def format_savings_table(data: dict[str, Any]) -> str:
                  _x(_ratio(training["peak_mb"], base["peak_mb"])), "-", "-", "-", "-", "-", f"{step_ms:.1f}",
                  _x(_ratio(step_ms, base["step_ms"]))]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "peak MB: the highest memory during a step; step MB: that peak minus what was in use when the step "
-        "started; saved for backward: tensors autograd keeps for backward (parameters and buffers excluded; "
-        "weight casts: autocast's low-precision copies of trainable weights, included in it). "
-        "The training row includes the optimizer step and its state; its time is the median after the "
-        "warm-up steps.",
-    ]
+    lines += ["", "peak MB: the highest memory during a step; step MB: that peak minus what was in use when the step "
+              "started; saved for backward: tensors autograd keeps for backward (parameters and buffers excluded; "
+              "weight casts: autocast's low-precision copies of trainable weights, included in it). "
+              "The training row includes the optimizer step and its state; its time is the median after the "
+              "warm-up steps."]
     return "\n".join(lines)
 
 

@@ -54,17 +54,15 @@ class CocoPredictionWriter(BasePredictionWriter):
         if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 0:
             raise ValueError(f"callbacks.prediction_writer.num_images={num_images!r} must be an integer >= 0 "
                              "(images drawn with their detections; 0 draws none)")
-        if isinstance(min_side, bool) or not isinstance(min_side, int) or min_side < 0:
-            raise ValueError(f"callbacks.prediction_writer.min_side={min_side!r} must be an integer >= 0 (pixels; 0 "
-                             "keeps the images' size)")
+        for name, side in (("min_side", min_side), ("max_side", max_side)):
+            if isinstance(side, bool) or not isinstance(side, int) or side < 0:
+                raise ValueError(f"callbacks.prediction_writer.{name}={side!r} must be an integer >= 0 (pixels; 0 "
+                                 "keeps the images' size)")
         self.path = Path(dirpath) / filename
         self.score_threshold = score_threshold
         self.num_images = num_images
         self.images_dir = Path(dirpath) / images_dirname
         self.image_score_threshold = score_threshold if image_score_threshold is None else image_score_threshold
-        if isinstance(max_side, bool) or not isinstance(max_side, int) or max_side < 0:
-            raise ValueError(f"callbacks.prediction_writer.max_side={max_side!r} must be an integer >= 0 (pixels; 0 "
-                             "keeps the images' size)")
         if max_side and min_side > max_side:
             raise ValueError(f"callbacks.prediction_writer.min_side={min_side} is above max_side={max_side}: no "
                              "picture can be both; lower min_side or raise max_side")
@@ -122,11 +120,8 @@ class CocoPredictionWriter(BasePredictionWriter):
         boxes = det["boxes"][keep].tolist()
         scores = det["scores"][keep].tolist()
         categories = det.get("category_ids", det["labels"])[keep].tolist()
-        records = [
-            {"image_id": det["image_id"], "category_id": int(category), "bbox": [x1, y1, x2 - x1, y2 - y1],
-             "score": float(score)}
-            for (x1, y1, x2, y2), score, category in zip(boxes, scores, categories)
-        ]
+        records = [{"image_id": det["image_id"], "category_id": int(category), "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "score": float(score)} for (x1, y1, x2, y2), score, category in zip(boxes, scores, categories)]
         if "masks" in det and records:
             masks = det["masks"]
             masks = masks.reshape(len(masks), *masks.shape[-2:])

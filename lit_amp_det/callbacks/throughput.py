@@ -62,15 +62,11 @@ class Throughput(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(
-                f"{_FIELD}.window={self.window!r} must be an integer >= 1 (steps in the progress-bar median; "
-                "1 shows the last step)"
-            )
+            raise ValueError(f"{_FIELD}.window={self.window!r} must be an integer >= 1 (steps in the progress-bar "
+                             "median; 1 shows the last step)")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"{_FIELD}.warmup_steps={self.warmup_steps!r} must be an integer >= 0 (untimed steps at the start "
-                "of each fit)"
-            )
+            raise ValueError(f"{_FIELD}.warmup_steps={self.warmup_steps!r} must be an integer >= 0 (untimed steps at "
+                             "the start of each fit)")
         if not callable(self.batch_size_fn):
             raise ValueError(f"{_FIELD}.batch_size_fn={self.batch_size_fn!r} must be callable (batch -> images)")
 

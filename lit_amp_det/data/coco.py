@@ -99,17 +99,10 @@ class CocoInstances(torch.utils.data.Dataset):
         num_instances: kept annotations that are not crowd regions: what training learns from.
     """
 
-    def __init__(
-        self,
-        image_dir: str | Path,
-        annotation_file: str | Path,
-        *,
-        transforms: Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]] | None = None,
-        with_masks: bool = True,
-        invalid_boxes: Literal["error", "skip"] = "error",
-        skip_empty: bool = False,
-        category_ids: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, image_dir: str | Path, annotation_file: str | Path, *,
+                 transforms: Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]] | None = None,
+                 with_masks: bool = True, invalid_boxes: Literal["error", "skip"] = "error", skip_empty: bool = False,
+                 category_ids: Sequence[int] | None = None) -> None:
         if invalid_boxes not in INVALID_BOX_MODES:
             modes = " or ".join(map(repr, INVALID_BOX_MODES))
             raise ValueError(f"invalid_boxes must be {modes}, got {invalid_boxes!r}")
@@ -143,8 +136,6 @@ class CocoInstances(torch.utils.data.Dataset):
         # so COCO evaluation sees the same ground truth as the targets.
         self.coco = index_with_pycocotools({**dataset, "annotations": kept})
 
-    # ------------------------------------------------------------------ validation
-
     def _check_categories(self, categories: Any) -> dict[int, str]:
         """Return ``{category id: name}`` for the file's ``categories`` list."""
         if not isinstance(categories, list):
@@ -157,8 +148,7 @@ class CocoInstances(torch.utils.data.Dataset):
             names[cid] = str(cat.get("name", f"category_{cid}"))
         return names
 
-    def _unique_id(self, record: Any, seen: Container[int], kind: str, section: str,
-                   missing: Callable[[], str]) -> int:
+    def _unique_id(self, record: Any, seen: Container[int], kind: str, section: str, missing: Callable[[], str]) -> int:
         """Return ``record``'s integer id; raise ``missing()`` if it has none, or if ``seen`` holds it already."""
         if not isinstance(record, dict) or not isinstance(record.get("id"), int):
             raise ValueError(missing())
@@ -193,10 +183,8 @@ class CocoInstances(torch.utils.data.Dataset):
             for key in ("width", "height"):
                 value = img.get(key)
                 if not isinstance(value, int) or value <= 0:
-                    raise ValueError(
-                        f"image {ident} in {self.annotation_file} has {key} {value!r}; "
-                        "'width' and 'height' must be positive integers (pixels)"
-                    )
+                    raise ValueError(f"image {ident} in {self.annotation_file} has {key} {value!r}; "
+                                     "'width' and 'height' must be positive integers (pixels)")
             if img["id"] in by_id:
                 raise ValueError(f"image id {img['id']} appears twice in 'images' of {self.annotation_file}")
             by_id[img["id"]] = img
@@ -206,9 +194,8 @@ class CocoInstances(torch.utils.data.Dataset):
                            images: dict[int, dict[str, Any]]) -> dict[int, list[tuple[dict[str, Any], list[float]]]]:
         """Validate every annotation and group ``(annotation, clipped xyxy box)`` by image id."""
         if not isinstance(annotations, list):
-            raise ValueError(
-                f"'annotations' in {self.annotation_file} must be a list, got {type(annotations).__name__}"
-            )
+            raise ValueError(f"'annotations' in {self.annotation_file} must be a list, "
+                             f"got {type(annotations).__name__}")
         per_image: dict[int, list[tuple[dict[str, Any], list[float]]]] = {}
         seen_ids: set[int] = set()
         for position, ann in enumerate(annotations):
@@ -218,19 +205,16 @@ class CocoInstances(torch.utils.data.Dataset):
             seen_ids.add(ann_id)
             image_id = ann.get("image_id")
             if not isinstance(image_id, int) or image_id not in images:
-                raise ValueError(
-                    f"annotation {ann_id} in {self.annotation_file} has image_id {image_id!r}, which is not in "
-                    "'images'; fix or remove the annotation (the annotation and image lists are out of sync)"
-                )
+                raise ValueError(f"annotation {ann_id} in {self.annotation_file} has image_id {image_id!r}, which is "
+                                 "not in 'images'; fix or remove the annotation (the annotation and image lists are "
+                                 "out of sync)")
             img = images[image_id]
             cat = ann.get("category_id")
             known_in_file = isinstance(cat, int) and cat in self._file_category_ids
             if not known_in_file or cat not in self._label_of:
                 where = "the file's 'categories'" if not known_in_file else "the given category_ids mapping"
-                raise ValueError(
-                    f"annotation {ann_id} in {self.annotation_file} has category_id {cat!r}, which is not in "
-                    f"{where}; known category ids: {self.category_ids}"
-                )
+                raise ValueError(f"annotation {ann_id} in {self.annotation_file} has category_id {cat!r}, which is "
+                                 f"not in {where}; known category ids: {self.category_ids}")
             box = self._clipped_box(ann, ann_id, img)
             if box is None or (self.with_masks and not self._segmentation_usable(ann, ann_id, img)):
                 self.skipped_boxes += 1
@@ -242,10 +226,8 @@ class CocoInstances(torch.utils.data.Dataset):
         """Convert COCO ``[x, y, w, h]`` to a clipped xyxy box; ``None`` if degenerate and skipping."""
         bbox = ann.get("bbox")
         if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(is_number(v) for v in bbox):
-            raise ValueError(
-                f"annotation {ann_id} in {self.annotation_file} has bbox {bbox!r}; "
-                "boxes must be a list of 4 numbers [x, y, w, h]"
-            )
+            raise ValueError(f"annotation {ann_id} in {self.annotation_file} has bbox {bbox!r}; "
+                             "boxes must be a list of 4 numbers [x, y, w, h]")
         x, y, w, h = (float(v) for v in bbox)
         problem = self._box_problem(x, y, w, h, img)
         if problem is None:
@@ -254,10 +236,8 @@ class CocoInstances(torch.utils.data.Dataset):
                     min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)]
         if self.invalid_boxes == "skip":
             return None
-        raise ValueError(
-            f"annotation {ann_id} (image {img['id']}) in {self.annotation_file} has {problem}; "
-            f"boxes must be [x, y, w, h] with w, h > 0 overlapping the image ({_SKIP_HINT})"
-        )
+        raise ValueError(f"annotation {ann_id} (image {img['id']}) in {self.annotation_file} has {problem}; "
+                         f"boxes must be [x, y, w, h] with w, h > 0 overlapping the image ({_SKIP_HINT})")
 
     @staticmethod
     def _box_problem(x: float, y: float, w: float, h: float, img: dict[str, Any]) -> str | None:
@@ -285,13 +265,9 @@ class CocoInstances(torch.utils.data.Dataset):
         if degenerate and self.invalid_boxes == "skip":
             return False
         hint = f"; {_SKIP_HINT}" if degenerate else ""
-        raise ValueError(
-            f"annotation {ann_id} (image {img['id']}) in {self.annotation_file} has a malformed "
-            f"segmentation: {problem}; expected polygons [[x1, y1, x2, y2, x3, y3, ...], ...] or RLE "
-            "{'size': [height, width], 'counts': ...} (or pass with_masks=False to ignore masks)" + hint
-        )
-
-    # ------------------------------------------------------------------ index
+        raise ValueError(f"annotation {ann_id} (image {img['id']}) in {self.annotation_file} has a malformed "
+                         f"segmentation: {problem}; expected polygons [[x1, y1, x2, y2, x3, y3, ...], ...] or RLE "
+                         "{'size': [height, width], 'counts': ...} (or pass with_masks=False to ignore masks)" + hint)
 
     def _build_records(self, images: dict[int, dict[str, Any]],
                        per_image: dict[int, list[tuple[dict[str, Any], list[float]]]]) -> list[_ImageRecord]:
@@ -314,11 +290,10 @@ class CocoInstances(torch.utils.data.Dataset):
                 annotation_ids=[ann["id"] for ann, _ in anns],
             ))
         if not records:
-            raise ValueError(
-                f"{self.annotation_file} has no images with annotations, so skip_empty=True "
-                "(data.skip_empty_train=true) leaves no image at all; check data.root / the split paths, or, to "
-                "train on negative images only, set data.skip_empty_train=false data.allow_empty_train=true"
-            )
+            raise ValueError(f"{self.annotation_file} has no images with annotations, so skip_empty=True "
+                             "(data.skip_empty_train=true) leaves no image at all; check data.root / the split paths, "
+                             "or, to train on negative images only, set data.skip_empty_train=false "
+                             "data.allow_empty_train=true")
         return records
 
     def _check_files_exist(self) -> None:
@@ -327,12 +302,9 @@ class CocoInstances(torch.utils.data.Dataset):
         if missing:
             listed = ", ".join(missing[:_MAX_LISTED_MISSING])
             more = f" (and {len(missing) - _MAX_LISTED_MISSING} more)" if len(missing) > _MAX_LISTED_MISSING else ""
-            raise FileNotFoundError(
-                f"{len(missing)} of {len(self._records)} images listed in {self.annotation_file} are missing "
-                f"under {self.image_dir}: {listed}{more}; check data.root and the split's image folder"
-            )
-
-    # ------------------------------------------------------------------ public API
+            raise FileNotFoundError(f"{len(missing)} of {len(self._records)} images listed in {self.annotation_file} "
+                                    f"are missing under {self.image_dir}: {listed}{more}; check data.root and the "
+                                    "split's image folder")
 
     def __len__(self) -> int:
         """Number of images in the index (after ``skip_empty``)."""
@@ -351,11 +323,9 @@ class CocoInstances(torch.utils.data.Dataset):
         rec = self._records[index]
         image = read_rgb_image(rec.path)
         if tuple(image.shape[1:]) != (rec.height, rec.width):
-            raise ValueError(
-                f"image {rec.image_id} ({rec.path}) is {image.shape[2]}x{image.shape[1]} pixels but "
-                f"{self.annotation_file} says {rec.width}x{rec.height}; fix the 'width'/'height' of the "
-                "image record (annotations are in the JSON's coordinates)"
-            )
+            raise ValueError(f"image {rec.image_id} ({rec.path}) is {image.shape[2]}x{image.shape[1]} pixels but "
+                             f"{self.annotation_file} says {rec.width}x{rec.height}; fix the 'width'/'height' of the "
+                             "image record (annotations are in the JSON's coordinates)")
         target = {
             "boxes": torch.from_numpy(rec.boxes.copy()),
             "labels": torch.from_numpy(rec.labels.copy()),
@@ -404,10 +374,8 @@ class CocoInstances(torch.utils.data.Dataset):
 
     def _segmentation_error(self, ann_id: Any, rec: _ImageRecord, err: Exception) -> ValueError:
         """Build the error for a segmentation that passed the structural check but does not decode."""
-        return ValueError(
-            f"annotation {ann_id} (image {rec.image_id}) in {self.annotation_file} has a segmentation "
-            f"pycocotools cannot decode ({err}); fix the polygon / RLE or pass with_masks=False"
-        )
+        return ValueError(f"annotation {ann_id} (image {rec.image_id}) in {self.annotation_file} has a segmentation "
+                          f"pycocotools cannot decode ({err}); fix the polygon / RLE or pass with_masks=False")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(annotation_file={str(self.annotation_file)!r}, images={len(self)}, "

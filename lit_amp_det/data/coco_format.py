@@ -31,22 +31,17 @@ def load_annotation_file(path: Path) -> dict[str, Any]:
         with open(path, encoding="utf-8") as fh:
             dataset = json.load(fh)
     except FileNotFoundError as err:
-        raise FileNotFoundError(
-            f"annotation file {path} does not exist; check data.root and the split's annotation path"
-        ) from err
+        raise FileNotFoundError(f"annotation file {path} does not exist; check data.root and the split's annotation "
+                                "path") from err
     except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; "
-            "the file is truncated or corrupt -- re-download or re-export it"
-        ) from err
+        raise ValueError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; "
+                         "the file is truncated or corrupt -- re-download or re-export it") from err
     if not isinstance(dataset, dict):
         raise ValueError(f"{path} must contain a JSON object with 'images', 'annotations' and 'categories'")
     for key in REQUIRED_KEYS:
         if key not in dataset:
-            raise ValueError(
-                f"{path} has no top-level key {key!r}; a COCO instances file needs "
-                f"{', '.join(repr(k) for k in REQUIRED_KEYS)}"
-            )
+            raise ValueError(f"{path} has no top-level key {key!r}; a COCO instances file needs "
+                             f"{', '.join(repr(k) for k in REQUIRED_KEYS)}")
     return dataset
 
 

@@ -67,9 +67,6 @@ def _read_with_pil(path: str | Path, tv_err: Exception | None, apply_exif_orient
             array = np.array(turned.convert("RGB"))
     except Exception as err:  # PIL raises several unrelated types for bad files
         tv_note = f" (torchvision: {str(tv_err).splitlines()[0]})" if tv_err is not None and str(tv_err) else ""
-        raise OSError(
-            f"cannot read image {path}: {err}{tv_note}; "
-            "the file is missing, truncated or not an image -- re-extract the dataset or "
-            "remove the image from the annotation file"
-        ) from err
+        raise OSError(f"cannot read image {path}: {err}{tv_note}; the file is missing, truncated or not an image -- "
+                      "re-extract the dataset or remove the image from the annotation file") from err
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()

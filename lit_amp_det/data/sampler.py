@@ -104,16 +104,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         shuffle: shuffle (training) or keep dataset order.
     """
 
-    def __init__(
-        self,
-        dataset_size: int,
-        batch_size: int,
-        *,
-        seed: int = 0,
-        group_ids: Sequence[int] | None = None,
-        drop_last: bool = False,
-        shuffle: bool = True,
-    ) -> None:
+    def __init__(self, dataset_size: int, batch_size: int, *, seed: int = 0, group_ids: Sequence[int] | None = None,
+                 drop_last: bool = False, shuffle: bool = True) -> None:
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if group_ids is not None and len(group_ids) != dataset_size:

@@ -37,8 +37,6 @@ MARKER_NAME = "DONE"
 
 _PNG_COMPRESS_LEVEL = 1  # faster than the default, files barely larger (noise dominates)
 
-# --------------------------------------------------------------------------- annotation
-
 
 def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[float, float]]:
     """Sutherland-Hodgman clip of a polygon to the image rectangle [0, W] x [0, H] (one piece for our shapes: each
@@ -135,9 +133,6 @@ def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[st
     return {"images": len(images), "annotations": len(annotations)}
 
 
-# --------------------------------------------------------------------------- on disk
-
-
 def _read_marker(root: Path) -> dict[str, Any] | None:
     """The marker's content, or None if the dataset is absent or incomplete."""
     try:
@@ -197,15 +192,11 @@ def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(
         if marker is not None:
             if marker.get("params") == params_json:
                 return root
-            raise FileExistsError(
-                f"root {str(root)!r} holds a shapes dataset made with other parameters "
-                f"({marker.get('params')}); pass overwrite=True to replace it"
-            )
+            raise FileExistsError(f"root {str(root)!r} holds a shapes dataset made with other parameters "
+                                  f"({marker.get('params')}); pass overwrite=True to replace it")
         if not all(child.name in {"images", "annotations", MARKER_NAME} for child in root.iterdir()):
-            raise FileExistsError(
-                f"root {str(root)!r} is a non-empty folder that is not a shapes dataset; "
-                "refusing to replace it without overwrite=True"
-            )
+            raise FileExistsError(f"root {str(root)!r} is a non-empty folder that is not a shapes dataset; "
+                                  "refusing to replace it without overwrite=True")
     root.parent.mkdir(parents=True, exist_ok=True)
     # Sibling of root so the final rename stays on one filesystem (and is atomic).
     tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -240,9 +231,6 @@ def ensure_shapes(cache_dir: str | os.PathLike[str], spec: ShapesSpec = ShapesSp
     return generate_shapes(root, spec, splits=splits)
 
 
-# --------------------------------------------------------------------------- CLI
-
-
 def _parse_split(text: str) -> tuple[str, int]:
     """argparse type for ``NAME=COUNT``; the count's range is checked by generate_shapes."""
     name, sep, count = text.partition("=")
@@ -272,11 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one or two integers")
-    spec = ShapesSpec(
-        image_size=args.image_size[0] if len(args.image_size) == 1 else tuple(args.image_size),
-        min_objects=args.min_objects, max_objects=args.max_objects, min_size=args.min_size,
-        max_size=args.max_size, seed=args.seed, empty_prob=args.empty_prob,
-    )
+    spec = ShapesSpec(image_size=args.image_size[0] if len(args.image_size) == 1 else tuple(args.image_size),
+                      min_objects=args.min_objects, max_objects=args.max_objects, min_size=args.min_size,
+                      max_size=args.max_size, seed=args.seed, empty_prob=args.empty_prob)
     splits = dict(args.split) if args.split else DEFAULT_SPLITS
     start = time.perf_counter()
     try:

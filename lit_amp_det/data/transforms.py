@@ -55,10 +55,8 @@ class RandomHorizontalFlip:
 
     def __init__(self, p: float = 0.5) -> None:
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= float(p) <= 1.0:
-            raise ValueError(
-                f"RandomHorizontalFlip: p must be a probability in [0, 1], got {p!r} "
-                "(check the flip probability in the data config)"
-            )
+            raise ValueError(f"RandomHorizontalFlip: p must be a probability in [0, 1], got {p!r} "
+                             "(check the flip probability in the data config)")
         self.p = float(p)
 
     def __call__(self, image: Tensor, target: Target,

@@ -44,11 +44,9 @@ class BadImagesError(OSError):
         self.total, self.remedy = total, remedy
         listed = [f"  {path}: {reason}" for path, reason in list(self.problems.items())[:_MAX_LISTED]]
         more = [f"  ... and {len(self.problems) - _MAX_LISTED} more"] if len(self.problems) > _MAX_LISTED else []
-        super().__init__(
-            f"{len(self.problems)} of {total} images cannot be used:\n" + "\n".join(listed + more) + "\n"
-            f"{remedy}, or set data.bad_images=skip to leave them out with a warning (data.verify_images=false skips "
-            "this check)."
-        )
+        super().__init__(f"{len(self.problems)} of {total} images cannot be used:\n" + "\n".join(listed + more) + "\n"
+                         f"{remedy}, or set data.bad_images=skip to leave them out with a warning "
+                         "(data.verify_images=false skips this check).")
 
     def __reduce__(self) -> tuple[object, ...]:  # picklable across DDP / multiprocessing with its fields
         return (type(self), (self.problems, self.total, self.remedy))

@@ -54,11 +54,9 @@ def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_b
     the Trainer directly) is an error, since the lr scaling cannot be computed without it.
     """
     if per_device is None:
-        raise ValueError(
-            "optim.reference_batch is set, so the lr is scaled to the global batch, but the per-device batch size is "
-            "unknown: the Trainer has no data module with a batch_size attribute. Fit with a data module that has "
-            "one, or set optim.reference_batch=null and give the lr for your batch"
-        )
+        raise ValueError("optim.reference_batch is set, so the lr is scaled to the global batch, but the per-device "
+                         "batch size is unknown: the Trainer has no data module with a batch_size attribute. Fit with "
+                         "a data module that has one, or set optim.reference_batch=null and give the lr for your batch")
     for name, value in (("data.batch_size", per_device), ("world size", world_size),
                         ("trainer.accumulate_grad_batches", accumulate_grad_batches)):
         if int(value) < 1:

@@ -25,10 +25,8 @@ def align_with_params(optimizer: torch.optim.Optimizer) -> int:
     """Lays every gradient and every parameter-shaped state tensor (momentum buffers, Adam's moments) out in its
     parameter's memory order, copying only those that differ; returns how many it copied.
 
-    Why: PyTorch's fused CPU kernels (``torch.optim.SGD(fused=True)``) walk a parameter, its gradient and its
-    momentum buffer in memory order and trust them to agree; when they do not, the update silently lands on the
-    wrong elements. They disagree after resuming optimizer state saved in another layout (e.g. with the
-    ``channels_last`` speedup toggled), or with a gradient set by hand.
+    Why: fused kernels trust the three layouts to agree (see the module docstring); they disagree after resuming
+    optimizer state saved in another layout, or with a gradient set by hand.
     """
     copied = 0
     for group in optimizer.param_groups:

@@ -18,17 +18,10 @@ from torch.optim.lr_scheduler import LambdaLR
 __all__ = ["warmup_schedule"]
 
 
-def warmup_schedule(
-    optimizer: torch.optim.Optimizer,
-    *,
-    total_steps: int,
-    warmup_steps: int | float = 100,
-    warmup_factor: float = 0.001,
-    policy: Literal["multistep", "cosine", "constant"] = "multistep",
-    milestones: Sequence[float] = (0.75, 0.92),
-    gamma: float = 0.1,
-    min_lr_ratio: float = 0.0,
-) -> LambdaLR:
+def warmup_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int | float = 100,
+                    warmup_factor: float = 0.001, policy: Literal["multistep", "cosine", "constant"] = "multistep",
+                    milestones: Sequence[float] = (0.75, 0.92), gamma: float = 0.1,
+                    min_lr_ratio: float = 0.0) -> LambdaLR:
     """Linear warm-up followed by a multistep, cosine or constant schedule.
 
     Args:

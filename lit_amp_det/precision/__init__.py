@@ -20,41 +20,25 @@ from typing import TYPE_CHECKING, Any
 
 #: public name -> the module that defines it
 _MODULES = {
-    "auto_fp16": "casting",
-    "cast_tensor_type": "casting",
-    "force_fp32": "casting",
-    "mixed_precision_dtype": "casting",
-    "set_mixed_precision": "casting",
-    "wrap_method": "casting",
-    "unwrap_method": "casting",
-    "MasterWeights": "master_weights",
-    "use_low_precision_weights": "master_weights",
-    "cpu_computes_bf16_natively": "hardware",
-    "resolve_precision": "hardware",
+    **dict.fromkeys(("auto_fp16", "cast_tensor_type", "force_fp32", "mixed_precision_dtype", "set_mixed_precision",
+                     "wrap_method", "unwrap_method"), "casting"),
+    **dict.fromkeys(("MasterWeights", "use_low_precision_weights"), "master_weights"),
+    **dict.fromkeys(("cpu_computes_bf16_natively", "resolve_precision"), "hardware"),
     "install_fp32_regions": "regions",
     "NonFiniteStepGuard": "guard",
     "HalfPrecisionOptions": "options",
     "FiniteStepPrecision": "full",
     "DetectionMixedPrecision": "mixed",
     "MasterWeightPrecision": "low_precision_weights",
-    "build_precision_plugin": "build",
-    "trained_precision": "build",
-    "warn_if_precision_changes": "build",
+    **dict.fromkeys(("build_precision_plugin", "trained_precision", "warn_if_precision_changes"), "build"),
 }
 
 __all__ = list(_MODULES)
 
 if TYPE_CHECKING:
     from lit_amp_det.precision.build import build_precision_plugin, trained_precision, warn_if_precision_changes
-    from lit_amp_det.precision.casting import (
-        auto_fp16,
-        cast_tensor_type,
-        force_fp32,
-        mixed_precision_dtype,
-        set_mixed_precision,
-        unwrap_method,
-        wrap_method,
-    )
+    from lit_amp_det.precision.casting import (auto_fp16, cast_tensor_type, force_fp32, mixed_precision_dtype,
+                                               set_mixed_precision, unwrap_method, wrap_method)
     from lit_amp_det.precision.full import FiniteStepPrecision
     from lit_amp_det.precision.guard import NonFiniteStepGuard
     from lit_amp_det.precision.hardware import cpu_computes_bf16_natively, resolve_precision

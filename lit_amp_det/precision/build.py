@@ -30,17 +30,10 @@ __all__ = ["build_precision_plugin", "trained_precision", "warn_if_precision_cha
 _RECORDING_PLUGINS = (FiniteStepPrecision, DetectionMixedPrecision, MasterWeightPrecision)
 
 
-def build_precision_plugin(
-    precision: str,
-    accelerator: str = "auto",
-    *,
-    fp32_regions: Mapping[str, RegionMode] | None = None,
-    init_scale: float = 2.0**16,
-    growth_interval: int = 2000,
-    fp16_on_cpu: bool = False,
-    max_consecutive_skips: int = 20,
-    skip_check_every_n_steps: int = 50,
-) -> Precision:
+def build_precision_plugin(precision: str, accelerator: str = "auto", *,
+                           fp32_regions: Mapping[str, RegionMode] | None = None, init_scale: float = 2.0**16,
+                           growth_interval: int = 2000, fp16_on_cpu: bool = False, max_consecutive_skips: int = 20,
+                           skip_check_every_n_steps: int = 50) -> Precision:
     """The plugin for ``trainer.precision`` with the ``precision`` config node's settings.
 
     ``auto`` and the half precisions on a CPU first become what runs fast there

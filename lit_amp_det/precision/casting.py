@@ -22,18 +22,8 @@ from torch import nn
 
 from lit_amp_det.precision.modes import REGION_MODES, RegionMode
 
-__all__ = [
-    "LOW_PRECISION_DTYPES",
-    "AMP_DTYPE_ATTR",
-    "REGION_ATTR",
-    "cast_tensor_type",
-    "mixed_precision_dtype",
-    "set_mixed_precision",
-    "force_fp32",
-    "auto_fp16",
-    "wrap_method",
-    "unwrap_method",
-]
+__all__ = ["LOW_PRECISION_DTYPES", "AMP_DTYPE_ATTR", "REGION_ATTR", "cast_tensor_type", "mixed_precision_dtype",
+           "set_mixed_precision", "force_fp32", "auto_fp16", "wrap_method", "unwrap_method"]
 
 #: The dtypes a module may run in when mixed precision is on for it.
 LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
@@ -45,9 +35,6 @@ AMP_DTYPE_ATTR = "_lit_amp_dtype"
 REGION_ATTR = "__lit_amp_region__"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-# --------------------------------------------------------------------------------------------- casting
 
 
 def _check_dtype(value: object, argument: str) -> torch.dtype:
@@ -64,10 +51,8 @@ def _source_dtypes(src_type: torch.dtype | Sequence[torch.dtype] | None) -> tupl
     if isinstance(src_type, torch.dtype):
         return (src_type,)
     if isinstance(src_type, (str, bytes)) or not isinstance(src_type, Iterable):
-        raise TypeError(
-            "src_type must be a torch.dtype, a sequence of them or None (any floating dtype), "
-            f"got {src_type!r}"
-        )
+        raise TypeError(f"src_type must be a torch.dtype, a sequence of them or None (any floating dtype), "
+                        f"got {src_type!r}")
     return tuple(_check_dtype(d, "every entry of src_type") for d in src_type)
 
 
@@ -115,9 +100,6 @@ def cast_tensor_type(inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] 
     return _cast(inputs, _source_dtypes(src_type), _check_dtype(dst_type, "dst_type"))
 
 
-# ------------------------------------------------------------------------------------- module opt-in
-
-
 def mixed_precision_dtype(obj: object) -> torch.dtype | None:
     """The low-precision dtype ``obj`` runs in, or None when mixed precision is off for it."""
     return getattr(obj, AMP_DTYPE_ATTR, None)
@@ -136,9 +118,6 @@ def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> N
             delattr(target, AMP_DTYPE_ATTR)
         if mixed_precision_dtype(target) is not None:  # a class-level default still shows through: shadow it
             setattr(target, AMP_DTYPE_ATTR, None)
-
-
-# ------------------------------------------------------------------------------------------- regions
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -166,24 +145,19 @@ def _first_tensor(values: Any) -> torch.Tensor | None:
     return None
 
 
-def _checked_apply_to(
-    decorator: str, func: Callable[..., Any], signature: inspect.Signature, apply_to: Iterable[str] | None
-) -> frozenset[str] | None:
+def _checked_apply_to(decorator: str, func: Callable[..., Any], signature: inspect.Signature,
+                      apply_to: Iterable[str] | None) -> frozenset[str] | None:
     """Validates ``apply_to`` against ``func``'s parameters (self excluded); None means all arguments."""
     if apply_to is None:
         return None
     if isinstance(apply_to, (str, bytes)):
-        raise TypeError(
-            f"{decorator}(apply_to={apply_to!r}) must be a list of names, e.g. apply_to=[{apply_to!r}]"
-        )
+        raise TypeError(f"{decorator}(apply_to={apply_to!r}) must be a list of names, e.g. apply_to=[{apply_to!r}]")
     names = list(apply_to)
     parameters = list(signature.parameters)[1:]  # the first one is self
     for name in names:
         if name not in parameters:
-            raise ValueError(
-                f"{decorator}(apply_to={names!r}) names {name!r}, which is not a parameter of "
-                f"{func.__qualname__}{signature}; use only the names after self, or apply_to=None for all"
-            )
+            raise ValueError(f"{decorator}(apply_to={names!r}) names {name!r}, which is not a parameter of "
+                             f"{func.__qualname__}{signature}; use only the names after self, or apply_to=None for all")
     return frozenset(names)
 
 
@@ -296,8 +270,6 @@ def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> 
     return _region_decorator("auto_fp16", "fp16", apply_to, to_low=True, run=run)
 
 
-# --------------------------------------------------------------------------------- instance wrapping
-
 WrapMode = RegionMode
 
 
@@ -346,9 +318,8 @@ def _current(owner: object, name: str) -> Any:
     """``owner.<name>``, or an AttributeError naming the owner type, the name and the fix."""
     value = getattr(owner, name, None)
     if not callable(value):
-        raise AttributeError(
-            f"{type(owner).__name__} has no method {name!r} to wrap; pass the name of one of its methods"
-        )
+        raise AttributeError(f"{type(owner).__name__} has no method {name!r} to wrap; "
+                             "pass the name of one of its methods")
     return value
 
 
@@ -364,16 +335,12 @@ def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
     current = _current(owner, name)
     if isinstance(current, _InstanceRegion):
         if current.mode != mode:
-            raise ValueError(
-                f"{type(owner).__name__}.{name} is already wrapped with mode={current.mode!r}; "
-                f"call unwrap_method first to switch to mode={mode!r}"
-            )
+            raise ValueError(f"{type(owner).__name__}.{name} is already wrapped with mode={current.mode!r}; "
+                             f"call unwrap_method first to switch to mode={mode!r}")
         return
     if not hasattr(owner, "__dict__"):
-        raise TypeError(
-            f"cannot wrap {type(owner).__name__}.{name}: it has no instance __dict__ (uses __slots__); "
-            "decorate the class method with force_fp32 instead"
-        )
+        raise TypeError(f"cannot wrap {type(owner).__name__}.{name}: it has no instance __dict__ (uses __slots__); "
+                        "decorate the class method with force_fp32 instead")
     setattr(owner, name, _InstanceRegion(owner, name, mode))
 
 

@@ -47,7 +47,6 @@ class NonFiniteStepGuard:
         self._unread = 0  # steps recorded since the host last read the counts
         self._skipper = DeviceSkippedStep()
 
-    # ------------------------------------------------------------------------------------------------ per step
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         """``optimizer.step(**kwargs)`` unless a gradient is inf or NaN (decided and skipped on the device); counted."""
         skip = non_finite(gradients(optimizer))
@@ -71,7 +70,6 @@ class NonFiniteStepGuard:
         """Logs ``train/skipped_steps`` as a device tensor (Lightning reads it when it writes its logs)."""
         model.log("train/skipped_steps", self._counts[0].float(), on_step=True, on_epoch=False, prog_bar=False)
 
-    # ------------------------------------------------------------------------------------------------ host reads
     def _read(self) -> tuple[int, int, int]:
         """The counts on the host (one transfer, a sync on a GPU): skipped, current run, longest run since last read."""
         total, run, longest = self._counts.tolist()
@@ -88,8 +86,7 @@ class NonFiniteStepGuard:
                 f"{self.precision} ({total} skipped in all; the limit is precision.max_consecutive_skips="
                 f"{self.max_consecutive}); training has diverged. Lower the learning rate (optim.optimizer.lr), clip "
                 "gradients (trainer.gradient_clip_val=1.0), or raise precision.max_consecutive_skips. Checkpoints "
-                "written so far are kept."
-            )
+                "written so far are kept.")
 
     @property
     def skipped(self) -> int:

@@ -87,10 +87,9 @@ class MasterWeightPrecision(Precision):
 
     def _master_weights(self) -> MasterWeights:
         if self.weights is None:
-            raise RuntimeError(
-                f"trainer.precision={self.precision}: the model has no fp32 masters yet; call the plugin's "
-                "convert_module(model) before connecting optimizers (Lightning's Trainer does both)"
-            )
+            raise RuntimeError(f"trainer.precision={self.precision}: the model has no fp32 masters yet; call the "
+                               "plugin's convert_module(model) before connecting optimizers (Lightning's Trainer does "
+                               "both)")
         return self.weights
 
     @override

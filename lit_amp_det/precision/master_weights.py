@@ -41,10 +41,9 @@ _BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.
 #: Norms that take a low-precision input with fp32 parameters natively; the others are given fp32 inputs.
 _NATIVE_MIXED_NORMS: tuple[type[nn.Module], ...] = (*_BATCH_NORMS, torchvision.ops.FrozenBatchNorm2d)
 #: Norm layers whose parameters and buffers stay fp32 (lit_amp_det's FrozenBatchNorm2d subclasses torchvision's).
-NORM_LAYERS: tuple[type[nn.Module], ...] = (
-    *_NATIVE_MIXED_NORMS, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
-    nn.InstanceNorm3d, nn.LocalResponseNorm,
-)
+NORM_LAYERS: tuple[type[nn.Module], ...] = (*_NATIVE_MIXED_NORMS, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
+                                             nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+                                             nn.LocalResponseNorm)
 
 #: Attribute of a converted module holding ``{parameter name: fp32 master}`` for its own parameters.
 _MASTERS_ATTR = "_lit_master_params"
@@ -54,8 +53,8 @@ _DTYPE_ATTR = "_lit_weight_dtype"
 _WEIGHTS_ATTR = "_lit_master_weights"
 
 
-# ----------------------------------------------------------------------------------------------- hooks
-# Module-level functions reading state from the module they are called on, so a deep copy's hooks use its masters.
+# Hooks are module-level functions reading state from the module they are called on, so a deep copy's hooks use
+# its masters.
 
 
 def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -91,8 +90,6 @@ def _state_dict_into_masters(module: nn.Module, state_dict: dict[str, Any], pref
                 master.copy_(value)
 
 
-# ------------------------------------------------------------------------------------------ conversion
-
 
 class MasterWeights:
     """The low-precision parameters of a converted module and their fp32 masters, pair by pair.
@@ -116,7 +113,6 @@ class MasterWeights:
         """``(low-precision parameter, fp32 master)`` for every converted parameter."""
         return zip(self.params, self.masters)
 
-    # ------------------------------------------------------------------------------------------ building
     def _convert_module(self, module: nn.Module, prefix: str) -> None:
         """Casts ``module``'s own floating parameters to the low dtype, keeping the fp32 values as masters."""
         masters: dict[str, nn.Parameter] = {}
@@ -148,7 +144,6 @@ class MasterWeights:
         norm.register_forward_pre_hook(_norm_inputs_to_fp32)
         norm.register_forward_hook(_norm_output_to_low)
 
-    # ------------------------------------------------------------------------------------------ optimizer
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Points ``optimizer`` at the masters in place of the low-precision parameters; its ``step()`` then moves
         the gradients to the masters first and refreshes the low-precision parameters after (idempotent).
@@ -162,11 +157,10 @@ class MasterWeights:
                     continue
                 name, master = pairs[id(param)]
                 if param in optimizer.state:
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__} param_groups[{index}] has state for the low-precision parameter "
-                        f"{name!r}: it stepped before the model got fp32 masters. Build the optimizer after the "
-                        "precision plugin's convert_module (Lightning does), then attach it."
-                    )
+                    raise RuntimeError(f"{type(optimizer).__name__} param_groups[{index}] has state for the "
+                                       f"low-precision parameter {name!r}: it stepped before the model got fp32 "
+                                       "masters. Build the optimizer after the precision plugin's convert_module "
+                                       "(Lightning does), then attach it.")
                 if master.device != param.device:  # the model was moved after conversion
                     master.data = master.data.to(param.device)
                 group["params"][i] = master
@@ -227,10 +221,8 @@ def use_low_precision_weights(module: nn.Module, dtype: torch.dtype) -> MasterWe
     existing = getattr(module, _WEIGHTS_ATTR, None)
     if existing is not None:
         if existing.dtype != dtype:
-            raise ValueError(
-                f"{type(module).__name__} already has {existing.dtype} weights with fp32 masters; build a new model "
-                f"for {dtype} (or load its fp32 checkpoint into one)"
-            )
+            raise ValueError(f"{type(module).__name__} already has {existing.dtype} weights with fp32 masters; "
+                             f"build a new model for {dtype} (or load its fp32 checkpoint into one)")
         return existing
     weights = MasterWeights(dtype)
     _convert_tree(weights, module, "")

@@ -19,6 +19,8 @@ from lit_amp_det.precision.modes import REGION_MODES, RegionMode
 
 __all__ = ["install_fp32_regions", "regions_for"]
 
+_PATHS_HINT = "paths are relative to the LightningModule, e.g. 'model.rpn.compute_loss'"
+
 
 def _resolve(root: nn.Module, path: str) -> tuple[object, str]:
     """The object that owns the method ``path`` names, and the method's name; a ValueError naming the fix."""
@@ -26,18 +28,14 @@ def _resolve(root: nn.Module, path: str) -> tuple[object, str]:
     *parents, name = path.split(".")
     for part in parents:
         if not hasattr(owner, part):
-            raise ValueError(
-                f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no attribute {part!r}; "
-                "paths are relative to the LightningModule, e.g. 'model.rpn.compute_loss'"
-            )
+            raise ValueError(f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no attribute "
+                             f"{part!r}; {_PATHS_HINT}")
         owner = getattr(owner, part)
     if owner is None:
         raise ValueError(f"precision.fp32_regions names {path!r}, whose owner is None (e.g. no mask head)")
     if not callable(getattr(owner, name, None)):
-        raise ValueError(
-            f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no method {name!r}; "
-            "paths are relative to the LightningModule, e.g. 'model.rpn.compute_loss'"
-        )
+        raise ValueError(f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no method {name!r}; "
+                         f"{_PATHS_HINT}")
     return owner, name
 
 

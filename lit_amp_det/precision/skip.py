@@ -139,11 +139,8 @@ class DeviceSkippedStep:
             return True
         if id(optimizer) not in self._warned:
             self._warned.add(id(optimizer))
-            warnings.warn(
-                f"{type(optimizer).__name__} keeps a {tuple(elsewhere.shape)} state tensor on {elsewhere.device} while "
-                f"its gradients are on {device}, so the non-finite step guard reads its flag on the host every step "
-                "(a sync). Build it with fused=True (optim.optimizer.fused=auto) or capturable=True to keep its state "
-                "on the gradients' device.",
-                stacklevel=3,
-            )
+            warnings.warn(f"{type(optimizer).__name__} keeps a {tuple(elsewhere.shape)} state tensor on "
+                          f"{elsewhere.device} while its gradients are on {device}, so the non-finite step guard reads "
+                          "its flag on the host every step (a sync). Build it with fused=True (optim.optimizer.fused="
+                          "auto) or capturable=True to keep its state on the gradients' device.", stacklevel=3)
         return False
