@@ -54,6 +54,7 @@ def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str
     assert checkpoint["hyper_parameters"]["speedups"] == {  # plain data, as conf/speedups/default.yaml names them
         "ext_ops": {"_target_": "lit_amp_det.models.speedups.ExtensionOps"},
         "binary_mask_paste": {"_target_": "lit_amp_det.models.speedups.BinaryMaskPaste"},
+        "sync_free": {"_target_": "lit_amp_det.models.speedups.SyncFree", "devices": ["cuda"]},
         "channels_last": None, "compile": None}
     assert "speedups on cpu: ext_ops, binary_mask_paste" in (run_dir / "fit.log").read_text()
 

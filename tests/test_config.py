@@ -41,8 +41,9 @@ def test_every_model_instantiates(option: str, tmp_path: Path) -> None:
 
 #: What each conf/speedups option names, and what of it applies to a model on a CPU.
 SPEEDUPS = {
-    "default": (["ext_ops", "binary_mask_paste"], ["ext_ops", "binary_mask_paste"]),
-    "gpu": (["ext_ops", "binary_mask_paste", "channels_last", "compile"], ["ext_ops", "binary_mask_paste"]),
+    "default": (["ext_ops", "binary_mask_paste", "sync_free"], ["ext_ops", "binary_mask_paste"]),
+    "gpu": (["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"],
+            ["ext_ops", "binary_mask_paste"]),
     "none": ([], []),
 }
 

@@ -320,7 +320,7 @@ def test_a_speedup_applies_only_on_its_devices(tmp_path: Path, caplog: pytest.Lo
 
 
 _ON_DEVICE = {"cpu": ["ext_ops", "binary_mask_paste"],
-              "gpu": ["ext_ops", "binary_mask_paste", "channels_last", "compile"]}  # conf/speedups/gpu.yaml
+              "gpu": ["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"]}  # conf/speedups/gpu.yaml
 
 
 @pytest.mark.parametrize("accelerator", [

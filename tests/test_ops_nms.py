@@ -127,6 +127,46 @@ def test_batched_nms_rpn_levels(device):
     assert torch.equal(ops.batched_nms(boxes, scores, levels, 0.7, max_output=2000).cpu(), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_output", [-1, 0, 1, 50, 5000])
+def test_batched_nms_padded_is_batched_nms_of_the_valid_boxes(device, dtype, max_output):
+    boxes = random_boxes(3000, clusters=30).to(device, dtype)
+    scores = distinct_scores(3000).to(device)
+    idxs = torch.randint(4, (3000,), generator=torch.Generator().manual_seed(4)).to(device)
+    valid = (torch.rand(3000, generator=torch.Generator().manual_seed(5)) > 0.4).to(device)
+    members = torch.nonzero(valid).flatten()
+    limit = 3000 if max_output < 0 else min(3000, max_output)
+    expected = members[ops.batched_nms(boxes[members], scores[members], idxs[members], 0.6, limit)]
+    for keep, count in (ops.batched_nms_padded(boxes, scores, idxs, 0.6, max_output, valid=valid),
+                        reference.batched_nms_padded(boxes, scores, idxs, 0.6, max_output, valid)):
+        assert keep.shape == (limit,) and keep.dtype == count.dtype == torch.int64 and count.shape == ()
+        assert keep.device == count.device == boxes.device
+        assert int(count) == expected.shape[0] and torch.equal(keep[: int(count)], expected)
+        assert (keep[int(count):] == -1).all()
+    keep, count = ops.batched_nms_padded(boxes, scores, idxs, 0.6, max_output)  # no mask: every box
+    assert torch.equal(keep[: int(count)], ops.batched_nms(boxes, scores, idxs, 0.6, limit))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_nms_padded_empty_and_all_invalid(device):
+    none = torch.zeros(0, 4, device=device)
+    keep, count = ops.batched_nms_padded(none, none[:, 0], none[:, 0].long(), 0.5, 10)
+    assert keep.shape == (0,) and int(count) == 0
+    boxes, scores = random_boxes(20).to(device), distinct_scores(20).to(device)
+    keep, count = ops.batched_nms_padded(boxes, scores, torch.zeros(20, dtype=torch.int64, device=device), 0.5, 8,
+                                         valid=torch.zeros(20, dtype=torch.bool, device=device))
+    assert keep.tolist() == [-1] * 8 and int(count) == 0
+
+
+def test_batched_nms_padded_rejects_a_bad_valid_mask_with_what_arrived():
+    boxes, scores, idxs = torch.zeros(3, 4), torch.zeros(3), torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"valid should be a bool tensor of shape \[3\].*Float"):
+        ops.batched_nms_padded(boxes, scores, idxs, 0.5, valid=torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"valid should be a bool tensor of shape \[3\].*\[2\]"):
+        ops.batched_nms_padded(boxes, scores, idxs, 0.5, valid=torch.ones(2, dtype=torch.bool))
+
+
 def test_nms_rejects_bad_shapes_with_what_arrived():
     with pytest.raises(RuntimeError, match=r"boxes.*\[3, 5\]"):
         ops.nms(torch.zeros(3, 5), torch.zeros(3), 0.5)
@@ -169,6 +209,9 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.lit_amp_det.nms.default, (boxes, scores, 0.5, 50))
     torch.library.opcheck(torch.ops.lit_amp_det.batched_nms.default, (boxes, scores, idxs, 0.5, -1))
     torch.library.opcheck(torch.ops.lit_amp_det.box_iou.default, (boxes[:10], boxes))
+    for valid in (None, scores > 0.5):
+        torch.library.opcheck(torch.ops.lit_amp_det.batched_nms_padded.default,
+                              (boxes, scores, idxs, valid, 0.5, 40, 300))
 
 
 def test_compile_fullgraph():
@@ -178,7 +221,8 @@ def test_compile_fullgraph():
     def select(boxes, scores, idxs):
         keep = ops.batched_nms(boxes, scores, idxs, 0.5, max_output=100)
         first = ops.nms(boxes, scores, 0.5, max_output=10)
-        return boxes[keep], ops.box_iou(boxes[first], boxes)
+        padded, count = ops.batched_nms_padded(boxes, scores, idxs, 0.5, 100, valid=scores > 0.3)
+        return boxes[keep], ops.box_iou(boxes[first], boxes), boxes[padded.clamp(min=0)], count
 
     compiled = torch.compile(select, fullgraph=True, backend="aot_eager")
     for got, expected in zip(compiled(boxes, scores, idxs), select(boxes, scores, idxs)):

@@ -4,6 +4,7 @@ the memory probe's baseline, image counting, and the bench's peak-memory step th
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -188,12 +189,9 @@ class _CountSyncsPerStep(pl.Callback):
         self.steps[-1].__exit__(None, None, None)
 
 
-def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Path, monkeypatch) -> None:
-    """A smoke ``fit`` step with the default callbacks and the precision plugin: the module, the data module (crowd
-    instances dropped on the host), the plugin and the callbacks add no host sync to the model's own after the
-    first step."""
+def _fit_step_syncs(tmp_path: Path, monkeypatch, overrides: Sequence[str] = ()) -> list[HostSyncs]:
+    """The host syncs of each of two smoke ``fit`` steps (default callbacks, the precision plugin)."""
     from conftest import SMOKE, compose_config
-    from host_syncs import package_sites
 
     from lit_amp_det.app import tasks
 
@@ -205,11 +203,27 @@ def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Pat
         return trainer
 
     monkeypatch.setattr(tasks, "build_trainer", with_counter)
-    tasks.train(compose_config([*SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=0"], tmp_path))
+    tasks.train(compose_config([*SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=0", *overrides], tmp_path))
     assert len(counter.steps) == 2
-    for step, syncs in enumerate(counter.steps):
+    return counter.steps
+
+
+def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Path, monkeypatch) -> None:
+    """A smoke ``fit`` step with the default callbacks and the precision plugin: the module, the data module (crowd
+    instances dropped on the host), the plugin and the callbacks add no host sync to the model's own after the
+    first step."""
+    from host_syncs import package_sites
+
+    for step, syncs in enumerate(_fit_step_syncs(tmp_path, monkeypatch)):
         ours = {site.rsplit(":", 1)[0] for site in package_sites(syncs)}
         # the first step reads once more: SGD creates its momentum buffers, and the host decides whether to keep
         # them (tests/test_precision_guard.py)
         assert ours == ({"models/ext_ops.py", "precision/skip.py"} if step == 0 else {"models/ext_ops.py"}), \
             syncs.table()
+
+
+def test_a_sync_free_fit_step_never_waits_for_the_device(tmp_path: Path, monkeypatch) -> None:
+    """With ``speedups.sync_free`` on the CPU, a whole fit step after the first (module, model, plugin, callbacks,
+    optimizer) makes no host sync at all."""
+    first, second = _fit_step_syncs(tmp_path, monkeypatch, ["speedups.sync_free.devices=[cpu,cuda]"])
+    assert second.total == 0, second.table()

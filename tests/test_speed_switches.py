@@ -90,8 +90,8 @@ def test_a_transform_applies_only_on_the_devices_it_declares() -> None:
 
 def test_the_gpu_option_adds_channels_last_and_compile_on_cuda_only() -> None:
     transforms = build_transforms(compose_config(["speedups=gpu"]).speedups)
-    assert [t.name for t in transforms] == ["ext_ops", "binary_mask_paste", "channels_last", "compile"]
-    assert [t.devices for t in transforms[2:]] == [("cuda",), ("cuda",)]
+    assert [t.name for t in transforms] == ["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"]
+    assert [t.devices for t in transforms[2:]] == [("cuda",), ("cuda",), ("cuda",)]
     assert _module("speedups=gpu").applied_speedups == ["ext_ops", "binary_mask_paste"]  # on this CPU
 
 

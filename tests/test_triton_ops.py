@@ -422,8 +422,8 @@ def test_multi_scale_roi_align_module_matches_the_extension_one():
 
 def test_triton_launchers_are_the_cuda_kernels():
     assert _register.registered() and ops._extension.triton_cuda_kernels()
-    for name in ("nms", "batched_nms", "box_iou", "roi_align", "_roi_align_backward", "multi_level_roi_align",
-                 "_multi_level_roi_align_backward"):
+    for name in ("nms", "batched_nms", "batched_nms_padded", "box_iou", "roi_align", "_roi_align_backward",
+                 "multi_level_roi_align", "_multi_level_roi_align_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"lit_amp_det::{name}", "CUDA"), name
     assert ops._extension.has_kernel("nms", torch.device("cuda"))
     assert _register.register_cuda_kernels()  # idempotent: no second registration
@@ -434,6 +434,10 @@ def test_registered_cuda_kernels_follow_the_schemas():
     kernels = _register._KERNELS
     boxes, scores = _nms_inputs(70, torch.float32, clusters=3)
     assert torch.equal(kernels["nms"](boxes, scores, 0.5, 5), cpu_kernels.nms(boxes, scores, 0.5, 5))
+    classes, valid = torch.arange(70) % 3, scores > 0.3
+    for got, expected in zip(kernels["batched_nms_padded"](boxes, scores, classes, valid, 0.5, 9, 30),
+                             cpu_kernels.batched_nms_padded(boxes, scores, classes, valid, 0.5, 9, 30)):
+        assert torch.equal(got, expected)
     x = _features((1, 3, 8, 8), torch.float32, torch.contiguous_format)
     rois = _rois(4, 1, (32, 32))
     out = kernels["roi_align"](x, rois, 0.25, 2, 2, 2, False)

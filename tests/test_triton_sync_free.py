@@ -1,10 +1,9 @@
-"""NMS without host synchronisation: the padded results agree with the unpadded ones, the RPN's padded proposal
-selection (its CUDA path) selects exactly what the per-filter path selects, and on a GPU none of the Triton ops
-synchronises with the host (the RPN reads its kept counts once per batch)."""
+"""NMS without host synchronisation: the padded results agree with the unpadded ones, the sync-free RPN's proposal
+slots and the detector's detection slots hold exactly what the per-filter paths select, with the C++ op and with the
+Triton kernels (the CUDA path, interpreted), and on a GPU none of the Triton ops synchronises with the host."""
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 
 import lit_amp_det.ops as ops
-from lit_amp_det.models import ext_ops
+from lit_amp_det.models import ext_ops, sync_free
 from lit_amp_det.ops import triton as tops
 from ops_inputs import distinct_scores, needs_extension, on_cuda_only, random_boxes, random_rois
 
@@ -25,32 +24,46 @@ def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _rpn(training: bool) -> ext_ops.ExtRegionProposalNetwork:
+def _rpn(training: bool, cls: type = ext_ops.ExtRegionProposalNetwork) -> ext_ops.ExtRegionProposalNetwork:
     rpn = RegionProposalNetwork(
         AnchorGenerator(((32,),), ((1.0,),)), RPNHead(4, 1), fg_iou_thresh=0.7, bg_iou_thresh=0.3,
         batch_size_per_image=8, positive_fraction=0.5, pre_nms_top_n=dict(training=60, testing=40),
         post_nms_top_n=dict(training=25, testing=12), nms_thresh=0.5, score_thresh=0.3,
     )
     rpn.min_size = 6.0
-    rpn.__class__ = ext_ops.ExtRegionProposalNetwork
+    rpn.__class__ = cls
     return rpn.train(training)
 
 
+def _triton_nms(monkeypatch) -> None:
+    """The sync-free heads call the Triton launcher that ``lit_amp_det::batched_nms_padded`` runs on CUDA."""
+    from lit_amp_det.ops.triton import _register
+
+    def launcher(boxes, scores, idxs, iou_threshold, max_output=-1, *, valid=None, max_class_size=None):
+        bound = -1 if max_class_size is None else max_class_size
+        return _register._batched_nms_padded(boxes, scores, idxs, valid, iou_threshold, max_output, bound)
+
+    monkeypatch.setattr(sync_free, "batched_nms_padded", launcher)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "triton"])
 @pytest.mark.parametrize("training", [True, False])
-def test_rpn_padded_selection_matches_the_per_filter_path(monkeypatch, training):
-    rpn = _rpn(training)
+def test_rpn_proposal_slots_hold_the_per_filter_selection(monkeypatch, training, kernel):
     g = torch.Generator().manual_seed(0)
     proposals = torch.stack([random_boxes(150, image=(96, 128), min_size=2, max_size=60, clusters=8,
                                           generator=torch.Generator().manual_seed(i)) for i in range(2)])
     objectness = torch.randn(2 * 150, 1, generator=g)
     args = (proposals, objectness, [(96, 128), (90, 120)], [100, 50])
-    expected_boxes, expected_scores = rpn.filter_proposals(*args)
-    monkeypatch.setattr(ext_ops, "_sync_free", lambda t: True)  # the CUDA path, interpreted on the CPU
-    boxes, scores = rpn.filter_proposals(*args)
-    assert [b.shape[0] for b in boxes] == [b.shape[0] for b in expected_boxes]
-    assert 0 < boxes[0].shape[0] <= rpn.post_nms_top_n()
-    for got, expected in zip(boxes + scores, expected_boxes + expected_scores):
-        assert torch.equal(got, expected)
+    expected_boxes, _ = _rpn(training).filter_proposals(*args)
+    if kernel == "triton":
+        _triton_nms(monkeypatch)
+    rpn = _rpn(training, sync_free.SyncFreeRPN)
+    boxes, valid = rpn.filter_proposals(*args)
+    assert boxes.shape == (2, rpn.post_nms_top_n(), 4) and valid.shape == (2, rpn.post_nms_top_n())
+    assert 0 < expected_boxes[0].shape[0] <= rpn.post_nms_top_n()
+    for got, slot_valid, expected in zip(boxes, valid, expected_boxes):
+        assert slot_valid.sum() == expected.shape[0] and slot_valid[: expected.shape[0]].all()  # valid slots first
+        assert torch.equal(got[: expected.shape[0]], expected)
 
 
 @pytest.mark.parametrize("max_class_size", [None, 70])
@@ -69,24 +82,30 @@ def test_padded_nms_of_the_valid_boxes_is_nms_of_the_valid_subset(max_class_size
     assert torch.equal(keep[: int(count)], members[ops.nms(boxes[members], scores[members], 0.5)])
 
 
-def test_detector_padded_postprocessing_matches_the_per_image_path(monkeypatch):
+@pytest.mark.parametrize("kernel", ["cpu", "triton"])
+def test_detection_slots_hold_the_per_image_detections(monkeypatch, kernel):
     heads = RoIHeads(None, None, None, 0.5, 0.5, 16, 0.25, None, score_thresh=0.1, nms_thresh=0.5,
                      detections_per_img=15)
     heads.__class__ = ext_ops.ExtRoIHeads
     g = torch.Generator().manual_seed(3)
-    proposals = [random_boxes(40, image=(64, 80), max_size=40, clusters=5, generator=torch.Generator().manual_seed(i))
-                 for i in range(2)]
+    proposals = torch.stack([random_boxes(40, image=(64, 80), max_size=40, clusters=5,
+                                          generator=torch.Generator().manual_seed(i)) for i in range(2)])
+    valid = torch.arange(40) < torch.tensor([[40], [31]])  # the second image's last proposal slots are padding
     class_logits = torch.randn(80, 4, generator=g) * 2
     box_regression = torch.randn(80, 16, generator=g) * 0.1
-    args = (class_logits, box_regression, proposals, [(64, 80), (60, 70)])
-    expected = heads.postprocess_detections(*args)
-    monkeypatch.setattr(ext_ops, "_sync_free", lambda t: True)  # the CUDA path, interpreted on the CPU
-    got = heads.postprocess_detections(*args)
-    assert [b.shape[0] for b in got[0]] == [b.shape[0] for b in expected[0]]
-    assert got[0][0].shape[0] > 0
-    for got_part, expected_part in zip(got, expected):
-        for g_t, e_t in zip(got_part, expected_part):
-            assert torch.equal(g_t, e_t)
+    expected = heads.postprocess_detections(class_logits[torch.cat([valid[0], valid[1]])],
+                                            box_regression[torch.cat([valid[0], valid[1]])],
+                                            [proposals[0], proposals[1][:31]], [(64, 80), (60, 70)])
+    if kernel == "triton":
+        _triton_nms(monkeypatch)
+    heads.__class__ = sync_free.SyncFreeRoIHeads
+    boxes, scores, labels, counts = heads.postprocess_detections(class_logits, box_regression, (proposals, valid),
+                                                                 [(64, 80), (60, 70)])
+    assert boxes.shape == (2, 15, 4) and counts.tolist() == [b.shape[0] for b in expected[0]]
+    assert counts[0] > 0
+    for i, n in enumerate(counts.tolist()):
+        for got, want in zip((boxes[i], scores[i], labels[i]), (expected[0][i], expected[1][i], expected[2][i])):
+            assert torch.equal(got[:n], want)
 
 
 @on_cuda_only  # host syncs are counted on CUDA only
@@ -111,20 +130,16 @@ def test_triton_ops_do_not_synchronise_with_the_host(monkeypatch):
 
 
 @on_cuda_only  # host syncs are counted on CUDA only
-def test_rpn_step_on_cuda_reads_the_counts_once(monkeypatch):
+def test_sync_free_rpn_on_cuda_never_reads_the_device(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
-    rpn = _rpn(True).cuda()
+    rpn = _rpn(True, sync_free.SyncFreeRPN).cuda()
     proposals = torch.stack([random_boxes(150, image=(96, 128), clusters=8) for _ in range(4)]).cuda()
     objectness = torch.randn(4 * 150, 1, device="cuda")
     args = (proposals, objectness, [(96, 128)] * 4, [100, 50])
     rpn.filter_proposals(*args)  # compiles the kernels
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            rpn.filter_proposals(*args)
+        rpn.filter_proposals(*args)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]

@@ -2,9 +2,10 @@
 
 For the tiny Mask R-CNN at 128x128, batch 2, seeded weights and data: one training step (forward, backward, SGD step)
 and one inference call, with torchvision's ops, with lit_amp_det's (``ExtensionOps``), and with lit_amp_det's ops and
-``BinaryMaskPaste`` (the module's default on a CPU). :class:`lit_amp_det.profiling.HostSyncs` counts every aten call
+``BinaryMaskPaste`` (the module's default on a CPU), and with ``SyncFree`` on top (the default on CUDA). :class:`lit_amp_det.profiling.HostSyncs` counts every aten call
 that reads a value on the host or sizes its output by the values; ``--sites`` lists them by call site. The graph
-breaks are ``torch._dynamo.explain``'s for the training forward and for inference.
+breaks are ``torch._dynamo.explain``'s for the training forward and for inference (for ``SyncFree``, its
+``forward_padded``: ``forward`` adds the one read of the detection counts).
 
     python tools/host_syncs.py [--sites]
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from lit_amp_det.models.maskrcnn import build_detector
-from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps
+from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
 from lit_amp_det.profiling import HostSyncs
 
 
@@ -77,15 +78,16 @@ def graph_breaks(model: torch.nn.Module, train: bool) -> int:
     model.train(train)
     torch._dynamo.reset()
     torch.manual_seed(1)
-    explain = torch._dynamo.explain(model)
+    explain = torch._dynamo.explain(getattr(model, "forward_padded", model))
     return (explain(images, targets) if train else explain(images)).graph_break_count
 
 
 def variants() -> dict[str, torch.nn.Module]:
     plain = tiny_model()
     ext = ExtensionOps()(copy.deepcopy(plain))
-    return {"torchvision ops": plain, "lit_amp_det ops": ext, "lit_amp_det ops + binary_mask_paste":
-            BinaryMaskPaste()(copy.deepcopy(ext))}
+    default = BinaryMaskPaste()(copy.deepcopy(ext))
+    return {"torchvision ops": plain, "lit_amp_det ops": ext, "lit_amp_det ops + binary_mask_paste": default,
+            "+ sync_free": SyncFree(devices=["cpu"])(copy.deepcopy(default))}
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ BASELINE = ("speedups=none", "callbacks=none", "trainer.precision=32-true", "opt
 HALF_CHOICES = ("auto", "bf16", "fp16", "fp32")
 
 
-def _speedup(name: str, transform: str) -> str:
+def _speedup(name: str, transform: str, devices: str = "") -> str:
     """The override that adds one transform of :mod:`lit_amp_det.models.speedups` to ``speedups=none``."""
-    return f"+speedups.{name}={{_target_:lit_amp_det.models.speedups.{transform}}}"
+    return f"+speedups.{name}={{_target_:lit_amp_det.models.speedups.{transform}{devices}}}"
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,16 @@ _FIRST_ROWS = (
     Row("ext-ops", "+ lit_amp_det ops", (_speedup("ext_ops", "ExtensionOps"),)),
     Row("channels-last", "+ channels_last", (_speedup("channels_last", "ChannelsLast"),)),
 )
-_COMPILE = Row("compile", "+ torch.compile backbone", (_speedup("compile", "CompileBackbone"),))
+# on every device, so that a CPU run measures it too; the compile row after it then compiles the whole detector
+_SYNC_FREE = Row("sync-free", "+ sync_free (fixed shapes)", (_speedup("sync_free", "SyncFree", ",devices:[cpu,cuda]"),))
+_COMPILE = Row("compile", "+ torch.compile (whole if sync_free)", (_speedup("compile", "CompileBackbone"),))
 
 TRAIN_ROWS = (
     *_FIRST_ROWS,
     Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", ("callbacks=[freeze_norm,conv_bn_eval]",)),
     Row("fused-optim", "+ fused SGD", ("optim.optimizer.fused=auto",)),
     Row("low-precision-weights", "+ half weights, fp32 masters", ("trainer.precision={weights}",), "half"),
+    _SYNC_FREE,
     _COMPILE,
 )
 INFER_ROWS = (
@@ -82,6 +85,7 @@ INFER_ROWS = (
     Row("binary-mask-paste", "+ masks pasted as booleans", (_speedup("binary_mask_paste", "BinaryMaskPaste"),)),
     Row("convbn-eval", "+ ConvBNEval (fold on the fly)", ("callbacks=[conv_bn_eval]",)),
     Row("convbn-fold", "+ conv-BN folded once", ("callbacks.conv_bn_eval.fold_on_predict=true",)),
+    _SYNC_FREE,
     _COMPILE,
 )
 _FP16_ON_CPU = "precision.fp16_on_cpu=true"  # a no-op on CUDA; on a CPU fp16 as named, not its bf16 twin

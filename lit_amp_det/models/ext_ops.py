@@ -3,11 +3,11 @@
 :class:`ExtRegionProposalNetwork` and :class:`ExtRoIHeads` are torchvision's RPN and RoI heads with a few methods
 re-implemented around :mod:`lit_amp_det.ops`: NMS that stops at the number of boxes kept afterwards (``post_nms_top_n``
 proposals, ``detections_per_img`` detections), the fused fp32 IoU for the matchers, one RoIAlign call for a training
-batch's mask targets (:mod:`lit_amp_det.models.mask_targets`), fewer host syncs. They add no parameters, buffers or
-attributes, so :func:`use_extension_ops` switches a built torchvision model by changing the class of its ``rpn`` and
-``roi_heads`` (torchvision offers no hook to pass others); ``state_dict`` keys, checkpoints and the fp32 regions are
-unchanged. The poolers become :class:`lit_amp_det.ops.MultiScaleRoIAlign` (level scales carried over); the losses are
-the same numbers.
+batch's mask targets (:mod:`lit_amp_det.models.mask_targets`), fewer host syncs (none: :mod:`.sync_free`). They add
+no parameters, buffers or attributes, so :func:`use_extension_ops` switches a built torchvision model by changing the
+class of its ``rpn`` and ``roi_heads`` (torchvision offers no hook to pass others); ``state_dict`` keys, checkpoints
+and the fp32 regions are unchanged. The poolers become :class:`lit_amp_det.ops.MultiScaleRoIAlign` (level scales
+carried over); the losses are the same numbers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from torchvision.ops import boxes as box_ops
 
 from lit_amp_det.models.mask_targets import maskrcnn_loss
 from lit_amp_det.ops import MultiScaleRoIAlign, batched_nms, box_iou
-from lit_amp_det.ops.triton import batched_nms_padded
 
 __all__ = ["ExtRegionProposalNetwork", "ExtRoIHeads", "use_extension_ops"]
 
@@ -46,8 +45,6 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
         rows = torch.arange(num_images, device=proposals.device)[:, None]
         scores = torch.sigmoid(objectness[rows, candidates])
         boxes = proposals[rows, candidates]
-        if _sync_free(boxes):
-            return self._select_padded(boxes, scores, levels, image_shapes)
         kept = [self._select(b, s, levels, shape) for b, s, shape in zip(boxes, scores, image_shapes)]
         return [b for b, _ in kept], [s for _, s in kept]
 
@@ -71,32 +68,6 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
         keep = batched_nms(boxes, scores, levels, self.nms_thresh, max_output=self.post_nms_top_n())
         return boxes[keep], scores[keep]
 
-    # --- sync-free proposal selection (CUDA) ---------------------------------------------------------------
-    def _select_padded(
-        self, boxes: Tensor, scores: Tensor, levels: Tensor, image_shapes: list[tuple[int, int]]
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """:meth:`_select` for all images without a host sync per filter: the small and low-scoring boxes go
-        into the padded NMS marked not valid (never kept, never suppressing), and the kept counts of all images
-        are read in one copy at the end (the proposal lists handed to the RoI heads have data-dependent lengths,
-        so that one read is unavoidable)."""
-        selected, counts = [], []
-        for image_boxes, image_scores, shape in zip(boxes, scores, image_shapes):
-            image_boxes = box_ops.clip_boxes_to_image(image_boxes, shape)
-            widths = image_boxes[:, 2] - image_boxes[:, 0]
-            heights = image_boxes[:, 3] - image_boxes[:, 1]
-            valid = (widths >= self.min_size) & (heights >= self.min_size) & (image_scores >= self.score_thresh)
-            keep, count = batched_nms_padded(
-                image_boxes, image_scores, levels, self.nms_thresh, self.post_nms_top_n(), valid=valid,
-                max_class_size=self.pre_nms_top_n(),  # levels are the classes: each holds its top-k anchors
-            )
-            selected.append((image_boxes, image_scores, keep))
-            counts.append(count)
-        lengths = torch.stack(counts).tolist() if counts else []  # the RPN's one device-to-host copy, per batch
-        return (
-            [b[keep[:n]] for (b, _, keep), n in zip(selected, lengths)],
-            [s[keep[:n]] for (_, s, keep), n in zip(selected, lengths)],
-        )
-
 
 def _check_target_types(targets: list[dict[str, Tensor]]) -> None:
     """torchvision's ``RoIHeads.forward`` checks of the targets' dtypes, with its messages."""
@@ -105,11 +76,6 @@ def _check_target_types(targets: list[dict[str, Tensor]]) -> None:
             raise TypeError(f"target boxes must of float type, instead got {t['boxes'].dtype}")
         if t["labels"].dtype != torch.int64:
             raise TypeError(f"target labels must of int64 type, instead got {t['labels'].dtype}")
-
-
-def _sync_free(t: Tensor) -> bool:
-    """Whether proposal selection takes the padded, sync-free NMS path: on CUDA (the Triton kernels)."""
-    return t.is_cuda
 
 
 class ExtRoIHeads(RoIHeads):
@@ -190,8 +156,6 @@ class ExtRoIHeads(RoIHeads):
         per_image = [p.shape[0] for p in proposals]
         all_boxes = self.box_coder.decode(box_regression, proposals).split(per_image)
         all_scores = F.softmax(class_logits, -1).split(per_image)
-        if _sync_free(class_logits):
-            return self._detections_padded(all_boxes, all_scores, image_shapes)
         results = [self._detections_in_image(b, s, shape) for b, s, shape in zip(all_boxes, all_scores, image_shapes)]
         return [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
 
@@ -207,30 +171,6 @@ class ExtRoIHeads(RoIHeads):
         boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
         keep = batched_nms(boxes, scores, labels, self.nms_thresh, max_output=self.detections_per_img)
         return boxes[keep], scores[keep], labels[keep]
-
-    # --- sync-free post-processing (CUDA) ------------------------------------------------------------------
-    def _detections_padded(
-        self, all_boxes: tuple[Tensor, ...], all_scores: tuple[Tensor, ...], image_shapes: list[tuple[int, int]]
-    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-        """:meth:`_detections_in_image` for all images with the score and size filters as NMS's ``valid`` mask
-        (no gather of data-dependent size) and one read of the kept counts for the whole batch."""
-        selected, counts = [], []
-        for boxes, scores, shape in zip(all_boxes, all_scores, image_shapes):
-            num_proposals, num_classes = scores.shape
-            boxes = box_ops.clip_boxes_to_image(boxes, shape)[:, 1:].reshape(-1, 4)  # every (box, class) pair
-            labels = torch.arange(1, num_classes, device=scores.device).repeat(num_proposals)
-            scores = scores[:, 1:].reshape(-1)
-            widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-            valid = (scores > self.score_thresh) & (widths >= 1e-2) & (heights >= 1e-2)
-            keep, count = batched_nms_padded(
-                boxes, scores, labels, self.nms_thresh, self.detections_per_img, valid=valid,
-                max_class_size=num_proposals,  # a class has one box per proposal
-            )
-            selected.append((boxes, scores, labels, keep))
-            counts.append(count)
-        lengths = torch.stack(counts).tolist() if counts else []  # one device-to-host copy per batch
-        kept = [(b[k[:n]], s[k[:n]], lab[k[:n]]) for (b, s, lab, k), n in zip(selected, lengths)]
-        return [b for b, _, _ in kept], [s for _, s, _ in kept], [lab for _, _, lab in kept]
 
 
 def _lit_pooler(pooler: TorchvisionMultiScaleRoIAlign) -> MultiScaleRoIAlign:

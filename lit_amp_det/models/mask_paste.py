@@ -65,10 +65,14 @@ class BinaryMaskTransform(GeneralizedRCNNTransform):
         for pred, shape, original in zip(result, image_shapes, original_image_sizes):
             pred["boxes"] = resize_boxes(pred["boxes"], shape, original)
             if "masks" in pred:
-                pred["masks"] = paste_masks_binary(pred["masks"], pred["boxes"], original, self.mask_threshold)
+                pred["masks"] = self.paste(pred["masks"], pred["boxes"], original)
             if "keypoints" in pred:
                 pred["keypoints"] = resize_keypoints(pred["keypoints"], shape, original)
         return result
+
+    def paste(self, masks: Tensor, boxes: Tensor, image_size: tuple[int, int]) -> Tensor:
+        """``[N, 1, M, M]`` probabilities in their boxes -> ``[N, 1, H, W]`` booleans at :attr:`mask_threshold`."""
+        return paste_masks_binary(masks, boxes, image_size, self.mask_threshold)
 
 
 def use_binary_mask_paste(detector: nn.Module, mask_threshold: float) -> bool:

@@ -11,6 +11,7 @@ model as built). Each transform's config is a ``_target_`` mapping, so a user ad
   (:func:`~lit_amp_det.models.ext_ops.use_extension_ops`);
 * :class:`BinaryMaskPaste` -- inference pastes each detection's mask as booleans, without torchvision's float
   canvas per detection (:mod:`lit_amp_det.models.mask_paste`);
+* :class:`SyncFree` -- fixed shapes and no host synchronisation in a step (:mod:`lit_amp_det.models.sync_free`);
 * :class:`ChannelsLast` -- NHWC weights and activations (tensor-core convolutions without layout copies on a GPU);
 * :class:`CompileBackbone` -- ``torch.compile`` of the ResNet+FPN, the part with static shapes.
 """
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.ext_ops import use_extension_ops
 from lit_amp_det.models.mask_paste import use_binary_mask_paste
+from lit_amp_det.models.sync_free import use_sync_free
 
 __all__ = [
     "DEFAULT_SPEEDUPS",
@@ -39,6 +41,7 @@ __all__ = [
     "CompileBackbone",
     "ExtensionOps",
     "ModelTransform",
+    "SyncFree",
     "apply_transforms",
     "build_transforms",
 ]
@@ -53,6 +56,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 DEFAULT_SPEEDUPS: dict[str, dict[str, Any]] = {
     "ext_ops": {"_target_": "lit_amp_det.models.speedups.ExtensionOps"},
     "binary_mask_paste": {"_target_": "lit_amp_det.models.speedups.BinaryMaskPaste"},
+    "sync_free": {"_target_": "lit_amp_det.models.speedups.SyncFree", "devices": ["cuda"]},
 }
 
 
@@ -117,6 +121,22 @@ class BinaryMaskPaste(ModelTransform):
         return model
 
 
+class SyncFree(ModelTransform):
+    """Computes the detector with shapes fixed by the configuration, so that a step never waits for the device.
+
+    Padded proposal and detection slots with validity masks, matching and sampling without boolean indexing,
+    losses as masked sums, batches padded to size buckets (:mod:`lit_amp_det.models.sync_free`): the training step
+    makes no host synchronisation, inference reads the detection counts once per batch, and the model traces as one
+    graph. On CUDA by default, where the host waiting is what costs; ``devices: [cpu, cuda]`` runs it on a CPU too.
+    """
+
+    name = "sync_free"
+    default_devices = ("cuda",)
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        return use_sync_free(model)
+
+
 def _to_channels_last(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     images, *rest = args
     if isinstance(images, Tensor) and images.dim() == 4:
@@ -144,11 +164,13 @@ class ChannelsLast(ModelTransform):
 
 
 class CompileBackbone(ModelTransform):
-    """``torch.compile`` of the ResNet+FPN, in place (``nn.Module.compile``: parameter names are unchanged).
+    """``torch.compile`` of the ResNet+FPN, or of the whole detector after :class:`SyncFree`, in place
+    (``nn.Module.compile``: parameter names are unchanged).
 
     The backbone has static shapes (images are padded to ``size_divisible``), so it compiles once per input size;
     the RPN and RoI heads have data-dependent shapes (proposal counts) that would recompile or break the graph every
-    step, so they stay eager. ``options`` are ``torch.compile``'s keyword arguments.
+    step, so they stay eager, unless ``sync_free`` fixed them: then the training forward is one graph, and inference
+    one graph before the read of the detection counts. ``options`` are ``torch.compile``'s keyword arguments.
     """
 
     name = "compile"
@@ -160,7 +182,7 @@ class CompileBackbone(ModelTransform):
     def __call__(self, model: nn.Module) -> nn.Module:
         if not hasattr(model, "backbone"):
             raise TypeError(f"speedups.compile needs a detector with a .backbone, got {type(model).__name__}")
-        model.backbone.compile(**self.options)
+        (model if hasattr(model, "forward_padded") else model.backbone).compile(**self.options)
         return model
 
 

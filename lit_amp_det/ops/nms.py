@@ -14,7 +14,7 @@ from torch import Tensor
 from lit_amp_det.ops import reference
 from lit_amp_det.ops._extension import extension_available, has_kernel
 
-__all__ = ["batched_nms", "nms"]
+__all__ = ["batched_nms", "batched_nms_padded", "nms"]
 
 
 def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
@@ -65,6 +65,37 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return reference.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
 
 
+def batched_nms_padded(
+    boxes: Tensor,
+    scores: Tensor,
+    idxs: Tensor,
+    iou_threshold: float,
+    max_output: int = -1,
+    *,
+    valid: Tensor | None = None,
+    max_class_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`batched_nms` with a result of fixed size, so that the caller never waits for the device.
+
+    Args:
+        valid (Tensor[N], bool, optional): the boxes to consider; the others are neither kept nor suppress anything
+            (a score or size filter applied without a gather of data-dependent size).
+        max_class_size: an upper bound on any one class's box count, when the caller knows it (the RPN's per-level
+            top-k); the CUDA kernel then sizes its IoU mask by it. A class larger than the bound gives wrong
+            results there.
+
+    Returns:
+        (keep, count): ``keep`` is ``Tensor[L]`` int64 with ``L = min(N, max_output)`` (``N`` when ``max_output < 0``),
+        the kept indices in decreasing score order followed by ``-1`` padding; ``count`` is a 0-d int64 tensor on the
+        boxes' device, the number kept (``keep[:count]`` is :func:`batched_nms` of the valid boxes).
+    """
+    bound = -1 if max_class_size is None else int(max_class_size)
+    if has_kernel("batched_nms_padded", boxes.device):
+        return torch.ops.lit_amp_det.batched_nms_padded(boxes, scores, idxs, valid, float(iou_threshold),
+                                                        int(max_output), bound)
+    return reference.batched_nms_padded(boxes, scores, idxs, iou_threshold, max_output, valid)
+
+
 def _is_empty(boxes: Tensor) -> bool:
     """``boxes`` holds no box, decided only for concrete sizes (a symbolic one must not be specialised)."""
     numel = boxes.numel()
@@ -98,3 +129,13 @@ if extension_available():
     ) -> Tensor:
         torch._check(idxs.shape == scores.shape, lambda: "idxs must have one entry per box")
         return _fake_kept_indices(boxes, scores, max_output)
+
+    @torch.library.register_fake("lit_amp_det::batched_nms_padded")
+    def _batched_nms_padded_fake(
+        boxes: Tensor, scores: Tensor, idxs: Tensor, valid: Tensor | None, iou_threshold: float,
+        max_output: int = -1, max_class_size: int = -1,
+    ) -> tuple[Tensor, Tensor]:
+        torch._check(idxs.shape == scores.shape, lambda: "idxs must have one entry per box")
+        n = boxes.shape[0]
+        limit = n if max_output < 0 else min(n, max_output)
+        return boxes.new_empty((limit,), dtype=torch.int64), boxes.new_empty((), dtype=torch.int64)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "batched_nms",
+    "batched_nms_padded",
     "box_iou",
     "multi_level_roi_align",
     "nms",
@@ -83,6 +84,18 @@ def batched_nms(
     keep = torch.sort(torch.cat(kept)).values  # by index first, so the stable score sort breaks ties by index
     keep = keep[torch.sort(scores[keep], descending=True, stable=True).indices]
     return keep if max_output < 0 else keep[:max_output]
+
+
+def batched_nms_padded(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1,
+                       valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`batched_nms` of the ``valid`` boxes as ``(kept indices padded with -1 to min(N, max_output), count)``."""
+    n = boxes.shape[0]
+    limit = n if max_output < 0 else min(n, max_output)
+    members = torch.arange(n, device=boxes.device) if valid is None else torch.nonzero(valid).flatten()
+    keep = members[batched_nms(boxes[members], scores[members], idxs[members], iou_threshold, limit)]
+    padded = torch.full((limit,), -1, dtype=torch.int64, device=boxes.device)
+    padded[: keep.shape[0]] = keep
+    return padded, torch.tensor(keep.shape[0], device=boxes.device)
 
 
 def _sample_axis(

@@ -72,42 +72,18 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return _launch.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
 
 
-def nms_padded(
-    boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1, *, valid: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """:func:`nms` without any host synchronisation.
-
-    Args:
-        valid (Tensor[N], bool, optional): boxes to consider; the others are neither kept nor suppress anything
-            (a filter such as ``scores > threshold`` applied without a data-dependent gather).
-
-    Returns:
-        (keep, count): ``keep`` is ``Tensor[L]`` int64 with ``L = min(N, max_output)`` (``N`` when
-        ``max_output < 0``), the kept indices by decreasing score followed by ``-1`` padding; ``count`` is a
-        0-d int64 tensor on the same device, the number of kept boxes (``keep[:count]`` is :func:`nms`).
-    """
+def nms_padded(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1, *,
+               valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`batched_nms_padded` with one class."""
     return _launch.nms_padded(boxes, scores, iou_threshold, max_output, valid=valid)
 
 
-def batched_nms_padded(
-    boxes: Tensor,
-    scores: Tensor,
-    idxs: Tensor,
-    iou_threshold: float,
-    max_output: int = -1,
-    *,
-    valid: Tensor | None = None,
-    max_class_size: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """:func:`batched_nms` without any host synchronisation; ``valid`` and the result as in :func:`nms_padded`.
-
-    ``max_class_size``: an upper bound on the number of boxes of any one class, when the caller knows it (the
-    RPN's per-level top-k, the detector's proposals per class). It bounds the IoU mask to ``N`` rows of
-    ``max_class_size / 64 + 2`` words instead of ``N / 64``; a class larger than the bound gives wrong results.
-    """
-    return _launch.batched_nms_padded(
-        boxes, scores, idxs, iou_threshold, max_output, valid=valid, max_class_size=max_class_size
-    )
+def batched_nms_padded(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1, *,
+                       valid: Tensor | None = None, max_class_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`lit_amp_det.ops.batched_nms_padded` (arguments and result) on the Triton kernels: what the op runs on
+    CUDA tensors."""
+    return _launch.batched_nms_padded(boxes, scores, idxs, iou_threshold, max_output, valid=valid,
+                                      max_class_size=max_class_size)
 
 
 class _RoIAlignFunction(torch.autograd.Function):

@@ -31,6 +31,11 @@ def _batched_nms(boxes, scores, idxs, iou_threshold, max_output=-1):
     return _launchers().batched_nms(boxes, scores, idxs, iou_threshold, max_output)
 
 
+def _batched_nms_padded(boxes, scores, idxs, valid, iou_threshold, max_output=-1, max_class_size=-1):
+    return _launchers().batched_nms_padded(boxes, scores, idxs, iou_threshold, max_output, valid=valid,
+                                           max_class_size=None if max_class_size < 0 else max_class_size)
+
+
 def _box_iou(boxes1, boxes2):
     return _launchers().box_iou(boxes1, boxes2)
 
@@ -60,6 +65,7 @@ def _multi_level_roi_align_backward(grad, features, rois, levels, spatial_scales
 _KERNELS = {
     "nms": _nms,
     "batched_nms": _batched_nms,
+    "batched_nms_padded": _batched_nms_padded,
     "box_iou": _box_iou,
     "roi_align": _roi_align,
     "_roi_align_backward": _roi_align_backward,

@@ -1,4 +1,4 @@
-// CPU kernels of lit_amp_det::nms and lit_amp_det::batched_nms (semantics: csrc/README.md).
+// CPU kernels of lit_amp_det::nms, batched_nms and batched_nms_padded (semantics: csrc/README.md).
 //
 // Same greedy as torchvision, written "pull" instead of "push": candidates are visited in decreasing
 // score order and each one is tested only against the boxes already kept (of its own class); it is kept
@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -367,16 +369,20 @@ at::Tensor to_tensor(const std::vector<int64_t>& keep, const at::Tensor& like) {
   return out;
 }
 
-// Runs the greedy pass in the contract's accumulation type: fp32 for fp16/bf16/fp32 boxes, fp64 for fp64.
-at::Tensor run_nms(const at::Tensor& boxes, const at::Tensor& scores, const ClassSlots& slots, double iou_threshold,
-                   int64_t limit) {
-  const std::vector<int32_t> order = descending_order(scores);
+// The greedy pass over `order` in the contract's accumulation type: fp32 for fp16/bf16/fp32 boxes, fp64 for fp64.
+std::vector<int64_t> greedy_in_acc(const at::Tensor& boxes, const std::vector<int32_t>& order, const ClassSlots& slots,
+                                   double iou_threshold, int64_t limit) {
   if (boxes.scalar_type() == at::kDouble) {
     const at::Tensor b = boxes.contiguous();
-    return to_tensor(greedy_nms(b.data_ptr<double>(), order, slots, iou_threshold, limit), boxes);
+    return greedy_nms(b.data_ptr<double>(), order, slots, iou_threshold, limit);
   }
   const at::Tensor b = boxes.to(at::kFloat).contiguous();  // no copy for contiguous fp32 boxes
-  return to_tensor(greedy_nms(b.data_ptr<float>(), order, slots, iou_threshold, limit), boxes);
+  return greedy_nms(b.data_ptr<float>(), order, slots, iou_threshold, limit);
+}
+
+at::Tensor run_nms(const at::Tensor& boxes, const at::Tensor& scores, const ClassSlots& slots, double iou_threshold,
+                   int64_t limit) {
+  return to_tensor(greedy_in_acc(boxes, descending_order(scores), slots, iou_threshold, limit), boxes);
 }
 
 // max_output < 0 means "no limit".
@@ -396,6 +402,17 @@ at::Tensor nms_kernel(const at::Tensor& boxes, const at::Tensor& scores, double 
   return run_nms(boxes, scores, ClassSlots{nullptr, {0}, limit}, iou_threshold, limit);
 }
 
+// One kept list per class (ClassSlots); `classes` must outlive the result.
+ClassSlots class_slots(const Classes& classes, int64_t limit) {
+  ClassSlots slots{classes.of_box.data(), std::vector<int64_t>(classes.sizes.size()), 0};
+  for (size_t c = 0; c < classes.sizes.size(); ++c) {
+    slots.begin[c] = slots.capacity;
+    // A class never keeps more than its boxes, nor more than the global limit.
+    slots.capacity += std::min(classes.sizes[c], limit);
+  }
+  return slots;
+}
+
 at::Tensor batched_nms_kernel(const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
                               double iou_threshold, int64_t max_output) {
   check_boxes_and_scores("batched_nms", boxes, scores);
@@ -405,13 +422,42 @@ at::Tensor batched_nms_kernel(const at::Tensor& boxes, const at::Tensor& scores,
     return empty_indices(boxes);
   }
   const Classes classes = dense_classes(idxs);
-  ClassSlots slots{classes.of_box.data(), std::vector<int64_t>(classes.sizes.size()), 0};
-  for (size_t c = 0; c < classes.sizes.size(); ++c) {
-    slots.begin[c] = slots.capacity;
-    // A class never keeps more than its boxes, nor more than the global limit.
-    slots.capacity += std::min(classes.sizes[c], limit);
+  return run_nms(boxes, scores, class_slots(classes, limit), iou_threshold, limit);
+}
+
+// batched_nms with a fixed-size result, so that the caller never reads a size from the device: the kept indices
+// padded with -1 to min(N, max_output), and their count as a 0-d tensor. Boxes whose `valid` is false are skipped
+// (neither kept nor suppressing). `max_class_size` is a hint for the CUDA kernel's mask size; unused here.
+std::tuple<at::Tensor, at::Tensor> batched_nms_padded_kernel(
+    const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs, const std::optional<at::Tensor>& valid,
+    double iou_threshold, int64_t max_output, int64_t max_class_size) {
+  check_boxes_and_scores("batched_nms_padded", boxes, scores);
+  check_idxs(boxes, idxs);
+  const int64_t n = boxes.size(0);
+  if (valid.has_value()) {
+    TORCH_CHECK(
+        valid->scalar_type() == at::kBool && valid->dim() == 1 && valid->size(0) == n &&
+            valid->device() == boxes.device(),
+        "batched_nms_padded: valid should be a bool tensor of shape [", n, "] on ", boxes.device(), ", got ",
+        valid->scalar_type(), " ", valid->sizes(), " on ", valid->device());
   }
-  return run_nms(boxes, scores, slots, iou_threshold, limit);
+  const int64_t limit = keep_limit(n, max_output);
+  at::Tensor padded = at::full({limit}, -1, boxes.options().dtype(at::kLong));
+  at::Tensor count = at::zeros({}, boxes.options().dtype(at::kLong));
+  if (limit == 0) {
+    return {padded, count};
+  }
+  std::vector<int32_t> order = descending_order(scores);
+  if (valid.has_value()) {
+    const at::Tensor v = valid->contiguous();
+    const bool* is_valid = v.data_ptr<bool>();
+    order.erase(std::remove_if(order.begin(), order.end(), [&](int32_t i) { return !is_valid[i]; }), order.end());
+  }
+  const Classes classes = dense_classes(idxs);
+  const std::vector<int64_t> keep = greedy_in_acc(boxes, order, class_slots(classes, limit), iou_threshold, limit);
+  std::copy(keep.begin(), keep.end(), padded.data_ptr<int64_t>());
+  count.fill_(static_cast<int64_t>(keep.size()));
+  return {padded, count};
 }
 
 }  // namespace
@@ -419,6 +465,7 @@ at::Tensor batched_nms_kernel(const at::Tensor& boxes, const at::Tensor& scores,
 TORCH_LIBRARY_IMPL(lit_amp_det, CPU, m) {
   m.impl(TORCH_SELECTIVE_NAME("lit_amp_det::nms"), TORCH_FN(nms_kernel));
   m.impl(TORCH_SELECTIVE_NAME("lit_amp_det::batched_nms"), TORCH_FN(batched_nms_kernel));
+  m.impl(TORCH_SELECTIVE_NAME("lit_amp_det::batched_nms_padded"), TORCH_FN(batched_nms_padded_kernel));
 }
 
 }  // namespace ops

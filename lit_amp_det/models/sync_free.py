@@ -1,0 +1,432 @@
+"""Mask R-CNN with shapes fixed by the configuration: a step in which the host never waits for the device.
+
+On a GPU every ``nonzero``, boolean-mask index, ``.item()`` or output of data-dependent size makes the host wait
+for the device to drain, breaks the graph for ``torch.compile`` and rules out CUDA-graph capture. This computes the
+same detector with every shape known before the step runs, as NVIDIA's MLPerf Mask R-CNN does:
+
+* the images of a batch are padded to a size bucket (the resized short x long side, in either orientation), so
+  shapes repeat from step to step;
+* the RPN keeps exactly ``post_nms_top_n`` proposal slots per image with a validity mask, from the fixed-size NMS
+  op :func:`lit_amp_det.ops.batched_nms_padded` (small and low-scoring boxes marked invalid instead of gathered out);
+* anchors and proposals are matched by torchvision's ``Matcher`` rules written with three-argument ``where``, and
+  sampled by top-k over random keys drawn on the device: a uniformly random subset of the size torchvision's
+  ``BalancedPositiveNegativeSampler`` draws, laid out in ``batch_size_per_image`` slots with a validity weight;
+* the losses are masked sums divided by the sample count (torchvision's means); the mask head trains on the
+  ``positive_fraction * batch_size_per_image`` positive slots of each image, weighted by validity;
+* inference keeps ``detections_per_img`` slots per image and pastes all their masks in one vectorised pass.
+  :meth:`SyncFreeMaskRCNN.forward_padded` returns those fixed-size results with each image's count;
+  ``forward`` reads the counts once per batch and returns torchvision's per-image lists.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.models.detection import FasterRCNN, MaskRCNN
+from torchvision.models.detection._utils import Matcher
+from torchvision.models.detection.image_list import ImageList
+from torchvision.models.detection.roi_heads import expand_boxes, expand_masks
+from torchvision.models.detection.rpn import concat_box_prediction_layers
+from torchvision.ops import boxes as box_ops
+
+from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads, _check_target_types, use_extension_ops
+from lit_amp_det.models.mask_paste import BinaryMaskTransform
+from lit_amp_det.models.mask_targets import project_masks_on_boxes
+from lit_amp_det.ops import batched_nms_padded, box_iou
+
+__all__ = [
+    "FixedShapeTransform",
+    "SyncFreeFasterRCNN",
+    "SyncFreeMaskRCNN",
+    "SyncFreeRPN",
+    "SyncFreeRoIHeads",
+    "match",
+    "paste_masks_padded",
+    "sample_slots",
+    "use_sync_free",
+]
+
+
+def match(quality: Tensor, matcher: Matcher) -> Tensor:
+    """``matcher(quality)`` (torchvision's ``Matcher``) without a boolean index: for each column of the ``[G, N]``
+    IoU matrix its best row, ``-1`` below the low threshold, ``-2`` between the thresholds; with
+    ``allow_low_quality_matches`` the columns that are some row's best keep their best row."""
+    values, best = quality.max(dim=0)
+    matches = torch.where(values < matcher.low_threshold, matcher.BELOW_LOW_THRESHOLD, best)
+    between = (values >= matcher.low_threshold) & (values < matcher.high_threshold)
+    matches = torch.where(between, matcher.BETWEEN_THRESHOLDS, matches)
+    if matcher.allow_low_quality_matches:
+        is_best = (quality == quality.max(dim=1, keepdim=True).values).any(dim=0)
+        matches = torch.where(is_best, best, matches)
+    return matches
+
+
+def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> tuple[Tensor, Tensor, Tensor]:
+    """torchvision's ``BalancedPositiveNegativeSampler`` for one image, in ``S = min(batch_size, N)`` fixed slots.
+
+    ``labels (Tensor[N])``: ``>= 1`` positive, ``0`` negative, ``-1`` ignored. As torchvision, it draws
+    ``min(#positives, int(batch_size * positive_fraction))`` positives and ``min(#negatives, batch_size - that)``
+    negatives uniformly at random (the top-k of uniform keys drawn on the device is a uniform subset).
+
+    Returns:
+        ``(index [S], valid [S], positive [S])``: the drawn positives fill the first slots, the negatives the next;
+        slots past the draw are not ``valid`` (their index is arbitrary).
+    """
+    n = labels.shape[0]
+    slots = min(batch_size, n)
+    keys = torch.rand(n, device=labels.device)
+    slot = torch.arange(slots, device=labels.device)
+    max_positives = min(int(batch_size * positive_fraction), slots)
+    negative_keys, negatives = torch.where(labels == 0, keys, -1.0).topk(slots)
+    if max_positives == 0:
+        num_positives = torch.zeros((), dtype=torch.int64, device=labels.device)
+        index = negatives
+    else:
+        positive_keys, positives = torch.where(labels >= 1, keys, -1.0).topk(max_positives)
+        num_positives = (positive_keys >= 0).sum()
+        index = torch.where(slot < num_positives, positives[slot.clamp(max=max_positives - 1)],
+                            negatives[(slot - num_positives).clamp(min=0)])
+    num_negatives = torch.minimum((negative_keys >= 0).sum(), batch_size - num_positives)
+    return index, slot < num_positives + num_negatives, slot < num_positives
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    """The sum of ``values`` where ``mask`` holds; selected rather than multiplied by the mask, since ``inf * 0`` is
+    NaN."""
+    return torch.where(mask, values, 0.0).sum()
+
+
+def _slot_labels(n: int, index: Tensor, valid: Tensor, positive: Tensor) -> Tensor:
+    """``Tensor[n]`` float: 1 for a drawn positive, 0 for a drawn negative, -1 for an element not drawn. Drawn
+    indices are distinct, so adding each valid slot's value once is exact (and needs no scatter order)."""
+    drawn = torch.where(valid, positive.to(torch.float32) + 1, 0.0)
+    return torch.full((n,), -1.0, device=index.device).index_add_(0, index, drawn)
+
+
+def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int], threshold: float,
+                       padding: int = 1) -> Tensor:
+    """``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` for all ``[D, 1, M, M]`` masks at
+    once, with no per-detection loop and no host read: ``[D, 1, H, W]`` booleans.
+
+    Each box's expanded mask is resized to the box as ``F.interpolate(bilinear, align_corners=False)`` resizes it
+    (its source coordinates and weights, separable: along x, then y), read at every image pixel the box covers; a
+    value within rounding of the threshold may compare the other way (about one pixel in 10^6). Costs ``D x H x W``
+    work instead of the boxes' areas.
+    """
+    height, width = int(image_size[0]), int(image_size[1])
+    padded, scale = expand_masks(masks, padding=padding)
+    padded = padded[:, 0]
+    corners = expand_boxes(boxes, scale).to(dtype=torch.int64)
+    size = padded.shape[-1]
+
+    def axis(start: Tensor, end: Tensor, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        extent = (end - start + 1).clamp(min=1)  # torchvision's box side, at least one pixel
+        offset = torch.arange(length, device=masks.device)[None, :] - start[:, None]
+        ratio = (size / extent.to(torch.float32))[:, None]
+        source = (ratio * (offset.to(torch.float32) + 0.5) - 0.5).clamp(min=0)
+        low = source.to(torch.int64).clamp(max=size - 1)
+        high_weight = (source - low).clamp(0, 1)
+        high = low + (low < size - 1).to(torch.int64)
+        inside = (offset >= 0) & (offset < extent[:, None])
+        return low, high, 1 - high_weight, high_weight, inside
+
+    x_low, x_high, x_w0, x_w1, x_in = axis(corners[:, 0], corners[:, 2], width)
+    y_low, y_high, y_w0, y_w1, y_in = axis(corners[:, 1], corners[:, 3], height)
+    rows = padded.shape[1]
+    along_x = (padded.gather(2, x_low[:, None, :].expand(-1, rows, -1)) * x_w0[:, None, :]
+               + padded.gather(2, x_high[:, None, :].expand(-1, rows, -1)) * x_w1[:, None, :])
+    values = (along_x.gather(1, y_low[:, :, None].expand(-1, -1, width)) * y_w0[:, :, None]
+              + along_x.gather(1, y_high[:, :, None].expand(-1, -1, width)) * y_w1[:, :, None])
+    inside = y_in[:, :, None] & x_in[:, None, :]
+    return torch.where(inside, values > threshold, 0.0 > threshold)[:, None]
+
+
+class FixedShapeTransform(BinaryMaskTransform):
+    """torchvision's detection transform with fixed batch shapes and a loop-free boolean mask paste.
+
+    Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest resized
+    short and long sides rounded up to ``size_divisible`` (a batch that fits none, with resizing skipped, is padded
+    as torchvision pads it). The training scale is drawn with Python's ``random`` (seeded by Lightning's
+    ``seed_everything``), not read back from a tensor. Masks are pasted by :func:`paste_masks_padded`.
+    """
+
+    def torch_choice(self, k: list[int]) -> int:
+        return k[0] if len(k) == 1 else random.choice(k)
+
+    def batch_images(self, images: list[Tensor], size_divisible: int = 32) -> Tensor:
+        def rounded(side: float) -> int:
+            return int(math.ceil(side / size_divisible) * size_divisible)
+
+        short, long = rounded(max(self.min_size)), rounded(self.max_size)
+        height, width = max(i.shape[-2] for i in images), max(i.shape[-1] for i in images)
+        buckets = [(h, w) for h, w in ((short, long), (long, short), (long, long)) if height <= h and width <= w]
+        if not buckets:
+            return super().batch_images(images, size_divisible)
+        batch = images[0].new_zeros((len(images), images[0].shape[0], *buckets[0]))
+        for padded, image in zip(batch, images):
+            padded[:, : image.shape[-2], : image.shape[-1]].copy_(image)
+        return batch
+
+    def paste(self, masks: Tensor, boxes: Tensor, image_size: tuple[int, int]) -> Tensor:
+        return paste_masks_padded(masks, boxes, image_size, self.mask_threshold)
+
+
+class SyncFreeRPN(ExtRegionProposalNetwork):
+    """The RPN with ``post_nms_top_n`` proposal slots per image (``(boxes [B, P, 4], valid [B, P])``) and a
+    training loss over anchors drawn by :func:`sample_slots`."""
+
+    def forward(self, images: ImageList, features: dict[str, Tensor],
+                targets: list[dict[str, Tensor]] | None = None) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+        maps = list(features.values())
+        objectness, pred_bbox_deltas = self.head(maps)
+        anchors = self.anchor_generator(images, maps)
+        num_anchors_per_level = [o[0].numel() for o in objectness]
+        objectness, pred_bbox_deltas = concat_box_prediction_layers(objectness, pred_bbox_deltas)
+        proposals = self.box_coder.decode(pred_bbox_deltas.detach(), anchors).view(len(anchors), -1, 4)
+        boxes = self.filter_proposals(proposals, objectness, images.image_sizes, num_anchors_per_level)
+        if not self.training:
+            return boxes, {}
+        if targets is None:
+            raise ValueError("targets should not be None")
+        labels, regression_targets = self.anchor_targets(anchors, targets)
+        loss_objectness, loss_rpn_box_reg = self.compute_loss(objectness, pred_bbox_deltas, labels,
+                                                              regression_targets)
+        return boxes, {"loss_objectness": loss_objectness, "loss_rpn_box_reg": loss_rpn_box_reg}
+
+    def filter_proposals(self, proposals: Tensor, objectness: Tensor, image_shapes: list[tuple[int, int]],
+                         num_anchors_per_level: list[int]) -> tuple[Tensor, Tensor]:
+        """The per-filter selection of :class:`ExtRegionProposalNetwork` as fixed slots: each image's kept
+        proposals in score order, then padding marked not valid."""
+        num_images = proposals.shape[0]
+        objectness = objectness.detach().reshape(num_images, -1)
+        candidates, levels = self._top_anchors_per_level(objectness, num_anchors_per_level)
+        rows = torch.arange(num_images, device=proposals.device)[:, None]
+        scores, candidates = torch.sigmoid(objectness[rows, candidates]), proposals[rows, candidates]
+        kept, valid = [], []
+        for boxes, image_scores, shape in zip(candidates, scores, image_shapes):
+            boxes = box_ops.clip_boxes_to_image(boxes, shape)
+            widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+            usable = (widths >= self.min_size) & (heights >= self.min_size) & (image_scores >= self.score_thresh)
+            keep, count = batched_nms_padded(boxes, image_scores, levels, self.nms_thresh, self.post_nms_top_n(),
+                                             valid=usable, max_class_size=self.pre_nms_top_n())
+            kept.append(boxes[keep.clamp(min=0)])
+            valid.append(torch.arange(keep.shape[0], device=keep.device) < count)
+        return torch.stack(kept), torch.stack(valid)
+
+    def anchor_targets(self, anchors: list[Tensor], targets: list[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
+        """``[B * A]`` labels of the drawn anchors (1 object, 0 background, -1 not drawn) and ``[B * A, 4]``
+        regression targets: torchvision's ``assign_targets_to_anchors`` and ``fg_bg_sampler``."""
+        labels, matched_boxes = [], []
+        sampler = self.fg_bg_sampler
+        for image_anchors, target in zip(anchors, targets):
+            gt_boxes = target["boxes"]
+            if gt_boxes.shape[0] == 0:  # background only
+                image_labels = torch.zeros(image_anchors.shape[0], device=image_anchors.device)
+                matched_boxes.append(torch.zeros_like(image_anchors))
+            else:
+                matches = match(self.box_similarity(gt_boxes, image_anchors), self.proposal_matcher)
+                matched_boxes.append(gt_boxes[matches.clamp(min=0)])
+                image_labels = (matches >= 0).to(torch.float32)
+                image_labels = image_labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1.0)
+            drawn = sample_slots(image_labels, sampler.batch_size_per_image, sampler.positive_fraction)
+            labels.append(_slot_labels(image_labels.shape[0], *drawn))
+        regression_targets = self.box_coder.encode(matched_boxes, anchors)
+        return torch.cat(labels), torch.cat(regression_targets)
+
+    def compute_loss(self, objectness: Tensor, pred_bbox_deltas: Tensor, labels: Tensor,
+                     regression_targets: Tensor) -> tuple[Tensor, Tensor]:
+        """torchvision's RPN losses over the drawn anchors of ``labels`` (see :meth:`anchor_targets`)."""
+        count = (labels >= 0).sum().clamp(min=1)
+        regression_targets = torch.where(labels[:, None] > 0, regression_targets, 0.0)  # a blank image's are inf
+        box_loss = F.smooth_l1_loss(pred_bbox_deltas, regression_targets, beta=1 / 9, reduction="none").sum(1)
+        objectness_loss = F.binary_cross_entropy_with_logits(objectness.flatten(), labels.clamp(min=0),
+                                                             reduction="none")
+        return _masked_sum(objectness_loss, labels >= 0) / count, _masked_sum(box_loss, labels > 0) / count
+
+
+class SyncFreeRoIHeads(ExtRoIHeads):
+    """The RoI heads on the RPN's proposal slots: ``batch_size_per_image`` drawn slots per training image, and
+    ``detections_per_img`` detection slots per image with their count at inference."""
+
+    def forward(self, features: dict[str, Tensor], proposals: tuple[Tensor, Tensor],
+                image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]] | None = None
+                ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
+        if self.has_keypoint():
+            raise NotImplementedError("speedups.sync_free does not support keypoint heads")
+        boxes, valid = proposals
+        if not self.training:
+            return self._detect(features, boxes, valid, image_shapes), {}
+        if targets is None:
+            raise ValueError("targets should not be None")
+        _check_target_types(targets)
+        return [], self._losses(features, boxes, valid, image_shapes, targets)
+
+    def _draw(self, boxes: Tensor, valid: Tensor, gt_boxes: Tensor, gt_labels: Tensor) -> tuple[Tensor, ...]:
+        """One image's drawn slots: ``(boxes, matched gt index, label, valid, positive)``, torchvision's
+        ``select_training_samples`` (ground truth added to the proposals, matched, drawn)."""
+        boxes = torch.cat([boxes, gt_boxes.to(boxes.dtype)])
+        usable = torch.cat([valid, valid.new_ones(gt_boxes.shape[0])])
+        if gt_boxes.shape[0] == 0:  # background only
+            matched = labels = torch.zeros(boxes.shape[0], dtype=torch.int64, device=boxes.device)
+        else:
+            matches = match(box_iou(gt_boxes, boxes), self.proposal_matcher)
+            matched = matches.clamp(min=0)
+            labels = gt_labels[matched].to(torch.int64)
+            labels = labels.masked_fill(matches == self.proposal_matcher.BELOW_LOW_THRESHOLD, 0)
+            labels = labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1)
+        labels = labels.masked_fill(~usable, -1)  # proposal padding is never drawn
+        index, drawn, positive = sample_slots(labels, self.fg_bg_sampler.batch_size_per_image,
+                                              self.fg_bg_sampler.positive_fraction)
+        return boxes[index], matched[index], labels[index], drawn, positive
+
+    def _losses(self, features: dict[str, Tensor], proposals: Tensor, valid: Tensor,
+                image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+        gt_boxes = [t["boxes"] for t in targets]
+        draws = [self._draw(p, v, g, t["labels"]) for p, v, g, t in zip(proposals, valid, gt_boxes, targets)]
+        boxes, matched, labels, drawn, positive = (torch.stack(parts) for parts in zip(*draws))
+        matched_boxes = [g[m] if g.shape[0] else torch.zeros_like(b) for g, m, b in zip(gt_boxes, matched, boxes)]
+        regression_targets = torch.cat(self.box_coder.encode(matched_boxes, list(boxes)))
+        class_logits, box_regression = self.box_predictor(self.box_head(self.box_roi_pool(features, list(boxes),
+                                                                                          image_shapes)))
+        labels, drawn = labels.flatten(), drawn.flatten()
+        count = drawn.sum().clamp(min=1)
+        classes = labels.clamp(min=0)
+        rows = torch.arange(classes.shape[0], device=classes.device)
+        classifier = F.cross_entropy(class_logits, classes, reduction="none")
+        box_deltas = box_regression.reshape(classes.shape[0], -1, 4)[rows, classes]
+        regressed = drawn & (labels > 0)
+        # a padding slot's degenerate box codes to inf or NaN, whose gradient would be NaN even where not summed
+        regression_targets = torch.where(regressed[:, None], regression_targets, 0.0)
+        box_loss = F.smooth_l1_loss(box_deltas, regression_targets, beta=1 / 9, reduction="none").sum(1)
+        losses = {"loss_classifier": _masked_sum(classifier, drawn) / count,
+                  "loss_box_reg": _masked_sum(box_loss, regressed) / count}
+        if self.has_mask():
+            losses["loss_mask"] = self._mask_loss(features, boxes, matched, classes.view_as(matched), positive,
+                                                  image_shapes, targets)
+        return losses
+
+    def _mask_loss(self, features: dict[str, Tensor], boxes: Tensor, matched: Tensor, classes: Tensor,
+                   positive: Tensor, image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]]) -> Tensor:
+        """torchvision's mask loss over the positive slots (the first ``positive_fraction * batch_size_per_image``
+        of each image, weighted by :func:`sample_slots`' ``positive``)."""
+        slots = min(int(self.fg_bg_sampler.batch_size_per_image * self.fg_bg_sampler.positive_fraction),
+                    boxes.shape[1])
+        boxes, matched, classes, positive = (t[:, :slots] for t in (boxes, matched, classes, positive))
+        logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, list(boxes), image_shapes)))
+        # an image without ground truth crops a blank mask (its slots are never positive)
+        gt_masks = [t["masks"] if t["masks"].shape[0] else t["masks"].new_zeros((1, *t["masks"].shape[-2:]))
+                    for t in targets]
+        mask_targets = project_masks_on_boxes(gt_masks, list(boxes), list(matched), logits.shape[-1])
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        per_slot = F.binary_cross_entropy_with_logits(logits[rows, classes.flatten()], mask_targets,
+                                                      reduction="none").mean(dim=(1, 2))
+        positive = positive.flatten()
+        return _masked_sum(per_slot, positive) / positive.sum().clamp(min=1)
+
+    def _detect(self, features: dict[str, Tensor], proposals: Tensor, valid: Tensor,
+                image_shapes: list[tuple[int, int]]) -> list[dict[str, Tensor]]:
+        class_logits, box_regression = self.box_predictor(self.box_head(self.box_roi_pool(features, list(proposals),
+                                                                                          image_shapes)))
+        boxes, scores, labels, counts = self.postprocess_detections(class_logits, box_regression,
+                                                                    (proposals, valid), image_shapes)
+        result = [{"boxes": b, "scores": s, "labels": lab, "count": n}
+                  for b, s, lab, n in zip(boxes, scores, labels, counts)]
+        if self.has_mask():
+            logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, list(boxes), image_shapes)))
+            rows = torch.arange(logits.shape[0], device=logits.device)
+            probabilities = logits[rows, labels.flatten()].sigmoid()[:, None].unflatten(0, labels.shape)
+            for image_result, masks in zip(result, probabilities):
+                image_result["masks"] = masks
+        return result
+
+    def postprocess_detections(self, class_logits: Tensor, box_regression: Tensor, proposals: tuple[Tensor, Tensor],
+                               image_shapes: list[tuple[int, int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:class:`ExtRoIHeads`' detections as ``[B, D]`` slots (boxes, scores, labels) and ``[B]`` counts, with
+        its score and size filters and the proposal padding as NMS's ``valid`` mask."""
+        proposal_boxes, proposal_valid = proposals
+        num_images, num_proposals = proposal_valid.shape
+        all_boxes = self.box_coder.decode(box_regression, list(proposal_boxes))
+        all_boxes = all_boxes.reshape(num_images, num_proposals, -1, 4)
+        all_scores = F.softmax(class_logits, -1).reshape(num_images, num_proposals, -1)
+        num_classes = all_scores.shape[-1]
+        labels = torch.arange(1, num_classes, device=all_scores.device).repeat(num_proposals)
+        kept = []
+        for boxes, scores, proposal_ok, shape in zip(all_boxes, all_scores, proposal_valid, image_shapes):
+            boxes = box_ops.clip_boxes_to_image(boxes, shape)[:, 1:].reshape(-1, 4)  # every (box, class) pair
+            scores = scores[:, 1:].reshape(-1)  # column 0 is background
+            widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+            usable = (scores > self.score_thresh) & (widths >= 1e-2) & (heights >= 1e-2)
+            usable &= proposal_ok[:, None].expand(-1, num_classes - 1).reshape(-1)
+            keep, count = batched_nms_padded(boxes, scores, labels, self.nms_thresh, self.detections_per_img,
+                                             valid=usable, max_class_size=num_proposals)
+            keep = keep.clamp(min=0)
+            kept.append((boxes[keep], scores[keep], labels[keep], count))
+        return tuple(torch.stack(parts) for parts in zip(*kept))  # type: ignore[return-value]
+
+
+def _unpad(detections: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """Per-image detections cut to their counts: the one read of the device per batch."""
+    counts = torch.stack([d["count"] for d in detections]).tolist() if detections else []
+    return [{k: v[:n] for k, v in d.items() if k != "count"} for d, n in zip(detections, counts)]
+
+
+class _SyncFreeForward(nn.Module):
+    """``forward`` of a :mod:`sync_free <lit_amp_det.models.sync_free>` detector (mixed into torchvision's class)."""
+
+    def forward_padded(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
+                       ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
+        """Training: torchvision's loss dict. Inference: per image ``boxes [D, 4]``, ``scores [D]``, ``labels [D]``,
+        ``masks [D, 1, H, W]`` (booleans) and ``count`` (0-d): the first ``count`` slots are the detections."""
+        if self.training and targets is None:
+            raise ValueError("targets should not be None in training mode")
+        original_image_sizes = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
+        batch, targets = self.transform(images, targets)
+        for index, target in enumerate(targets or []):  # torchvision's check, read back only if it fails
+            boxes = target["boxes"]
+            torch._assert_async((boxes[:, 2:] > boxes[:, :2]).all(), "All bounding boxes should have positive "
+                                f"height and width: target {index} has one that does not")
+        features = self.backbone(batch.tensors)
+        if isinstance(features, Tensor):
+            features = OrderedDict([("0", features)])
+        proposals, proposal_losses = self.rpn(batch, features, targets)
+        detections, detector_losses = self.roi_heads(features, proposals, batch.image_sizes, targets)
+        if self.training:
+            return {**detector_losses, **proposal_losses}
+        return self.transform.postprocess(detections, batch.image_sizes, original_image_sizes)
+
+    def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
+                ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
+        """torchvision's outputs: the loss dict in training, per-image detection lists otherwise."""
+        out = self.forward_padded(images, targets)
+        return out if self.training else _unpad(out)
+
+
+class SyncFreeFasterRCNN(_SyncFreeForward, FasterRCNN):
+    """torchvision's ``FasterRCNN`` computed with fixed shapes (:func:`use_sync_free`)."""
+
+
+class SyncFreeMaskRCNN(_SyncFreeForward, MaskRCNN):
+    """torchvision's ``MaskRCNN`` computed with fixed shapes (:func:`use_sync_free`)."""
+
+
+def use_sync_free(model: nn.Module) -> nn.Module:
+    """Switches a torchvision Faster/Mask R-CNN to the fixed-shape computation, in place (after
+    :func:`~lit_amp_det.models.ext_ops.use_extension_ops`, which it applies); returns it. Parameters, buffers and
+    ``state_dict`` keys are unchanged."""
+    classes = {FasterRCNN: SyncFreeFasterRCNN, MaskRCNN: SyncFreeMaskRCNN}
+    if type(model) in classes.values():
+        return model
+    if type(model) not in classes or model.roi_heads.has_keypoint():
+        raise TypeError(f"speedups.sync_free converts torchvision's FasterRCNN and MaskRCNN, got "
+                        f"{type(model).__qualname__}; turn it off with speedups.sync_free=null")
+    use_extension_ops(model)
+    model.rpn.__class__ = SyncFreeRPN
+    model.roi_heads.__class__ = SyncFreeRoIHeads
+    model.transform = FixedShapeTransform(model.transform, getattr(model.transform, "mask_threshold", 0.5))
+    model.__class__ = classes[type(model)]
+    return model

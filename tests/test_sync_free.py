@@ -1,0 +1,251 @@
+"""The fixed-shape Mask R-CNN (``speedups.sync_free``): no host synchronisation in a training step, none in inference
+before the one read of the counts, one graph for ``torch.compile``, torchvision's matching and sampling statistics,
+torchvision's detections and masks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
+from torchvision.models.detection.roi_heads import paste_masks_in_image
+
+from lit_amp_det.models.maskrcnn import build_detector
+from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
+from lit_amp_det.models.sync_free import (
+    FixedShapeTransform,
+    SyncFreeMaskRCNN,
+    match,
+    paste_masks_padded,
+    sample_slots,
+    use_sync_free,
+)
+from lit_amp_det.profiling import HostSyncs
+from ops_inputs import needs_extension, random_boxes
+
+pytestmark = needs_extension
+
+
+def _sync_free(model: torch.nn.Module) -> torch.nn.Module:
+    return SyncFree(devices=["cpu"])(BinaryMaskPaste()(ExtensionOps()(model)))
+
+
+# ------------------------------------------------------------------------------------------------ matching
+
+
+@pytest.mark.parametrize("thresholds", [(0.7, 0.3, True), (0.5, 0.5, False), (0.5, 0.4, True)])
+def test_match_is_torchvisions_matcher(thresholds):
+    matcher = Matcher(*thresholds)
+    g = torch.Generator().manual_seed(0)
+    for gt, n in ((1, 50), (4, 300), (9, 7)):
+        quality = (torch.rand(gt, n, generator=g) * 10).round() / 10  # many ties, values on the thresholds
+        quality[:, :3] = 0.0  # columns no row overlaps
+        assert torch.equal(match(quality, matcher), matcher(quality)), (gt, n)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+@pytest.mark.parametrize("positives, negatives, ignored", [(3, 200, 20), (100, 300, 0), (0, 50, 5), (40, 0, 3),
+                                                            (0, 0, 10), (10, 20, 0)])
+def test_sample_slots_draws_as_many_as_torchvisions_sampler(positives, negatives, ignored):
+    labels = torch.cat([torch.randint(1, 5, (positives,)), torch.zeros(negatives, dtype=torch.int64),
+                        torch.full((ignored,), -1)])
+    labels = labels[torch.randperm(labels.shape[0])]
+    sampler = BalancedPositiveNegativeSampler(64, 0.25)
+    expected_pos, expected_neg = (int(m[0].sum()) for m in sampler([labels]))
+    index, valid, positive = sample_slots(labels, 64, 0.25)
+    assert index.shape == valid.shape == positive.shape == (min(64, labels.shape[0]),)
+    assert int((valid & positive).sum()) == expected_pos and int((valid & ~positive).sum()) == expected_neg
+    drawn = index[valid]
+    assert drawn.unique().numel() == drawn.numel()  # no element twice
+    assert (labels[index[valid & positive]] >= 1).all() and (labels[index[valid & ~positive]] == 0).all()
+    assert not (positive & ~valid).any() and (positive[:-1].int() >= positive[1:].int()).all()  # positives first
+
+
+def test_sample_slots_draws_each_candidate_equally_often():
+    labels = torch.tensor([1] * 10 + [0] * 30)
+    torch.manual_seed(0)
+    counts = torch.zeros(40)
+    for _ in range(600):
+        index, valid, _ = sample_slots(labels, 16, 0.25)  # 4 of 10 positives, 12 of 30 negatives
+        counts.index_add_(0, index[valid], torch.ones(int(valid.sum())))
+    frequency = counts / 600
+    assert ((frequency[:10] - 0.4).abs() < 0.08).all(), frequency[:10]
+    assert ((frequency[10:] - 0.4).abs() < 0.08).all(), frequency[10:]
+
+
+# ------------------------------------------------------------------------------------------------ mask paste
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.2, -0.1])
+def test_padded_paste_is_torchvisions_paste_thresholded(threshold):
+    g = torch.Generator().manual_seed(0)
+    boxes = torch.cat([random_boxes(40, image=(70, 90), min_size=1, max_size=60, generator=g),
+                       torch.tensor([[-20.0, -10, 30, 25], [60, 50, 140, 120], [5, 5, 5.4, 5.2], [200, 200, 230, 260],
+                                     [0, 0, 90, 70]])])
+    masks = torch.rand(boxes.shape[0], 1, 28, 28, generator=g)
+    expected = paste_masks_in_image(masks, boxes, (70, 90), padding=1) > threshold
+    got = paste_masks_padded(masks, boxes, (70, 90), threshold)
+    assert got.shape == expected.shape and got.dtype == torch.bool
+    assert torch.equal(got, expected), int((got != expected).sum())
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def _tiny() -> torch.nn.Module:
+    from host_syncs import tiny_model
+
+    return tiny_model()
+
+
+def test_a_training_step_makes_no_host_sync():
+    """Forward, backward and the optimizer step of the tiny Mask R-CNN: not one value read."""
+    from host_syncs import count
+
+    syncs = count(_sync_free(_tiny()), train=True)
+    assert syncs.total == 0, syncs.table()
+
+
+@pytest.mark.slow
+def test_an_r50_fpn_training_step_makes_no_host_sync():
+    from host_syncs import batch
+
+    torch.manual_seed(0)
+    model = _sync_free(build_detector(5, backbone={"name": "resnet50", "fpn_channels": 256, "trainable_layers": 3,
+                                                   "norm": "frozen_bn"},
+                                      transform={"min_size": 128, "max_size": 128},
+                                      rpn={"pre_nms_top_n_train": 2000, "post_nms_top_n_train": 2000,
+                                           "batch_size_per_image": 256},
+                                      roi_heads={"box_head_width": 1024, "batch_size_per_image": 512}))
+    images, targets = batch()
+    for t in targets:
+        t["labels"] = t["labels"].clamp(max=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+    with HostSyncs() as syncs:
+        sum(model(images, targets).values()).backward()
+        optimizer.step()
+    assert syncs.total == 0, syncs.table()
+
+
+def test_inference_reads_the_device_once_per_batch(monkeypatch):
+    from host_syncs import batch
+
+    model = _sync_free(_tiny()).eval()
+    images, _ = batch()
+    with torch.no_grad(), HostSyncs() as syncs:
+        padded = model.forward_padded(images)
+    assert syncs.total == 0, syncs.table()
+    assert [d["boxes"].shape for d in padded] == [(model.roi_heads.detections_per_img, 4)] * 2
+    reads, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    with torch.no_grad(), HostSyncs() as syncs:
+        model(images)
+    assert syncs.total == 0 and reads == [(2,)], (syncs.table(), reads)  # the counts of the batch, read once
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_the_forward_is_one_graph(training):
+    import torch._dynamo
+
+    from host_syncs import batch
+
+    model = _sync_free(_tiny()).train(training)
+    images, targets = batch()
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(model.forward_padded)
+    result = explain(images, targets) if training else explain(images)
+    assert result.graph_break_count == 0 and result.graph_count == 1, [b.reason for b in result.break_reasons]
+
+
+def test_same_detections_and_masks_as_the_dynamic_path_on_the_validation_split():
+    from hydra.utils import instantiate
+
+    from conftest import compose_config
+
+    data = instantiate(compose_config().data)
+    data.setup("validate")
+    torch.manual_seed(0)
+    dynamic = BinaryMaskPaste()(ExtensionOps()(build_detector(
+        7, backbone={"name": "resnet10", "fpn_channels": 32}, transform={"min_size": 160, "max_size": 160},
+        roi_heads={"box_head_width": 64, "mask_head_layers": [16], "score_thresh": 0.05}))).eval()
+    torch.nn.init.normal_(dynamic.roi_heads.box_predictor.cls_score.weight, std=0.5)  # spread the scores
+    fixed = SyncFree(devices=["cpu"])(copy.deepcopy(dynamic)).eval()
+    compared = pixels = 0
+    with torch.no_grad():
+        for images, _ in data.val_dataloader():
+            images = [image.float() / 255 for image in images]
+            for a, b in zip(dynamic(images), fixed(images)):
+                assert a["boxes"].shape == b["boxes"].shape and torch.equal(a["labels"], b["labels"])
+                torch.testing.assert_close(b["boxes"], a["boxes"], rtol=0, atol=1e-3)
+                assert torch.equal(a["scores"], b["scores"])
+                pixels += int((a["masks"] != b["masks"]).sum())  # interpolated values rounded the other way
+                compared += a["labels"].numel()
+    assert compared > 100 and pixels <= compared * 160 * 160 // 100_000, pixels
+
+
+def test_training_draws_torchvisions_sample_sizes():
+    """The RoI heads' draw keeps torchvision's counts: positives up to the fraction, negatives filling the batch."""
+    from host_syncs import batch
+
+    model = _sync_free(_tiny()).train()
+    images, targets = batch()
+    heads = model.roi_heads
+    proposals = random_boxes(80, image=(128, 128), max_size=90, clusters=4)
+    valid = torch.arange(80) < 70
+    boxes, _, labels, drawn, positive = heads._draw(proposals, valid, targets[0]["boxes"], targets[0]["labels"])
+    reference = copy.deepcopy(heads)
+    _, _, expected, _ = type(heads).__mro__[2].select_training_samples(reference, [proposals[:70]], targets[:1])
+    assert int((drawn & positive).sum()) == int((expected[0] > 0).sum())
+    assert int(drawn.sum()) == expected[0].numel() and (labels[drawn & positive] > 0).all()
+
+
+def test_fixed_shape_batches_repeat_their_shape():
+    transform = FixedShapeTransform(build_detector(3, backbone={"name": "resnet10", "fpn_channels": 32},
+                                                   transform={"min_size": [96, 100], "max_size": 150}).transform, 0.5)
+    transform.train()
+    shapes = set()
+    for size in ((80, 120), (60, 90), (120, 70), (100, 100)):
+        batch, _ = transform([torch.rand(3, *size), torch.rand(3, 50, 75)])
+        shapes.add(tuple(batch.tensors.shape[-2:]))
+    assert shapes <= {(128, 160), (160, 128), (160, 160)} and len(shapes) >= 2
+
+
+def test_sync_free_keeps_the_weights_and_refuses_other_detectors():
+    model = _tiny()
+    keys = list(model.state_dict())
+    converted = use_sync_free(model)
+    assert type(converted) is SyncFreeMaskRCNN and list(converted.state_dict()) == keys
+    assert use_sync_free(converted) is converted
+    with pytest.raises(TypeError, match="speedups.sync_free=null"):
+        use_sync_free(torch.nn.Linear(2, 2))
+
+
+def test_a_degenerate_box_is_refused_with_torchvisions_words():
+    from host_syncs import batch
+
+    model = _sync_free(_tiny()).train()
+    images, targets = batch()
+    targets[1]["boxes"][1, 2] = targets[1]["boxes"][1, 0]
+    with pytest.raises(RuntimeError, match="positive height and width: target 1"):
+        model(images, targets)
+
+
+def test_compile_takes_the_whole_sync_free_detector():
+    from host_syncs import batch
+
+    from lit_amp_det.models.speedups import CompileBackbone
+
+    model = _sync_free(_tiny()).train()
+    eager = copy.deepcopy(model)
+    CompileBackbone(backend="eager")(model)  # the compile path without inductor's build time
+    assert model._compiled_call_impl is not None and model.backbone._compiled_call_impl is None
+    images, targets = batch()
+    torch.manual_seed(3)
+    expected = eager(images, targets)
+    torch.manual_seed(3)
+    for key, value in model(images, targets).items():
+        torch.testing.assert_close(value, expected[key])
