@@ -156,16 +156,9 @@ class MaskRCNNModule(LightningModule):
         hp = self.hparams
         weights = hp.get("weights")
         local = local_weights(weights) is not None
-        return build_detector(
-            hp.num_classes,
-            mask=hp.mask,
-            backbone=hp.backbone,
-            transform=hp.transform,
-            rpn=hp.rpn,
-            roi_heads=hp.roi_heads,
-            weights=None if local else weights,
-            load_weights=not local,  # the local file replaces them: see ``weights``
-        )
+        # load_weights: a local file replaces the named weights (see ``weights``)
+        return build_detector(hp.num_classes, mask=hp.mask, backbone=hp.backbone, transform=hp.transform, rpn=hp.rpn,
+                              roi_heads=hp.roi_heads, weights=None if local else weights, load_weights=not local)
 
     def compute_loss(self, loss_dict: Mapping[str, Tensor]) -> Tensor:
         """Reduces torchvision's loss dict to the training loss. Override to weight or add terms."""
@@ -243,9 +236,8 @@ class MaskRCNNModule(LightningModule):
         scheduler_cfg = settings.scheduler
         if not scheduler_cfg:
             return optimizer
-        scheduler = instantiate(
-            dict(scheduler_cfg), optimizer=optimizer, total_steps=max(int(self.trainer.estimated_stepping_batches), 1)
-        )
+        scheduler = instantiate(dict(scheduler_cfg), optimizer=optimizer,
+                                total_steps=max(int(self.trainer.estimated_stepping_batches), 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------ forward
@@ -257,9 +249,7 @@ class MaskRCNNModule(LightningModule):
     @staticmethod
     def training_targets(targets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """Crowd regions are not objects to learn: they only matter for evaluation."""
-        return [
-            {k: v for k, v in drop_crowd(t).items() if k in ("boxes", "labels", "masks")} for t in targets
-        ]
+        return [{k: v for k, v in drop_crowd(t).items() if k in ("boxes", "labels", "masks")} for t in targets]
 
     def forward(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
         """Detections (post-processed, fp32) for a list of ``[3, H, W]`` images."""

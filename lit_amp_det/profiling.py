@@ -263,10 +263,9 @@ def count_images(batch: Any) -> int:
             return len(images)
     kind = type(batch).__name__
     length = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-    raise TypeError(
-        f"Throughput counts images in (images, targets) batches, but the training batch is a {kind}{length}; "
-        "pass Throughput(batch_size_fn=...) returning the number of images of your batches"
-    )
+    raise TypeError(f"Throughput counts images in (images, targets) batches, but the training batch is a "
+                    f"{kind}{length}; pass Throughput(batch_size_fn=...) returning the number of images of your "
+                    "batches")
 
 
 # ------------------------------------------------------------------------------------- host synchronisations

@@ -28,17 +28,9 @@ from torchvision.ops.poolers import initLevelMapper  # not in torchvision's __al
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
 from lit_amp_det.models.norms import FrozenBatchNorm2d
-from lit_amp_det.models.weights import (
-    BACKBONE_WEIGHTS,
-    NO_WEIGHTS,
-    DetectionCheckpoint,
-    WeightsMismatchError,
-    architecture_mismatches,
-    detection_checkpoint,
-    load_backbone_weights,
-    load_detection_weights,
-    resolve_weights,
-)
+from lit_amp_det.models.weights import (BACKBONE_WEIGHTS, NO_WEIGHTS, DetectionCheckpoint, WeightsMismatchError,
+                                        architecture_mismatches, detection_checkpoint, load_backbone_weights,
+                                        load_detection_weights, resolve_weights)
 
 __all__ = ["BACKBONES", "NORM_LAYERS", "build_backbone", "build_detector"]
 
@@ -51,24 +43,15 @@ def _resnet10(*, weights: None = None, **kwargs: Any) -> resnet.ResNet:
 
 
 #: Backbone trunks by config name. ``resnet10`` is the small fast option.
-BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {
-    "resnet10": _resnet10,
-    "resnet18": resnet.resnet18,
-    "resnet34": resnet.resnet34,
-    "resnet50": resnet.resnet50,
-    "resnet101": resnet.resnet101,
-}
+BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {"resnet10": _resnet10, "resnet18": resnet.resnet18,
+                                                     "resnet34": resnet.resnet34, "resnet50": resnet.resnet50,
+                                                     "resnet101": resnet.resnet101}
 
 #: Normalisation layers by config name. ``frozen_bn`` is a buffers-only BatchNorm (a subclass of torchvision's)
 #: that keeps bf16/fp16 activations in their dtype under autocast.
-NORM_LAYERS: dict[str, Callable[..., nn.Module]] = {
-    "bn": nn.BatchNorm2d,
-    "frozen_bn": FrozenBatchNorm2d,
-}
+NORM_LAYERS: dict[str, Callable[..., nn.Module]] = {"bn": nn.BatchNorm2d, "frozen_bn": FrozenBatchNorm2d}
 
 _STAGES_BY_DEPTH = ["layer4", "layer3", "layer2", "layer1", "conv1"]
-
-
 
 
 def _backbone_weights(name: str, weights: str | None) -> WeightsEnum | None:
@@ -76,10 +59,9 @@ def _backbone_weights(name: str, weights: str | None) -> WeightsEnum | None:
     if weights in NO_WEIGHTS:
         return None
     if name not in BACKBONE_WEIGHTS:
-        raise ArgumentError(
-            "weights", weights, f"cannot be used: torchvision publishes no weights for name={name!r} "
-            f"(lit_amp_det's own small trunk); pretrained trunks are {sorted(BACKBONE_WEIGHTS)}, or set it to null"
-        )
+        raise ArgumentError("weights", weights, f"cannot be used: torchvision publishes no weights for name={name!r} "
+                            f"(lit_amp_det's own small trunk); pretrained trunks are {sorted(BACKBONE_WEIGHTS)}, "
+                            "or set it to null")
     return resolve_weights(BACKBONE_WEIGHTS[name], str(weights), "weights")
 
 
@@ -95,16 +77,9 @@ def _detection_weights(weights: str | None, mask: bool) -> tuple[DetectionCheckp
                             ".ckpt/.pt/.pth ending (./model.pt)") from None
 
 
-def build_backbone(
-    name: str = "resnet18",
-    *,
-    fpn_channels: int = 256,
-    trainable_layers: int = 5,
-    norm: str = "bn",
-    returned_layers: Sequence[int] = (1, 2, 3, 4),
-    weights: str | None = None,
-    load_weights: bool = True,
-) -> BackboneWithFPN:
+def build_backbone(name: str = "resnet18", *, fpn_channels: int = 256, trainable_layers: int = 5, norm: str = "bn",
+                   returned_layers: Sequence[int] = (1, 2, 3, 4), weights: str | None = None,
+                   load_weights: bool = True) -> BackboneWithFPN:
     """Builds a ResNet trunk with an FPN on top.
 
     Args:
@@ -140,13 +115,9 @@ def build_backbone(
             param.requires_grad_(False)
 
     stage1_channels = trunk.inplanes // 8
-    return BackboneWithFPN(
-        trunk,
-        return_layers={f"layer{k}": str(i) for i, k in enumerate(returned_layers)},
-        in_channels_list=[stage1_channels * 2 ** (k - 1) for k in returned_layers],
-        out_channels=fpn_channels,
-        extra_blocks=LastLevelMaxPool(),
-    )
+    return BackboneWithFPN(trunk, return_layers={f"layer{k}": str(i) for i, k in enumerate(returned_layers)},
+                           in_channels_list=[stage1_channels * 2 ** (k - 1) for k in returned_layers],
+                           out_channels=fpn_channels, extra_blocks=LastLevelMaxPool())
 
 
 def _anchor_generator(sizes: Sequence[int], aspect_ratios: Sequence[float], levels: int) -> AnchorGenerator:
@@ -158,17 +129,10 @@ def _anchor_generator(sizes: Sequence[int], aspect_ratios: Sequence[float], leve
                                         aspect_ratios=(tuple(aspect_ratios),) * levels)
 
 
-def build_detector(
-    num_classes: int,
-    *,
-    mask: bool = True,
-    backbone: Mapping[str, Any] | None = None,
-    transform: Mapping[str, Any] | None = None,
-    rpn: Mapping[str, Any] | None = None,
-    roi_heads: Mapping[str, Any] | None = None,
-    weights: str | None = None,
-    load_weights: bool = True,
-) -> FasterRCNN:
+def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str, Any] | None = None,
+                   transform: Mapping[str, Any] | None = None, rpn: Mapping[str, Any] | None = None,
+                   roi_heads: Mapping[str, Any] | None = None, weights: str | None = None,
+                   load_weights: bool = True) -> FasterRCNN:
     """Builds a torchvision Mask R-CNN (``mask=True``) or Faster R-CNN (``mask=False``) on torchvision's ops.
 
     lit_amp_det's kernels are an implementation choice applied afterwards
@@ -218,42 +182,26 @@ def build_detector(
     box_width = roi_cfg.pop("box_head_width", 1024)
     mask_layers = tuple(roi_cfg.pop("mask_head_layers", (256, 256, 256, 256)))
     if pretrained is not None:
-        configured = {
-            "backbone.name": backbone_cfg.get("name", "resnet18"),
-            "backbone.fpn_channels": channels,
-            "backbone.returned_layers": list(returned_layers),
-            "rpn.aspect_ratios": list(aspect_ratios),
-            "roi_heads.box_head_width": box_width,
-            "roi_heads.mask_head_layers": list(mask_layers),
-        }
+        configured = {"backbone.name": backbone_cfg.get("name", "resnet18"), "backbone.fpn_channels": channels,
+                      "backbone.returned_layers": list(returned_layers), "rpn.aspect_ratios": list(aspect_ratios),
+                      "roi_heads.box_head_width": box_width, "roi_heads.mask_head_layers": list(mask_layers)}
         _check_architecture(weights, pretrained[0], configured)
     box_pool = MultiScaleRoIAlign(feature_names, output_size=7, sampling_ratio=sampling_ratio)
 
     kwargs: dict[str, Any] = dict(
-        min_size=tf_cfg.pop("min_size", 800),
-        max_size=tf_cfg.pop("max_size", 1333),
-        image_mean=tf_cfg.pop("image_mean", None),
-        image_std=tf_cfg.pop("image_std", None),
-        size_divisible=tf_cfg.pop("size_divisible", 32),
-        rpn_anchor_generator=anchors,
-        box_roi_pool=box_pool,
-        box_head=TwoMLPHead(channels * 7 * 7, box_width),
-        box_predictor=FastRCNNPredictor(box_width, num_classes),
-        **{_rpn_kwarg(k, v): v for k, v in rpn_cfg.items()},
-        **{_roi_kwarg(k, v): v for k, v in roi_cfg.items()},
-    )
+        min_size=tf_cfg.pop("min_size", 800), max_size=tf_cfg.pop("max_size", 1333),
+        image_mean=tf_cfg.pop("image_mean", None), image_std=tf_cfg.pop("image_std", None),
+        size_divisible=tf_cfg.pop("size_divisible", 32), rpn_anchor_generator=anchors, box_roi_pool=box_pool,
+        box_head=TwoMLPHead(channels * 7 * 7, box_width), box_predictor=FastRCNNPredictor(box_width, num_classes),
+        **{_rpn_kwarg(k, v): v for k, v in rpn_cfg.items()}, **{_roi_kwarg(k, v): v for k, v in roi_cfg.items()})
     _reject_leftovers("transform", tf_cfg)
     if not mask:
         detector = FasterRCNN(body, num_classes=None, **kwargs)
     else:
-        detector = MaskRCNN(
-            body,
-            num_classes=None,
-            mask_roi_pool=MultiScaleRoIAlign(feature_names, output_size=14, sampling_ratio=sampling_ratio),
-            mask_head=MaskRCNNHeads(channels, mask_layers, 1),
-            mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
-            **kwargs,
-        )
+        mask_pool = MultiScaleRoIAlign(feature_names, output_size=14, sampling_ratio=sampling_ratio)
+        detector = MaskRCNN(body, num_classes=None, mask_roi_pool=mask_pool,
+                            mask_head=MaskRCNNHeads(channels, mask_layers, 1),
+                            mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes), **kwargs)
     _fix_pooler_scales(detector, returned_layers)
     if pretrained is not None and load_weights:
         load_detection_weights(detector, pretrained[1], num_classes, "weights", str(weights))
@@ -264,11 +212,10 @@ def _check_architecture(weights: str | None, family: DetectionCheckpoint, config
     """Fails before anything is fetched when the configured model cannot hold ``family``'s tensors."""
     mismatches = architecture_mismatches(family, configured)
     if mismatches:
-        raise WeightsMismatchError(
-            "weights", weights, f"names torchvision's {family.builder} checkpoint ({family.enum.__name__}), "
-            f"which this model does not match: {', '.join(mismatches)}. Use model=maskrcnn_r50_fpn "
-            f"(mask={str(family.mask).lower()}) or set those values, or set it to null"
-        )
+        raise WeightsMismatchError("weights", weights, f"names torchvision's {family.builder} checkpoint "
+                                   f"({family.enum.__name__}), which this model does not match: "
+                                   f"{', '.join(mismatches)}. Use model=maskrcnn_r50_fpn "
+                                   f"(mask={str(family.mask).lower()}) or set those values, or set it to null")
 
 
 def _fix_pooler_scales(detector: FasterRCNN, returned_layers: Sequence[int]) -> None:
@@ -285,35 +232,14 @@ def _fix_pooler_scales(detector: FasterRCNN, returned_layers: Sequence[int]) -> 
         pooler.scales = level_scales
         k_min, k_max = round(-math.log2(level_scales[0])), round(-math.log2(level_scales[-1]))
         # torchvision's pooler skips its own inference only when it has both the scales and a level mapper
-        pooler.map_levels = initLevelMapper(
-            k_min, k_max, canonical_scale=pooler.canonical_scale, canonical_level=pooler.canonical_level
-        )
+        pooler.map_levels = initLevelMapper(k_min, k_max, canonical_scale=pooler.canonical_scale,
+                                            canonical_level=pooler.canonical_level)
 
 
-_ROI_KWARGS = {
-    "box_score_thresh",
-    "box_nms_thresh",
-    "box_detections_per_img",
-    "box_fg_iou_thresh",
-    "box_bg_iou_thresh",
-    "box_batch_size_per_image",
-    "box_positive_fraction",
-    "bbox_reg_weights",
-}
-
-
-_RPN_KWARGS = {
-    "pre_nms_top_n_train",
-    "pre_nms_top_n_test",
-    "post_nms_top_n_train",
-    "post_nms_top_n_test",
-    "nms_thresh",
-    "fg_iou_thresh",
-    "bg_iou_thresh",
-    "batch_size_per_image",
-    "positive_fraction",
-    "score_thresh",
-}
+_ROI_KWARGS = {"box_score_thresh", "box_nms_thresh", "box_detections_per_img", "box_fg_iou_thresh", "box_bg_iou_thresh",
+               "box_batch_size_per_image", "box_positive_fraction", "bbox_reg_weights"}
+_RPN_KWARGS = {"pre_nms_top_n_train", "pre_nms_top_n_test", "post_nms_top_n_train", "post_nms_top_n_test", "nms_thresh",
+               "fg_iou_thresh", "bg_iou_thresh", "batch_size_per_image", "positive_fraction", "score_thresh"}
 
 
 def _rpn_kwarg(key: str, value: Any) -> str:

@@ -60,10 +60,9 @@ class FrozenBatchNorm2d(torchvision.ops.FrozenBatchNorm2d):
         Buffers keep ``bn``'s device and dtype. ``name`` is only used in the error message.
         """
         if bn.running_mean is None or bn.running_var is None:
-            raise ValueError(
-                f"{name or type(bn).__name__} has no running statistics (track_running_stats=False), so there is "
-                "nothing to freeze; build it with track_running_stats=True and load statistics before freezing"
-            )
+            raise ValueError(f"{name or type(bn).__name__} has no running statistics (track_running_stats=False), so "
+                             "there is nothing to freeze; build it with track_running_stats=True and load statistics "
+                             "before freezing")
         frozen = cls(bn.running_mean.numel(), eps=bn.eps)
         frozen.running_mean = bn.running_mean.detach().clone()
         frozen.running_var = bn.running_var.detach().clone()

@@ -62,14 +62,9 @@ class DetectionCheckpoint:
     architecture: Mapping[str, Any]
 
 
-_R50_FPN = {
-    "backbone.name": "resnet50",
-    "backbone.fpn_channels": 256,
-    "backbone.returned_layers": [1, 2, 3, 4],
-    # the RPN head's outputs per location are these anchors, in this order (sizes only set the scale per level)
-    "rpn.aspect_ratios": [0.5, 1.0, 2.0],
-    "roi_heads.box_head_width": 1024,
-}
+# rpn.aspect_ratios: the RPN head's outputs per location are these anchors, in this order (sizes only scale a level)
+_R50_FPN = {"backbone.name": "resnet50", "backbone.fpn_channels": 256, "backbone.returned_layers": [1, 2, 3, 4],
+            "rpn.aspect_ratios": [0.5, 1.0, 2.0], "roi_heads.box_head_width": 1024}
 
 #: The torchvision checkpoints whose architecture :func:`lit_amp_det.models.build_detector` can build (the ``_v2``
 #: families are left out: their heads are not built here).
@@ -78,8 +73,7 @@ DETECTION_CHECKPOINTS: dict[str, DetectionCheckpoint] = {
         "maskrcnn_resnet50_fpn", MaskRCNN_ResNet50_FPN_Weights, mask=True,
         architecture={**_R50_FPN, "roi_heads.mask_head_layers": [256, 256, 256, 256]}),
     "fasterrcnn_resnet50_fpn": DetectionCheckpoint(
-        "fasterrcnn_resnet50_fpn", FasterRCNN_ResNet50_FPN_Weights, mask=False, architecture=_R50_FPN
-    ),
+        "fasterrcnn_resnet50_fpn", FasterRCNN_ResNet50_FPN_Weights, mask=False, architecture=_R50_FPN),
 }
 
 
@@ -103,10 +97,9 @@ def resolve_weights(enum: type[WeightsEnum], name: str, argument: str) -> Weight
     an unknown name is an :class:`ArgumentError` on ``argument`` that lists the valid ones."""
     member = str(name).removeprefix(f"{enum.__name__}.")
     if member not in enum.__members__:
-        raise ArgumentError(
-            argument, name, f"is not one of torchvision's {enum.__name__}; choose one of "
-            f"{list(enum.__members__)} (DEFAULT is {enum.DEFAULT.name}), or null for no pretrained weights"
-        )
+        raise ArgumentError(argument, name, f"is not one of torchvision's {enum.__name__}; choose one of "
+                            f"{list(enum.__members__)} (DEFAULT is {enum.DEFAULT.name}), or null for no pretrained "
+                            "weights")
     return enum[member]
 
 
@@ -157,19 +150,17 @@ def fetch_state_dict(weights: WeightsEnum, argument: str, name: str) -> dict[str
             raise WeightsUnavailableError(
                 argument, name, f"cannot be loaded: the cached file {path} is unreadable ({type(err).__name__}; "
                 f"{path.stat().st_size} bytes starting with {head!r}): it is truncated or not the published "
-                f"checkpoint. Delete it to download it again, or replace it with a complete copy of {weights.url}"
-            ) from err
+                "checkpoint. Delete it to download it again, or replace it with a complete copy of "
+                f"{weights.url}") from err
         raise WeightsUnavailableError(
             argument, name, f"needs {path.name}, which is not in the torch hub cache, and downloading it "
             f"from {weights.url} failed ({type(err).__name__}: {err}). On a machine without internet access, "
             f"download that URL elsewhere and put the file into {path.parent}/ (the folder follows $TORCH_HOME), "
-            "or set it to null"
-        ) from err
+            "or set it to null") from err
     if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
         raise WeightsUnavailableError(
             argument, name, f"cannot be loaded: {path} holds a {type(state).__name__}, not a state dict of tensors; "
-            f"delete it and let it download again, or replace it with a copy of {weights.url}"
-        )
+            f"delete it and let it download again, or replace it with a copy of {weights.url}")
     return dict(state)
 
 
@@ -190,8 +181,7 @@ def _check_fit(module: nn.Module, state: Mapping[str, Tensor], argument: str, na
         raise WeightsMismatchError(
             argument, name, f"does not fit the model: {path.name} has {'; '.join(problems)}. The file is "
             f"not the one torchvision publishes under that name, or the model settings differ from its "
-            f"architecture; replace the file with a copy of the published one, or set it to null"
-        )
+            f"architecture; replace the file with a copy of the published one, or set it to null")
 
 
 def load_backbone_weights(trunk: nn.Module, weights: WeightsEnum, argument: str, name: str) -> None:

@@ -15,20 +15,12 @@ import warnings
 
 import torch
 
-__all__ = [
-    "BUILD_HINT",
-    "compiled_cuda_version",
-    "extension_available",
-    "extension_error",
-    "has_kernel",
-    "triton_cuda_kernels",
-]
+__all__ = ["BUILD_HINT", "compiled_cuda_version", "extension_available", "extension_error", "has_kernel",
+           "triton_cuda_kernels"]
 
-BUILD_HINT = (
-    "Build it with `make install` (or `pip install --no-build-isolation -e .` in an environment that already "
-    "has torch); no CUDA toolkit is needed: the CUDA kernels are Triton kernels (the `triton` package that comes "
-    "with torch)."
-)
+BUILD_HINT = ("Build it with `make install` (or `pip install --no-build-isolation -e .` in an environment that already "
+              "has torch); no CUDA toolkit is needed: the CUDA kernels are Triton kernels (the `triton` package that "
+              "comes with torch).")
 
 _LOAD_ERROR: str | None = None
 _WARNED: set[str] = set()
@@ -106,9 +98,5 @@ def _warn_once(key: str, op_name: str, reason: str) -> None:
     if key in _WARNED:
         return
     _WARNED.add(key)
-    warnings.warn(
-        f"lit_amp_det.ops.{op_name}: {reason}, so lit_amp_det's ops run on their pure-PyTorch fallback "
-        f"(correct, slower). {BUILD_HINT}",
-        RuntimeWarning,
-        stacklevel=4,  # the caller of the op
-    )
+    warnings.warn(f"lit_amp_det.ops.{op_name}: {reason}, so lit_amp_det's ops run on their pure-PyTorch fallback "
+                  f"(correct, slower). {BUILD_HINT}", RuntimeWarning, stacklevel=4)  # stacklevel: the op's caller

@@ -33,9 +33,8 @@ def infer_spatial_scale(feature: Tensor, image_size: Sequence[int]) -> float:
     return 2.0 ** round(math.log2(float(feature.shape[-2]) / float(image_size[0])))
 
 
-def assign_fpn_levels(
-    boxes: Tensor | Sequence[Tensor], k_min: int, k_max: int, canonical_scale: int = 224, canonical_level: int = 4
-) -> Tensor:
+def assign_fpn_levels(boxes: Tensor | Sequence[Tensor], k_min: int, k_max: int, canonical_scale: int = 224,
+                      canonical_level: int = 4) -> Tensor:
     """FPN level of each box, relative to ``k_min`` (int64 ``[K]``): ``floor(k0 + log2(sqrt(area) / 224))``.
 
     ``boxes`` is one ``Tensor[K, 4]`` or one tensor per image (taken in order); the result is clamped to
@@ -67,19 +66,10 @@ def _infer_scales(features: list[Tensor], image_shapes: list[tuple[int, int]]) -
 
 
 @torch.fx.wrap  # a leaf for symbolic_trace, as torchvision's pooling step
-def pool_levels(
-    features: list[Tensor],
-    boxes: list[Tensor],
-    scales: list[float],
-    output_size: tuple[int, int],
-    sampling_ratio: int,
-    canonical_scale: int,
-    canonical_level: int,
-    aligned: bool,
-    *,
-    roi_align_fn: Callable[..., Tensor] = roi_align,
-    multi_level_fn: Callable[..., Tensor] = multi_level_roi_align,
-) -> Tensor:
+def pool_levels(features: list[Tensor], boxes: list[Tensor], scales: list[float], output_size: tuple[int, int],
+                sampling_ratio: int, canonical_scale: int, canonical_level: int, aligned: bool, *,
+                roi_align_fn: Callable[..., Tensor] = roi_align,
+                multi_level_fn: Callable[..., Tensor] = multi_level_roi_align) -> Tensor:
     """The pooling step of :class:`MultiScaleRoIAlign`: levels assigned as torchvision does, then one kernel call.
 
     ``roi_align_fn`` / ``multi_level_fn`` are the kernels' front ends (:mod:`lit_amp_det.ops.triton` passes its own).
@@ -110,16 +100,8 @@ class MultiScaleRoIAlign(nn.Module):
     trace through the ops' fake kernels, or ``torchvision.ops.MultiScaleRoIAlign`` for a scripted model.
     """
 
-    def __init__(
-        self,
-        featmap_names: list[str],
-        output_size: int | Sequence[int],
-        sampling_ratio: int,
-        *,
-        canonical_scale: int = 224,
-        canonical_level: int = 4,
-        aligned: bool = False,
-    ) -> None:
+    def __init__(self, featmap_names: list[str], output_size: int | Sequence[int], sampling_ratio: int, *,
+                 canonical_scale: int = 224, canonical_level: int = 4, aligned: bool = False) -> None:
         super().__init__()
         if isinstance(featmap_names, str):
             raise TypeError(f"featmap_names must be a list of names, got the string {featmap_names!r}")
@@ -141,20 +123,15 @@ class MultiScaleRoIAlign(nn.Module):
 
     def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
         """Pools with the compiled ops (an fx leaf); :mod:`lit_amp_det.ops.triton` overrides it with its kernels."""
-        return pool_levels(
-            features, boxes, scales, self.output_size, self.sampling_ratio, self.canonical_scale,
-            self.canonical_level, self.aligned,
-        )
+        return pool_levels(features, boxes, scales, self.output_size, self.sampling_ratio, self.canonical_scale,
+                           self.canonical_level, self.aligned)
 
     def __prepare_scriptable__(self) -> nn.Module:
-        raise RuntimeError(
-            "lit_amp_det.ops.MultiScaleRoIAlign cannot be compiled with torch.jit.script (TorchScript is "
-            "deprecated by PyTorch): use torch.compile or torch.export instead, which trace through the op's "
-            "fake kernels, or build the model with speedups.ext_ops=null (torchvision's ops) for a scriptable one"
-        )
+        raise RuntimeError("lit_amp_det.ops.MultiScaleRoIAlign cannot be compiled with torch.jit.script (TorchScript "
+                           "is deprecated by PyTorch): use torch.compile or torch.export instead, which trace "
+                           "through the op's fake kernels, or build the model with speedups.ext_ops=null "
+                           "(torchvision's ops) for a scriptable one")
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(featmap_names={self.featmap_names}, output_size={self.output_size}, "
-            f"sampling_ratio={self.sampling_ratio})"
-        )
+        return (f"{type(self).__name__}(featmap_names={self.featmap_names}, output_size={self.output_size}, "
+                f"sampling_ratio={self.sampling_ratio})")

@@ -55,14 +55,8 @@ def boxes_to_rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
 
 
 @torch.fx.wrap  # a leaf for symbolic_trace, as torchvision's roi_align: the list handling is not traceable
-def roi_align(
-    input: Tensor,
-    boxes: Tensor | list[Tensor],
-    output_size: int | tuple[int, int],
-    spatial_scale: float = 1.0,
-    sampling_ratio: int = -1,
-    aligned: bool = False,
-) -> Tensor:
+def roi_align(input: Tensor, boxes: Tensor | list[Tensor], output_size: int | tuple[int, int],
+              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
     """RoIAlign with torchvision's semantics (Mask R-CNN), native in fp16/bf16.
 
     Args:
@@ -82,30 +76,20 @@ def roi_align(
     if torch.jit.is_scripting():  # TorchScript compiles this branch only
         scripted_rois = boxes if isinstance(boxes, Tensor) else _rois_from_list(boxes)
         if isinstance(output_size, int):
-            return torch.ops.lit_amp_det.roi_align(
-                input, scripted_rois, spatial_scale, output_size, output_size, sampling_ratio, aligned
-            )
-        return torch.ops.lit_amp_det.roi_align(
-            input, scripted_rois, spatial_scale, output_size[0], output_size[1], sampling_ratio, aligned
-        )
+            return torch.ops.lit_amp_det.roi_align(input, scripted_rois, spatial_scale, output_size, output_size,
+                                                   sampling_ratio, aligned)
+        return torch.ops.lit_amp_det.roi_align(input, scripted_rois, spatial_scale, output_size[0], output_size[1],
+                                               sampling_ratio, aligned)
     rois = boxes_to_rois(boxes)
     height, width = _pair(output_size)
     if has_kernel("roi_align", input.device):
-        return torch.ops.lit_amp_det.roi_align(
-            input, rois, float(spatial_scale), height, width, int(sampling_ratio), bool(aligned)
-        )
+        return torch.ops.lit_amp_det.roi_align(input, rois, float(spatial_scale), height, width, int(sampling_ratio),
+                                               bool(aligned))
     return reference.roi_align(input, rois, (height, width), spatial_scale, sampling_ratio, aligned)
 
 
-def multi_level_roi_align(
-    features: Sequence[Tensor],
-    rois: Tensor,
-    levels: Tensor,
-    spatial_scales: Sequence[float],
-    output_size: int | Sequence[int],
-    sampling_ratio: int = -1,
-    aligned: bool = False,
-) -> Tensor:
+def multi_level_roi_align(features: Sequence[Tensor], rois: Tensor, levels: Tensor, spatial_scales: Sequence[float],
+                          output_size: int | Sequence[int], sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
     """RoIAlign of each RoI on its own FPN level, all levels written into one output in RoI order.
 
     Args:
@@ -121,19 +105,18 @@ def multi_level_roi_align(
         raise ValueError(f"got {len(features)} feature maps but {len(spatial_scales)} spatial_scales")
     height, width = _pair(output_size)
     if has_kernel("multi_level_roi_align", rois.device):
-        return torch.ops.lit_amp_det.multi_level_roi_align(
-            list(features), rois, levels, [float(s) for s in spatial_scales], height, width,
-            int(sampling_ratio), bool(aligned),
-        )
-    return reference.multi_level_roi_align(features, rois, levels, spatial_scales, (height, width), sampling_ratio, aligned)
+        return torch.ops.lit_amp_det.multi_level_roi_align(list(features), rois, levels,
+                                                           [float(s) for s in spatial_scales], height, width,
+                                                           int(sampling_ratio), bool(aligned))
+    return reference.multi_level_roi_align(features, rois, levels, spatial_scales, (height, width), sampling_ratio,
+                                           aligned)
 
 
 class RoIAlign(nn.Module):
     """Module form of :func:`roi_align`, a drop-in for ``torchvision.ops.RoIAlign``."""
 
-    def __init__(
-        self, output_size: int | Sequence[int], spatial_scale: float, sampling_ratio: int, aligned: bool = False
-    ) -> None:
+    def __init__(self, output_size: int | Sequence[int], spatial_scale: float, sampling_ratio: int,
+                 aligned: bool = False) -> None:
         super().__init__()
         self.output_size = _pair(output_size)
         self.spatial_scale = spatial_scale
@@ -145,10 +128,8 @@ class RoIAlign(nn.Module):
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
-            f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned})"
-        )
+        return (f"{type(self).__name__}(output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
+                f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned})")
 
 
 def _empty_like_layout(reference_tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
@@ -169,10 +150,8 @@ if extension_available():
         return _empty_like_layout(input, (rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
 
     @torch.library.register_fake("lit_amp_det::_roi_align_backward")
-    def _roi_align_backward_fake(
-        grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width,
-        sampling_ratio, aligned,
-    ):
+    def _roi_align_backward_fake(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height,
+                                 width, sampling_ratio, aligned):
         return _empty_like_layout(grad, (batch_size, channels, height, width), grad.dtype)
 
     def _roi_align_setup_context(ctx, inputs, output):
@@ -184,14 +163,12 @@ if extension_available():
     def _roi_align_backward(ctx, grad):
         (rois,) = ctx.saved_tensors
         spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned = ctx.params
-        grad_input = torch.ops.lit_amp_det._roi_align_backward(
-            grad, rois, spatial_scale, pooled_height, pooled_width, *ctx.input_shape, sampling_ratio, aligned
-        )
+        grad_input = torch.ops.lit_amp_det._roi_align_backward(grad, rois, spatial_scale, pooled_height, pooled_width,
+                                                               *ctx.input_shape, sampling_ratio, aligned)
         return grad_input, None, None, None, None, None, None
 
-    torch.library.register_autograd(
-        "lit_amp_det::roi_align", _roi_align_backward, setup_context=_roi_align_setup_context
-    )
+    torch.library.register_autograd("lit_amp_det::roi_align", _roi_align_backward,
+                                    setup_context=_roi_align_setup_context)
 
     @torch.library.register_fake("lit_amp_det::multi_level_roi_align")
     def _multi_level_fake(features, rois, levels, spatial_scales, pooled_height, pooled_width, sampling_ratio, aligned):
@@ -202,9 +179,8 @@ if extension_available():
         return _empty_like_layout(first, (rois.shape[0], first.shape[1], pooled_height, pooled_width), first.dtype)
 
     @torch.library.register_fake("lit_amp_det::_multi_level_roi_align_backward")
-    def _multi_level_backward_fake(
-        grad, features, rois, levels, spatial_scales, pooled_height, pooled_width, sampling_ratio, aligned
-    ):
+    def _multi_level_backward_fake(grad, features, rois, levels, spatial_scales, pooled_height, pooled_width,
+                                   sampling_ratio, aligned):
         return [_empty_like_layout(f, f.shape, grad.dtype) for f in features]
 
     def _multi_level_setup_context(ctx, inputs, output):
@@ -218,6 +194,5 @@ if extension_available():
         grads = torch.ops.lit_amp_det._multi_level_roi_align_backward(grad, features, rois, levels, *ctx.params)
         return list(grads), None, None, None, None, None, None, None
 
-    torch.library.register_autograd(
-        "lit_amp_det::multi_level_roi_align", _multi_level_backward, setup_context=_multi_level_setup_context
-    )
+    torch.library.register_autograd("lit_amp_det::multi_level_roi_align", _multi_level_backward,
+                                    setup_context=_multi_level_setup_context)

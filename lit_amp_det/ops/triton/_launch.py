@@ -21,17 +21,8 @@ from torch import Tensor
 
 from lit_amp_det.ops.layout import suggest_memory_format
 
-__all__ = [
-    "batched_nms",
-    "batched_nms_padded",
-    "box_iou",
-    "multi_level_roi_align",
-    "multi_level_roi_align_backward",
-    "nms",
-    "nms_padded",
-    "roi_align",
-    "roi_align_backward",
-]
+__all__ = ["batched_nms", "batched_nms_padded", "box_iou", "multi_level_roi_align", "multi_level_roi_align_backward",
+           "nms", "nms_padded", "roi_align", "roi_align_backward"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -43,10 +34,6 @@ _INTERPRETED: ModuleType | None = None
 # -- Which kernels: compiled for CUDA tensors, interpreted for CPU tensors ------------------------------------------
 
 _KERNELS_MODULE = "lit_amp_det.ops.triton._kernels"
-
-
-def _compiled() -> ModuleType:
-    return importlib.import_module(_KERNELS_MODULE)
 
 
 def _interpreted() -> ModuleType:
@@ -80,18 +67,16 @@ def load_kernels(interpret: bool) -> ModuleType:
 
 def _kernels(device: torch.device) -> ModuleType:
     if device.type == "cuda":
-        return _compiled()
+        return importlib.import_module(_KERNELS_MODULE)
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(
-                "lit_amp_det.ops.triton got CPU tensors: the Triton kernels run on CPU tensors only through Triton's "
-                "interpreter, so set TRITON_INTERPRET=1 in the environment (slow; meant for tests), move the tensors "
-                "to a GPU, or use lit_amp_det.ops (C++ CPU kernels) instead"
-            )
+            raise RuntimeError("lit_amp_det.ops.triton got CPU tensors: the Triton kernels run on CPU tensors only "
+                               "through Triton's interpreter, so set TRITON_INTERPRET=1 in the environment (slow; "
+                               "meant for tests), move the tensors to a GPU, or use lit_amp_det.ops (C++ CPU kernels) "
+                               "instead")
         return _interpreted()
-    raise RuntimeError(
-        f"lit_amp_det.ops.triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
-    )
+    raise RuntimeError(f"lit_amp_det.ops.triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), "
+                       f"got {device}")
 
 
 _GPU_CONFIGS_ON_CPU = False
@@ -158,9 +143,8 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     _check_boxes("box_iou", "boxes1", boxes1, integer_ok=True)
     _check_boxes("box_iou", "boxes2", boxes2, integer_ok=True)
     if boxes1.device != boxes2.device:
-        raise ValueError(
-            f"box_iou: boxes1 and boxes2 should be on the same device, got {boxes1.device} and {boxes2.device}"
-        )
+        raise ValueError(f"box_iou: boxes1 and boxes2 should be on the same device, got {boxes1.device} and "
+                         f"{boxes2.device}")
     integer = not boxes1.dtype.is_floating_point and not boxes2.dtype.is_floating_point
     acc = _acc_dtype(boxes1, boxes2)
     out = torch.empty((boxes1.shape[0], boxes2.shape[0]), dtype=acc, device=boxes1.device)
@@ -174,11 +158,9 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     k = _kernels(out.device)
     block_n, block_m = (32, 64) if _gpu_configs(out.device) else (64, 128)
     grid = (_cdiv(out.shape[0], block_n), _cdiv(out.shape[1], block_m))
-    _launch(
-        k.box_iou_kernel, grid, a, b, out, out.shape[0], out.shape[1], *a.stride(), *b.stride(),
-        ACC=_tl_dtype(torch.int64 if integer else acc), FP64=acc == torch.float64, INT=integer,
-        BLOCK_N=block_n, BLOCK_M=block_m,
-    )
+    _launch(k.box_iou_kernel, grid, a, b, out, out.shape[0], out.shape[1], *a.stride(), *b.stride(),
+            ACC=_tl_dtype(torch.int64 if integer else acc), FP64=acc == torch.float64, INT=integer, BLOCK_N=block_n,
+            BLOCK_M=block_m)
     return out
 
 
@@ -395,13 +377,10 @@ def _forward(features: Sequence[Tensor], rois: Tensor, levels: Tensor | None, sp
     for level, (x, scale) in enumerate(zip(features, _scale_tensors(spatial_scales, acc, first.device))):
         if x.shape[2] == 0 or x.shape[3] == 0:
             continue
-        _launch(
-            k.roi_align_forward_kernel, grid, x, rois, _levels_or_dummy(levels, rois), scale, out,
-            level, len(features), x.shape[0], channels, x.shape[2], x.shape[3], *x.stride(), *rois.stride(),
-            *out.stride(), pooled_height, pooled_width, int(sampling_ratio),
-            ALIGNED=bool(aligned), HAS_LEVELS=levels is not None, ACC=_tl_dtype(acc), FP64=acc == torch.float64,
-            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
-        )
+        _launch(k.roi_align_forward_kernel, grid, x, rois, _levels_or_dummy(levels, rois), scale, out, level,
+                len(features), x.shape[0], channels, x.shape[2], x.shape[3], *x.stride(), *rois.stride(), *out.stride(),
+                pooled_height, pooled_width, int(sampling_ratio), ALIGNED=bool(aligned), HAS_LEVELS=levels is not None,
+                ACC=_tl_dtype(acc), FP64=acc == torch.float64, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
     return out
 
 
@@ -411,9 +390,8 @@ def _backward(grad: Tensor, rois: Tensor, levels: Tensor | None, spatial_scales:
     """One gradient per level, each of shape/format ``specs[l]`` and grad's dtype, accumulated in fp32 (fp64)."""
     acc = _acc_dtype(grad)
     # the accumulation buffers get the gradient's layout explicitly (torch.zeros would drop it)
-    buffers = [
-        torch.empty(tuple(shape), dtype=acc, device=grad.device, memory_format=fmt).zero_() for shape, fmt in specs
-    ]
+    buffers = [torch.empty(tuple(shape), dtype=acc, device=grad.device, memory_format=fmt).zero_()
+               for shape, fmt in specs]
     num_rois = rois.shape[0]
     channels = specs[0][0][1]
     if num_rois and channels and grad.numel():
@@ -459,9 +437,8 @@ def roi_align_backward(grad: Tensor, rois: Tensor, spatial_scale: float, pooled_
     _check_pool(op, pooled_height, pooled_width)
     expected = (rois.shape[0], channels, pooled_height, pooled_width)
     if tuple(grad.shape) != expected:
-        raise ValueError(
-            f"{op}: grad must be [K, C, pooled_height, pooled_width] = {list(expected)}, got {list(grad.shape)}"
-        )
+        raise ValueError(f"{op}: grad must be [K, C, pooled_height, pooled_width] = {list(expected)}, got "
+                         f"{list(grad.shape)}")
     spec = ((batch_size, channels, height, width), suggest_memory_format(grad))
     return _backward(grad, rois, None, [spatial_scale], [spec], pooled_height, pooled_width, sampling_ratio, aligned)[0]
 
