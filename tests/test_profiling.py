@@ -222,8 +222,11 @@ def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Pat
             syncs.table()
 
 
-def test_a_sync_free_fit_step_never_waits_for_the_device(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("precision", [[], ["trainer.precision=16-mixed", "precision.fp16_on_cpu=true"]],
+                         ids=["auto", "16-mixed"])
+def test_a_sync_free_fit_step_never_waits_for_the_device(tmp_path: Path, monkeypatch, precision) -> None:
     """With ``speedups.sync_free`` on the CPU, a whole fit step after the first (module, model, plugin, callbacks,
-    optimizer) makes no host sync at all."""
-    first, second = _fit_step_syncs(tmp_path, monkeypatch, ["speedups.sync_free.devices=[cpu,cuda]"])
+    optimizer; under 16-mixed the loss scaler too, which takes a fused optimizer's step without reading its
+    ``found_inf``) makes no host sync at all."""
+    first, second = _fit_step_syncs(tmp_path, monkeypatch, ["speedups.sync_free.devices=[cpu,cuda]", *precision])
     assert second.total == 0, second.table()

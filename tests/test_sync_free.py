@@ -22,7 +22,7 @@ from lit_amp_det.models.sync_free import (
     use_sync_free,
 )
 from lit_amp_det.profiling import HostSyncs
-from ops_inputs import needs_extension, random_boxes
+from ops_inputs import needs_extension, on_cuda_only, random_boxes
 
 pytestmark = needs_extension
 
@@ -107,6 +107,37 @@ def test_a_training_step_makes_no_host_sync():
 
     syncs = count(_sync_free(_tiny()), train=True)
     assert syncs.total == 0, syncs.table()
+
+
+@on_cuda_only  # CUDA's own sync detector on the real kernels
+def test_a_training_step_and_padded_inference_on_cuda_never_wait_for_the_gpu(monkeypatch):
+    from host_syncs import batch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = _sync_free(_tiny()).cuda().train()
+    images, targets = batch()
+    images, targets = [i.cuda() for i in images], [{k: v.cuda() for k, v in t.items()} for t in targets]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+
+    def step() -> None:
+        sum(model(images, targets).values()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # compiles the kernels, creates the momentum buffers
+    model.eval()
+    with torch.no_grad():
+        model.forward_padded(images)
+    model.train()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        model.eval()
+        with torch.no_grad():
+            model.forward_padded(images)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.slow
