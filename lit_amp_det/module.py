@@ -248,8 +248,10 @@ class MaskRCNNModule(LightningModule):
 
     @staticmethod
     def training_targets(targets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-        """Crowd regions are not objects to learn: they only matter for evaluation."""
-        return [{k: v for k, v in drop_crowd(t).items() if k in ("boxes", "labels", "masks")} for t in targets]
+        """Crowd regions are not objects to learn: they only matter for evaluation. ``valid`` marks padded instances
+        (``data.pad_instances``)."""
+        kept = ("boxes", "labels", "masks", "valid")
+        return [{k: v for k, v in drop_crowd(t).items() if k in kept} for t in targets]
 
     def forward(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
         """Detections (post-processed, fp32) for a list of ``[3, H, W]`` images."""
@@ -260,7 +262,12 @@ class MaskRCNNModule(LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         images, targets = batch
-        loss_dict = self.model(self.prepare_images(images), self.training_targets(targets))
+        targets = self.training_targets(targets)
+        if targets and "valid" in targets[0] and not hasattr(self.model, "forward_padded"):
+            raise ValueError("the training targets are padded (data.pad_instances), which only the sync_free detector "
+                             "reads: apply it on this device (speedups.sync_free.devices) or set "
+                             "data.pad_instances=null")
+        loss_dict = self.model(self.prepare_images(images), targets)
         loss = self.compute_loss(loss_dict)
         batch_size = len(images)
         self.log_dict({f"train/{k}": v.detach().float() for k, v in loss_dict.items()}, batch_size=batch_size)

@@ -222,8 +222,8 @@ def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Pat
             syncs.table()
 
 
-@pytest.mark.parametrize("precision", [[], ["trainer.precision=16-mixed", "precision.fp16_on_cpu=true"]],
-                         ids=["auto", "16-mixed"])
+@pytest.mark.parametrize("precision", [[], ["trainer.precision=16-mixed", "precision.fp16_on_cpu=true"],
+                                       ["data.pad_instances=8"]], ids=["auto", "16-mixed", "padded-targets"])
 def test_a_sync_free_fit_step_never_waits_for_the_device(tmp_path: Path, monkeypatch, precision) -> None:
     """With ``speedups.sync_free`` on the CPU, a whole fit step after the first (module, model, plugin, callbacks,
     optimizer; under 16-mixed the loss scaler too, which takes a fused optimizer's step without reading its

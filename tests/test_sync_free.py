@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.models.detection.roi_heads import paste_masks_in_image
 
 from lit_amp_det.models.maskrcnn import build_detector
@@ -280,3 +281,86 @@ def test_compile_takes_the_whole_sync_free_detector():
     torch.manual_seed(3)
     for key, value in model(images, targets).items():
         torch.testing.assert_close(value, expected[key])
+
+
+# ------------------------------------------------------------------------------------------------ static shapes
+
+
+class _ShapeTrace(TorchDispatchMode):
+    """Every aten call and the shapes of its outputs, in order: what a CUDA graph would have to replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves(out)
+        self.calls.append((str(func), tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))))
+        return out
+
+
+def _targets(counts: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Targets of 128x128 images with ``counts[i]`` instances each."""
+    targets = []
+    for count in counts:
+        boxes = torch.tensor([[10.0 + 20 * k, 10.0 + 15 * k, 60.0 + 20 * k, 70.0 + 15 * k] for k in range(count)])
+        masks = torch.zeros(count, 128, 128, dtype=torch.uint8)
+        for k, (x1, y1, x2, y2) in enumerate(boxes.int().tolist()):
+            masks[k, y1:y2, x1:x2] = 1
+        targets.append({"boxes": boxes.reshape(-1, 4), "labels": torch.arange(1, count + 1), "masks": masks})
+    return targets
+
+
+def test_padded_targets_give_every_training_step_the_same_shapes():
+    """With ``data.pad_instances`` every step runs the same ops on the same shapes, whatever the images hold: no
+    allocation depends on the data (with no host sync, what capturing the step in a CUDA graph needs)."""
+    from host_syncs import batch
+
+    from lit_amp_det.data.coco import pad_instances
+
+    model = _sync_free(_tiny()).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    images, _ = batch()
+    traces = []
+    for counts in ([1, 3], [4, 0], [2, 2]):  # the first step also creates the momentum buffers
+        targets = [pad_instances(t, 4) for t in _targets(counts)]
+        with _ShapeTrace() as trace:
+            sum(model(images, targets).values()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        traces.append(trace.calls)
+    assert len(traces[1]) > 1000 and traces[1] == traces[2]
+
+
+def test_padding_changes_no_anchor_draw_and_no_loss_term_kind():
+    from host_syncs import batch
+
+    from lit_amp_det.data.coco import pad_instances
+
+    model = _sync_free(_tiny()).train()
+    images, _ = batch()
+    losses = []
+    for pad in (None, 6):
+        targets = _targets([2, 0])
+        targets = targets if pad is None else [pad_instances(t, pad) for t in targets]
+        torch.manual_seed(5)
+        losses.append({k: float(v) for k, v in model(images, targets).items()})
+    assert losses[0].keys() == losses[1].keys()
+    for key in ("loss_objectness", "loss_rpn_box_reg"):  # the RPN draws first, from the same keys
+        assert losses[0][key] == pytest.approx(losses[1][key], rel=1e-6), key
+    assert all(torch.isfinite(torch.tensor(list(step.values()))).all() for step in losses)
+
+
+def test_padding_refuses_an_image_with_more_instances_and_a_detector_that_cannot_read_it():
+    from lit_amp_det import MaskRCNNModule
+    from lit_amp_det.data.coco import pad_instances
+
+    target = {**_targets([3])[0], "image_id": torch.tensor(42)}
+    with pytest.raises(ValueError, match=r"data.pad_instances=2 is less than the 3 instances of image_id 42"):
+        pad_instances(target, 2)
+    module = MaskRCNNModule(7, backbone={"name": "resnet10", "fpn_channels": 32},
+                            transform={"min_size": 128, "max_size": 128})
+    module.configure_model()  # on a CPU: no sync_free
+    with pytest.raises(ValueError, match="speedups.sync_free.devices"):
+        module.training_step(([torch.rand(3, 128, 128)], [pad_instances(target, 4)]), 0)

@@ -28,7 +28,7 @@ from lit_amp_det.data.coco_format import (compressed_rle_runs, index_with_pycoco
                                           runs_problem, segmentation_problem)
 from lit_amp_det.data.image_io import read_rgb_image
 
-__all__ = ["INVALID_BOX_MODES", "CocoInstances", "PER_INSTANCE_KEYS", "drop_crowd", "read_rgb_image"]
+__all__ = ["INVALID_BOX_MODES", "CocoInstances", "PER_INSTANCE_KEYS", "drop_crowd", "pad_instances", "read_rgb_image"]
 
 #: What ``invalid_boxes`` may say: stop at the first degenerate box, or leave such annotations out.
 INVALID_BOX_MODES = ("error", "skip")
@@ -71,6 +71,22 @@ def drop_crowd(target: dict[str, Tensor]) -> dict[str, Tensor]:
     for key in PER_INSTANCE_KEYS:
         if key in out:
             out[key] = out[key][keep]
+    return out
+
+
+def pad_instances(target: dict[str, Tensor], count: int) -> dict[str, Tensor]:
+    """``target`` with every field of `PER_INSTANCE_KEYS` padded with zeros to ``count`` instances and a bool ``valid``
+    ``[count]`` marking the real ones, so that every training target has the same shapes (the static inputs of a
+    fixed-shape step, ``speedups.sync_free``). A target with more instances raises, naming its ``image_id``."""
+    present = target["boxes"].shape[0]
+    if present > count:
+        raise ValueError(f"data.pad_instances={count} is less than the {present} instances of image_id "
+                         f"{int(target.get('image_id', torch.tensor(-1)))}; raise it, or set it to null")
+    out = dict(target)
+    for key in PER_INSTANCE_KEYS:
+        if key in out:
+            out[key] = torch.cat([out[key], out[key].new_zeros((count - present, *out[key].shape[1:]))])
+    out["valid"] = torch.arange(count) < present
     return out
 
 

@@ -19,7 +19,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from lit_amp_det.data.coco import INVALID_BOX_MODES, CocoInstances, drop_crowd
+from lit_amp_det.data.coco import INVALID_BOX_MODES, CocoInstances, drop_crowd, pad_instances
 from lit_amp_det.data.image_folder import ImageFolder
 from lit_amp_det.data.sampler import EvalShardSampler, ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, shapes_dataset_dir
@@ -91,6 +91,8 @@ class CocoDataModule(LightningDataModule):
         verify_images: decode every image a stage reads before it starts (cached by file size and modification
             time under ``verify_cache_dir``, default ``$LIT_AMP_DET_CACHE``).
         bad_images: ``error`` stops with every unreadable image listed; ``skip`` leaves them out with a warning.
+        pad_instances: pads every training target to this many instances, with a ``valid`` flag each, so that a
+            step's shapes never change (for ``speedups.sync_free``: static inputs); ``None`` keeps each image's count.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class CocoDataModule(LightningDataModule):
         verify_images: bool = True,
         bad_images: Literal["error", "skip"] = "error",
         verify_cache_dir: str | os.PathLike | None = None,
+        pad_instances: int | None = None,
     ) -> None:
         super().__init__()
         if predict_split not in ("train", "val", "test"):
@@ -155,6 +158,7 @@ class CocoDataModule(LightningDataModule):
         cache = verify_cache_dir or os.environ.get("LIT_AMP_DET_CACHE", "~/.cache/lit_amp_det")
         self.verify_cache_dir = Path(cache).expanduser()
         self._verified: set[str] = set()
+        self.pad_instances = pad_instances
         self.datasets: dict[str, CocoInstances] = {}
         self.category_ids: list[int] | None = None
         self._train_loader: ResumableDataLoader | None = None
@@ -291,11 +295,15 @@ class CocoDataModule(LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts training batches the loop really takes, for exact mid-epoch resume, and drops their crowd instances
-        here, on the host: on a GPU each field's boolean index would make the step wait for the device."""
+        here, on the host: on a GPU each field's boolean index would make the step wait for the device. Pads the
+        targets to ``pad_instances``."""
         if self.trainer is not None and self.trainer.training and self._train_loader is not None:
             self._train_loader.mark_consumed()
             images, targets = batch
-            batch = images, [{k: v for k, v in drop_crowd(t).items() if k != "iscrowd"} for t in targets]
+            targets = [{k: v for k, v in drop_crowd(t).items() if k != "iscrowd"} for t in targets]
+            if self.pad_instances is not None:
+                targets = [pad_instances(t, self.pad_instances) for t in targets]
+            batch = images, targets
         return batch
 
 

@@ -52,16 +52,20 @@ __all__ = [
 ]
 
 
-def match(quality: Tensor, matcher: Matcher) -> Tensor:
+def match(quality: Tensor, matcher: Matcher, valid: Tensor | None = None) -> Tensor:
     """``matcher(quality)`` (torchvision's ``Matcher``) without a boolean index: for each column of the ``[G, N]``
     IoU matrix its best row, ``-1`` below the low threshold, ``-2`` between the thresholds; with
-    ``allow_low_quality_matches`` the columns that are some row's best keep their best row."""
+    ``allow_low_quality_matches`` the columns that are some row's best keep their best row. Rows whose ``valid``
+    (bool ``[G]``) is false (padding) match nothing."""
+    if valid is not None:
+        quality = torch.where(valid[:, None], quality, -1.0)  # below any threshold, below any real IoU
     values, best = quality.max(dim=0)
     matches = torch.where(values < matcher.low_threshold, matcher.BELOW_LOW_THRESHOLD, best)
     between = (values >= matcher.low_threshold) & (values < matcher.high_threshold)
     matches = torch.where(between, matcher.BETWEEN_THRESHOLDS, matches)
     if matcher.allow_low_quality_matches:
-        is_best = (quality == quality.max(dim=1, keepdim=True).values).any(dim=0)
+        is_best = quality == quality.max(dim=1, keepdim=True).values
+        is_best = (is_best if valid is None else is_best & valid[:, None]).any(dim=0)
         matches = torch.where(is_best, best, matches)
     return matches
 
@@ -229,7 +233,8 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
                 image_labels = torch.zeros(image_anchors.shape[0], device=image_anchors.device)
                 matched_boxes.append(torch.zeros_like(image_anchors))
             else:
-                matches = match(self.box_similarity(gt_boxes, image_anchors), self.proposal_matcher)
+                quality = self.box_similarity(gt_boxes, image_anchors)
+                matches = match(quality, self.proposal_matcher, target.get("valid"))
                 matched_boxes.append(gt_boxes[matches.clamp(min=0)])
                 image_labels = (matches >= 0).to(torch.float32)
                 image_labels = image_labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1.0)
@@ -266,15 +271,16 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         _check_target_types(targets)
         return [], self._losses(features, boxes, valid, image_shapes, targets)
 
-    def _draw(self, boxes: Tensor, valid: Tensor, gt_boxes: Tensor, gt_labels: Tensor) -> tuple[Tensor, ...]:
+    def _draw(self, boxes: Tensor, valid: Tensor, gt_boxes: Tensor, gt_labels: Tensor,
+              gt_valid: Tensor | None = None) -> tuple[Tensor, ...]:
         """One image's drawn slots: ``(boxes, matched gt index, label, valid, positive)``, torchvision's
         ``select_training_samples`` (ground truth added to the proposals, matched, drawn)."""
         boxes = torch.cat([boxes, gt_boxes.to(boxes.dtype)])
-        usable = torch.cat([valid, valid.new_ones(gt_boxes.shape[0])])
+        usable = torch.cat([valid, valid.new_ones(gt_boxes.shape[0]) if gt_valid is None else gt_valid])
         if gt_boxes.shape[0] == 0:  # background only
             matched = labels = torch.zeros(boxes.shape[0], dtype=torch.int64, device=boxes.device)
         else:
-            matches = match(box_iou(gt_boxes, boxes), self.proposal_matcher)
+            matches = match(box_iou(gt_boxes, boxes), self.proposal_matcher, gt_valid)
             matched = matches.clamp(min=0)
             labels = gt_labels[matched].to(torch.int64)
             labels = labels.masked_fill(matches == self.proposal_matcher.BELOW_LOW_THRESHOLD, 0)
@@ -287,7 +293,8 @@ class SyncFreeRoIHeads(ExtRoIHeads):
     def _losses(self, features: dict[str, Tensor], proposals: Tensor, valid: Tensor,
                 image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         gt_boxes = [t["boxes"] for t in targets]
-        draws = [self._draw(p, v, g, t["labels"]) for p, v, g, t in zip(proposals, valid, gt_boxes, targets)]
+        draws = [self._draw(p, v, g, t["labels"], t.get("valid")) for p, v, g, t in zip(proposals, valid, gt_boxes,
+                                                                                         targets)]
         boxes, matched, labels, drawn, positive = (torch.stack(parts) for parts in zip(*draws))
         matched_boxes = [g[m] if g.shape[0] else torch.zeros_like(b) for g, m, b in zip(gt_boxes, matched, boxes)]
         regression_targets = torch.cat(self.box_coder.encode(matched_boxes, list(boxes)))
@@ -386,10 +393,12 @@ class _SyncFreeForward(nn.Module):
             raise ValueError("targets should not be None in training mode")
         original_image_sizes = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
         batch, targets = self.transform(images, targets)
-        for index, target in enumerate(targets or []):  # torchvision's check, read back only if it fails
-            boxes = target["boxes"]
-            torch._assert_async((boxes[:, 2:] > boxes[:, :2]).all(), "All bounding boxes should have positive "
-                                f"height and width: target {index} has one that does not")
+        for index, target in enumerate(targets or []):  # torchvision's check (padding aside), read back if it fails
+            positive = (target["boxes"][:, 2:] > target["boxes"][:, :2]).all(1)
+            if "valid" in target:
+                positive = positive | ~target["valid"]
+            torch._assert_async(positive.all(), f"All bounding boxes should have positive height and width: target "
+                                f"{index} has one that does not")
         features = self.backbone(batch.tensors)
         if isinstance(features, Tensor):
             features = OrderedDict([("0", features)])
