@@ -55,7 +55,8 @@ def test_each_row_adds_one_switch_to_the_row_above(kind: str) -> None:
     setting = dataclasses.replace(SETTING, half="bf16")  # every row changes something
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names) and names[:5] == ["torchvision-fp32", "autocast", "fp32-regions", "ext-ops",
-                                                           "channels-last"] and names[-1] == "compile"
+                                                           "channels-last"] and names[-2:] == ["compile",
+                                                                                                "cuda-graphs"]
     previous = _config(bench, 0, setting)
     assert previous["speedups"] == {} and previous["callbacks"] == {} and previous["trainer.precision"] == "32-true"
     assert previous["optim.optimizer.fused"] is None and previous["precision.fp32_regions"] == {}
@@ -110,7 +111,8 @@ def test_default_rows_leave_out_what_changes_nothing_here(kind: str) -> None:
     if kind == "precision":
         assert half == fp32 == ["32-true", "bf16-mixed", "bf16-mixed-plain", "bf16-weights"]
     else:
-        assert half == cuda and not {"autocast", "fp32-regions", "low-precision-weights"} & set(fp32)
+        assert half == [name for name in cuda if name != "cuda-graphs"]  # CUDA's own row
+        assert not {"autocast", "fp32-regions", "low-precision-weights", "cuda-graphs"} & set(fp32)
         assert {"torchvision-fp32", "ext-ops", "channels-last", "compile"} <= set(fp32)
 
 

@@ -71,6 +71,8 @@ _FIRST_ROWS = (
 # on every device, so that a CPU run measures it too; the compile row after it then compiles the whole detector
 _SYNC_FREE = Row("sync-free", "+ sync_free (fixed shapes)", (_speedup("sync_free", "SyncFree", ",devices:[cpu,cuda]"),))
 _COMPILE = Row("compile", "+ torch.compile (whole if sync_free)", (_speedup("compile", "CompileBackbone"),))
+# inductor's CUDA graphs of the compiled forward and backward: static shapes with sync_free (and padded targets)
+_CUDA_GRAPHS = Row("cuda-graphs", "+ CUDA graphs (reduce-overhead)", ("+speedups.compile.mode=reduce-overhead",), "cuda")
 
 TRAIN_ROWS = (
     *_FIRST_ROWS,
@@ -79,6 +81,7 @@ TRAIN_ROWS = (
     Row("low-precision-weights", "+ half weights, fp32 masters", ("trainer.precision={weights}",), "half"),
     _SYNC_FREE,
     _COMPILE,
+    _CUDA_GRAPHS,
 )
 INFER_ROWS = (
     *_FIRST_ROWS,
@@ -87,6 +90,7 @@ INFER_ROWS = (
     Row("convbn-fold", "+ conv-BN folded once", ("callbacks.conv_bn_eval.fold_on_predict=true",)),
     _SYNC_FREE,
     _COMPILE,
+    _CUDA_GRAPHS,
 )
 _FP16_ON_CPU = "precision.fp16_on_cpu=true"  # a no-op on CUDA; on a CPU fp16 as named, not its bf16 twin
 PRECISION_ROWS = (
