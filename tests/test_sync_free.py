@@ -91,6 +91,7 @@ def test_padded_paste_is_torchvisions_paste_thresholded(threshold):
     got = paste_masks_padded(masks, boxes, (70, 90), threshold)
     assert got.shape == expected.shape and got.dtype == torch.bool
     assert torch.equal(got, expected), int((got != expected).sum())
+    assert paste_masks_padded(masks[:0], boxes[:0], (70, 90), threshold).shape == (0, 1, 70, 90)
 
 
 # ------------------------------------------------------------------------------------------------ the model

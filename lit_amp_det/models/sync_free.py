@@ -112,6 +112,9 @@ def _slot_labels(n: int, index: Tensor, valid: Tensor, positive: Tensor) -> Tens
     return torch.full((n,), -1.0, device=index.device).index_add_(0, index, drawn)
 
 
+_PASTE_CHUNK = 16  # detections pasted at a time: the full-image temporaries of a large photo stay bounded
+
+
 def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int], threshold: float,
                        padding: int = 1) -> Tensor:
     """``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` for all ``[D, 1, M, M]`` masks at
@@ -120,7 +123,7 @@ def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int]
     Each box's expanded mask is resized to the box as ``F.interpolate(bilinear, align_corners=False)`` resizes it
     (its source coordinates and weights, separable: along x, then y), read at every image pixel the box covers; a
     value within rounding of the threshold may compare the other way (about one pixel in 10^6). Costs ``D x H x W``
-    work instead of the boxes' areas.
+    work instead of the boxes' areas, in chunks of detections.
     """
     height, width = int(image_size[0]), int(image_size[1])
     padded, scale = expand_masks(masks, padding=padding)
@@ -141,20 +144,21 @@ def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int]
 
     x_low, x_high, x_w0, x_w1, x_in = axis(corners[:, 0], corners[:, 2], width)
     y_low, y_high, y_w0, y_w1, y_in = axis(corners[:, 1], corners[:, 3], height)
-    rows = padded.shape[1]
-    along_x = (padded.gather(2, x_low[:, None, :].expand(-1, rows, -1)) * x_w0[:, None, :]
-               + padded.gather(2, x_high[:, None, :].expand(-1, rows, -1)) * x_w1[:, None, :])
-    values = (along_x.gather(1, y_low[:, :, None].expand(-1, -1, width)) * y_w0[:, :, None]
-              + along_x.gather(1, y_high[:, :, None].expand(-1, -1, width)) * y_w1[:, :, None])
-    inside = y_in[:, :, None] & x_in[:, None, :]
-    return torch.where(inside, values > threshold, 0.0 > threshold)[:, None]
+    rows, pasted = padded.shape[1], []
+    for k in (slice(i, i + _PASTE_CHUNK) for i in range(0, max(masks.shape[0], 1), _PASTE_CHUNK)):
+        along_x = (padded[k].gather(2, x_low[k, None, :].expand(-1, rows, -1)) * x_w0[k, None, :]
+                   + padded[k].gather(2, x_high[k, None, :].expand(-1, rows, -1)) * x_w1[k, None, :])
+        values = (along_x.gather(1, y_low[k, :, None].expand(-1, -1, width)) * y_w0[k, :, None]
+                  + along_x.gather(1, y_high[k, :, None].expand(-1, -1, width)) * y_w1[k, :, None])
+        pasted.append(torch.where(y_in[k, :, None] & x_in[k, None, :], values > threshold, 0.0 > threshold))
+    return torch.cat(pasted)[:, None]
 
 
 class FixedShapeTransform(BinaryMaskTransform):
     """torchvision's detection transform with fixed batch shapes and a loop-free boolean mask paste.
 
     Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest resized
-    short and long sides rounded up to ``size_divisible`` (a batch that fits none, with resizing skipped, is padded
+    short (at inference: the inference size) and long sides rounded up to ``size_divisible`` (a batch that fits none, with resizing skipped, is padded
     as torchvision pads it). The training scale is drawn with Python's ``random`` (seeded by Lightning's
     ``seed_everything``), not read back from a tensor. Masks are pasted by :func:`paste_masks_padded`.
     """
@@ -166,7 +170,7 @@ class FixedShapeTransform(BinaryMaskTransform):
         def rounded(side: float) -> int:
             return int(math.ceil(side / size_divisible) * size_divisible)
 
-        short, long = rounded(max(self.min_size)), rounded(self.max_size)
+        short, long = rounded(max(self.min_size) if self.training else self.min_size[-1]), rounded(self.max_size)
         height, width = max(i.shape[-2] for i in images), max(i.shape[-1] for i in images)
         buckets = [(h, w) for h, w in ((short, long), (long, short), (long, long)) if height <= h and width <= w]
         if not buckets:
