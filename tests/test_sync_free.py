@@ -365,3 +365,27 @@ def test_padding_refuses_an_image_with_more_instances_and_a_detector_that_cannot
     module.configure_model()  # on a CPU: no sync_free
     with pytest.raises(ValueError, match="speedups.sync_free.devices"):
         module.training_step(([torch.rand(3, 128, 128)], [pad_instances(target, 4)]), 0)
+
+
+@on_cuda_only  # the capture itself: what the CPU tests above prepare
+def test_a_whole_training_step_replays_as_one_cuda_graph(monkeypatch):
+    """Forward, backward and the fused optimizer step of the sync-free detector captured in one CUDA graph, replayed
+    on static input buffers refilled with other images' padded targets (``tools/cuda_graph_step.py`` times it)."""
+    from cuda_graph_step import capture_step, padded_targets
+
+    from host_syncs import batch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = _sync_free(_tiny()).cuda().train()
+    images = [image.cuda() for image in batch()[0]]
+    targets = padded_targets(_targets([1, 3]), 4, "cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+    graph, losses = capture_step(model, optimizer, images, targets)
+    before = [p.detach().clone() for p in model.parameters()]
+    for counts in ([4, 0], [2, 2]):
+        for buffer, new in zip(targets, padded_targets(_targets(counts), 4, "cuda")):
+            for key, value in buffer.items():
+                value.copy_(new[key])
+        graph.replay()
+        assert torch.isfinite(losses).all()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
