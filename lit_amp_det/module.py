@@ -324,10 +324,11 @@ class MaskRCNNModule(LightningModule):
         images, targets = batch
         predictions = self(images)
         category_ids = self.hparams.category_ids
-        for pred, target in zip(predictions, targets):
-            pred["image_id"] = int(target["image_id"])
+        image_ids = torch.stack([t["image_id"] for t in targets]).tolist() if targets else []  # one read a batch
+        for pred, target, image_id in zip(predictions, targets, image_ids):
+            pred["image_id"] = int(image_id)
             if "file_name" in target:  # a folder of pictures (data.predict_images): the writer records it
                 pred["file_name"] = target["file_name"]
-            if category_ids:
-                pred["category_ids"] = torch.tensor([category_ids[int(i) - 1] for i in pred["labels"]])
+            if category_ids:  # looked up on the labels' device: no read per detection
+                pred["category_ids"] = torch.tensor(category_ids, device=pred["labels"].device)[pred["labels"] - 1]
         return predictions

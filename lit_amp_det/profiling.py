@@ -275,7 +275,8 @@ _aten = torch.ops.aten
 #: kernels (and breaks a ``torch.compile`` graph, and forbids CUDA-graph capture); mask indexing is a nonzero inside
 _VALUE_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default,
                 _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default,
-                _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor}
+                _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor,
+                _aten.item.default, _aten.where.default, _aten.nonzero_numpy.default}  # whole under inference_mode
 _INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
 _TORCH_DIR = str(Path(torch.__file__).parent) + "/"
 

@@ -160,6 +160,17 @@ def test_host_syncs_counts_what_waits_for_the_device_and_names_the_line() -> Non
     assert syncs.total == 7 and f"{here}:{line + 2}" in syncs.table()
 
 
+def test_host_syncs_counts_the_same_under_inference_mode() -> None:
+    """Lightning predicts under ``torch.inference_mode``, where composite ops (``item``, one-argument ``where``,
+    ``nonzero(as_tuple=True)``) reach the mode whole instead of as their value-reading parts."""
+    with torch.inference_mode():
+        x = torch.randn(10)
+        with HostSyncs() as syncs:
+            x.sum().item(), x[x > 0], torch.where(x > 0), torch.nonzero(x > 0, as_tuple=True), bool(x.sum() > 0)
+            torch.where(x > 0, x, 0), x.masked_fill(x > 0, 0)
+    assert syncs.total == 5, syncs.table()
+
+
 def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
     """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code does
     and at two known points of ``models/ext_ops.py`` (the RPN's filters, the mask head's positives; issue 42 removes
