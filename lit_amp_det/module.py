@@ -325,10 +325,11 @@ class MaskRCNNModule(LightningModule):
         predictions = self(images)
         category_ids = self.hparams.category_ids
         image_ids = torch.stack([t["image_id"] for t in targets]).tolist() if targets else []  # one read a batch
+        lookup = torch.tensor(category_ids, device=self.device) if category_ids else None  # no read per detection
         for pred, target, image_id in zip(predictions, targets, image_ids):
             pred["image_id"] = int(image_id)
             if "file_name" in target:  # a folder of pictures (data.predict_images): the writer records it
                 pred["file_name"] = target["file_name"]
-            if category_ids:  # looked up on the labels' device: no read per detection
-                pred["category_ids"] = torch.tensor(category_ids, device=pred["labels"].device)[pred["labels"] - 1]
+            if lookup is not None:
+                pred["category_ids"] = lookup[pred["labels"] - 1]
         return predictions

@@ -265,8 +265,6 @@ class SyncFreeRoIHeads(ExtRoIHeads):
     def forward(self, features: dict[str, Tensor], proposals: tuple[Tensor, Tensor],
                 image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]] | None = None
                 ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
-        if self.has_keypoint():
-            raise NotImplementedError("speedups.sync_free does not support keypoint heads")
         boxes, valid = proposals
         if not self.training:
             return self._detect(features, boxes, valid, image_shapes), {}
