@@ -65,6 +65,12 @@ def test_sample_slots_draws_as_many_as_torchvisions_sampler(positives, negatives
     assert not (positive & ~valid).any() and (positive[:-1].int() >= positive[1:].int()).all()  # positives first
 
 
+def test_sample_slots_without_room_for_a_positive_draws_negatives_only():
+    labels = torch.tensor([1, 1, 0, 0, 0, -1])
+    index, valid, positive = sample_slots(labels, 3, 0.25)  # int(3 * 0.25) = 0 positives, as torchvision draws
+    assert not positive.any() and valid.all() and (labels[index] == 0).all() and index.unique().numel() == 3
+
+
 def test_sample_slots_draws_each_candidate_equally_often():
     labels = torch.tensor([1] * 10 + [0] * 30)
     torch.manual_seed(0)
@@ -245,6 +251,25 @@ def test_fixed_shape_batches_repeat_their_shape():
         batch, _ = transform([torch.rand(3, *size), torch.rand(3, 50, 75)])
         shapes.add(tuple(batch.tensors.shape[-2:]))
     assert shapes <= {(128, 160), (160, 128), (160, 160)} and len(shapes) >= 2
+    # an image no bucket holds (resizing skipped) is batched as torchvision batches it
+    assert transform.batch_images([torch.rand(3, 170, 90)]).shape == (1, 3, 192, 96)
+
+
+def test_faster_rcnn_trains_without_a_host_sync_and_detects_as_the_dynamic_path():
+    from host_syncs import batch, count
+
+    torch.manual_seed(0)
+    dynamic = ExtensionOps()(build_detector(7, mask=False, backbone={"name": "resnet10", "fpn_channels": 32},
+                                            transform={"min_size": 128, "max_size": 128}))
+    torch.nn.init.normal_(dynamic.roi_heads.box_predictor.cls_score.weight, std=0.5)  # spread the scores
+    fixed = SyncFree(devices=["cpu"])(copy.deepcopy(dynamic))
+    assert type(fixed).__name__ == "SyncFreeFasterRCNN"
+    images, _ = batch()
+    with torch.no_grad():
+        for a, b in zip(dynamic.eval()(images), fixed.eval()(images)):
+            assert a["boxes"].shape[0] > 0 and a.keys() == b.keys() == {"boxes", "scores", "labels"}
+            assert torch.equal(a["boxes"], b["boxes"]) and torch.equal(a["labels"], b["labels"])
+    assert count(fixed, train=True).total == 0
 
 
 def test_sync_free_keeps_the_weights_and_refuses_other_detectors():
