@@ -1,8 +1,7 @@
 """Where the Hydra configuration lives, and the checks that run before anything is built.
 
 The YAML tree sits in the repository's ``conf/`` folder and is installed as the package
-``lit_amp_det.conf``, so ``python -m lit_amp_det`` finds it from a source checkout and from a wheel alike.
-"""
+``lit_amp_det.conf``, so ``python -m lit_amp_det`` finds it from a source checkout and from a wheel alike."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ def _pin_memory(accelerator: str) -> bool:
     if str(accelerator) != "auto":
         return str(accelerator) in ("gpu", "cuda")
     import torch  # deferred: only when a config asks
-
     return torch.cuda.is_available()
 
 
@@ -52,11 +50,8 @@ def config_dir() -> Path:
 def config_groups() -> dict[str, list[str]]:
     """Config groups and their options, e.g. ``{"data": ["coco", "shapes"], ...}``."""
     root = config_dir()
-    return {
-        group.name: sorted(p.stem for p in group.glob("*.yaml"))
-        for group in sorted(root.iterdir())
-        if group.is_dir() and not group.name.startswith(("_", "."))
-    }
+    return {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in sorted(root.iterdir())
+            if group.is_dir() and not group.name.startswith(("_", "."))}
 
 
 def check_command(command: object) -> None:
@@ -81,7 +76,6 @@ def _check_data_settings(cfg: DictConfig) -> None:
     leaves when combined with another (``experiment=smoke data=coco``: ``data.train_size`` is the generated shapes'
     setting), which ``instantiate`` would report as an unexpected keyword argument of ``__init__``."""
     from hydra.utils import get_class  # deferred: checks run before anything heavy is imported
-
     data = cfg.get("data")
     target = data.get("_target_") if data is not None else None
     if target is None:
@@ -94,12 +88,10 @@ def _check_data_settings(cfg: DictConfig) -> None:
         return
     if unknown := sorted(str(k) for k in data if not str(k).startswith("_") and k not in parameters):
         name = str(target).rsplit(".", 1)[-1]
-        raise ValueError(
-            f"data.{', data.'.join(unknown)}: not a setting of {name}, the chosen data option's module. An "
-            "experiment written for other data sets such keys (experiment=smoke: the generated shapes data): leave "
-            f"the experiment out or choose its data, or drop the override. {name} takes: "
-            f"{', '.join(k for k in parameters if k != 'self')}"
-        )
+        raise ValueError(f"data.{', data.'.join(unknown)}: not a setting of {name}, the chosen data option's module. "
+                         "An experiment written for other data sets such keys (experiment=smoke: the generated shapes "
+                         f"data): leave the experiment out or choose its data, or drop the override. {name} takes: "
+                         f"{', '.join(k for k in parameters if k != 'self')}")
 
 
 def _check_sync_batchnorm(cfg: DictConfig) -> None:
@@ -107,10 +99,8 @@ def _check_sync_batchnorm(cfg: DictConfig) -> None:
     if not cfg.trainer.get("sync_batchnorm", False):
         return
     import torch  # deferred: config checks run before anything heavy is imported
-
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
-        raise ValueError(
-            "trainer.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm has no CPU kernel. On CPUs leave it "
-            "false (each process keeps its own batch statistics), or freeze the norms (callbacks=fast)."
-        )
+        raise ValueError("trainer.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm has no CPU kernel. On CPUs "
+                         "leave it false (each process keeps its own batch statistics), or freeze the norms "
+                         "(callbacks=fast).")

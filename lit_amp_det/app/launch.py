@@ -8,8 +8,7 @@ multirun job ``hydra.run.dir`` is the *single-run* pattern, so they would write 
 :func:`ddp_child_command` fixes both for the duration of a task, and at the job's end destroys its process group and
 undoes the environment variables Lightning set (``LOCAL_RANK``, ``MASTER_PORT``, ...), so the next job of a sweep
 starts its own ranks instead of waiting for the last job's. On SLURM (``hydra/launcher=submitit_slurm``) the
-scheduler starts every rank and none of this is used.
-"""
+scheduler starts every rank and none of this is used."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ def adopt_launch_rank(devices_per_node: int) -> None:
     Lightning reads ``RANK``, ``LOCAL_RANK`` and ``SLURM_PROCID`` on import; the first process of node ``k > 0`` has
     only ``NODE_RANK``, so until the Trainer connects it would take itself for rank 0 and claim node 0's folder."""
     from lightning.pytorch.utilities import rank_zero_only
-
     if rank := launch_rank(devices_per_node):
         rank_zero_only.rank = rank
 
@@ -65,7 +63,6 @@ def ddp_child_command(cfg: DictConfig) -> Iterator[None]:
     restored on exit, so a sweep's next job starts from the original state."""
     import torch.distributed as dist
     from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         yield
         return

@@ -11,8 +11,7 @@ classes are the model's own, taken where the weights come from (as MMDetection's
 4. otherwise the data, as for the other commands (``data.root`` with the training annotations, or the shapes data).
 
 A value set in the model config (``model.num_classes=...``) wins over all of them. So the training data need not be
-on the machine that predicts: ``predict ckpt_path=<fit> data=coco data.predict_images=DIR`` needs no ``data.root``.
-"""
+on the machine that predicts: ``predict ckpt_path=<fit> data=coco data.predict_images=DIR`` needs no ``data.root``."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def weights_classes(name: str, mask: bool) -> dict[str, Any]:
             "category_ids": list(range(1, len(categories)))}
 
 
-def folder_prediction_classes(cfg: DictConfig, ckpt_path: str | None,
-                              checkpoint: Any = None) -> dict[str, Any] | None:
+def folder_prediction_classes(cfg: DictConfig, ckpt_path: str | None, checkpoint: Any = None) -> dict[str, Any] | None:
     """The class hyper-parameters ``predict`` on ``data.predict_images`` builds the model with (see the module):
     ``None`` when no weights name them (the data does, rule 4), else the keys the weights name less those ``cfg.model``
     sets itself (the data is then not read for classes). ``checkpoint``: ``ckpt_path``'s content, if already read."""

@@ -3,8 +3,7 @@
 Every command writes into its own new folder (``runs/<command>/<timestamp>``, suffixed ``_1``, ``_2`` ... on a
 clash), where rank 0 keeps a small ``run.json``: the command, its state, the process id and host, and the checkpoint
 it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are resolved from these records, so that
-``fit ckpt_path=last`` only continues the newest unfinished fit made with the same model and data, and says why not.
-"""
+``fit ckpt_path=last`` only continues the newest unfinished fit made with the same model and data, and says why not."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ def _write_json(path: Path, record: Mapping[str, Any]) -> None:
     os.replace(tmp, path)  # atomic: a kill never leaves half a record
 
 
-def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None,
-                     **fields: Any) -> dict[str, Any]:
+def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None, **fields: Any) -> dict[str, Any]:
     """Writes the ``running`` record of a run that starts now, with any extra ``fields`` (a SLURM job's id and
     restart count); returns it."""
     record = {"command": command, "status": "running", "started": time.time(),
@@ -120,16 +118,6 @@ class RunInfo:
                 and self.slurm_restart_count < restart_count and not self.finished)
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_run(path: Path) -> RunInfo | None:
     """The run in folder ``path``; ``None`` when it holds none. A folder without ``run.json`` counts as finished
     when it holds ``metrics.json``, else as killed."""
@@ -146,8 +134,12 @@ def read_run(path: Path) -> RunInfo | None:
         return None
     status = str(record.get("status", "running"))
     if status == "running" and record.get("host") == socket.gethostname() and record.get("pid") != os.getpid():
-        if not _process_alive(int(record.get("pid", -1))):
+        try:
+            os.kill(int(record.get("pid", -1)), 0)  # signal 0: only checks that the process exists
+        except ProcessLookupError:
             status = "killed"
+        except PermissionError:  # it exists, owned by another user
+            pass
     restarts = record.get("slurm_restart_count")
     return RunInfo(path, str(record.get("command")), status, float(record.get("started", 0.0)),
                    record.get("resumed_from"), record.get("slurm_job_id"),
@@ -245,7 +237,6 @@ def _implementation_settings() -> frozenset[str]:
     :data:`lit_amp_det.checkpoints.IMPLEMENTATION_HPARAMS` and the optimizer's kernel choice. A run may resume under
     other values (on another machine, say); the ones that differ are logged."""
     from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS  # deferred: imports torch
-
     return frozenset({f"model.{key}" for key in IMPLEMENTATION_HPARAMS}
                      | {f"model.optim.optimizer.{key}" for key in _OPTIMIZER_KERNEL_KEYS})
 
@@ -263,17 +254,10 @@ def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] =
     return [d for d in differences if not _is_implementation(d)]
 
 
-def _implementation_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
-    """``key: earlier -> now`` for each of the :func:`_implementation_settings` in which ``cfg`` differs from the
-    run's saved config (a key the saved config lacks reads ``None``): logged when a run resumes under them."""
-    return [d for d in _setting_differences(run_dir, cfg, ("model",)) or [] if _is_implementation(d)]
-
-
 def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
     """``key: earlier -> now`` for every model setting that changes the weights' names or shapes
     (:func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into ``cfg``'s."""
     from lit_amp_det.checkpoints import architecture_differences as differing  # deferred: imports torch
-
     if (saved := _saved_sections(run_dir, ("model",))) is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
     now = OmegaConf.to_container(cfg.model, resolve=True) if cfg.get("model") is not None else {}
@@ -284,7 +268,6 @@ def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
 def _describe(checkpoint: Path) -> str:
     """``step N, epoch E`` of a checkpoint (read without the tensors where possible)."""
     import torch  # deferred: resolving runs happens before anything heavy is imported
-
     try:
         payload = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 -- any unreadable file is reported, not fatal here
@@ -319,20 +302,18 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
     if newest.status == "running":
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, is still running; stop it first{hint}")
     if newest.finished:
-        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. "
-                          f"Start a new run (leave ckpt_path out); train it further with its optimizer and schedule "
-                          f"by ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or "
-                          f"fine-tune from its weights with model.weights="
-                          f"{newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
+        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. Start "
+                          f"a new run (leave ckpt_path out); train it further with its optimizer and schedule by "
+                          f"ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or fine-tune "
+                          f"from its weights with model.weights={newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
     if differences := config_differences(newest.path, cfg):
-        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path} ({newest.status}), was made with a "
-                          f"different model or data: {'; '.join(differences[:8])}. Run with the same settings "
-                          f"to resume it{hint}")
+        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path} ({newest.status}), was made with a different "
+                          f"model or data: {'; '.join(differences[:8])}. Run with the same settings to resume it{hint}")
     if (checkpoint := resume_point(newest.path)) is None:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it "
                           f"saved a checkpoint: there is nothing to resume. Start a new run, or lower "
                           f"callbacks.last_checkpoint.every_n_train_steps / every_n_minutes{hint}")
-    if changed := _implementation_differences(newest.path, cfg):
+    if changed := [d for d in _setting_differences(newest.path, cfg, ("model",)) or [] if _is_implementation(d)]:
         log.info("ckpt_path=last: resuming %s with other implementation settings than it had: %s", newest.path,
                  "; ".join(changed))
     return checkpoint
@@ -366,8 +347,7 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | 
       and data; a :class:`ResumeError` with the reason and the folder when the newest fit finished, is still
       running, used other settings or saved nothing. For the other commands, the newest fit's last weights.
     * a run folder: that run's ``checkpoints/last.ckpt`` (or the checkpoint it had resumed from).
-    * a file: itself, once checked that it exists.
-    """
+    * a file: itself, once checked that it exists."""
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None or ckpt_path == "best":
         return ckpt_path

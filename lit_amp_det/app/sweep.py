@@ -4,8 +4,7 @@ A multirun leaves one directory per job, each with its own ``metrics.json``, whi
 :class:`SweepSummary`, a Hydra callback, writes ``summary.csv``, ``summary.md`` and ``summary.png`` into the sweep
 directory after each job and when the sweep ends; :func:`summarize_sweep` does the same from a notebook, and
 :func:`collect_rows` only reads. A job that crashed or wrote no (or a broken) ``metrics.json`` gets a row with its
-status instead of stopping the summary; under submitit, a failed job's row also names its submitit logs.
-"""
+status instead of stopping the summary; under submitit, a failed job's row also names its submitit logs."""
 
 from __future__ import annotations
 
@@ -104,13 +103,11 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
 
 
 def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
-    """One row per job of ``sweep_dir``, in job order, all with the same keys in column order.
-
-    Columns: ``job``, ``status`` (one of :data:`STATUSES`), ``overrides`` (as one string), one column per
-    overridden key, ``objective`` (the value of ``metric``), every metric whose name contains ``mAP``,
-    ``images_per_s``, ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``, ``tensor_memory_mb``, ``device``,
-    ``time_s``, ``error``. Absent numbers are NaN, absent text is ``""``.
-    """
+    """One row per job of ``sweep_dir``, in job order, all with the same keys in column order. Columns: ``job``,
+    ``status`` (one of :data:`STATUSES`), ``overrides`` (as one string), one column per overridden key, ``objective``
+    (the value of ``metric``), every metric whose name contains ``mAP``, ``images_per_s``, ``step_ms``,
+    ``peak_memory_mb``, ``step_memory_mb``, ``tensor_memory_mb``, ``device``, ``time_s``, ``error``. Absent numbers are
+    NaN, absent text is ``""``."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist; pass the folder of a multirun, "
@@ -216,7 +213,6 @@ def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: 
     overlap); a job keeps its colour and marker in both panels."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg and never touches the global backend
     from matplotlib.lines import Line2D
-
     varying, _ = _varying_keys(rows)
     style = {id(r): {"color": f"C{i % 10}", "marker": "os^Dv"[i // 10 % 5]} for i, r in enumerate(rows)}
     fig = Figure(figsize=(13, 5.5 + 0.2 * len(rows) / 2), layout="constrained")
@@ -274,14 +270,12 @@ def summarize_sweep(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]
 
 
 class SweepSummary(Callback):
-    """Hydra callback: keeps ``summary.{csv,md,png}`` of the sweep directory current, job by job.
-
-    Hydra calls ``on_multirun_end`` only when the sweep did not fail, so :meth:`on_job_end` records a failure in the
-    job directory (:data:`FAILURE_FILE`) and refreshes the summary after each job of a multirun; ``on_multirun_end``
-    writes the final one and prints it, with every job that did not finish named on stderr (its overrides, error and
-    logs). A sweep stopped by a failed job gets the same as the command exits. Single runs are left alone. A problem
-    while summarising is logged, never raised: a sweep must not fail, or hide a job's own error, because of its report.
-    """
+    """Hydra callback: keeps ``summary.{csv,md,png}`` of the sweep directory current, job by job. Hydra calls
+    ``on_multirun_end`` only when the sweep did not fail, so :meth:`on_job_end` records a failure in the job directory
+    (:data:`FAILURE_FILE`) and refreshes the summary after each job of a multirun; ``on_multirun_end`` writes the final
+    one and prints it, with every job that did not finish named on stderr (its overrides, error and logs). A sweep
+    stopped by a failed job gets the same as the command exits. Single runs are left alone. A problem while summarising
+    is logged, never raised: a sweep must not fail, or hide a job's own error, because of its report."""
 
     _open_sweep: DictConfig | None = None  # the config of a sweep that has not reached on_multirun_end
     _exit_registered = False
@@ -350,7 +344,6 @@ def _submitit_logs() -> list[str]:
         return []
     try:
         import submitit
-
         paths = submitit.JobEnvironment().paths
         return [str(p) for p in (paths.stderr, paths.stdout) if p.is_file()]
     except Exception:  # noqa: BLE001 -- a report must never fail the job's return

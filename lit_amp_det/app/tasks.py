@@ -2,8 +2,7 @@
 
 Each builds data module, model, callbacks, loggers and trainer from a composed Hydra config's ``_target_`` nodes, runs,
 and writes ``metrics.json``, ``config_resolved.yaml`` and ``run.json`` into the run directory. They are separate from
-the Hydra entry point so notebooks, tests and sweepers can call them.
-"""
+the Hydra entry point so notebooks, tests and sweepers can call them."""
 
 from __future__ import annotations
 
@@ -134,7 +133,6 @@ def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
 
 def build_trainer(cfg: DictConfig) -> pl.Trainer:
     """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision plugin.
-
     ``trainer.precision`` becomes a plugin configured by the ``precision`` node (Lightning refuses a precision string
     and a plugin together). :class:`RunStats` is always added, so ``metrics.json`` records speed and peak memory;
     commands other than ``fit`` get no checkpoint callbacks."""

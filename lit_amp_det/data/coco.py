@@ -5,8 +5,7 @@ validates the whole annotation file once at construction, so bad records fail ea
 the record and the fix, and precomputes per-image arrays so ``__getitem__`` only decodes the image and masks. Items
 follow the torchvision detection convention: a uint8 ``[3, H, W]`` RGB image and a target dict with xyxy ``boxes``,
 contiguous ``labels`` (1..K, 0 is background), ``masks``, ``image_id``, ``area`` and ``iscrowd``. Crowd regions stay
-in the target because COCO evaluation needs them; `drop_crowd` removes them before the target reaches the model.
-"""
+in the target because COCO evaluation needs them; `drop_crowd` removes them before the target reaches the model."""
 
 from __future__ import annotations
 
@@ -61,9 +60,7 @@ class _ImageRecord:
 
 def drop_crowd(target: dict[str, Tensor]) -> dict[str, Tensor]:
     """Return a copy of ``target`` without ``iscrowd == 1`` instances, which the losses must not treat as objects.
-
-    Every present field in `PER_INSTANCE_KEYS` is filtered with the same mask; other fields pass through unchanged.
-    """
+    Every present field in `PER_INSTANCE_KEYS` is filtered with the same mask; other fields pass through unchanged."""
     out = dict(target)
     if "iscrowd" not in target:
         return out
@@ -112,8 +109,7 @@ class CocoInstances(torch.utils.data.Dataset):
         num_classes: ``len(category_ids) + 1`` (background included).
         image_ids: COCO image ids, one per item, in item order.
         skipped_boxes: degenerate annotations dropped under ``invalid_boxes="skip"``.
-        num_instances: kept annotations that are not crowd regions: what training learns from.
-    """
+        num_instances: kept annotations that are not crowd regions: what training learns from."""
 
     def __init__(self, image_dir: str | Path, annotation_file: str | Path, *,
                  transforms: Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]] | None = None,
@@ -270,11 +266,9 @@ class CocoInstances(torch.utils.data.Dataset):
         return None
 
     def _segmentation_usable(self, ann: dict[str, Any], ann_id: Any, img: dict[str, Any]) -> bool:
-        """Cheap shape check of a segmentation so bad ones fail at construction, not mid-epoch.
-
-        Malformed structure always raises. A degenerate one (fewer than 3 points, no polygon) is treated like a
-        degenerate box: an error, or ``False`` (drop the annotation) under ``invalid_boxes="skip"``.
-        """
+        """Cheap shape check of a segmentation so bad ones fail at construction, not mid-epoch. Malformed structure
+        always raises. A degenerate one (fewer than 3 points, no polygon) is treated like a degenerate box: an error,
+        or ``False`` (drop the annotation) under ``invalid_boxes="skip"``."""
         problem, degenerate = segmentation_problem(ann.get("segmentation"), img["height"], img["width"])
         if problem is None:
             return True
@@ -287,8 +281,7 @@ class CocoInstances(torch.utils.data.Dataset):
 
     def _build_records(self, images: dict[int, dict[str, Any]],
                        per_image: dict[int, list[tuple[dict[str, Any], list[float]]]]) -> list[_ImageRecord]:
-        """Turn validated annotations into per-image numpy arrays (no parsing left for `__getitem__`); apply
-        ``skip_empty``."""
+        """Validated annotations as per-image numpy arrays (no parsing left for `__getitem__`), after ``skip_empty``."""
         records = []
         for image_id, img in images.items():
             anns = per_image.get(image_id, [])
@@ -303,8 +296,7 @@ class CocoInstances(torch.utils.data.Dataset):
                 areas=np.asarray(areas, dtype=np.float32),
                 iscrowd=np.asarray([1 if ann.get("iscrowd", 0) else 0 for ann, _ in anns], dtype=np.int64),
                 segmentations=[ann.get("segmentation") for ann, _ in anns] if self.with_masks else [],
-                annotation_ids=[ann["id"] for ann, _ in anns],
-            ))
+                annotation_ids=[ann["id"] for ann, _ in anns]))
         if not records:
             raise ValueError(f"{self.annotation_file} has no images with annotations, so skip_empty=True "
                              "(data.skip_empty_train=true) leaves no image at all; check data.root / the split paths, "
@@ -342,13 +334,9 @@ class CocoInstances(torch.utils.data.Dataset):
             raise ValueError(f"image {rec.image_id} ({rec.path}) is {image.shape[2]}x{image.shape[1]} pixels but "
                              f"{self.annotation_file} says {rec.width}x{rec.height}; fix the 'width'/'height' of the "
                              "image record (annotations are in the JSON's coordinates)")
-        target = {
-            "boxes": torch.from_numpy(rec.boxes.copy()),
-            "labels": torch.from_numpy(rec.labels.copy()),
-            "image_id": torch.tensor(rec.image_id, dtype=torch.int64),
-            "area": torch.from_numpy(rec.areas.copy()),
-            "iscrowd": torch.from_numpy(rec.iscrowd.copy()),
-        }
+        target = {"boxes": torch.from_numpy(rec.boxes.copy()), "labels": torch.from_numpy(rec.labels.copy()),
+                  "image_id": torch.tensor(rec.image_id, dtype=torch.int64), "area": torch.from_numpy(rec.areas.copy()),
+                  "iscrowd": torch.from_numpy(rec.iscrowd.copy())}
         if self.with_masks:
             target["masks"] = self._decode_masks(rec)
         if self.transforms is not None:

@@ -4,8 +4,7 @@
 :class:`ShapesDataModule` first generates the synthetic dataset into a cache directory and then runs the same code,
 so the default path exercises the real COCO loader. Training batches come from a resumable, deterministic sampler
 (:mod:`lit_amp_det.data.sampler`), so a run killed mid-epoch resumes onto the same batches. Images stay ``uint8``
-through the loader (less to pin and copy); the model converts them on the device.
-"""
+through the loader (less to pin and copy); the model converts them on the device."""
 
 from __future__ import annotations
 
@@ -33,12 +32,10 @@ Split = Literal["train", "val", "test"]
 
 
 def _usable_workers(requested: int) -> int:
-    """``requested`` loader workers, but no more than the CPUs this process may use (torch warns above that).
-
-    Clamped here, where the data is loaded, rather than in the config: a sweep's config is composed on the host
-    that submits it, whose CPUs say nothing about the node a job runs on (SLURM grants each task its
-    ``cpus_per_task``, which is what ``sched_getaffinity`` reports there).
-    """
+    """``requested`` loader workers, but no more than the CPUs this process may use (torch warns above that). Clamped
+    here, where the data is loaded, rather than in the config: a sweep's config is composed on the host that submits it,
+    whose CPUs say nothing about the node a job runs on (SLURM grants each task its ``cpus_per_task``, which is what
+    ``sched_getaffinity`` reports there)."""
     if requested < 0:
         raise ArgumentError("num_workers", requested, "is negative; use 0 to load in the training process")
     try:
@@ -95,35 +92,17 @@ class CocoDataModule(LightningDataModule):
             step's shapes never change (for ``speedups.sync_free``: static inputs); ``None`` keeps each image's count.
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike | None = None,
-        *,
-        train_images: str = "train2017",
-        train_annotations: str = "annotations/instances_train2017.json",
-        val_images: str = "val2017",
-        val_annotations: str = "annotations/instances_val2017.json",
-        test_images: str | None = None,
-        test_annotations: str | None = None,
-        predict_split: Split = "val",
-        predict_images: str | os.PathLike | None = None,
-        batch_size: int = 2,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        flip_prob: float = 0.5,
-        aspect_ratio_grouping: bool = True,
-        invalid_boxes: Literal["error", "skip"] = "error",
-        skip_empty_train: bool = False,
-        allow_empty_train: bool = False,
-        with_masks: bool = True,
-        seed: int = 0,
-        verify_images: bool = True,
-        bad_images: Literal["error", "skip"] = "error",
-        verify_cache_dir: str | os.PathLike | None = None,
-        pad_instances: int | None = None,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike | None = None, *, train_images: str = "train2017",
+                 train_annotations: str = "annotations/instances_train2017.json", val_images: str = "val2017",
+                 val_annotations: str = "annotations/instances_val2017.json", test_images: str | None = None,
+                 test_annotations: str | None = None, predict_split: Split = "val",
+                 predict_images: str | os.PathLike | None = None, batch_size: int = 2,
+                 eval_batch_size: int | None = None, num_workers: int = 0, pin_memory: bool = False,
+                 persistent_workers: bool = False, flip_prob: float = 0.5, aspect_ratio_grouping: bool = True,
+                 invalid_boxes: Literal["error", "skip"] = "error", skip_empty_train: bool = False,
+                 allow_empty_train: bool = False, with_masks: bool = True, seed: int = 0, verify_images: bool = True,
+                 bad_images: Literal["error", "skip"] = "error", verify_cache_dir: str | os.PathLike | None = None,
+                 pad_instances: int | None = None) -> None:
         super().__init__()
         if predict_split not in ("train", "val", "test"):
             raise ArgumentError("predict_split", predict_split, "is unknown; choose train, val or test")
@@ -133,19 +112,16 @@ class CocoDataModule(LightningDataModule):
                 raise ArgumentError(name, value, f"is unknown; choose {' or '.join(modes)}")
         self.root = Path(root).expanduser() if root is not None else None
         self.split_paths: dict[str, tuple[str, str]] = {
-            "train": (train_images, train_annotations),
-            "val": (val_images, val_annotations),
-            "test": (test_images or val_images, test_annotations or val_annotations),
-        }
+            "train": (train_images, train_annotations), "val": (val_images, val_annotations),
+            "test": (test_images or val_images, test_annotations or val_annotations)}
         self.predict_split = predict_split
         self.predict_images = predict_images
         self._predict_folder: ImageFolder | None = None
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         num_workers = _usable_workers(num_workers)
-        self.loader_options = dict(
-            num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0
-        )
+        self.loader_options = dict(num_workers=num_workers, pin_memory=pin_memory,
+                                   persistent_workers=persistent_workers and num_workers > 0)
         self.flip = RandomHorizontalFlip(flip_prob)
         self.aspect_ratio_grouping = aspect_ratio_grouping
         self.invalid_boxes = invalid_boxes
@@ -170,11 +146,10 @@ class CocoDataModule(LightningDataModule):
         if path.is_absolute():
             return path
         if self.root is None:
-            raise ArgumentError(
-                "root", None, f"is not set, and the {split} split's {kind} {relative!r} is a relative path: set "
-                f"data.root=/path/to/dataset, or give {split}_{kind} as an absolute path (predict on "
-                "data.predict_images reads no split when ckpt_path or model.weights names the model's classes)"
-            )
+            raise ArgumentError("root", None, f"is not set, and the {split} split's {kind} {relative!r} is a relative "
+                                f"path: set data.root=/path/to/dataset, or give {split}_{kind} as an absolute path "
+                                "(predict on data.predict_images reads no split when ckpt_path or model.weights names "
+                                "the model's classes)")
         return self.root / path
 
     def dataset(self, split: Split) -> CocoInstances:
@@ -206,12 +181,8 @@ class CocoDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Builds the splits ``stage`` needs (idempotent)."""
         needed: dict[str | None, Sequence[Split]] = {
-            "fit": ("train", "val"),
-            "validate": ("val",),
-            "test": ("test",),
-            "predict": () if self.predict_images is not None else (self.predict_split,),
-            None: ("train", "val", "test"),
-        }
+            "fit": ("train", "val"), "validate": ("val",), "test": ("test",),
+            "predict": () if self.predict_images is not None else (self.predict_split,), None: ("train", "val", "test")}
         if stage == "predict" and self.predict_images is not None:
             folder = self.predict_folder()  # a folder that cannot be read fails before the model runs
             if self.verify_images and "predict_images" not in self._verified:  # so does any unreadable picture
@@ -231,15 +202,12 @@ class CocoDataModule(LightningDataModule):
         dataset = self.dataset("train")
         if dataset.num_instances:
             return
-        message = (
-            f"the training split {dataset.annotation_file} has no annotations to learn from ({len(dataset)} images, "
-            "0 non-crowd annotations)"
-        )
+        message = (f"the training split {dataset.annotation_file} has no annotations to learn from ({len(dataset)} "
+                   "images, 0 non-crowd annotations)")
         if not self.allow_empty_train:
-            raise ValueError(
-                f"{message}: training would run the whole schedule to mAP 0. Check data.root and "
-                "data.train_annotations; to train on negative images only, set data.allow_empty_train=true"
-            )
+            raise ValueError(f"{message}: training would run the whole schedule to mAP 0. Check data.root and "
+                             "data.train_annotations; to train on negative images only, set "
+                             "data.allow_empty_train=true")
         rank_zero_warn(f"{message}; training anyway because data.allow_empty_train=true (negative-only data): "
                        "the model will learn to detect nothing")
 
@@ -248,8 +216,7 @@ class CocoDataModule(LightningDataModule):
         dataset = self.dataset("train")
         groups = aspect_ratio_groups(dataset.aspect_ratios()) if self.aspect_ratio_grouping else None
         sampler = ResumableBatchSampler(len(dataset), self.batch_size, seed=self.seed, group_ids=groups)
-        if self._resume_state:
-            # before the loader exists, so even eagerly prefetching workers start at the right batch
+        if self._resume_state:  # before the loader exists, so even eagerly prefetching workers start at the right batch
             sampler.resume(self._resume_state["epoch"], self._resume_state["consumed_batches"])
             self._resume_state = None
         self._train_loader = ResumableDataLoader(
@@ -318,35 +285,21 @@ class ShapesDataModule(CocoDataModule):
         min_object_size, max_object_size: object diameter as a fraction of the image side.
         data_seed: seed of the generated content (``seed`` seeds the training order).
         The generation defaults are :class:`~lit_amp_det.data.shapes.ShapesSpec`'s.
-        **kwargs: :class:`CocoDataModule` loader options.
-    """
+        **kwargs: :class:`CocoDataModule` loader options."""
 
     classes = SHAPE_CLASSES
 
-    def __init__(
-        self,
-        cache_dir: str | os.PathLike = "~/.cache/lit_amp_det",
-        *,
-        train_size: int = 800,
-        val_size: int = 100,
-        test_size: int = 100,
-        image_size: int = ShapesSpec.image_size,
-        min_objects: int = ShapesSpec.min_objects,
-        max_objects: int = ShapesSpec.max_objects,
-        min_object_size: float = ShapesSpec.min_size,
-        max_object_size: float = ShapesSpec.max_size,
-        data_seed: int = ShapesSpec.seed,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, cache_dir: str | os.PathLike = "~/.cache/lit_amp_det", *, train_size: int = 800,
+                 val_size: int = 100, test_size: int = 100, image_size: int = ShapesSpec.image_size,
+                 min_objects: int = ShapesSpec.min_objects, max_objects: int = ShapesSpec.max_objects,
+                 min_object_size: float = ShapesSpec.min_size, max_object_size: float = ShapesSpec.max_size,
+                 data_seed: int = ShapesSpec.seed, **kwargs: Any) -> None:
         self.spec = ShapesSpec(image_size=image_size, min_objects=min_objects, max_objects=max_objects,
                                min_size=min_object_size, max_size=max_object_size, seed=data_seed)
         self.splits = {"train": train_size, "val": val_size, "test": test_size}
         self.cache_dir = Path(cache_dir).expanduser()
-        paths = {
-            f"{split}_{kind}": path
-            for split in ("train", "val", "test")
-            for kind, path in (("images", f"images/{split}"), ("annotations", f"annotations/instances_{split}.json"))
-        }
+        paths = {f"{split}_{kind}": path for split in ("train", "val", "test") for kind, path in
+                 (("images", f"images/{split}"), ("annotations", f"annotations/instances_{split}.json"))}
         kwargs.setdefault("verify_cache_dir", self.cache_dir)
         super().__init__(shapes_dataset_dir(self.cache_dir, self.spec, splits=self.splits), **paths, **kwargs)
 

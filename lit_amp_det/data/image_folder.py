@@ -7,8 +7,7 @@ gets the id ``k + 1`` (kept when ``data.bad_images=skip`` leaves an unreadable p
 ``predictions.json`` carry, and the prediction writer records each id's file name and size beside them. Pictures
 are turned as their EXIF orientation tag says, as detectron2's ``read_image`` and OpenCV's ``imread`` (MMDetection)
 do: a phone photo taken upright is often stored sideways with such a tag, and detections, sizes and drawings then
-refer to the picture as a viewer shows it.
-"""
+refer to the picture as a viewer shows it."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class ImageFolder(Dataset):
 
     Args:
         folder: the folder of pictures (``~`` expanded; relative to the working directory).
-        source: the config key that named it, for messages.
-    """
+        source: the config key that named it, for messages."""
 
     def __init__(self, folder: str | os.PathLike, source: str = "data.predict_images") -> None:
         path = Path(folder).expanduser()

@@ -22,19 +22,16 @@ _ORIENTATION = 0x0112  # the EXIF tag
 
 
 def read_rgb_image(path: str | Path, apply_exif_orientation: bool = False) -> Tensor:
-    """Decode ``path`` to a uint8 ``[3, H, W]`` RGB tensor (torchvision's decoder returns it as a view of
-    ``[H, W, 3]`` memory, PIL's path contiguous: the loaders batch either).
+    """Decode ``path`` to a uint8 ``[3, H, W]`` RGB tensor (torchvision's decoder returns it as a view of ``[H, W, 3]``
+    memory, PIL's path contiguous: the loaders batch either). Uses ``torchvision.io.decode_image``
+    (libjpeg-turbo/libpng: faster than PIL for JPEG, and already channel-first), converting greyscale, palette, RGBA and
+    CMYK to RGB. torchvision 0.29 deprecates its decoders in favour of TorchCodec, so that one warning is silenced here;
+    formats torchvision does not read (BMP, TIFF, ...) and torchvision builds without decoders fall back to PIL. A
+    missing, empty or corrupt file raises ``OSError`` naming the path.
 
-    Uses ``torchvision.io.decode_image`` (libjpeg-turbo/libpng: faster than PIL for JPEG, and already channel-first),
-    converting greyscale, palette, RGBA and CMYK to RGB. torchvision 0.29 deprecates its decoders in favour of
-    TorchCodec, so that one warning is silenced here; formats torchvision does not read (BMP, TIFF, ...) and
-    torchvision builds without decoders fall back to PIL. A missing, empty or corrupt file raises ``OSError`` naming
-    the path.
-
-    ``apply_exif_orientation``: turn the pixels as the file's EXIF orientation tag says (a phone photo taken
-    upright is often stored sideways with such a tag), so the picture is what a viewer shows. Off for annotated
-    datasets, whose annotations give the stored size.
-    """
+    ``apply_exif_orientation``: turn the pixels as the file's EXIF orientation tag says (a phone photo taken upright is
+    often stored sideways with such a tag), so the picture is what a viewer shows. Off for annotated datasets, whose
+    annotations give the stored size."""
     if decode_image is None or (apply_exif_orientation and _exif_orientation(path) not in (None, 1)):
         # PIL turns every format (torchvision's decoder ignores the tag of a WebP)
         return _read_with_pil(path, None, apply_exif_orientation)

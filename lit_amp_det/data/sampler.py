@@ -4,8 +4,7 @@ Exact mid-epoch resume needs what the stock ``DataLoader`` does not give: an epo
 (seed, epoch), augmentation independent of the worker that loaded a sample, and a count of the batches the loop
 really consumed (not prefetched). :class:`ResumableBatchSampler` yields ``(index, sample_seed)`` keys and shards
 itself across ranks (so ``use_distributed_sampler=False``); :class:`ResumableDataLoader` implements Lightning's
-``state_dict``/``load_state_dict`` protocol on top of it.
-"""
+``state_dict``/``load_state_dict`` protocol on top of it."""
 
 from __future__ import annotations
 
@@ -41,11 +40,9 @@ def _splitmix64(value: int) -> int:
 
 
 class EvalShardSampler(Sampler[int]):
-    """Evaluation order for this rank: every ``world``-th image from ``rank``, no padding, no shuffling.
-
-    Each image is scored exactly once across the ranks (the metrics and the prediction writer gather the
-    ranks' results), unlike padded training shards, whose repeated images would be counted twice.
-    """
+    """Evaluation order for this rank: every ``world``-th image from ``rank``, no padding, no shuffling. Each image is
+    scored exactly once across the ranks (the metrics and the prediction writer gather the ranks' results), unlike
+    padded training shards, whose repeated images would be counted twice."""
 
     def __init__(self, dataset_size: int) -> None:
         self.dataset_size = dataset_size
@@ -60,10 +57,8 @@ class EvalShardSampler(Sampler[int]):
 
 
 class EpochSampler(Sampler[int]):
-    """This rank's sample indices for one epoch: a permutation drawn from ``seed + epoch``, sharded by rank.
-
-    Lightning calls :meth:`set_epoch` on ``dataloader.batch_sampler.sampler`` at every epoch start.
-    """
+    """This rank's sample indices for one epoch: a permutation drawn from ``seed + epoch``, sharded by rank. Lightning
+    calls :meth:`set_epoch` on ``dataloader.batch_sampler.sampler`` at every epoch start."""
 
     def __init__(self, dataset_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if dataset_size < 1:
@@ -101,8 +96,7 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         group_ids: optional group per sample; a batch then holds samples of one group only
             (aspect-ratio grouping keeps padding small).
         drop_last: drop the last incomplete batch of the epoch.
-        shuffle: shuffle (training) or keep dataset order.
-    """
+        shuffle: shuffle (training) or keep dataset order."""
 
     def __init__(self, dataset_size: int, batch_size: int, *, seed: int = 0, group_ids: Sequence[int] | None = None,
                  drop_last: bool = False, shuffle: bool = True) -> None:
@@ -162,11 +156,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
 
 
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableBatchSampler` that Lightning can checkpoint mid-epoch.
-
-    Lightning prefetches a batch ahead, so "batches yielded" overstates progress; the count kept here is
-    advanced by :meth:`mark_consumed`, which the data module calls when the training loop takes a batch.
-    """
+    """A ``DataLoader`` over a :class:`ResumableBatchSampler` that Lightning can checkpoint mid-epoch. Lightning
+    prefetches a batch ahead, so "batches yielded" overstates progress; the count kept here is advanced by
+    :meth:`mark_consumed`, which the data module calls when the training loop takes a batch."""
 
     def __init__(self, dataset: Any, batch_sampler: ResumableBatchSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
@@ -185,22 +177,19 @@ class ResumableDataLoader(DataLoader):
                 "world_size": _distributed_rank_and_size()[1], "epoch_batches": len(self.batch_sampler)}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Continues the saved epoch after its consumed batches.
-
-        Each epoch's order depends on the seed and the epoch alone, and each of W processes takes every W-th
-        image of it; so a checkpoint taken between epochs resumes on any number of processes. One taken mid-epoch
-        resumes only on as many processes as saved it: with another count the shares change and images of the
-        epoch would be seen twice or not at all. (Checkpoints without a ``world_size`` are not checked.)
-        """
+        """Continues the saved epoch after its consumed batches. Each epoch's order depends on the seed and the epoch
+        alone, and each of W processes takes every W-th image of it; so a checkpoint taken between epochs resumes on any
+        number of processes. One taken mid-epoch resumes only on as many processes as saved it: with another count the
+        shares change and images of the epoch would be seen twice or not at all. (Checkpoints without a ``world_size``
+        are not checked.)"""
         saved_world, world = int(state_dict.get("world_size", 0)), _distributed_rank_and_size()[1]
         consumed, epoch_batches = int(state_dict["consumed_batches"]), int(state_dict.get("epoch_batches", 0))
         if saved_world and saved_world != world and 0 < consumed < epoch_batches:
-            raise ValueError(
-                f"this checkpoint was taken by {saved_world} processes in the middle of epoch "
-                f"{state_dict['epoch']} ({consumed} of {epoch_batches} batches); resuming with {world} processes "
-                f"(trainer.num_nodes x trainer.devices) would see some of its images twice and others not at all. "
-                f"Resume with trainer.num_nodes x trainer.devices = {saved_world}, or from a checkpoint taken at "
-                f"the end of an epoch")
+            raise ValueError(f"this checkpoint was taken by {saved_world} processes in the middle of epoch "
+                             f"{state_dict['epoch']} ({consumed} of {epoch_batches} batches); resuming with {world} "
+                             f"processes (trainer.num_nodes x trainer.devices) would see some of its images twice and "
+                             f"others not at all. Resume with trainer.num_nodes x trainer.devices = {saved_world}, or "
+                             f"from a checkpoint taken at the end of an epoch")
         self._consumed_epoch = int(state_dict["epoch"])
         self.consumed_batches = consumed
         self.batch_sampler.resume(self._consumed_epoch, self.consumed_batches)  # type: ignore[union-attr]

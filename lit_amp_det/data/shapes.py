@@ -5,8 +5,7 @@ dataset (``images/<split>/*.png`` plus ``annotations/instances_<split>.json``), 
 the same COCO loader, mask decoding and evaluation code as real data, without a download: shapes occlude one another,
 only their visible region is labelled, and both polygon and compressed-RLE segmentations occur. Each image has its own
 PCG64 stream keyed by (seed, split, index), so output is byte-identical across runs, and the dataset is published with
-an atomic rename plus a completion marker, so an interrupted or concurrent generation never looks complete.
-"""
+an atomic rename plus a completion marker, so an interrupted or concurrent generation never looks complete."""
 
 from __future__ import annotations
 
@@ -122,11 +121,8 @@ def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[st
     coco = {
         "info": {"description": "lit_amp_det synthetic shapes dataset", "version": str(FORMAT_VERSION), "year": 2024,
                  "contributor": "lit_amp_det.data.shapes", "date_created": "", "generator": params.to_json()},
-        "licenses": [],
-        "images": images,
-        "annotations": annotations,
-        "categories": [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)],
-    }
+        "licenses": [], "images": images, "annotations": annotations,
+        "categories": [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)]}
     ann_dir = root / "annotations"
     ann_dir.mkdir(parents=True, exist_ok=True)
     (ann_dir / f"instances_{split}.json").write_text(json.dumps(coco, separators=(",", ":")) + "\n", encoding="utf-8")
@@ -143,11 +139,9 @@ def _read_marker(root: Path) -> dict[str, Any] | None:
 
 
 def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool) -> None:
-    """Atomically move the finished ``tmp`` dataset to ``root``.
-
-    An existing ``root`` is first renamed aside (rename is atomic, rmtree is not), so ``root`` is always absent, the
-    old dataset, or the complete new one. Losing a race to a process publishing the same parameters is success.
-    """
+    """Atomically move the finished ``tmp`` dataset to ``root``. An existing ``root`` is first renamed aside (rename is
+    atomic, rmtree is not), so ``root`` is always absent, the old dataset, or the complete new one. Losing a race to a
+    process publishing the same parameters is success."""
     for _attempt in range(3):
         marker = _read_marker(root)
         if marker is not None and not overwrite:
@@ -176,12 +170,10 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
 
 def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
                     splits: Mapping[str, int] = DEFAULT_SPLITS, overwrite: bool = False) -> Path:
-    """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path.
-
-    ``spec`` says what is drawn (:class:`ShapesSpec`), ``splits`` how many images each split gets. If ``root`` already
-    holds a complete dataset with the same parameters nothing is done; one with other parameters raises
-    FileExistsError unless ``overwrite``. A ``root`` without the completion marker is regenerated.
-    """
+    """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path. ``spec`` says what is drawn
+    (:class:`ShapesSpec`), ``splits`` how many images each split gets. If ``root`` already holds a complete dataset with
+    the same parameters nothing is done; one with other parameters raises FileExistsError unless ``overwrite``. A
+    ``root`` without the completion marker is regenerated."""
     params = _make_params(spec, splits)
     root = Path(root)
     params_json = params.to_json()
@@ -213,10 +205,8 @@ def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(
 
 def shapes_dataset_dir(cache_dir: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
                        splits: Mapping[str, int] = DEFAULT_SPLITS) -> Path:
-    """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created).
-
-    The hash covers every generation parameter and the format version, so changing any selects a fresh folder.
-    """
+    """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created). The hash covers every generation
+    parameter and the format version, so changing any selects a fresh folder."""
     return Path(cache_dir) / f"shapes-{_make_params(spec, splits).short_hash()}"
 
 

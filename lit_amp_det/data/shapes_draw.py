@@ -2,8 +2,7 @@
 
 Every image is drawn from its own ``numpy`` PCG64 stream keyed by (seed, split, index), so the output is
 byte-identical across runs and independent per split; :mod:`lit_amp_det.data.shapes` writes the images
-and their COCO annotations to disk.
-"""
+and their COCO annotations to disk."""
 
 from __future__ import annotations
 
@@ -26,11 +25,9 @@ _POLYGON_SIDES = {"circle": CIRCLE_VERTICES, "square": 4, "triangle": 3}
 
 @dataclass(frozen=True)
 class ShapeInstance:
-    """One drawn shape: its class, geometry and masks (bool HxW arrays).
-
-    ``full_mask`` is the shape clipped to the image but ignoring occlusion; ``visible_mask`` is what remains after
-    later shapes were drawn over it. Instances with ``labelled=False`` were drawn but are too hidden to be annotated.
-    """
+    """One drawn shape: its class, geometry and masks (bool HxW arrays). ``full_mask`` is the shape clipped to the image
+    but ignoring occlusion; ``visible_mask`` is what remains after later shapes were drawn over it. Instances with
+    ``labelled=False`` were drawn but are too hidden to be annotated."""
 
     category_id: int
     colour: tuple[int, int, int]
@@ -62,11 +59,8 @@ def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
 
 
 def _unit_direction(rng: np.random.Generator) -> tuple[float, float]:
-    """Random direction from a small integer vector.
-
-    Normalising by sqrt (correctly rounded by IEEE 754) instead of cos/sin of a random angle keeps background pixels
-    bit-identical across libm implementations.
-    """
+    """Random direction from a small integer vector. Normalising by sqrt (correctly rounded by IEEE 754) instead of
+    cos/sin of a random angle keeps background pixels bit-identical across libm implementations."""
     while True:
         a, b = (int(v) for v in rng.integers(-4, 5, size=2))
         if a or b:
@@ -129,12 +123,6 @@ def _regular_polygon(n: int, radius: float, phase: float) -> np.ndarray:
     return np.array([[radius * math.cos(a), radius * math.sin(a)] for a in angles])
 
 
-def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
-    """Rotate (n, 2) points about the origin."""
-    c, s = math.cos(angle), math.sin(angle)
-    return points @ np.array([[c, s], [-s, c]])
-
-
 def _shape_outline(name: str, radius: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
     """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and that of its hole (rings only)."""
     angle = 2.0 * math.pi * rng.random()
@@ -154,25 +142,21 @@ def _shape_outline(name: str, radius: float, rng: np.random.Generator) -> tuple[
         r = radius
         plus = np.array([[arm, -r], [arm, -arm], [r, -arm], [r, arm], [arm, arm], [arm, r],
                          [-arm, r], [-arm, arm], [-r, arm], [-r, -arm], [-arm, -arm], [-arm, -r]])
-        return _rotate(plus, angle), None
+        c, s = math.cos(angle), math.sin(angle)
+        return plus @ np.array([[c, s], [-s, c]]), None  # rotated about the origin
     raise ValueError(f"unknown shape name {name!r}")
 
 
 def _flat(points: np.ndarray) -> tuple[float, ...]:
-    """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...].
-
-    Rounding before both rasterising and writing makes the JSON exactly describe the drawn shape and hides last-bit
-    differences between libm implementations.
-    """
+    """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...]. Rounding before both rasterising and writing makes
+    the JSON exactly describe the drawn shape and hides last-bit differences between libm implementations."""
     return tuple(round(float(v), 2) for v in points.reshape(-1))
 
 
 def _rasterise(flat: Sequence[float], height: int, width: int) -> np.ndarray:
-    """Bool mask of a polygon via pycocotools, without antialiasing.
-
-    The COCO rasteriser is used (not PIL) so a written polygon decodes with ``annToMask`` to exactly the pixels
-    painted into the image; PIL's fill convention differs by about half a pixel, a large error for 20 px shapes.
-    """
+    """Bool mask of a polygon via pycocotools, without antialiasing. The COCO rasteriser is used (not PIL) so a written
+    polygon decodes with ``annToMask`` to exactly the pixels painted into the image; PIL's fill convention differs by
+    about half a pixel, a large error for 20 px shapes."""
     rles = mask_utils.frPyObjects([list(flat)], height, width)
     return mask_utils.decode(rles)[:, :, 0].astype(bool)
 
@@ -198,10 +182,8 @@ def _paint(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray,
 
 
 def render_shapes_image(split: str, index: int, spec: ShapesSpec = ShapesSpec()) -> RenderedImage:
-    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it for ``spec``.
-
-    Exposed so callers and tests can inspect full (unoccluded) and visible masks, which the COCO files do not carry.
-    """
+    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it for ``spec``. Exposed so callers
+    and tests can inspect full (unoccluded) and visible masks, which the COCO files do not carry."""
     if not _is_int(index) or index < 0:
         raise ValueError(f"index must be an int >= 0, got {index!r}")
     return _render(_make_params(spec, {split: index + 1}), split, index)
@@ -245,7 +227,6 @@ def _render(params: _Params, split: str, index: int) -> RenderedImage:
         labelled = visible_area >= MIN_VISIBLE_PIXELS and visible_area >= MIN_VISIBLE_FRACTION * int(mask.sum())
         instances.append(ShapeInstance(
             category_id=category_id, colour=(int(colour[0]), int(colour[1]), int(colour[2])), vertices=vertices,
-            hole_vertices=hole_vertices, full_mask=mask, visible_mask=visible, labelled=labelled,
-        ))
+            hole_vertices=hole_vertices, full_mask=mask, visible_mask=visible, labelled=labelled))
     return RenderedImage(image=image, instances=tuple(instances))
 

@@ -3,8 +3,7 @@
 :func:`verify_images` decodes the files with the loader's own reader in a thread pool and checks each image's size
 against its annotation record; files that decoded before are cached by path, size and modification time.
 :func:`check_splits` runs it over the splits of a stage and raises one :class:`BadImagesError` listing every
-unreadable file, or (``bad_images="skip"``) drops them from their split with one warning.
-"""
+unreadable file, or (``bad_images="skip"``) drops them from their split with one warning."""
 
 from __future__ import annotations
 
@@ -35,9 +34,7 @@ _FOLDER_REMEDY = "Replace these files or move them out of the folder"
 
 class BadImagesError(OSError):
     """Images that cannot be decoded (or whose size is not the annotated one); ``problems`` maps path -> reason.
-
-    ``remedy`` says what to do with the files before the generic ways out (skip them, or skip the check).
-    """
+    ``remedy`` says what to do with the files before the generic ways out (skip them, or skip the check)."""
 
     def __init__(self, problems: Mapping[str, str], total: int, remedy: str = _SPLIT_REMEDY) -> None:
         self.problems = dict(problems)
@@ -97,11 +94,9 @@ def _save_cache(path: Path, files: dict[str, str]) -> None:
 
 def verify_images(images: Iterable[tuple[str, tuple[int, int] | None]], cache_dir: Path | None = None,
                   workers: int | None = None) -> dict[str, str]:
-    """Decodes every ``(path, (width, height) or None)``; returns ``{path: reason}`` for those that fail.
-
-    With ``cache_dir``, files whose path, size and modification time match an earlier successful check are not
-    read again, and the successes of this call are added to the cache.
-    """
+    """Decodes every ``(path, (width, height) or None)``; returns ``{path: reason}`` for those that fail. With
+    ``cache_dir``, files whose path, size and modification time match an earlier successful check are not read again,
+    and the successes of this call are added to the cache."""
     items = list(dict.fromkeys((str(p), tuple(s) if s is not None else None) for p, s in images))
     if not items:
         return {}
@@ -150,10 +145,8 @@ def _check_mode(mode: str) -> None:
 def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "skip"] = "error",
                  cache_dir: Path | None = None, workers: int | None = None) -> None:
     """Verifies every image of ``datasets`` (split name -> dataset) before training or evaluation starts.
-
-    ``mode="error"`` raises one :class:`BadImagesError` listing every bad file of every split; ``"skip"`` drops
-    them from their splits and logs one warning per split.
-    """
+    ``mode="error"`` raises one :class:`BadImagesError` listing every bad file of every split; ``"skip"`` drops them
+    from their splits and logs one warning per split."""
     _check_mode(mode)
     # the records are CocoInstances' own index (path and annotated size of every item)
     entries = {split: [(str(rec.path), (int(rec.width), int(rec.height))) for rec in dataset._records]
@@ -175,10 +168,8 @@ def check_splits(datasets: Mapping[str, CocoInstances], mode: Literal["error", "
 def check_folder(folder: ImageFolder, mode: Literal["error", "skip"] = "error", cache_dir: Path | None = None,
                  workers: int | None = None) -> None:
     """Verifies every picture of a ``predict`` folder (no annotated sizes to compare) before the model runs.
-
-    ``mode="error"`` raises one :class:`BadImagesError` listing every unreadable picture; ``"skip"`` leaves them out
-    of ``folder`` (the others keep their ids) with one warning.
-    """
+    ``mode="error"`` raises one :class:`BadImagesError` listing every unreadable picture; ``"skip"`` leaves them out of
+    ``folder`` (the others keep their ids) with one warning."""
     _check_mode(mode)
     total = len(folder)
     problems = verify_images([(str(path), None) for path in folder.files], cache_dir, workers)
