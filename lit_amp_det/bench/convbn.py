@@ -114,8 +114,7 @@ CASES: dict[str, Case] = {
     "maskrcnn-r50-frozen": Case("Mask R-CNN R50-FPN, FrozenBN", "2 images, 512 px (CPU) / 800x1333 (CUDA)",
                                 partial(_detector, "maskrcnn_r50_fpn", 2, [], (512, 512), (800, 1333)), _BOTH),
     "maskrcnn-light": Case("Mask R-CNN light (R18-FPN), BN eval", "4 images, 224 px",
-                           partial(_detector, "maskrcnn_light", 4, [], (224, 224), (224, 224))),
-}
+                           partial(_detector, "maskrcnn_light", 4, [], (224, 224), (224, 224)))}
 
 
 class _Peak:
@@ -148,7 +147,6 @@ def _count_folds(model: nn.Module) -> tuple[list[Any], list[int]]:
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         count[0] += int(output is args[0])
-
     return [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, NORM_TYPES)], count
 
 

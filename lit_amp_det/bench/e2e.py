@@ -61,7 +61,6 @@ def _positive(minimum: int) -> Callable[[str], int]:
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
-
     return parse
 
 
@@ -87,7 +86,6 @@ def _row_names(bench: Bench) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"unknown row(s) {unknown or [text]}; choose a comma-separated "
                                              f"subset of {','.join(names)}")
         return [name for name in names if name in chosen]  # table order
-
     return parse
 
 
@@ -128,7 +126,6 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
 
 def _setting(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setting:
     from lit_amp_det.app.config import config_groups
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
@@ -146,20 +143,16 @@ def _setting(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setti
                    weights=args.state_file, lr=args.timing_lr, half=getattr(args, "precision", None))
 
 
-def _setting_argv(setting: Setting) -> list[str]:
-    optional = {"state-file": setting.weights, "timing-lr": None if setting.lr is None else repr(setting.lr),
-                "precision": setting.half}
-    return [f"--device={setting.device}", f"--model={setting.model}", f"--batch={setting.batch}",
-            f"--size={setting.size}", f"--num-classes={setting.num_classes}", f"--steps={setting.steps}",
-            f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}", f"--state={setting.state}",
-            *(f"--{flag}={value}" for flag, value in optional.items() if value is not None)]
-
-
 def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     """Runs ``bench.rows[index]`` in a fresh ``python -m lit_amp_det.bench.e2e <kind> --row=NAME`` process; its
     measurements with ``status: ok``, or ``status: failed`` with the last line of its stderr."""
+    optional = {"state-file": setting.weights, "timing-lr": None if setting.lr is None else repr(setting.lr),
+                "precision": setting.half}
     command = [sys.executable, "-m", "lit_amp_det.bench.e2e", bench.kind, f"--row={bench.rows[index].name}",
-               *_setting_argv(setting)]
+               f"--device={setting.device}", f"--model={setting.model}", f"--batch={setting.batch}",
+               f"--size={setting.size}", f"--num-classes={setting.num_classes}", f"--steps={setting.steps}",
+               f"--warmup={setting.warmup}", f"--compile-warmup={setting.compile_warmup}", f"--state={setting.state}",
+               *(f"--{flag}={value}" for flag, value in optional.items() if value is not None)]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
@@ -185,7 +178,6 @@ def device_name(device: str) -> str:
 def _environment(device: str) -> dict[str, Any]:
     import lightning
     import torchvision
-
     return {"device": device, "device_name": device_name(device), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "lightning": lightning.__version__,
             "cuda": torch.version.cuda if device == "cuda" else None, "cpu_capability": cpu_capability(),
@@ -277,7 +269,6 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
     """``bench <kind> [options]``: every selected row's repeats in their own processes, then the report."""
     from lit_amp_det.bench.measure import run_row
     from lit_amp_det.bench.state import cache_root, ensure_state
-
     bench = BENCHES[kind]
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(bench)

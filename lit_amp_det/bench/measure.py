@@ -41,7 +41,6 @@ def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, nu
     its visible mask and the tight ``xyxy`` box of that mask, and the ``image_id``); the 6 shape classes fold onto the
     model's ``num_classes - 1`` foreground classes when it has fewer."""
     from lit_amp_det.data.shapes import ShapesSpec, render_shapes_image
-
     if num_classes < 2:
         raise ValueError(f"num_classes={num_classes}: a detector needs background plus at least one class")
     spec = ShapesSpec(image_size=(height, width))
@@ -193,7 +192,6 @@ def _plan(bench: Bench, setting: Setting, warmup: int) -> tuple[list[str], DataL
 def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     """Runs ``bench.rows[index]`` for ``setting`` in this process; its step times, peak memory and what ran."""
     from lit_amp_det.app.tasks import instantiate_all
-
     cfg = compose(row_overrides(bench, index, setting))
     started = time.perf_counter()
     torch.manual_seed(0)  # the random state's weights; model.weights, when set, replaces them all

@@ -53,11 +53,6 @@ def _scores(n: int, seed: int) -> Tensor:
     return torch.rand(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _rois(k: int, seed: int) -> Tensor:
-    boxes = _boxes(k, 30, seed, max_size=600)
-    return torch.cat([torch.randint(2, (k, 1), generator=torch.Generator().manual_seed(seed)).float(), boxes], 1)
-
-
 def _compare(name: str, size: str, dtype: str, ours: Callable[[], Any], theirs: Callable[[], Any], *,
              device: str, repeats: int, warmup: int) -> dict[str, Any]:
     for _ in range(warmup):
@@ -101,40 +96,36 @@ def _nms_cases(device: str) -> list[OpCase]:
     labels = torch.randint(80, (5000,), generator=torch.Generator().manual_seed(2)).to(device)
     full_boxes, full_scores = _boxes(5000, 100, 3).to(device), _scores(5000, 3).to(device)
     tv = torchvision.ops
-    return [
-        ("nms rpn (max_output)", "12000 -> 2000, IoU 0.7", "fp32",
-         lambda: ops.nms(rpn_boxes, rpn_scores, 0.7, 2000), lambda: tv.nms(rpn_boxes, rpn_scores, 0.7)[:2000]),
-        ("batched_nms rpn (max_output)", "5 levels x 2000 -> 2000", "fp32",
-         lambda: ops.batched_nms(level_boxes, level_scores, levels, 0.7, 2000),
-         lambda: tv.batched_nms(level_boxes, level_scores, levels, 0.7)[:2000]),
-        ("batched_nms det (max_output)", "5000 over 80 classes -> 100", "fp32",
-         lambda: ops.batched_nms(det_boxes, det_scores, labels, 0.5, 100),
-         lambda: tv.batched_nms(det_boxes, det_scores, labels, 0.5)[:100]),
-        ("nms full", "5000, IoU 0.5", "fp32",
-         lambda: ops.nms(full_boxes, full_scores, 0.5), lambda: tv.nms(full_boxes, full_scores, 0.5)),
-    ]
+    return [("nms rpn (max_output)", "12000 -> 2000, IoU 0.7", "fp32",
+             lambda: ops.nms(rpn_boxes, rpn_scores, 0.7, 2000), lambda: tv.nms(rpn_boxes, rpn_scores, 0.7)[:2000]),
+            ("batched_nms rpn (max_output)", "5 levels x 2000 -> 2000", "fp32",
+             lambda: ops.batched_nms(level_boxes, level_scores, levels, 0.7, 2000),
+             lambda: tv.batched_nms(level_boxes, level_scores, levels, 0.7)[:2000]),
+            ("batched_nms det (max_output)", "5000 over 80 classes -> 100", "fp32",
+             lambda: ops.batched_nms(det_boxes, det_scores, labels, 0.5, 100),
+             lambda: tv.batched_nms(det_boxes, det_scores, labels, 0.5)[:100]),
+            ("nms full", "5000, IoU 0.5", "fp32",
+             lambda: ops.nms(full_boxes, full_scores, 0.5), lambda: tv.nms(full_boxes, full_scores, 0.5))]
 
 
 def _iou_cases(device: str) -> list[OpCase]:
     gt = _boxes(20, 20, 4).to(device)
     anchors = _boxes(240_000, 1000, 5).to(device)
     proposals = _boxes(2000, 100, 6).to(device)
-    return [
-        ("box_iou", "20 x 240000 (RPN matcher)", "fp32",
-         lambda: ops.box_iou(gt, anchors), lambda: torchvision.ops.box_iou(gt, anchors)),
-        ("box_iou", "20 x 2000 (RoI matcher)", "fp32",
-         lambda: ops.box_iou(gt, proposals), lambda: torchvision.ops.box_iou(gt, proposals)),
-    ]
+    return [("box_iou", "20 x 240000 (RPN matcher)", "fp32",
+             lambda: ops.box_iou(gt, anchors), lambda: torchvision.ops.box_iou(gt, anchors)),
+            ("box_iou", "20 x 2000 (RoI matcher)", "fp32",
+             lambda: ops.box_iou(gt, proposals), lambda: torchvision.ops.box_iou(gt, proposals))]
 
 
 def _roi_align_cases(device: str, half: torch.dtype) -> list[OpCase]:
     cases = []
     base = torch.randn(2, 256, IMAGE[0] // 8, IMAGE[1] // 8, generator=torch.Generator().manual_seed(7)).to(device)
-    variants = [("fp32", base, torch.contiguous_format, None),
-                ("fp32 channels_last", base, torch.channels_last, None),
+    variants = [("fp32", base, torch.contiguous_format, None), ("fp32 channels_last", base, torch.channels_last, None),
                 (f"{str(half).split('.')[-1]} (tv: autocast)", base.to(half), torch.contiguous_format, half)]
     for head, k, out in (("box head", 512, 7), ("mask head", 128, 14)):
-        rois = _rois(k, 8).to(device)
+        batch_index = torch.randint(2, (k, 1), generator=torch.Generator().manual_seed(8)).float()
+        rois = torch.cat([batch_index, _boxes(k, 30, 8, max_size=600)], 1).to(device)
         size = f"{head}: {k} RoIs {out}x{out}, 2x256x{IMAGE[0] // 8}x{IMAGE[1] // 8}"
         for label, features, layout, autocast in variants:
             x = features.contiguous(memory_format=layout).requires_grad_()
@@ -161,14 +152,6 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[OpCase]:
                           functools.partial(ours_pool, *args), functools.partial(tv_pool, *args),
                           list(features.values()), device, autocast)
     return cases
-
-
-def _table(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "| op | size | dtype / layout | ours ms | torchvision ms | speed-up |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['op']} | {r['size']} | {r['dtype']} | {r['ours_ms']:.2f} | {r['torchvision_ms']:.2f} "
-              f"| **{r['speedup']:.2f}x** |" for r in rows]
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -202,7 +185,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"  {name} [{size}, {dtype}]: {rows[-1]['speedup']:.2f}x", flush=True)
     header = (f"device={args.device} ({device_name(args.device)}) torch={torch.__version__} "
               f"torchvision={torchvision.__version__} repeats={repeats} (median; warm-up {args.warmup} excluded)")
-    print(_table(rows, header))
+    lines = [header, "| op | size | dtype / layout | ours ms | torchvision ms | speed-up |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['size']} | {r['dtype']} | {r['ours_ms']:.2f} | {r['torchvision_ms']:.2f} "
+              f"| **{r['speedup']:.2f}x** |" for r in rows]
+    print("\n".join(lines))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=2))

@@ -17,19 +17,6 @@ from lit_amp_det.ops.nms import batched_nms, batched_nms_padded, nms
 from lit_amp_det.ops.poolers import MultiScaleRoIAlign, assign_fpn_levels, infer_spatial_scale
 from lit_amp_det.ops.roi_align import RoIAlign, boxes_to_rois, multi_level_roi_align, roi_align
 
-__all__ = [
-    "MultiScaleRoIAlign",
-    "RoIAlign",
-    "assign_fpn_levels",
-    "batched_nms",
-    "batched_nms_padded",
-    "box_iou",
-    "boxes_to_rois",
-    "compiled_cuda_version",
-    "extension_available",
-    "extension_error",
-    "infer_spatial_scale",
-    "multi_level_roi_align",
-    "nms",
-    "roi_align",
-]
+__all__ = ["MultiScaleRoIAlign", "RoIAlign", "assign_fpn_levels", "batched_nms", "batched_nms_padded", "box_iou",
+           "boxes_to_rois", "compiled_cuda_version", "extension_available", "extension_error", "infer_spatial_scale",
+           "multi_level_roi_align", "nms", "roi_align"]

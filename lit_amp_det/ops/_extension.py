@@ -1,10 +1,9 @@
 """Loads the compiled ``lit_amp_det._C`` extension and decides, per call, whether an op can use it.
 
-Importing registers the C++ CPU kernels under ``torch.ops.lit_amp_det`` and, for CUDA tensors, the Triton
-kernels of :mod:`lit_amp_det.ops.triton` (registered without importing triton; it is imported on the first CUDA
-call). When the extension was not built, or a device has no kernels (CUDA without triton installed), the ops fall
-back to the pure-PyTorch implementations in :mod:`lit_amp_det.ops.reference` and say so once, with the command
-that builds it.
+Importing registers the C++ CPU kernels under ``torch.ops.lit_amp_det`` and, for CUDA tensors, the Triton kernels of
+:mod:`lit_amp_det.ops.triton` (registered without importing triton; it is imported on the first CUDA call). When the
+extension was not built, or a device has no kernels (CUDA without triton installed), the ops fall back to the
+pure-PyTorch implementations in :mod:`lit_amp_det.ops.reference` and say so once, with the command that builds it.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ def _register_triton() -> bool:
     if not _LOADED:
         return False
     from lit_amp_det.ops.triton._register import register_cuda_kernels
-
     return register_cuda_kernels()
 
 

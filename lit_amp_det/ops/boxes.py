@@ -1,8 +1,7 @@
 """Pairwise box IoU for the anchor and proposal matchers, as one fused kernel.
 
-torchvision's ``box_iou`` builds several ``[N, M, 2]`` temporaries; the matcher only needs the IoU matrix,
-so the kernel writes it directly, in fp32 even for half-precision boxes (matcher thresholds such as 0.7
-must not be compared in fp16).
+torchvision's ``box_iou`` builds several ``[N, M, 2]`` temporaries; the matcher only needs the IoU matrix, so the kernel
+writes it directly, in fp32 even for half-precision boxes (matcher thresholds such as 0.7 must not be compared in fp16).
 """
 
 from __future__ import annotations

@@ -65,16 +65,8 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return reference.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
 
 
-def batched_nms_padded(
-    boxes: Tensor,
-    scores: Tensor,
-    idxs: Tensor,
-    iou_threshold: float,
-    max_output: int = -1,
-    *,
-    valid: Tensor | None = None,
-    max_class_size: int | None = None,
-) -> tuple[Tensor, Tensor]:
+def batched_nms_padded(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1, *,
+                       valid: Tensor | None = None, max_class_size: int | None = None) -> tuple[Tensor, Tensor]:
     """:func:`batched_nms` with a result of fixed size, so that the caller never waits for the device.
 
     Args:
@@ -124,17 +116,15 @@ if extension_available():
         return _fake_kept_indices(boxes, scores, max_output)
 
     @torch.library.register_fake("lit_amp_det::batched_nms")
-    def _batched_nms_fake(
-        boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1
-    ) -> Tensor:
+    def _batched_nms_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float,
+                          max_output: int = -1) -> Tensor:
         torch._check(idxs.shape == scores.shape, lambda: "idxs must have one entry per box")
         return _fake_kept_indices(boxes, scores, max_output)
 
     @torch.library.register_fake("lit_amp_det::batched_nms_padded")
-    def _batched_nms_padded_fake(
-        boxes: Tensor, scores: Tensor, idxs: Tensor, valid: Tensor | None, iou_threshold: float,
-        max_output: int = -1, max_class_size: int = -1,
-    ) -> tuple[Tensor, Tensor]:
+    def _batched_nms_padded_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, valid: Tensor | None,
+                                 iou_threshold: float, max_output: int = -1,
+                                 max_class_size: int = -1) -> tuple[Tensor, Tensor]:
         torch._check(idxs.shape == scores.shape, lambda: "idxs must have one entry per box")
         n = boxes.shape[0]
         limit = n if max_output < 0 else min(n, max_output)

@@ -15,31 +15,15 @@ from torch import Tensor
 
 from lit_amp_det.ops.triton import _launch
 
-__all__ = [
-    "MultiScaleRoIAlign",
-    "RoIAlign",
-    "batched_nms",
-    "batched_nms_padded",
-    "box_iou",
-    "multi_level_roi_align",
-    "nms",
-    "nms_padded",
-    "roi_align",
-]
+__all__ = ["MultiScaleRoIAlign", "RoIAlign", "batched_nms", "batched_nms_padded", "box_iou", "multi_level_roi_align",
+           "nms", "nms_padded", "roi_align"]
 
 
-# The front-end helpers are imported when first needed: lit_amp_det.ops imports this package's _register while
-# it is itself being imported, and lit_amp_det.ops.roi_align imports lit_amp_det.ops.
+# lit_amp_det.ops.roi_align's helpers are imported when first needed: lit_amp_det.ops imports this package's
+# _register while it is itself being imported, and lit_amp_det.ops.roi_align imports lit_amp_det.ops.
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:
     from lit_amp_det.ops.roi_align import _pair as pair
-
     return pair(size)
-
-
-def _rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
-    from lit_amp_det.ops.roi_align import boxes_to_rois
-
-    return boxes_to_rois(boxes)
 
 
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
@@ -52,17 +36,9 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
 
 
 def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
-    """Greedy NMS, the semantics of :func:`lit_amp_det.ops.nms`.
+    """Greedy NMS; arguments and result as :func:`lit_amp_det.ops.nms` (kept indices, int64, by decreasing score).
 
-    Args:
-        boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)``, any float dtype (IoU in fp32, fp64 for fp64).
-        scores (Tensor[N]): any float dtype.
-        iou_threshold: a box is dropped when a kept box overlaps it with IoU strictly greater than this.
-        max_output: stop once this many boxes are kept; negative keeps all survivors.
-
-    Returns:
-        Tensor[M] (int64): kept indices by decreasing score (ties: lower index first). Sizing it reads the
-        kept count once; :func:`nms_padded` does not.
+    Sizing the result reads the kept count once; :func:`nms_padded` does not.
     """
     return _launch.nms(boxes, scores, iou_threshold, max_output)
 
@@ -99,9 +75,8 @@ class _RoIAlignFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (rois,) = ctx.saved_tensors
         spatial_scale, pooled, sampling_ratio, aligned = ctx.params
-        grad_input = _launch.roi_align_backward(
-            grad, rois, spatial_scale, pooled[0], pooled[1], *ctx.input_shape, sampling_ratio, aligned
-        )
+        grad_input = _launch.roi_align_backward(grad, rois, spatial_scale, pooled[0], pooled[1], *ctx.input_shape,
+                                                sampling_ratio, aligned)
         return grad_input, None, None, None, None, None
 
 
@@ -111,60 +86,39 @@ class _MultiLevelRoIAlignFunction(torch.autograd.Function):
                 sampling_ratio: int, aligned: bool, *features: Tensor) -> Tensor:
         ctx.save_for_backward(rois, levels, *features)
         ctx.params = (spatial_scales, pooled, sampling_ratio, aligned)
-        return _launch.multi_level_roi_align(
-            features, rois, levels, spatial_scales, pooled[0], pooled[1], sampling_ratio, aligned
-        )
+        return _launch.multi_level_roi_align(features, rois, levels, spatial_scales, pooled[0], pooled[1],
+                                             sampling_ratio, aligned)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         rois, levels, *features = ctx.saved_tensors
         spatial_scales, pooled, sampling_ratio, aligned = ctx.params
-        grads = _launch.multi_level_roi_align_backward(
-            grad, features, rois, levels, spatial_scales, pooled[0], pooled[1], sampling_ratio, aligned
-        )
+        grads = _launch.multi_level_roi_align_backward(grad, features, rois, levels, spatial_scales, pooled[0],
+                                                       pooled[1], sampling_ratio, aligned)
         return (None, None, None, None, None, None, *grads)
 
 
-def roi_align(
-    input: Tensor,
-    boxes: Tensor | Sequence[Tensor],
-    output_size: int | Sequence[int],
-    spatial_scale: float = 1.0,
-    sampling_ratio: int = -1,
-    aligned: bool = False,
-) -> Tensor:
+def roi_align(input: Tensor, boxes: Tensor | Sequence[Tensor], output_size: int | Sequence[int],
+              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
     """torchvision's RoIAlign; arguments and result as :func:`lit_amp_det.ops.roi_align`.
 
-    Args:
-        input (Tensor[N, C, H, W]): fp16/bf16/fp32/fp64 features, contiguous or channels_last (read in place).
-        boxes (Tensor[K, 5] or List[Tensor[L, 4]]): RoIs, any float dtype; a RoI whose batch index is outside
-            ``[0, N)`` pools to zeros.
-
-    Returns:
-        Tensor[K, C, output_size[0], output_size[1]] in the input dtype and layout, differentiable w.r.t. input.
+    The input (contiguous or channels_last) is read in place; the result, in its dtype and layout, is differentiable
+    w.r.t. input.
     """
-    rois = _rois(boxes)
+    from lit_amp_det.ops.roi_align import boxes_to_rois  # imported here: see _pair
+    rois = boxes_to_rois(boxes)
     return _RoIAlignFunction.apply(input, rois, float(spatial_scale), _pair(output_size), int(sampling_ratio),
                                    bool(aligned))
 
 
-def multi_level_roi_align(
-    features: Sequence[Tensor],
-    rois: Tensor,
-    levels: Tensor,
-    spatial_scales: Sequence[float],
-    output_size: int | Sequence[int],
-    sampling_ratio: int = -1,
-    aligned: bool = False,
-) -> Tensor:
+def multi_level_roi_align(features: Sequence[Tensor], rois: Tensor, levels: Tensor, spatial_scales: Sequence[float],
+                          output_size: int | Sequence[int], sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
     """Row k is RoIAlign of ``rois[k]`` on ``features[levels[k]]``.
 
     Arguments and result as :func:`lit_amp_det.ops.multi_level_roi_align`; differentiable w.r.t. every level.
     """
-    return _MultiLevelRoIAlignFunction.apply(
-        rois, levels, tuple(float(s) for s in spatial_scales), _pair(output_size), int(sampling_ratio), bool(aligned),
-        *features,
-    )
+    return _MultiLevelRoIAlignFunction.apply(rois, levels, tuple(float(s) for s in spatial_scales), _pair(output_size),
+                                             int(sampling_ratio), bool(aligned), *features)
 
 
 def __getattr__(name: str) -> type:

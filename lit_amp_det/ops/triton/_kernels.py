@@ -58,14 +58,12 @@ def _flag(condition):
 
 @triton.jit
 def _cpp_min(a, b):
-    # std::min(a, b): (b < a) ? b : a
-    return tl.where(b < a, b, a)
+    return tl.where(b < a, b, a)  # std::min(a, b): (b < a) ? b : a
 
 
 @triton.jit
 def _cpp_max(a, b):
-    # std::max(a, b): (a < b) ? b : a
-    return tl.where(a < b, b, a)
+    return tl.where(a < b, b, a)  # std::max(a, b): (a < b) ? b : a
 
 
 @triton.jit
@@ -85,10 +83,8 @@ def _pair_iou(ax1, ay1, ax2, ay2, a_area, bx1, by1, bx2, by2, b_area, FP64: tl.c
 
 
 @triton.jit
-def box_iou_kernel(
-    a_ptr, b_ptr, out_ptr, n, m, sa0, sa1, sb0, sb1,
-    ACC: tl.constexpr, FP64: tl.constexpr, INT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-):
+def box_iou_kernel(a_ptr, b_ptr, out_ptr, n, m, sa0, sa1, sb0, sb1, ACC: tl.constexpr, FP64: tl.constexpr,
+                   INT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """out[i, j] = IoU(a[i], b[j]); one [BLOCK_N, BLOCK_M] tile per program."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,19 +102,15 @@ def box_iou_kernel(
     by2 = tl.load(b + 3 * sb1, mask=mm, other=0).to(ACC)
     a_area = (ax2 - ax1) * (ay2 - ay1)
     b_area = (bx2 - bx1) * (by2 - by1)
-    iou = _pair_iou(
-        ax1[:, None], ay1[:, None], ax2[:, None], ay2[:, None], a_area[:, None],
-        bx1[None, :], by1[None, :], bx2[None, :], by2[None, :], b_area[None, :], FP64, INT,
-    )
+    iou = _pair_iou(ax1[:, None], ay1[:, None], ax2[:, None], ay2[:, None], a_area[:, None],
+                    bx1[None, :], by1[None, :], bx2[None, :], by2[None, :], b_area[None, :], FP64, INT)
     out = out_ptr + rn.to(tl.int64)[:, None] * m + rm[None, :]
     tl.store(out, iou.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
 
 
 @triton.jit
-def nms_mask_kernel(
-    boxes_ptr, s0, s1, order_ptr, cls_ptr, thr_ptr, mask_ptr, n, words, band,
-    ACC: tl.constexpr, FP64: tl.constexpr,
-):
+def nms_mask_kernel(boxes_ptr, s0, s1, order_ptr, cls_ptr, thr_ptr, mask_ptr, n, words, band, ACC: tl.constexpr,
+                    FP64: tl.constexpr):
     """IoU bitmask of the boxes in visiting order, banded: bit t of mask[i, d] says "box i suppresses box
     64 (i // 64 + d) + t". Boxes are grouped by class (ascending), and no class spans more than ``band`` words
     past its first, so row i needs only the words [i // 64, i // 64 + band).
@@ -149,10 +141,8 @@ def nms_mask_kernel(
             cy2 = tl.load(boxes_ptr + ci + 3 * s1, mask=cmask, other=0).to(ACC)
             r_area = (rx2 - rx1) * (ry2 - ry1)
             c_area = (cx2 - cx1) * (cy2 - cy1)
-            iou = _pair_iou(
-                rx1[:, None], ry1[:, None], rx2[:, None], ry2[:, None], r_area[:, None],
-                cx1[None, :], cy1[None, :], cx2[None, :], cy2[None, :], c_area[None, :], FP64, False,
-            )
+            iou = _pair_iou(rx1[:, None], ry1[:, None], rx2[:, None], ry2[:, None], r_area[:, None],
+                            cx1[None, :], cy1[None, :], cx2[None, :], cy2[None, :], c_area[None, :], FP64, False)
             r_cls = tl.load(cls_ptr + r, mask=rmask, other=0)
             c_cls = tl.load(cls_ptr + c, mask=cmask, other=0)
             # fp32 IoU against the double threshold, as torchvision's CPU kernel compares them
@@ -166,9 +156,8 @@ def nms_mask_kernel(
 
 
 @triton.jit
-def nms_greedy_kernel(
-    mask_ptr, removed_ptr, cls_ptr, class_end_ptr, keep_ptr, n, words, band, limit, WORDS_BLOCK: tl.constexpr,
-):
+def nms_greedy_kernel(mask_ptr, removed_ptr, cls_ptr, class_end_ptr, keep_ptr, n, words, band, limit,
+                      WORDS_BLOCK: tl.constexpr):
     """The greedy pass, one program: boxes in visiting order (grouped by class, each class by score).
 
     Box i is kept unless it starts removed (``removed_ptr``: one int64 of bits per word, set for boxes that must
@@ -282,24 +271,19 @@ def _level_ok(levels_ptr, k, num_levels, HAS_LEVELS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio"])
 def roi_align_forward_kernel(
-    x_ptr, rois_ptr, levels_ptr, scale_ptr, out_ptr,
-    level, num_levels, batch, channels, height, width,
-    sx_n, sx_c, sx_h, sx_w, sr0, sr1, so_k, so_c, so_h, so_w,
-    pooled_h, pooled_w, sampling_ratio,
+    x_ptr, rois_ptr, levels_ptr, scale_ptr, out_ptr, level, num_levels, batch, channels, height, width,
+    sx_n, sx_c, sx_h, sx_w, sr0, sr1, so_k, so_c, so_h, so_w, pooled_h, pooled_w, sampling_ratio,
     ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-):
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[k, c, ph, pw] for roi k and a block of channels, all bins at once; grid (K, cdiv(C, BLOCK_C)).
 
-    Reads x through its strides (contiguous or channels_last), sums samples in ACC in torchvision's order,
-    writes through the output's strides. A roi with an image index outside [0, N) (or an invalid level)
-    pools to zeros.
+    Reads x through its strides (contiguous or channels_last), sums samples in ACC in torchvision's order, writes
+    through the output's strides. A roi with an image index outside [0, N) (or an invalid level) pools to zeros.
     """
     k = tl.program_id(0)
     if _owns(levels_ptr, k, level, num_levels, HAS_LEVELS):
         in_batch, image, start_h, start_w, bin_h, bin_w, grid_h, grid_w, count = _roi_geometry(
-            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64
-        )
+            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64)
         in_batch = in_batch & _level_ok(levels_ptr, k, num_levels, HAS_LEVELS)
         p = tl.arange(0, BLOCK_P)
         bin_y = p // pooled_w
@@ -335,13 +319,10 @@ def roi_align_forward_kernel(
 
 @triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio"])
 def roi_align_backward_atomic_kernel(
-    grad_ptr, rois_ptr, levels_ptr, scale_ptr, gx_ptr,
-    level, num_levels, batch, channels, height, width,
-    sg_k, sg_c, sg_h, sg_w, sr0, sr1, sx_n, sx_c, sx_h, sx_w,
-    pooled_h, pooled_w, sampling_ratio,
+    grad_ptr, rois_ptr, levels_ptr, scale_ptr, gx_ptr, level, num_levels, batch, channels, height, width,
+    sg_k, sg_c, sg_h, sg_w, sr0, sr1, sx_n, sx_c, sx_h, sx_w, pooled_h, pooled_w, sampling_ratio,
     ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-):
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """Scatters grad[k] into the ACC buffer gx with atomic adds; grid (K, cdiv(C, BLOCK_C)).
 
     Rois overlap, so two programs may add into the same pixel: the order of those fp32 additions is not
@@ -350,8 +331,7 @@ def roi_align_backward_atomic_kernel(
     k = tl.program_id(0)
     if _owns(levels_ptr, k, level, num_levels, HAS_LEVELS):
         in_batch, image, start_h, start_w, bin_h, bin_w, grid_h, grid_w, count = _roi_geometry(
-            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64
-        )
+            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64)
         in_batch = in_batch & _level_ok(levels_ptr, k, num_levels, HAS_LEVELS)
         p = tl.arange(0, BLOCK_P)
         bin_y = p // pooled_w
@@ -415,13 +395,9 @@ def _bins_reaching(first, end, start, bin_size, pooled):
 
 @triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio", "tile_h", "tile_w"])
 def roi_align_backward_owned_kernel(
-    grad_ptr, rois_ptr, levels_ptr, scale_ptr, gx_ptr,
-    level, num_levels, num_rois, batch, channels, height, width,
-    sg_k, sg_c, sg_h, sg_w, sr0, sr1, sx_n, sx_c, sx_h, sx_w,
-    pooled_h, pooled_w, sampling_ratio, tile_h, tile_w,
-    ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
+    grad_ptr, rois_ptr, levels_ptr, scale_ptr, gx_ptr, level, num_levels, num_rois, batch, channels, height, width,
+    sg_k, sg_c, sg_h, sg_w, sr0, sr1, sx_n, sx_c, sx_h, sx_w, pooled_h, pooled_w, sampling_ratio, tile_h, tile_w,
+    ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr, BLOCK_C: tl.constexpr):
     """Deterministic backward: each program owns a tile_h x tile_w tile of one image's gx for a block of channels and
     adds into it, in one fixed order (roi, bin, sample, corner), every contribution that lands in the tile, as the CPU
     kernel's threads own channels. No two programs write the same element, so no atomics, and every element's sum
@@ -445,8 +421,7 @@ def roi_align_backward_owned_kernel(
     for k in range(0, num_rois):
         mine = _owns(levels_ptr, k, level, num_levels, HAS_LEVELS) & _level_ok(levels_ptr, k, num_levels, HAS_LEVELS)
         in_batch, image, start_h, start_w, bin_h, bin_w, grid_h, grid_w, count = _roi_geometry(
-            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64
-        )
+            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64)
         if mine & in_batch & (image == n):
             by_lo, by_hi = _bins_reaching(y_first, y_end, start_h, bin_h, pooled_h)
             bx_lo, bx_hi = _bins_reaching(x_first, x_end, start_w, bin_w, pooled_w)
@@ -457,14 +432,12 @@ def roi_align_backward_owned_kernel(
                     g_ptr = grad_ptr + _i64(k) * sg_k + c.to(tl.int64) * sg_c + bin_y * sg_h + bin_x * sg_w
                     g = _div(tl.load(g_ptr, mask=cmask, other=0).to(ACC), count, FP64)
                     for iy in range(0, grid_h):
-                        y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_tap(start_h, bin_h, bin_y, iy, grid_h, height, ACC,
-                                                                   FP64)
+                        y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_tap(start_h, bin_h, bin_y, iy, grid_h, height, ACC, FP64)
                         lo_row = (y_lo >= y_first) & (y_lo < y_end)
                         hi_row = (y_hi >= y_first) & (y_hi < y_end)
                         for ix in range(0, grid_w):
-                            x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_tap(
-                                start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64
-                            )
+                            x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_tap(start_w, bin_w, bin_x, ix, grid_w, width, ACC,
+                                                                       FP64)
                             ok = cmask & y_ok & x_ok
                             lo_col = (x_lo >= x_first) & (x_lo < x_end)
                             hi_col = (x_hi >= x_first) & (x_hi < x_end)

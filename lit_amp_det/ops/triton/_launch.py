@@ -55,7 +55,6 @@ def load_kernels(interpret: bool) -> ModuleType:
     """A fresh copy of the kernels module, decorated for Triton's interpreter or for compilation whatever
     ``TRITON_INTERPRET`` said when the module was first imported (the AOT compile report takes the compiled one)."""
     import triton
-
     name = _KERNELS_MODULE + ("_interpreted" if interpret else "_compiled")
     spec = importlib.util.spec_from_file_location(name, importlib.util.find_spec(_KERNELS_MODULE).origin)
     module = importlib.util.module_from_spec(spec)
@@ -102,7 +101,6 @@ def _gpu_configs(device: torch.device) -> bool:
 def _launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     """Launches on the current device; compiled kernels go through ``wrap_triton`` so torch.compile traces them."""
     from triton.runtime.interpreter import InterpretedFunction
-
     if isinstance(kernel, InterpretedFunction):
         kernel[grid](*args, **meta)
         return
@@ -116,7 +114,6 @@ def _acc_dtype(*tensors: Tensor) -> torch.dtype:
 
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
-
     return {torch.float32: tl.float32, torch.float64: tl.float64, torch.int64: tl.int64}[dtype]
 
 
@@ -189,10 +186,6 @@ def _check_nms_inputs(op: str, boxes: Tensor, scores: Tensor, idxs: Tensor | Non
                          "top-scoring boxes first (e.g. scores.topk)")
 
 
-def _keep_limit(n: int, max_output: int) -> int:
-    return n if max_output < 0 else min(n, int(max_output))
-
-
 def _removed_words(valid: Tensor | None, visit: Tensor, n: int, words: int) -> Tensor:
     """The greedy pass's initial removed bits, one int64 per word of 64 boxes in visiting order: the boxes that
     are not ``valid`` and the padding past n."""
@@ -241,16 +234,6 @@ def _kept_flags(boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshol
     return order, keep_by_score
 
 
-def _compact(order: Tensor, keep: Tensor, limit: int) -> tuple[Tensor, Tensor]:
-    """Kept indices in score order, padded with -1 to ``limit``, and their count; on the device, no sync."""
-    position = torch.cumsum(keep, 0, dtype=torch.int64) - 1
-    slot = torch.where((keep != 0) & (position < limit), position, limit)
-    padded = torch.full((limit + 1,), -1, dtype=torch.int64, device=order.device)
-    padded.scatter_(0, slot, order)  # every dropped box lands in the extra slot `limit`, cut below
-    count = (position[-1] + 1).clamp(max=limit)
-    return padded[:limit], count
-
-
 def _nms_padded(boxes, scores, idxs, iou_threshold, max_output, op, valid=None, max_class_size=None
                  ) -> tuple[Tensor, Tensor]:
     _check_nms_inputs(op, boxes, scores, idxs)
@@ -258,12 +241,18 @@ def _nms_padded(boxes, scores, idxs, iou_threshold, max_output, op, valid=None, 
     if valid is not None and (valid.dtype != torch.bool or valid.shape != (n,) or valid.device != boxes.device):
         raise ValueError(f"{op}: valid should be a bool tensor of shape [{n}] on {boxes.device}, got "
                          f"{valid.dtype} {list(valid.shape)} on {valid.device}")
-    limit = _keep_limit(n, max_output)
+    limit = n if max_output < 0 else min(n, int(max_output))
     if limit == 0:
         return (torch.empty(0, dtype=torch.int64, device=boxes.device),
                 torch.zeros((), dtype=torch.int64, device=boxes.device))
     order, keep = _kept_flags(boxes, scores, idxs, iou_threshold, limit, valid, max_class_size)
-    return _compact(order, keep, limit)
+    # kept indices in score order, padded with -1 to `limit`, and their count; on the device, no sync
+    position = torch.cumsum(keep, 0, dtype=torch.int64) - 1
+    slot = torch.where((keep != 0) & (position < limit), position, limit)
+    padded = torch.full((limit + 1,), -1, dtype=torch.int64, device=order.device)
+    padded.scatter_(0, slot, order)  # every dropped box lands in the extra slot `limit`, cut below
+    count = (position[-1] + 1).clamp(max=limit)
+    return padded[:limit], count
 
 
 def nms_padded(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1, *,

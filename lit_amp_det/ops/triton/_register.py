@@ -19,7 +19,6 @@ _LIBRARY: torch.library.Library | None = None
 
 def _launchers():
     from lit_amp_det.ops.triton import _launch
-
     return _launch
 
 
@@ -62,16 +61,10 @@ def _multi_level_roi_align_backward(grad, features, rois, levels, spatial_scales
                                                        pooled_width, sampling_ratio, aligned)
 
 
-_KERNELS = {
-    "nms": _nms,
-    "batched_nms": _batched_nms,
-    "batched_nms_padded": _batched_nms_padded,
-    "box_iou": _box_iou,
-    "roi_align": _roi_align,
-    "_roi_align_backward": _roi_align_backward,
-    "multi_level_roi_align": _multi_level_roi_align,
-    "_multi_level_roi_align_backward": _multi_level_roi_align_backward,
-}
+_KERNELS = {"nms": _nms, "batched_nms": _batched_nms, "batched_nms_padded": _batched_nms_padded, "box_iou": _box_iou,
+            "roi_align": _roi_align, "_roi_align_backward": _roi_align_backward,
+            "multi_level_roi_align": _multi_level_roi_align,
+            "_multi_level_roi_align_backward": _multi_level_roi_align_backward}
 
 
 def register_cuda_kernels() -> bool:
