@@ -122,6 +122,7 @@ class MaskRCNNModule(LightningModule):
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()
         self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
+        self.captured_step: Any = None  # the CUDAGraphTraining callback while it trains (callbacks.cuda_graph)
 
     # ------------------------------------------------------------------------------ implementation choices
     def model_transforms(self) -> list[ModelTransform]:
@@ -262,13 +263,16 @@ class MaskRCNNModule(LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         images, targets = batch
-        targets = self.training_targets(targets)
-        if targets and "valid" in targets[0] and not hasattr(self.model, "forward_padded"):
-            raise ValueError("the training targets are padded (data.pad_instances), which only the sync_free detector "
-                             "reads: apply it on this device (speedups.sync_free.devices) or set "
-                             "data.pad_instances=null")
-        loss_dict = self.model(self.prepare_images(images), targets)
-        loss = self.compute_loss(loss_dict)
+        if self.captured_step is not None:  # forward, backward and optimizer step as one CUDA graph replay
+            loss_dict, loss = self.captured_step.run(self, images, targets)
+        else:
+            targets = self.training_targets(targets)
+            if targets and "valid" in targets[0] and not hasattr(self.model, "forward_padded"):
+                raise ValueError("the training targets are padded (data.pad_instances), which only the sync_free "
+                                 "detector reads: apply it on this device (speedups.sync_free.devices) or set "
+                                 "data.pad_instances=null")
+            loss_dict = self.model(self.prepare_images(images), targets)
+            loss = self.compute_loss(loss_dict)
         batch_size = len(images)
         self.log_dict({f"train/{k}": v.detach().float() for k, v in loss_dict.items()}, batch_size=batch_size)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)

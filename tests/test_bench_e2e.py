@@ -55,19 +55,21 @@ def test_each_row_adds_one_switch_to_the_row_above(kind: str) -> None:
     setting = dataclasses.replace(SETTING, half="bf16")  # every row changes something
     names = [row.name for row in bench.rows]
     assert len(set(names)) == len(names) and names[:5] == ["torchvision-fp32", "autocast", "fp32-regions", "ext-ops",
-                                                           "channels-last"] and names[-2:] == ["compile",
-                                                                                                "cuda-graphs"]
+                                                           "channels-last"]
+    assert names[-2:] == (["step-graph", "compile"] if kind == "train" else ["compile", "cuda-graphs"])
     previous = _config(bench, 0, setting)
     assert previous["speedups"] == {} and previous["callbacks"] == {} and previous["trainer.precision"] == "32-true"
     assert previous["optim.optimizer.fused"] is None and previous["precision.fp32_regions"] == {}
     assert previous["model.speedups"] == "${speedups}"  # the module gets the group, as fit gives it
     for index, row in enumerate(bench.rows[1:], start=1):
         overrides = row_overrides(bench, index, setting)
-        assert overrides[:-1] == row_overrides(bench, index - 1, setting) and len(row.adds) == 1
+        adds = len(row.adds)
+        assert overrides[:-adds] == row_overrides(bench, index - 1, setting) and adds == (2 if row.name ==
+                                                                                           "step-graph" else 1)
         flat = _config(bench, index, setting)
         changed = _changed(previous, flat)
-        (key,) = _keys(row.adds)
-        inside = [k for k in changed if k == key or k.startswith(key + ".") or key.startswith(k + ".")]  # k: {}
+        inside = [k for k in changed for key in _keys(row.adds)
+                  if k == key or k.startswith(key + ".") or key.startswith(k + ".")]  # k: {}
         assert changed and len(inside) == len(changed), (row.name, changed)
         previous = flat
     assert previous["speedups.ext_ops._target_"] == "lit_amp_det.models.speedups.ExtensionOps"
@@ -111,8 +113,8 @@ def test_default_rows_leave_out_what_changes_nothing_here(kind: str) -> None:
     if kind == "precision":
         assert half == fp32 == ["32-true", "bf16-mixed", "bf16-mixed-plain", "bf16-weights"]
     else:
-        assert half == [name for name in cuda if name != "cuda-graphs"]  # CUDA's own row
-        assert not {"autocast", "fp32-regions", "low-precision-weights", "cuda-graphs"} & set(fp32)
+        assert half == [name for name in cuda if name not in ("cuda-graphs", "step-graph")]  # CUDA's own rows
+        assert not {"autocast", "fp32-regions", "low-precision-weights", "cuda-graphs", "step-graph"} & set(fp32)
         assert {"torchvision-fp32", "ext-ops", "channels-last", "compile"} <= set(fp32)
 
 

@@ -47,7 +47,7 @@ def test_the_steps_and_their_options(tmp_path: Path, monkeypatch: pytest.MonkeyP
             assert "--rows" not in command and "--state" not in command
         else:
             rows = command[command.index("--rows") + 1].split(",")
-            assert rows[0] == "torchvision-fp32" and len(rows) == 4
+            assert rows[0] == "torchvision-fp32" and len(rows) == (5 if bench == "train" else 4)
             assert set(rows) <= {row.name for row in BENCHES[bench].rows}, "a row the bench does not have"
             assert command[command.index("--state") + 1] == "random"
     report = (tmp_path / "gpu_check.md").read_text()

@@ -6,8 +6,8 @@ On a machine with a CUDA GPU it runs, each step in its own process and in this o
    ops, the host-sync counts, a Trainer on the GPU applying its speedups;
 2. ``bench ops --device cuda``;
 3. ``bench train`` and ``bench infer`` on R50-FPN, 800x1333, batch 8: by default four rows each (torchvision fp32,
-   + autocast, all on but sync_free and compile, + sync_free) from the seeded initialisation, one repeat, to fit a
-   short lease; ``--full`` runs every row from the trained state with the benches' repeats.
+   + autocast, all on but sync_free and compile, + sync_free) and in training a fifth, the whole step as one CUDA
+   graph, from the seeded initialisation, one repeat, to fit a short lease; ``--full`` runs every row from the trained state with the benches' repeats.
 
 It writes ``gpu_check.md`` (test summary, the tables, device, versions, each step's wall time) into ``--out``,
 rewritten after every step so that a run stopped by a time limit keeps what it measured. ``--repeats``, ``--steps``,
@@ -42,7 +42,7 @@ CUDA_TESTS = ["-m", "cuda", "tests"]
 BENCH_OPTIONS = ("repeats", "steps", "warmup", "state_steps")
 #: what the benches run without ``--full``: first and last rows of the speedups (each row adds its override to the row
 #: above, whether that ran or not), one repeat, the seeded initialisation (no state to train first)
-QUICK = {"train": ["--rows", "torchvision-fp32,autocast,fused-optim,sync-free"],
+QUICK = {"train": ["--rows", "torchvision-fp32,autocast,fused-optim,sync-free,step-graph"],
          "infer": ["--rows", "torchvision-fp32,autocast,convbn-fold,sync-free"]}
 QUICK_OPTIONS = ["--state", "random", "--repeats", "1", "--steps", "8", "--warmup", "3"]
 #: ``--rehearse``: the smallest run of each step on the CPU

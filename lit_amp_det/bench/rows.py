@@ -71,7 +71,10 @@ _FIRST_ROWS = (
 # on every device, so that a CPU run measures it too; the compile row after it then compiles the whole detector
 _SYNC_FREE = Row("sync-free", "+ sync_free (fixed shapes)", (_speedup("sync_free", "SyncFree", ",devices:[cpu,cuda]"),))
 _COMPILE = Row("compile", "+ torch.compile (whole if sync_free)", (_speedup("compile", "CompileBackbone"),))
-# inductor's CUDA graphs of the compiled forward and backward: static shapes with sync_free (and padded targets)
+# training: the whole step (forward, backward, optimizer) replayed as one CUDA graph (callbacks.cuda_graph), before
+# compile so that the compile row's kernels are captured too; inference: inductor's CUDA graphs of the compiled forward
+_STEP_GRAPH = Row("step-graph", "+ whole step as one CUDA graph",
+                  ("callbacks=[freeze_norm,conv_bn_eval,cuda_graph]", "data.pad_instances=100"), "cuda")
 _CUDA_GRAPHS = Row("cuda-graphs", "+ CUDA graphs (reduce-overhead)", ("+speedups.compile.mode=reduce-overhead",), "cuda")
 
 TRAIN_ROWS = (
@@ -80,8 +83,8 @@ TRAIN_ROWS = (
     Row("fused-optim", "+ fused SGD", ("optim.optimizer.fused=auto",)),
     Row("low-precision-weights", "+ half weights, fp32 masters", ("trainer.precision={weights}",), "half"),
     _SYNC_FREE,
+    _STEP_GRAPH,
     _COMPILE,
-    _CUDA_GRAPHS,
 )
 INFER_ROWS = (
     *_FIRST_ROWS,

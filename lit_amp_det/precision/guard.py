@@ -47,21 +47,28 @@ class NonFiniteStepGuard:
         self._unread = 0  # steps recorded since the host last read the counts
         self._skipper = DeviceSkippedStep()
 
-    def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        """``optimizer.step(**kwargs)`` unless a gradient is inf or NaN (decided and skipped on the device); counted."""
+    def step(self, optimizer: torch.optim.Optimizer, tick: bool = True, **kwargs: Any) -> None:
+        """``optimizer.step(**kwargs)`` unless a gradient is inf or NaN (decided and skipped on the device); counted
+        (``tick``: see :meth:`record`)."""
         skip = non_finite(gradients(optimizer))
         self._skipper.step(optimizer, skip, **kwargs)
-        self.record(skip)
+        self.record(skip, tick)
 
-    def record(self, skipped: Tensor) -> None:
-        """Counts one optimizer step, skipped where ``skipped`` (a 0-dim bool tensor) is set; every
-        ``check_every_n_steps`` calls, checks the counts on the host."""
+    def record(self, skipped: Tensor, tick: bool = True) -> None:
+        """Counts one optimizer step, skipped where ``skipped`` (a 0-dim bool tensor) is set, in place on the device
+        (so a CUDA graph can hold it), then :meth:`tick` unless ``tick`` is false (a captured step ticks on replay)."""
         if self._counts.device != skipped.device:
             self._counts = self._counts.to(skipped.device)
         skip = skipped.to(torch.int64)
         total, run, longest = self._counts.unbind()
-        run = (run + skip) * skip  # back to 0 on a step that was taken
-        self._counts = torch.stack([total + skip, run, torch.maximum(longest, run)])
+        total.add_(skip)
+        run.add_(skip).mul_(skip)  # back to 0 on a step that was taken
+        torch.maximum(longest, run, out=longest)
+        if tick:
+            self.tick()
+
+    def tick(self) -> None:
+        """One recorded step on the host: every ``check_every_n_steps`` ticks, checks the counts."""
         self._unread += 1
         if self._unread >= self.check_every_n_steps:
             self.check()
@@ -79,7 +86,7 @@ class NonFiniteStepGuard:
         """Reads the counts and raises when a run of ``max_consecutive`` skips happened since the last read."""
         total, _, longest = self._read()
         self._unread = 0
-        self._counts = torch.stack([self._counts[0], self._counts[1], self._counts[1]])  # the next longest run
+        self._counts[2].copy_(self._counts[1])  # the next longest run starts from the current one
         if longest >= self.max_consecutive:
             raise RuntimeError(
                 f"{longest} consecutive optimizer steps had non-finite gradients under trainer.precision="
