@@ -1,4 +1,5 @@
-"""A whole sync-free training step as one CUDA graph (issue 42, point 4's capture), timed against the eager step.
+"""A bare sync-free training step as one CUDA graph, timed against the same step eager: the capture of
+``callbacks.cuda_graph`` (which does this inside Lightning, with the precision plugin) without the Trainer around it.
 
 Forward, backward and the fused SGD step of the ``speedups.sync_free`` Mask R-CNN on static input buffers (fixed-size
 images, targets padded to ``--instances`` as ``data.pad_instances`` pads them) are captured with ``torch.cuda.graph``
