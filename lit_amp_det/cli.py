@@ -8,7 +8,7 @@ because Hydra has no notion of subcommands. ``--help`` prints the subcommands an
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import hydra
@@ -86,7 +86,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                  f"each run gets a new one), or resume that run into a new folder with ckpt_path={used}")
     if launch_rank() and not any(arg.startswith("hydra.output_subdir=") for arg in rest):
         rest = [*rest, "hydra.output_subdir=null"]  # another node's first process: rank 0 writes .hydra/
-    sys.argv = [sys.argv[0], *hydra_argv(rest, command)]
+    from lit_amp_det.app.overrides import prepare_overrides
+
+    multirun = "-m" in rest or "--multirun" in rest
+    sys.argv = [sys.argv[0], *hydra_argv(rest, command, lambda overrides: prepare_overrides(overrides, multirun))]
     _hydra_entry()
 
 
@@ -112,10 +115,11 @@ def _used_run_dir(args: Sequence[str]) -> str | None:
     return None
 
 
-def hydra_argv(args: Sequence[str], command: str) -> list[str]:
-    """Hydra's argv for ``args``: flags (with their values) first, then the overrides, then ``command=...``. Hydra's
-    argparse rejects overrides on both sides of a flag (``seed=1 --cfg job x=2``); moving the flags to the front
-    accepts any order, and ``command=`` goes last so it is one more override."""
+def hydra_argv(args: Sequence[str], command: str,
+               prepare: Callable[[list[str]], list[str]] | None = None) -> list[str]:
+    """Hydra's argv for ``args``: flags (with their values) first, then the overrides (passed through ``prepare``),
+    then ``command=...``. Hydra's argparse rejects overrides on both sides of a flag (``seed=1 --cfg job x=2``);
+    moving the flags to the front accepts any order, and ``command=`` goes last so it is one more override."""
     flags: list[str] = []
     overrides: list[str] = []
     position = 0
@@ -131,4 +135,4 @@ def hydra_argv(args: Sequence[str], command: str) -> list[str]:
         if (takes_value or takes_topic) and position < len(args):
             flags.append(args[position])
             position += 1
-    return [*flags, *overrides, f"command={command}"]
+    return [*flags, *(prepare(overrides) if prepare else overrides), f"command={command}"]

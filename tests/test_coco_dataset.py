@@ -350,6 +350,13 @@ def test_unknown_category_id(tmp_path):
         CocoInstances(image_dir, path)
 
 
+def test_a_misspelt_key_is_named_missing(tmp_path):
+    image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 12).update(categoryid=_ann(d, 12).pop("category_id")))
+    with pytest.raises(ValueError, match=r"annotation 12 in " + re.escape(str(path)) + r" has no category_id key "
+                       r"\(its keys: .*categoryid.*\); a COCO annotation needs image_id, category_id and bbox"):
+        CocoInstances(image_dir, path)
+
+
 def test_unknown_image_id(tmp_path):
     image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 12).update(image_id=99))
     with pytest.raises(ValueError, match=r"annotation 12 in " + re.escape(str(path)) + r" has image_id 99, which is not"):

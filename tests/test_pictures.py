@@ -70,8 +70,10 @@ def test_soft_masks_are_cut_at_one_half_and_boxes_drawn_where_detected():
 
 def test_score_threshold_hides_weak_detections_and_boxes_only_detections_draw_no_mask():
     det = {"boxes": torch.tensor([[5.0, 5.0, 55.0, 35.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.3])}
-    assert torch.equal(draw_detections(_gray(), det, score_threshold=0.5), torch.full((3, 40, 60), 128,
-                                                                                      dtype=torch.uint8))
+    wide = torch.full((3, 40, 200), 0.5)
+    hidden = draw_detections(wide, det, score_threshold=0.5)  # no box, and a note saying why
+    assert (hidden[:, 16:] == 128).all() and (hidden[:, :14, :3] == 255).all()  # the note's white patch
+    assert (hidden[:, 2:12, 2:140] < 100).all(0).sum() > 60  # its dark text: "no detections above 0.5"
     changed = (draw_detections(_gray(), det, score_threshold=0.3) != 128).any(0)
     assert changed[5, 30] and changed[20, 5]  # the box outline
     assert not changed[25:34, 10:50].any()  # no mask inside: Faster R-CNN draws boxes only
@@ -156,8 +158,9 @@ def test_small_images_are_enlarged_by_whole_pixels():
     image = torch.randint(0, 256, (3, 20, 30), dtype=torch.uint8)
     det = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "scores": torch.zeros(0),
            "masks": torch.zeros(0, 20, 30, dtype=torch.bool)}
-    assert torch.equal(draw_detections(image, det, min_side=64), _enlarged(image, 4))  # ceil(64 / 20)
-    assert torch.equal(draw_detections(image, det), image)
+    enlarged = draw_detections(image, det, min_side=64)  # ceil(64 / 20) = 4; no detection: a note at the top
+    assert enlarged.shape == (3, 80, 120) and torch.equal(enlarged[:, 20:], _enlarged(image, 4)[:, 20:])
+    assert draw_detections(image, det).shape == image.shape
 
 
 def test_ground_truth_draws_uint8_masks_and_names():
@@ -237,7 +240,8 @@ def test_writer_rejects_a_negative_image_count(tmp_path):
 
 
 def test_predict_draws_the_json_detections_onto_the_dataset_images(tmp_path):
-    cfg = compose_config([*SMOKE, "command=predict", "callbacks.prediction_writer.num_images=3"], tmp_path)
+    cfg = compose_config([*SMOKE, "command=predict", "callbacks.prediction_writer.num_images=3",
+                          "callbacks.prediction_writer.image_score_threshold=null"], tmp_path)  # draw all the JSON has
     predict(cfg)
     dataset = build_datamodule(cfg).dataset("val")
     records = json.loads((tmp_path / "predictions.json").read_text())

@@ -67,6 +67,10 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     _check_sync_batchnorm(cfg)
     _check_data_settings(cfg)
+    for key in ("max_steps", "max_epochs"):
+        if cfg.command == "fit" and cfg.trainer.get(key) == 0:
+            raise ValueError(f"trainer.{key}=0 trains nothing; give a positive number, or -1 (max_steps) / null "
+                             "(max_epochs) for no limit")
     if (seed := cfg.get("seed")) is not None and not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer or null")
 

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_amp_det.app.config import check_command, check_config
+from lit_amp_det.app.console import quiet_console, report_user_error
 from lit_amp_det.app.launch import adopt_launch_rank, ddp_child_command
 from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder
 from lit_amp_det.app.runs import (_write_json, holds_a_run, is_earlier_attempt, read_run, resolve_ckpt_path,
@@ -360,6 +361,7 @@ def run(cfg: DictConfig) -> Any:
     devices = cfg.get("trainer", {}).get("devices")
     adopt_launch_rank(devices if isinstance(devices, int) else 1)  # node k > 0 must not claim the run folder
     _route_lightning_logs()
+    quiet_console(bool(cfg.get("verbose", False)))
     with ddp_child_command(cfg):  # so that DDP's other ranks start as this job (also inside a sweep)
         try:
             result = _TASKS[cfg.command](cfg)
@@ -369,5 +371,7 @@ def run(cfg: DictConfig) -> Any:
             if rank_zero_only.rank == 0 and not isinstance(err, FileExistsError):
                 status = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed"
                 update_run_record(Path(cfg.paths.output_dir), status=status, error=f"{type(err).__name__}: {err}")
+            if report_user_error(err, bool(cfg.get("verbose", False))):
+                sys.exit(1)  # the message is printed; the traceback is in the log file
             raise
     return result.get(cfg.optimized_metric) if isinstance(result, dict) and cfg.get("optimized_metric") else None

@@ -1,8 +1,10 @@
-"""Plain-text training progress: one line every N steps and the metrics of every validation.
+"""Plain-text training progress: a line after the first step, then every N steps or every minute, and the metrics of
+every validation.
 
 A progress bar in a file (``nohup``, ``sbatch``, CI logs) keeps only its last state, so this callback writes lines
-instead (step, epoch, loss, learning rate, images/s every ``every_n_steps`` steps, and the metrics after every
-validation) through the ``lit_amp_det.progress`` logger, reaching the console and the run's log file alike. With
+instead (step, epoch, loss, learning rate, images/s; the first once the first step is done, so that a slow CPU run
+shows it started, then every ``every_n_steps`` steps or ``every_n_seconds``, whichever comes first; the metrics after
+every validation) through the ``lit_amp_det.progress`` logger, reaching the console and the run's log file alike. With
 ``console: auto`` they go to the console only when stdout is not a terminal (or the progress bar is off).
 """
 
@@ -56,17 +58,23 @@ def _fmt(value: float) -> str:
 
 
 class ConsoleLog(Callback):
-    """Writes a progress line every ``every_n_steps`` training steps and one per validation.
+    """Writes a progress line after the first training step, then every ``every_n_steps`` steps or
+    ``every_n_seconds``, whichever comes first, and one per validation.
 
     Args:
         every_n_steps: steps between two lines (step, loss, learning rate, images/s since the last line).
+        every_n_seconds: the longest time between two lines while steps complete.
         console: ``auto`` (only when stdout is not a terminal or there is no progress bar), ``true``, ``false``;
             the run's log file gets every line in any case.
     """
 
-    def __init__(self, every_n_steps: int = 50, console: bool | str = "auto") -> None:
+    def __init__(self, every_n_steps: int = 50, console: bool | str = "auto", every_n_seconds: float = 60.0) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"ConsoleLog every_n_steps={every_n_steps!r} must be an integer >= 1")
+        if isinstance(every_n_seconds, bool) or not isinstance(every_n_seconds, (int, float)) or every_n_seconds <= 0:
+            raise ValueError(f"ConsoleLog every_n_seconds={every_n_seconds!r} must be a number > 0")
+        self.every_n_seconds = float(every_n_seconds)
+        self._first = True
         if console not in ("auto", True, False):
             raise ValueError(f"ConsoleLog console={console!r}; choose auto, true or false")
         self.every_n_steps = every_n_steps
@@ -84,16 +92,17 @@ class ConsoleLog(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._images, self._since = 0, time.perf_counter()
+        self._images, self._since, self._first = 0, time.perf_counter(), True
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._images += count_images(batch) * trainer.world_size
-        step = trainer.global_step
-        if step % self.every_n_steps != 0 and not (trainer.max_steps and step == trainer.max_steps):
+        step, now = trainer.global_step, time.perf_counter()
+        due = self._first or step % self.every_n_steps == 0 or now - self._since >= self.every_n_seconds
+        if not due and not (trainer.max_steps and step == trainer.max_steps):
             return
-        now = time.perf_counter()
+        self._first = False
         rate = self._images / max(now - self._since, 1e-9)
         self._images, self._since = 0, now
         metrics = trainer.callback_metrics

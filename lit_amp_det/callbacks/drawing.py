@@ -142,7 +142,7 @@ def draw_detections(image: Tensor, detections: Mapping[str, Tensor], class_names
             optionally ``masks``: boolean ``[N, H, W]`` or soft ``[N, 1, H, W]`` probabilities (torchvision's
             Mask R-CNN output). Without masks (Faster R-CNN) only boxes are drawn.
         class_names: names of classes 1..K; a label without one is written ``class <k>``.
-        score_threshold: detections scoring below it are left out.
+        score_threshold: detections scoring below it are left out; with none left the picture says so.
         mask_threshold: probability above which a pixel of a soft mask belongs to the instance.
         min_side: an image whose shorter side is below this is enlarged ``k`` times (each pixel becomes ``k x k``,
             the smallest ``k`` that reaches it), so that captions stay readable; 0 keeps the size.
@@ -167,7 +167,18 @@ def draw_detections(image: Tensor, detections: Mapping[str, Tensor], class_names
     if drawn != size:
         image = resize(to_uint8(image), list(drawn), antialias=True)
         boxes = boxes.float() * torch.tensor([drawn[1] / size[1], drawn[0] / size[0]] * 2)
-    return _draw(image, boxes, labels, texts, masks, min_side)
+    picture = _draw(image, boxes, labels, texts, masks, min_side)
+    return picture if len(order) else _written_on(picture, f"no detections above {score_threshold:g}")
+
+
+def _written_on(picture: Tensor, text: str) -> Tensor:
+    """``text`` in black on a white patch in the picture's top-left corner (a picture that shows nothing says so)."""
+    page = Image.fromarray(picture.permute(1, 2, 0).numpy())
+    draw = ImageDraw.Draw(page)
+    left, top, right, bottom = draw.textbbox((2, 2), text)
+    draw.rectangle((0, 0, right + 2, bottom + 2), fill=(255, 255, 255))
+    draw.text((2, 2), text, fill=(0, 0, 0))
+    return torch.from_numpy(np.array(page)).permute(2, 0, 1).contiguous()
 
 
 def _shrunk_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:

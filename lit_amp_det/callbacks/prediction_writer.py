@@ -40,7 +40,9 @@ class CocoPredictionWriter(BasePredictionWriter):
         score_threshold: detections below this score are not written.
         num_images: images drawn with their detections; 0 draws none.
         images_dirname: folder of the pictures, inside ``dirpath``.
-        image_score_threshold: detections below this score are not drawn; ``None``: ``score_threshold``.
+        image_score_threshold: detections below this score are not drawn (the results file keeps down to
+            ``score_threshold``, for mAP; a picture of those would be covered in low-score boxes); ``None``:
+            ``score_threshold``.
         min_side: images with a shorter side below this are drawn enlarged by an integer factor (whole pixels) so
             that captions stay readable; 0 keeps their size.
         max_side: images with a longer side above this are drawn shrunk to it (a phone photo's picture at full
@@ -49,7 +51,7 @@ class CocoPredictionWriter(BasePredictionWriter):
 
     def __init__(self, dirpath: str | os.PathLike, filename: str = "predictions.json",
                  score_threshold: float = 0.0, num_images: int = 16, images_dirname: str = "predictions",
-                 image_score_threshold: float | None = None, min_side: int = 256, max_side: int = 1333) -> None:
+                 image_score_threshold: float | None = 0.5, min_side: int = 256, max_side: int = 1333) -> None:
         super().__init__(write_interval="batch")
         if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 0:
             raise ValueError(f"callbacks.prediction_writer.num_images={num_images!r} must be an integer >= 0 "

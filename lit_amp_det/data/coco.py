@@ -215,6 +215,10 @@ class CocoInstances(torch.utils.data.Dataset):
                 f"annotation #{position} in {self.annotation_file} has no integer 'id' ({str(ann)[:80]}); "
                 "COCO evaluation needs a unique integer id per annotation"))
             seen_ids.add(ann_id)
+            if missing := [key for key in ("image_id", "category_id", "bbox") if key not in ann]:
+                raise ValueError(f"annotation {ann_id} in {self.annotation_file} has no {' or '.join(missing)} key "
+                                 f"(its keys: {', '.join(sorted(map(str, ann)))}); a COCO annotation needs image_id, "
+                                 "category_id and bbox")
             image_id = ann.get("image_id")
             if not isinstance(image_id, int) or image_id not in images:
                 raise ValueError(f"annotation {ann_id} in {self.annotation_file} has image_id {image_id!r}, which is "
