@@ -2,8 +2,7 @@
 
 The callbacks (``MemoryMonitor``, ``Throughput``, ``RunStats``), the benches and the tasks all measure through
 this one module, so a figure means the same thing wherever it is printed. It imports only the standard library and
-torch, so any layer may use it.
-"""
+torch, so any layer may use it."""
 
 from __future__ import annotations
 
@@ -28,7 +27,6 @@ MB = 2**20
 
 
 # ------------------------------------------------------------------------------------------- CPU memory
-
 def _proc_status_kib(field: str) -> int | None:
     """A ``kB`` field of ``/proc/self/status`` (Linux), or None where there is none."""
     try:
@@ -51,7 +49,6 @@ def _reset_cpu_high_water_mark() -> bool:
 
 # ------------------------------------------------------------------------------------- glibc's heap policy
 # A resident-set peak on a CPU counts the pages glibc keeps after a free: a measurement first hands them back.
-
 _LIBC: ctypes.CDLL | None = None
 if sys.platform.startswith("linux"):
     with contextlib.suppress(OSError):
@@ -92,13 +89,11 @@ def unpin_malloc_threshold() -> None:
 
 
 # --------------------------------------------------------------------------------------------- the probe
-
 class MemoryProbe:
     """Peak and in-use memory of one device: the CUDA caching allocator, or this process on a CPU.
 
     On a CPU the peak is the process's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``); where
-    that is not allowed, ``ru_maxrss``, which only grows (``resettable`` False). ``source`` names what is measured.
-    """
+    that is not allowed, ``ru_maxrss``, which only grows (``resettable`` False). ``source`` names what is measured."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -144,22 +139,13 @@ class MemoryProbe:
 
 
 # ------------------------------------------------------------------------------------ saved for backward
-
-def _is_parameter_cast(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a dtype copy of a trainable parameter (autocast's low-precision weight copies)."""
-    fn = tensor.grad_fn
-    return fn is not None and fn.name() == "ToCopyBackward0" and any(
-        isinstance(getattr(next_fn, "variable", None), nn.Parameter) for next_fn, _ in fn.next_functions)
-
-
 class SavedTensorBytes:
     """Counts the bytes autograd saves for backward while the context is open.
 
     Each distinct storage is counted once, whole (a saved view keeps all of it alive); storages of ``exclude`` (the
     parameters and buffers, resident anyway) are not counted. Of the total, ``weight_cast_bytes`` are dtype copies
     of trainable parameters (autocast's low-precision weight copies), and ``within_bytes`` are storages first saved
-    during the forward of the module ``within``. It only observes, and counts tensors, not allocator blocks.
-    """
+    during the forward of the module ``within``. It only observes, and counts tensors, not allocator blocks."""
 
     def __init__(self, exclude: Iterable[Tensor] = (), within: nn.Module | None = None) -> None:
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
@@ -180,7 +166,9 @@ class SavedTensorBytes:
                 self.bytes += storage.nbytes()
                 if self._inside:
                     self.within_bytes += storage.nbytes()
-                if _is_parameter_cast(tensor):
+                fn = tensor.grad_fn  # a dtype copy of a trainable parameter? (autocast's low-precision weight copies)
+                if fn is not None and fn.name() == "ToCopyBackward0" and any(
+                        isinstance(getattr(f, "variable", None), nn.Parameter) for f, _ in fn.next_functions):
                     self.weight_cast_bytes += storage.nbytes()
         return tensor
 
@@ -202,7 +190,6 @@ class SavedTensorBytes:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-
 def synchronize(device: torch.device | str) -> None:
     """Waits for the kernels queued on a CUDA device (a no-op elsewhere): time the work, not its launch."""
     if torch.device(device).type == "cuda":
@@ -220,8 +207,7 @@ def timed(fn: Callable[[], Any], device: torch.device | str) -> float:
 
 class StepTimer:
     """Times steps from :meth:`start` to :meth:`stop`, CUDA synchronised at both ends; the first ``warmup``
-    steps are not timed (allocator growth, autotuning, lazy optimizer state). ``clock`` is swappable for tests.
-    """
+    steps are not timed (allocator growth, autotuning, lazy optimizer state). ``clock`` is swappable for tests."""
 
     def __init__(self, device: torch.device | str, warmup: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -252,7 +238,6 @@ class StepTimer:
 
 
 # ---------------------------------------------------------------------------------------------- images
-
 def count_images(batch: Any) -> int:
     """Images in a detection batch ``(images, targets)``: ``[3, H, W]`` tensors in a sequence, or ``[N, 3, H, W]``."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -269,7 +254,6 @@ def count_images(batch: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------- host synchronisations
-
 _aten = torch.ops.aten
 #: ops that read a tensor's values on the host, or size their output by them: on a GPU each waits for the queued
 #: kernels (and breaks a ``torch.compile`` graph, and forbids CUDA-graph capture); mask indexing is a nonzero inside

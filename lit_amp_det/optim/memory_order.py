@@ -1,13 +1,11 @@
-"""The memory-order alignment PyTorch's fused optimizer kernels need, so that a step never updates the wrong
-elements.
+"""The memory-order alignment PyTorch's fused optimizer kernels need, so that a step never updates the wrong elements.
 
 PyTorch's fused kernels (``torch.optim.SGD/Adam/AdamW(fused=True)``) walk a parameter, its gradient and its state
 (momentum buffer, Adam's moments) as flat arrays in memory order and trust the three to agree. After resuming a
 checkpoint whose optimizer state was saved in another layout (a ``channels_last`` run resumed without it, or the
 reverse), they do not, and the update lands on the wrong elements, silently. :func:`align_with_params`, run before
 every fused step by :func:`~lit_amp_det.optim.build_optimizer`, lays out whatever differs; it copies nothing when
-the layouts already agree (every step after the first).
-"""
+the layouts already agree (every step after the first)."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ def align_with_params(optimizer: torch.optim.Optimizer) -> int:
     parameter's memory order, copying only those that differ; returns how many it copied.
 
     Why: fused kernels trust the three layouts to agree (see the module docstring); they disagree after resuming
-    optimizer state saved in another layout, or with a gradient set by hand.
-    """
+    optimizer state saved in another layout, or with a gradient set by hand."""
     copied = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -39,7 +36,8 @@ def align_with_params(optimizer: torch.optim.Optimizer) -> int:
                     param.grad = aligned
                     copied += 1
             state = optimizer.state.get(param, {})
-            for key in _state_tensors(state, param):
+            # the state tensors of the parameter's shape: those updated element by element with it
+            for key in [k for k, v in state.items() if isinstance(v, Tensor) and v.shape == param.shape]:
                 value = state[key]
                 if not value.is_sparse and value.stride() != strides and not same_memory_order(param, value):
                     state[key] = in_layout_of(param, value)
@@ -51,8 +49,3 @@ def align_before_fused_step(optimizer: torch.optim.Optimizer, args: Any, kwargs:
     """Step pre-hook of the fused optimizers :func:`~lit_amp_det.optim.build_optimizer` makes:
     :func:`align_with_params`."""
     align_with_params(optimizer)
-
-
-def _state_tensors(state: dict[str, Any], param: Tensor) -> list[str]:
-    """The keys of ``state`` holding tensors of ``param``'s shape (those updated element by element with it)."""
-    return [key for key, value in state.items() if isinstance(value, Tensor) and value.shape == param.shape]

@@ -4,8 +4,7 @@ Detection heads hold numerically fragile code (box decoding, IoU, losses, sampli
 while the rest of the network runs in float16/bfloat16. As in MMCV's ``fp16_utils``, a module opts in through an
 attribute (:func:`set_mixed_precision`) and its methods mark regions with :func:`force_fp32` / :func:`auto_fp16`;
 :func:`wrap_method` does the same for one instance of a third-party class. Unlike MMCV this works with
-``torch.autocast`` on CUDA and CPU, knows bfloat16 and traces under ``torch.compile`` without graph breaks.
-"""
+``torch.autocast`` on CUDA and CPU, knows bfloat16 and traces under ``torch.compile`` without graph breaks."""
 
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _check_dtype(value: object, argument: str) -> torch.dtype:
-    """Returns ``value`` if it is a ``torch.dtype``; otherwise a TypeError naming ``argument``."""
     if not isinstance(value, torch.dtype):
         raise TypeError(f"{argument} must be a torch.dtype such as torch.float32, got {value!r}")
     return value
@@ -56,37 +54,30 @@ def _source_dtypes(src_type: torch.dtype | Sequence[torch.dtype] | None) -> tupl
     return tuple(_check_dtype(d, "every entry of src_type") for d in src_type)
 
 
-def _rebuild_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
-    """A mapping of ``original``'s type holding ``items``; a plain dict when that type cannot be rebuilt."""
-    try:
-        if isinstance(original, defaultdict):  # its constructor takes the factory first
-            return type(original)(original.default_factory, items)
-        return type(original)(items)
-    except Exception:  # custom mappings with other constructors (MappingProxyType subclasses, configs, ...)
-        return dict(items)
-
-
-def _rebuild_sequence(original: list[Any] | tuple[Any, ...], items: list[Any]) -> list[Any] | tuple[Any, ...]:
-    """A list/tuple/namedtuple of ``original``'s type holding ``items``; plain list/tuple as a fallback."""
-    if isinstance(original, tuple) and hasattr(type(original), "_fields"):
-        return type(original)(*items)  # namedtuples take their fields positionally
-    try:
-        return type(original)(items)
-    except Exception:  # list/tuple subclasses with other constructors
-        return list(items) if isinstance(original, list) else tuple(items)
-
-
 def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) -> Any:
-    """The recursion behind :func:`cast_tensor_type`, with arguments already validated."""
+    """The recursion behind :func:`cast_tensor_type`, with arguments already validated. Containers are rebuilt as
+    their own type where it can be, else as a plain dict, list or tuple."""
     if isinstance(inputs, torch.Tensor):
         matches = inputs.is_floating_point() if src is None else inputs.dtype in src
         return inputs.to(dst) if matches and inputs.dtype != dst else inputs
     if isinstance(inputs, nn.Module):  # parameters are cast by the caller's precision policy, not here
         return inputs
     if isinstance(inputs, Mapping):
-        return _rebuild_mapping(inputs, {k: _cast(v, src, dst) for k, v in inputs.items()})
+        items = {k: _cast(v, src, dst) for k, v in inputs.items()}
+        try:
+            if isinstance(inputs, defaultdict):  # its constructor takes the factory first
+                return type(inputs)(inputs.default_factory, items)
+            return type(inputs)(items)
+        except Exception:  # custom mappings with other constructors (MappingProxyType subclasses, configs, ...)
+            return dict(items)
     if isinstance(inputs, (list, tuple)):
-        return _rebuild_sequence(inputs, [_cast(v, src, dst) for v in inputs])
+        values = [_cast(v, src, dst) for v in inputs]
+        if isinstance(inputs, tuple) and hasattr(type(inputs), "_fields"):
+            return type(inputs)(*values)  # namedtuples take their fields positionally
+        try:
+            return type(inputs)(values)
+        except Exception:  # list/tuple subclasses with other constructors
+            return list(values) if isinstance(inputs, list) else tuple(values)
     return inputs  # str, bytes, numpy arrays, numbers, None, arbitrary objects
 
 
@@ -95,8 +86,7 @@ def cast_tensor_type(inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] 
 
     Recurses through mappings (type kept where it can be rebuilt, else a dict), lists, tuples and namedtuples,
     rebuilding rather than mutating them; everything else is left alone. ``src_type`` may be one dtype, several,
-    or None for any floating dtype. The casts are differentiable.
-    """
+    or None for any floating dtype. The casts are differentiable."""
     return _cast(inputs, _source_dtypes(src_type), _check_dtype(dst_type, "dst_type"))
 
 
@@ -123,15 +113,13 @@ def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> N
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """A context switching autocast off for ``device_type`` if it is on now, else a no-op context.
 
-    Entered by ``with`` (not an ExitStack) because torch.compile traces only autocast contexts entered so.
-    """
+    Entered by ``with`` (not an ExitStack) because torch.compile traces only autocast contexts entered so."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
 
 
 def _first_tensor(values: Any) -> torch.Tensor | None:
-    """The first tensor found depth-first in ``values``, or None."""
     if isinstance(values, torch.Tensor):
         return values
     if isinstance(values, Mapping):
@@ -166,8 +154,7 @@ class _ArgumentPlan:
     """Which positions and keywords of a call to cast, worked out once from the signature.
 
     Per-call ``Signature.bind`` breaks torch.compile graphs once traced code has mutated a dict; lookups against
-    this plan trace cleanly. ``None`` in place of a plan means "cast all but self".
-    """
+    this plan trace cleanly. ``None`` in place of a plan means "cast all but self"."""
 
     positions: frozenset[int]  # indices into args, self being index 0
     keywords: frozenset[str]  # keyword arguments to cast
@@ -177,7 +164,6 @@ class _ArgumentPlan:
 
     @classmethod
     def build(cls, signature: inspect.Signature, names: frozenset[str]) -> _ArgumentPlan:
-        """The plan casting the parameters ``names`` of ``signature``."""
         kind = inspect.Parameter
         positions, keywords, parameter_keywords = set(), set(), set()
         var_positional_from, var_keyword = None, False
@@ -198,12 +184,10 @@ class _ArgumentPlan:
                    parameter_keywords=frozenset(parameter_keywords))
 
     def casts_position(self, index: int) -> bool:
-        """Whether ``args[index]`` of a call (self at 0) is to be cast."""
         start = self.var_positional_from
         return index in self.positions or (start is not None and index >= start)
 
     def casts_keyword(self, name: str) -> bool:
-        """Whether the keyword argument ``name`` of a call is to be cast."""
         return name in self.keywords or (self.var_keyword and name not in self.parameter_keywords)
 
 
@@ -212,7 +196,6 @@ def _region_decorator(decorator: str, region: str, apply_to: Iterable[str] | Non
     """The decorator behind :func:`force_fp32` and :func:`auto_fp16`: while mixed precision is on for the instance,
     the arguments ``apply_to`` names are cast to float32 (to its low dtype where ``to_low``) and the call returns
     ``run(func, low dtype, args, kwargs)``; otherwise the method runs unchanged."""
-
     def decorate(func: _F) -> _F:
         signature = inspect.signature(func)  # the argument plan is worked out once here, not per call
         names = _checked_apply_to(decorator, func, signature, apply_to)
@@ -230,10 +213,8 @@ def _region_decorator(decorator: str, region: str, apply_to: Iterable[str] | Non
                 args = tuple(_cast(a, src, dst) if plan.casts_position(i) else a for i, a in enumerate(args))
                 kwargs = {k: _cast(v, src, dst) if plan.casts_keyword(k) else v for k, v in kwargs.items()}
             return run(func, low, args, kwargs)
-
         setattr(wrapper, REGION_ATTR, region)  # callers can tell it is a region already and not wrap it again
         return wrapper  # type: ignore[return-value]
-
     return decorate
 
 
@@ -241,14 +222,11 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
     """Decorates a method to run in float32 when mixed precision is on for its instance (else unchanged).
 
     The arguments named in ``apply_to`` (all but self when None) have their float16/bfloat16 tensors cast to
-    float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype.
-    """
-
+    float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype."""
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with _autocast_off("cuda"), _autocast_off("cpu"):
             output = func(*args, **kwargs)
         return _cast(output, (torch.float32,), low) if out_fp16 else output
-
     return _region_decorator("force_fp32", "fp32", apply_to, to_low=False, run=run)
 
 
@@ -257,16 +235,13 @@ def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> 
 
     The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the low
     dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type (else the default
-    one); ``out_fp32`` casts low-precision outputs to float32.
-    """
-
+    one); ``out_fp32`` casts low-precision outputs to float32."""
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensor = _first_tensor((args[1:], kwargs))
         device_type = tensor.device.type if tensor is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         with torch.autocast(device_type=device_type, dtype=low):
             output = func(*args, **kwargs)
         return _cast(output, LOW_PRECISION_DTYPES, torch.float32) if out_fp32 else output
-
     return _region_decorator("auto_fp16", "fp16", apply_to, to_low=True, run=run)
 
 
@@ -276,8 +251,7 @@ WrapMode = RegionMode
 class _InstanceRegion:
     """Callable stored on one instance in place of its method ``name``, running it as a precision region.
 
-    A class rather than a closure so that a deep copy or pickle of the owner calls the copied owner.
-    """
+    A class rather than a closure so that a deep copy or pickle of the owner calls the copied owner."""
 
     def __init__(self, owner: object, name: str, mode: WrapMode) -> None:
         bound = getattr(owner, name)
@@ -328,8 +302,7 @@ def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
 
     ``mode="fp32"`` behaves like :func:`force_fp32`; ``mode="fp32_outputs"`` casts the method's low-precision
     outputs to float32. Both do nothing while ``mixed_precision_dtype(owner)`` is None (checked per call).
-    Wrapping again in the same mode is a no-op.
-    """
+    Wrapping again in the same mode is a no-op."""
     if mode not in REGION_MODES:
         raise ValueError(f"mode must be one of {REGION_MODES}, got {mode!r}")
     current = _current(owner, name)

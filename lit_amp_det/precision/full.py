@@ -21,8 +21,7 @@ class FiniteStepPrecision(Precision):
 
     Args:
         max_consecutive_skips, skip_check_every_n_steps: the guard's settings
-            (:class:`~lit_amp_det.precision.guard.NonFiniteStepGuard`).
-    """
+            (:class:`~lit_amp_det.precision.guard.NonFiniteStepGuard`)."""
 
     precision = "32-true"
 
@@ -31,9 +30,8 @@ class FiniteStepPrecision(Precision):
         self.guard = NonFiniteStepGuard(self.precision, max_consecutive_skips, skip_check_every_n_steps)
 
     @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: torch.optim.Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: pl.LightningModule,  # type: ignore[override]
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
         return guarded_optimizer_step(self, self.guard, optimizer, model, closure, self.step_if_finite, **kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:

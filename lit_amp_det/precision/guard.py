@@ -5,8 +5,7 @@ GradScaler skips such steps for fp16 and the guard only counts them; bf16 and fp
 The check, the skip (:mod:`lit_amp_det.precision.skip`) and the counters stay on the device, so a step needs no host
 sync. The host reads the counters every ``check_every_n_steps`` steps, when a checkpoint is saved, and when asked
 (:attr:`NonFiniteStepGuard.skipped`), so the stop after ``max_consecutive`` skips in a row can come up to
-``check_every_n_steps - 1`` steps late; skipped steps change nothing, so those cost time only.
-"""
+``check_every_n_steps - 1`` steps late; skipped steps change nothing, so those cost time only."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class NonFiniteStepGuard:
         precision: the ``trainer.precision`` that runs (for the messages).
         max_consecutive: raise once this many steps in a row were skipped (``precision.max_consecutive_skips``).
         check_every_n_steps: read the counters on the host every this many recorded steps
-            (``precision.skip_check_every_n_steps``); the stop comes at most this many steps minus one late.
-    """
+            (``precision.skip_check_every_n_steps``); the stop comes at most this many steps minus one late."""
 
     def __init__(self, precision: str, max_consecutive: int = 20, check_every_n_steps: int = 50) -> None:
         if max_consecutive < 1:

@@ -9,8 +9,7 @@ step runs many times slower than an fp32 one. So:
   natively, and ``32-true`` on any other CPU; the choice and its reason are logged.
 - ``16-mixed`` / ``16-weights`` on a CPU (unless ``precision.fp16_on_cpu=true``) run as their bf16 twin where
   bf16 is native and as ``32-true`` where it is not, with a warning that says which and why.
-- ``bf16-mixed`` / ``bf16-weights`` asked for by name run as asked, with a warning on a CPU without native bf16.
-"""
+- ``bf16-mixed`` / ``bf16-weights`` asked for by name run as asked, with a warning on a CPU without native bf16."""
 
 from __future__ import annotations
 
@@ -59,7 +58,6 @@ def _native_bf16() -> bool:
 
 
 def _torch_bf16_op() -> Callable[[], bool] | None:
-    """torch's own test (a private op), or ``None`` where this torch lacks it."""
     return getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
 
 

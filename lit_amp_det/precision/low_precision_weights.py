@@ -3,8 +3,7 @@
 MMCV's ``wrap_fp16_model`` + ``Fp16OptimizerHook`` as a Lightning plugin; the conversion itself is
 :func:`~lit_amp_det.precision.master_weights.use_low_precision_weights`. Autocast casts every weight to the low dtype
 each time an op uses it; here the weights are in the low dtype already, so those casts go away, while the optimizer
-steps fp32 masters so that small updates are not lost to bf16/fp16 rounding.
-"""
+steps fp32 masters so that small updates are not lost to bf16/fp16 rounding."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class MasterWeightPrecision(Precision):
         precision: ``bf16-weights`` or ``16-weights``.
         device: ``cuda`` or ``cpu`` (the GradScaler's device).
         **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`, as for
-            :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision`.
-    """
+            :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision`."""
 
     def __init__(self, precision: Literal["16-weights", "bf16-weights"], device: str, **options: Any) -> None:
         if precision not in LOW_PRECISION_WEIGHTS:
@@ -77,9 +75,8 @@ class MasterWeightPrecision(Precision):
         return module
 
     @override
-    def connect(
-        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
-    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+    def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                lr_schedulers: list[Any]) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Points every optimizer at the fp32 masters (Lightning calls this once the optimizers exist)."""
         for optimizer in optimizers:
             self._master_weights().attach(optimizer)
@@ -99,16 +96,14 @@ class MasterWeightPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: torch.optim.Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: pl.LightningModule,  # type: ignore[override]
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
         weights = self._master_weights()
 
         def closure_then_masters() -> Any:
             result = closure()
             weights.grads_to_masters()  # before the hooks, clipping and the non-finite check
             return result
-
         scaler = self.scaler
         if scaler is None:
             return guarded_optimizer_step(self, self.guard, optimizer, model, closure_then_masters,

@@ -18,8 +18,7 @@ What stays fp32:
 The masters live beside the model (not in its ``_parameters``), so DDP, hooks and ``named_parameters`` see one set
 of parameters; ``state_dict()`` returns the fp32 masters under the parameters' keys and ``load_state_dict`` writes
 them too, so checkpoints hold fp32 weights that load into a model of any precision.
-:meth:`MasterWeights.attach` points an optimizer at the masters.
-"""
+:meth:`MasterWeights.attach` points an optimizer at the masters."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ _DTYPE_ATTR = "_lit_weight_dtype"
 _WEIGHTS_ATTR = "_lit_master_weights"
 
 
-# Hooks are module-level functions reading state from the module they are called on, so a deep copy's hooks use
-# its masters.
+# Hooks are module-level functions reading state from the module they run on, so a deep copy's hooks use its masters.
 
 
 def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -90,13 +88,11 @@ def _state_dict_into_masters(module: nn.Module, state_dict: dict[str, Any], pref
                 master.copy_(value)
 
 
-
 class MasterWeights:
     """The low-precision parameters of a converted module and their fp32 masters, pair by pair.
 
     Built by :func:`use_low_precision_weights`. The low-precision parameters are the model's own (converted in
-    place, so holders see the change); the masters are ``nn.Parameter`` objects held here and on their modules.
-    """
+    place, so holders see the change); the masters are ``nn.Parameter`` objects held here and on their modules."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -137,19 +133,11 @@ class MasterWeights:
         module.register_state_dict_post_hook(_masters_into_state_dict)
         module.register_load_state_dict_pre_hook(_state_dict_into_masters)
 
-    def _patch_norm(self, norm: nn.Module) -> None:
-        if isinstance(norm, _NATIVE_MIXED_NORMS):
-            return
-        setattr(norm, _DTYPE_ATTR, self.dtype)
-        norm.register_forward_pre_hook(_norm_inputs_to_fp32)
-        norm.register_forward_hook(_norm_output_to_low)
-
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Points ``optimizer`` at the masters in place of the low-precision parameters; its ``step()`` then moves
         the gradients to the masters first and refreshes the low-precision parameters after (idempotent).
 
-        The optimizer must not have stepped the low-precision parameters yet (its state would be theirs).
-        """
+        The optimizer must not have stepped the low-precision parameters yet (its state would be theirs)."""
         pairs = {id(low): (name, master) for name, low, master in zip(self.names, self.params, self.masters)}
         for index, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
@@ -180,8 +168,7 @@ class MasterWeights:
         """Adds each low-precision gradient to its master's fp32 gradient and frees it (a no-op without any).
 
         Called after backward (and DDP's all-reduce), before clipping and the step. Each master's gradient tensor
-        is reused across steps, so a large fp32 gradient is not freshly allocated every step.
-        """
+        is reused across steps, so a large fp32 gradient is not freshly allocated every step."""
         for index, (low, master) in enumerate(self.pairs()):
             grad = low.grad
             if grad is None:
@@ -231,9 +218,13 @@ def use_low_precision_weights(module: nn.Module, dtype: torch.dtype) -> MasterWe
 
 
 def _convert_tree(weights: MasterWeights, module: nn.Module, prefix: str) -> None:
-    """Converts ``module`` and its descendants, norm layers (and anything inside them) excepted."""
+    """Converts ``module`` and its descendants, norm layers (and anything inside them) excepted: those without
+    mixed-dtype kernels get their inputs in fp32 and their outputs in the low dtype."""
     if isinstance(module, NORM_LAYERS):
-        weights._patch_norm(module)
+        if not isinstance(module, _NATIVE_MIXED_NORMS):
+            setattr(module, _DTYPE_ATTR, weights.dtype)
+            module.register_forward_pre_hook(_norm_inputs_to_fp32)
+            module.register_forward_hook(_norm_output_to_low)
         return
     weights._convert_module(module, prefix)
     for name, child in module.named_children():
@@ -246,12 +237,9 @@ def master_weights_of(module: nn.Module) -> MasterWeights | None:
 
 
 #: The hooks :func:`use_low_precision_weights` registers, by the ``nn.Module`` hook dict that holds them.
-_CONVERSION_HOOKS = {
-    "_forward_pre_hooks": (_cast_inputs_to_weights, _norm_inputs_to_fp32),
-    "_forward_hooks": (_norm_output_to_low,),
-    "_state_dict_hooks": (_masters_into_state_dict,),
-    "_load_state_dict_pre_hooks": (_state_dict_into_masters,),
-}
+_CONVERSION_HOOKS = {"_forward_pre_hooks": (_cast_inputs_to_weights, _norm_inputs_to_fp32),
+                     "_forward_hooks": (_norm_output_to_low,), "_state_dict_hooks": (_masters_into_state_dict,),
+                     "_load_state_dict_pre_hooks": (_state_dict_into_masters,)}
 
 
 def holds_masters(module: nn.Module) -> bool:
@@ -262,8 +250,7 @@ def holds_masters(module: nn.Module) -> bool:
 def full_precision_copy(module: nn.Module) -> nn.Module:
     """A deep copy of a module converted by :func:`use_low_precision_weights` (or of a part of one) as it would be
     without the conversion: its fp32 masters as the parameters (in the parameters' memory format), no casting or
-    state-dict hooks, no masters. ``module`` itself is untouched. Used for fp32 baselines of ``-weights`` runs.
-    """
+    state-dict hooks, no masters. ``module`` itself is untouched. Used for fp32 baselines of ``-weights`` runs."""
     if not holds_masters(module):
         raise ValueError(f"{type(module).__name__} has no fp32 masters: it was not converted by "
                          "use_low_precision_weights, so copy.deepcopy gives its full-precision copy")

@@ -3,8 +3,7 @@
 :class:`DetectionMixedPrecision` is Lightning's ``MixedPrecision`` (autocast in the forward, a GradScaler for fp16)
 with two additions: the fp32 regions of :mod:`lit_amp_det.precision.regions`, installed by ``convert_module``, and
 the non-finite step guard of :mod:`lit_amp_det.precision.guard`. bf16 has no GradScaler, so the guard checks and
-skips its steps on the device; fp16 keeps GradScaler's own skipping and the guard only counts the skips.
-"""
+skips its steps on the device; fp16 keeps GradScaler's own skipping and the guard only counts the skips."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class DetectionMixedPrecision(MixedPrecision):
     Args:
         precision: ``16-mixed`` (fp16 with a GradScaler) or ``bf16-mixed``.
         device: ``cuda`` or ``cpu`` (the autocast device type).
-        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`.
-    """
+        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`."""
 
     def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str, **options: Any) -> None:
         if precision not in MIXED_PRECISIONS:
@@ -53,9 +51,8 @@ class DetectionMixedPrecision(MixedPrecision):
         return module
 
     @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: torch.optim.Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: pl.LightningModule,  # type: ignore[override]
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
         if self.scaler is None:
             return guarded_optimizer_step(self, self.guard, optimizer, model, closure, self.step_if_finite, **kwargs)
         found: list[Tensor] = []
@@ -65,7 +62,6 @@ class DetectionMixedPrecision(MixedPrecision):
             if result is not None or not model.automatic_optimization:  # Lightning's step unscales and steps
                 found.append(non_finite(gradients(optimizer)))  # what GradScaler finds: inf/NaN scaled gradients
             return result
-
         result = super().optimizer_step(optimizer, model=model, closure=checked_closure, **kwargs)
         if found:
             self.guard.record(found[0])

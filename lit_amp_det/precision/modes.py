@@ -2,8 +2,7 @@
 
 ``trainer.precision`` values (``auto`` among them), the autocast (``-mixed``) and low-precision-weights
 (``-weights``) ones among them, and the modes of an fp32 region. The plugin and the casting helpers check against these;
-:mod:`lit_amp_det.app.config` checks a composed config against them before anything is built.
-"""
+:mod:`lit_amp_det.app.config` checks a composed config against them before anything is built."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision` and
 :class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` accept these as keywords and build their
 GradScaler, fp32-region mapping and :class:`~lit_amp_det.precision.guard.NonFiniteStepGuard` from them here, so
-the two plugins cannot drift apart in a default.
-"""
+the two plugins cannot drift apart in a default."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class HalfPrecisionOptions:
             (:mod:`lit_amp_det.precision.regions`). ``None`` takes the module's ``fp32_regions()``; an empty
             mapping turns regions off (plain autocast).
         init_scale, growth_interval: GradScaler settings, used by the fp16 precisions only.
-        max_consecutive_skips, skip_check_every_n_steps: the guard's settings.
-    """
+        max_consecutive_skips, skip_check_every_n_steps: the guard's settings."""
 
     fp32_regions: Mapping[str, RegionMode] | None = None
     init_scale: float = 2.0**16

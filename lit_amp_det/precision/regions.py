@@ -4,8 +4,7 @@ Plain autocast is not enough for detection: losses, box coding, proposal filteri
 overflow in half precision. A region is a method path relative to the LightningModule (``model.rpn.compute_loss``)
 mapped to ``fp32`` (inputs cast to fp32, autocast off inside) or ``fp32_outputs`` (run as usual, outputs cast to
 fp32). The wrapping is done on the module's own objects, so it also holds under DDP, where Lightning ignores the
-module a plugin's ``convert_module`` returns.
-"""
+module a plugin's ``convert_module`` returns."""
 
 from __future__ import annotations
 

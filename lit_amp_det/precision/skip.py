@@ -8,13 +8,12 @@ before the step and selected back with ``torch.where`` where the flag is set. Ei
 parameters and optimizer state exactly as they were.
 
 Where the select cannot work (a parameter's first step, a replaced state tensor or changed Python number, state on
-another device than the gradients) the host decides after the step and restores what it created or replaced.
-"""
+another device than the gradients) the host decides after the step and restores what it created or replaced."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,19 +27,14 @@ def gradients(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def _primary_device(tensors: Sequence[Tensor]) -> torch.device:
-    """Where the flag lives: the first accelerator among ``tensors``' devices (moving it to the CPU would sync)."""
-    return next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
-
-
 @torch.no_grad()
 def non_finite(tensors: Sequence[Tensor]) -> Tensor:
     """Whether any element of ``tensors`` is inf or NaN, as a 0-dim bool tensor on their device (False for none).
 
     Runs GradScaler's ``torch._amp_foreach_non_finite_check_and_unscale_`` at scale 1 (values unchanged) per device
-    and dtype group, as ``GradScaler.unscale_`` does. Sparse tensors are checked through their values.
-    """
-    device = _primary_device(tensors)
+    and dtype group, as ``GradScaler.unscale_`` does. Sparse tensors are checked through their values."""
+    # the flag lives on the first accelerator among the tensors' devices (moving it to the CPU would sync)
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
         values = tensor.coalesce().values() if tensor.is_sparse else tensor
@@ -52,10 +46,6 @@ def non_finite(tensors: Sequence[Tensor]) -> Tensor:
         torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, one)
         found |= found_inf.to(device, non_blocking=True).squeeze(0) > 0
     return found
-
-
-def _stepped_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _identities(state: dict[str, Any] | None) -> dict[str, int]:
@@ -83,7 +73,7 @@ class DeviceSkippedStep:
     def step(self, optimizer: torch.optim.Optimizer, skip: Tensor, **kwargs: Any) -> None:
         """Runs ``optimizer.step(**kwargs)``; where ``skip`` (a 0-dim bool tensor) is set, the stepped parameters
         and their optimizer state are left exactly as they were."""
-        params = _stepped_params(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if _skips_in_kernel(optimizer, params, skip.device):
             self._buffers = {}  # the first step's copies, no longer needed
             optimizer.found_inf = skip.to(torch.float32).reshape(())  # type: ignore[attr-defined]
@@ -97,7 +87,9 @@ class DeviceSkippedStep:
         written = [*params, *(v for state in before.values() for v in state.values() if isinstance(v, Tensor))]
         copies = self._copy(written)
         optimizer.step(**kwargs)
-        if self._kept_in_place(optimizer, params, before) and self._on_device(optimizer, written, skip.device):
+        # the copies restore all of the state only if the step changed it inside tensors that were there before it
+        kept_in_place = all(_identities(optimizer.state.get(p)) == _identities(before.get(p)) for p in params)
+        if kept_in_place and self._on_device(optimizer, written, skip.device):
             for tensor, copy in zip(written, copies):
                 torch.where(skip, copy, tensor, out=tensor)
             return
@@ -124,13 +116,6 @@ class DeviceSkippedStep:
         if tensors:
             torch._foreach_copy_(copies, tensors)
         return copies
-
-    @staticmethod
-    def _kept_in_place(optimizer: torch.optim.Optimizer, params: Iterable[Tensor],
-                       before: dict[Tensor, dict[str, Any]]) -> bool:
-        """Whether the step changed the state only inside tensors that were there before it, so the copies taken
-        before the step restore all of it."""
-        return all(_identities(optimizer.state.get(p)) == _identities(before.get(p)) for p in params)
 
     def _on_device(self, optimizer: torch.optim.Optimizer, written: list[Tensor], device: torch.device) -> bool:
         """Whether every written tensor is on the flag's device; warns once per optimizer when not."""

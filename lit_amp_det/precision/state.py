@@ -1,6 +1,5 @@
 """What the precision plugins put in a checkpoint besides the GradScaler's state: the step guard's counts and the
-``trainer.precision`` that ran, which :func:`lit_amp_det.precision.build.trained_precision` reads back.
-"""
+``trainer.precision`` that ran, which :func:`lit_amp_det.precision.build.trained_precision` reads back."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def recorded_state(precision: str, guard: NonFiniteStepGuard) -> dict[str, Any]:
 def load_recorded_state(state_dict: Mapping[str, Any], guard: NonFiniteStepGuard) -> dict[str, Any]:
     """Loads the guard's counts from a plugin's checkpoint state; returns the rest (the GradScaler's state, if any).
 
-    States saved before the plugins recorded the precision or the guard load too (nothing to restore).
-    """
+    States saved before the plugins recorded the precision or the guard load too (nothing to restore)."""
     state = dict(state_dict)
     guard.load_state_dict(state.pop(GUARD_KEY, {}))
     state.pop(PRECISION_KEY, None)
