@@ -6,8 +6,7 @@ folded weight on the fly keeps every gradient exact, but autograd keeps a weight
 output (Huang et al., "Tune-Mode ConvBN Blocks For Efficient Transfer Learning", 2024). :func:`enable_conv_bn_eval`
 installs this without changing the module tree or ``state_dict`` keys, and decides per call: a BatchNorm in training
 mode, or (``only_when_cheaper``) a pair where the weight copy would cost more than the activation it saves, runs as
-plain ``conv -> norm``. :func:`fold_conv_bn` is the permanent version for prediction and export.
-"""
+plain ``conv -> norm``. :func:`fold_conv_bn` is the permanent version for prediction and export."""
 
 from __future__ import annotations
 
@@ -34,13 +33,6 @@ Pair = tuple[str, str]
 
 # ------------------------------------------------------------------------------------------- the fold
 
-def _is_conv(module: nn.Module) -> bool:
-    """A Conv2d whose forward is Conv2d's own (not e.g. weight standardisation) with zero padding (the only mode
-    the folded call reproduces)."""
-    return (isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward
-            and module.padding_mode == "zeros")
-
-
 def _is_norm(module: nn.Module) -> bool:
     if isinstance(module, FrozenBatchNorm2d):
         return True
@@ -49,7 +41,9 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _matches(conv: nn.Module, norm: nn.Module) -> bool:
-    return _is_conv(conv) and _is_norm(norm) and norm.running_mean.shape[0] == conv.out_channels
+    # a Conv2d with Conv2d's own forward (not e.g. weight standardisation) and zero padding, the fold's only mode
+    return (isinstance(conv, nn.Conv2d) and type(conv).forward is nn.Conv2d.forward and conv.padding_mode == "zeros"
+            and _is_norm(norm) and norm.running_mean.shape[0] == conv.out_channels)
 
 
 def _uses_running_stats(norm: Norm) -> bool:
@@ -62,8 +56,7 @@ def folded_weight_and_bias(conv: nn.Conv2d, norm: Norm) -> tuple[Tensor, Tensor]
 
     Built from the live parameters and buffers with autograd on, so gradients flow to the conv's and norm's
     parameters. Computed in at least float32 and returned in ``conv.weight.dtype``. Uses the running statistics
-    whatever the norm's mode.
-    """
+    whatever the norm's mode."""
     dtype = torch.promote_types(conv.weight.dtype, torch.float32)
     mean = norm.running_mean.to(dtype)
     scale = torch.rsqrt(norm.running_var.to(dtype) + norm.eps)
@@ -76,8 +69,17 @@ def folded_weight_and_bias(conv: nn.Conv2d, norm: Norm) -> tuple[Tensor, Tensor]
     return weight.to(conv.weight.dtype), shift.to(conv.weight.dtype)
 
 
-def _conv_output_numel(conv: nn.Conv2d, x: Tensor) -> int:
-    """``N * C_out * H_out * W_out`` of ``conv(x)`` from shapes alone (``x`` is ``[N, C, H, W]`` or ``[C, H, W]``)."""
+def _fold_is_cheaper(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
+    """Whether folding reduces the memory kept for backward (always, when nothing is kept).
+
+    The folded conv keeps a weight copy instead of its parameter, which pays only when the norm would keep a larger
+    conv output: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale."""
+    tensors = (x, conv.weight, conv.bias, norm.weight, norm.bias)
+    if not (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)):
+        return True
+    if isinstance(norm, FrozenBatchNorm2d):
+        return False
+    # N * C_out * H_out * W_out of conv(x) from shapes alone (x is [N, C, H, W] or [C, H, W])
     numel = (x.shape[0] if x.dim() == 4 else 1) * conv.out_channels
     for i, size in enumerate(x.shape[-2:]):
         if conv.padding == "same":
@@ -85,34 +87,14 @@ def _conv_output_numel(conv: nn.Conv2d, x: Tensor) -> int:
             continue
         pad = 0 if conv.padding == "valid" else conv.padding[i]
         numel *= (size + 2 * pad - conv.dilation[i] * (conv.kernel_size[i] - 1) - 1) // conv.stride[i] + 1
-    return numel
-
-
-def _records_graph(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
-    """Whether autograd keeps anything for this pair (not under ``no_grad``, nor when nothing needs a gradient)."""
-    tensors = (x, conv.weight, conv.bias, norm.weight, norm.bias)
-    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
-
-
-def _fold_is_cheaper(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
-    """Whether folding reduces the memory kept for backward (always, when nothing is kept).
-
-    The folded conv keeps a weight copy instead of its parameter, which pays only when the norm would keep a larger
-    conv output: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale.
-    """
-    if not _records_graph(conv, norm, x):
-        return True
-    if isinstance(norm, FrozenBatchNorm2d):
-        return False
-    return _conv_output_numel(conv, x) > conv.weight.numel()
+    return numel > conv.weight.numel()
 
 
 class _FoldedConv:
     """Stored as ``conv.forward``: runs the pair as one folded conv when the norm uses running statistics.
 
     A class rather than a closure so that deep copies and pickles of the model point at the copied conv and norm.
-    The folded output is remembered (weakly) so :class:`_PassThroughNorm` can check it receives exactly that tensor.
-    """
+    The folded output is remembered (weakly) so :class:`_PassThroughNorm` can check it receives exactly that tensor."""
 
     def __init__(self, conv: nn.Conv2d, norm: Norm, names: Pair, only_when_cheaper: bool) -> None:
         self.conv, self.norm, self.names = conv, norm, names
@@ -156,11 +138,10 @@ class _PassThroughNorm:
         if pending() is input:
             return input
         conv_name, norm_name = fold.names
-        raise RuntimeError(
-            f"conv-BN eval: {norm_name!r} received a tensor other than the folded output of {conv_name!r} (a "
-            "forward hook or wrapper between them changed it), so it cannot pass the output through; remove that "
-            "hook or call lit_amp_det.models.conv_bn.disable_conv_bn_eval(model) (callbacks.conv_bn_eval=null)"
-        )
+        raise RuntimeError(f"conv-BN eval: {norm_name!r} received a tensor other than the folded output of "
+                           f"{conv_name!r} (a forward hook or wrapper between them changed it), so it cannot pass the "
+                           "output through; remove that hook or call "
+                           "lit_amp_det.models.conv_bn.disable_conv_bn_eval(model) (callbacks.conv_bn_eval=null)")
 
     def __repr__(self) -> str:
         return f"<conv-BN eval pass-through of {self.fold.names[1]}>"
@@ -192,16 +173,14 @@ def _fx_pairs(module: nn.Module) -> list[Pair]:
 
 def _sequence_pairs(children: list[tuple[str, nn.Module]], exclude: frozenset[str] = frozenset()) -> list[Pair]:
     """Consecutive ``(conv, norm)`` children of a container whose forward chains them one into the next."""
-    return [(a, b) for (a, conv), (b, norm) in zip(children, children[1:])
-            if a not in exclude and _matches(conv, norm)]
+    return [(a, b) for (a, conv), (b, norm) in zip(children, children[1:]) if a not in exclude and _matches(conv, norm)]
 
 
 def _structural_pairs(module: nn.Module) -> list[Pair]:
     """Pairs among the direct children of torchvision ResNet pieces and ``nn.Sequential`` containers.
 
     Relies on the dataflow of those classes' own ``forward`` (checked by identity, so subclasses that change it are
-    skipped), including two torchvision internals (``ResNet._forward_impl`` and ``IntermediateLayerGetter``).
-    """
+    skipped), including two torchvision internals (``ResNet._forward_impl`` and ``IntermediateLayerGetter``)."""
     forward, children = type(module).forward, list(module.named_children())
     named = dict(children)
     if forward is resnet.ResNet.forward and type(module)._forward_impl is resnet.ResNet._forward_impl:
@@ -243,12 +222,10 @@ def find_conv_norm_pairs(model: nn.Module, *, method: str = "auto") -> list[Pair
     Args:
         model: any module; ``named_modules()`` order is kept in the result.
         method: ``"auto"`` traces ``model`` with ``torch.fx`` and, where a module does not trace, recurses into its
-            children, reading ResNet blocks and ``nn.Sequential`` containers structurally; ``"structure"`` uses only
-            that structural walk.
+            children, reading ResNet blocks and ``nn.Sequential`` containers structurally; ``"structure"`` never traces.
 
     Norms: :data:`NORM_TYPES`; BatchNorms only with running statistics. A conv or norm called more than once,
-    or a conv whose output has a second user, is not paired.
-    """
+    or a conv whose output has a second user, is not paired."""
     if method not in ("auto", "structure"):
         raise ValueError(f"method must be 'auto' or 'structure', got {method!r}")
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
@@ -281,8 +258,7 @@ def conv_bn_eval_pairs(model: nn.Module) -> list[Pair]:
     """The ``(conv, norm)`` pairs of ``model`` that run through the fold now, by their current names.
 
     A pair whose norm was replaced since :func:`enable_conv_bn_eval` (e.g. by ``convert_sync_batchnorm``) is missing
-    here: enable again to pick up the new module.
-    """
+    here: enable again to pick up the new module."""
     names = {id(module): name for name, module in model.named_modules()}
     pairs = []
     for name, module in model.named_modules():
@@ -306,8 +282,7 @@ def enable_conv_bn_eval(model: nn.Module, *, only_when_cheaper: bool = True) -> 
             Without an autograd graph every pair folds. ``False`` folds every call.
 
     Returns:
-        The ``(conv, norm)`` pairs installed.
-    """
+        The ``(conv, norm)`` pairs installed."""
     disable_conv_bn_eval(model)
     modules = dict(model.named_modules())
     installed = []
@@ -328,8 +303,7 @@ def fold_conv_bn(model: nn.Module) -> nn.Module:
     """Folds every conv-norm pair permanently, for prediction and export; returns ``model`` (changed in place).
 
     Each conv gets the folded weight and a bias, each norm becomes ``nn.Identity``: outputs equal the eval model's,
-    but the ``state_dict`` changes and the norms cannot train any more. BatchNorms must be in eval mode.
-    """
+    but the ``state_dict`` changes and the norms cannot train any more. BatchNorms must be in eval mode."""
     pairs = find_conv_norm_pairs(model)
     modules = dict(model.named_modules())
     training = [norm for _, norm in pairs if not _uses_running_stats(modules[norm])]

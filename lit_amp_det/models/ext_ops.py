@@ -7,8 +7,7 @@ batch's mask targets (:mod:`lit_amp_det.models.mask_targets`), fewer host syncs 
 no parameters, buffers or attributes, so :func:`use_extension_ops` switches a built torchvision model by changing the
 class of its ``rpn`` and ``roi_heads`` (torchvision offers no hook to pass others); ``state_dict`` keys, checkpoints
 and the fp32 regions are unchanged. The poolers become :class:`lit_amp_det.ops.MultiScaleRoIAlign` (level scales
-carried over); the losses are the same numbers.
-"""
+carried over); the losses are the same numbers."""
 
 from __future__ import annotations
 
@@ -30,13 +29,8 @@ __all__ = ["ExtRegionProposalNetwork", "ExtRoIHeads", "use_extension_ops"]
 class ExtRegionProposalNetwork(RegionProposalNetwork):
     """torchvision's RPN; proposal filtering stops NMS at ``post_nms_top_n`` and matching uses the fused IoU."""
 
-    def filter_proposals(
-        self,
-        proposals: Tensor,
-        objectness: Tensor,
-        image_shapes: list[tuple[int, int]],
-        num_anchors_per_level: list[int],
-    ) -> tuple[list[Tensor], list[Tensor]]:
+    def filter_proposals(self, proposals: Tensor, objectness: Tensor, image_shapes: list[tuple[int, int]],
+                         num_anchors_per_level: list[int]) -> tuple[list[Tensor], list[Tensor]]:
         """Per image: best ``pre_nms_top_n`` anchors of each level -> clip, drop small and low-scoring boxes ->
         NMS per level, stopped at ``post_nms_top_n`` kept proposals."""
         num_images = proposals.shape[0]
@@ -58,9 +52,8 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
             offset += scores.shape[1]
         return torch.cat(indices, dim=1), torch.cat(levels)
 
-    def _select(
-        self, boxes: Tensor, scores: Tensor, levels: Tensor, image_shape: tuple[int, int]
-    ) -> tuple[Tensor, Tensor]:
+    def _select(self, boxes: Tensor, scores: Tensor, levels: Tensor, image_shape: tuple[int, int]
+                ) -> tuple[Tensor, Tensor]:
         boxes = box_ops.clip_boxes_to_image(boxes, image_shape)
         widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]  # remove_small_boxes + scores, 1 sync
         keep = torch.where((widths >= self.min_size) & (heights >= self.min_size) & (scores >= self.score_thresh))[0]
@@ -83,30 +76,19 @@ class ExtRoIHeads(RoIHeads):
     and a training step crops the mask targets of all images with one RoIAlign call.
 
     ``batched_mask_targets`` (class attribute; set it on an instance to A/B) switches the last back to torchvision's
-    per-image ``project_masks_on_boxes``.
-    """
+    per-image ``project_masks_on_boxes``."""
 
     batched_mask_targets: bool = True
 
-    def forward(
-        self,
-        features: dict[str, Tensor],
-        proposals: list[Tensor],
-        image_shapes: list[tuple[int, int]],
-        targets: list[dict[str, Tensor]] | None = None,
-    ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
+    def forward(self, features: dict[str, Tensor], proposals: list[Tensor], image_shapes: list[tuple[int, int]],
+                targets: list[dict[str, Tensor]] | None = None) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
         """torchvision's ``RoIHeads.forward``; training a mask head (without keypoints) takes :meth:`_train_masks`."""
         if self.training and self.batched_mask_targets and self.has_mask() and not self.has_keypoint():
             return [], self._train_masks(features, proposals, image_shapes, targets)
         return super().forward(features, proposals, image_shapes, targets)
 
-    def _train_masks(
-        self,
-        features: dict[str, Tensor],
-        proposals: list[Tensor],
-        image_shapes: list[tuple[int, int]],
-        targets: list[dict[str, Tensor]] | None,
-    ) -> dict[str, Tensor]:
+    def _train_masks(self, features: dict[str, Tensor], proposals: list[Tensor], image_shapes: list[tuple[int, int]],
+                     targets: list[dict[str, Tensor]] | None) -> dict[str, Tensor]:
         """The training branch of torchvision's forward for box and mask heads, step for step, with the mask loss
         of :func:`lit_amp_det.models.mask_targets.maskrcnn_loss` (one RoIAlign call for the batch's targets)."""
         if targets is None:
@@ -125,9 +107,8 @@ class ExtRoIHeads(RoIHeads):
                                   pos_matched_idxs)
         return {"loss_classifier": loss_classifier, "loss_box_reg": loss_box_reg, "loss_mask": loss_mask}
 
-    def assign_targets_to_proposals(
-        self, proposals: list[Tensor], gt_boxes: list[Tensor], gt_labels: list[Tensor]
-    ) -> tuple[list[Tensor], list[Tensor]]:
+    def assign_targets_to_proposals(self, proposals: list[Tensor], gt_boxes: list[Tensor], gt_labels: list[Tensor]
+                                    ) -> tuple[list[Tensor], list[Tensor]]:
         """Matched ground-truth index and class (0 background, -1 ignored) of every proposal."""
         matched_idxs, labels = [], []
         for proposals_in_image, gt_boxes_in_image, gt_labels_in_image in zip(proposals, gt_boxes, gt_labels):
@@ -145,13 +126,8 @@ class ExtRoIHeads(RoIHeads):
             labels.append(image_labels)
         return matched_idxs, labels
 
-    def postprocess_detections(
-        self,
-        class_logits: Tensor,
-        box_regression: Tensor,
-        proposals: list[Tensor],
-        image_shapes: list[tuple[int, int]],
-    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    def postprocess_detections(self, class_logits: Tensor, box_regression: Tensor, proposals: list[Tensor],
+                               image_shapes: list[tuple[int, int]]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """Decoded, clipped, per-class NMS'd detections: at most ``detections_per_img`` per image."""
         per_image = [p.shape[0] for p in proposals]
         all_boxes = self.box_coder.decode(box_regression, proposals).split(per_image)
@@ -159,9 +135,8 @@ class ExtRoIHeads(RoIHeads):
         results = [self._detections_in_image(b, s, shape) for b, s, shape in zip(all_boxes, all_scores, image_shapes)]
         return [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
 
-    def _detections_in_image(
-        self, boxes: Tensor, scores: Tensor, image_shape: tuple[int, int]
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def _detections_in_image(self, boxes: Tensor, scores: Tensor, image_shape: tuple[int, int]
+                             ) -> tuple[Tensor, Tensor, Tensor]:
         num_classes = scores.shape[-1]
         boxes = box_ops.clip_boxes_to_image(boxes, image_shape)[:, 1:].reshape(-1, 4)  # every (box, class) pair
         labels = torch.arange(1, num_classes, device=scores.device).repeat(scores.shape[0])
@@ -174,13 +149,8 @@ class ExtRoIHeads(RoIHeads):
 
 
 def _lit_pooler(pooler: TorchvisionMultiScaleRoIAlign) -> MultiScaleRoIAlign:
-    lit = MultiScaleRoIAlign(
-        pooler.featmap_names,
-        pooler.output_size,
-        pooler.sampling_ratio,
-        canonical_scale=pooler.canonical_scale,
-        canonical_level=pooler.canonical_level,
-    )
+    lit = MultiScaleRoIAlign(pooler.featmap_names, pooler.output_size, pooler.sampling_ratio,
+                             canonical_scale=pooler.canonical_scale, canonical_level=pooler.canonical_level)
     if pooler.scales is not None:  # a model that already ran keeps the scales torchvision inferred
         lit.scales = list(pooler.scales)
     return lit
@@ -190,21 +160,16 @@ def use_extension_ops(model: GeneralizedRCNN) -> GeneralizedRCNN:
     """Switches a torchvision Faster/Mask R-CNN over to lit_amp_det's ops, in place; returns it.
 
     Only exact torchvision classes are converted: a subclass of torchvision's RPN or RoI heads has its own
-    behaviour that a class change would silently drop, so it raises instead.
-    """
-    for name, expected, replacement in (
-        ("rpn", RegionProposalNetwork, ExtRegionProposalNetwork),
-        ("roi_heads", RoIHeads, ExtRoIHeads),
-    ):
+    behaviour that a class change would silently drop, so it raises instead."""
+    for name, expected, replacement in (("rpn", RegionProposalNetwork, ExtRegionProposalNetwork),
+                                        ("roi_heads", RoIHeads, ExtRoIHeads)):
         module = getattr(model, name)
         if type(module) is replacement:
             continue
         if type(module) is not expected:
-            raise TypeError(
-                f"model.{name} is a {type(module).__qualname__}, not torchvision's {expected.__qualname__}; "
-                "use_extension_ops only converts torchvision's own heads. Call lit_amp_det.ops from your "
-                "subclass instead, or leave out the ext_ops speedup (speedups.ext_ops=null)."
-            )
+            raise TypeError(f"model.{name} is a {type(module).__qualname__}, not torchvision's {expected.__qualname__}"
+                            "; use_extension_ops only converts torchvision's own heads. Call lit_amp_det.ops from your "
+                            "subclass instead, or leave out the ext_ops speedup (speedups.ext_ops=null).")
         module.__class__ = replacement
         module.box_similarity = box_iou
     heads = model.roi_heads

@@ -8,8 +8,7 @@ thresholds that: gigabytes for a large photo with many detections, to produce bo
 box exactly as torchvision resizes it, compared with the threshold there, and only the boolean box region is written
 into a boolean ``[N, 1, H, W]`` result, equal to ``paste_masks_in_image(...) > threshold`` bit for bit.
 :class:`BinaryMaskTransform` is torchvision's transform with that paste, and :func:`use_binary_mask_paste` installs
-it (``model.binary_mask_paste``).
-"""
+it (``model.binary_mask_paste``)."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class BinaryMaskTransform(GeneralizedRCNNTransform):
     """torchvision's detection transform whose inference output holds boolean masks (:func:`paste_masks_binary`).
 
     Resizing, normalisation, batching and the box rescaling are torchvision's own; only the mask paste differs, and
-    its result is ``torchvision's masks > mask_threshold``.
-    """
+    its result is ``torchvision's masks > mask_threshold``."""
 
     def __init__(self, transform: GeneralizedRCNNTransform, mask_threshold: float) -> None:
         super().__init__(transform.min_size, transform.max_size, transform.image_mean, transform.image_std,

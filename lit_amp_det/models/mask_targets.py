@@ -7,8 +7,7 @@ of one size are concatenated into one ``[sum M_i, 1, H, W]`` tensor, each positi
 matched mask in it (``offset_i + matched_idx``), and :func:`lit_amp_det.ops.roi_align` crops them all at once,
 writing the targets straight in batch order. Images of different sizes (RoIAlign clamps samples at each mask's
 own border, so padding them to one size would change the crops at the border) take one call per size: one call
-for the usual fixed-size batch. The numbers are torchvision's (same RoIs, same RoIAlign semantics).
-"""
+for the usual fixed-size batch. The numbers are torchvision's (same RoIs, same RoIAlign semantics)."""
 
 from __future__ import annotations
 
@@ -25,10 +24,8 @@ __all__ = ["maskrcnn_loss", "positive_labels", "project_masks_on_boxes"]
 
 def _rois(proposals: Sequence[Tensor], matched_idxs: Sequence[Tensor], offsets: Sequence[int]) -> Tensor:
     """``[sum K_i, 5]`` RoIs ``(offset_i + matched index, x1, y1, x2, y2)`` in the proposals' dtype."""
-    return torch.cat([
-        torch.cat([(idxs + offset).to(boxes.dtype)[:, None], boxes], dim=1)
-        for boxes, idxs, offset in zip(proposals, matched_idxs, offsets)
-    ])
+    return torch.cat([torch.cat([(idxs + offset).to(boxes.dtype)[:, None], boxes], dim=1)
+                      for boxes, idxs, offset in zip(proposals, matched_idxs, offsets)])
 
 
 def _project_group(gt_masks: Sequence[Tensor], proposals: Sequence[Tensor], matched_idxs: Sequence[Tensor],
@@ -54,8 +51,7 @@ def project_masks_on_boxes(gt_masks: Sequence[Tensor], proposals: Sequence[Tenso
     Returns:
         Tensor[sum K_i, size, size] in the proposals' dtype: row ``k`` is what torchvision's
         ``project_masks_on_boxes`` gives for the ``k``-th proposal in image order. Images without proposals
-        (no positives, or no ground truth) contribute no rows.
-    """
+        (no positives, or no ground truth) contribute no rows."""
     if not (len(gt_masks) == len(proposals) == len(matched_idxs)):
         raise ValueError(f"one entry per image expected, got {len(gt_masks)} mask tensors, {len(proposals)} proposal "
                          f"tensors and {len(matched_idxs)} index tensors")
@@ -89,8 +85,7 @@ def maskrcnn_loss(mask_logits: Tensor, proposals: Sequence[Tensor], gt_masks: Se
 
     Returns:
         The mean binary cross-entropy of each proposal's own-class mask logits against its target; ``0 * sum``
-        of the logits (so the graph keeps every parameter) when the batch has no positive proposal.
-    """
+        of the logits (so the graph keeps every parameter) when the batch has no positive proposal."""
     labels = positive_labels(gt_labels, mask_matched_idxs)
     targets = project_masks_on_boxes(gt_masks, proposals, mask_matched_idxs, mask_logits.shape[-1])
     if targets.numel() == 0:  # binary_cross_entropy_with_logits' mean of nothing would be NaN

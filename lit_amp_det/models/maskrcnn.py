@@ -4,8 +4,7 @@ Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, 
 widths) is an argument here, so the Hydra ``model`` node maps one to one onto these functions and
 :class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Pretrained weights are named as torchvision
 names them (``"IMAGENET1K_V1"`` for a trunk, ``"COCO_V1"`` for a detector) and fetched by
-:mod:`lit_amp_det.models.weights`.
-"""
+:mod:`lit_amp_det.models.weights`."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from typing import Any, Callable
 from torch import nn
 from torchvision.models import WeightsEnum, resnet
 from torchvision.models.detection import FasterRCNN, MaskRCNN
-from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
@@ -94,8 +92,7 @@ def build_backbone(name: str = "resnet18", *, fpn_channels: int = 256, trainable
             ``DEFAULT``; None for random initialisation. Loaded into the trunk before it is frozen, into
             whichever norm layers ``norm`` gives (frozen ones included), from torch hub's cache.
         load_weights: False checks ``weights`` but leaves the trunk at its initialisation, for a caller that
-            loads other tensors over it (a detection checkpoint, a local checkpoint).
-    """
+            loads other tensors over it (a detection checkpoint, a local checkpoint)."""
     if name not in BACKBONES:
         raise ArgumentError("name", name, f"is unknown; choose one of {sorted(BACKBONES)}")
     if norm not in NORM_LAYERS:
@@ -118,15 +115,6 @@ def build_backbone(name: str = "resnet18", *, fpn_channels: int = 256, trainable
     return BackboneWithFPN(trunk, return_layers={f"layer{k}": str(i) for i, k in enumerate(returned_layers)},
                            in_channels_list=[stage1_channels * 2 ** (k - 1) for k in returned_layers],
                            out_channels=fpn_channels, extra_blocks=LastLevelMaxPool())
-
-
-def _anchor_generator(sizes: Sequence[int], aspect_ratios: Sequence[float], levels: int) -> AnchorGenerator:
-    """One anchor size per FPN level, every aspect ratio on each; anchors in fp32 under mixed precision."""
-    if len(sizes) != levels:
-        raise ArgumentError("rpn.anchor_sizes", list(sizes),
-                            f"has {len(sizes)} entries but the FPN has {levels} levels; give one size per level")
-    return FullPrecisionAnchorGenerator(sizes=tuple((int(s),) for s in sizes),
-                                        aspect_ratios=(tuple(aspect_ratios),) * levels)
 
 
 def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str, Any] | None = None,
@@ -155,8 +143,7 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
             initialisation and everything else is loaded. It includes the trunk, so ``backbone.weights`` is then
             checked but not loaded (as torchvision does).
         load_weights: False checks ``weights`` and ``backbone.weights`` (names and architecture) but loads
-            neither, for a caller that loads other tensors over them (a local checkpoint).
-    """
+            neither, for a caller that loads other tensors over them (a local checkpoint)."""
     if num_classes < 2:
         raise ArgumentError("num_classes", num_classes, "must count background plus at least one class")
     pretrained = _detection_weights(weights, mask)
@@ -176,7 +163,12 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
     tf_cfg = dict(transform or {})
 
     aspect_ratios = rpn_cfg.pop("aspect_ratios", (0.5, 1.0, 2.0))
-    anchors = _anchor_generator(rpn_cfg.pop("anchor_sizes", (32, 64, 128, 256, 512)), aspect_ratios, levels)
+    sizes = rpn_cfg.pop("anchor_sizes", (32, 64, 128, 256, 512))
+    if len(sizes) != levels:  # one anchor size per FPN level, every aspect ratio on each; fp32 under mixed precision
+        raise ArgumentError("rpn.anchor_sizes", list(sizes),
+                            f"has {len(sizes)} entries but the FPN has {levels} levels; give one size per level")
+    anchors = FullPrecisionAnchorGenerator(sizes=tuple((int(s),) for s in sizes),
+                                           aspect_ratios=(tuple(aspect_ratios),) * levels)
     feature_names = [str(i) for i in range(levels - 1)]
     sampling_ratio = roi_cfg.pop("sampling_ratio", 2)
     box_width = roi_cfg.pop("box_head_width", 1024)
@@ -185,7 +177,13 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
         configured = {"backbone.name": backbone_cfg.get("name", "resnet18"), "backbone.fpn_channels": channels,
                       "backbone.returned_layers": list(returned_layers), "rpn.aspect_ratios": list(aspect_ratios),
                       "roi_heads.box_head_width": box_width, "roi_heads.mask_head_layers": list(mask_layers)}
-        _check_architecture(weights, pretrained[0], configured)
+        family = pretrained[0]
+        mismatches = architecture_mismatches(family, configured)
+        if mismatches:  # fail before anything is fetched when the model cannot hold the checkpoint's tensors
+            raise WeightsMismatchError("weights", weights, f"names torchvision's {family.builder} checkpoint "
+                                       f"({family.enum.__name__}), which this model does not match: "
+                                       f"{', '.join(mismatches)}. Use model=maskrcnn_r50_fpn "
+                                       f"(mask={str(family.mask).lower()}) or set those values, or set it to null")
     box_pool = MultiScaleRoIAlign(feature_names, output_size=7, sampling_ratio=sampling_ratio)
 
     kwargs: dict[str, Any] = dict(
@@ -194,7 +192,8 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
         size_divisible=tf_cfg.pop("size_divisible", 32), rpn_anchor_generator=anchors, box_roi_pool=box_pool,
         box_head=TwoMLPHead(channels * 7 * 7, box_width), box_predictor=FastRCNNPredictor(box_width, num_classes),
         **{_rpn_kwarg(k, v): v for k, v in rpn_cfg.items()}, **{_roi_kwarg(k, v): v for k, v in roi_cfg.items()})
-    _reject_leftovers("transform", tf_cfg)
+    if tf_cfg:
+        raise ArgumentError("transform", dict(tf_cfg), f"has unknown keys {sorted(tf_cfg)}")
     if not mask:
         detector = FasterRCNN(body, num_classes=None, **kwargs)
     else:
@@ -208,22 +207,11 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
     return detector
 
 
-def _check_architecture(weights: str | None, family: DetectionCheckpoint, configured: Mapping[str, Any]) -> None:
-    """Fails before anything is fetched when the configured model cannot hold ``family``'s tensors."""
-    mismatches = architecture_mismatches(family, configured)
-    if mismatches:
-        raise WeightsMismatchError("weights", weights, f"names torchvision's {family.builder} checkpoint "
-                                   f"({family.enum.__name__}), which this model does not match: "
-                                   f"{', '.join(mismatches)}. Use model=maskrcnn_r50_fpn "
-                                   f"(mask={str(family.mask).lower()}) or set those values, or set it to null")
-
-
 def _fix_pooler_scales(detector: FasterRCNN, returned_layers: Sequence[int]) -> None:
     """Sets the poolers' level scales from the backbone's strides (ResNet stage k: stride 2 ** (k + 1)).
 
     torchvision infers them from the first batch it pools, by the height ratio alone, which is a power of two
-    off when that batch is much wider than tall; the strides are known here, so neither op set has to guess.
-    """
+    off when that batch is much wider than tall; the strides are known here, so neither op set has to guess."""
     scales = [2.0 ** -(k + 1) for k in returned_layers]
     for pooler in (detector.roi_heads.box_roi_pool, getattr(detector.roi_heads, "mask_roi_pool", None)):
         if pooler is None:
@@ -254,8 +242,3 @@ def _roi_kwarg(key: str, value: Any) -> str:
     if name not in _ROI_KWARGS:
         raise ArgumentError(f"roi_heads.{key}", value, f"is not a known RoI-head setting; known: {sorted(_ROI_KWARGS)}")
     return name
-
-
-def _reject_leftovers(node: str, leftovers: Mapping[str, Any]) -> None:
-    if leftovers:
-        raise ArgumentError(node, dict(leftovers), f"has unknown keys {sorted(leftovers)}")

@@ -1,5 +1,4 @@
-"""Implementation choices applied to a built detector: which kernels run, the memory format, compilation, the mask
-paste.
+"""Implementation choices applied to a built detector: which kernels run, memory format, compilation, mask paste.
 
 Each is a :class:`ModelTransform`: a callable ``nn.Module -> nn.Module`` that changes how the detector computes, not
 what it is. It keeps every ``state_dict`` key and shape (a checkpoint loads with or without it), and declares the
@@ -13,8 +12,7 @@ model as built). Each transform's config is a ``_target_`` mapping, so a user ad
   canvas per detection (:mod:`lit_amp_det.models.mask_paste`);
 * :class:`SyncFree` -- fixed shapes and no host synchronisation in a step (:mod:`lit_amp_det.models.sync_free`);
 * :class:`ChannelsLast` -- NHWC weights and activations (tensor-core convolutions without layout copies on a GPU);
-* :class:`CompileBackbone` -- ``torch.compile`` of the ResNet+FPN, the part with static shapes.
-"""
+* :class:`CompileBackbone` -- ``torch.compile`` of the ResNet+FPN, the part with static shapes."""
 
 from __future__ import annotations
 
@@ -33,18 +31,8 @@ from lit_amp_det.models.ext_ops import use_extension_ops
 from lit_amp_det.models.mask_paste import use_binary_mask_paste
 from lit_amp_det.models.sync_free import use_sync_free
 
-__all__ = [
-    "DEFAULT_SPEEDUPS",
-    "DEVICE_TYPES",
-    "BinaryMaskPaste",
-    "ChannelsLast",
-    "CompileBackbone",
-    "ExtensionOps",
-    "ModelTransform",
-    "SyncFree",
-    "apply_transforms",
-    "build_transforms",
-]
+__all__ = ["DEFAULT_SPEEDUPS", "DEVICE_TYPES", "BinaryMaskPaste", "ChannelsLast", "CompileBackbone", "ExtensionOps",
+           "ModelTransform", "SyncFree", "apply_transforms", "build_transforms"]
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +53,7 @@ class ModelTransform(ABC):
 
     Subclasses set :attr:`name` and implement :meth:`__call__`, which may change the model in place and must keep
     its ``state_dict`` keys and shapes. ``devices`` (the device types it applies to, a subset of
-    :data:`DEVICE_TYPES`) defaults to the class's :attr:`default_devices`.
-    """
+    :data:`DEVICE_TYPES`) defaults to the class's :attr:`default_devices`."""
 
     name: ClassVar[str]
     default_devices: ClassVar[tuple[str, ...]] = DEVICE_TYPES
@@ -94,8 +81,7 @@ class ExtensionOps(ModelTransform):
     """Runs the RPN and RoI heads on lit_amp_det's NMS, RoIAlign and IoU kernels (C++ on a CPU, Triton on CUDA).
 
     They stop NMS at the number of boxes kept afterwards, pool every FPN level in one call, keep fp16/bf16 features
-    in their dtype and crop a training batch's mask targets in one call; the detections are torchvision's.
-    """
+    in their dtype and crop a training batch's mask targets in one call; the detections are torchvision's."""
 
     name = "ext_ops"
 
@@ -109,8 +95,7 @@ class BinaryMaskPaste(ModelTransform):
     torchvision's masks thresholded, bit for bit, without its float image-size canvas per detection (gigabytes for
     a large photo with many detections). :meth:`~lit_amp_det.MaskRCNNModule.postprocess` then receives boolean masks;
     without this transform it receives torchvision's probabilities. A detector without a mask head, or with another
-    transform than torchvision's, is left as it is.
-    """
+    transform than torchvision's, is left as it is."""
 
     name = "binary_mask_paste"
 
@@ -127,8 +112,7 @@ class SyncFree(ModelTransform):
     Padded proposal and detection slots with validity masks, matching and sampling without boolean indexing,
     losses as masked sums, batches padded to size buckets (:mod:`lit_amp_det.models.sync_free`): the training step
     makes no host synchronisation, inference reads the detection counts once per batch, and the model traces as one
-    graph. On CUDA by default, where the host waiting is what costs; ``devices: [cpu, cuda]`` runs it on a CPU too.
-    """
+    graph. On CUDA by default, where the host waiting is what costs; ``devices: [cpu, cuda]`` runs it on a CPU too."""
 
     name = "sync_free"
     default_devices = ("cuda",)
@@ -150,8 +134,7 @@ class ChannelsLast(ModelTransform):
     cuDNN's tensor-core convolutions and lit_amp_det's RoIAlign read NHWC without transposes, so under mixed precision
     on a GPU the backbone, FPN and heads skip the NCHW<->NHWC copies cuDNN otherwise makes around every convolution.
     torchvision's transform batches the images NCHW: a pre-hook on the backbone converts them, and the convolutions
-    propagate the format through the FPN and the RoI heads.
-    """
+    propagate the format through the FPN and the RoI heads."""
 
     name = "channels_last"
 
@@ -170,8 +153,7 @@ class CompileBackbone(ModelTransform):
     The backbone has static shapes (images are padded to ``size_divisible``), so it compiles once per input size;
     the RPN and RoI heads have data-dependent shapes (proposal counts) that would recompile or break the graph every
     step, so they stay eager, unless ``sync_free`` fixed them: then the training forward is one graph, and inference
-    one graph before the read of the detection counts. ``options`` are ``torch.compile``'s keyword arguments.
-    """
+    one graph before the read of the detection counts. ``options`` are ``torch.compile``'s keyword arguments."""
 
     name = "compile"
 
@@ -190,8 +172,7 @@ def build_transforms(config: Mapping[str, Mapping[str, Any] | None] | None) -> l
     """The transforms a ``speedups`` mapping names, in its order; entries set to ``null`` are off.
 
     Each value is a ``_target_`` mapping (``{"_target_": "lit_amp_det.models.speedups.ChannelsLast", "devices":
-    ["cuda"]}``) naming a :class:`ModelTransform`.
-    """
+    ["cuda"]}``) naming a :class:`ModelTransform`."""
     if config is None:
         return []
     if not isinstance(config, Mapping):

@@ -15,8 +15,7 @@ same detector with every shape known before the step runs, as NVIDIA's MLPerf Ma
   ``positive_fraction * batch_size_per_image`` positive slots of each image, weighted by validity;
 * inference keeps ``detections_per_img`` slots per image and pastes all their masks in one vectorised pass.
   :meth:`SyncFreeMaskRCNN.forward_padded` returns those fixed-size results with each image's count;
-  ``forward`` reads the counts once per batch and returns torchvision's per-image lists.
-"""
+  ``forward`` reads the counts once per batch and returns torchvision's per-image lists."""
 
 from __future__ import annotations
 
@@ -39,17 +38,8 @@ from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.models.mask_targets import project_masks_on_boxes
 from lit_amp_det.ops import batched_nms_padded, box_iou
 
-__all__ = [
-    "FixedShapeTransform",
-    "SyncFreeFasterRCNN",
-    "SyncFreeMaskRCNN",
-    "SyncFreeRPN",
-    "SyncFreeRoIHeads",
-    "match",
-    "paste_masks_padded",
-    "sample_slots",
-    "use_sync_free",
-]
+__all__ = ["FixedShapeTransform", "SyncFreeFasterRCNN", "SyncFreeMaskRCNN", "SyncFreeRPN", "SyncFreeRoIHeads", "match",
+           "paste_masks_padded", "sample_slots", "use_sync_free"]
 
 
 def match(quality: Tensor, matcher: Matcher, valid: Tensor | None = None) -> Tensor:
@@ -79,8 +69,7 @@ def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> t
 
     Returns:
         ``(index [S], valid [S], positive [S])``: the drawn positives fill the first slots, the negatives the next;
-        slots past the draw are not ``valid`` (their index is arbitrary).
-    """
+        slots past the draw are not ``valid`` (their index is arbitrary)."""
     n = labels.shape[0]
     slots = min(batch_size, n)
     keys = torch.rand(n, device=labels.device)
@@ -100,16 +89,8 @@ def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> t
 
 
 def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    """The sum of ``values`` where ``mask`` holds; selected rather than multiplied by the mask, since ``inf * 0`` is
-    NaN."""
+    """Sum of ``values`` where ``mask`` holds; selected rather than multiplied by the mask, since ``inf * 0`` is NaN."""
     return torch.where(mask, values, 0.0).sum()
-
-
-def _slot_labels(n: int, index: Tensor, valid: Tensor, positive: Tensor) -> Tensor:
-    """``Tensor[n]`` float: 1 for a drawn positive, 0 for a drawn negative, -1 for an element not drawn. Drawn
-    indices are distinct, so adding each valid slot's value once is exact (and needs no scatter order)."""
-    drawn = torch.where(valid, positive.to(torch.float32) + 1, 0.0)
-    return torch.full((n,), -1.0, device=index.device).index_add_(0, index, drawn)
 
 
 _PASTE_CHUNK = 16  # detections pasted at a time: the full-image temporaries of a large photo stay bounded
@@ -123,8 +104,7 @@ def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int]
     Each box's expanded mask is resized to the box as ``F.interpolate(bilinear, align_corners=False)`` resizes it
     (its source coordinates and weights, separable: along x, then y), read at every image pixel the box covers; a
     value within rounding of the threshold may compare the other way (about one pixel in 10^6). Costs ``D x H x W``
-    work instead of the boxes' areas, in chunks of detections.
-    """
+    work instead of the boxes' areas, in chunks of detections."""
     height, width = int(image_size[0]), int(image_size[1])
     padded, scale = expand_masks(masks, padding=padding)
     padded = padded[:, 0]
@@ -157,11 +137,10 @@ def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int]
 class FixedShapeTransform(BinaryMaskTransform):
     """torchvision's detection transform with fixed batch shapes and a loop-free boolean mask paste.
 
-    Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest resized
-    short (at inference: the inference size) and long sides rounded up to ``size_divisible`` (a batch that fits none, with resizing skipped, is padded
-    as torchvision pads it). The training scale is drawn with Python's ``random`` (seeded by Lightning's
-    ``seed_everything``), not read back from a tensor. Masks are pasted by :func:`paste_masks_padded`.
-    """
+    Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest resized short
+    (at inference: the inference size) and long sides rounded up to ``size_divisible`` (a batch that fits none, with
+    resizing skipped, is padded as torchvision pads it). The training scale is drawn with Python's ``random`` (seeded by
+    Lightning's ``seed_everything``), not read back from a tensor. Masks are pasted by :func:`paste_masks_padded`."""
 
     def torch_choice(self, k: list[int]) -> int:
         return k[0] if len(k) == 1 else random.choice(k)
@@ -202,8 +181,7 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
         if targets is None:
             raise ValueError("targets should not be None")
         labels, regression_targets = self.anchor_targets(anchors, targets)
-        loss_objectness, loss_rpn_box_reg = self.compute_loss(objectness, pred_bbox_deltas, labels,
-                                                              regression_targets)
+        loss_objectness, loss_rpn_box_reg = self.compute_loss(objectness, pred_bbox_deltas, labels, regression_targets)
         return boxes, {"loss_objectness": loss_objectness, "loss_rpn_box_reg": loss_rpn_box_reg}
 
     def filter_proposals(self, proposals: Tensor, objectness: Tensor, image_shapes: list[tuple[int, int]],
@@ -242,8 +220,10 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
                 matched_boxes.append(gt_boxes[matches.clamp(min=0)])
                 image_labels = (matches >= 0).to(torch.float32)
                 image_labels = image_labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1.0)
-            drawn = sample_slots(image_labels, sampler.batch_size_per_image, sampler.positive_fraction)
-            labels.append(_slot_labels(image_labels.shape[0], *drawn))
+            index, valid, positive = sample_slots(image_labels, sampler.batch_size_per_image, sampler.positive_fraction)
+            # drawn indices are distinct, so adding each valid slot's value once is exact (and needs no scatter order)
+            drawn = torch.where(valid, positive.to(torch.float32) + 1, 0.0)
+            labels.append(torch.full((image_labels.shape[0],), -1.0, device=index.device).index_add_(0, index, drawn))
         regression_targets = self.box_coder.encode(matched_boxes, anchors)
         return torch.cat(labels), torch.cat(regression_targets)
 
@@ -323,8 +303,7 @@ class SyncFreeRoIHeads(ExtRoIHeads):
                    positive: Tensor, image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]]) -> Tensor:
         """torchvision's mask loss over the positive slots (the first ``positive_fraction * batch_size_per_image``
         of each image, weighted by :func:`sample_slots`' ``positive``)."""
-        slots = min(int(self.fg_bg_sampler.batch_size_per_image * self.fg_bg_sampler.positive_fraction),
-                    boxes.shape[1])
+        slots = min(int(self.fg_bg_sampler.batch_size_per_image * self.fg_bg_sampler.positive_fraction), boxes.shape[1])
         boxes, matched, classes, positive = (t[:, :slots] for t in (boxes, matched, classes, positive))
         logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, list(boxes), image_shapes)))
         # an image without ground truth crops a blank mask (its slots are never positive)
@@ -378,12 +357,6 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         return tuple(torch.stack(parts) for parts in zip(*kept))  # type: ignore[return-value]
 
 
-def _unpad(detections: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-    """Per-image detections cut to their counts: the one read of the device per batch."""
-    counts = torch.stack([d["count"] for d in detections]).tolist() if detections else []
-    return [{k: v[:n] for k, v in d.items() if k != "count"} for d, n in zip(detections, counts)]
-
-
 class _SyncFreeForward(nn.Module):
     """``forward`` of a :mod:`sync_free <lit_amp_det.models.sync_free>` detector (mixed into torchvision's class)."""
 
@@ -414,7 +387,10 @@ class _SyncFreeForward(nn.Module):
                 ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
         """torchvision's outputs: the loss dict in training, per-image detection lists otherwise."""
         out = self.forward_padded(images, targets)
-        return out if self.training else _unpad(out)
+        if self.training:
+            return out
+        counts = torch.stack([d["count"] for d in out]).tolist() if out else []  # the one read of the device per batch
+        return [{k: v[:n] for k, v in d.items() if k != "count"} for d, n in zip(out, counts)]
 
 
 class SyncFreeFasterRCNN(_SyncFreeForward, FasterRCNN):

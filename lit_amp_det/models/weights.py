@@ -6,8 +6,7 @@ member of the enum of the torchvision detection checkpoint whose architecture th
 ``$TORCH_HOME/hub/checkpoints/`` is loaded without the network, and a download is checked against its hash, so an
 offline machine works once the file is copied there; otherwise one :class:`WeightsUnavailableError` names the file,
 the URL and the folder. A COCO checkpoint loaded into a model with another class count loads everything but the
-class-dependent predictor layers (:data:`CLASS_DEPENDENT`): the usual fine-tuning start.
-"""
+class-dependent predictor layers (:data:`CLASS_DEPENDENT`): the usual fine-tuning start."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class DetectionCheckpoint:
         builder: torchvision's function that builds the architecture, for messages.
         enum: its weight enum.
         mask: whether it has the mask branch (Mask R-CNN) or not (Faster R-CNN).
-        architecture: config key -> value the model must have for every tensor to fit (and mean the same).
-    """
+        architecture: config key -> value the model must have for every tensor to fit (and mean the same)."""
 
     builder: str
     enum: type[WeightsEnum]
@@ -136,8 +134,7 @@ def fetch_state_dict(weights: WeightsEnum, argument: str, name: str) -> dict[str
 
     ``argument`` and ``name`` (the argument and the name it was given) are for messages. Raises
     :class:`WeightsUnavailableError` naming the file, URL and folder when the file is not cached and the download
-    fails, or when a cached file cannot be read.
-    """
+    fails, or when a cached file cannot be read."""
     path = cached_file(weights)
     was_cached = path.is_file()
     try:
@@ -187,8 +184,7 @@ def _check_fit(module: nn.Module, state: Mapping[str, Tensor], argument: str, na
 def load_backbone_weights(trunk: nn.Module, weights: WeightsEnum, argument: str, name: str) -> None:
     """Loads ImageNet ``weights`` into a torchvision ResNet ``trunk`` (classifier included), as torchvision does.
 
-    The trunk's norms may be ``BatchNorm2d`` or ``FrozenBatchNorm2d``: both start from the same statistics.
-    """
+    The trunk's norms may be ``BatchNorm2d`` or ``FrozenBatchNorm2d``: both start from the same statistics."""
     state = fetch_state_dict(weights, argument, name)
     _check_fit(trunk, state, argument, name, cached_file(weights))
     trunk.load_state_dict(state, strict=False)  # only step counters can be absent: checked above
@@ -200,8 +196,7 @@ def load_detection_weights(detector: nn.Module, weights: WeightsEnum, num_classe
     """Loads a torchvision detection checkpoint into ``detector`` (built for ``num_classes``).
 
     With the checkpoint's own class count everything is loaded; with another, the :data:`CLASS_DEPENDENT`
-    predictor layers keep their fresh initialisation, everything else is loaded, and one log line says so.
-    """
+    predictor layers keep their fresh initialisation, everything else is loaded, and one log line says so."""
     state = fetch_state_dict(weights, argument, name)
     path = cached_file(weights)
     trained_classes = len(weights.meta["categories"])
