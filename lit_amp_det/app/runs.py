@@ -287,56 +287,62 @@ def _continued(runs: list[RunInfo]) -> set[Path]:
 
 
 def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
-    """``fit ckpt_path=last``: the newest fit, if it is unfinished, made with this model and data, and saved."""
+    """``fit ckpt_path=last``: the newest unfinished fit that saved a checkpoint and was made with this model and data
+    (fits that saved none are skipped, and named in a log line); when none fits, an error about the newest fit."""
     runs = list_runs(runs_root, "fit", exclude=run_dir)
     continued = _continued(runs)
     runs = [info for info in runs if info.path.resolve() not in continued]  # resumed already: its successor counts
     if not runs:
         raise ResumeError(f"ckpt_path=last: no earlier fit under {runs_root} to resume; start a new run "
                           "(leave ckpt_path out) or pass ckpt_path=/path/to/run_dir or /path/to/file.ckpt")
+    stopped = [r for r in runs if r.status not in ("finished", "running")]
+    if unsaved := [r for r in stopped if resume_point(r.path) is None]:
+        log.info("ckpt_path=last: skipping %d fit(s) that saved no checkpoint: %s", len(unsaved),
+                 ", ".join(str(r.path) for r in unsaved[:5]))
+    saved = [r for r in stopped if r not in unsaved]
+    if (matching := next((r for r in saved if not config_differences(r.path, cfg)), None)) is not None:
+        if changed := [d for d in _setting_differences(matching.path, cfg, ("model",)) or [] if _is_implementation(d)]:
+            log.info("ckpt_path=last: resuming %s with other implementation settings than it had: %s", matching.path,
+                     "; ".join(changed))
+        return resume_point(matching.path)  # type: ignore[return-value]  # saved: it has one
     newest = runs[0]
-    matching = next((r for r in runs if r.status not in ("finished", "running") and resume_point(r.path) is not None
-                     and not config_differences(r.path, cfg)), None)
-    hint = (f"; the newest unfinished fit with this model and data is {matching.path}: resume it with "
-            f"ckpt_path={matching.path}") if matching is not None and matching is not newest else ""
+    if saved:
+        other = saved[0]
+        raise ResumeError(f"ckpt_path=last: no unfinished fit was made with this model and data; the newest, "
+                          f"{other.path} ({other.status}), differs: {'; '.join(config_differences(other.path, cfg)[:8])}. Run with "
+                          f"its settings to resume it, or pass ckpt_path={other.path}")
     if newest.status == "running":
-        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, is still running; stop it first{hint}")
+        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, is still running and no other unfinished "
+                          "fit saved a checkpoint; stop it first")
     if newest.finished:
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. Start "
                           f"a new run (leave ckpt_path out); train it further with its optimizer and schedule by "
                           f"ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or fine-tune "
-                          f"from its weights with model.weights={newest.path / 'checkpoints' / 'last.ckpt'}{hint}")
-    if differences := config_differences(newest.path, cfg):
-        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path} ({newest.status}), was made with a different "
-                          f"model or data: {'; '.join(differences[:8])}. Run with the same settings to resume it{hint}")
-    if (checkpoint := resume_point(newest.path)) is None:
-        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it "
-                          f"saved a checkpoint: there is nothing to resume. Start a new run, or lower "
-                          f"callbacks.last_checkpoint.every_n_train_steps / every_n_minutes{hint}")
-    if changed := [d for d in _setting_differences(newest.path, cfg, ("model",)) or [] if _is_implementation(d)]:
-        log.info("ckpt_path=last: resuming %s with other implementation settings than it had: %s", newest.path,
-                 "; ".join(changed))
-    return checkpoint
+                          f"from its weights with model.weights={newest.path / 'checkpoints' / 'last.ckpt'}")
+    raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it saved a "
+                      "checkpoint, as did every unfinished fit: there is nothing to resume. Start a new run, or lower "
+                      "callbacks.last_checkpoint.every_n_train_steps / every_n_minutes")
 
 
 def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
-    """``validate|test|predict ckpt_path=last``: the final weights of the newest fit, if its model matches."""
+    """``validate|test|predict ckpt_path=last``: the final weights of the newest fit whose model matches."""
     saved = [(info, point) for info in list_runs(runs_root, "fit", exclude=run_dir)
              if (point := resume_point(info.path)) is not None]
     if not saved:
         raise ResumeError(f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
                           "ckpt_path=/path/to/file.ckpt")
-    (newest, checkpoint), older = saved[0], saved[1:]
-    if differences := _architecture_differences(newest.path, cfg):
-        matching = next((info for info, _ in older if not _architecture_differences(info.path, cfg)), None)
-        hint = (f"; the newest fit with this model is {matching.path}: pass ckpt_path={matching.path}"
-                if matching is not None else "")
-        raise ResumeError(f"ckpt_path=last: the newest fit with a checkpoint, {newest.path}, has a different "
-                          f"model: {'; '.join(differences[:8])}; pass the same model settings or "
-                          f"ckpt_path=/path/to/file.ckpt{hint}")
-    if others := _setting_differences(newest.path, cfg, ("model",)):
+    matching = next(((info, point) for info, point in saved if not _architecture_differences(info.path, cfg)), None)
+    if matching is None:
+        newest = saved[0][0]
+        raise ResumeError(f"ckpt_path=last: no fit with a checkpoint has this model; the newest, {newest.path}, "
+                          f"differs: {'; '.join(_architecture_differences(newest.path, cfg)[:8])}; pass its model "
+                          "settings or ckpt_path=/path/to/file.ckpt")
+    info, checkpoint = matching
+    if info is not saved[0][0]:
+        log.info("ckpt_path=last: the newest fit with this model is %s (newer fits have another model)", info.path)
+    if others := _setting_differences(info.path, cfg, ("model",)):
         log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: %s",
-                 newest.path, "; ".join(others[:8]))
+                 info.path, "; ".join(others[:8]))
     return checkpoint
 
 
