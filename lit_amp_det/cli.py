@@ -7,6 +7,8 @@ because Hydra has no notion of subcommands. ``--help`` prints the subcommands an
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -88,9 +90,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         rest = [*rest, "hydra.output_subdir=null"]  # another node's first process: rank 0 writes .hydra/
     from lit_amp_det.app.overrides import prepare_overrides
 
+    if (short := _short_of_room()) is not None:
+        sys.exit(short)
     multirun = "-m" in rest or "--multirun" in rest
     sys.argv = [sys.argv[0], *hydra_argv(rest, command, lambda overrides: prepare_overrides(overrides, multirun))]
-    _hydra_entry()
+    try:
+        _hydra_entry()
+    except KeyboardInterrupt:  # while Hydra and the imports start: nothing was written yet
+        print("lit_amp_det: interrupted (Ctrl-C) while starting", file=sys.stderr)
+        sys.exit(130)
+
+
+#: Free space below which a command does not start: its config, logs and first checkpoint would not fit.
+MIN_FREE_MB = 64
+
+
+def _short_of_room() -> str | None:
+    """Why the runs folder's disk cannot take a run (``None`` when it can): said before anything is written."""
+    root = Path(os.environ.get("LIT_AMP_DET_RUNS", "runs")).expanduser().absolute()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(existing).free / 2**20
+    if free >= MIN_FREE_MB:
+        return None
+    return (f"lit_amp_det: {free:.0f} MB free on the disk of {root}, where runs are written: a run needs room for its "
+            f"config, logs and checkpoints (at least {MIN_FREE_MB} MB). Free space there, or set LIT_AMP_DET_RUNS "
+            "to a folder on another disk")
 
 
 #: Hydra's flags that take a value (``--cfg job``); ``--info`` takes one of ``_INFO_TOPICS`` optionally.

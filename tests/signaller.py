@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 from lightning.pytorch import Callback
 
@@ -16,3 +17,17 @@ class SignalAtStep(Callback):
         if trainer.global_step == self.step:
             for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
+
+
+class SignalAtValidationBatch(Callback):
+    """Sends ``signum`` at validation batch ``batch`` of a fit (not the sanity check) and writes the time it did to
+    ``stamp``."""
+
+    def __init__(self, batch: int, stamp: str, signum: str = "SIGTERM") -> None:
+        self.batch, self.stamp, self.signum = batch, stamp, getattr(signal, signum)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking and batch_idx == self.batch:
+            with open(self.stamp, "w") as sink:
+                sink.write(repr(time.time()))
+            os.kill(os.getpid(), self.signum)

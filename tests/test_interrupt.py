@@ -62,3 +62,44 @@ def test_sigterm_saves_and_exits_with_143(tmp_path: Path) -> None:
                       weights_only=True)["global_step"] == 2
     assert json.loads((run_dir / "metrics.json").read_text())["interrupted_by"] == "SIGTERM"
     assert "stopped by SIGTERM" in (run_dir / "fit.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once_and_leaves_the_last_checkpoint_as_it_was(tmp_path: Path) -> None:
+    env = {**ENV, "LIT_AMP_DET_RUNS": str(tmp_path / "runs")}
+    twice = ["+callbacks.sig._target_=signaller.SignalAtStep", "+callbacks.sig.step=2", "+callbacks.sig.times=2",
+             "callbacks.last_checkpoint.every_n_train_steps=1"]
+    stopped = run_cli(["fit", *COMMON, *twice], cwd=tmp_path, env=env, check=False)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "SIGINT received again: stopped at once" in stopped.stdout + stopped.stderr
+    (run_dir,) = (tmp_path / "runs" / "fit").iterdir()
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 2  # the save of step 2; the step in progress was not saved
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_sigterm_during_validation_stops_within_seconds_with_a_resumable_checkpoint(tmp_path: Path) -> None:
+    """A 200-image validation is not waited for: the batch in progress ends, the training state is saved, exit 143;
+    ``fit ckpt_path=last`` then finishes the run."""
+    import time
+
+    runs, stamp = tmp_path / "runs", tmp_path / "signalled_at"
+    env = {**ENV, "LIT_AMP_DET_RUNS": str(runs)}
+    long_validation = ["data.val_size=200", "data.eval_batch_size=2", "trainer.max_epochs=2",
+                       "trainer.check_val_every_n_epoch=1", "+callbacks.sig._target_=signaller.SignalAtValidationBatch",
+                       "+callbacks.sig.batch=1", f"+callbacks.sig.stamp={stamp}"]
+    stopped = run_cli(["fit", *COMMON, *long_validation], cwd=tmp_path, env=env, check=False)
+    ended = time.time()
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert ended - float(stamp.read_text()) < 10
+    (run_dir,) = (runs / "fit").iterdir()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 4  # the first epoch's 4 steps: the state validation began with
+    resumed = run_cli(["fit", *COMMON, "data.val_size=200", "data.eval_batch_size=2", "trainer.max_epochs=2",
+                       "trainer.check_val_every_n_epoch=1", "ckpt_path=last"], cwd=tmp_path, env=env)
+    assert "resuming " in resumed.stdout
+    newest = max((runs / "fit").glob("*/metrics.json"), key=lambda p: p.stat().st_mtime)
+    metrics = json.loads(newest.read_text())
+    assert metrics["global_step"] == 8 and metrics["status"] == "finished"

@@ -2,7 +2,7 @@
 
 Layers, bottom up (``errors``, the library's argument error, under all of them): ``profiling`` and ``ops`` (kernels
 and their front end) -> ``precision``, ``data``, ``models`` -> ``module``, ``module_settings``, ``optim``,
-``checkpoints``, ``distributed``, ``slurm`` -> ``callbacks`` (each on its own: no callback imports another) -> the
+``checkpoints``, ``checkpoint_io``, ``distributed``, ``slurm`` -> ``callbacks`` (each on its own: no callback imports another) -> the
 application: the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and launch plumbing),
 ``bench`` and ``cli``. The core (the module, models, precision, callbacks, data, ops) holds no CPU-only speed transform.
 Read from the source (``ast``), so nothing is imported and lazy imports inside functions count too.
@@ -27,6 +27,7 @@ ALLOWED = {
     "lit_amp_det.distributed": (),
     "lit_amp_det.slurm": (),
     "lit_amp_det.checkpoints": (),
+    "lit_amp_det.checkpoint_io": (),
     "lit_amp_det.module_settings": ("lit_amp_det.optim",),
     "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim", "lit_amp_det.module_settings",
                            "lit_amp_det.checkpoints", "lit_amp_det.distributed", "lit_amp_det.precision"),

@@ -89,9 +89,9 @@ def test_last_passes_over_newer_fits_it_cannot_resume(tmp_path: Path, case: str,
     assert ("saved no checkpoint: " + str(newest) in caplog.text) == (case == "no_checkpoint")
 
 
-@pytest.mark.parametrize(("case", "expected"), zip(CASES, ["finished: there is nothing to resume",
+@pytest.mark.parametrize(("case", "expected"), list(zip(CASES, ["finished: there is nothing to resume",
                                                            "data.train_size: 12 -> 16", "before it saved a checkpoint",
-                                                           "is still running"]))
+                                                           "is still running"])))
 def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, expected: str) -> None:
     root = tmp_path / "runs"
     newest, sleeper = _newest_fit(root, case)
@@ -328,3 +328,28 @@ def test_loader_workers_are_clamped_where_the_data_is_loaded() -> None:
     assert CocoDataModule(root="/x", num_workers=0).loader_options["num_workers"] == 0
     with pytest.raises(ArgumentError, match="num_workers"):
         CocoDataModule(root="/x", num_workers=-1)
+
+
+def test_a_resumed_folder_is_claimed_against_a_second_fit_and_loses_its_stale_temporaries(tmp_path: Path) -> None:
+    from lit_amp_det.app import runs
+
+    root = tmp_path / "runs"
+    killed = _fake_run(root, "a", status="interrupted", step=2, started=1.0)
+    stale = killed / "checkpoints" / ".last.ckpt.tmp"
+    stale.write_bytes(b"half a checkpoint")  # what a SIGKILL during a save leaves
+    lock = killed / "checkpoints" / ".resume.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'process 4242 on elsewhere')\n"
+                               "print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ResumeError, match=r"checkpoints is being resumed by process 4242 on elsewhere; wait"):
+            _resolve(root, "last")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert stale.exists()  # not touched while another process resumed it
+    assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
+    assert not stale.exists() and (killed / "checkpoints").resolve() in runs._CLAIMS
+    assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())  # this process again

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from lit_amp_det.app.runs import slurm_resume_point, write_run_record
 from lit_amp_det.app.tasks import start_checkpoint
+from lit_amp_det.callbacks import last_checkpoint
 from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint
 from lit_amp_det.slurm import SlurmJob, current_job, requeue_signal
 
@@ -270,9 +271,11 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path: Path, 
         trainer = _SignallingTrainer(signal.SIGTERM)  # the second arrives inside the write
         if under_slurm:  # SLURM's SIGTERM while the run stops: ignored, the save completes and returns
             assert callback.save(trainer) == str(callback.path)
-        else:  # a second Ctrl-C stops at once, but only once the file is complete
-            with pytest.raises(KeyboardInterrupt):
+        else:  # a second signal exits at once (128 + its number), but only once the file is complete
+            monkeypatch.setattr(last_checkpoint, "_exit_now", lambda signum, kept: sys.exit(128 + signum))
+            with pytest.raises(SystemExit) as stopped:
                 callback.save(trainer)
+            assert stopped.value.code == 143
         assert callback.path.read_bytes() == b"first half;second half"
     finally:
         callback._restore_handlers()

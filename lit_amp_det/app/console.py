@@ -10,6 +10,8 @@ import sys
 import traceback
 import warnings
 
+from lit_amp_det.checkpoint_io import DiskFull
+
 __all__ = ["FILE_ONLY_LOGGERS", "SILENCED_WARNINGS", "USER_ERRORS", "quiet_console", "report_user_error"]
 
 #: Loggers (name prefixes) whose records go to the log file only: faster-coco-eval logs a 26-line table per evaluation.
@@ -42,7 +44,7 @@ def quiet_console(verbose: bool = False) -> None:
 
 #: What a bad setting or file raises (the message says what to change): the console gets the message alone.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
-                                                IsADirectoryError, PermissionError)
+                                                IsADirectoryError, PermissionError, DiskFull)
 
 
 def report_user_error(err: BaseException, verbose: bool = False) -> bool:

@@ -7,6 +7,8 @@ it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are resolved from 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import json
 import logging
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from lit_amp_det.app.launch import launch_rank
 
 __all__ = ["RUN_RECORD", "RunInfo", "ResumeError", "config_differences", "holds_a_run", "is_earlier_attempt",
            "list_runs", "read_run", "resolve_ckpt_path", "resume_point", "slurm_resume_point", "unique_dir",
@@ -65,10 +69,26 @@ def holds_a_run(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in markers)
 
 
-def _write_json(path: Path, record: Mapping[str, Any]) -> None:
+#: ``run.json`` is padded with spaces (still JSON) to this many bytes, so that an update fits into the blocks it holds.
+RESERVED_RECORD_BYTES = 4096
+
+
+def _write_json(path: Path, record: Mapping[str, Any], reserve: int = 0) -> None:
+    """``record`` written beside ``path`` and renamed over it (a kill never leaves half a record), padded to ``reserve``
+    bytes. On a full disk, a text that fits into the existing file is written into it in place instead."""
+    text = (json.dumps(record, indent=2) + "\n").encode()
+    text += b" " * max(0, reserve - len(text))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)  # atomic: a kill never leaves half a record
+    try:
+        tmp.write_bytes(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno != errno.ENOSPC or not path.is_file() or path.stat().st_size < len(text):
+            raise
+        with open(path, "r+b") as file:  # no new block needed: the disk being full does not stop it
+            file.write(text)
+            file.truncate()
 
 
 def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None, **fields: Any) -> dict[str, Any]:
@@ -77,7 +97,7 @@ def write_run_record(run_dir: Path, command: str, resumed_from: str | None = Non
     record = {"command": command, "status": "running", "started": time.time(),
               "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(), "host": socket.gethostname(),
               "resumed_from": resumed_from, **fields}
-    _write_json(Path(run_dir) / RUN_RECORD, record)
+    _write_json(Path(run_dir) / RUN_RECORD, record, RESERVED_RECORD_BYTES)
     return record
 
 
@@ -89,7 +109,7 @@ def update_run_record(run_dir: Path, **fields: Any) -> None:
     except (OSError, ValueError):
         return
     record.update(fields, ended=time.time())
-    _write_json(path, record)
+    _write_json(path, record, RESERVED_RECORD_BYTES)
 
 
 @dataclass(frozen=True)
@@ -346,6 +366,29 @@ def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
     return checkpoint
 
 
+_CLAIMS: dict[Path, int] = {}  # checkpoint folders this process resumes from: their locked file descriptors
+
+
+def _claim(folder: Path) -> None:
+    """Locks ``folder`` (a checkpoints folder being resumed from) for this process's lifetime, so that a second fit
+    resuming it stops with the first one's pid; removes the temporary files its killed run left there."""
+    folder = folder.resolve()
+    if folder in _CLAIMS or not os.access(folder, os.W_OK):
+        return
+    fd = os.open(folder / ".resume.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ResumeError(f"{folder} is being resumed by {holder}; wait for it to end or stop it") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+    _CLAIMS[folder] = fd  # released when this process ends, however it ends
+    for stale in folder.glob(".*.tmp"):  # a killed save's partial file: no process writes it any more
+        stale.unlink(missing_ok=True)
+
+
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | None:
     """Turns ``cfg.ckpt_path`` into a checkpoint file (or Lightning's ``best``/``None``) and says what it picked.
 
@@ -376,6 +419,8 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | 
             checkpoint = path
         else:
             raise ResumeError(f"ckpt_path={str(ckpt_path)!r} does not exist; pass a .ckpt file, a run folder or 'last'")
+    if command == "fit" and launch_rank() == 0:
+        _claim(checkpoint.parent)
     verb = "resuming" if command == "fit" else "loading"
     log.info("ckpt_path=%s: %s %s (%s)", ckpt_path, verb, checkpoint, _describe(checkpoint))
     return str(checkpoint.resolve())

@@ -32,6 +32,7 @@ from lit_amp_det.app.runs import (_write_json, holds_a_run, is_earlier_attempt, 
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
+from lit_amp_det.checkpoint_io import DurableCheckpointIO
 from lit_amp_det.checkpoints import CLASS_HPARAMS, check_checkpoint, names_a_checkpoint_file, read_checkpoint
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.weights import NO_WEIGHTS
@@ -153,7 +154,8 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
             trainer_cfg["enable_progress_bar"] = False  # a bar in a file keeps only its last state: lines instead
         elif not any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks):
             callbacks.append(ReadableProgressBar())
-    return instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, plugins=[plugin, *cluster_plugins()])
+    return instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False,
+                       plugins=[plugin, DurableCheckpointIO(), *cluster_plugins()])
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -368,9 +370,18 @@ def run(cfg: DictConfig) -> Any:
         except RunInterrupted as stop:
             sys.exit(stop.exit_code)
         except BaseException as err:
+            out = Path(cfg.paths.output_dir)
             if rank_zero_only.rank == 0 and not isinstance(err, FileExistsError):
                 status = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed"
-                update_run_record(Path(cfg.paths.output_dir), status=status, error=f"{type(err).__name__}: {err}")
+                fields = {"status": status, "error": f"{type(err).__name__}: {err}"}
+                if (out / "run.json").is_file():
+                    update_run_record(out, **fields)
+                else:  # stopped before the run was recorded (start-up)
+                    write_run_record(out, str(cfg.command), **fields)
+            if isinstance(err, KeyboardInterrupt):  # before LastCheckpoint took over the signal: start-up
+                print(f"lit_amp_det: interrupted (Ctrl-C) while starting; {out} is marked interrupted",
+                      file=sys.stderr)
+                sys.exit(130)
             if report_user_error(err, bool(cfg.get("verbose", False))):
                 sys.exit(1)  # the message is printed; the traceback is in the log file
             raise

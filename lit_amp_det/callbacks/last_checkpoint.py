@@ -5,8 +5,9 @@ A killed run loses at most ``every_n_train_steps`` steps or ``every_n_minutes`` 
 continues it exactly (saves happen at batch ends, where the data module records its position). The file is written
 next to itself and renamed over the old one, so a kill during the save leaves the previous checkpoint intact.
 
-On the first SIGINT or SIGTERM during training the step in progress completes, the checkpoint is saved and
-:class:`RunInterrupted` stops the fit; a second signal stops at once, except during a save, which completes first.
+On the first SIGINT or SIGTERM during training the step in progress (during validation: the batch in progress)
+completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; a second signal exits the process at once (128 + its number), except during a
+save, which completes first.
 Under DDP every rank stops after the same step.
 
 In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's ``SIGUSR2``
@@ -91,29 +92,25 @@ class LastCheckpoint(Checkpoint):
         self._job: SlurmJob | None = None
         self._requeue_signal: int | None = None  # the job's end-of-time signal, read when training starts
         self._saving = False
-        self._stop_now = False  # a second signal arrived during a save: stop once it is written
+        self._stop_now = 0  # a second signal (its number) arrived during a save: exit once it is written
 
     @property
     def path(self) -> Path:
         return self.dirpath / self.filename
 
     def save(self, trainer: pl.Trainer) -> str:
-        """Writes ``last.ckpt`` now (all ranks must call it: the save is collective under DDP)."""
-        tmp = self.path.with_name(f".{self.filename}.tmp")
+        """Writes ``last.ckpt`` now (all ranks must call it: the save is collective under DDP). The trainer's
+        checkpoint IO writes it beside the old one and renames it over (``DurableCheckpointIO`` under the CLI)."""
         self._saving = True  # a signal now is answered after the write, never inside it
         try:
-            trainer.save_checkpoint(tmp, weights_only=False)
-            if trainer.is_global_zero:
-                os.replace(tmp, self.path)
-            trainer.strategy.barrier("LastCheckpoint.save")
+            trainer.save_checkpoint(self.path, weights_only=False)
         finally:
             self._saving = False
         self.last_model_path = str(self.path)
         self._last_saved_step = trainer.global_step
         self._last_saved_time = time.monotonic()
         if self._stop_now:
-            self._restore_handlers()
-            raise KeyboardInterrupt
+            _exit_now(self._stop_now, f"{self.path} (step {trainer.global_step}) is complete")
         return self.last_model_path
 
     def _due(self, trainer: pl.Trainer) -> bool:
@@ -140,13 +137,30 @@ class LastCheckpoint(Checkpoint):
         if trainer.world_size > 1 and self.save_on_signal:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled: all stop
         if stop:
-            signum = self._signal if self._signal is not None else signal.SIGTERM
-            saved = self.save(trainer)
-            requeued = self._requeue_after_save(trainer, signum)
-            self._restore_handlers()
-            raise RunInterrupted(signum, saved, trainer.global_step, requeued)
+            self._stop(trainer)
         if self._due(trainer):
             self.save(trainer)
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        """A signal during a fit's validation stops it after the batch in progress, not after the whole split (which
+        can outlast a preemption's grace period): the training state, unchanged since validation began, is saved."""
+        if not self.save_on_signal or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        stop = self._signal is not None
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
+            self._stop(trainer)
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        """Saves, requeues under SLURM if asked, and ends the fit with :class:`RunInterrupted`."""
+        signum = self._signal if self._signal is not None else signal.SIGTERM
+        saved = self.save(trainer)
+        requeued = self._requeue_after_save(trainer, signum)
+        self._restore_handlers()
+        raise RunInterrupted(signum, saved, trainer.global_step, requeued)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -180,7 +194,7 @@ class LastCheckpoint(Checkpoint):
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        self._signal, self._stop_now = None, False
+        self._signal, self._stop_now = None, 0
         self._job = current_job()
         self._requeue_signal = requeue_signal() if self._job is not None else None
         signals = (*_SIGNALS, self._requeue_signal) if self._requeue_signal is not None else _SIGNALS
@@ -200,10 +214,9 @@ class LastCheckpoint(Checkpoint):
             return
         if self._signal is not None:  # the second signal: stop now, without saving (after a save in progress)
             if self._saving:
-                self._stop_now = True
+                self._stop_now = signum
                 return
-            self._restore_handlers()
-            raise KeyboardInterrupt
+            _exit_now(signum, f"{self.path} is as the last save left it" if self.path.is_file() else "no checkpoint")
         self._signal = signum
         if self._job is not None and signum == self._requeue_signal:
             _announce(f"{name} received: saving {self.path} after this step, then requeueing SLURM job "
@@ -211,6 +224,14 @@ class LastCheckpoint(Checkpoint):
             return
         _announce(f"{name} received: saving {self.path} after this step, then stopping "
                   "(send it again to stop at once without saving)")
+
+
+def _exit_now(signum: int, kept: str) -> None:
+    """Exits the process at once with 128 + ``signum``, after one line saying so: the answer to a second signal.
+    Lightning's handler would tear the run down first, which takes seconds to minutes."""
+    _announce(f"{signal.Signals(signum).name} received again: stopped at once; {kept}")
+    logging.shutdown()
+    os._exit(128 + signum)
 
 
 @rank_zero_only

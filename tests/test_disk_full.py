@@ -1,0 +1,100 @@
+"""A full disk loses nothing already written (issue 43, point 4): checkpoints written in place and durably, the
+partial file removed, the run's record kept up to date from the room it already holds."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_amp_det import checkpoint_io
+from lit_amp_det.app import runs
+from lit_amp_det.app.console import report_user_error
+from lit_amp_det.app.runs import update_run_record, write_run_record
+from lit_amp_det.checkpoint_io import DiskFull, DurableCheckpointIO
+
+
+class _FullFile:
+    """A file that accepts ``room`` bytes, then raises ENOSPC (a disk that fills up during the write)."""
+
+    def __init__(self, file, room: int) -> None:
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            self.file.write(bytes(data[:self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def test_a_checkpoint_is_written_in_its_folder_and_renamed_over_the_old(tmp_path: Path, monkeypatch) -> None:
+    io = DurableCheckpointIO()
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    temp_folders: list[str] = []
+    monkeypatch.setattr("tempfile.mkstemp", lambda *a, **k: temp_folders.append("used") or (_ for _ in ()).throw(
+        AssertionError("no temporary copy elsewhere")))
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, target)
+    assert torch.load(target, weights_only=True)["global_step"] == 3
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"] and not temp_folders
+    assert len(synced) == 2  # the file before the rename, the folder after it
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_removes_the_partial_file(tmp_path: Path, monkeypatch) -> None:
+    io = DurableCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, target)
+    before = target.read_bytes()
+    monkeypatch.setattr(checkpoint_io, "open", lambda path, mode: _FullFile(open(path, mode), 100), raising=False)
+    with pytest.raises(DiskFull, match=r"no space left on the disk of .* to save last.ckpt .*the partial file is "
+                                       r"removed, the previous last.ckpt is kept\). Free space, then resume"):
+        io.save_checkpoint({"global_step": 2, "w": torch.ones(1000)}, target)
+    monkeypatch.undo()
+    assert target.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_the_run_record_says_failed_on_a_full_disk(tmp_path: Path, monkeypatch, capsys) -> None:
+    write_run_record(tmp_path, "fit")
+    assert (tmp_path / "run.json").stat().st_size == runs.RESERVED_RECORD_BYTES  # room kept for later updates
+    monkeypatch.setattr(Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    error = DiskFull(errno.ENOSPC, "no space left on the disk of x to save last.ckpt")
+    update_run_record(tmp_path, status="failed", error=f"DiskFull: {error}")
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["status"] == "failed" and "no space left" in record["error"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temporary file left behind
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    assert report_user_error(error) and "lit_amp_det: [Errno 28] no space left" in capsys.readouterr().err
+
+
+def test_a_command_on_a_full_disk_says_why_it_cannot_start(tmp_path: Path, monkeypatch) -> None:
+    from lit_amp_det import cli
+
+    monkeypatch.setenv("LIT_AMP_DET_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: _Usage(5 * 2**20))
+    with pytest.raises(SystemExit, match=r"lit_amp_det: 5 MB free on the disk of .*runs, where runs are written: "
+                                         r"a run needs room .* \(at least 64 MB\)"):
+        cli.main(["fit"])
+    assert not (tmp_path / "runs").exists()
+
+
+class _Usage:
+    def __init__(self, free: int) -> None:
+        self.free = free
