@@ -4,8 +4,7 @@ Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint is data,
 bare ``state_dict`` of the torchvision model or a Lightning checkpoint; ``ckpt_path`` takes Lightning checkpoints,
 checked by :func:`check_checkpoint` before Lightning restores them. Every problem is one :class:`CheckpointError`
 naming the file, what is wrong (empty, truncated, not a checkpoint, made for another model, with the differing
-hyper-parameters) and what to pass instead, rather than torch's unpickler text or the full list of mismatched keys.
-"""
+hyper-parameters) and what to pass instead, rather than torch's unpickler text or the full list of mismatched keys."""
 
 from __future__ import annotations
 
@@ -53,22 +52,16 @@ def _unreadable(source: str, path: Path, err: Exception) -> CheckpointError:
     with path.open("rb") as handle:
         head = handle.read(8)
     if (head.startswith(b"PK\x03\x04") and not zipfile.is_zipfile(path)) or isinstance(err, EOFError):
-        return CheckpointError(
-            f"{source}={str(path)!r} is truncated or corrupted ({size} bytes, the end of the archive is missing): "
-            "was it copied while still being written? Use a complete copy, e.g. checkpoints/last.ckpt of a finished "
-            "run, or the best-*.ckpt next to it"
-        )
+        return CheckpointError(f"{source}={str(path)!r} is truncated or corrupted ({size} bytes, the end of the "
+                               "archive is missing): was it copied while still being written? Use a complete copy, "
+                               "e.g. checkpoints/last.ckpt of a finished run, or the best-*.ckpt next to it")
     if unsafe := re.search(r"GLOBAL ([\w.]+)", str(err)):
-        return CheckpointError(
-            f"{source}={str(path)!r} could not be loaded with weights_only=True: it holds Python objects "
-            f"({unsafe.group(1)}), not only tensors and plain data; save model.state_dict() (or a Lightning "
-            "checkpoint whose hyper-parameters are plain data) and pass that file"
-        )
-    return CheckpointError(
-        f"{source}={str(path)!r} is not a PyTorch checkpoint (it starts with {head!r}; torch.load with "
-        f"weights_only=True raised {type(err).__name__}); pass a .ckpt written by Lightning or a file written by "
-        "torch.save(model.state_dict(), path)"
-    )
+        return CheckpointError(f"{source}={str(path)!r} could not be loaded with weights_only=True: it holds Python "
+                               f"objects ({unsafe.group(1)}), not only tensors and plain data; save model.state_dict() "
+                               "(or a Lightning checkpoint whose hyper-parameters are plain data) and pass that file")
+    return CheckpointError(f"{source}={str(path)!r} is not a PyTorch checkpoint (it starts with {head!r}; torch.load "
+                           f"with weights_only=True raised {type(err).__name__}); pass a .ckpt written by Lightning or "
+                           "a file written by torch.save(model.state_dict(), path)")
 
 
 def names_a_checkpoint_file(ckpt_path: str | Path | None) -> bool:
@@ -78,9 +71,8 @@ def names_a_checkpoint_file(ckpt_path: str | Path | None) -> bool:
 
 
 def local_weights(weights: str | Path | None) -> Path | None:
-    """The local file ``model.weights`` names, or None when it names torchvision weights (``COCO_V1``) or none. A
-    value is a file when it has a directory part or one of :data:`CHECKPOINT_SUFFIXES`; torchvision's names have
-    neither."""
+    """The local file ``model.weights`` names, or None when it names torchvision weights (``COCO_V1``) or none. A value
+    is a file when it has a directory part or one of :data:`CHECKPOINT_SUFFIXES`; torchvision's names have neither."""
     if weights is None or isinstance(weights, bool):
         return None
     text = str(weights)
@@ -99,10 +91,8 @@ def read_checkpoint(path: str | Path, source: str = "model.weights") -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"{source}={str(path)!r} does not exist or is not a file")
     if path.stat().st_size == 0:
-        raise CheckpointError(
-            f"{source}={str(path)!r} is empty (0 bytes), not a checkpoint: the run that wrote it probably died "
-            "while saving; pass another checkpoint, e.g. the best-*.ckpt next to it"
-        )
+        raise CheckpointError(f"{source}={str(path)!r} is empty (0 bytes), not a checkpoint: the run that wrote it "
+                              "probably died while saving; pass another checkpoint, e.g. the best-*.ckpt next to it")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises EOFError, RuntimeError, UnpicklingError, KeyError ... for bad files
@@ -122,21 +112,9 @@ def saved_classes(payload: Any) -> dict[str, Any]:
 def _state_dict_of(payload: Any, source: str, path: Path) -> dict[str, torch.Tensor]:
     state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(
-            f"{source}={str(path)!r} holds a {type(payload).__name__} but no state dict of tensors; pass a Lightning "
-            ".ckpt or a file written by torch.save(model.state_dict(), path)"
-        )
+        raise CheckpointError(f"{source}={str(path)!r} holds a {type(payload).__name__} but no state dict of tensors; "
+                              "pass a Lightning .ckpt or a file written by torch.save(model.state_dict(), path)")
     return state
-
-
-def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The detector's tensors (``model.`` prefix removed) and the saved hyper-parameters (empty if none)."""
-    payload = read_checkpoint(path, "model.weights")
-    state = _state_dict_of(payload, "model.weights", path)
-    if all(key.startswith("model.") for key in state):
-        state = {key[len("model.") :]: value for key, value in state.items()}
-    hparams = payload.get("hyper_parameters") if isinstance(payload, dict) else None
-    return state, dict(hparams) if isinstance(hparams, Mapping) else {}
 
 
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -180,8 +158,7 @@ def _tensor_mismatch(saved: Mapping[str, torch.Tensor], own: Mapping[str, torch.
         # BatchNorm fills a missing step counter itself (a FrozenBN checkpoint has none): not a mismatch
         "missing from the file": [k for k in own if k not in saved and not k.endswith(".num_batches_tracked")],
         "unexpected": [k for k in saved if k not in own],
-        "of other shapes": [k for k in saved if k in own and saved[k].shape != own[k].shape],
-    }
+        "of other shapes": [k for k in saved if k in own and saved[k].shape != own[k].shape]}
 
 
 def _summary(mismatch: Mapping[str, list[str]], saved: Mapping[str, torch.Tensor],
@@ -224,7 +201,12 @@ def load_model_weights(model: nn.Module, path: Path, *, hparams: Mapping[str, An
     class-dependent predictor layers when only the class count differs: those keep their fresh initialisation
     (fine-tuning on other classes) and one log line says so. Any other mismatch is one :class:`CheckpointError`
     naming the differing hyper-parameters (given ``hparams``, the module's) and the fix."""
-    state, saved_hparams = _read_state_dict(path)
+    payload = read_checkpoint(path, "model.weights")
+    state = _state_dict_of(payload, "model.weights", path)
+    if all(key.startswith("model.") for key in state):  # a Lightning checkpoint: the detector's tensors
+        state = {key[len("model.") :]: value for key, value in state.items()}
+    saved = payload.get("hyper_parameters") if isinstance(payload, dict) else None
+    saved_hparams = dict(saved) if isinstance(saved, Mapping) else {}
     own = model.state_dict()
     mismatch = _tensor_mismatch(state, own)
     reinitialised = mismatch["of other shapes"]
@@ -254,10 +236,8 @@ def check_checkpoint(ckpt_path: str | Path | None, module: nn.Module, checkpoint
     payload = checkpoint if checkpoint is not None else read_checkpoint(path, "ckpt_path")
     if not isinstance(payload, dict) or "state_dict" not in payload:
         _state_dict_of(payload, "ckpt_path", path)  # raises unless it is a bare state dict
-        raise CheckpointError(
-            f"ckpt_path={str(path)!r} is a bare state dict, not a Lightning checkpoint (ckpt_path restores the "
-            f"whole training state); pass it as model.weights={str(path)!r} instead"
-        )
+        raise CheckpointError(f"ckpt_path={str(path)!r} is a bare state dict, not a Lightning checkpoint (ckpt_path "
+                              f"restores the whole training state); pass it as model.weights={str(path)!r} instead")
     state = _state_dict_of(payload, "ckpt_path", path)
     own = module.state_dict()
     mismatch = _tensor_mismatch(state, own)

@@ -127,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if importlib.util.find_spec("xdist") is not None:
             pytest += ["-n", str(min(8, os.cpu_count() or 1))]
         code, output = step("tests", "tests on CUDA", [python, *pytest])
-        summary = [line for line in output.splitlines() if " passed" in line or " failed" in line
-                   or " skipped" in line]
+        summary = [line for line in output.splitlines() if " passed" in line or " failed" in line or " skipped" in line]
         heading = ("## Tests marked cuda (they skip without a GPU)" if args.rehearse
                    else "## Tests on CUDA (compiled Triton kernels)")
         record("tests", code, heading,

@@ -3,8 +3,7 @@
 A row is the list of overrides that ``fit`` or ``predict`` would be given. Every bench starts from :data:`BASELINE`.
 In ``train`` and ``infer`` each later row adds one switch to the row above (rows are cumulative), so the ratio to the
 row above is that switch's gain; in ``precision`` each row is the baseline plus its own precision settings. Every row
-of a run shares one :class:`Setting`.
-"""
+of a run shares one :class:`Setting`."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ _FIRST_ROWS = (
     Row("autocast", "+ torch.autocast", ("trainer.precision={mixed}",), "half"),
     Row("fp32-regions", "+ precision plugin (fp32 regions)", ("precision.fp32_regions=null",), "half"),
     Row("ext-ops", "+ lit_amp_det ops", (_speedup("ext_ops", "ExtensionOps"),)),
-    Row("channels-last", "+ channels_last", (_speedup("channels_last", "ChannelsLast"),)),
-)
+    Row("channels-last", "+ channels_last", (_speedup("channels_last", "ChannelsLast"),)))
 # on every device, so that a CPU run measures it too; the compile row after it then compiles the whole detector
 _SYNC_FREE = Row("sync-free", "+ sync_free (fixed shapes)", (_speedup("sync_free", "SyncFree", ",devices:[cpu,cuda]"),))
 _COMPILE = Row("compile", "+ torch.compile (whole if sync_free)", (_speedup("compile", "CompileBackbone"),))
@@ -75,26 +73,21 @@ _COMPILE = Row("compile", "+ torch.compile (whole if sync_free)", (_speedup("com
 # compile so that the compile row's kernels are captured too; inference: inductor's CUDA graphs of the compiled forward
 _STEP_GRAPH = Row("step-graph", "+ whole step as one CUDA graph",
                   ("callbacks=[freeze_norm,conv_bn_eval,cuda_graph]", "data.pad_instances=100"), "cuda")
-_CUDA_GRAPHS = Row("cuda-graphs", "+ CUDA graphs (reduce-overhead)", ("+speedups.compile.mode=reduce-overhead",), "cuda")
+_CUDA_GRAPHS = Row("cuda-graphs", "+ CUDA graphs (reduce-overhead)", ("+speedups.compile.mode=reduce-overhead",),
+                   "cuda")
 
 TRAIN_ROWS = (
     *_FIRST_ROWS,
     Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", ("callbacks=[freeze_norm,conv_bn_eval]",)),
     Row("fused-optim", "+ fused SGD", ("optim.optimizer.fused=auto",)),
     Row("low-precision-weights", "+ half weights, fp32 masters", ("trainer.precision={weights}",), "half"),
-    _SYNC_FREE,
-    _STEP_GRAPH,
-    _COMPILE,
-)
+    _SYNC_FREE, _STEP_GRAPH, _COMPILE)
 INFER_ROWS = (
     *_FIRST_ROWS,
     Row("binary-mask-paste", "+ masks pasted as booleans", (_speedup("binary_mask_paste", "BinaryMaskPaste"),)),
     Row("convbn-eval", "+ ConvBNEval (fold on the fly)", ("callbacks=[conv_bn_eval]",)),
     Row("convbn-fold", "+ conv-BN folded once", ("callbacks.conv_bn_eval.fold_on_predict=true",)),
-    _SYNC_FREE,
-    _COMPILE,
-    _CUDA_GRAPHS,
-)
+    _SYNC_FREE, _COMPILE, _CUDA_GRAPHS)
 _FP16_ON_CPU = "precision.fp16_on_cpu=true"  # a no-op on CUDA; on a CPU fp16 as named, not its bf16 twin
 PRECISION_ROWS = (
     Row("32-true", "32-true"),
@@ -106,14 +99,11 @@ PRECISION_ROWS = (
     Row("bf16-weights", "bf16 weights, fp32 masters", ("trainer.precision=bf16-weights",
                                                        "precision.fp32_regions=null")),
     Row("16-weights", "fp16 weights, fp32 masters", ("trainer.precision=16-weights", "precision.fp32_regions=null",
-                                                     _FP16_ON_CPU), "cuda"),
-)
+                                                     _FP16_ON_CPU), "cuda"))
 
-BENCHES = {
-    "train": Bench("train", "fit", TRAIN_ROWS, cumulative=True, timings=("step",)),
-    "infer": Bench("infer", "predict", INFER_ROWS, cumulative=True, timings=("latency", "batch")),
-    "precision": Bench("precision", "fit", PRECISION_ROWS, cumulative=False, timings=("step",)),
-}
+BENCHES = {"train": Bench("train", "fit", TRAIN_ROWS, cumulative=True, timings=("step",)),
+           "infer": Bench("infer", "predict", INFER_ROWS, cumulative=True, timings=("latency", "batch")),
+           "precision": Bench("precision", "fit", PRECISION_ROWS, cumulative=False, timings=("step",))}
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ fp32, ``optim=sgd`` with its warm-up and multistep schedule), ``batch`` images a
 scales it in ``fit``; unscaled, a randomly initialised R50-FPN diverges at batch 2.
 
 The file is a Lightning-style checkpoint that rows load through ``model.weights``, as a user would; a JSON next to it
-records how it was made, the hash of its weights and the lr its schedule ended at (the rows' timing lr).
-"""
+records how it was made, the hash of its weights and the lr its schedule ended at (the rows' timing lr)."""
 
 from __future__ import annotations
 

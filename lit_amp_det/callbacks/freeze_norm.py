@@ -12,8 +12,7 @@ Lightning's ``BaseFinetuning``. :class:`FreezeNorm` offers the two standard ways
 ``frozen_stages`` follows MMDetection for the ResNet trunk at ``pl_module.model.backbone.body``: -1 freezes nothing,
 0 the stem (conv1 + bn1), k the stem and layer1..layerk. State-dict keys do not change, so checkpoints load with or
 without this callback. The model config (``model.backbone.norm`` / ``trainable_layers``) says what the model *is*;
-this callback is a training policy on top that only ever freezes more, so with both set their union is frozen.
-"""
+this callback is a training policy on top that only ever freezes more, so with both set their union is frozen."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class FreezeNorm(Callback):
             :class:`~lit_amp_det.models.norms.FrozenBatchNorm2d`).
         affine_trainable: ``norm_eval`` only: whether BatchNorm weight and bias keep training.
         frozen_stages: -1 nothing, 0 the stem (conv1, bn1), k in 1..4 the stem and layer1..layerk of the
-            ResNet at ``pl_module.model.backbone.body``.
-    """
+            ResNet at ``pl_module.model.backbone.body``."""
 
     def __init__(self, mode: str = "norm_eval", affine_trainable: bool = True, frozen_stages: int = -1) -> None:
         if mode not in _MODES:

@@ -1,8 +1,7 @@
 """Logs peak memory per training step and epoch; optionally, what each memory optimisation of the run saves.
 
 Per-step peaks come from :class:`~lit_amp_det.profiling.MemoryProbe`, reset before each step; the savings
-comparison lives in :mod:`lit_amp_det.callbacks.memory_savings`, run here before the first step.
-"""
+comparison lives in :mod:`lit_amp_det.callbacks.memory_savings`, run here before the first step."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class MemoryMonitor(Callback):
         compare_baseline: measure the baseline and per-optimisation rows (costs ``(warmup_steps +
             baseline_steps)`` forward+backward passes per row, and one extra copy of the model while it runs).
         baseline_steps: measured steps per row, on as many distinct training batches where the loader has them.
-        warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning).
-    """
+        warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning)."""
 
     def __init__(self, compare_baseline: bool = False, baseline_steps: int = 3, warmup_steps: int = 3) -> None:
         if not isinstance(compare_baseline, bool):
@@ -147,11 +145,8 @@ class MemoryMonitor(Callback):
         """The savings table's data: the measured rows, ratios to the baseline and what training observed."""
         assert self._probe is not None and self._comparison is not None
         timed = self._step_ms[self.warmup_steps:] or self._step_ms
-        training = {
-            "steps": len(self._step_peaks),
-            "peak_mb": max(self._step_peaks) if self._step_peaks else None,
-            "step_ms_median": statistics.median(timed) if timed else None,
-        }
+        training = {"steps": len(self._step_peaks), "peak_mb": max(self._step_peaks) if self._step_peaks else None,
+                    "step_ms_median": statistics.median(timed) if timed else None}
         return self._comparison.report(trainer, pl_module, self._probe.source, training)
 
     @rank_zero_only

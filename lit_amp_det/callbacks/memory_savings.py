@@ -4,8 +4,7 @@ Rows are cumulative: a baseline with every optimisation off (fp32, conv-bn eval 
 precision, then conv-bn eval, each only if the run uses it. Each row runs forward and backward (no optimizer step)
 on a deep copy of ``pl_module.model`` over the first training batches, so the real model, optimizer, BatchNorm
 statistics, random generators and loader position are never touched. Driven by
-:class:`~lit_amp_det.callbacks.memory_monitor.MemoryMonitor`.
-"""
+:class:`~lit_amp_det.callbacks.memory_monitor.MemoryMonitor`."""
 
 from __future__ import annotations
 
@@ -94,8 +93,7 @@ def draw_batches(loader: Any, count: int) -> list[Any] | None:
 
     The loader itself is not iterated: that would start its workers and consume a resumable sampler's position.
     With per-epoch seeded samplers these are exactly the first training batches, else an equally random draw.
-    Map-style datasets with a batch sampler only; otherwise the caller uses the first real batch.
-    """
+    Map-style datasets with a batch sampler only; otherwise the caller uses the first real batch."""
     if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
             or loader.batch_sampler is None):
         return None
@@ -110,10 +108,6 @@ def draw_batches(loader: Any, count: int) -> list[Any] | None:
         if len(batches) == count:
             break
     return batches or None
-
-
-def _slug(label: str) -> str:
-    return re.sub(r"[^0-9a-z]+", "_", label.lower()).strip("_")
 
 
 def _ratio(value: float, base: float) -> float | None:
@@ -156,8 +150,7 @@ class BaselineComparison:
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, list[str], bool, bool]]:
         """Rows as ``(label, optimisations on, in the trainer's precision, disable conv-bn eval)``, cumulative.
 
-        A row outside the trainer's precision runs in fp32 (on a full-precision copy for ``*-weights`` models).
-        """
+        A row outside the trainer's precision runs in fp32 (on a full-precision copy for ``*-weights`` models)."""
         conv_bn = bool(conv_bn_eval_enabled(pl_module.model))
         precision = str(trainer.precision_plugin.precision)
         mixed = precision not in _FULL_PRECISIONS
@@ -232,7 +225,7 @@ class BaselineComparison:
 
     def _log_rows(self, pl_module: pl.LightningModule) -> None:
         base, current = self.rows[0], self.rows[-1]
-        named = {_slug(row.label): row for row in self.rows[1:]}
+        named = {re.sub(r"[^0-9a-z]+", "_", row.label.lower()).strip("_"): row for row in self.rows[1:]}
         for name, row in {"baseline": base, **named, "current": current}.items():
             for field in ("peak_mb", "step_mb", "saved_for_backward_mb", "weight_casts_mb", "step_ms"):
                 pl_module.log(f"memory/{name}_{field}", float(getattr(row, field)), on_step=False, on_epoch=True,
@@ -246,22 +239,13 @@ class BaselineComparison:
                training: dict[str, Any]) -> dict[str, Any]:
         """The savings table's data: the measured rows, ratios to the baseline and ``training`` (observed)."""
         base = self.rows[0]
-        rows = [{**dataclasses.asdict(row),
-                 **{key: _ratio(getattr(row, field), getattr(base, field)) for field, (_, key) in _RATIOS.items()}}
-                for row in self.rows]
-        return {
-            "device": str(pl_module.device),
-            "precision": str(trainer.precision_plugin.precision),
-            "memory_source": memory_source,
-            "model": type(pl_module.model).__name__,
-            "images_per_batch": sorted(set(self.images_per_batch)),
-            "warmup_steps": self.warmup_steps,
-            "measured_steps": self.baseline_steps,
-            "torch": torch.__version__,
-            "rows": rows,
-            "current": rows[-1]["label"],
-            "training": training,
-        }
+        rows = [{**dataclasses.asdict(row), **{key: _ratio(getattr(row, field), getattr(base, field))
+                                               for field, (_, key) in _RATIOS.items()}} for row in self.rows]
+        return {"device": str(pl_module.device), "precision": str(trainer.precision_plugin.precision),
+                "memory_source": memory_source, "model": type(pl_module.model).__name__,
+                "images_per_batch": sorted(set(self.images_per_batch)), "warmup_steps": self.warmup_steps,
+                "measured_steps": self.baseline_steps, "torch": torch.__version__, "rows": rows,
+                "current": rows[-1]["label"], "training": training}
 
 
 def _x(ratio: float | None) -> str:
@@ -272,19 +256,14 @@ def format_savings_table(data: dict[str, Any]) -> str:
     """The markdown savings table of :meth:`BaselineComparison.report` data."""
     rows, training = data["rows"], data["training"]
     base = rows[0]
-    lines = [
-        "## Memory savings",
-        "",
-        f"device={data['device']} precision={data['precision']} model={data['model']} "
-        f"images/batch={','.join(map(str, data['images_per_batch']))} torch={data['torch']}; memory: "
-        f"{data['memory_source']}",
-        f"Rows: forward+backward (no optimizer step) on deep copies of the model, {data['measured_steps']} measured "
-        f"steps after {data['warmup_steps']} warm-up; each row adds one optimisation to the row above.",
-        "",
-        "| configuration | peak MB | peak vs baseline | step MB | step MB vs baseline | saved for backward MB "
-        "| saved vs baseline | of which weight casts MB | step ms | time vs baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = ["## Memory savings", "",
+             f"device={data['device']} precision={data['precision']} model={data['model']} images/batch="
+             f"{','.join(map(str, data['images_per_batch']))} torch={data['torch']}; memory: {data['memory_source']}",
+             f"Rows: forward+backward (no optimizer step) on deep copies of the model, {data['measured_steps']} "
+             f"measured steps after {data['warmup_steps']} warm-up; each row adds one optimisation to the row above.",
+             "", "| configuration | peak MB | peak vs baseline | step MB | step MB vs baseline | saved for backward MB "
+             "| saved vs baseline | of which weight casts MB | step ms | time vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for index, row in enumerate(rows):
         label = "baseline: fp32, conv-bn eval off" if index == 0 else f"+ {row['label']}"
         if index == len(rows) - 1:
@@ -302,9 +281,8 @@ def format_savings_table(data: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "peak MB: the highest memory during a step; step MB: that peak minus what was in use when the step "
               "started; saved for backward: tensors autograd keeps for backward (parameters and buffers excluded; "
-              "weight casts: autocast's low-precision copies of trainable weights, included in it). "
-              "The training row includes the optimizer step and its state; its time is the median after the "
-              "warm-up steps."]
+              "weight casts: autocast's low-precision copies of trainable weights, included in it). The training row "
+              "includes the optimizer step and its state; its time is the median after the warm-up steps."]
     return "\n".join(lines)
 
 

@@ -2,8 +2,7 @@
 
 The callback samples ``trainer.callback_metrics`` every few training steps and after each validation, so the picture
 exists with any logger or none. It is drawn at the end of ``fit``, also when ``fit`` stops on an exception, and the
-samples travel in checkpoints, so a resumed run draws its whole history.
-"""
+samples travel in checkpoints, so a resumed run draws its whole history."""
 
 from __future__ import annotations
 
@@ -27,10 +26,8 @@ _FIELD = "callbacks.training_curves"
 
 #: panel title -> metric name patterns (``fnmatch``) drawn in it
 DEFAULT_PANELS: dict[str, list[str]] = {
-    "losses": ["train/loss*"],
-    "learning_rate": ["train/lr"],
-    "validation": ["val/bbox_mAP", "val/segm_mAP", "val/bbox_mAP_50", "val/segm_mAP_50"],
-}
+    "losses": ["train/loss*"], "learning_rate": ["train/lr"],
+    "validation": ["val/bbox_mAP", "val/segm_mAP", "val/bbox_mAP_50", "val/segm_mAP_50"]}
 _VALIDATION_PREFIX = "val/"
 
 
@@ -38,15 +35,13 @@ class TrainingCurves(Callback):
     """Records logged metrics during ``fit`` and draws them into one PNG, a panel per group of metrics.
 
     Metrics named ``val/...`` are sampled at the end of each validation (not the sanity check); the others every
-    ``every_n_steps`` optimizer steps, from the first. Only metrics that match a panel's patterns are kept. The
-    x axis is the global step in every panel; validation points are marked, and dotted lines mark epoch ends.
-    Rank zero only.
+    ``every_n_steps`` optimizer steps, from the first. Only metrics that match a panel's patterns are kept. The x axis
+    is the global step in every panel; validation points are marked, and dotted lines mark epoch ends. Rank zero only.
 
     Args:
         path: the PNG file.
         every_n_steps: training steps between samples; ``None``: the trainer's ``log_every_n_steps``.
-        panels: panel title -> metric name patterns (``fnmatch``, e.g. ``train/loss*``), top to bottom.
-    """
+        panels: panel title -> metric name patterns (``fnmatch``, e.g. ``train/loss*``), top to bottom."""
 
     def __init__(self, path: str | Path, every_n_steps: int | None = None,
                  panels: Mapping[str, Sequence[str]] | None = None) -> None:

@@ -3,8 +3,7 @@
 A few predictions show what mAP does not: masks that bleed, boxes on the background, classes swapped. The module's
 ``validation_step`` returns nothing, so this callback runs the forward itself on the first ``num_images`` images of
 the first validation batches, on rank zero (one extra forward of those images per validation). The pictures go to
-TensorBoard when it is configured, otherwise to PNG files in the run folder.
-"""
+TensorBoard when it is configured, otherwise to PNG files in the run folder."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class ValidationImages(Callback):
         score_threshold: detections scoring below it are not drawn.
         png: ``"auto"``, ``True`` or ``False``: whether PNG files are written (see above).
         min_side: images with a shorter side below this are enlarged by an integer factor (whole pixels) so that
-            captions stay readable; 0 keeps their size.
-    """
+            captions stay readable; 0 keeps their size."""
 
     def __init__(self, dirpath: str | Path, num_images: int = 4, score_threshold: float = 0.5,
                  png: str | bool = "auto", min_side: int = 256) -> None:
@@ -103,8 +101,7 @@ class ValidationImages(Callback):
             picture = side_by_side(
                 [draw_ground_truth(image, target, names, min_side=self.min_side),
                  draw_detections(image, prediction, names, self.score_threshold, min_side=self.min_side)],
-                ["ground truth", f"predictions (score >= {self.score_threshold:g})"],
-            )
+                ["ground truth", f"predictions (score >= {self.score_threshold:g})"])
             name = str(int(target["image_id"])) if "image_id" in target else str(len(self._pictures))
             self._pictures.append((name, picture))
         self._active = len(self._pictures) < self.num_images
