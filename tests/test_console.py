@@ -73,9 +73,9 @@ def test_console_log_writes_after_the_first_step_then_by_steps_or_seconds(monkey
 def test_a_bad_setting_prints_one_message_and_keeps_the_traceback_in_the_log_file(tmp_path: Path) -> None:
     failed = run_cli(["fit", *SMOKE, "data.batch_size=0"], cwd=tmp_path, env={"HYDRA_FULL_ERROR": "0"}, check=False)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr + failed.stdout
-    assert failed.stderr.strip().splitlines()[-1] == "lit_amp_det: data.batch_size must be >= 1, got 0"
+    assert failed.stderr.strip().splitlines()[-1] == "lit_amp_det: data.batch_size=0 must be an integer >= 1"
     (log_file,) = (tmp_path / "runs" / "fit").glob("*/fit.log")
-    assert "Traceback" in log_file.read_text() and "data.batch_size must be >= 1" in log_file.read_text()
+    assert "Traceback" in log_file.read_text() and "data.batch_size=0 must be" in log_file.read_text()
 
 
 def test_a_misspelt_key_gets_the_closest_settings_in_a_few_lines(tmp_path: Path) -> None:
@@ -105,3 +105,22 @@ def test_a_fit_of_zero_steps_is_refused(tmp_path: Path) -> None:
     for override in ("trainer.max_steps=0", "trainer.max_epochs=0"):
         with pytest.raises(ValueError, match=r"trainer.max_(steps|epochs)=0 trains nothing"):
             check_config(compose_config([override], tmp_path))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.transform.min_size=0", "model.transform.min_size=0 must be an integer >= 1"),
+    ("model.transform.min_size=[64,0]", "model.transform.min_size=[64, 0] must be an integer >= 1"),
+    ("optim.optimizer.lr=abc", "optim.optimizer.lr='abc' must be a finite number > 0"),
+    ("optim.optimizer.lr=nan", "optim.optimizer.lr=nan must be a finite number > 0"),
+    ("data.batch_size=2.5", "data.batch_size=2.5 must be an integer >= 1"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be an integer >= 0"),
+    ("data.train_size=0", "data.train_size=0 must be an integer >= 1"),
+])
+def test_numeric_settings_are_checked_naming_the_setting(tmp_path: Path, override: str, message: str) -> None:
+    from conftest import compose_config
+
+    from lit_amp_det.app.config import check_config
+
+    with pytest.raises(ValueError) as err:
+        check_config(compose_config([*SMOKE, override], tmp_path))
+    assert str(err.value) == message

@@ -6,12 +6,14 @@ The YAML tree sits in the repository's ``conf/`` folder and is installed as the 
 from __future__ import annotations
 
 import inspect
+import math
 from importlib import resources
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_amp_det.app.launch import rank_suffix
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.precision.modes import PRECISIONS
 from lit_amp_det.app.runs import unique_dir
 
@@ -67,12 +69,32 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     _check_sync_batchnorm(cfg)
     _check_data_settings(cfg)
+    _check_numbers(cfg)
     for key in ("max_steps", "max_epochs"):
         if cfg.command == "fit" and cfg.trainer.get(key) == 0:
             raise ValueError(f"trainer.{key}=0 trains nothing; give a positive number, or -1 (max_steps) / null "
                              "(max_epochs) for no limit")
     if (seed := cfg.get("seed")) is not None and not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer or null")
+
+
+#: Numeric settings checked before anything is built (key, integer, lowest value, lowest allowed): a bad one would
+#: otherwise fail deep in interpolation, a sampler or the optimizer, with a message that does not name it.
+_NUMBERS = (("model.transform.min_size", True, 1, True), ("model.transform.max_size", True, 1, True),
+            ("optim.optimizer.lr", False, 0, False), ("optim.optimizer.weight_decay", False, 0, True),
+            ("optim.optimizer.momentum", False, 0, True), ("data.batch_size", True, 1, True),
+            ("data.eval_batch_size", True, 1, True), ("data.num_workers", True, 0, True),
+            ("data.train_size", True, 1, True), ("data.val_size", True, 1, True), ("data.test_size", True, 1, True))
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    for key, integer, low, inclusive in _NUMBERS:
+        value = OmegaConf.select(cfg, key, default=None)
+        for item in (value if isinstance(value, ListConfig) else [value] if value is not None else []):
+            number = isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item)
+            if not number or (integer and not isinstance(item, int)) or item < low or (item == low and not inclusive):
+                kind = "an integer" if integer else "a finite number"
+                raise ArgumentError(key, value, f"must be {kind} {'>=' if inclusive else '>'} {low}")
 
 
 def _check_data_settings(cfg: DictConfig) -> None:
