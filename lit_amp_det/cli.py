@@ -66,6 +66,14 @@ def _hydra_entry(cfg: DictConfig) -> object:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m lit_amp_det`` and the ``lit-amp-det`` console script."""
+    try:
+        _main(argv)
+    except BrokenPipeError:  # `... | head` left before the output ended: no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+
+
+def _main(argv: Sequence[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())

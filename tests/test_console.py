@@ -124,3 +124,22 @@ def test_numeric_settings_are_checked_naming_the_setting(tmp_path: Path, overrid
     with pytest.raises(ValueError) as err:
         check_config(compose_config([*SMOKE, override], tmp_path))
     assert str(err.value) == message
+
+
+def test_bench_help_lists_the_benches_and_succeeds(capsys) -> None:
+    from lit_amp_det.bench import BENCHMARKS, main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m lit_amp_det bench {") and all(name in out for name in BENCHMARKS)
+
+
+def test_output_piped_into_a_reader_that_leaves_early_ends_without_a_traceback(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "lit_amp_det", "--help"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # `| head -0`: the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err, err

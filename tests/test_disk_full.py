@@ -98,3 +98,20 @@ def test_a_command_on_a_full_disk_says_why_it_cannot_start(tmp_path: Path, monke
 class _Usage:
     def __init__(self, free: int) -> None:
         self.free = free
+
+
+def test_training_curves_on_a_full_disk_leave_no_partial_picture(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
+    from lit_amp_det.callbacks import TrainingCurves
+
+    def full(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    curves = TrainingCurves(tmp_path / "training_curves.png")
+    curves.history = {"train/loss": [[1, 2.0], [2, 1.5]]}
+    monkeypatch.setattr(Figure, "savefig", full)
+    with pytest.raises(OSError, match="No space left"):
+        curves.write()
+    assert list(tmp_path.iterdir()) == []

@@ -54,8 +54,8 @@ def report_user_error(err: BaseException, verbose: bool = False) -> bool:
     cause = err if isinstance(err, USER_ERRORS) else err.__cause__
     if not isinstance(cause, USER_ERRORS) or verbose or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return False
-    record = logging.LogRecord("lit_amp_det", logging.ERROR, __file__, 0, "%s", ("".join(
-        traceback.format_exception(err)),), None)
+    record = logging.LogRecord("lit_amp_det", logging.ERROR, __file__, 0, "".join(traceback.format_exception(err)),
+                               None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)

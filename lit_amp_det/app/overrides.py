@@ -39,16 +39,9 @@ def _trainer_arguments() -> list[str]:
 
 def _keys(node: Any, prefix: str = "") -> list[str]:
     """Every dotted key of a composed config (mappings inside lists are not descended into)."""
-    if not isinstance(node, DictConfig):
+    if not isinstance(node, DictConfig) or node._is_missing() or node._is_none():
         return []
-    keys = []
-    for key in node.keys():
-        path = f"{prefix}{key}"
-        keys.append(path)
-        value = node._get_node(key)
-        if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
-            keys.extend(_keys(value, path + "."))
-    return keys
+    return [k for key in node.keys() for k in (f"{prefix}{key}", *_keys(node._get_node(key), f"{prefix}{key}."))]
 
 
 def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[str]:

@@ -16,6 +16,10 @@ BENCHMARKS = {"train": "lit_amp_det.bench.e2e:train", "infer": "lit_amp_det.benc
 
 def main(argv: Sequence[str]) -> None:
     """Runs ``bench <name> [options]``."""
+    usage = f"usage: python -m lit_amp_det bench {{{','.join(BENCHMARKS)}}} [--help]"
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{usage}\n\n{__doc__}")
+        return
     if not argv or argv[0] not in BENCHMARKS:
         sys.exit(f"lit_amp_det bench: choose one of {', '.join(BENCHMARKS)} (e.g. `python -m lit_amp_det bench "
                  "train --help`)")

@@ -1,20 +1,13 @@
-"""The whole training step -- forward, loss, backward, loss scaling, optimizer step, the non-finite guard -- replayed
-as one CUDA graph, as NVIDIA's MLPerf Mask R-CNN runs it.
+"""The whole training step (forward, loss, backward, loss scaling, optimizer step, the non-finite guard) replayed as one
+CUDA graph, as NVIDIA's MLPerf Mask R-CNN runs it.
 
-With :class:`CUDAGraphTraining` in the callbacks (``callbacks=[default,cuda_graph]``), :class:`~lit_amp_det.
-MaskRCNNModule` optimises manually: each batch the data module delivers is copied into static input buffers (one set
-per batch signature, up to ``max_graphs``); the first ``warmup_steps`` batches of a signature train eagerly on them
-(on a side stream, the last one counted for host syncs), then the step is captured and every later batch of
-that signature is one ``graph.replay()``: no Python, no kernel launches, no host sync in the step. The learning rate
-becomes a device tensor that the schedule fills in place, so the replayed optimizer reads the current value.
-
-The graph replays what the step did at capture, so setup refuses, with what to change, whatever it could not hold:
-shapes that change (no ``speedups.sync_free`` detector, targets not padded with ``data.pad_instances``, several
-training scales, more batch signatures than ``max_graphs``), a host sync in the step (named by file and line), an
-optimizer that reads its lr on the host (not fused or capturable), hooks that would run once at capture and never
-again (``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``, ``on_before_zero_grad``,
-gradient clipping, accumulation), precisions other than ``32-true``/``bf16-mixed``/``16-mixed``, more than one
-process.
+With :class:`CUDAGraphTraining` in the callbacks, :class:`~lit_amp_det.MaskRCNNModule` optimises manually: each batch is
+copied into static input buffers (one set per batch signature, up to ``max_graphs``); a signature's first
+``warmup_steps`` batches train eagerly on them (on a side stream, the last one counted for host syncs), then the step
+is captured and each later batch is one ``graph.replay()``: no Python, no launches, no host sync. The lr becomes a
+device tensor the schedule fills in place. The graph replays what the step did at capture, so the start refuses, with
+what to change, what it could not hold: changing shapes, a host sync (by file and line), an optimizer reading its lr on
+the host, hooks inside the step, clipping, accumulation, other precisions, several processes.
 """
 
 from __future__ import annotations
@@ -67,8 +60,7 @@ class _Entry:
     """One batch signature: its static buffers, eager steps taken so far and, once captured, the replay."""
 
     def __init__(self, images: list[Tensor], targets: list[dict[str, Any]]) -> None:
-        self.images, self.targets = images, targets
-        self.steps = 0
+        self.images, self.targets, self.steps = images, targets, 0
         self.replay: Step | None = None
 
 
@@ -92,17 +84,14 @@ class CUDAGraphTraining(Callback):
             raise ArgumentError("max_graphs", max_graphs, "must be >= 1")
         self.warmup_steps, self.max_graphs = warmup_steps, max_graphs
         self._entries: dict[tuple[Any, ...], _Entry] = {}
-        self._trainer: pl.Trainer | None = None
 
     # ------------------------------------------------------------------------------ what the graph cannot hold
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After ``configure_model`` (the speedups) and the precision plugin's setup: refuses, or takes the step."""
-        device = trainer.strategy.root_device
-        refuse = self._refusal(trainer, pl_module, device)
-        if refuse:
+        if refuse := self._refusal(trainer, pl_module, trainer.strategy.root_device):
             raise RuntimeError(f"callbacks.cuda_graph cannot capture this training step: {refuse}")
-        self._trainer, self._entries = trainer, {}
+        self._entries = {}
         pl_module.automatic_optimization = False
         pl_module.captured_step = self
 
@@ -147,8 +136,7 @@ class CUDAGraphTraining(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After the optimizer is built and a checkpoint restored: lrs become device tensors (the schedule fills them
         in place), and the step count carries over from a run that optimised automatically."""
-        refuse = self._optimizer_refusal(trainer)
-        if refuse:
+        if refuse := self._optimizer_refusal(trainer):
             raise RuntimeError(f"callbacks.cuda_graph cannot capture this training step: {refuse}")
         device = trainer.strategy.root_device
         for group in trainer.optimizers[0].param_groups:
@@ -190,8 +178,7 @@ class CUDAGraphTraining(Callback):
         entry = self._entries[_signature(static_images, static_targets)]
         if entry.replay is None:
             step = self._step_function(module, static_images, module.training_targets(static_targets))
-            last = entry.steps == self.warmup_steps - 1
-            loss_dict, loss = self._eager(step, static_images[0].device, count_syncs=last)
+            loss_dict, loss = self._eager(step, static_images[0].device, entry.steps == self.warmup_steps - 1)
             entry.steps += 1
             if entry.steps == self.warmup_steps:  # the capture records the step without running it
                 entry.replay = capture_graph(step)
@@ -205,10 +192,9 @@ class CUDAGraphTraining(Callback):
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            counter = HostSyncs() if count_syncs else contextlib.nullcontext()
-            with counter:
-                outputs = step()
+        counter = HostSyncs() if count_syncs else contextlib.nullcontext()
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext(), counter:
+            outputs = step()
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         if isinstance(counter, HostSyncs) and counter.total:
@@ -220,8 +206,7 @@ class CUDAGraphTraining(Callback):
     def _step_function(self, module: Any, images: list[Tensor], targets: list[dict[str, Tensor]]) -> Step:
         """Forward and loss under the precision's autocast (its cast cache off, as capture requires), backward,
         then the optimizer step as the precision plugin takes it (GradScaler or the non-finite guard), on device."""
-        trainer = module.trainer
-        plugin, optimizer = trainer.precision_plugin, trainer.optimizers[0]
+        plugin, optimizer = module.trainer.precision_plugin, module.trainer.optimizers[0]
         scaler, low = getattr(plugin, "scaler", None), getattr(plugin, "low_dtype", None)
         device_type = images[0].device.type
 
@@ -252,9 +237,8 @@ class CUDAGraphTraining(Callback):
         check, the per-step schedules."""
         trainer = module.trainer
         count_manual_step(trainer)
-        guard = trainer.precision_plugin.guard
-        guard.tick()
-        guard.log(module)
+        trainer.precision_plugin.guard.tick()
+        trainer.precision_plugin.guard.log(module)
         for config in trainer.lr_scheduler_configs:
             if config.interval == "step" and trainer.global_step % config.frequency == 0:
                 config.scheduler.step()

@@ -154,8 +154,12 @@ class TrainingCurves(Callback):
         axes[-1].set_xlabel("step (dotted: epoch ends)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, self.path)  # a run killed while drawing keeps the previous picture
+        try:
+            fig.savefig(tmp, format="png", dpi=100)
+            os.replace(tmp, self.path)  # a run killed while drawing keeps the previous picture
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no partial picture behind
+            raise
         return self.path
 
     def __repr__(self) -> str:
