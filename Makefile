@@ -18,7 +18,7 @@ PIP_FLAGS := --quiet --disable-pip-version-check --no-cache-dir
 TORCH_STAMP := $(VENV)/.torch-installed
 MAKEFLAGS += -j2
 $(TORCH_STAMP): constraints.txt
-	@echo "install [$$(date +%T)] torch and torchvision into $(VENV): ~3 GB of wheels, 1-3 min on the 2-core CI machine"
+	@echo "install [$$(date +%T)] torch, torchvision into $(VENV) (~3 GB): 40 s on the idle 2-core CI machine, 3 min loaded"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt setuptools ninja torch torchvision
 	touch $(TORCH_STAMP)
@@ -32,7 +32,7 @@ $(STAMP): $(TORCH_STAMP) pyproject.toml constraints.txt setup.py
 # Compiles lit_amp_det/_C*.so in place: the op schemas and their C++ CPU kernels (no nvcc: the CUDA kernels are
 # Triton kernels in lit_amp_det/ops/triton, compiled at run time). Incremental: a no-op when nothing changed.
 ext: $(TORCH_STAMP)
-	@echo "build   [$$(date +%T)] the C++ extension lit_amp_det/_C (op schemas, CPU kernels): 1-2.5 min the first time"
+	@echo "build   [$$(date +%T)] the C++ extension lit_amp_det/_C (schemas, CPU kernels): 40 s to 2.5 min the first time"
 	$(PY) setup.py --quiet build_ext --inplace
 	@echo "build   [$$(date +%T)] extension ready"
 
