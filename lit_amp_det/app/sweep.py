@@ -1,10 +1,9 @@
 """One table and one plot per Hydra sweep: accuracy against speed and memory, job by job.
 
-A multirun leaves one directory per job, each with its own ``metrics.json``, which is hard to compare by hand.
-:class:`SweepSummary`, a Hydra callback, writes ``summary.csv``, ``summary.md`` and ``summary.png`` into the sweep
-directory after each job and when the sweep ends; :func:`summarize_sweep` does the same from a notebook, and
-:func:`collect_rows` only reads. A job that crashed or wrote no (or a broken) ``metrics.json`` gets a row with its
-status instead of stopping the summary; under submitit, a failed job's row also names its submitit logs."""
+A multirun leaves one directory per job. :class:`SweepSummary`, a Hydra callback, writes ``summary.{csv,md,png}`` into
+the sweep directory after each job and when the sweep ends; :func:`summarize_sweep` does the same from a notebook, and
+:func:`collect_rows` only reads. A job that crashed or whose ``metrics.json`` is missing or broken gets a row with its
+status instead of stopping the summary; under submitit, a failed job's row names its logs."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ _NAN = float("nan")
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
-    """Subdirectories that hold a Hydra job (``.hydra/``) or its ``metrics.json``, in job-number order (folders with
-    other names sort after the numbered ones)."""
+    """Subdirectories holding a Hydra job (``.hydra/``) or its ``metrics.json``, numbered ones first, in job order."""
     jobs = [p for p in sweep_dir.iterdir()
             if p.is_dir() and ((p / ".hydra").is_dir() or (p / "metrics.json").is_file())]
     return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
@@ -131,7 +129,6 @@ def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
 
 
 def _columns_between(rows: Sequence[dict[str, Any]], first: str, last: str) -> list[str]:
-    """The column names strictly between ``first`` and ``last`` (override keys, mAP metrics)."""
     keys = list(rows[0]) if rows else []
     return keys[keys.index(first) + 1:keys.index(last)] if keys else []
 
@@ -208,9 +205,8 @@ def _csv(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: Path) -> None:
-    """Two panels: objective against train images/s, and against memory (tensor total on a CPU, peak on a GPU). Each
-    point carries its job number, which the legend maps to the job's varying overrides (labels next to points would
-    overlap); a job keeps its colour and marker in both panels."""
+    """Two panels: objective vs. train images/s and vs. memory (tensor total on a CPU, peak on a GPU). Points carry job
+    numbers that the legend maps to varying overrides (labels by points overlap); a job has one colour and marker."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg and never touches the global backend
     from matplotlib.lines import Line2D
     varying, _ = _varying_keys(rows)
@@ -321,7 +317,6 @@ class SweepSummary(Callback):
 
 
 def _record_failure(job_dir: Path, job_return: JobReturn) -> None:
-    """Writes the failed job's exception into ``job_dir/failure.txt`` for the ``failed`` row."""
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # it also prints what the sweeper prints again later
             job_return.return_value  # the public way to the exception: it re-raises it

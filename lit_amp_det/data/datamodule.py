@@ -32,10 +32,9 @@ Split = Literal["train", "val", "test"]
 
 
 def _usable_workers(requested: int) -> int:
-    """``requested`` loader workers, but no more than the CPUs this process may use (torch warns above that). Clamped
-    here, where the data is loaded, rather than in the config: a sweep's config is composed on the host that submits it,
-    whose CPUs say nothing about the node a job runs on (SLURM grants each task its ``cpus_per_task``, which is what
-    ``sched_getaffinity`` reports there)."""
+    """``requested`` loader workers, but no more than the CPUs this process may use (torch warns above). Clamped here,
+    where the data is loaded, not in the config: a sweep's config is composed on the submitting host, whose CPUs say
+    nothing about the node a job runs on (under SLURM, ``sched_getaffinity`` reports the task's ``cpus_per_task``)."""
     if requested < 0:
         raise ArgumentError("num_workers", requested, "is negative; use 0 to load in the training process")
     try:
@@ -65,32 +64,31 @@ class CocoDataModule(LightningDataModule):
     """Train/val/test/predict loaders over a COCO-format folder.
 
     Args:
-        root: dataset folder that relative image and annotation paths are resolved against (only needed when a
-            split with relative paths is read).
+        root: dataset folder that relative image and annotation paths are resolved against (only needed when a split
+            with relative paths is read).
         train_images, val_images, test_images: image folders of each split.
-        train_annotations, val_annotations, test_annotations: ``instances_*.json`` of each split. A test
-            split left as ``None`` reuses the validation split.
+        train_annotations, val_annotations, test_annotations: ``instances_*.json`` of each split. A test split left as
+            ``None`` reuses the validation split.
         predict_split: which split ``predict`` runs on.
-        predict_images: a folder of pictures without annotations that ``predict`` runs on instead of
-            ``predict_split`` (relative to the working directory). The model's classes then come from its weights
-            where they name them, else from the training annotations.
+        predict_images: a folder of pictures without annotations that ``predict`` runs on instead of ``predict_split``
+            (relative to the working directory). The model's classes then come from its weights where they name them,
+            else from the training annotations.
         batch_size: training images per batch and process; ``eval_batch_size`` defaults to it.
         num_workers, pin_memory, persistent_workers: ``DataLoader`` settings.
         flip_prob: probability of a horizontal flip of a training image.
         aspect_ratio_grouping: batch portrait and landscape images separately (less padding).
-        invalid_boxes: ``error`` stops at the first degenerate box with its file and annotation id;
-            ``skip`` drops such boxes and counts them.
+        invalid_boxes: ``error`` stops at the first degenerate box with its file and annotation id; ``skip`` drops such
+            boxes and counts them.
         skip_empty_train: drop training images that have no annotations.
         allow_empty_train: accept a training split without a single (non-crowd) annotation, with a warning
             (negative-only data); by default ``fit`` stops before training, naming the file.
         with_masks: decode instance masks (``False`` for Faster R-CNN).
         seed: seed of the training order and augmentation.
-        verify_images: decode every image a stage reads before it starts (cached by file size and modification
-            time under ``verify_cache_dir``, default ``$LIT_AMP_DET_CACHE``).
+        verify_images: decode every image a stage reads before it starts (cached by file size and modification time
+            under ``verify_cache_dir``, default ``$LIT_AMP_DET_CACHE``).
         bad_images: ``error`` stops with every unreadable image listed; ``skip`` leaves them out with a warning.
-        pad_instances: pads every training target to this many instances, with a ``valid`` flag each, so that a
-            step's shapes never change (for ``speedups.sync_free``: static inputs); ``None`` keeps each image's count.
-    """
+        pad_instances: pads every training target to this many instances, with a ``valid`` flag each, so that a step's
+            shapes never change (for ``speedups.sync_free``: static inputs); ``None`` keeps each image's count."""
 
     def __init__(self, root: str | os.PathLike | None = None, *, train_images: str = "train2017",
                  train_annotations: str = "annotations/instances_train2017.json", val_images: str = "val2017",
@@ -140,7 +138,6 @@ class CocoDataModule(LightningDataModule):
         self._train_loader: ResumableDataLoader | None = None
         self._resume_state: dict[str, int] | None = None
 
-    # ----------------------------------------------------------------------------------------- splits
     def _path(self, relative: str, split: str, kind: str) -> Path:
         path = Path(relative).expanduser()
         if path.is_absolute():
@@ -211,7 +208,6 @@ class CocoDataModule(LightningDataModule):
         rank_zero_warn(f"{message}; training anyway because data.allow_empty_train=true (negative-only data): "
                        "the model will learn to detect nothing")
 
-    # ---------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> ResumableDataLoader:
         dataset = self.dataset("train")
         groups = aspect_ratio_groups(dataset.aspect_ratios()) if self.aspect_ratio_grouping else None
@@ -261,9 +257,8 @@ class CocoDataModule(LightningDataModule):
         self._resume_state = dict(state_dict) or None
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Counts training batches the loop really takes, for exact mid-epoch resume, and drops their crowd instances
-        here, on the host: on a GPU each field's boolean index would make the step wait for the device. Pads the
-        targets to ``pad_instances``."""
+        """Counts training batches the loop takes (exact mid-epoch resume), drops their crowd instances here, on the
+        host (on a GPU each field's boolean index would make the step wait), and pads targets to ``pad_instances``."""
         if self.trainer is not None and self.trainer.training and self._train_loader is not None:
             self._train_loader.mark_consumed()
             images, targets = batch

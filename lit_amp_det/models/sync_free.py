@@ -1,21 +1,20 @@
 """Mask R-CNN with shapes fixed by the configuration: a step in which the host never waits for the device.
 
-On a GPU every ``nonzero``, boolean-mask index, ``.item()`` or output of data-dependent size makes the host wait
-for the device to drain, breaks the graph for ``torch.compile`` and rules out CUDA-graph capture. This computes the
-same detector with every shape known before the step runs, as NVIDIA's MLPerf Mask R-CNN does:
+On a GPU every ``nonzero``, boolean-mask index, ``.item()`` or output of data-dependent size makes the host wait for the
+device to drain, breaks the graph for ``torch.compile`` and rules out CUDA-graph capture. This computes the same
+detector with every shape known before the step runs, as NVIDIA's MLPerf Mask R-CNN does:
 
-* the images of a batch are padded to a size bucket (the resized short x long side, in either orientation), so
-  shapes repeat from step to step;
-* the RPN keeps exactly ``post_nms_top_n`` proposal slots per image with a validity mask, from the fixed-size NMS
-  op :func:`lit_amp_det.ops.batched_nms_padded` (small and low-scoring boxes marked invalid instead of gathered out);
+* batches are padded to a size bucket (the resized short x long side, in either orientation), so shapes repeat;
+* the RPN keeps exactly ``post_nms_top_n`` proposal slots per image with a validity mask, from the fixed-size NMS op
+  :func:`lit_amp_det.ops.batched_nms_padded` (small and low-scoring boxes marked invalid instead of gathered out);
 * anchors and proposals are matched by torchvision's ``Matcher`` rules written with three-argument ``where``, and
   sampled by top-k over random keys drawn on the device: a uniformly random subset of the size torchvision's
-  ``BalancedPositiveNegativeSampler`` draws, laid out in ``batch_size_per_image`` slots with a validity weight;
+  ``BalancedPositiveNegativeSampler`` draws, in ``batch_size_per_image`` slots with a validity weight;
 * the losses are masked sums divided by the sample count (torchvision's means); the mask head trains on the
   ``positive_fraction * batch_size_per_image`` positive slots of each image, weighted by validity;
-* inference keeps ``detections_per_img`` slots per image and pastes all their masks in one vectorised pass.
-  :meth:`SyncFreeMaskRCNN.forward_padded` returns those fixed-size results with each image's count;
-  ``forward`` reads the counts once per batch and returns torchvision's per-image lists."""
+* inference keeps ``detections_per_img`` slots per image and pastes all their masks in one vectorised pass:
+  :meth:`SyncFreeMaskRCNN.forward_padded` returns them with each image's count, ``forward`` reads the counts once per
+  batch and returns torchvision's per-image lists."""
 
 from __future__ import annotations
 
@@ -43,10 +42,9 @@ __all__ = ["FixedShapeTransform", "SyncFreeFasterRCNN", "SyncFreeMaskRCNN", "Syn
 
 
 def match(quality: Tensor, matcher: Matcher, valid: Tensor | None = None) -> Tensor:
-    """``matcher(quality)`` (torchvision's ``Matcher``) without a boolean index: for each column of the ``[G, N]``
-    IoU matrix its best row, ``-1`` below the low threshold, ``-2`` between the thresholds; with
-    ``allow_low_quality_matches`` the columns that are some row's best keep their best row. Rows whose ``valid``
-    (bool ``[G]``) is false (padding) match nothing."""
+    """torchvision's ``matcher(quality)`` without a boolean index: each column of the ``[G, N]`` IoU matrix gets its
+    best row, ``-1`` below the low threshold, ``-2`` between them; with ``allow_low_quality_matches`` the columns that
+    are some row's best keep their best row. Rows not ``valid`` (bool ``[G]``, padding) match nothing."""
     if valid is not None:
         quality = torch.where(valid[:, None], quality, -1.0)  # below any threshold, below any real IoU
     values, best = quality.max(dim=0)
@@ -65,11 +63,9 @@ def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> t
 
     ``labels (Tensor[N])``: ``>= 1`` positive, ``0`` negative, ``-1`` ignored. As torchvision, it draws
     ``min(#positives, int(batch_size * positive_fraction))`` positives and ``min(#negatives, batch_size - that)``
-    negatives uniformly at random (the top-k of uniform keys drawn on the device is a uniform subset).
-
-    Returns:
-        ``(index [S], valid [S], positive [S])``: the drawn positives fill the first slots, the negatives the next;
-        slots past the draw are not ``valid`` (their index is arbitrary)."""
+    negatives uniformly at random (the top-k of uniform keys drawn on the device is a uniform subset). Returns
+    ``(index [S], valid [S], positive [S])``: the drawn positives fill the first slots, the negatives the next; slots
+    past the draw are not ``valid`` (their index is arbitrary)."""
     n = labels.shape[0]
     slots = min(batch_size, n)
     keys = torch.rand(n, device=labels.device)
@@ -98,13 +94,11 @@ _PASTE_CHUNK = 16  # detections pasted at a time: the full-image temporaries of 
 
 def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int], threshold: float,
                        padding: int = 1) -> Tensor:
-    """``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` for all ``[D, 1, M, M]`` masks at
-    once, with no per-detection loop and no host read: ``[D, 1, H, W]`` booleans.
-
-    Each box's expanded mask is resized to the box as ``F.interpolate(bilinear, align_corners=False)`` resizes it
-    (its source coordinates and weights, separable: along x, then y), read at every image pixel the box covers; a
-    value within rounding of the threshold may compare the other way (about one pixel in 10^6). Costs ``D x H x W``
-    work instead of the boxes' areas, in chunks of detections."""
+    """``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` for all ``[D, 1, M, M]`` masks at once,
+    with no per-detection loop and no host read: ``[D, 1, H, W]`` booleans. Each box's expanded mask is resized to the
+    box as ``F.interpolate(bilinear, align_corners=False)`` resizes it (its source coordinates and weights, separable:
+    along x, then y), read at every image pixel the box covers; a value within rounding of the threshold may compare the
+    other way (about one pixel in 10^6). Costs ``D x H x W`` work instead of the boxes' areas."""
     height, width = int(image_size[0]), int(image_size[1])
     padded, scale = expand_masks(masks, padding=padding)
     padded = padded[:, 0]
@@ -140,7 +134,7 @@ class FixedShapeTransform(BinaryMaskTransform):
     Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest resized short
     (at inference: the inference size) and long sides rounded up to ``size_divisible`` (a batch that fits none, with
     resizing skipped, is padded as torchvision pads it). The training scale is drawn with Python's ``random`` (seeded by
-    Lightning's ``seed_everything``), not read back from a tensor. Masks are pasted by :func:`paste_masks_padded`."""
+    Lightning's ``seed_everything``), not read back from a tensor."""
 
     def torch_choice(self, k: list[int]) -> int:
         return k[0] if len(k) == 1 else random.choice(k)
@@ -402,9 +396,8 @@ class SyncFreeMaskRCNN(_SyncFreeForward, MaskRCNN):
 
 
 def use_sync_free(model: nn.Module) -> nn.Module:
-    """Switches a torchvision Faster/Mask R-CNN to the fixed-shape computation, in place (after
-    :func:`~lit_amp_det.models.ext_ops.use_extension_ops`, which it applies); returns it. Parameters, buffers and
-    ``state_dict`` keys are unchanged."""
+    """Switches a torchvision Faster/Mask R-CNN to the fixed-shape computation, in place, and returns it; applies
+    :func:`~lit_amp_det.models.ext_ops.use_extension_ops` too. Parameters, buffers and ``state_dict`` keys are kept."""
     classes = {FasterRCNN: SyncFreeFasterRCNN, MaskRCNN: SyncFreeMaskRCNN}
     if type(model) in classes.values():
         return model

@@ -1,10 +1,9 @@
 """Device-agnostic launchers of the Triton kernels: check inputs, allocate outputs, pick blocks, launch.
 
-They serve the CUDA kernels registered for ``torch.ops.lit_amp_det`` and :mod:`lit_amp_det.ops.triton`. CUDA tensors
-run the compiled kernels; CPU tensors run them through Triton's interpreter under ``TRITON_INTERPRET=1`` (so every
-kernel can be tested without a GPU). Only :func:`nms` / :func:`batched_nms` synchronise with the host (their result
-size is data-dependent).
-"""
+They serve the CUDA kernels registered for ``torch.ops.lit_amp_det`` and :mod:`lit_amp_det.ops.triton`. CUDA tensors run
+the compiled kernels; CPU tensors run them through Triton's interpreter under ``TRITON_INTERPRET=1`` (so every kernel
+can be tested without a GPU). Only :func:`nms` / :func:`batched_nms` synchronise with the host (their result size is
+data-dependent)."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ _INTERPRETED: ModuleType | None = None
 
 
 # -- Which kernels: compiled for CUDA tensors, interpreted for CPU tensors ------------------------------------------
-
 _KERNELS_MODULE = "lit_amp_det.ops.triton._kernels"
 
 
@@ -94,7 +92,6 @@ def gpu_launch_configs() -> Iterator[None]:
 
 
 def _gpu_configs(device: torch.device) -> bool:
-    """Whether a launch on ``device`` takes the GPU's block shapes."""
     return device.type == "cuda" or _GPU_CONFIGS_ON_CPU
 
 
@@ -126,7 +123,6 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # -- box_iou --------------------------------------------------------------------------------------------------------
-
 def _check_boxes(op: str, name: str, boxes: Tensor, *, integer_ok: bool = False) -> None:
     if boxes.dim() != 2 or boxes.shape[1] != 4:
         raise ValueError(f"{op}: {name} should be a 2-D tensor of shape [N, 4], got shape {list(boxes.shape)}")
@@ -162,7 +158,6 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
 
 
 # -- NMS ------------------------------------------------------------------------------------------------------------
-
 def _check_nms_inputs(op: str, boxes: Tensor, scores: Tensor, idxs: Tensor | None) -> None:
     _check_boxes(op, "boxes", boxes)
     if scores.dim() != 1 or scores.shape[0] != boxes.shape[0]:
@@ -184,15 +179,6 @@ def _check_nms_inputs(op: str, boxes: Tensor, scores: Tensor, idxs: Tensor | Non
     if boxes.shape[0] > MAX_NMS_BOXES:
         raise ValueError(f"{op}: at most {MAX_NMS_BOXES} boxes per call, got {boxes.shape[0]}; pre-select the "
                          "top-scoring boxes first (e.g. scores.topk)")
-
-
-def _removed_words(valid: Tensor | None, visit: Tensor, n: int, words: int) -> Tensor:
-    """The greedy pass's initial removed bits, one int64 per word of 64 boxes in visiting order: the boxes that
-    are not ``valid`` and the padding past n."""
-    removed = torch.ones(words * 64, dtype=torch.int64, device=visit.device)
-    removed[:n] = 0 if valid is None else (~valid[visit]).to(torch.int64)
-    shifts = torch.arange(64, dtype=torch.int64, device=visit.device)
-    return (removed.view(words, 64) << shifts).sum(1)  # distinct bits: the sum is the OR (bit 63 wraps)
 
 
 def _kept_flags(boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshold: float, limit: int,
@@ -222,11 +208,16 @@ def _kept_flags(boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshol
     mask = torch.empty((n, band), dtype=torch.int64, device=device)  # only tiles the greedy pass reads are written
     _launch(k.nms_mask_kernel, (band, words), boxes, boxes.stride(0), boxes.stride(1), visit, cls, threshold, mask,
             n, words, band, ACC=_tl_dtype(acc), FP64=acc == torch.float64, num_warps=NMS_MASK_WARPS)
+    # the greedy pass's initial removed bits, one int64 per 64 boxes in visiting order: not ``valid``, or past n
+    removed = torch.ones(words * 64, dtype=torch.int64, device=visit.device)
+    removed[:n] = 0 if valid is None else (~valid[visit]).to(torch.int64)
+    shifts = torch.arange(64, dtype=torch.int64, device=visit.device)
+    removed = (removed.view(words, 64) << shifts).sum(1)  # distinct bits: the sum is the OR (bit 63 wraps)
     keep_visit = torch.zeros(n, dtype=torch.int8, device=device)
     # one warp keeps the per-box reductions of the serial pass inside a warp, while the removed bits fit
     words_block = max(_next_pow2(words), 16)
-    _launch(k.nms_greedy_kernel, (1,), mask, _removed_words(valid, visit, n, words), cls, class_end, keep_visit,
-            n, words, band, limit, WORDS_BLOCK=words_block, num_warps=1 if words_block <= 512 else 4)
+    _launch(k.nms_greedy_kernel, (1,), mask, removed, cls, class_end, keep_visit, n, words, band, limit,
+            WORDS_BLOCK=words_block, num_warps=1 if words_block <= 512 else 4)
     if by_class is None:
         return order, keep_visit
     keep_by_score = torch.empty_like(keep_visit)
@@ -267,8 +258,7 @@ def batched_nms_padded(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshol
     """Per-class NMS without host synchronisation; same result layout as :func:`nms_padded`.
 
     ``max_class_size``, when the caller knows that no class has more boxes, bounds the IoU mask to
-    ``N x (max_class_size / 64 + 2)`` words instead of ``N x N / 64``.
-    """
+    ``N x (max_class_size / 64 + 2)`` words instead of ``N x N / 64``."""
     return _nms_padded(boxes, scores, idxs, iou_threshold, max_output, "batched_nms", valid, max_class_size)
 
 
@@ -284,7 +274,6 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
 
 
 # -- RoIAlign -------------------------------------------------------------------------------------------------------
-
 def _check_feature(op: str, name: str, t: Tensor) -> None:
     if t.dim() != 4:
         raise ValueError(f"{op}: {name} must be a 4-D [N, C, H, W] tensor, got {t.dim()}-D")
@@ -307,11 +296,10 @@ def _check_pool(op: str, pooled_height: int, pooled_width: int) -> None:
         raise ValueError(f"{op}: pooled_height and pooled_width must be > 0, got {pooled_height} and {pooled_width}")
 
 
-#: RoIAlign on a GPU: elements (bins x channels) per program, and per thread. Each element holds four gathered corners,
-#: their weights and 64-bit addresses in registers, so registers follow the elements a thread holds: at 2 (512 over 8
-#: warps; a pool larger than the tile gets more warps) every fp16/bf16/fp32 forward and backward at the model's pools
-#: compiles without a spill on sm_80/90/100 (``make gpu-compile``), where 4 a thread spilled a few bytes on each of them
-#: in some specialisation and 32 (4,096 over 4 warps) spilled kilobytes.
+#: RoIAlign on a GPU: elements (bins x channels) per program and per thread. Each element holds four gathered corners,
+#: their weights and 64-bit addresses in registers, so registers follow them: at 2 (512 over 8 warps; larger pools get
+#: more warps) every fp16/bf16/fp32 forward and backward at the model's pools compiles without a spill on sm_80/90/100
+#: (``make gpu-compile``); 4 spilled bytes on each in some specialisation, 32 (4,096 over 4 warps) kilobytes.
 GPU_TILE, GPU_ELEMENTS_PER_THREAD = 512, 2
 #: warps of an NMS mask program (one 64 x 64 tile of IoUs, 8 a thread): at 4 warps ptxas took all 255 registers and
 #: spilled on sm_100, at 8 it still spilled on sm_80
