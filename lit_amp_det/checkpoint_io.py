@@ -49,7 +49,7 @@ def _out_of_space(err: BaseException | None) -> bool:
 
 
 class DurableCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to ``.<name>.tmp`` in the checkpoint's folder, fsync, rename, fsync the folder (see the module)."""
+    """``torch.save`` to ``.<name>.tmp`` beside the checkpoint, fsync, rename, fsync the folder (see the module)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         path = Path(path)

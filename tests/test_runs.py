@@ -353,3 +353,17 @@ def test_a_resumed_folder_is_claimed_against_a_second_fit_and_loses_its_stale_te
     assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
     assert not stale.exists() and (killed / "checkpoints").resolve() in runs._CLAIMS
     assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())  # this process again
+
+
+def test_a_new_fit_removes_the_partial_checkpoints_of_killed_fits(tmp_path: Path) -> None:
+    from lit_amp_det.app.runs import remove_stale_temporaries
+
+    root = tmp_path / "runs"
+    killed = _fake_run(root, "a", status="running", step=2, started=1.0, pid=2**22 + 17)  # no such process
+    stopped = _fake_run(root, "b", status="interrupted", step=2, started=2.0)
+    for run in (killed, stopped):
+        (run / "checkpoints" / ".last.ckpt.tmp").write_bytes(b"half a checkpoint")
+    remove_stale_temporaries(root)
+    assert not (killed / "checkpoints" / ".last.ckpt.tmp").exists()
+    assert (stopped / "checkpoints" / ".last.ckpt.tmp").exists()  # its process was not seen to die: left alone
+    assert (killed / "checkpoints" / "last.ckpt").exists()

@@ -25,8 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from lit_amp_det.app.launch import launch_rank
 
 __all__ = ["RUN_RECORD", "RunInfo", "ResumeError", "config_differences", "holds_a_run", "is_earlier_attempt",
-           "list_runs", "read_run", "resolve_ckpt_path", "resume_point", "slurm_resume_point", "unique_dir",
-           "update_run_record", "write_run_record"]
+           "list_runs", "read_run", "remove_stale_temporaries", "resolve_ckpt_path", "resume_point",
+           "slurm_resume_point", "unique_dir", "update_run_record", "write_run_record"]
 
 log = logging.getLogger(__name__)
 
@@ -328,9 +328,10 @@ def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
     newest = runs[0]
     if saved:
         other = saved[0]
+        differences = "; ".join(config_differences(other.path, cfg)[:8])
         raise ResumeError(f"ckpt_path=last: no unfinished fit was made with this model and data; the newest, "
-                          f"{other.path} ({other.status}), differs: {'; '.join(config_differences(other.path, cfg)[:8])}. Run with "
-                          f"its settings to resume it, or pass ckpt_path={other.path}")
+                          f"{other.path} ({other.status}), differs: {differences}. Run with its settings to resume it, "
+                          f"or pass ckpt_path={other.path}")
     if newest.status == "running":
         raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, is still running and no other unfinished "
                           "fit saved a checkpoint; stop it first")
@@ -364,6 +365,15 @@ def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
         log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: %s",
                  info.path, "; ".join(others[:8]))
     return checkpoint
+
+
+def remove_stale_temporaries(runs_root: Path) -> None:
+    """Deletes the partial checkpoints (``checkpoints/.*.tmp``) that fits killed during a save left: their process is
+    gone (``killed``: its pid no longer exists on this host), so nothing will finish or rename them."""
+    for info in list_runs(Path(runs_root), "fit"):
+        if info.status == "killed":
+            for stale in (info.path / "checkpoints").glob(".*.tmp"):
+                stale.unlink(missing_ok=True)
 
 
 _CLAIMS: dict[Path, int] = {}  # checkpoint folders this process resumes from: their locked file descriptors

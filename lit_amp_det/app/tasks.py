@@ -27,8 +27,9 @@ from lit_amp_det.app.config import check_command, check_config
 from lit_amp_det.app.console import quiet_console, report_user_error
 from lit_amp_det.app.launch import adopt_launch_rank, ddp_child_command
 from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder
-from lit_amp_det.app.runs import (_write_json, holds_a_run, is_earlier_attempt, read_run, resolve_ckpt_path,
-                                  resume_point, slurm_resume_point, update_run_record, write_run_record)
+from lit_amp_det.app.runs import (_write_json, holds_a_run, is_earlier_attempt, read_run, remove_stale_temporaries,
+                                  resolve_ckpt_path, resume_point, slurm_resume_point, update_run_record,
+                                  write_run_record)
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
@@ -203,6 +204,8 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
                               f"into a new folder with ckpt_path={out}")
     ckpt_path = start_checkpoint(cfg, out, job)
     if rank_zero_only.rank == 0:
+        if str(cfg.command) == "fit":
+            remove_stale_temporaries(Path(cfg.paths.runs_root))
         write_run_record(out, str(cfg.command), resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None,
                          **(job.record() if job is not None else {}))
         OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)

@@ -6,9 +6,8 @@ continues it exactly (saves happen at batch ends, where the data module records 
 next to itself and renamed over the old one, so a kill during the save leaves the previous checkpoint intact.
 
 On the first SIGINT or SIGTERM during training the step in progress (during validation: the batch in progress)
-completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; a second signal exits the process at once (128 + its number), except during a
-save, which completes first.
-Under DDP every rank stops after the same step.
+completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; a second signal exits the process at once
+(128 + its number), except during a save, which completes first. Under DDP every rank stops after the same step.
 
 In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's ``SIGUSR2``
 in a job it started) does the same and then requeues the job with ``scontrol requeue``; the requeued attempt
