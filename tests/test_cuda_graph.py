@@ -107,6 +107,7 @@ def test_a_captured_step_trains_as_the_automatic_step_does(tmp_path, monkeypatch
     if not precision:  # the captured lr is an fp32 tensor (fused kernels read it so), the loop's a double: last-bit
         # update differences, which the detector's discrete choices (proposals kept, samples) amplify in bf16/fp16
         weights = graph.lightning_module.state_dict(), plain.lightning_module.state_dict()
+        assert weights[0] and weights[0].keys() == weights[1].keys()  # the loop below compares every tensor
         for key, value in weights[0].items():
             torch.testing.assert_close(value, weights[1][key], rtol=1e-4, atol=1e-5,
                                        msg=lambda m, key=key: f"{key}: {m}")

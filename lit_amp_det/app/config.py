@@ -6,6 +6,7 @@ The YAML tree sits in the repository's ``conf/`` folder and is installed as the 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 import math
 from importlib import resources
 from pathlib import Path
@@ -17,7 +18,7 @@ from lit_amp_det.errors import ArgumentError
 from lit_amp_det.precision.modes import PRECISIONS
 from lit_amp_det.app.runs import unique_dir
 
-__all__ = ["COMMANDS", "config_dir", "config_groups", "check_command", "check_config"]
+__all__ = ["COMMANDS", "check_command", "check_config", "compose", "config_dir", "config_groups"]
 
 #: Subcommands of ``python -m lit_amp_det``.
 COMMANDS = ("fit", "validate", "test", "predict")
@@ -60,6 +61,15 @@ def check_command(command: object) -> None:
     """``command`` is one of :data:`COMMANDS`."""
     if command not in COMMANDS:
         raise ValueError(f"command={command!r}; choose one of {', '.join(COMMANDS)}")
+
+
+def compose(overrides: Sequence[str]) -> DictConfig:
+    """``conf/config.yaml`` composed with ``overrides``, as the CLI composes it (no Hydra run)."""
+    from hydra import compose as hydra_compose  # deferred: checks run before anything heavy is imported
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
 
 
 def check_config(cfg: DictConfig) -> None:

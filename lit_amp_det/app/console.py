@@ -10,6 +10,7 @@ import sys
 import traceback
 import warnings
 
+from lit_amp_det.callbacks.console_log import emit
 from lit_amp_det.checkpoint_io import DiskFull
 
 __all__ = ["FILE_ONLY_LOGGERS", "SILENCED_WARNINGS", "USER_ERRORS", "quiet_console", "report_user_error"]
@@ -54,10 +55,6 @@ def report_user_error(err: BaseException, verbose: bool = False) -> bool:
     cause = err if isinstance(err, USER_ERRORS) else err.__cause__
     if not isinstance(cause, USER_ERRORS) or verbose or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return False
-    record = logging.LogRecord("lit_amp_det", logging.ERROR, __file__, 0, "".join(traceback.format_exception(err)),
-                               None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+    emit("".join(traceback.format_exception(err)), console=False)  # the run's log file only
     print(f"lit_amp_det: {cause}", file=sys.stderr, flush=True)
     return True

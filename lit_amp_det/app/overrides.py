@@ -15,20 +15,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from lit_amp_det.app.config import compose
+
 __all__ = ["UnknownSetting", "prepare_overrides"]
 
 
 class UnknownSetting(SystemExit):
     """A command-line key that is not a setting; its message says which ones come close."""
-
-
-def _compose(overrides: Sequence[str]) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-
-    from lit_amp_det.app.config import config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def _trainer_arguments() -> list[str]:
@@ -52,7 +45,7 @@ def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[
     values = [o for o in overrides if "=" in o and not o.startswith(("+", "~", "hydra."))]
     choices = [o for o in values if "." not in o.split("=", 1)[0] and "," not in o]
     try:
-        base = _compose(choices)
+        base = compose(choices)
     except (ConfigCompositionException, MissingConfigException):
         return list(overrides)  # a group option that does not exist: Hydra's message lists the options
     arguments = _trainer_arguments()
@@ -67,7 +60,7 @@ def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[
     if multirun:
         return prepared
     try:
-        _compose(prepared)
+        compose(prepared)
     except ConfigCompositionException as err:
         key = getattr(err.__cause__, "full_key", None)
         if not key or "not in struct" not in str(err.__cause__):

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from lit_amp_det.app.config import compose  # re-exported: the benches compose rows as the CLI does
 from lit_amp_det.precision.hardware import auto_precision
 
 __all__ = ["BASELINE", "BENCHES", "HALF_CHOICES", "Bench", "Row", "Setting", "compose", "default_rows",
@@ -175,13 +176,3 @@ def default_rows(bench: Bench, setting: Setting) -> list[str]:
     skipped = {"half": resolve_half(setting) == "fp32", "cuda": setting.device == "cpu"}
     return [row.name for row in bench.rows if not skipped.get(row.when)]
 
-
-def compose(overrides: Sequence[str]) -> DictConfig:
-    """``conf/config.yaml`` composed with ``overrides``, as the CLI composes it (no Hydra run)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from lit_amp_det.app.config import config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))

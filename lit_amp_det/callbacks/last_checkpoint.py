@@ -132,10 +132,7 @@ class LastCheckpoint(Checkpoint):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        stop = self._signal is not None
-        if trainer.world_size > 1 and self.save_on_signal:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled: all stop
-        if stop:
+        if self.save_on_signal and self._signalled(trainer):
             self._stop(trainer)
         if self._due(trainer):
             self.save(trainer)
@@ -145,13 +142,14 @@ class LastCheckpoint(Checkpoint):
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         """A signal during a fit's validation stops it after the batch in progress, not after the whole split (which
         can outlast a preemption's grace period): the training state, unchanged since validation began, is saved."""
-        if not self.save_on_signal or trainer.sanity_checking or trainer.state.fn != "fit":
-            return
-        stop = self._signal is not None
-        if trainer.world_size > 1:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop:
+        during_fit = not trainer.sanity_checking and trainer.state.fn == "fit"
+        if self.save_on_signal and during_fit and self._signalled(trainer):
             self._stop(trainer)
+
+    def _signalled(self, trainer: pl.Trainer) -> bool:
+        """Whether a stop signal arrived; under DDP, on any rank (all then stop after the same batch)."""
+        stop = self._signal is not None
+        return trainer.strategy.reduce_boolean_decision(stop, all=False) if trainer.world_size > 1 else stop
 
     def _stop(self, trainer: pl.Trainer) -> None:
         """Saves, requeues under SLURM if asked, and ends the fit with :class:`RunInterrupted`."""
