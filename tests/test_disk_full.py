@@ -115,3 +115,39 @@ def test_training_curves_on_a_full_disk_leave_no_partial_picture(tmp_path: Path,
     with pytest.raises(OSError, match="No space left"):
         curves.write()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 112 MB tmpfs: room for the smoke run and one 60 MB ``last.ckpt``, not for the next save beside it."""
+    import shutil
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=112m", "tmpfs", str(mount)],
+                                                       capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here (the ENOSPC wrappers above cover the same paths)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_a_fit_on_a_disk_too_small_for_the_next_checkpoint_stops_cleanly(small_disk: Path, tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    env = {"LIT_AMP_DET_RUNS": str(small_disk / "runs"), "HYDRA_FULL_ERROR": "0"}  # as a user sees it
+    proc = run_cli(["fit", "experiment=smoke", "callbacks.last_checkpoint.every_n_train_steps=2"], cwd=tmp_path, env=env,
+                   check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    message = [line for line in proc.stderr.splitlines() if line.startswith("lit_amp_det:")]
+    assert len(message) == 1 and "no space left on the disk of" in message[0] and "last.ckpt" in message[0], message
+    run_dir = next((small_disk / "runs" / "fit").iterdir())
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed" and "no space left" in record["error"], record
+    leftovers = [p.name for p in run_dir.rglob("*") if p.name.endswith(".tmp") or ".tmp." in p.name]
+    assert not leftovers and [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.ckpt"]
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+    again = run_cli(["fit", "experiment=smoke"], cwd=tmp_path, env=env, check=False)
+    assert again.returncode != 0 and "MB free on the disk of" in again.stderr and "Traceback" not in again.stderr
+    assert len(list((small_disk / "runs" / "fit").iterdir())) == 1  # it made no run folder
