@@ -1,4 +1,4 @@
-"""Command line: ``python -m lit_amp_det {fit,validate,test,predict} [hydra overrides]``.
+"""Command line: ``python -m lit_amp_det {fit,validate,test,predict,export} [hydra overrides]``.
 
 Hydra owns everything after the subcommand (overrides, ``-m`` for multirun, ``--cfg job``, ``--info``,
 ``--hydra-help``); the subcommand itself is taken off ``argv`` and handed to Hydra as ``command=...``
@@ -31,6 +31,7 @@ _DESCRIPTIONS = {
     "test": "score a checkpoint on the test split",
     "predict": "write COCO-format detections of data.predict_split (or of the pictures in data.predict_images) "
                "to predictions.json",
+    "export": "write the model (ckpt_path=... or model.weights=...) as format=onnx|pt2 with a JSON description",
     "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), "
              "`bench precision|ops|convbn|coco_eval`",
 }
@@ -38,7 +39,7 @@ _DESCRIPTIONS = {
 
 def usage() -> str:
     """The text of ``--help``: subcommands, config groups with their options, and examples."""
-    lines = ["usage: python -m lit_amp_det {fit,validate,test,predict} [-m] [--cfg job] [key=value ...]", "",
+    lines = ["usage: python -m lit_amp_det {fit,validate,test,predict,export} [-m] [--cfg job] [key=value ...]", "",
              "subcommands:"]
     lines += [f"  {name:<9} {_DESCRIPTIONS[name]}" for name in (*COMMANDS, "bench")]
     lines += ["", f"config groups (choose with group=option; tree at {config_dir()}):"]

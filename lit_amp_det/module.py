@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -240,6 +241,25 @@ class MaskRCNNModule(LightningModule):
         scheduler = instantiate(dict(scheduler_cfg), optimizer=optimizer,
                                 total_steps=max(int(self.trainer.estimated_stepping_batches), 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------ export
+    def to_onnx(self, file_path: str | Path | None = None, input_sample: Tensor | None = None, **kwargs: Any) -> Any:
+        """Lightning's ``to_onnx`` for a detector: :mod:`lit_amp_det.deploy`'s fixed-shape graph (standard ONNX ops;
+        padded detections and each image's count) traced on ``input_sample``, a ``[B, 3, H, W]`` batch (uint8, or
+        float in [0, 1]; default ``example_input_array``, else one image at the inference size). Saved to
+        ``file_path`` with a JSON description beside it; returns the ``ONNXProgram``. ``kwargs`` go to
+        ``torch.onnx.export``."""
+        from lit_amp_det.deploy import export_detector
+
+        sample = input_sample if input_sample is not None else self.example_input_array
+        return export_detector(self, file_path, "onnx", sample=sample, **kwargs)
+
+    def to_torchscript(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: the detector calls the package's ops and hooks that TorchScript (deprecated) cannot compile."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot become TorchScript: its detector calls lit_amp_det's ops, which TorchScript "
+            f"(deprecated by PyTorch) cannot compile. Use module.to_onnx(path) for ONNX, or torch.export through "
+            f"`python -m lit_amp_det export format=pt2` / lit_amp_det.deploy.export_detector(module, path, 'pt2')")
 
     # ------------------------------------------------------------------------------------ forward
     @staticmethod

@@ -21,7 +21,7 @@ from lit_amp_det.app.runs import unique_dir
 __all__ = ["COMMANDS", "check_command", "check_config", "compose", "config_dir", "config_groups"]
 
 #: Subcommands of ``python -m lit_amp_det``.
-COMMANDS = ("fit", "validate", "test", "predict")
+COMMANDS = ("fit", "validate", "test", "predict", "export")
 
 
 def _pin_memory(accelerator: str) -> bool:
@@ -94,7 +94,8 @@ _NUMBERS = (("model.transform.min_size", True, 1, True), ("model.transform.max_s
             ("optim.optimizer.lr", False, 0, False), ("optim.optimizer.weight_decay", False, 0, True),
             ("optim.optimizer.momentum", False, 0, True), ("data.batch_size", True, 1, True),
             ("data.eval_batch_size", True, 1, True), ("data.num_workers", True, 0, True),
-            ("data.train_size", True, 1, True), ("data.val_size", True, 1, True), ("data.test_size", True, 1, True))
+            ("data.train_size", True, 1, True), ("data.val_size", True, 1, True), ("data.test_size", True, 1, True),
+            ("export.image_size", True, 1, True), ("export.batch_size", True, 1, True))
 
 
 def _check_numbers(cfg: DictConfig) -> None:

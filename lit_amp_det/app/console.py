@@ -15,8 +15,9 @@ from lit_amp_det.checkpoint_io import DiskFull
 
 __all__ = ["FILE_ONLY_LOGGERS", "SILENCED_WARNINGS", "USER_ERRORS", "quiet_console", "report_user_error"]
 
-#: Loggers (name prefixes) whose records go to the log file only: faster-coco-eval logs a 26-line table per evaluation.
-FILE_ONLY_LOGGERS = ("faster_coco_eval",)
+#: Loggers (name prefixes) whose records go to the log file only: faster-coco-eval logs a 26-line table per evaluation,
+#: the ONNX exporter a line per graph rewrite.
+FILE_ONLY_LOGGERS = ("faster_coco_eval", "onnx_ir", "onnxscript")
 #: Record messages (prefixes) that go to the log file only.
 FILE_ONLY_MESSAGES = ("💡 Tip",)
 #: Warnings (message regexes) about library internals, silenced: nothing in the user's config causes or fixes them.

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def predicts_on_a_folder(cfg: DictConfig) -> bool:
-    """``predict`` with ``data.predict_images`` set: pictures without annotations."""
-    return str(cfg.get("command")) == "predict" and (cfg.get("data") or {}).get("predict_images") is not None
+    """``predict`` with ``data.predict_images`` set (pictures without annotations), or ``export``: no split is read."""
+    command = str(cfg.get("command"))
+    return command == "export" or command == "predict" and (cfg.get("data") or {}).get("predict_images") is not None
 
 
 def weights_classes(name: str, mask: bool) -> dict[str, Any]:
@@ -60,5 +61,6 @@ def folder_prediction_classes(cfg: DictConfig, ckpt_path: str | None, checkpoint
         return None
     if not found:  # a bare state dict, or a module saved without its classes
         return None
-    log.info("predict on data.predict_images: %d classes from %s", found["num_classes"] - 1, source)
+    log.info("%s: %d classes from %s", "predict on data.predict_images" if cfg.command == "predict" else cfg.command,
+             found["num_classes"] - 1, source)
     return {key: value for key, value in found.items() if cfg.model.get(key) is None}

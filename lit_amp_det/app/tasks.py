@@ -177,6 +177,8 @@ def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any])
     update_run_record(out, status=record["status"], global_step=trainer.global_step)
     if record["command"] == "predict":
         emit(f"predictions: {out / 'predictions.json'}")
+    elif record["command"] == "export":
+        emit(f"exported: {out / ('model.' + str(cfg.format))} (described in model.json)")
     elif record["status"] != "interrupted" or any("mAP" in key for key in record["metrics"]):
         emit(summary_line(record["metrics"]))
     emit(f"run directory: {out}")
@@ -343,7 +345,26 @@ def predict(cfg: DictConfig) -> Path:
     return _output_dir(cfg) / "predictions.json"
 
 
-_TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict}
+def export(cfg: DictConfig) -> Path:
+    """Writes the model (``ckpt_path`` or ``model.weights``) as ``format`` (onnx | pt2) into the run folder, with a
+    JSON description beside it (:func:`lit_amp_det.deploy.export_detector`); returns the file's path."""
+    from lit_amp_det.deploy import export_detector, supported_format
+
+    started = time.perf_counter()
+    fmt = supported_format(str(cfg.get("format")))  # before the model is built
+    datamodule, model, trainer, ckpt_path = _start(cfg)
+    if ckpt_path is None and not _named_weights(cfg):
+        log.warning("export without ckpt_path or model.weights writes a randomly initialised model")
+    if ckpt_path is not None:
+        model.load_state_dict(read_checkpoint(ckpt_path, "ckpt_path")["state_dict"])
+    settings = cfg.get("export") or {}
+    path = _output_dir(cfg) / f"model.{fmt}"
+    export_detector(model, path, fmt, settings.get("image_size"), settings.get("batch_size", 1))
+    _write_outputs(cfg, trainer, {"command": "export", "metrics": {}, "time_s": time.perf_counter() - started})
+    return path
+
+
+_TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict, "export": export}
 
 
 def _route_lightning_logs() -> None:

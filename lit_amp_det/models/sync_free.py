@@ -124,7 +124,8 @@ def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int]
                    + padded[k].gather(2, x_high[k, None, :].expand(-1, rows, -1)) * x_w1[k, None, :])
         values = (along_x.gather(1, y_low[k, :, None].expand(-1, -1, width)) * y_w0[k, :, None]
                   + along_x.gather(1, y_high[k, :, None].expand(-1, -1, width)) * y_w1[k, :, None])
-        pasted.append(torch.where(y_in[k, :, None] & x_in[k, None, :], values > threshold, 0.0 > threshold))
+        inside = y_in[k, :, None] & x_in[k, None, :]  # outside its box a mask reads 0 (no bool where: ONNX lacks it)
+        pasted.append(inside & (values > threshold) if threshold >= 0 else ~inside | (values > threshold))
     return torch.cat(pasted)[:, None]
 
 
