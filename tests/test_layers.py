@@ -1,7 +1,7 @@
 """The import graph: no cycles, and every module imports only from its own layer or the layers below it.
 
 Layers, bottom up (``errors``, the library's argument error, under all of them): ``profiling`` and ``ops`` (kernels
-and their front end) -> ``precision``, ``data``, ``models`` -> ``module``, ``module_settings``, ``optim``,
+and their front end) -> ``precision``, ``data``, ``models`` -> ``deploy`` -> ``module``, ``module_settings``, ``optim``,
 ``checkpoints``, ``checkpoint_io``, ``distributed``, ``slurm`` -> ``callbacks`` (each on its own: no callback imports another) -> the
 application: the ``app`` package (``tasks``, ``config``, ``runs``, ``sweep``, ``launch``: Hydra and launch plumbing),
 ``bench`` and ``cli``. The core (the module, models, precision, callbacks, data, ops) holds no CPU-only speed transform.
@@ -29,8 +29,10 @@ ALLOWED = {
     "lit_amp_det.checkpoints": (),
     "lit_amp_det.checkpoint_io": (),
     "lit_amp_det.module_settings": ("lit_amp_det.optim",),
+    "lit_amp_det.deploy": ("lit_amp_det.models", "lit_amp_det.ops"),  # the exported graph and its ONNX translations
     "lit_amp_det.module": ("lit_amp_det.models", "lit_amp_det.data", "lit_amp_det.optim", "lit_amp_det.module_settings",
-                           "lit_amp_det.checkpoints", "lit_amp_det.distributed", "lit_amp_det.precision"),
+                           "lit_amp_det.checkpoints", "lit_amp_det.distributed", "lit_amp_det.precision",
+                           "lit_amp_det.deploy"),
     "lit_amp_det.callbacks": ("lit_amp_det.profiling", "lit_amp_det.models",
                               "lit_amp_det.precision", "lit_amp_det.distributed", "lit_amp_det.slurm"),
 }

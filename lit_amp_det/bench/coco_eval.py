@@ -54,18 +54,6 @@ def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pair
                         for images, targets in datamodule.val_dataloader()]
 
 
-def _score(module: Any, backend: str, pairs: Pairs) -> tuple[float, float, dict[str, Tensor]]:
-    """Seconds of update() over every batch and of compute(), and compute()'s dict, for a fresh metric."""
-    module.evaluation_settings = dataclasses.replace(module.evaluation_settings, backend=backend)
-    metric = module.build_metric()
-    start = time.perf_counter()
-    for predictions, targets in pairs:
-        metric.update(predictions, targets)
-    updated = time.perf_counter()
-    results = metric.compute()
-    return updated - start, time.perf_counter() - updated, results
-
-
 def time_metric(module: Any, pairs: Pairs, backends: Sequence[str], warmup: int,
                 repeats: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Tensor]]]:
     """Per backend: update/compute/total time statistics (ms) and the last ``compute()`` dict."""
@@ -73,7 +61,14 @@ def time_metric(module: Any, pairs: Pairs, backends: Sequence[str], warmup: int,
     results: dict[str, dict[str, Tensor]] = {}
     for round_ in range(warmup + repeats):
         for backend in backends:  # interleaved: load drift on a shared machine hits both alike
-            update_s, compute_s, results[backend] = _score(module, backend, pairs)
+            module.evaluation_settings = dataclasses.replace(module.evaluation_settings, backend=backend)
+            metric = module.build_metric()  # a fresh one: time update() over every batch, then compute()
+            start = time.perf_counter()
+            for predictions, targets in pairs:
+                metric.update(predictions, targets)
+            updated = time.perf_counter()
+            results[backend] = metric.compute()
+            update_s, compute_s = updated - start, time.perf_counter() - updated
             if round_ >= warmup:
                 for key, value in (("update", update_s), ("compute", compute_s), ("total", update_s + compute_s)):
                     times[backend][key].append(value)
@@ -83,8 +78,7 @@ def time_metric(module: Any, pairs: Pairs, backends: Sequence[str], warmup: int,
 
 
 def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
-    """Largest absolute difference per key of two metric dicts (tensors or floats); ``inf`` where shapes or key
-    sets differ."""
+    """Largest absolute difference per key of two metric dicts (tensors/floats); ``inf`` where shapes or keys differ."""
     diffs = {}
     for key in sorted(set(reference) | set(other)):
         a, b = (torch.as_tensor(d[key]).double() if key in d else None for d in (reference, other))
@@ -136,7 +130,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for backend in backends:
         check_eval_backend(backend)
     base = "pycocotools"
-
     module, pairs = collect(args.checkpoint, args.overrides)
     images = sum(len(t) for _, t in pairs)
     detections = sum(len(p["boxes"]) for predictions, _ in pairs for p in predictions)

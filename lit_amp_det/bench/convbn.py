@@ -167,7 +167,6 @@ def run_case(case: Case, *, device: str, warmup: int, repeats: int,
     def step(v: dict[str, Any]) -> Tensor:
         with context():
             return loss_fn(v["model"], batch)
-
     rows = []
     for v in variants:
         for _ in range(warmup):
@@ -201,9 +200,8 @@ def _ratio(value: float, base: float) -> str:
 
 def table(rows: list[dict[str, Any]], header: str) -> str:
     """Markdown table; ratios against the ``plain`` row of the same case and input."""
-    lines = [header,
-             "| model | input | variant | pairs (folded calls) | saved backbone MB | vs plain | saved total MB | "
-             "vs plain | peak MB | vs plain | step ms | vs plain |",
+    lines = [header, "| model | input | variant | pairs (folded calls) | saved backbone MB | vs plain | saved total MB "
+             "| vs plain | peak MB | vs plain | step ms | vs plain |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next(b for b in rows if b["case"] == r["case"] and b["input"] == r["input"] and b["variant"] == "plain")
@@ -227,8 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="32: fp32; *-mixed: the step runs under torch.autocast with that dtype")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.cases.split(",")) - set(CASES))
-    if unknown:
+    if unknown := sorted(set(args.cases.split(",")) - set(CASES)):
         parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")

@@ -256,15 +256,6 @@ def write_report(bench: Bench, rows: list[dict[str, Any]], setting: Setting, run
     return text
 
 
-def _out_dir(kind: str) -> Path:
-    root = Path(os.environ.get("LIT_AMP_DET_RUNS") or "runs") / "bench" / kind
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    out, n = root / stamp, 1
-    while out.exists():  # two runs in one second
-        out, n = root / f"{stamp}_{n}", n + 1
-    return out
-
-
 def main(kind: str, argv: Sequence[str] | None = None) -> None:
     """``bench <kind> [options]``: every selected row's repeats in their own processes, then the report."""
     from lit_amp_det.bench.measure import run_row
@@ -286,7 +277,13 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
         state = ensure_state(setting, setting.state_steps, cache_root(args.cache_dir))
         setting = dataclasses.replace(setting, weights=state["file"], lr=state["final_lr"])
     order = repeats.run_order(len(selected), args.repeats)
-    out = args.out or _out_dir(kind)
+    out = args.out
+    if out is None:
+        root = Path(os.environ.get("LIT_AMP_DET_RUNS") or "runs") / "bench" / kind
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        out, n = root / stamp, 1
+        while out.exists():  # two runs in one second
+            out, n = root / f"{stamp}_{n}", n + 1
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"bench_{kind}_repeats.jsonl"  # one line per finished repeat: a run cut short keeps them
 
@@ -301,7 +298,6 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
         with partial.open("a") as sink:
             sink.write(json.dumps({"row": selected[number], "round": round_, **result}, default=str) + "\n")
         return result
-
     rows = []
     for name, runs in zip(selected, repeats.run_repeats(order, run, len(selected))):
         index = names.index(name)

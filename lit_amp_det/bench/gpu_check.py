@@ -88,14 +88,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "`make gpu-check` on a GPU machine (after `make install`), or rehearse its steps on this "
                          "CPU with ARGS=--rehearse.")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = skip - {"tests", "ops", "train", "infer"}
-    if unknown:
+    if unknown := skip - {"tests", "ops", "train", "infer"}:
         raise SystemExit(f"--skip: unknown step(s) {sorted(unknown)}; choose from tests, ops, train, infer")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = (args.out or Path(os.environ.get("LIT_AMP_DET_RUNS", "runs")) / "gpu_check" / stamp).resolve()
     out.mkdir(parents=True, exist_ok=True)
     import triton
-
     python = sys.executable
     device = "cpu" if args.rehearse else "cuda"
     machine = ("REHEARSAL on the CPU (Triton interpreter, smallest sizes): the steps' overheads, no GPU figure"
@@ -119,7 +117,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         table = "| step | s | exit code |\n|---|---:|---:|\n" + "\n".join(times)
         timing = ["## Steps (wall time)", table] if times else []
         report.write_text("\n\n".join([*sections, *timing]) + "\n")
-
     record("", 0)  # the header alone, before the first step
     if "tests" not in skip:
         # xdist (when installed) spreads the Triton compiles over the cores
@@ -141,9 +138,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                table or "(no table)")
     forwarded = [f"--{option.replace('_', '-')}={getattr(args, option)}" for option in BENCH_OPTIONS
                  if getattr(args, option) is not None]
-    for bench in ("train", "infer"):
-        if bench in skip:
-            continue
+    for bench in [b for b in ("train", "infer") if b not in skip]:
         directory = out / f"bench_{bench}"
         options = forwarded if args.full else [*QUICK[bench], *QUICK_OPTIONS, *forwarded]  # argparse: the last wins
         if args.rehearse:

@@ -82,14 +82,11 @@ class RowTimer(pl.Callback):
     ``memory`` (the peak-memory step, last: on a CPU it pins glibc's mmap threshold while it runs)."""
 
     def __init__(self, plan: Sequence[str]) -> None:
-        self.plan = list(plan)
+        self.plan, self.detections = list(plan), 0
         self.times: dict[str, list[float]] = {}
-        self.detections = 0
         self.peak: dict[str, float] = {}
         self.probe: MemoryProbe | None = None  # set when the run starts
-        self._baseline = 0
-        self._started = 0.0
-        self._pinned = False
+        self._baseline, self._started, self._pinned = 0, 0.0, False
         self._syncs: HostSyncs | None = None
 
     def _end_memory_step(self) -> None:
@@ -176,19 +173,6 @@ def instantiate_model(cfg: DictConfig) -> Any:
     return instantiate(cfg.model, _convert_="all")
 
 
-def _plan(bench: Bench, setting: Setting, warmup: int) -> tuple[list[str], DataLoader]:
-    """What each batch of the run is for (see :class:`RowTimer`), and the loader that serves the batches."""
-    images, targets = shapes_batch("val", range(setting.batch), setting.height, setting.width, setting.num_classes)
-    if bench.stage == "fit":
-        plan = ["warmup"] * warmup + ["step"] * setting.steps + ["memory"]
-        batches = [(images, targets)] * len(plan)
-    else:  # every batch size warms up before anything is timed (compile traces each input shape)
-        single, full = (images[:1], targets[:1]), (images, targets)
-        plan = ["warmup"] * 2 * warmup + ["latency"] * setting.steps + ["batch"] * setting.steps + ["memory"]
-        batches = [single] * warmup + [full] * warmup + [single] * setting.steps + [full] * (setting.steps + 1)
-    return plan, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)  # type: ignore[arg-type]
-
-
 def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     """Runs ``bench.rows[index]`` for ``setting`` in this process; its step times, peak memory and what ran."""
     from lit_amp_det.app.tasks import instantiate_all
@@ -197,7 +181,17 @@ def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     torch.manual_seed(0)  # the random state's weights; model.weights, when set, replaces them all
     module = instantiate_model(cfg)
     loaded = weights_sha256(module.model)
-    plan, loader = _plan(bench, setting, setting.compile_warmup if cfg.speedups.get("compile") else setting.warmup)
+    # what each batch of the run is for (see RowTimer), and the loader that serves the batches
+    warmup = setting.compile_warmup if cfg.speedups.get("compile") else setting.warmup
+    images, targets = shapes_batch("val", range(setting.batch), setting.height, setting.width, setting.num_classes)
+    if bench.stage == "fit":
+        plan = ["warmup"] * warmup + ["step"] * setting.steps + ["memory"]
+        batches = [(images, targets)] * len(plan)
+    else:  # every batch size warms up before anything is timed (compile traces each input shape)
+        single, full = (images[:1], targets[:1]), (images, targets)
+        plan = ["warmup"] * 2 * warmup + ["latency"] * setting.steps + ["batch"] * setting.steps + ["memory"]
+        batches = [single] * warmup + [full] * warmup + [single] * setting.steps + [full] * (setting.steps + 1)
+    loader = DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)  # type: ignore[arg-type]
     timer = RowTimer(plan)
     callbacks = [timer, *instantiate_all(cfg.get("callbacks"), "callbacks")]
     trainer = build_trainer(cfg, callbacks)

@@ -90,8 +90,7 @@ def _fwd_bwd(op: str, size: str, label: str, ours: Callable[[], Tensor], theirs:
 def _nms_cases(device: str) -> list[OpCase]:
     rpn_boxes, rpn_scores = _boxes(12000, 300, 0).to(device), _scores(12000, 0).to(device)
     level_boxes = torch.cat([_boxes(2000, 60, seed) for seed in range(5)]).to(device)
-    level_scores = _scores(10000, 1).to(device)
-    levels = torch.arange(5, device=device).repeat_interleave(2000)
+    level_scores, levels = _scores(10000, 1).to(device), torch.arange(5, device=device).repeat_interleave(2000)
     det_boxes, det_scores = _boxes(5000, 100, 2).to(device), _scores(5000, 2).to(device)
     labels = torch.randint(80, (5000,), generator=torch.Generator().manual_seed(2)).to(device)
     full_boxes, full_scores = _boxes(5000, 100, 3).to(device), _scores(5000, 3).to(device)
@@ -109,8 +108,7 @@ def _nms_cases(device: str) -> list[OpCase]:
 
 
 def _iou_cases(device: str) -> list[OpCase]:
-    gt = _boxes(20, 20, 4).to(device)
-    anchors = _boxes(240_000, 1000, 5).to(device)
+    gt, anchors = _boxes(20, 20, 4).to(device), _boxes(240_000, 1000, 5).to(device)
     proposals = _boxes(2000, 100, 6).to(device)
     return [("box_iou", "20 x 240000 (RPN matcher)", "fp32",
              lambda: ops.box_iou(gt, anchors), lambda: torchvision.ops.box_iou(gt, anchors)),
@@ -140,8 +138,7 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[OpCase]:
     g = torch.Generator().manual_seed(9)
     boxes = [_boxes(512, 40, seed, max_size=700).clamp(min=0).to(device) for seed in (10, 11)]
     shapes = [IMAGE, IMAGE]
-    ours_pool = ops.MultiScaleRoIAlign(names, 7, 2)
-    tv_pool = torchvision.ops.MultiScaleRoIAlign(names, 7, 2)
+    ours_pool, tv_pool = ops.MultiScaleRoIAlign(names, 7, 2), torchvision.ops.MultiScaleRoIAlign(names, 7, 2)
     cases = []
     half_label = f"{str(half).split('.')[-1]} (tv: autocast)"
     for label, dtype, autocast in (("fp32", torch.float32, None), (half_label, half, half)):
@@ -173,8 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     groups = {"nms": _nms_cases, "iou": _iou_cases, "roi_align": functools.partial(_roi_align_cases, half=half),
               "pooler": functools.partial(_pooler_cases, half=half)}
     chosen = [g.strip() for g in args.only.split(",") if g.strip()] or list(groups)
-    unknown = sorted(set(chosen) - set(groups))
-    if unknown:
+    if unknown := sorted(set(chosen) - set(groups)):
         raise SystemExit(f"--only: unknown group(s) {unknown}; choose from {sorted(groups)}")
     torch.manual_seed(0)
     rows = []

@@ -43,8 +43,7 @@ def aggregate(repeats: Sequence[dict[str, Any]], timings: Sequence[str]) -> dict
     with a failed repeat is that failed result. ``repeat_results`` keeps every repeat as run."""
     if not repeats:
         raise ValueError("aggregate needs at least one repeat's result")
-    failed = [r for r in repeats if r.get("status") == "failed"]
-    if failed:
+    if failed := [r for r in repeats if r.get("status") == "failed"]:
         return {**failed[0], "repeats": len(repeats), "repeat_results": list(repeats)}
     row: dict[str, Any] = {}
     for key, value in repeats[0].items():

@@ -7,11 +7,8 @@ of a run shares one :class:`Setting`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from omegaconf import DictConfig
 
 from lit_amp_det.app.config import compose  # re-exported: the benches compose rows as the CLI does
 from lit_amp_det.precision.hardware import auto_precision
@@ -50,9 +47,8 @@ class Row:
 
 @dataclass(frozen=True)
 class Bench:
-    """What distinguishes the benches: ``stage`` is ``fit`` (training steps) or ``predict`` (inference calls);
-    ``timings`` name a row's timed series (``step``; ``latency`` at batch 1 and ``batch`` at the bench batch), the last
-    giving images/s."""
+    """The benches differ in ``stage``, ``fit`` (training steps) or ``predict`` (inference calls), and ``timings``, a
+    row's timed series (``step``; ``latency`` at batch 1, ``batch`` at the bench batch), the last giving images/s."""
 
     kind: str
     stage: str
@@ -90,17 +86,15 @@ INFER_ROWS = (
     Row("convbn-fold", "+ conv-BN folded once", ("callbacks.conv_bn_eval.fold_on_predict=true",)),
     _SYNC_FREE, _COMPILE, _CUDA_GRAPHS)
 _FP16_ON_CPU = "precision.fp16_on_cpu=true"  # a no-op on CUDA; on a CPU fp16 as named, not its bf16 twin
+_REGIONS = "precision.fp32_regions=null"  # the precision plugin's fp32 regions (its default)
 PRECISION_ROWS = (
     Row("32-true", "32-true"),
-    Row("bf16-mixed", "bf16-mixed, fp32 regions", ("trainer.precision=bf16-mixed", "precision.fp32_regions=null")),
+    Row("bf16-mixed", "bf16-mixed, fp32 regions", ("trainer.precision=bf16-mixed", _REGIONS)),
     Row("bf16-mixed-plain", "bf16-mixed, plain autocast", ("trainer.precision=bf16-mixed",)),
-    Row("16-mixed", "16-mixed, fp32 regions", ("trainer.precision=16-mixed", "precision.fp32_regions=null",
-                                                _FP16_ON_CPU), "cuda"),
+    Row("16-mixed", "16-mixed, fp32 regions", ("trainer.precision=16-mixed", _REGIONS, _FP16_ON_CPU), "cuda"),
     Row("16-mixed-plain", "16-mixed, plain autocast", ("trainer.precision=16-mixed", _FP16_ON_CPU), "cuda"),
-    Row("bf16-weights", "bf16 weights, fp32 masters", ("trainer.precision=bf16-weights",
-                                                       "precision.fp32_regions=null")),
-    Row("16-weights", "fp16 weights, fp32 masters", ("trainer.precision=16-weights", "precision.fp32_regions=null",
-                                                     _FP16_ON_CPU), "cuda"))
+    Row("bf16-weights", "bf16 weights, fp32 masters", ("trainer.precision=bf16-weights", _REGIONS)),
+    Row("16-weights", "fp16 weights, fp32 masters", ("trainer.precision=16-weights", _REGIONS, _FP16_ON_CPU), "cuda"))
 
 BENCHES = {"train": Bench("train", "fit", TRAIN_ROWS, cumulative=True, timings=("step",)),
            "infer": Bench("infer", "predict", INFER_ROWS, cumulative=True, timings=("latency", "batch")),
@@ -175,4 +169,3 @@ def default_rows(bench: Bench, setting: Setting) -> list[str]:
     """The rows a run includes unless ``--rows`` names others (see :attr:`Row.when`)."""
     skipped = {"half": resolve_half(setting) == "fp32", "cuda": setting.device == "cpu"}
     return [row.name for row in bench.rows if not skipped.get(row.when)]
-

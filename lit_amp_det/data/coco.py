@@ -62,12 +62,11 @@ def drop_crowd(target: dict[str, Tensor]) -> dict[str, Tensor]:
     """Return a copy of ``target`` without ``iscrowd == 1`` instances, which the losses must not treat as objects.
     Every present field in `PER_INSTANCE_KEYS` is filtered with the same mask; other fields pass through unchanged."""
     out = dict(target)
-    if "iscrowd" not in target:
-        return out
-    keep = target["iscrowd"] == 0
-    for key in PER_INSTANCE_KEYS:
-        if key in out:
-            out[key] = out[key][keep]
+    if "iscrowd" in target:
+        keep = target["iscrowd"] == 0
+        for key in PER_INSTANCE_KEYS:
+            if key in out:
+                out[key] = out[key][keep]
     return out
 
 
@@ -118,21 +117,20 @@ class CocoInstances(torch.utils.data.Dataset):
         if invalid_boxes not in INVALID_BOX_MODES:
             modes = " or ".join(map(repr, INVALID_BOX_MODES))
             raise ValueError(f"invalid_boxes must be {modes}, got {invalid_boxes!r}")
-        self.image_dir = Path(image_dir)
-        self.annotation_file = Path(annotation_file)
-        self.transforms = transforms
-        self.with_masks = with_masks
-        self.invalid_boxes = invalid_boxes
-        self.skip_empty = skip_empty
-
+        self.image_dir, self.annotation_file, self.transforms = Path(image_dir), Path(annotation_file), transforms
+        self.with_masks, self.invalid_boxes, self.skip_empty = with_masks, invalid_boxes, skip_empty
         dataset = load_annotation_file(self.annotation_file)
         file_categories = self._check_categories(dataset["categories"])
         self._file_category_ids = set(file_categories)
-        self.category_ids = self._resolve_category_ids(file_categories, category_ids)
+        # the label mapping: the caller's (shared with another split) or the file's sorted ids
+        self.category_ids = ids = sorted(file_categories) if category_ids is None else [int(c) for c in category_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"category_ids contains duplicates: {ids}; each COCO category id may appear once")
+        if category_ids is not None and not ids:
+            raise ValueError("category_ids is empty; pass None to use the categories of the annotation file")
         self.class_names = [file_categories.get(cid, f"category_{cid}") for cid in self.category_ids]
         self.num_classes = len(self.category_ids) + 1
         self._label_of = {cid: i + 1 for i, cid in enumerate(self.category_ids)}
-
         images = self._check_images(dataset["images"])
         self.skipped_boxes = 0
         per_image = self._group_annotations(dataset["annotations"], images)
@@ -143,7 +141,12 @@ class CocoInstances(torch.utils.data.Dataset):
         kept = [ann for anns in per_image.values() for ann, _ in anns]
         self.num_instances = sum(not ann.get("iscrowd", 0) for ann in kept)
         self.image_ids = [rec.image_id for rec in self._records]
-        self._check_files_exist()
+        if missing := [str(rec.path) for rec in self._records if not os.path.exists(rec.path)]:  # fail, listing a few
+            listed = ", ".join(missing[:_MAX_LISTED_MISSING])
+            more = f" (and {len(missing) - _MAX_LISTED_MISSING} more)" if len(missing) > _MAX_LISTED_MISSING else ""
+            raise FileNotFoundError(f"{len(missing)} of {len(self._records)} images listed in {self.annotation_file} "
+                                    f"are missing under {self.image_dir}: {listed}{more}; check data.root and the "
+                                    "split's image folder")
         # Built after validation (pycocotools fails cryptically on bad records) and from the kept annotations only,
         # so COCO evaluation sees the same ground truth as the targets.
         self.coco = index_with_pycocotools({**dataset, "annotations": kept})
@@ -167,17 +170,6 @@ class CocoInstances(torch.utils.data.Dataset):
         if record["id"] in seen:
             raise ValueError(f"{kind} id {record['id']} appears twice in '{section}' of {self.annotation_file}")
         return record["id"]
-
-    def _resolve_category_ids(self, file_categories: dict[int, str], given: Sequence[int] | None) -> list[int]:
-        """Pick the label mapping: the caller's (shared with another split) or the file's sorted ids."""
-        if given is None:
-            return sorted(file_categories)
-        ids = [int(cid) for cid in given]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"category_ids contains duplicates: {ids}; each COCO category id may appear once")
-        if not ids:
-            raise ValueError("category_ids is empty; pass None to use the categories of the annotation file")
-        return ids
 
     def _check_images(self, images: Any) -> dict[int, dict[str, Any]]:
         """Validate the ``images`` records and return them keyed by id, in file order."""
@@ -245,29 +237,22 @@ class CocoInstances(torch.utils.data.Dataset):
             raise ValueError(f"annotation {ann_id} in {self.annotation_file} has bbox {bbox!r}; "
                              "boxes must be a list of 4 numbers [x, y, w, h]")
         x, y, w, h = (float(v) for v in bbox)
-        problem = self._box_problem(x, y, w, h, img)
-        if problem is None:
-            width, height = img["width"], img["height"]
+        width, height = img["width"], img["height"]
+        if not all(math.isfinite(v) for v in (x, y, w, h)):
+            problem = f"non-finite bbox {[x, y, w, h]}"
+        elif w <= 0:
+            problem = f"bbox width {w}"
+        elif h <= 0:
+            problem = f"bbox height {h}"
+        elif x >= width or y >= height or x + w <= 0 or y + h <= 0:
+            problem = f"bbox {[x, y, w, h]} completely outside the {width}x{height} image (empty after clipping)"
+        else:
             return [min(max(x, 0.0), width), min(max(y, 0.0), height),
                     min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)]
         if self.invalid_boxes == "skip":
             return None
         raise ValueError(f"annotation {ann_id} (image {img['id']}) in {self.annotation_file} has {problem}; "
                          f"boxes must be [x, y, w, h] with w, h > 0 overlapping the image ({_SKIP_HINT})")
-
-    @staticmethod
-    def _box_problem(x: float, y: float, w: float, h: float, img: dict[str, Any]) -> str | None:
-        """Describe why a COCO box is degenerate, or return ``None`` if it is usable."""
-        if not all(math.isfinite(v) for v in (x, y, w, h)):
-            return f"non-finite bbox {[x, y, w, h]}"
-        if w <= 0:
-            return f"bbox width {w}"
-        if h <= 0:
-            return f"bbox height {h}"
-        width, height = img["width"], img["height"]
-        if x >= width or y >= height or x + w <= 0 or y + h <= 0:
-            return f"bbox {[x, y, w, h]} completely outside the {width}x{height} image (empty after clipping)"
-        return None
 
     def _segmentation_usable(self, ann: dict[str, Any], ann_id: Any, img: dict[str, Any]) -> bool:
         """Cheap shape check of a segmentation so bad ones fail at construction, not mid-epoch. Malformed structure
@@ -307,16 +292,6 @@ class CocoInstances(torch.utils.data.Dataset):
                              "or, to train on negative images only, set data.skip_empty_train=false "
                              "data.allow_empty_train=true")
         return records
-
-    def _check_files_exist(self) -> None:
-        """Fail at construction, listing the first few, if any image file is missing."""
-        missing = [str(rec.path) for rec in self._records if not os.path.exists(rec.path)]
-        if missing:
-            listed = ", ".join(missing[:_MAX_LISTED_MISSING])
-            more = f" (and {len(missing) - _MAX_LISTED_MISSING} more)" if len(missing) > _MAX_LISTED_MISSING else ""
-            raise FileNotFoundError(f"{len(missing)} of {len(self._records)} images listed in {self.annotation_file} "
-                                    f"are missing under {self.image_dir}: {listed}{more}; check data.root and the "
-                                    "split's image folder")
 
     def __len__(self) -> int:
         """Number of images in the index (after ``skip_empty``)."""
@@ -373,8 +348,7 @@ class CocoInstances(torch.utils.data.Dataset):
             if isinstance(seg["counts"], list):
                 return mask_utils.frPyObjects(seg, rec.height, rec.width)
             # pycocotools decodes a too-short run list into uninitialised memory, so check first.
-            problem = runs_problem(compressed_rle_runs(seg["counts"]), rec.height, rec.width)
-            if problem is not None:
+            if (problem := runs_problem(compressed_rle_runs(seg["counts"]), rec.height, rec.width)) is not None:
                 raise ValueError(problem)
             return {"size": list(seg["size"]), "counts": seg["counts"]}
         except Exception as err:  # pycocotools raises bare Exception / ValueError / TypeError

@@ -73,11 +73,9 @@ def segmentation_problem(seg: Any, height: int, width: int) -> tuple[str | None,
     if isinstance(seg, dict):
         if "counts" not in seg or "size" not in seg:
             return f"RLE without 'counts' and 'size' (keys {sorted(seg)})", False
-        size = seg["size"]
-        if not isinstance(size, (list, tuple)) or list(size) != [height, width]:
+        if not isinstance(size := seg["size"], (list, tuple)) or list(size) != [height, width]:
             return f"RLE size {size!r} does not match the image's [height, width] [{height}, {width}]", False
-        counts = seg["counts"]
-        if isinstance(counts, list):
+        if isinstance(counts := seg["counts"], list):
             if not all(isinstance(v, int) for v in counts):
                 return "uncompressed RLE counts must be integers", False
             return runs_problem(counts, height, width), False
@@ -122,10 +120,8 @@ def compressed_rle_runs(counts: str | bytes) -> np.ndarray | None:
     chars = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) - 48
     if chars.size == 0:
         return chars
-    if chars.min() < 0 or chars.max() > 63:
-        return None
     last = (chars & 0x20) == 0  # the final character of each value has no continuation flag
-    if not last[-1]:
+    if chars.min() < 0 or chars.max() > 63 or not last[-1]:
         return None
     group = np.concatenate(([0], np.cumsum(last)[:-1]))
     starts = np.flatnonzero(np.concatenate(([True], last[:-1])))
@@ -135,6 +131,5 @@ def compressed_rle_runs(counts: str | bytes) -> np.ndarray | None:
     negative = (chars[last] & 0x10) != 0
     values[negative] -= np.int64(1) << (shift[last][negative] + 5)
     runs = values.copy()
-    runs[1::2] = np.cumsum(values[1::2])
-    runs[2::2] = np.cumsum(values[2::2])
+    runs[1::2], runs[2::2] = np.cumsum(values[1::2]), np.cumsum(values[2::2])
     return runs

@@ -31,25 +31,11 @@ __all__ = ["CocoDataModule", "ShapesDataModule"]
 Split = Literal["train", "val", "test"]
 
 
-def _usable_workers(requested: int) -> int:
-    """``requested`` loader workers, but no more than the CPUs this process may use (torch warns above). Clamped here,
-    where the data is loaded, not in the config: a sweep's config is composed on the submitting host, whose CPUs say
-    nothing about the node a job runs on (under SLURM, ``sched_getaffinity`` reports the task's ``cpus_per_task``)."""
-    if requested < 0:
-        raise ArgumentError("num_workers", requested, "is negative; use 0 to load in the training process")
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        available = os.cpu_count() or 1
-    return min(int(requested), available)
-
-
 class _SeededAugmentation(Dataset):
     """Applies training augmentation with the per-sample seed carried by the sampler's ``(index, seed)`` key."""
 
     def __init__(self, dataset: CocoInstances, transform: Any) -> None:
-        self.dataset = dataset
-        self.transform = transform
+        self.dataset, self.transform = dataset, transform
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -112,23 +98,25 @@ class CocoDataModule(LightningDataModule):
         self.split_paths: dict[str, tuple[str, str]] = {
             "train": (train_images, train_annotations), "val": (val_images, val_annotations),
             "test": (test_images or val_images, test_annotations or val_annotations)}
-        self.predict_split = predict_split
-        self.predict_images = predict_images
+        self.predict_split, self.predict_images = predict_split, predict_images
         self._predict_folder: ImageFolder | None = None
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        num_workers = _usable_workers(num_workers)
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        # no more loader workers than the CPUs this process may use (torch warns above). Clamped here, where the data
+        # is loaded, not in the config: a sweep's config is composed on the submitting host, whose CPUs say nothing
+        # about the node a job runs on (under SLURM, ``sched_getaffinity`` reports the task's ``cpus_per_task``).
+        if num_workers < 0:
+            raise ArgumentError("num_workers", num_workers, "is negative; use 0 to load in the training process")
+        try:
+            available = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            available = os.cpu_count() or 1
+        num_workers = min(int(num_workers), available)
         self.loader_options = dict(num_workers=num_workers, pin_memory=pin_memory,
                                    persistent_workers=persistent_workers and num_workers > 0)
         self.flip = RandomHorizontalFlip(flip_prob)
-        self.aspect_ratio_grouping = aspect_ratio_grouping
-        self.invalid_boxes = invalid_boxes
-        self.skip_empty_train = skip_empty_train
-        self.allow_empty_train = allow_empty_train
-        self.with_masks = with_masks
-        self.seed = seed
-        self.verify_images = verify_images
-        self.bad_images = bad_images
+        self.aspect_ratio_grouping, self.invalid_boxes = aspect_ratio_grouping, invalid_boxes
+        self.skip_empty_train, self.allow_empty_train = skip_empty_train, allow_empty_train
+        self.with_masks, self.seed, self.verify_images, self.bad_images = with_masks, seed, verify_images, bad_images
         cache = verify_cache_dir or os.environ.get("LIT_AMP_DET_CACHE", "~/.cache/lit_amp_det")
         self.verify_cache_dir = Path(cache).expanduser()
         self._verified: set[str] = set()
@@ -187,26 +175,20 @@ class CocoDataModule(LightningDataModule):
                 self._verified.add("predict_images")
         for split in needed[stage]:
             self.dataset(split)
-        if stage == "fit":
-            self._check_train_annotations()
+        if stage == "fit" and not (train := self.dataset("train")).num_instances:
+            # a training split with nothing to learn would run the whole schedule to mAP 0 without a word
+            message = (f"the training split {train.annotation_file} has no annotations to learn from ({len(train)} "
+                       "images, 0 non-crowd annotations)")
+            if not self.allow_empty_train:
+                raise ValueError(f"{message}: training would run the whole schedule to mAP 0. Check data.root and "
+                                 "data.train_annotations; to train on negative images only, set "
+                                 "data.allow_empty_train=true")
+            rank_zero_warn(f"{message}; training anyway because data.allow_empty_train=true (negative-only data): "
+                           "the model will learn to detect nothing")
         unverified = {split: self.dataset(split) for split in needed[stage] if split not in self._verified}
         if self.verify_images and unverified:  # before training: a corrupt file must not surface hours in
             check_splits(unverified, self.bad_images, self.verify_cache_dir)
         self._verified.update(unverified)
-
-    def _check_train_annotations(self) -> None:
-        """A training split with nothing to learn would run the whole schedule to mAP 0 without a word."""
-        dataset = self.dataset("train")
-        if dataset.num_instances:
-            return
-        message = (f"the training split {dataset.annotation_file} has no annotations to learn from ({len(dataset)} "
-                   "images, 0 non-crowd annotations)")
-        if not self.allow_empty_train:
-            raise ValueError(f"{message}: training would run the whole schedule to mAP 0. Check data.root and "
-                             "data.train_annotations; to train on negative images only, set "
-                             "data.allow_empty_train=true")
-        rank_zero_warn(f"{message}; training anyway because data.allow_empty_train=true (negative-only data): "
-                       "the model will learn to detect nothing")
 
     def train_dataloader(self) -> ResumableDataLoader:
         dataset = self.dataset("train")
@@ -236,9 +218,7 @@ class CocoDataModule(LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         """The ``predict_images`` folder when set, else the ``predict_split``."""
-        if self.predict_images is not None:
-            return self._eval_loader(self.predict_folder())
-        return self._eval_loader(self.predict_split)
+        return self._eval_loader(self.predict_folder() if self.predict_images is not None else self.predict_split)
 
     def predict_folder(self) -> ImageFolder:
         """The ``predict_images`` folder's dataset, built on first use."""

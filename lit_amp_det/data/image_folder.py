@@ -1,13 +1,12 @@
 """A folder of pictures without annotations, for ``predict`` on new images (``data.predict_images``).
 
-What a detection user does after training: run the detector on images nobody has labelled, as MMDetection's
-``image_demo`` or detectron2's ``demo.py --input folder/*`` do. The images are every file directly in the folder
-whose suffix names an image format (:data:`IMAGE_SUFFIXES`, any case), in file-name order; image ``k`` of that order
-gets the id ``k + 1`` (kept when ``data.bad_images=skip`` leaves an unreadable picture out), which the detections in
-``predictions.json`` carry, and the prediction writer records each id's file name and size beside them. Pictures
-are turned as their EXIF orientation tag says, as detectron2's ``read_image`` and OpenCV's ``imread`` (MMDetection)
-do: a phone photo taken upright is often stored sideways with such a tag, and detections, sizes and drawings then
-refer to the picture as a viewer shows it."""
+What a user does after training: run the detector on unlabelled images, as MMDetection's ``image_demo`` or detectron2's
+``demo.py --input folder/*`` do. The images are every file directly in the folder whose suffix names an image format
+(:data:`IMAGE_SUFFIXES`, any case), in file-name order; image ``k`` of that order gets the id ``k + 1`` (kept when
+``data.bad_images=skip`` leaves an unreadable picture out), which the detections in ``predictions.json`` carry, and the
+prediction writer records each id's file name and size. Pictures are turned as their EXIF orientation tag says, as
+detectron2's ``read_image`` and OpenCV's ``imread`` (MMDetection) do: a phone photo taken upright is often stored
+sideways with such a tag, and detections, sizes and drawings then refer to the picture as a viewer shows it."""
 
 from __future__ import annotations
 

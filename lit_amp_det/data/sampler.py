@@ -1,10 +1,9 @@
 """Deterministic, resumable training batches with optional aspect-ratio grouping.
 
-Exact mid-epoch resume needs what the stock ``DataLoader`` does not give: an epoch order that is a pure function of
-(seed, epoch), augmentation independent of the worker that loaded a sample, and a count of the batches the loop
-really consumed (not prefetched). :class:`ResumableBatchSampler` yields ``(index, sample_seed)`` keys and shards
-itself across ranks (so ``use_distributed_sampler=False``); :class:`ResumableDataLoader` implements Lightning's
-``state_dict``/``load_state_dict`` protocol on top of it."""
+Exact mid-epoch resume needs what the stock ``DataLoader`` lacks: an epoch order that is a pure function of (seed,
+epoch), augmentation independent of the loading worker, and a count of the batches the loop consumed (not prefetched).
+:class:`ResumableBatchSampler` shards ``(index, sample_seed)`` keys over ranks (so ``use_distributed_sampler=False``);
+:class:`ResumableDataLoader` adds Lightning's ``state_dict``/``load_state_dict`` protocol to it."""
 
 from __future__ import annotations
 
@@ -63,10 +62,7 @@ class EpochSampler(Sampler[int]):
     def __init__(self, dataset_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if dataset_size < 1:
             raise ValueError(f"the training split is empty (dataset_size={dataset_size}); check data.root")
-        self.dataset_size = dataset_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
+        self.dataset_size, self.seed, self.shuffle, self.epoch = dataset_size, seed, shuffle, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -105,9 +101,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         if group_ids is not None and len(group_ids) != dataset_size:
             raise ValueError(f"group_ids has {len(group_ids)} entries for {dataset_size} samples")
         self.sampler = EpochSampler(dataset_size, seed=seed, shuffle=shuffle)
-        self.batch_size = batch_size
+        self.batch_size, self.drop_last = batch_size, drop_last
         self.group_ids = list(group_ids) if group_ids is not None else None
-        self.drop_last = drop_last
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches already consumed in it)
 
     @property
@@ -139,17 +134,13 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             batches.pop()
         return batches
 
-    def _sample_seed(self, index: int) -> int:
-        # one seed per (seed, epoch, index), independent of worker, rank and Python's hash randomisation
-        return _splitmix64(_splitmix64(_splitmix64(self.sampler.seed) ^ self.epoch) ^ index) >> 1
-
     def __iter__(self) -> Iterator[list[SampleKey]]:
-        skip = 0
-        if self._resume_at is not None and self._resume_at[0] == self.epoch:
-            skip = self._resume_at[1]
+        skip = self._resume_at[1] if self._resume_at is not None and self._resume_at[0] == self.epoch else 0
         self._resume_at = None
         for batch in self._batches()[skip:]:
-            yield [(index, self._sample_seed(index)) for index in batch]
+            # one seed per (seed, epoch, index), independent of worker, rank and Python's hash randomisation
+            epoch_seed = _splitmix64(_splitmix64(self.sampler.seed) ^ self.epoch)
+            yield [(index, _splitmix64(epoch_seed ^ index) >> 1) for index in batch]
 
     def __len__(self) -> int:
         return len(self._batches())
@@ -162,8 +153,7 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, dataset: Any, batch_sampler: ResumableBatchSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.consumed_batches = 0
-        self._consumed_epoch = batch_sampler.epoch
+        self.consumed_batches, self._consumed_epoch = 0, batch_sampler.epoch
 
     def mark_consumed(self) -> None:
         """Records that the training loop took one more batch of the current epoch."""
@@ -177,11 +167,10 @@ class ResumableDataLoader(DataLoader):
                 "world_size": _distributed_rank_and_size()[1], "epoch_batches": len(self.batch_sampler)}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Continues the saved epoch after its consumed batches. Each epoch's order depends on the seed and the epoch
-        alone, and each of W processes takes every W-th image of it; so a checkpoint taken between epochs resumes on any
-        number of processes. One taken mid-epoch resumes only on as many processes as saved it: with another count the
-        shares change and images of the epoch would be seen twice or not at all. (Checkpoints without a ``world_size``
-        are not checked.)"""
+        """Continues the saved epoch after its consumed batches. Each epoch's order depends on the seed and epoch alone,
+        and each of W processes takes every W-th image of it; so a checkpoint taken between epochs resumes on any number
+        of processes. One taken mid-epoch resumes only on as many processes as saved it: with another count the shares
+        change and images would be seen twice or not at all. Checkpoints without a ``world_size`` are not checked."""
         saved_world, world = int(state_dict.get("world_size", 0)), _distributed_rank_and_size()[1]
         consumed, epoch_batches = int(state_dict["consumed_batches"]), int(state_dict.get("epoch_batches", 0))
         if saved_world and saved_world != world and 0 < consumed < epoch_batches:
@@ -190,6 +179,5 @@ class ResumableDataLoader(DataLoader):
                              f"processes (trainer.num_nodes x trainer.devices) would see some of its images twice and "
                              f"others not at all. Resume with trainer.num_nodes x trainer.devices = {saved_world}, or "
                              f"from a checkpoint taken at the end of an epoch")
-        self._consumed_epoch = int(state_dict["epoch"])
-        self.consumed_batches = consumed
+        self._consumed_epoch, self.consumed_batches = int(state_dict["epoch"]), consumed
         self.batch_sampler.resume(self._consumed_epoch, self.consumed_batches)  # type: ignore[union-attr]

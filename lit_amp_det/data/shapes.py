@@ -53,7 +53,6 @@ def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[
             t = (bound - p[axis]) / (q[axis] - p[axis])
             other = p[1 - axis] + t * (q[1 - axis] - p[1 - axis])
             return (bound, other) if axis == 0 else (other, bound)
-
         clipped: list[tuple[float, float]] = []
         prev = points[-1]
         for cur in points:
@@ -85,22 +84,17 @@ def _polygon_segmentation(inst: ShapeInstance, height: int, width: int) -> list[
     return [flat]
 
 
-def _tight_bbox(mask: np.ndarray) -> list[float]:
-    """[x, y, w, h] of the smallest pixel box containing the mask."""
-    rows = np.flatnonzero(mask.any(axis=1))
-    cols = np.flatnonzero(mask.any(axis=0))
-    x0, x1, y0, y1 = int(cols[0]), int(cols[-1]), int(rows[0]), int(rows[-1])
-    return [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)]
-
-
 def _annotation(inst: ShapeInstance, ann_id: int, image_id: int, height: int, width: int) -> dict[str, Any]:
     """COCO annotation dict for the visible part of one labelled instance."""
     segmentation: Any = _polygon_segmentation(inst, height, width)
     if segmentation is None:  # compressed RLE, with ``counts`` as str so it can go into JSON
         rle = mask_utils.encode(np.asfortranarray(inst.visible_mask.astype(np.uint8)))
         segmentation = {"size": [int(rle["size"][0]), int(rle["size"][1])], "counts": rle["counts"].decode("ascii")}
+    rows, cols = np.flatnonzero(inst.visible_mask.any(axis=1)), np.flatnonzero(inst.visible_mask.any(axis=0))
+    x0, x1, y0, y1 = int(cols[0]), int(cols[-1]), int(rows[0]), int(rows[-1])  # the smallest box holding the mask
     return {"id": ann_id, "image_id": image_id, "category_id": inst.category_id, "segmentation": segmentation,
-            "area": float(inst.visible_mask.sum()), "bbox": _tight_bbox(inst.visible_mask), "iscrowd": 0}
+            "area": float(inst.visible_mask.sum()),
+            "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)], "iscrowd": 0}
 
 
 def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[str, int]:
@@ -143,8 +137,7 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
     atomic, rmtree is not), so ``root`` is always absent, the old dataset, or the complete new one. Losing a race to a
     process publishing the same parameters is success."""
     for _attempt in range(3):
-        marker = _read_marker(root)
-        if marker is not None and not overwrite:
+        if (marker := _read_marker(root)) is not None and not overwrite:
             if marker.get("params") == params_json:
                 shutil.rmtree(tmp, ignore_errors=True)  # generation is deterministic: theirs equals ours
                 return
@@ -175,13 +168,11 @@ def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(
     the same parameters nothing is done; one with other parameters raises FileExistsError unless ``overwrite``. A
     ``root`` without the completion marker is regenerated."""
     params = _make_params(spec, splits)
-    root = Path(root)
-    params_json = params.to_json()
+    root, params_json = Path(root), params.to_json()
     if root.exists() and not overwrite:
         if not root.is_dir():
             raise FileExistsError(f"root {str(root)!r} exists and is not a directory")
-        marker = _read_marker(root)
-        if marker is not None:
+        if (marker := _read_marker(root)) is not None:
             if marker.get("params") == params_json:
                 return root
             raise FileExistsError(f"root {str(root)!r} holds a shapes dataset made with other parameters "
@@ -256,10 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     splits = dict(args.split) if args.split else DEFAULT_SPLITS
     start = time.perf_counter()
     try:
-        if args.cache:
-            root = ensure_shapes(args.outdir, spec, splits=splits)
-        else:
-            root = generate_shapes(args.outdir, spec, splits=splits, overwrite=args.overwrite)
+        root = (ensure_shapes(args.outdir, spec, splits=splits) if args.cache
+                else generate_shapes(args.outdir, spec, splits=splits, overwrite=args.overwrite))
     except (ValueError, FileExistsError) as err:
         parser.error(str(err))
     marker = _read_marker(root) or {}

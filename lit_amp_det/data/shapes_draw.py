@@ -1,8 +1,7 @@
 """Drawing one image of the synthetic shapes dataset: textured background, occluding shapes, their masks.
 
-Every image is drawn from its own ``numpy`` PCG64 stream keyed by (seed, split, index), so the output is
-byte-identical across runs and independent per split; :mod:`lit_amp_det.data.shapes` writes the images
-and their COCO annotations to disk."""
+Every image is drawn from its own ``numpy`` PCG64 stream keyed by (seed, split, index), so the output is byte-identical
+across runs and independent per split; :mod:`lit_amp_det.data.shapes` writes the images and their COCO annotations."""
 
 from __future__ import annotations
 
@@ -51,13 +50,6 @@ class RenderedImage:
     instances: tuple[ShapeInstance, ...]
 
 
-def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
-    """Independent stream per image, so splits and images can be drawn in any order."""
-    split_key = int.from_bytes(hashlib.sha256(split.encode("utf-8")).digest()[:8], "little")  # hash() is salted
-    seq = np.random.SeedSequence([FORMAT_VERSION, seed, split_key, index])
-    return np.random.Generator(np.random.PCG64(seq))
-
-
 def _unit_direction(rng: np.random.Generator) -> tuple[float, float]:
     """Random direction from a small integer vector. Normalising by sqrt (correctly rounded by IEEE 754) instead of
     cos/sin of a random angle keeps background pixels bit-identical across libm implementations."""
@@ -73,10 +65,8 @@ def _upsample_bilinear(grid: np.ndarray, height: int, width: int) -> np.ndarray:
     gh, gw = grid.shape[:2]
     ys = np.arange(height, dtype=np.float64) * ((gh - 1) / (height - 1))
     xs = np.arange(width, dtype=np.float64) * ((gw - 1) / (width - 1))
-    y0 = np.minimum(ys.astype(np.int64), gh - 2)
-    x0 = np.minimum(xs.astype(np.int64), gw - 2)
-    fy = (ys - y0)[:, None, None]
-    fx = (xs - x0)[None, :, None]
+    y0, x0 = np.minimum(ys.astype(np.int64), gh - 2), np.minimum(xs.astype(np.int64), gw - 2)
+    fy, fx = (ys - y0)[:, None, None], (xs - x0)[None, :, None]
     rows = grid[y0] * (1.0 - fy) + grid[y0 + 1] * fy
     return rows[:, x0] * (1.0 - fx) + rows[:, x0 + 1] * fx
 
@@ -130,16 +120,14 @@ def _shape_outline(name: str, radius: float, rng: np.random.Generator) -> tuple[
         return _regular_polygon(_POLYGON_SIDES[name], radius, angle), None
     if name == "star":
         outer = _regular_polygon(10, radius, angle)
-        inner_ratio = 0.38 + 0.14 * rng.random()
-        outer[1::2] *= inner_ratio  # every other vertex pulled in makes a 5-point star
+        outer[1::2] *= 0.38 + 0.14 * rng.random()  # every other vertex pulled in makes a 5-point star
         return outer, None
     if name == "ring":
         inner_ratio = 0.45 + 0.2 * rng.random()
         return (_regular_polygon(CIRCLE_VERTICES, radius, angle),
                 _regular_polygon(CIRCLE_VERTICES, radius * inner_ratio, angle))
     if name == "cross":
-        arm = radius * (0.2 + 0.1 * rng.random())
-        r = radius
+        arm, r = radius * (0.2 + 0.1 * rng.random()), radius
         plus = np.array([[arm, -r], [arm, -arm], [r, -arm], [r, arm], [arm, arm], [arm, r],
                          [-arm, r], [-arm, arm], [-r, arm], [-r, -arm], [-arm, -arm], [-arm, -r]])
         c, s = math.cos(angle), math.sin(angle)
@@ -157,28 +145,15 @@ def _rasterise(flat: Sequence[float], height: int, width: int) -> np.ndarray:
     """Bool mask of a polygon via pycocotools, without antialiasing. The COCO rasteriser is used (not PIL) so a written
     polygon decodes with ``annToMask`` to exactly the pixels painted into the image; PIL's fill convention differs by
     about half a pixel, a large error for 20 px shapes."""
-    rles = mask_utils.frPyObjects([list(flat)], height, width)
-    return mask_utils.decode(rles)[:, :, 0].astype(bool)
+    return mask_utils.decode(mask_utils.frPyObjects([list(flat)], height, width))[:, :, 0].astype(bool)
 
 
 def _shape_colour(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Random RGB colour (class-independent) with some contrast to what lies beneath."""
     colour = np.floor(rng.random(3) * 256.0)
-    if mask.any():
-        under = canvas[mask].mean(axis=0)
-        if float(np.sqrt(np.sum((colour - under) ** 2))) < 80.0:
-            colour = np.mod(colour + 128.0, 256.0)
+    if mask.any() and float(np.sqrt(np.sum((colour - canvas[mask].mean(axis=0)) ** 2))) < 80.0:
+        colour = np.mod(colour + 128.0, 256.0)
     return colour
-
-
-def _paint(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray,
-           colour: np.ndarray, cx: float, cy: float, radius: float) -> None:
-    """Fill ``mask`` with ``colour`` plus a linear shading, like a lit flat object."""
-    ys, xs = np.nonzero(mask)
-    dx, dy = _unit_direction(rng)
-    strength = 40.0 * rng.random()
-    shade = ((xs - cx) * dx + (ys - cy) * dy) * (strength / radius)
-    canvas[ys, xs] = colour[None, :] + shade[:, None]
 
 
 def render_shapes_image(split: str, index: int, spec: ShapesSpec = ShapesSpec()) -> RenderedImage:
@@ -191,11 +166,12 @@ def render_shapes_image(split: str, index: int, spec: ShapesSpec = ShapesSpec())
 
 def _render(params: _Params, split: str, index: int) -> RenderedImage:
     """Draw background then shapes in order; later shapes occlude earlier ones."""
-    rng = _image_rng(params.seed, split, index)
+    # an independent stream per image, so splits and images can be drawn in any order
+    split_key = int.from_bytes(hashlib.sha256(split.encode("utf-8")).digest()[:8], "little")  # hash() is salted
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([FORMAT_VERSION, params.seed, split_key, index])))
     height, width = params.height, params.width
     canvas = _background(rng, height, width)
-    empty = rng.random() < params.empty_prob
-    n_objects = 0 if empty else int(rng.integers(params.min_objects, params.max_objects + 1))
+    n_objects = 0 if rng.random() < params.empty_prob else int(rng.integers(params.min_objects, params.max_objects + 1))
     # owner[y, x] = 1 + index of the topmost shape covering the pixel (0 = background)
     owner = np.zeros((height, width), dtype=np.int32)
     drawn: list[tuple[int, np.ndarray, tuple[float, ...], tuple[float, ...] | None, np.ndarray]] = []
@@ -209,12 +185,15 @@ def _render(params: _Params, split: str, index: int) -> RenderedImage:
         outline, hole = _shape_outline(SHAPE_CLASSES[category], radius, rng)
         vertices = _flat(outline + centre)
         mask = _rasterise(vertices, height, width)
-        hole_vertices = None
-        if hole is not None:
-            hole_vertices = _flat(hole + centre)
+        hole_vertices = None if hole is None else _flat(hole + centre)
+        if hole_vertices is not None:
             mask &= ~_rasterise(hole_vertices, height, width)
         colour = _shape_colour(rng, canvas, mask)
-        _paint(rng, canvas, mask, colour, float(centre[0]), float(centre[1]), radius)
+        ys, xs = np.nonzero(mask)  # paint: the colour plus a linear shading, like a lit flat object
+        dx, dy = _unit_direction(rng)
+        strength = 40.0 * rng.random()
+        shade = ((xs - float(centre[0])) * dx + (ys - float(centre[1])) * dy) * (strength / radius)
+        canvas[ys, xs] = colour[None, :] + shade[:, None]
         owner[mask] = k + 1
         drawn.append((category + 1, mask, vertices, hole_vertices, colour))
     noise_amp = int(rng.integers(2, 7))
@@ -229,4 +208,3 @@ def _render(params: _Params, split: str, index: int) -> RenderedImage:
             category_id=category_id, colour=(int(colour[0]), int(colour[1]), int(colour[2])), vertices=vertices,
             hole_vertices=hole_vertices, full_mask=mask, visible_mask=visible, labelled=labelled))
     return RenderedImage(image=image, instances=tuple(instances))
-

@@ -27,8 +27,7 @@ DEFAULT_SPLITS: Mapping[str, int] = MappingProxyType({"train": 800, "val": 100, 
 # Bump whenever rendering changes, so cached datasets from older code are not reused.
 FORMAT_VERSION = 2
 
-# Instances hidden below these limits are still drawn but not labelled, as a human annotator would not label a shape
-# they cannot recognise.
+# Instances hidden below these limits are still drawn but not labelled, as an annotator could not recognise them.
 MIN_VISIBLE_FRACTION = 0.3
 MIN_VISIBLE_PIXELS = 20
 
@@ -124,8 +123,7 @@ def _make_params(spec: ShapesSpec, splits: Mapping[str, int]) -> _Params:
     """Validate ``spec`` and ``splits``, raising ValueError naming the bad field."""
     image_size, min_objects, max_objects = spec.image_size, spec.min_objects, spec.max_objects
     min_size, max_size, seed, empty_prob = spec.min_size, spec.max_size, spec.seed, spec.empty_prob
-    split_items = _check_splits(splits)
-    height, width = _check_image_size(image_size)
+    split_items, (height, width) = _check_splits(splits), _check_image_size(image_size)
     if not _is_int(min_objects) or min_objects < 0:
         raise ValueError(f"min_objects must be an int >= 0, got {min_objects!r}")
     if not _is_int(max_objects) or max_objects < 1:
@@ -145,4 +143,3 @@ def _make_params(spec: ShapesSpec, splits: Mapping[str, int]) -> _Params:
     return _Params(splits=split_items, height=height, width=width, min_objects=int(min_objects),
                    max_objects=int(max_objects), min_size=float(min_size), max_size=float(max_size), seed=int(seed),
                    empty_prob=float(empty_prob))
-

@@ -67,11 +67,9 @@ class RandomHorizontalFlip:
 
 def hflip(image: Tensor, target: Target) -> tuple[Tensor, Target]:
     """Deterministically mirror ``image`` [..., H, W] and its target; returns new tensors, inputs untouched."""
-    width = image.shape[-1]
-    out = dict(target)
+    width, out = image.shape[-1], dict(target)
     if "boxes" in target:
-        boxes = target["boxes"]
-        # x1' = W - x2 and x2' = W - x1 keeps x1 <= x2 in continuous pixel coordinates.
+        boxes = target["boxes"]  # x1' = W - x2 and x2' = W - x1 keeps x1 <= x2 in continuous pixel coordinates
         out["boxes"] = torch.stack((width - boxes[:, 2], boxes[:, 1], width - boxes[:, 0], boxes[:, 3]), dim=1)
     if "masks" in target:
         out["masks"] = target["masks"].flip(-1)

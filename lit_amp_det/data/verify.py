@@ -7,11 +7,12 @@ unreadable file, or (``bad_images="skip"``) drops them from their split with one
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -30,6 +31,8 @@ _CACHE_VERSION = 1
 _MAX_LISTED = 20
 _SPLIT_REMEDY = "Re-extract or replace these files, remove them from the annotation file"
 _FOLDER_REMEDY = "Replace these files or move them out of the folder"
+#: What ``data.bad_images`` may say: stop with every bad file listed, or leave them out with a warning.
+BAD_IMAGE_MODES = ("error", "skip")
 
 
 class BadImagesError(OSError):
@@ -68,20 +71,6 @@ def _check_one(path: str, size: tuple[int, int] | None) -> str | None:
     return None
 
 
-def _cache_file(cache_dir: Path, paths: Sequence[str]) -> Path:
-    folders = sorted({os.path.dirname(os.path.abspath(p)) for p in paths})
-    digest = hashlib.sha1("\n".join(folders).encode()).hexdigest()[:16]
-    return cache_dir / "verified_images" / f"{digest}.json"
-
-
-def _load_cache(path: Path) -> dict[str, str]:
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return payload.get("files", {}) if payload.get("version") == _CACHE_VERSION else {}
-
-
 def _save_cache(path: Path, files: dict[str, str]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,8 +89,14 @@ def verify_images(images: Iterable[tuple[str, tuple[int, int] | None]], cache_di
     items = list(dict.fromkeys((str(p), tuple(s) if s is not None else None) for p, s in images))
     if not items:
         return {}
-    cache_path = _cache_file(Path(cache_dir), [p for p, _ in items]) if cache_dir is not None else None
-    cache = _load_cache(cache_path) if cache_path is not None else {}
+    cache_path, cache = None, {}
+    if cache_dir is not None:  # one cache file per set of folders; an unreadable one is an empty one
+        folders = sorted({os.path.dirname(os.path.abspath(p)) for p, _ in items})
+        digest = hashlib.sha1("\n".join(folders).encode()).hexdigest()[:16]
+        cache_path = Path(cache_dir) / "verified_images" / f"{digest}.json"
+        with contextlib.suppress(OSError, ValueError):
+            payload = json.loads(cache_path.read_text())
+            cache = payload.get("files", {}) if payload.get("version") == _CACHE_VERSION else {}
     signatures = {path: _signature(path) for path, _ in items}
     todo = [(path, size) for path, size in items
             if signatures[path] is None or cache.get(f"{path}|{size}") != signatures[path]]
@@ -128,13 +123,8 @@ def drop_images(dataset: CocoInstances, paths: Iterable[str]) -> int:
     kept = [rec for rec in dataset._records if str(rec.path) not in bad]
     removed = len(dataset._records) - len(kept)
     if removed:
-        dataset._records = kept
-        dataset.image_ids = [rec.image_id for rec in kept]
+        dataset._records, dataset.image_ids = kept, [rec.image_id for rec in kept]
     return removed
-
-
-#: What ``data.bad_images`` may say: stop with every bad file listed, or leave them out with a warning.
-BAD_IMAGE_MODES = ("error", "skip")
 
 
 def _check_mode(mode: str) -> None:
