@@ -5,8 +5,7 @@ A progress bar in a file (``nohup``, ``sbatch``, CI logs) keeps only its last st
 instead (step, epoch, loss, learning rate, images/s; the first once the first step is done, so that a slow CPU run
 shows it started, then every ``every_n_steps`` steps or ``every_n_seconds``, whichever comes first; the metrics after
 every validation) through the ``lit_amp_det.progress`` logger, reaching the console and the run's log file alike. With
-``console: auto`` they go to the console only when stdout is not a terminal (or the progress bar is off).
-"""
+``console: auto`` they go to the console only when stdout is not a terminal (or the progress bar is off)."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def emit(message: str, console: bool = True) -> None:
     """Writes ``message`` to the run's log file and, if ``console``, to stdout.
 
     Under the CLI, Hydra's logging sends ``lit_amp_det.progress`` records to stdout and to ``<command>.log``;
-    without configured logging (a notebook calling :func:`~lit_amp_det.app.tasks.train`) the message is printed.
-    """
+    without configured logging (a notebook calling :func:`~lit_amp_det.app.tasks.train`) the message is printed."""
     if not logging.getLogger().handlers:
         if console:
             print(message, flush=True)
@@ -53,10 +51,6 @@ def emit(message: str, console: bool = True) -> None:
             handler.handle(record)
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.2e}" if value != 0 and abs(value) < 1e-2 else f"{value:.4f}"
-
-
 class ConsoleLog(Callback):
     """Writes a progress line after the first training step, then every ``every_n_steps`` steps or
     ``every_n_seconds``, whichever comes first, and one per validation.
@@ -65,30 +59,22 @@ class ConsoleLog(Callback):
         every_n_steps: steps between two lines (step, loss, learning rate, images/s since the last line).
         every_n_seconds: the longest time between two lines while steps complete.
         console: ``auto`` (only when stdout is not a terminal or there is no progress bar), ``true``, ``false``;
-            the run's log file gets every line in any case.
-    """
+            the run's log file gets every line in any case."""
 
     def __init__(self, every_n_steps: int = 50, console: bool | str = "auto", every_n_seconds: float = 60.0) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"ConsoleLog every_n_steps={every_n_steps!r} must be an integer >= 1")
         if isinstance(every_n_seconds, bool) or not isinstance(every_n_seconds, (int, float)) or every_n_seconds <= 0:
             raise ValueError(f"ConsoleLog every_n_seconds={every_n_seconds!r} must be a number > 0")
-        self.every_n_seconds = float(every_n_seconds)
-        self._first = True
         if console not in ("auto", True, False):
             raise ValueError(f"ConsoleLog console={console!r}; choose auto, true or false")
-        self.every_n_steps = every_n_steps
-        self.console = console
-        self._to_console = True
-        self._images = 0
-        self._since = time.perf_counter()
+        self.every_n_steps, self.every_n_seconds, self.console = every_n_steps, float(every_n_seconds), console
+        self._first, self._to_console, self._images, self._since = True, True, 0, time.perf_counter()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.console == "auto":
-            self._to_console = not stdout_is_terminal() or trainer.progress_bar_callback is None
-        else:
-            self._to_console = bool(self.console)
+        self._to_console = (not stdout_is_terminal() or trainer.progress_bar_callback is None
+                            if self.console == "auto" else bool(self.console))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,16 +88,15 @@ class ConsoleLog(Callback):
         due = self._first or step % self.every_n_steps == 0 or now - self._since >= self.every_n_seconds
         if not due and not (trainer.max_steps and step == trainer.max_steps):
             return
-        self._first = False
         rate = self._images / max(now - self._since, 1e-9)
-        self._images, self._since = 0, now
-        metrics = trainer.callback_metrics
+        self._first, self._images, self._since = False, 0, now
         total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
         parts = [f"step {step}{total}", f"epoch {trainer.current_epoch}"]
         for key, label in (("train/loss", "loss"), ("train/lr", "lr")):
-            value = metrics.get(key)
+            value = trainer.callback_metrics.get(key)
             if isinstance(value, torch.Tensor) and value.numel() == 1:
-                parts.append(f"{label} {_fmt(float(value))}")
+                number = float(value)
+                parts.append(f"{label} {number:.2e}" if number != 0 and abs(number) < 1e-2 else f"{label} {number:.4f}")
         parts.append(f"{rate:.1f} images/s")
         self._write("  ".join(parts))
 

@@ -40,8 +40,7 @@ class ConvBNEval(Callback):
         for name, value in (("only_when_cheaper", only_when_cheaper), ("fold_on_predict", fold_on_predict)):
             if not isinstance(value, bool):
                 raise ArgumentError(name, value, "must be true or false")
-        self.only_when_cheaper = only_when_cheaper
-        self.fold_on_predict = fold_on_predict
+        self.only_when_cheaper, self.fold_on_predict = only_when_cheaper, fold_on_predict
         self._pairs: list[tuple[str, str]] = []
 
     def _enable(self, model: nn.Module) -> None:
@@ -73,8 +72,7 @@ class ConvBNEval(Callback):
         if not self.fold_on_predict:
             self._refresh(trainer, pl_module)
             return
-        model = _target(pl_module)  # Lightning has put the model in eval mode already
-        fold_conv_bn(model)
+        fold_conv_bn(_target(pl_module))  # Lightning has put the model in eval mode already
         rank_zero_info(f"ConvBNEval: folded {len(self._pairs)} conv-BN pairs permanently for prediction")
 
     @override

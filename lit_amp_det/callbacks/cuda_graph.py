@@ -7,8 +7,7 @@ copied into static input buffers (one set per batch signature, up to ``max_graph
 is captured and each later batch is one ``graph.replay()``: no Python, no launches, no host sync. The lr becomes a
 device tensor the schedule fills in place. The graph replays what the step did at capture, so the start refuses, with
 what to change, what it could not hold: changing shapes, a host sync (by file and line), an optimizer reading its lr on
-the host, hooks inside the step, clipping, accumulation, other precisions, several processes.
-"""
+the host, hooks inside the step, clipping, accumulation, other precisions, several processes."""
 
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ def capture_graph(step: Step) -> Step:
     def replay() -> tuple[dict[str, Tensor], Tensor]:
         graph.replay()
         return outputs
-
     return replay
 
 
@@ -70,8 +68,7 @@ class CUDAGraphTraining(Callback):
     Args:
         warmup_steps: eager steps on a signature's buffers before its capture (kernel autotuning, cuBLAS workspaces,
             optimizer state and the fused kernels' first-step paths happen there).
-        max_graphs: batch signatures (and graphs, each with its own memory) allowed; one more stops training.
-    """
+        max_graphs: batch signatures (and graphs, each with its own memory) allowed; one more stops training."""
 
     #: Device types the capture runs on (tests add ``cpu`` with an eager stand-in for :func:`capture_graph`).
     device_types: tuple[str, ...] = ("cuda",)
@@ -138,10 +135,9 @@ class CUDAGraphTraining(Callback):
         in place), and the step count carries over from a run that optimised automatically."""
         if refuse := self._optimizer_refusal(trainer):
             raise RuntimeError(f"callbacks.cuda_graph cannot capture this training step: {refuse}")
-        device = trainer.strategy.root_device
         for group in trainer.optimizers[0].param_groups:
             if not isinstance(group["lr"], Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), device=device)
+                group["lr"] = torch.tensor(float(group["lr"]), device=trainer.strategy.root_device)
         carry_step_count(trainer, to_manual=True)
 
     # ------------------------------------------------------------------------------ the step
@@ -184,7 +180,14 @@ class CUDAGraphTraining(Callback):
                 entry.replay = capture_graph(step)
         else:
             loss_dict, loss = entry.replay()
-        self._after_step(module)
+        # then what the loop does after an automatic optimizer step: step count, the guard's host check, schedules
+        trainer = module.trainer
+        count_manual_step(trainer)
+        trainer.precision_plugin.guard.tick()
+        trainer.precision_plugin.guard.log(module)
+        for config in trainer.lr_scheduler_configs:
+            if config.interval == "step" and trainer.global_step % config.frequency == 0:
+                config.scheduler.step()
         return {k: v.clone() for k, v in loss_dict.items()}, loss.clone()
 
     def _eager(self, step: Step, device: torch.device, count_syncs: bool) -> tuple[dict[str, Tensor], Tensor]:
@@ -212,9 +215,8 @@ class CUDAGraphTraining(Callback):
 
         def step() -> tuple[dict[str, Tensor], Tensor]:
             optimizer.zero_grad(set_to_none=False)  # gradients stay in their buffers: the graph zeroes and refills
-            autocast = (torch.autocast(device_type, dtype=low, cache_enabled=False) if low is not None
-                        else contextlib.nullcontext())
-            with autocast:
+            with (torch.autocast(device_type, dtype=low, cache_enabled=False) if low is not None
+                  else contextlib.nullcontext()):
                 loss_dict = module.model(module.prepare_images(images), targets)
                 loss = module.compute_loss(loss_dict)
             # Lightning runs the training step under the precision's autocast; backward and step run outside it
@@ -229,19 +231,7 @@ class CUDAGraphTraining(Callback):
                     scaler.update()
                     plugin.guard.record(found, tick=False)
             return {k: v.detach() for k, v in loss_dict.items()}, loss.detach()
-
         return step
-
-    def _after_step(self, module: Any) -> None:
-        """What the loop does after an optimizer step in automatic optimisation: the step count, the guard's host
-        check, the per-step schedules."""
-        trainer = module.trainer
-        count_manual_step(trainer)
-        trainer.precision_plugin.guard.tick()
-        trainer.precision_plugin.guard.log(module)
-        for config in trainer.lr_scheduler_configs:
-            if config.interval == "step" and trainer.global_step % config.frequency == 0:
-                config.scheduler.step()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

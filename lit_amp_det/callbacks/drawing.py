@@ -2,8 +2,7 @@
 
 Shared by :class:`~lit_amp_det.callbacks.CocoPredictionWriter` and :class:`~lit_amp_det.callbacks.ValidationImages`.
 Drawing uses torchvision's drawing utilities on the CPU and returns ``uint8 [3, H, W]`` tensors that TensorBoard and
-:func:`save_png` both take. A class keeps its colour in every picture, so ground truth and predictions compare.
-"""
+:func:`save_png` both take. A class keeps its colour in every picture, so ground truth and predictions compare."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ __all__ = ["DrawingWarning", "PALETTE", "class_names_of", "draw_detections", "dr
 
 #: One RGB colour per class (class k takes ``PALETTE[(k - 1) % len(PALETTE)]``): matplotlib's tab10.
 PALETTE: tuple[tuple[int, int, int], ...] = (
-    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
-)
+    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75), (227, 119, 194),
+    (127, 127, 127), (188, 189, 34), (23, 190, 207))
 _MASK_ALPHA = 0.5  # the object stays visible under its mask
 _CAPTION_HEIGHT = 12
 _GAP = 4
@@ -64,10 +62,8 @@ def _label_text(label: int, class_names: Sequence[str]) -> str:
 def _binary_masks(masks: Tensor, size: tuple[int, int], mask_threshold: float, order: Tensor | None = None,
                   drawn: tuple[int, int] | None = None) -> Tensor:
     """Boolean ``[N, H, W]`` on the CPU from boolean/uint8 ``[N, H, W]`` or soft ``[N, 1, H, W]`` (Mask R-CNN) masks.
-
     ``order``: the masks to keep, in that order; ``drawn``: the picture's size, each of its pixels the nearest mask
-    pixel. Both are taken in one gather, so no full-size copy of the masks is made on the way.
-    """
+    pixel. Both are taken in one gather, so no full-size copy of the masks is made on the way."""
     shape = tuple(masks.shape)
     if masks.dim() == 4 and masks.shape[1] == 1:
         masks = masks[:, 0]
@@ -150,20 +146,19 @@ def draw_detections(image: Tensor, detections: Mapping[str, Tensor], class_names
             the nearest one), so huge photos do not hold full-size masks; 0 keeps the size.
 
     Returns:
-        ``uint8 [3, k*H, k*W]`` (or the shrunk size) on the CPU; the most confident detection is drawn on top.
-    """
+        ``uint8 [3, k*H, k*W]`` (or the shrunk size) on the CPU; the most confident detection is drawn on top."""
     scores = detections["scores"].detach().float().cpu()
     order = torch.argsort(scores, descending=True)
     order = order[scores[order] >= score_threshold]
-    boxes = detections["boxes"].detach().cpu()[order]
-    labels = detections["labels"].detach().cpu()[order]
+    boxes, labels = detections["boxes"].detach().cpu()[order], detections["labels"].detach().cpu()[order]
     texts = [f"{_label_text(int(label), class_names)} {float(score):.2f}"
              for label, score in zip(labels.tolist(), scores[order].tolist())]
-    size = tuple(image.shape[-2:])
-    drawn = _shrunk_size(size, max_side)
-    masks = None
-    if detections.get("masks") is not None:
-        masks = _binary_masks(detections["masks"].detach(), size, mask_threshold, order, drawn)
+    size = drawn = tuple(image.shape[-2:])
+    if 0 < max_side < max(size):  # shrunk so that the longer side is max_side
+        scale = max_side / max(size)
+        drawn = max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
+    masks = (None if detections.get("masks") is None
+             else _binary_masks(detections["masks"].detach(), size, mask_threshold, order, drawn))
     if drawn != size:
         image = resize(to_uint8(image), list(drawn), antialias=True)
         boxes = boxes.float() * torch.tensor([drawn[1] / size[1], drawn[0] / size[0]] * 2)
@@ -181,26 +176,16 @@ def _written_on(picture: Tensor, text: str) -> Tensor:
     return torch.from_numpy(np.array(page)).permute(2, 0, 1).contiguous()
 
 
-def _shrunk_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
-    """``size`` scaled so that its longer side is ``max_side`` when it is longer; else ``size``."""
-    if max_side <= 0 or max(size) <= max_side:
-        return size
-    scale = max_side / max(size)
-    return max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
-
-
 def draw_ground_truth(image: Tensor, target: Mapping[str, Tensor], class_names: Sequence[str] = (),
                       min_side: int = 0) -> Tensor:
     """The annotated masks, boxes and class names of ``target`` (the dataset's target dict) drawn onto ``image``;
     crowd regions are captioned ``<name> (crowd)``. ``min_side`` as in :func:`draw_detections`."""
-    boxes = target["boxes"].detach().cpu()
-    labels = target["labels"].detach().cpu()
+    boxes, labels = target["boxes"].detach().cpu(), target["labels"].detach().cpu()
     crowd = target["iscrowd"].detach().cpu().tolist() if "iscrowd" in target else [0] * len(labels)
     texts = [_label_text(int(label), class_names) + (" (crowd)" if is_crowd else "")
              for label, is_crowd in zip(labels.tolist(), crowd)]
-    masks = None
-    if target.get("masks") is not None:
-        masks = _binary_masks(target["masks"].detach().cpu(), tuple(image.shape[-2:]), 0.5)
+    masks = (None if target.get("masks") is None
+             else _binary_masks(target["masks"].detach().cpu(), tuple(image.shape[-2:]), 0.5))
     return _draw(image, boxes, labels, texts, masks, min_side)
 
 

@@ -53,9 +53,7 @@ class FreezeNorm(Callback):
         if isinstance(frozen_stages, bool) or not isinstance(frozen_stages, int) or not -1 <= frozen_stages <= 4:
             raise ArgumentError("frozen_stages", frozen_stages, "must be an integer in [-1, 4]: -1 freezes nothing, "
                                 "0 the stem (conv1, bn1), k the stem and layer1..layerk")
-        self.mode = mode
-        self.affine_trainable = affine_trainable
-        self.frozen_stages = frozen_stages
+        self.mode, self.affine_trainable, self.frozen_stages = mode, affine_trainable, frozen_stages
 
     @property
     def frozen_stage_names(self) -> list[str]:
@@ -102,7 +100,15 @@ class FreezeNorm(Callback):
         names = self.frozen_stage_names
         if not names:
             return []
-        body = _resnet_body(pl_module, self.frozen_stages)
+        body: Any = pl_module  # pl_module.model.backbone.body, or an error naming what is missing and the fix
+        path = type(pl_module).__name__
+        for attr in ("model", "backbone", "body"):
+            body = getattr(body, attr, None)
+            path += f".{attr}"
+            if not isinstance(body, nn.Module):
+                raise ValueError(f"FreezeNorm(frozen_stages={self.frozen_stages}) needs a torchvision ResNet trunk at "
+                                 "pl_module.model.backbone.body (a Mask R-CNN built by lit_amp_det.models."
+                                 f"build_detector), but {path} is missing; set frozen_stages=-1 to freeze norms only")
         missing = [name for name in names if not isinstance(getattr(body, name, None), nn.Module)]
         if missing:
             present = [name for name, _ in body.named_children()]
@@ -120,16 +126,3 @@ class FreezeNorm(Callback):
 def _batch_norms(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, _BATCH_NORMS)]
 
-
-def _resnet_body(pl_module: pl.LightningModule, frozen_stages: int) -> nn.Module:
-    """``pl_module.model.backbone.body``, or an error that says what is missing and how to avoid it."""
-    node: Any = pl_module
-    path = type(pl_module).__name__
-    for attr in ("model", "backbone", "body"):
-        node = getattr(node, attr, None)
-        path += f".{attr}"
-        if not isinstance(node, nn.Module):
-            raise ValueError(f"FreezeNorm(frozen_stages={frozen_stages}) needs a torchvision ResNet trunk at "
-                             "pl_module.model.backbone.body (a Mask R-CNN built by lit_amp_det.models.build_detector), "
-                             f"but {path} is missing; set frozen_stages=-1 to freeze norms only")
-    return node

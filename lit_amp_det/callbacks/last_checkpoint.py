@@ -12,8 +12,7 @@ completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; a 
 In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's ``SIGUSR2``
 in a job it started) does the same and then requeues the job with ``scontrol requeue``; the requeued attempt
 resumes from the checkpoint by itself. Signals that follow (SLURM ends a requeued job with ``SIGTERM``) are logged
-and ignored while the run stops.
-"""
+and ignored while the run stops."""
 
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from lit_amp_det.slurm import SlurmJob, current_job, requeue, requeue_signal
 __all__ = ["LastCheckpoint", "RunInterrupted"]
 
 log = logging.getLogger(__name__)
-
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -45,10 +43,8 @@ class RunInterrupted(Exception):
     SLURM job id that ``scontrol requeue`` accepted, if any."""
 
     def __init__(self, signum: int, checkpoint: str | None, global_step: int, requeued_job: str | None = None) -> None:
-        self.signum = signum
-        self.checkpoint = checkpoint
-        self.global_step = global_step
-        self.requeued_job = requeued_job
+        self.signum, self.checkpoint = signum, checkpoint
+        self.global_step, self.requeued_job = global_step, requeued_job
         self.signal_name = signal.Signals(signum).name
         super().__init__(f"{self.signal_name} received: stopped after step {global_step}"
                          + (f", checkpoint {checkpoint}" if checkpoint else "")
@@ -68,24 +64,21 @@ class LastCheckpoint(Checkpoint):
         every_n_train_steps: save after every N optimizer steps; ``None`` or 0: not by steps.
         every_n_minutes: save when this many minutes of training passed since the last save; ``None``: not by time.
         save_on_signal: on SIGINT/SIGTERM during training, save after the current step and stop.
-        filename: name of the file in ``dirpath``.
-    """
+        filename: name of the file in ``dirpath``."""
 
     def __init__(self, dirpath: str | os.PathLike, every_n_train_steps: int | None = 1000,
-                 every_n_minutes: float | None = 10.0, save_on_signal: bool = True, filename: str = "last.ckpt") -> None:
+                 every_n_minutes: float | None = 10.0, save_on_signal: bool = True,
+                 filename: str = "last.ckpt") -> None:
         if every_n_train_steps is not None and (isinstance(every_n_train_steps, bool) or every_n_train_steps < 0):
             raise ValueError(f"LastCheckpoint every_n_train_steps={every_n_train_steps!r} must be >= 0 or null")
         if every_n_minutes is not None and every_n_minutes <= 0:
             raise ValueError(f"LastCheckpoint every_n_minutes={every_n_minutes!r} must be > 0 or null")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps or 0
-        self.every_n_minutes = every_n_minutes
-        self.save_on_signal = save_on_signal
-        self.filename = filename
+        self.every_n_minutes, self.save_on_signal, self.filename = every_n_minutes, save_on_signal, filename
         self.last_model_path = ""
         self.best_model_path = ""  # Lightning's ``Checkpoint`` interface; this callback keeps no "best"
-        self._last_saved_step = -1
-        self._last_saved_time = time.monotonic()
+        self._last_saved_step, self._last_saved_time = -1, time.monotonic()
         self._signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._job: SlurmJob | None = None
@@ -112,16 +105,6 @@ class LastCheckpoint(Checkpoint):
             _exit_now(self._stop_now, f"{self.path} (step {trainer.global_step}) is complete")
         return self.last_model_path
 
-    def _due(self, trainer: pl.Trainer) -> bool:
-        if trainer.global_step == self._last_saved_step:
-            return False
-        by_steps = self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0
-        by_time = (self.every_n_minutes is not None
-                   and time.monotonic() - self._last_saved_time >= 60.0 * self.every_n_minutes)
-        if trainer.world_size > 1:  # clocks differ between ranks: rank 0 decides for all
-            by_time = bool(trainer.strategy.broadcast(by_time))
-        return by_steps or by_time
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_saved_time = time.monotonic()
@@ -134,7 +117,14 @@ class LastCheckpoint(Checkpoint):
                            batch_idx: int) -> None:
         if self.save_on_signal and self._signalled(trainer):
             self._stop(trainer)
-        if self._due(trainer):
+        if trainer.global_step == self._last_saved_step:
+            return
+        by_steps = self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0
+        by_time = (self.every_n_minutes is not None
+                   and time.monotonic() - self._last_saved_time >= 60.0 * self.every_n_minutes)
+        if trainer.world_size > 1:  # clocks differ between ranks: rank 0 decides for all
+            by_time = bool(trainer.strategy.broadcast(by_time))
+        if by_steps or by_time:
             self.save(trainer)
 
     @override

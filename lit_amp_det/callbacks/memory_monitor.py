@@ -45,9 +45,7 @@ class MemoryMonitor(Callback):
         for name, value, low in (("baseline_steps", baseline_steps, 1), ("warmup_steps", warmup_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ArgumentError(name, value, f"must be an integer >= {low}")
-        self.compare_baseline = compare_baseline
-        self.baseline_steps = baseline_steps
-        self.warmup_steps = warmup_steps
+        self.compare_baseline, self.baseline_steps, self.warmup_steps = compare_baseline, baseline_steps, warmup_steps
         self._comparison: BaselineComparison | None = None
         self._pending_comparison = False
         self._probe: MemoryProbe | None = None
@@ -62,9 +60,7 @@ class MemoryMonitor(Callback):
         return [] if self._comparison is None else self._comparison.rows
 
     def _reset_epoch(self) -> None:
-        self._epoch_peak_mb = 0.0
-        self._epoch_peak_reserved_mb = 0.0
-        self._epoch_steps = 0
+        self._epoch_peak_mb, self._epoch_peak_reserved_mb, self._epoch_steps = 0.0, 0.0, 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -73,13 +69,11 @@ class MemoryMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._probe = MemoryProbe(pl_module.device)
-        self._timer = StepTimer(pl_module.device)
+        self._probe, self._timer = MemoryProbe(pl_module.device), StepTimer(pl_module.device)
         if not self._probe.resettable:
             rank_zero_warn(f"MemoryMonitor: {self._probe.source}; per-step CPU peaks are peaks since start")
         self._step_peaks, self._step_ms = [], []
-        self._comparison = None
-        self._pending_comparison = self.compare_baseline
+        self._comparison, self._pending_comparison = None, self.compare_baseline
         if self.compare_baseline:
             # drawn now: the batch sampler's copy must be taken before the loader is iterated
             self._comparison = BaselineComparison(self.baseline_steps, self.warmup_steps)

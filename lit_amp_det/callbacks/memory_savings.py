@@ -77,9 +77,8 @@ def check_comparable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None
 def _rng_preserved(device: torch.device) -> Iterator[None]:
     """Restores the torch (CPU and this GPU), NumPy and Python generators: samplers and RPN draw from them."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
-    devices = []
-    if device.type == "cuda":
-        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    devices = ([device.index if device.index is not None else torch.cuda.current_device()]
+               if device.type == "cuda" else [])
     try:
         with torch.random.fork_rng(devices=devices):
             yield
@@ -136,8 +135,7 @@ class BaselineComparison:
     """Measures the savings rows once per fit (see the module docstring); arguments as for ``MemoryMonitor``."""
 
     def __init__(self, baseline_steps: int, warmup_steps: int) -> None:
-        self.baseline_steps = baseline_steps
-        self.warmup_steps = warmup_steps
+        self.baseline_steps, self.warmup_steps = baseline_steps, warmup_steps
         self.rows: list[SavingsRow] = []
         self.images_per_batch: list[int] = []
         self._batches: list[Any] | None = None
@@ -148,9 +146,8 @@ class BaselineComparison:
             self._batches = draw_batches(trainer.train_dataloader, self.baseline_steps)
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, list[str], bool, bool]]:
-        """Rows as ``(label, optimisations on, in the trainer's precision, disable conv-bn eval)``, cumulative.
-
-        A row outside the trainer's precision runs in fp32 (on a full-precision copy for ``*-weights`` models)."""
+        """Rows as ``(label, optimisations on, in the trainer's precision, disable conv-bn eval)``, cumulative; a row
+        outside the trainer's precision runs in fp32 (on a full-precision copy for ``*-weights`` models)."""
         conv_bn = bool(conv_bn_eval_enabled(pl_module.model))
         precision = str(trainer.precision_plugin.precision)
         mixed = precision not in _FULL_PRECISIONS
@@ -204,10 +201,7 @@ class BaselineComparison:
             if index < self.warmup_steps:
                 step()
                 continue
-            if probe.cuda:
-                gc.collect()
-            else:
-                release_freed_cpu_memory()
+            (gc.collect if probe.cuda else release_freed_cpu_memory)()
             probe.synchronize()
             probe.reset_peak()
             in_use = probe.in_use_bytes() or 0
@@ -254,8 +248,7 @@ def _x(ratio: float | None) -> str:
 
 def format_savings_table(data: dict[str, Any]) -> str:
     """The markdown savings table of :meth:`BaselineComparison.report` data."""
-    rows, training = data["rows"], data["training"]
-    base = rows[0]
+    rows, training, base = data["rows"], data["training"], data["rows"][0]
     lines = ["## Memory savings", "",
              f"device={data['device']} precision={data['precision']} model={data['model']} images/batch="
              f"{','.join(map(str, data['images_per_batch']))} torch={data['torch']}; memory: {data['memory_source']}",

@@ -4,8 +4,7 @@ Masks are run-length encoded batch by batch, so memory stays flat however many i
 ``num_images`` images are also drawn with their detections into ``<dirpath>/<images_dirname>/<image id>.png``.
 Images from a folder without annotations (``data.predict_images``) are drawn as ``<image id>_<file stem>.png``, and
 ``<results stem>_images.json`` beside the results holds the COCO ``images`` and ``categories`` of the run, so the two
-files read as a COCO dataset with its results.
-"""
+files read as a COCO dataset with its results."""
 
 from __future__ import annotations
 
@@ -29,10 +28,9 @@ __all__ = ["CocoPredictionWriter"]
 class CocoPredictionWriter(BasePredictionWriter):
     """Collects ``predict_step`` outputs into ``<dirpath>/<filename>`` (COCO detection results).
 
-    Pictures of the first ``num_images`` images with their detections go to ``<dirpath>/<images_dirname>/``,
-    one ``<image id>.png`` each (under DDP, the first images of rank zero's shard). A picture that cannot be
-    drawn is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning`; the results file is
-    written all the same.
+    Pictures of the first ``num_images`` images with their detections go to ``<dirpath>/<images_dirname>/``, one
+    ``<image id>.png`` each (under DDP, the first images of rank zero's shard). A picture that cannot be drawn is
+    reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning`; the results file is written all the same.
 
     Args:
         dirpath: output folder (the run directory by default).
@@ -46,8 +44,7 @@ class CocoPredictionWriter(BasePredictionWriter):
         min_side: images with a shorter side below this are drawn enlarged by an integer factor (whole pixels) so
             that captions stay readable; 0 keeps their size.
         max_side: images with a longer side above this are drawn shrunk to it (a phone photo's picture at full
-            size costs gigabytes of masks to draw); 0 keeps their size.
-    """
+            size costs gigabytes of masks to draw); 0 keeps their size."""
 
     def __init__(self, dirpath: str | os.PathLike, filename: str = "predictions.json",
                  score_threshold: float = 0.0, num_images: int = 16, images_dirname: str = "predictions",
@@ -61,23 +58,20 @@ class CocoPredictionWriter(BasePredictionWriter):
                 raise ValueError(f"callbacks.prediction_writer.{name}={side!r} must be an integer >= 0 (pixels; 0 "
                                  "keeps the images' size)")
         self.path = Path(dirpath) / filename
-        self.score_threshold = score_threshold
-        self.num_images = num_images
+        self.score_threshold, self.num_images = score_threshold, num_images
         self.images_dir = Path(dirpath) / images_dirname
         self.image_score_threshold = score_threshold if image_score_threshold is None else image_score_threshold
         if max_side and min_side > max_side:
             raise ValueError(f"callbacks.prediction_writer.min_side={min_side} is above max_side={max_side}: no "
                              "picture can be both; lower min_side or raise max_side")
-        self.min_side = min_side
-        self.max_side = max_side
+        self.min_side, self.max_side = min_side, max_side
         self.images_path = self.path.with_name(f"{self.path.stem}_images.json")
         self._records: list[dict[str, Any]] = []
         self._images: list[dict[str, Any]] = []  # COCO image records of images that came with a file name
         self._images_left = 0  # set by on_predict_start: pictures belong to a predict run
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._records = []
-        self._images = []
+        self._records, self._images = [], []
         self._images_left = self.num_images if trainer.is_global_zero else 0
 
     def write_on_batch_end(self, trainer: Trainer, pl_module: LightningModule, prediction: Any,
@@ -104,9 +98,8 @@ class CocoPredictionWriter(BasePredictionWriter):
         images = batch[0]
         names = class_names_of(pl_module)
         for image, det in zip(images[:self._images_left], prediction):
-            name = f"{det.get('image_id', self.num_images - self._images_left)}.png"
-            if "file_name" in det:
-                name = f"{det['image_id']}_{Path(det['file_name']).stem}.png"
+            name = (f"{det['image_id']}_{Path(det['file_name']).stem}.png" if "file_name" in det
+                    else f"{det.get('image_id', self.num_images - self._images_left)}.png")
             self._images_left -= 1
             try:
                 picture = draw_detections(image, det, names, self.image_score_threshold, min_side=self.min_side,

@@ -37,9 +37,7 @@ class RunStats(Callback):
         self._steps_seen = 0
         self._started: float | None = None
         self._step_seconds: list[float] = []
-        self._images = 0
-        self._peak_bytes = 0
-        self._step_bytes = 0
+        self._images = self._peak_bytes = self._step_bytes = 0
         self._in_use_at_start: int | None = None
         self._world_size = 1
         self._saved: SavedTensorBytes | None = None
@@ -47,11 +45,9 @@ class RunStats(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._probe = MemoryProbe(trainer.strategy.root_device)
-        self._world_size = trainer.world_size
+        self._probe, self._world_size = MemoryProbe(trainer.strategy.root_device), trainer.world_size
         self._steps_seen, self._started, self._step_seconds, self._images = 0, None, [], 0
-        self._peak_bytes = self._step_bytes = 0
-        self._tensor_bytes = None
+        self._peak_bytes, self._step_bytes, self._tensor_bytes = 0, 0, None
         if not self._probe.cuda:
             # jobs of a sweep share the process: hand what earlier jobs freed back to the OS, or their leftovers
             # count in this job's resident-set peak (and the figure would rank settings by job order)
@@ -102,8 +98,7 @@ class RunStats(Callback):
         Speed and memory are ``None`` when no step was timed (a fit shorter than the warm-up). Under DDP,
         images/s counts every process (this rank's rate times the world size: ranks step in lockstep) and the
         peak memory is this process's (rank 0 writes ``metrics.json``)."""
-        timed = len(self._step_seconds)
-        probe = self._probe
+        timed, probe = len(self._step_seconds), self._probe
         return {"device": None if probe is None else str(probe.device), "world_size": self._world_size,
                 "timed_steps": timed,
                 "train_images_per_s": self._world_size * self._images / sum(self._step_seconds) if timed else None,
@@ -129,7 +124,6 @@ def resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
-
     for parameter in module.parameters():
         add(parameter)
         add(parameter.grad)

@@ -44,18 +44,14 @@ class Throughput(Callback):
 
     def __init__(self, window: int = 20, warmup_steps: int = 2,
                  batch_size_fn: Callable[[Any], int] | None = None) -> None:
-        self.window = window
-        self.warmup_steps = warmup_steps
-        self.batch_size_fn = batch_size_fn or count_images
+        self.window, self.warmup_steps, self.batch_size_fn = window, warmup_steps, batch_size_fn or count_images
         self._clock: Callable[[], float] = time.perf_counter  # tests swap in a fake clock
         self._timer: StepTimer | None = None
         self._rates: deque[float] = deque()
         self._reset_epoch()
 
     def _reset_epoch(self) -> None:
-        self._epoch_steps = 0
-        self._epoch_seconds = 0.0
-        self._epoch_images = 0
+        self._epoch_steps, self._epoch_seconds, self._epoch_images = 0, 0.0, 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -23,7 +23,6 @@ from typing_extensions import override
 __all__ = ["DEFAULT_PANELS", "TrainingCurves"]
 
 _FIELD = "callbacks.training_curves"
-
 #: panel title -> metric name patterns (``fnmatch``) drawn in it
 DEFAULT_PANELS: dict[str, list[str]] = {
     "losses": ["train/loss*"], "learning_rate": ["train/lr"],
@@ -64,13 +63,11 @@ class TrainingCurves(Callback):
             raise ValueError(f"{_FIELD}.panels={self.panels!r} must map each panel title to a non-empty list of "
                              "metric name patterns, e.g. {losses: ['train/loss*']}")
 
-    def _wanted(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for patterns in self.panels.values() for p in patterns)
-
     def _record(self, trainer: pl.Trainer, validation: bool) -> None:
         step = trainer.global_step
         for name, value in trainer.callback_metrics.items():
-            if name.startswith(_VALIDATION_PREFIX) != validation or not self._wanted(name):
+            if name.startswith(_VALIDATION_PREFIX) != validation or not any(
+                    fnmatch.fnmatchcase(name, p) for patterns in self.panels.values() for p in patterns):
                 continue
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
@@ -81,8 +78,7 @@ class TrainingCurves(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        every = self.every_n_steps or trainer.log_every_n_steps or 1
-        step = trainer.global_step
+        every, step = self.every_n_steps or trainer.log_every_n_steps or 1, trainer.global_step
         # once per optimizer step (gradient accumulation calls this hook several times per step)
         due = self._last_step < 0 or step - self._last_step >= every
         if trainer.is_global_zero and step != self._last_step and due:
@@ -133,7 +129,6 @@ class TrainingCurves(Callback):
         if not self.history:
             return None
         from matplotlib.figure import Figure  # no pyplot: renders with Agg and never touches the global backend
-
         fig = Figure(figsize=(9, 2.6 * len(self.panels)), layout="constrained")
         axes = fig.subplots(len(self.panels), 1, sharex=True, squeeze=False)[:, 0]
         for ax, (title, patterns) in zip(axes, self.panels.items()):

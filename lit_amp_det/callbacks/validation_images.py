@@ -48,10 +48,7 @@ class ValidationImages(Callback):
     def __init__(self, dirpath: str | Path, num_images: int = 4, score_threshold: float = 0.5,
                  png: str | bool = "auto", min_side: int = 256) -> None:
         self.dirpath = Path(dirpath)
-        self.num_images = num_images
-        self.score_threshold = score_threshold
-        self.png = png
-        self.min_side = min_side
+        self.num_images, self.score_threshold, self.png, self.min_side = num_images, score_threshold, png, min_side
         self._pictures: list[tuple[str, torch.Tensor]] = []
         self._active = False
 

@@ -24,8 +24,7 @@ _MODULES = {
     **dict.fromkeys(("cpu_computes_bf16_natively", "resolve_precision"), "hardware"),
     "install_fp32_regions": "regions", "NonFiniteStepGuard": "guard", "HalfPrecisionOptions": "options",
     "FiniteStepPrecision": "full", "DetectionMixedPrecision": "mixed", "MasterWeightPrecision": "low_precision_weights",
-    **dict.fromkeys(("build_precision_plugin", "trained_precision", "warn_if_precision_changes"), "build"),
-}
+    **dict.fromkeys(("build_precision_plugin", "trained_precision", "warn_if_precision_changes"), "build")}
 
 __all__ = list(_MODULES)
 
@@ -46,8 +45,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in _MODULES:
         raise AttributeError(f"module 'lit_amp_det.precision' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lit_amp_det.precision.{_MODULES[name]}"), name)
-    globals()[name] = value
+    globals()[name] = value = getattr(importlib.import_module(f"lit_amp_det.precision.{_MODULES[name]}"), name)
     return value
 
 

@@ -26,13 +26,10 @@ __all__ = ["LOW_PRECISION_DTYPES", "AMP_DTYPE_ATTR", "REGION_ATTR", "cast_tensor
 
 #: The dtypes a module may run in when mixed precision is on for it.
 LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-
 #: Attribute holding the low-precision dtype of a module (or plain object) with mixed precision on.
 AMP_DTYPE_ATTR = "_lit_amp_dtype"
-
 #: Attribute marking a decorated or instance-wrapped callable: "fp32", "fp16" or "fp32_outputs".
 REGION_ATTR = "__lit_amp_region__"
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -40,18 +37,6 @@ def _check_dtype(value: object, argument: str) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise TypeError(f"{argument} must be a torch.dtype such as torch.float32, got {value!r}")
     return value
-
-
-def _source_dtypes(src_type: torch.dtype | Sequence[torch.dtype] | None) -> tuple[torch.dtype, ...] | None:
-    """Normalises ``src_type`` to a tuple of dtypes, or None for "any floating dtype"."""
-    if src_type is None:
-        return None
-    if isinstance(src_type, torch.dtype):
-        return (src_type,)
-    if isinstance(src_type, (str, bytes)) or not isinstance(src_type, Iterable):
-        raise TypeError(f"src_type must be a torch.dtype, a sequence of them or None (any floating dtype), "
-                        f"got {src_type!r}")
-    return tuple(_check_dtype(d, "every entry of src_type") for d in src_type)
 
 
 def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) -> Any:
@@ -87,7 +72,14 @@ def cast_tensor_type(inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] 
     Recurses through mappings (type kept where it can be rebuilt, else a dict), lists, tuples and namedtuples,
     rebuilding rather than mutating them; everything else is left alone. ``src_type`` may be one dtype, several,
     or None for any floating dtype. The casts are differentiable."""
-    return _cast(inputs, _source_dtypes(src_type), _check_dtype(dst_type, "dst_type"))
+    if src_type is None or isinstance(src_type, torch.dtype):
+        src: tuple[torch.dtype, ...] | None = None if src_type is None else (src_type,)  # None: any floating dtype
+    elif isinstance(src_type, (str, bytes)) or not isinstance(src_type, Iterable):
+        raise TypeError(f"src_type must be a torch.dtype, a sequence of them or None (any floating dtype), "
+                        f"got {src_type!r}")
+    else:
+        src = tuple(_check_dtype(d, "every entry of src_type") for d in src_type)
+    return _cast(inputs, src, _check_dtype(dst_type, "dst_type"))
 
 
 def mixed_precision_dtype(obj: object) -> torch.dtype | None:
@@ -111,9 +103,8 @@ def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> N
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """A context switching autocast off for ``device_type`` if it is on now, else a no-op context.
-
-    Entered by ``with`` (not an ExitStack) because torch.compile traces only autocast contexts entered so."""
+    """A context switching autocast off for ``device_type`` if it is on now, else a no-op context. Entered by
+    ``with`` (not an ExitStack) because torch.compile traces only autocast contexts entered so."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
@@ -126,11 +117,7 @@ def _first_tensor(values: Any) -> torch.Tensor | None:
         values = values.values()
     elif not isinstance(values, (list, tuple)):
         return None
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(_first_tensor, values) if found is not None), None)
 
 
 def _checked_apply_to(decorator: str, func: Callable[..., Any], signature: inspect.Signature,
@@ -151,10 +138,9 @@ def _checked_apply_to(decorator: str, func: Callable[..., Any], signature: inspe
 
 @dataclasses.dataclass(frozen=True)
 class _ArgumentPlan:
-    """Which positions and keywords of a call to cast, worked out once from the signature.
-
-    Per-call ``Signature.bind`` breaks torch.compile graphs once traced code has mutated a dict; lookups against
-    this plan trace cleanly. ``None`` in place of a plan means "cast all but self"."""
+    """Which positions and keywords of a call to cast, worked out once from the signature: per-call
+    ``Signature.bind`` breaks torch.compile graphs once traced code has mutated a dict; lookups against this plan
+    trace cleanly. ``None`` in place of a plan means "cast all but self"."""
 
     positions: frozenset[int]  # indices into args, self being index 0
     keywords: frozenset[str]  # keyword arguments to cast
@@ -179,9 +165,8 @@ class _ArgumentPlan:
                 var_positional_from = index  # positional parameters all come before *args
             if parameter.kind is kind.VAR_KEYWORD:
                 var_keyword = wanted
-        return cls(positions=frozenset(positions), keywords=frozenset(keywords),
-                   var_positional_from=var_positional_from, var_keyword=var_keyword,
-                   parameter_keywords=frozenset(parameter_keywords))
+        return cls(frozenset(positions), frozenset(keywords), var_positional_from, var_keyword,
+                   frozenset(parameter_keywords))
 
     def casts_position(self, index: int) -> bool:
         start = self.var_positional_from
@@ -249,9 +234,8 @@ WrapMode = RegionMode
 
 
 class _InstanceRegion:
-    """Callable stored on one instance in place of its method ``name``, running it as a precision region.
-
-    A class rather than a closure so that a deep copy or pickle of the owner calls the copied owner."""
+    """Callable stored on one instance in place of its method ``name``, running it as a precision region; a class
+    rather than a closure so that a deep copy or pickle of the owner calls the copied owner."""
 
     def __init__(self, owner: object, name: str, mode: WrapMode) -> None:
         bound = getattr(owner, name)
@@ -261,8 +245,7 @@ class _InstanceRegion:
         # a flag, not a sentinel (sentinels do not survive deepcopy): an instance callable to restore on unwrap
         self.shadowed_instance_attr = name in vars(owner)
         self.previous = vars(owner).get(name)
-        self.function = bound.__func__ if is_method else bound
-        self.is_method = is_method
+        self.function, self.is_method = (bound.__func__ if is_method else bound), is_method
         setattr(self, REGION_ATTR, mode)
 
     @property
@@ -271,9 +254,7 @@ class _InstanceRegion:
         return self.function.__get__(self.owner) if self.is_method else self.function
 
     def _call_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.is_method:
-            return self.function(self.owner, *args, **kwargs)
-        return self.function(*args, **kwargs)
+        return self.function(self.owner, *args, **kwargs) if self.is_method else self.function(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if mixed_precision_dtype(self.owner) is None:  # decided per call: the policy may change

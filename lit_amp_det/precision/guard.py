@@ -37,9 +37,7 @@ class NonFiniteStepGuard:
             raise ValueError(f"precision.max_consecutive_skips must be >= 1, got {max_consecutive}")
         if check_every_n_steps < 1:
             raise ValueError(f"precision.skip_check_every_n_steps must be >= 1, got {check_every_n_steps}")
-        self.precision = precision
-        self.max_consecutive = max_consecutive
-        self.check_every_n_steps = check_every_n_steps
+        self.precision, self.max_consecutive, self.check_every_n_steps = precision, max_consecutive, check_every_n_steps
         # skipped steps in all, the current run of consecutive skips, the longest run since the host last read them
         self._counts = torch.zeros(3, dtype=torch.int64)
         self._unread = 0  # steps recorded since the host last read the counts
@@ -55,8 +53,7 @@ class NonFiniteStepGuard:
     def record(self, skipped: Tensor, tick: bool = True) -> None:
         """Counts one optimizer step, skipped where ``skipped`` (a 0-dim bool tensor) is set, in place on the device
         (so a CUDA graph can hold it), then :meth:`tick` unless ``tick`` is false (a captured step ticks on replay)."""
-        if self._counts.device != skipped.device:
-            self._counts = self._counts.to(skipped.device)
+        self._counts = self._counts.to(skipped.device)  # the tensor itself where it is on that device already
         skip = skipped.to(torch.int64)
         total, run, longest = self._counts.unbind()
         total.add_(skip)

@@ -13,6 +13,7 @@ step runs many times slower than an fp32 one. So:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -38,9 +39,8 @@ def cpu_capability() -> str:
 def cpu_computes_bf16_natively() -> bool:
     """Whether torch runs bf16 matmuls and convolutions through oneDNN's fast kernels on this CPU.
 
-    The test torch makes before it hands a bf16 matmul to oneDNN (``mkldnn_bf16_device_check``); where that private
-    op is missing, torch's CPU capability stands in: only its AVX-512 levels have the fast path. Asked once per process.
-    """
+    The test torch makes before it hands a bf16 matmul to oneDNN (``mkldnn_bf16_device_check``); where that private op
+    is missing, torch's CPU capability stands in: only its AVX-512 levels have the fast path. Asked once per process."""
     return _native_bf16()
 
 
@@ -50,10 +50,8 @@ def _native_bf16() -> bool:
         return False
     op = _torch_bf16_op()
     if op is not None:
-        try:
+        with contextlib.suppress(RuntimeError):
             return bool(op())
-        except RuntimeError:
-            pass
     return cpu_capability().startswith(("AVX512", "AMX"))
 
 
@@ -68,9 +66,7 @@ def _no_native_bf16() -> str:
 
 def auto_precision(device: str) -> str:
     """What ``trainer.precision=auto`` runs on ``device`` (see the module; no log line: :func:`resolve_precision`)."""
-    if device == "cuda":
-        return "16-mixed"
-    return "bf16-mixed" if cpu_computes_bf16_natively() else "32-true"
+    return "16-mixed" if device == "cuda" else "bf16-mixed" if cpu_computes_bf16_natively() else "32-true"
 
 
 def resolve_precision(precision: str, device: str, fp16_on_cpu: bool = False) -> str:

@@ -57,11 +57,8 @@ class MasterWeightPrecision(Precision):
         super().__init__()
         settings = HalfPrecisionOptions(**options)
         self.precision = precision  # type: ignore[assignment]
-        self.device = device
-        self.scaler = settings.scaler(precision, device)
-        self.fp32_regions = settings.regions()
-        self.guard = settings.guard(precision)
-        self.low_dtype = half_dtype(precision)
+        self.device, self.scaler, self.fp32_regions = device, settings.scaler(precision, device), settings.regions()
+        self.guard, self.low_dtype = settings.guard(precision), half_dtype(precision)
         self.weights: MasterWeights | None = None
 
     @override

@@ -43,7 +43,6 @@ _NATIVE_MIXED_NORMS: tuple[type[nn.Module], ...] = (*_BATCH_NORMS, torchvision.o
 NORM_LAYERS: tuple[type[nn.Module], ...] = (*_NATIVE_MIXED_NORMS, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
                                              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
                                              nn.LocalResponseNorm)
-
 #: Attribute of a converted module holding ``{parameter name: fp32 master}`` for its own parameters.
 _MASTERS_ATTR = "_lit_master_params"
 #: Attribute of a converted module holding its low dtype (for the input-cast hook).
@@ -53,8 +52,6 @@ _WEIGHTS_ATTR = "_lit_master_weights"
 
 
 # Hooks are module-level functions reading state from the module they run on, so a deep copy's hooks use its masters.
-
-
 def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Forward pre-hook of a module with low-precision weights: floating inputs of another dtype are cast to it."""
     return cast_tensor_type(args, None, getattr(module, _DTYPE_ATTR))
@@ -120,8 +117,7 @@ class MasterWeights:
             fp32 = original.to(torch.float32).contiguous()
             with torch.no_grad():  # in place, as nn.Module.to() does: identity, hooks and memory format are kept
                 param.data = original.to(self.dtype)
-            master = nn.Parameter(fp32, requires_grad=param.requires_grad)
-            masters[name] = master
+            masters[name] = master = nn.Parameter(fp32, requires_grad=param.requires_grad)
             self.names.append(prefix + name)
             self.params.append(param)
             self.masters.append(master)
@@ -176,9 +172,7 @@ class MasterWeights:
             if master.device != low.device:
                 master.data = master.data.to(low.device)
             if master.grad is None:
-                buffer = self._grad_buffer(index, master)
-                buffer.copy_(grad)
-                master.grad = buffer
+                master.grad = self._grad_buffer(index, master).copy_(grad)
             else:  # accumulating onto a gradient someone left (zero_grad(set_to_none=False), several backwards)
                 master.grad += grad.to(torch.float32)  # a cast and a same-dtype add: faster than a mixed add
             low.grad = None
@@ -186,8 +180,7 @@ class MasterWeights:
     def _grad_buffer(self, index: int, master: nn.Parameter) -> Tensor:
         buffer = self._grad_buffers.get(index)
         if buffer is None or buffer.device != master.device:
-            buffer = torch.empty_like(master, memory_format=torch.preserve_format)
-            self._grad_buffers[index] = buffer
+            self._grad_buffers[index] = buffer = torch.empty_like(master, memory_format=torch.preserve_format)
         return buffer
 
     @torch.no_grad()
@@ -262,9 +255,8 @@ def full_precision_copy(module: nn.Module) -> nn.Module:
         for name, master in masters.items():
             param = submodule._parameters[name]
             assert param is not None
-            full = torch.empty_like(param, dtype=master.dtype)  # the parameter's strides: channels_last stays so
-            full.copy_(master.detach())
-            param.data = full
+            # in the parameter's strides: channels_last stays so
+            param.data = torch.empty_like(param, dtype=master.dtype).copy_(master.detach())
         for hooks_attr, functions in _CONVERSION_HOOKS.items():
             hooks = getattr(submodule, hooks_attr)
             for key in [k for k, hook in hooks.items() if getattr(hook, "hook", hook) in functions]:

@@ -40,8 +40,7 @@ class DetectionMixedPrecision(MixedPrecision):
                              f"{' or '.join(MIXED_PRECISIONS)}")
         settings = HalfPrecisionOptions(**options)
         super().__init__(precision, device, settings.scaler(precision, device))
-        self.fp32_regions = settings.regions()
-        self.guard = settings.guard(precision)
+        self.fp32_regions, self.guard = settings.regions(), settings.guard(precision)
         self.low_dtype = half_dtype(precision)
 
     @override

@@ -21,30 +21,24 @@ __all__ = ["install_fp32_regions", "regions_for"]
 _PATHS_HINT = "paths are relative to the LightningModule, e.g. 'model.rpn.compute_loss'"
 
 
-def _resolve(root: nn.Module, path: str) -> tuple[object, str]:
-    """The object that owns the method ``path`` names, and the method's name; a ValueError naming the fix."""
-    owner: object = root
-    *parents, name = path.split(".")
-    for part in parents:
-        if not hasattr(owner, part):
-            raise ValueError(f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no attribute "
-                             f"{part!r}; {_PATHS_HINT}")
-        owner = getattr(owner, part)
-    if owner is None:
-        raise ValueError(f"precision.fp32_regions names {path!r}, whose owner is None (e.g. no mask head)")
-    if not callable(getattr(owner, name, None)):
-        raise ValueError(f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no method {name!r}; "
-                         f"{_PATHS_HINT}")
-    return owner, name
-
-
 def install_fp32_regions(module: nn.Module, regions: Mapping[str, RegionMode], dtype: torch.dtype) -> None:
     """Marks ``module`` for mixed precision in ``dtype`` and wraps each region method in place (idempotent)."""
     set_mixed_precision(module, dtype)  # also switches on the module's own @force_fp32/@auto_fp16 methods
     for path, mode in regions.items():
         if mode not in REGION_MODES:
             raise ValueError(f"precision.fp32_regions[{path!r}]={mode!r}; choose one of {', '.join(REGION_MODES)}")
-        owner, name = _resolve(module, path)
+        owner: object = module  # then the object that owns the method ``path`` names, or a ValueError naming the fix
+        *parents, name = path.split(".")
+        for part in parents:
+            if not hasattr(owner, part):
+                raise ValueError(f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no "
+                                 f"attribute {part!r}; {_PATHS_HINT}")
+            owner = getattr(owner, part)
+        if owner is None:
+            raise ValueError(f"precision.fp32_regions names {path!r}, whose owner is None (e.g. no mask head)")
+        if not callable(getattr(owner, name, None)):
+            raise ValueError(f"precision.fp32_regions names {path!r}, but {type(owner).__name__} has no method "
+                             f"{name!r}; {_PATHS_HINT}")
         if not isinstance(owner, nn.Module):
             set_mixed_precision(owner, dtype)  # plain helpers such as torchvision's BoxCoder
         wrap_method(owner, name, mode)
@@ -52,6 +46,4 @@ def install_fp32_regions(module: nn.Module, regions: Mapping[str, RegionMode], d
 
 def regions_for(module: nn.Module, configured: Mapping[str, RegionMode] | None) -> Mapping[str, RegionMode]:
     """The configured fp32 regions, or the module's own ``fp32_regions()`` when none are configured (``None``)."""
-    if configured is not None:
-        return configured
-    return module.fp32_regions() if hasattr(module, "fp32_regions") else {}
+    return configured if configured is not None else module.fp32_regions() if hasattr(module, "fp32_regions") else {}

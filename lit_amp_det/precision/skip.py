@@ -52,15 +52,6 @@ def _identities(state: dict[str, Any] | None) -> dict[str, int]:
     return {} if state is None else {key: id(value) for key, value in state.items()}
 
 
-def _skips_in_kernel(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], device: torch.device) -> bool:
-    """Whether ``optimizer``'s own kernel skips a step flagged in its ``found_inf`` attribute: a fused torch optimizer
-    with every stepped parameter on the flag's device and past its first step (a skipped first step of fused SGD
-    would keep uninitialised momentum buffers)."""
-    return (getattr(optimizer, "_step_supports_amp_scaling", False)
-            and all(group.get("fused") for group in optimizer.param_groups)
-            and all(p.device == device and optimizer.state.get(p) for p in params))
-
-
 class DeviceSkippedStep:
     """``optimizer.step()`` undone on the device where a flag says the step must not happen (see the module);
     holds one reusable copy buffer per tensor the step writes."""
@@ -74,7 +65,12 @@ class DeviceSkippedStep:
         """Runs ``optimizer.step(**kwargs)``; where ``skip`` (a 0-dim bool tensor) is set, the stepped parameters
         and their optimizer state are left exactly as they were."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if _skips_in_kernel(optimizer, params, skip.device):
+        # the optimizer's own kernel skips a step flagged in its ``found_inf`` attribute: a fused torch optimizer with
+        # every stepped parameter on the flag's device and past its first step (a skipped first step of fused SGD
+        # would keep uninitialised momentum buffers)
+        if (getattr(optimizer, "_step_supports_amp_scaling", False)
+                and all(group.get("fused") for group in optimizer.param_groups)
+                and all(p.device == skip.device and optimizer.state.get(p) for p in params)):
             self._buffers = {}  # the first step's copies, no longer needed
             optimizer.found_inf = skip.to(torch.float32).reshape(())  # type: ignore[attr-defined]
             optimizer.grad_scale = None  # type: ignore[attr-defined]
