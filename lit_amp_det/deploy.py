@@ -66,7 +66,11 @@ def deployed_detector(module: Any) -> DeployedDetector:
     finally:
         hparams.update(saved)
     detector.load_state_dict(module.model.state_dict())
-    detector = use_sync_free(detector.to(module.device))
+    try:
+        detector = use_sync_free(detector.to(module.device))
+    except TypeError:
+        raise TypeError(f"export writes the fixed-shape computation of torchvision's FasterRCNN or MaskRCNN; "
+                        f"{type(module).__name__}.build_model() made a {type(detector).__qualname__}") from None
     detector.transform.mask_threshold = float(module.evaluation_settings.mask_threshold)
     return DeployedDetector(detector).eval()
 

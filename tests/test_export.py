@@ -227,3 +227,29 @@ def test_the_r50_fpn_exports_at_800x1333_from_the_command_line(tmp_path: Path) -
     description = json.loads(next((tmp_path / "runs" / "export").glob("*/model.json")).read_text())
     assert description["input"]["shape"] == [1, 3, 800, 1333] and description["format"] == "onnx"
     assert (tmp_path / "runs" / "export").glob("*/model.onnx").__next__().stat().st_size > 100e6  # the weights too
+
+
+def test_a_faster_rcnn_exports_without_masks(tmp_path: Path) -> None:
+    cfg = compose_config(["model=fasterrcnn_light", "model.transform.min_size=96", "model.transform.max_size=96"])
+    module = instantiate(cfg.model, num_classes=3).eval()
+    images = torch.randint(0, 256, (2, 3, 96, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = module(list(images))
+    module.to_onnx(tmp_path / "model.onnx", images)
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    assert names == ["boxes", "scores", "labels", "count"]
+    got = dict(zip(names, session.run(None, {"images": images.numpy()})))
+    assert got["count"].tolist() == [len(e["boxes"]) for e in expected]
+    for index, want in enumerate(expected):
+        torch.testing.assert_close(torch.from_numpy(got["boxes"][index, :len(want["boxes"])]), want["boxes"],
+                                   atol=1e-2, rtol=0)
+
+
+def test_a_detector_of_another_kind_is_refused_naming_it() -> None:
+    class Classifier(MaskRCNNModule):
+        def build_model(self) -> torch.nn.Module:
+            return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1))
+
+    with pytest.raises(TypeError, match=r"FasterRCNN or MaskRCNN; Classifier.build_model\(\) made a Sequential"):
+        export_detector(Classifier(4), None, "pt2", image_size=[32, 32])
