@@ -23,15 +23,20 @@ from omegaconf import DictConfig
 from lit_amp_det.checkpoints import local_weights, names_a_checkpoint_file, read_checkpoint, saved_classes
 from lit_amp_det.models.weights import NO_WEIGHTS, detection_checkpoint, resolve_weights
 
-__all__ = ["folder_prediction_classes", "predicts_on_a_folder", "weights_classes"]
+__all__ = ["folder_prediction_classes", "predicts_on_a_folder", "reads_no_split", "weights_classes"]
 
 log = logging.getLogger(__name__)
 
 
 def predicts_on_a_folder(cfg: DictConfig) -> bool:
-    """``predict`` with ``data.predict_images`` set (pictures without annotations), or ``export``: no split is read."""
-    command = str(cfg.get("command"))
-    return command == "export" or command == "predict" and (cfg.get("data") or {}).get("predict_images") is not None
+    """``predict`` with ``data.predict_images`` set: pictures without annotations."""
+    return str(cfg.get("command")) == "predict" and (cfg.get("data") or {}).get("predict_images") is not None
+
+
+def reads_no_split(cfg: DictConfig) -> bool:
+    """A command that reads no data split, so the model's classes come from its weights: ``predict`` on a folder of
+    pictures, or ``export``."""
+    return str(cfg.get("command")) == "export" or predicts_on_a_folder(cfg)
 
 
 def weights_classes(name: str, mask: bool) -> dict[str, Any]:

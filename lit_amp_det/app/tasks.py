@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lit_amp_det.app.config import check_command, check_config
 from lit_amp_det.app.console import quiet_console, report_user_error
 from lit_amp_det.app.launch import adopt_launch_rank, ddp_child_command
-from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder
+from lit_amp_det.app.model_classes import folder_prediction_classes, reads_no_split
 from lit_amp_det.app.runs import (_write_json, holds_a_run, is_earlier_attempt, read_run, remove_stale_temporaries,
                                   resolve_ckpt_path, resume_point, slurm_resume_point, update_run_record,
                                   write_run_record)
@@ -67,10 +67,10 @@ def config_node(path: str) -> Iterator[None]:
 
 
 def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
-    """Instantiates ``cfg.data`` and prepares it, except for ``predict`` on ``data.predict_images`` (no split read)."""
+    """Instantiates ``cfg.data`` and prepares it, except for a command that reads no split (:func:`reads_no_split`)."""
     with config_node("data"):
         datamodule = instantiate(cfg.data)
-    if not predicts_on_a_folder(cfg):
+    if not reads_no_split(cfg):
         datamodule.prepare_data()
     return datamodule
 
@@ -178,7 +178,7 @@ def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any])
     if record["command"] == "predict":
         emit(f"predictions: {out / 'predictions.json'}")
     elif record["command"] == "export":
-        emit(f"exported: {out / ('model.' + str(cfg.format))} (described in model.json)")
+        emit(f"exported: {record['exported']} (described in model.json)")
     elif record["status"] != "interrupted" or any("mAP" in key for key in record["metrics"]):
         emit(summary_line(record["metrics"]))
     emit(f"run directory: {out}")
@@ -194,7 +194,11 @@ def summary_line(metrics: dict[str, float]) -> str:
     return "no mAP computed (no validation ran)"
 
 
-def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
+def _start(cfg: DictConfig, load_weights: bool = False
+           ) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
+    """Checks the config, records the run, builds data, model and trainer and checks ``ckpt_path`` against the model.
+    ``load_weights``: the checkpoint's weights go into the model here (a command no Trainer restores), from the one
+    read of the file."""
     check_config(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
@@ -215,7 +219,7 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
             sys.argv = [f"ckpt_path={ckpt_path}" if arg.startswith("ckpt_path=") else arg for arg in sys.argv]
     datamodule = build_datamodule(cfg)
     checkpoint, classes = None, None
-    if predicts_on_a_folder(cfg):  # no annotations to name the classes: the weights do
+    if reads_no_split(cfg):  # no annotations to name the classes: the weights do
         if names_a_checkpoint_file(ckpt_path):
             checkpoint = read_checkpoint(ckpt_path, "ckpt_path")
         classes = folder_prediction_classes(cfg, ckpt_path, checkpoint)
@@ -224,7 +228,9 @@ def _start(cfg: DictConfig) -> tuple[pl.LightningDataModule, pl.LightningModule,
     checkpoint = check_checkpoint(ckpt_path, model, checkpoint)  # a bad or mismatched file fails here, with the fix
     if checkpoint is not None and str(cfg.command) == "fit":
         warn_if_precision_changes(checkpoint, f"ckpt_path={ckpt_path}", str(trainer.precision_plugin.precision))
-    del checkpoint  # Lightning reads the file again itself
+    if load_weights and checkpoint is not None:
+        model.load_state_dict(checkpoint["state_dict"])
+    del checkpoint  # otherwise Lightning reads the file again itself
     return datamodule, model, trainer, ckpt_path
 
 
@@ -352,15 +358,14 @@ def export(cfg: DictConfig) -> Path:
 
     started = time.perf_counter()
     fmt = supported_format(str(cfg.get("format")))  # before the model is built
-    datamodule, model, trainer, ckpt_path = _start(cfg)
+    datamodule, model, trainer, ckpt_path = _start(cfg, load_weights=True)
     if ckpt_path is None and not _named_weights(cfg):
         log.warning("export without ckpt_path or model.weights writes a randomly initialised model")
-    if ckpt_path is not None:
-        model.load_state_dict(read_checkpoint(ckpt_path, "ckpt_path")["state_dict"])
     settings = cfg.get("export") or {}
     path = _output_dir(cfg) / f"model.{fmt}"
     export_detector(model, path, fmt, settings.get("image_size"), settings.get("batch_size", 1))
-    _write_outputs(cfg, trainer, {"command": "export", "metrics": {}, "time_s": time.perf_counter() - started})
+    _write_outputs(cfg, trainer, {"command": "export", "metrics": {}, "exported": str(path),
+                                  "time_s": time.perf_counter() - started})
     return path
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from onnxscript import opset18 as op  # the export extra: imported only when an ONNX export runs
 
 __all__ = ["translation_table"]
 
@@ -28,8 +29,6 @@ _INT64 = 7
 
 def _batched_nms_padded(boxes: Any, scores: Any, idxs: Any, valid: Any = None, iou_threshold: float = 0.5,
                         max_output: int = -1, max_class_size: int = -1) -> tuple[Any, Any]:
-    from onnxscript import opset18 as op
-
     def ints(*values: int) -> Any:
         return op.Constant(value_ints=list(values))
 
@@ -48,7 +47,7 @@ def _batched_nms_padded(boxes: Any, scores: Any, idxs: Any, valid: Any = None, i
     return padded, op.Squeeze(op.Shape(kept), ints(0))
 
 
-def _pool(op: Any, feature: Any, rois: Any, scale: float, pooled_height: int, pooled_width: int, sampling_ratio: int,
+def _pool(feature: Any, rois: Any, scale: float, pooled_height: int, pooled_width: int, sampling_ratio: int,
           aligned: bool) -> Any:
     batch_index = op.Cast(op.Gather(rois, op.Constant(value_int=0), axis=1), to=_INT64)
     corners = op.Slice(rois, op.Constant(value_ints=[1]), op.Constant(value_ints=[5]), op.Constant(value_ints=[1]))
@@ -60,18 +59,14 @@ def _pool(op: Any, feature: Any, rois: Any, scale: float, pooled_height: int, po
 
 def _roi_align(features: Any, rois: Any, spatial_scale: float, pooled_height: int, pooled_width: int,
                sampling_ratio: int, aligned: bool) -> Any:
-    from onnxscript import opset18 as op
-
-    return _pool(op, features, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+    return _pool(features, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
 
 
 def _multi_level_roi_align(features: Sequence[Any], rois: Any, levels: Any, spatial_scales: Sequence[float],
                            pooled_height: int, pooled_width: int, sampling_ratio: int, aligned: bool) -> Any:
-    from onnxscript import opset18 as op
-
     pooled = None
     for level, (feature, scale) in enumerate(zip(features, spatial_scales)):
-        here = _pool(op, feature, rois, scale, pooled_height, pooled_width, sampling_ratio, aligned)
+        here = _pool(feature, rois, scale, pooled_height, pooled_width, sampling_ratio, aligned)
         if pooled is None:
             pooled = here
         else:
