@@ -45,13 +45,13 @@ fit: install
 test: install
 	$(PY) -m pytest -q -n 2 --dist worksteal tests $(ARGS)
 
-# On a GPU machine: the op tests on CUDA (compiled Triton kernels), bench ops and short train/infer rows (R50-FPN
+# On a GPU machine, within six minutes on an H100 (each step has its time budget, lit_amp_det/bench/gpu_check.py): the
+# extension's build, the op tests on CUDA (compiled Triton kernels), bench ops and short train/infer rows (R50-FPN
 # 800x1333, batch 8; ARGS=--full for all of them); writes runs/gpu_check/<timestamp>/gpu_check.md. Never runs pip
 # (GPU machines may reach no registry): .venv's Python if there is one, else python3 with the packages importable.
-# Stops at once, measuring nothing, without a GPU.
+# Stops at once, measuring nothing, without a GPU; ARGS=--rehearse times the steps on the CPU.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	$(GPU_PY) setup.py --quiet build_ext --inplace
 	$(GPU_PY) -m lit_amp_det.bench.gpu_check $(ARGS)
 
 # Every Triton launch of the model compiled for sm_80/90/100 (and gfx942): registers and spills, no GPU needed.

@@ -295,8 +295,13 @@ class MaskRCNNModule(LightningModule):
             loss = self.compute_loss(loss_dict)
         batch_size = len(images)
         self.log_dict({f"train/{k}": v.detach().float() for k, v in loss_dict.items()}, batch_size=batch_size)
-        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
+        # the progress bar reads what it shows at every refresh: a captured step would wait for the device each step
+        shown = self.captured_step is None
+        self.log("train/loss", loss.detach(), prog_bar=shown, batch_size=batch_size)
+        lr = self.optimizers().param_groups[0]["lr"]
+        if not isinstance(lr, Tensor):  # a host number stays on the host (self.log would copy it to the device)
+            lr = torch.tensor(float(lr), dtype=torch.float32)
+        self.log("train/lr", lr, prog_bar=True, batch_size=batch_size)
         return loss
 
     def _evaluate(self, batch: Batch, metric: MeanAveragePrecision) -> None:

@@ -19,9 +19,22 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MB", "HostSyncs", "MemoryProbe", "SavedTensorBytes", "StepTimer", "count_images", "pin_malloc_threshold",
-           "release_freed_cpu_memory", "synchronize", "timed", "unpin_malloc_threshold"]
+__all__ = [
+    "MB",
+    "SYNC_KINDS",
+    "HostSyncs",
+    "MemoryProbe",
+    "SavedTensorBytes",
+    "StepTimer",
+    "count_images",
+    "pin_malloc_threshold",
+    "release_freed_cpu_memory",
+    "synchronize",
+    "timed",
+    "unpin_malloc_threshold",
+]
 
 MB = 2**20
 
@@ -257,44 +270,229 @@ def count_images(batch: Any) -> int:
 _aten = torch.ops.aten
 #: ops that read a tensor's values on the host, or size their output by them: on a GPU each waits for the queued
 #: kernels (and breaks a ``torch.compile`` graph, and forbids CUDA-graph capture); mask indexing is a nonzero inside
-_VALUE_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default,
-                _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default,
-                _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor,
-                _aten.item.default, _aten.where.default, _aten.nonzero_numpy.default}  # whole under inference_mode
+_VALUE_READS = {
+    _aten._local_scalar_dense.default,
+    _aten.is_nonzero.default,
+    _aten.equal.default,
+    _aten.nonzero.default,
+    _aten.masked_select.default,
+    _aten._unique2.default,
+    _aten.unique_consecutive.default,
+    _aten.unique_dim.default,
+    _aten.repeat_interleave.Tensor,
+    _aten.item.default,
+    _aten.where.default,  # whole under inference_mode
+    _aten.nonzero_numpy.default,
+}
+#: ops whose CUDA kernels read values back to size or bound their work (a wait inside the kernel's launch)
+_READ_BACK_KERNELS = {
+    _aten.bincount.default,
+    _aten.histc.default,
+    _aten.multinomial.default,
+}
 _INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+#: ops that make a tensor from host data (``torch.tensor``, ``torch.as_tensor`` of Python numbers)
+_HOST_DATA = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
+#: Tensor methods that hand a device tensor's values to the host (``item`` and ``bool`` reach the dispatcher as
+#: ``_local_scalar_dense``; these may not, and on a CPU tensor nothing reaches it at all)
+_HOST_READ_METHODS = {"tolist": "Tensor.tolist", "numpy": "Tensor.numpy", "cpu": "Tensor.cpu"}
 _TORCH_DIR = str(Path(torch.__file__).parent) + "/"
 
+#: what :class:`HostSyncs` counts, by kind
+SYNC_KINDS = ("value read", "read-back kernel", "device copy", "host data on a device", "host read", "explicit sync")
 
-def _syncs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+
+def _is_device(device: torch.device | str | None) -> bool:
+    """Whether ``device`` is an accelerator (anything but the CPU and the meta device)."""
+    return device is not None and torch.device(device).type not in ("cpu", "meta")
+
+
+def _copy_direction(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """``"cpu->cuda"`` (say) for an ``aten`` copy between the host and a device, None for any other call."""
+    if func is _aten._to_copy.default:
+        source = args[0]
+        target = kwargs.get("device")
+    elif func is _aten.copy_.default:
+        source = args[1]
+        target = args[0].device
+    else:
+        return None
+    if not isinstance(source, Tensor) or target is None:
+        return None
+    source_device = source.device
+    target_device = torch.device(target)
+    if _is_device(source_device) == _is_device(target_device):
+        return None
+    return f"{source_device.type}->{target_device.type}"
+
+
+def _value_read(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     if func in _VALUE_READS:
         return func is not _aten.repeat_interleave.Tensor or kwargs.get("output_size") is None
-    return func in _INDEXING and any(isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] or ())
+    if func in _INDEXING:
+        return any(isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] or ())
+    return False
 
 
 def _call_site() -> str:
     """``path:line`` of the innermost frame outside torch and this module: the code that asked for the value."""
     frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                 or frame.f_code.co_filename == __file__):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
+    ):
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 
 
-class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts, while active, the aten calls that make the host wait for a device's values, by (op, call site). CPU
-    tensors dispatch them as CUDA ones do, so a CPU run shows where a GPU step would stop: ``.item()``, ``bool()``,
-    ``nonzero``, one-argument ``torch.where``, mask indexing, ``unique``, unsized ``repeat_interleave``..."""
+class _MethodReads(torch.overrides.TorchFunctionMode):
+    """Counts the Tensor methods that hand values to the host (``tolist``, ``numpy``, ``cpu``).
 
-    def __init__(self) -> None:
+    ``to(device)`` is left to the copy count: in a step it usually names the step's own device, which on a CPU run
+    is the host."""
+
+    def __init__(self, counter: HostSyncs) -> None:
         super().__init__()
-        self.sites: dict[tuple[str, str], int] = {}
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # by name: torch hands the mode the class's attribute of that name, a wrapper if one was installed
+        name = _HOST_READ_METHODS.get(getattr(func, "__name__", ""))
+        if name is None:
+            return func(*args, **kwargs)
+        self.counter.add("host read", name)
+        with self.counter.quiet():  # the copy it makes is this read, not a second wait
+            return func(*args, **kwargs)
+
+
+class _DispatchCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten calls that wait for a device: value reads, read-back kernels, copies, host data.
+
+    ``torch.tensor(numbers, device=cuda)`` is one wait, counted as host data on a device: a fake tensor mode makes it
+    as ``lift_fresh`` on the host then a copy, CUDA as a copy then ``lift_fresh`` on the device; either way the copy
+    is not counted again."""
+
+    def __init__(self, counter: HostSyncs) -> None:
+        super().__init__()
+        self.counter = counter
+        self._lifted_on_host = WeakIdKeyDictionary()  # host tensors made from numbers, not yet on a device
+        self._copied: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a device copy's result -> its (what, site)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if _syncs(func, args, kwargs):
-            key = (str(func.overloadpacket), _call_site())
-            self.sites[key] = self.sites.get(key, 0) + 1
-        return func(*args, **kwargs)
+        op = str(func.overloadpacket)
+        copied = None
+        if _value_read(func, args, kwargs):
+            self.counter.add("value read", op)
+        elif func in _READ_BACK_KERNELS:
+            self.counter.add("read-back kernel", op)
+        else:
+            direction = _copy_direction(func, args, kwargs)
+            if direction is not None and func is _aten._to_copy.default and args[0] in self._lifted_on_host:
+                target = direction.split("->")[1]
+                self.counter.add("host data on a device", f"aten.lift_fresh ({target})")
+            elif direction is not None:
+                copied = self.counter.add("device copy", f"{op} {direction}")
+        result = func(*args, **kwargs)
+        if copied is not None and isinstance(result, Tensor):
+            self._copied[result] = copied
+        if func in _HOST_DATA and isinstance(result, Tensor):
+            if not _is_device(result.device):
+                self._lifted_on_host[result] = True
+            elif result in self._copied or args[0] in self._copied:
+                source = self._copied.get(result) or self._copied[args[0]]
+                what = f"aten.lift_fresh ({result.device.type})"
+                self.counter.reclassify(source, "device copy", "host data on a device", what)
+            else:
+                self.counter.add("host data on a device", f"{op} ({result.device.type})")
+        return result
+
+
+def _explicit_syncs() -> list[tuple[Any, str, str]]:
+    """(owner, attribute, name) of the functions that block the host until a device is done."""
+    syncs = [(torch.cuda, "synchronize", "torch.cuda.synchronize")]
+    syncs.append((torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize"))
+    syncs.append((torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize"))
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        syncs.append((accelerator, "synchronize", "torch.accelerator.synchronize"))
+    return syncs
+
+
+class HostSyncs:
+    """Counts, while active, what makes the host wait for a device, by (what, call site).
+
+    A step that waits nowhere can run ahead of the GPU and be captured in a CUDA graph. Counted, by kind
+    (:data:`SYNC_KINDS`):
+
+    * value reads: ``.item()``, ``bool()``, ``nonzero``, one-argument ``torch.where``, mask indexing, ``unique``,
+      unsized ``repeat_interleave``; CPU tensors dispatch them as CUDA ones do, so a CPU run shows where a GPU
+      step would stop;
+    * read-back kernels: ops whose CUDA kernels read values back (``bincount``, ``histc``, ``multinomial``);
+    * device copies between the host and a device (a pageable copy blocks the host; under capture it is an error);
+    * host data on a device: tensors built from Python numbers on a device (``torch.tensor(..., device=cuda)``);
+    * host reads: ``tolist``, ``numpy``, ``cpu``, counted on any tensor, since in a step on a GPU the tensor would
+      be on the device (``to("cpu")`` of a device tensor counts as a device copy);
+    * explicit syncs: ``torch.cuda.synchronize`` and the stream, event and accelerator ``synchronize``.
+
+    Copies and host data show only where tensors are on a device: run the step on CUDA, or on fake CUDA tensors
+    (``FakeTensorMode``) with this counter entered inside the fake mode."""
+
+    def __init__(self) -> None:
+        self.sites: dict[tuple[str, str], int] = {}
+        self.kinds: dict[str, int] = dict.fromkeys(SYNC_KINDS, 0)
+        self._quiet = 0
+        self._stack = contextlib.ExitStack()
+
+    def add(self, kind: str, what: str) -> tuple[str, str] | None:
+        """Counts one wait of ``kind`` (one of :data:`SYNC_KINDS`) for ``what`` at the caller's call site; returns
+        the site's key, or None when counting is quiet."""
+        if self._quiet:
+            return None
+        key = (what, _call_site())
+        self.sites[key] = self.sites.get(key, 0) + 1
+        self.kinds[kind] += 1
+        return key
+
+    def reclassify(self, key: tuple[str, str], kind: str, new_kind: str, what: str) -> None:
+        """Moves one wait counted at ``key`` from ``kind`` to ``new_kind``, named ``what`` (a copy found to be part
+        of a host-data tensor, say)."""
+        self.sites[key] -= 1
+        if not self.sites[key]:
+            del self.sites[key]
+        new_key = (what, key[1])
+        self.sites[new_key] = self.sites.get(new_key, 0) + 1
+        self.kinds[kind] -= 1
+        self.kinds[new_kind] += 1
+
+    @contextlib.contextmanager
+    def quiet(self) -> Any:
+        """Counts nothing inside (the parts of a wait already counted)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    def _counting(self, function: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.add("explicit sync", name)
+            with self.quiet():
+                return function(*args, **kwargs)
+
+        return counted
+
+    def __enter__(self) -> HostSyncs:
+        for owner, attribute, name in _explicit_syncs():
+            original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+            self._stack.callback(setattr, owner, attribute, original)
+            setattr(owner, attribute, self._counting(getattr(owner, attribute), name))
+        self._stack.enter_context(_MethodReads(self))
+        self._stack.enter_context(_DispatchCounter(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
 
     @property
     def total(self) -> int:

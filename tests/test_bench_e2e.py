@@ -61,17 +61,19 @@ def test_each_row_adds_one_switch_to_the_row_above(kind: str) -> None:
     assert previous["speedups"] == {} and previous["callbacks"] == {} and previous["trainer.precision"] == "32-true"
     assert previous["optim.optimizer.fused"] is None and previous["precision.fp32_regions"] == {}
     assert previous["model.speedups"] == "${speedups}"  # the module gets the group, as fit gives it
+    above = 0  # on a CPU a CUDA row adds nothing to the rows below it
     for index, row in enumerate(bench.rows[1:], start=1):
         overrides = row_overrides(bench, index, setting)
         adds = len(row.adds)
-        assert overrides[:-adds] == row_overrides(bench, index - 1, setting) and adds == (2 if row.name ==
-                                                                                           "step-graph" else 1)
+        assert overrides[:-adds] == row_overrides(bench, above, setting)
+        assert adds == (3 if (kind, row.name) == ("train", "sync-free") else 1), row.name  # + its padded targets
         flat = _config(bench, index, setting)
         changed = _changed(previous, flat)
         inside = [k for k in changed for key in _keys(row.adds)
                   if k == key or k.startswith(key + ".") or key.startswith(k + ".")]  # k: {}
         assert changed and len(inside) == len(changed), (row.name, changed)
-        previous = flat
+        if row.when != "cuda":
+            above, previous = index, flat
     assert previous["speedups.ext_ops._target_"] == "lit_amp_det.models.speedups.ExtensionOps"
     assert previous["speedups.compile._target_"] == "lit_amp_det.models.speedups.CompileBackbone"
 
@@ -223,3 +225,35 @@ def test_bad_arguments_name_the_option(kind: str, argv: list[str], option: str, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert option in err and message in err, err
+
+
+def test_one_process_runs_the_rows_here_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--one-process`` (``make gpu-check``'s quick rows): no row process is started; each row is built anew from the
+    same state, and the report names how the rows ran."""
+    monkeypatch.setattr(e2e, "run_row_process", None)  # a row process would fail the run
+    names = ["torchvision-fp32", "fused-optim"]
+    e2e.main("train", ["--model=maskrcnn_tiny", "--size=64", "--batch=2", "--warmup=0", "--steps=1", "--precision=fp32",
+                       "--state=random", "--repeats=1", f"--rows={','.join(names)}", "--one-process",
+                       f"--out={tmp_path}"])
+    report = json.loads((tmp_path / "bench_train.json").read_text())
+    rows = report["rows"]
+    assert [row["name"] for row in rows] == names and all(row["status"] == "ok" for row in rows)
+    assert rows[0]["weights_sha256"] == rows[1]["weights_sha256"], "one model state for every row"
+    assert report["one_process"] and "all in one process" in (tmp_path / "bench_train.md").read_text()
+
+
+def test_one_process_refuses_rows_that_compile(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        e2e.main("train", ["--rows=sync-free,compile", "--one-process", "--state=random"])
+    assert exit_info.value.code == 2 and "['compile'] compile" in capsys.readouterr().err
+
+
+def test_a_row_that_raises_in_one_process_is_a_failed_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lit_amp_det.bench import measure
+
+    def refuse(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
+        raise RuntimeError("callbacks.cuda_graph cannot capture this training step: it runs on cpu\nmore")
+
+    monkeypatch.setattr(measure, "run_row", refuse)
+    result = e2e.run_row_here(BENCHES["train"], 0, SETTING)
+    assert result["status"] == "failed" and result["error"].endswith("it runs on cpu") and result["wall_s"] >= 0

@@ -171,6 +171,77 @@ def test_host_syncs_counts_the_same_under_inference_mode() -> None:
     assert syncs.total == 5, syncs.table()
 
 
+def _fake_cuda() -> Any:
+    """A fake tensor mode in which ``device="cuda"`` makes tensors without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def test_host_syncs_counts_copies_between_the_host_and_a_device() -> None:
+    host = torch.ones(3)
+    with _fake_cuda():
+        device = torch.ones(3, device="cuda")
+        line = inspect.currentframe().f_lineno
+        with HostSyncs() as syncs:
+            host.to("cuda")  # +2
+            device.to("cpu")  # +3
+            device.copy_(host)  # +4
+            device.to("cuda"), device + 1, host.to("cpu")  # none: the same side
+    here = Path(__file__).resolve()
+    assert syncs.sites == {
+        ("aten._to_copy cpu->cuda", f"{here}:{line + 2}"): 1,
+        ("aten._to_copy cuda->cpu", f"{here}:{line + 3}"): 1,
+        ("aten.copy_ cpu->cuda", f"{here}:{line + 4}"): 1,
+    }
+    assert syncs.kinds["device copy"] == 3 and syncs.total == 3
+
+
+def test_host_syncs_counts_tensors_built_from_host_data_on_a_device() -> None:
+    with _fake_cuda():
+        with HostSyncs() as syncs:
+            torch.tensor([1.0, 2.0], device="cuda")
+            torch.as_tensor([0.5], device="cuda")
+            torch.tensor([1.0, 2.0])  # on the host: no wait
+            torch.full((2,), 0.5, device="cuda"), torch.zeros(2, device="cuda")  # filled on the device
+    # one wait each (the copy that takes the numbers to the device is that wait, not a second one)
+    assert syncs.kinds["host data on a device"] == 2 and syncs.total == 2, syncs.table()
+
+
+def test_host_syncs_counts_host_reads_on_any_tensor_once() -> None:
+    x = torch.arange(4.0)
+    with HostSyncs() as syncs:
+        x.tolist(), x.numpy(), x.cpu()
+    assert syncs.kinds["host read"] == 3 and syncs.total == 3, syncs.table()
+    with _fake_cuda():
+        device = torch.ones(3, device="cuda")
+        with HostSyncs() as syncs:
+            device.cpu()  # one read: its copy is part of it
+    assert syncs.sites.keys() == {("Tensor.cpu", syncs.table().split()[-1])} and syncs.total == 1, syncs.table()
+
+
+def test_host_syncs_counts_ops_whose_cuda_kernels_read_back() -> None:
+    x = torch.tensor([0, 1, 1, 3])
+    with HostSyncs() as syncs:
+        torch.bincount(x), torch.histc(x.float(), bins=4), torch.multinomial(x.float(), 2)
+    assert syncs.kinds["read-back kernel"] == 3 and syncs.total == 3, syncs.table()
+
+
+def test_host_syncs_counts_explicit_synchronisation_and_restores_it(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("device"))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: calls.append("stream"))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: calls.append("event"))
+    patched = torch.cuda.synchronize
+    with HostSyncs() as syncs:
+        torch.cuda.synchronize()
+        torch.cuda.Stream.synchronize(None)  # as a stream's method (no stream can be made without a GPU)
+        torch.cuda.Event.synchronize(None)
+    assert calls == ["device", "stream", "event"]
+    assert syncs.kinds["explicit sync"] == 3 and syncs.total == 3, syncs.table()
+    assert torch.cuda.synchronize is patched  # put back as it was
+
+
 def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
     """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code does
     and at two known points of ``models/ext_ops.py`` (the RPN's filters, the mask head's positives; issue 42 removes

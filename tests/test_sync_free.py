@@ -5,6 +5,8 @@ torchvision's detections and masks."""
 from __future__ import annotations
 
 import copy
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torchvision.models.detection._utils import BalancedPositiveNegativeSampler,
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.models.detection.roi_heads import paste_masks_in_image
 
+from lit_amp_det.models import sync_free
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
 from lit_amp_det.models.sync_free import (
@@ -170,7 +173,7 @@ def test_an_r50_fpn_training_step_makes_no_host_sync():
     assert syncs.total == 0, syncs.table()
 
 
-def test_inference_reads_the_device_once_per_batch(monkeypatch):
+def test_inference_reads_the_device_once_per_batch():
     from host_syncs import batch
 
     model = _sync_free(_tiny()).eval()
@@ -179,11 +182,12 @@ def test_inference_reads_the_device_once_per_batch(monkeypatch):
         padded = model.forward_padded(images)
     assert syncs.total == 0, syncs.table()
     assert [d["boxes"].shape for d in padded] == [(model.roi_heads.detections_per_img, 4)] * 2
-    reads, tolist = [], torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
     with torch.no_grad(), HostSyncs() as syncs:
         model(images)
-    assert syncs.total == 0 and reads == [(2,)], (syncs.table(), reads)  # the counts of the batch, read once
+    # the counts of the batch, read once, in forward
+    (what, site), = syncs.sites
+    assert what == "Tensor.tolist" and site.startswith(str(Path(sync_free.__file__))), syncs.table()
+    assert syncs.total == 1 and syncs.kinds["host read"] == 1, syncs.table()
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -414,3 +418,57 @@ def test_a_whole_training_step_replays_as_one_cuda_graph(monkeypatch):
         graph.replay()
         assert torch.isfinite(losses).all()
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+# ------------------------------------------------------------------- no tensors from host numbers in a step
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_device_box_coder_codes_as_torchvision_does(dtype) -> None:
+    from torchvision.models.detection._utils import BoxCoder
+
+    from lit_amp_det.models.sync_free import DeviceBoxCoder
+
+    g = torch.Generator().manual_seed(0)
+    corners = torch.rand(300, 2, generator=g) * 500
+    reference = torch.cat([corners, corners + 1 + torch.rand(300, 2, generator=g) * 300], 1).to(dtype)
+    proposals = (reference + torch.rand(300, 4, generator=g) * torch.tensor([-5.0, -5.0, 5.0, 5.0])).to(dtype)
+    codes = (torch.randn(300, 8, generator=g) * 2).to(dtype)  # two classes' deltas
+    for weights in [(1.0, 1.0, 1.0, 1.0), (10.0, 10.0, 5.0, 5.0)]:
+        ours, theirs = DeviceBoxCoder(weights, math.log(1000 / 16)), BoxCoder(weights)
+        assert torch.equal(ours.encode_single(reference, proposals), theirs.encode_single(reference, proposals))
+        assert torch.equal(ours.decode(codes, [proposals[:100], proposals[100:]]),
+                           theirs.decode(codes, [proposals[:100], proposals[100:]]))
+
+
+def test_boxes_rescale_with_python_ratios_as_torchvision_rescales_them() -> None:
+    from torchvision.models.detection.transform import resize_boxes
+
+    from lit_amp_det.models.sync_free import scale_boxes
+
+    g = torch.Generator().manual_seed(0)
+    boxes = torch.rand(500, 4, generator=g) * 1333
+    for old, new in [((480, 640), (800, 1066)), ((427, 640), (800, 1199)), ((333, 500), (128, 192)), ((7, 3), (13, 5))]:
+        assert torch.equal(scale_boxes(boxes, old, new), resize_boxes(boxes, list(old), list(new)))
+    assert scale_boxes(boxes[:0], (10, 10), (20, 20)).shape == (0, 4)
+
+
+def test_the_fixed_shape_transform_normalises_and_resizes_as_torchvision() -> None:
+    """The same images and targets as torchvision's transform, training and inference (one scale, so that both
+    draw the same size); only the padding differs (a size bucket)."""
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    from host_syncs import batch
+    from lit_amp_det.models.sync_free import FixedShapeTransform
+
+    theirs = GeneralizedRCNNTransform(96, 160, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    ours = FixedShapeTransform(theirs, 0.5)
+    images, targets = batch()
+    for training in (True, False):
+        theirs.train(training), ours.train(training)
+        expected, expected_targets = theirs(images, copy.deepcopy(targets) if training else None)
+        got, got_targets = ours(images, copy.deepcopy(targets) if training else None)
+        assert got.image_sizes == expected.image_sizes
+        for index, (height, width) in enumerate(got.image_sizes):  # ours pads to a size bucket
+            region = (index, slice(None), slice(0, height), slice(0, width))
+            assert torch.equal(got.tensors[region], expected.tensors[region])
+        for g, e in zip(got_targets or [], expected_targets or []):
+            assert torch.equal(g["boxes"], e["boxes"]) and torch.equal(g["masks"], e["masks"])

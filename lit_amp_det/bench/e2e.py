@@ -12,10 +12,12 @@ the fp32 regions; bf16 and fp16 weights with fp32 masters; fp16 rows on CUDA unl
 
 Each row is built as ``fit``/``predict`` build it from its Hydra overrides (listed in the report), loads one shared
 model state (``--state``) and times one batch of shapes images. Every repeat of every row runs in a fresh process
-(allocator caches, compiled code and hooks must not leak into the next row), rows interleaved with the order rotated
-each round; a failed row is reported with its error and the other rows still are. The report (``bench_<kind>.md`` and
-``.json`` in ``--out``) gives per row images/s, the median step time over repeats and the spread of the repeat medians,
-the ratios to the first row and to the row above, peak memory and warm-up time (which holds any compile time).
+(allocator caches, compiled code and hooks must not leak into the next row), or with ``--one-process`` all in this
+one (the process start, imports and CUDA context paid once: for short runs of rows that compile nothing), rows
+interleaved with the order rotated each round; a failed row is reported with its error and the other rows still are.
+The report (``bench_<kind>.md`` and ``.json`` in ``--out``) gives per row images/s, the median step time over repeats
+and the spread of the repeat medians, the ratios to the first row and to the row above, peak memory and warm-up time
+(which holds any compile time).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import os
 import platform
@@ -42,7 +45,8 @@ from lit_amp_det.bench.rows import (BENCHES, HALF_CHOICES, Bench, Setting, defau
                                     row_adds, row_overrides)
 from lit_amp_det.precision.hardware import cpu_capability, cpu_computes_bf16_natively
 
-__all__ = ["device_name", "infer", "main", "parse_size", "precision", "run_row_process", "train", "write_report"]
+__all__ = ["ONE_PROCESS_REFUSED", "device_name", "infer", "main", "parse_size", "precision", "run_row_here",
+           "run_row_process", "train", "write_report"]
 
 #: Repeats per row, on a CPU and on CUDA alike: GPU clocks and cudnn.benchmark's choices vary per process too.
 DEFAULT_REPEATS = 3
@@ -50,6 +54,9 @@ DEFAULT_REPEATS = 3
 DEFAULT_STATE_STEPS = 200
 #: Marks the one stdout line of a row process that carries its result.
 _MARKER = "BENCH_ROW "
+#: Rows ``--one-process`` refuses: what they compile (Dynamo's and Inductor's caches, CUDA graph trees) would stay in
+#: the process and change the rows after them.
+ONE_PROCESS_REFUSED = ("compile", "cuda-graphs")
 
 
 def _positive(minimum: int) -> Callable[[str], int]:
@@ -110,6 +117,9 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
         "(default: all that apply); in train and infer a row keeps the switches of the rows above it")
     add("--repeats", type=_positive(1), default=DEFAULT_REPEATS,
         help=f"runs of each row, each in a fresh process, rows interleaved (default {DEFAULT_REPEATS})")
+    add("--one-process", action="store_true",
+        help="run every row and repeat in this process, each built anew from the same state (the imports and the "
+             "CUDA context paid once); refused for rows that compile")
     add("--state", choices=["trained", "random"], default="trained",
         help="model state every row loads: trained (default; --state-steps of the SGD recipe on the shapes data, "
              "made once and cached) or random (the seeded initialisation)")
@@ -162,6 +172,32 @@ def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any
     errors = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
     return {"status": "failed", "error": errors[-1] if errors else f"exit status {proc.returncode}, no result line",
             "returncode": proc.returncode, "wall_s": wall, "stderr_tail": proc.stderr[-4000:]}
+
+
+def run_row_here(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
+    """Runs ``bench.rows[index]`` in this process, after freeing what the row before it left (its objects, the CUDA
+    allocator's cached blocks); its measurements with ``status: ok``, or ``status: failed`` with the error.
+
+    Args:
+        bench: the bench the row belongs to.
+        index: the row's index in ``bench.rows``.
+        setting: what every row of the run shares.
+
+    Returns:
+        What :func:`~lit_amp_det.bench.measure.run_row` measured, with ``status`` and ``wall_s``; or ``status``,
+        ``error`` (the exception's type and message) and ``wall_s`` when the row raised.
+    """
+    from lit_amp_det.bench.measure import run_row
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    start = time.perf_counter()
+    try:
+        result = run_row(bench, index, setting)
+    except Exception as error:  # a row that fails is a table line; the rows after it still run
+        return {"status": "failed", "error": f"{type(error).__name__}: {error}".splitlines()[0],
+                "wall_s": time.perf_counter() - start}
+    return {**result, "status": "ok", "wall_s": time.perf_counter() - start}
 
 
 def device_name(device: str) -> str:
@@ -225,7 +261,8 @@ def _header(bench: Bench, rows: Sequence[dict[str, Any]], setting: Setting, run:
     else:
         lines.append("- model state: random (the seeded initialisation); timed steps on the recipe's schedule")
     source = next((row["memory_source"] for row in rows if row.get("memory_source")), "-")
-    return [*lines, f"- repeats: {run['repeats']} per row, each a fresh process, rows interleaved with the order "
+    where = "all in one process" if run.get("one_process") else "each a fresh process"
+    return [*lines, f"- repeats: {run['repeats']} per row, {where}, rows interleaved with the order "
             "rotated every round; times are the median over repeats of each repeat's median, `repeats` the range of "
             "the repeat medians and (max - min) / median",
             f"- peak MB: one more step, above what was in use once the model was built ({source})"]
@@ -272,6 +309,9 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
         print(_MARKER + json.dumps({"name": args.row, **run_row(bench, names.index(args.row), setting)}), flush=True)
         return
     selected = args.rows or default_rows(bench, setting)
+    if args.one_process and (compiled := [name for name in selected if name in ONE_PROCESS_REFUSED]):
+        parser.error(f"--one-process: rows {compiled} compile, and what they compile would stay in the process for the "
+                     "rows after them; leave them out (--rows) or run every row in its own process")
     state = None
     if setting.state == "trained":
         state = ensure_state(setting, setting.state_steps, cache_root(args.cache_dir))
@@ -290,7 +330,8 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
     def run(number: int, round_: int, position: int) -> dict[str, Any]:
         print(f"[{position + 1}/{len(order)}] round {round_ + 1}: {selected[number]} ...", end=" ", flush=True,
               file=sys.stderr)
-        result = run_row_process(bench, names.index(selected[number]), setting)
+        run_one = run_row_here if args.one_process else run_row_process
+        result = run_one(bench, names.index(selected[number]), setting)
         timed = [f"{t} median {result[f'{t}_ms_median']:.1f} ms" for t in bench.timings
                  if isinstance(result.get(f"{t}_ms_median"), (int, float))]
         print(f"{result['status']} ({result['wall_s']:.0f} s{''.join('; ' + t for t in timed)})", flush=True,
@@ -308,6 +349,7 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
                      "overrides": row_overrides(bench, index, setting), **row})
     run_info = {"command": shlex.join(["python", "-m", "lit_amp_det", "bench", kind, *argv]),
                 "environment": _environment(setting.device), "state": state, "repeats": args.repeats,
+                "one_process": args.one_process,
                 "run_order": [{"position": k, "round": r, "row": selected[i]} for k, (r, i) in enumerate(order)]}
     print(write_report(bench, rows, setting, run_info, out))
     print(f"\nwritten to {out}/bench_{kind}.{{md,json}}")

@@ -1,7 +1,8 @@
 """One row of ``bench train``, ``bench infer`` or ``bench precision``, run in this process through Lightning.
 
 The row's config (:mod:`lit_amp_det.bench.rows`) runs as ``fit`` and ``predict`` run it, every step on one batch of the
-shapes data's ``val`` images. :class:`RowTimer` times each step from batch start to end (forward, loss, backward,
+shapes data's ``val`` images, its training targets padded as the data module pads them when the row sets
+``data.pad_instances``. :class:`RowTimer` times each step from batch start to end (forward, loss, backward,
 optimizer step, callbacks' batch hooks), CUDA-synchronised, after the warm-up steps (a compiled row's compile time).
 One more step measures the peak memory above what the built model used (the CUDA allocator's peak, or the resident
 high-water mark with glibc's mmap threshold pinned and freed heap released first) and counts its host syncs.
@@ -30,7 +31,8 @@ from lit_amp_det.precision import build_precision_plugin
 from lit_amp_det.profiling import (MB, HostSyncs, MemoryProbe, pin_malloc_threshold, release_freed_cpu_memory,
                                    unpin_malloc_threshold)
 
-__all__ = ["RowTimer", "build_trainer", "instantiate_model", "run_row", "shapes_batch", "summarise", "weights_sha256"]
+__all__ = ["RowTimer", "build_trainer", "instantiate_model", "pad_training_targets", "run_row", "shapes_batch",
+           "summarise", "weights_sha256"]
 
 Batch = tuple[list[Tensor], list[dict[str, Tensor]]]
 
@@ -59,6 +61,28 @@ def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, nu
                                                dtype=torch.int64),
                         "masks": torch.from_numpy(masks).to(torch.uint8), "image_id": torch.tensor(index)})
     return images, targets
+
+
+def pad_training_targets(cfg: DictConfig, targets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """``targets`` as the data module hands a training batch to the step: padded to ``data.pad_instances`` instances by
+    the data module's own :func:`~lit_amp_det.data.coco.pad_instances` (a ``valid`` flag each), unchanged when it is
+    null. The bench feeds its batches without the data module, and a fixed-shape step (the CUDA graph) refuses
+    targets whose shapes could change.
+
+    Args:
+        cfg: the row's composed config; ``cfg.data.pad_instances`` is read.
+        targets: one dict per image, with ``boxes`` ``[N, 4]`` and the other per-instance fields ``[N, ...]``.
+
+    Returns:
+        One dict per image, its per-instance fields ``[pad_instances, ...]`` and ``valid`` ``[pad_instances]`` when
+        padding is asked for; otherwise the targets as given.
+    """
+    from lit_amp_det.data.coco import pad_instances
+
+    count = cfg.data.get("pad_instances")
+    if count is None:
+        return list(targets)
+    return [pad_instances(target, int(count)) for target in targets]
 
 
 def weights_sha256(module: torch.nn.Module) -> str:
@@ -186,7 +210,7 @@ def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     images, targets = shapes_batch("val", range(setting.batch), setting.height, setting.width, setting.num_classes)
     if bench.stage == "fit":
         plan = ["warmup"] * warmup + ["step"] * setting.steps + ["memory"]
-        batches = [(images, targets)] * len(plan)
+        batches = [(images, pad_training_targets(cfg, targets))] * len(plan)
     else:  # every batch size warms up before anything is timed (compile traces each input shape)
         single, full = (images[:1], targets[:1]), (images, targets)
         plan = ["warmup"] * 2 * warmup + ["latency"] * setting.steps + ["batch"] * setting.steps + ["memory"]

@@ -2,8 +2,9 @@
 
 A row is the list of overrides that ``fit`` or ``predict`` would be given. Every bench starts from :data:`BASELINE`.
 In ``train`` and ``infer`` each later row adds one switch to the row above (rows are cumulative), so the ratio to the
-row above is that switch's gain; in ``precision`` each row is the baseline plus its own precision settings. Every row
-of a run shares one :class:`Setting`."""
+row above is that switch's gain (a row that must undo a switch above says so in its label); on a CPU the rows that
+only run on CUDA add nothing to the rows below them. In ``precision`` each row is the baseline plus its own precision
+settings. Every row of a run shares one :class:`Setting`."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any
 from lit_amp_det.app.config import compose  # re-exported: the benches compose rows as the CLI does
 from lit_amp_det.precision.hardware import auto_precision
 
-__all__ = ["BASELINE", "BENCHES", "HALF_CHOICES", "Bench", "Row", "Setting", "compose", "default_rows",
-           "device_defaults", "resolve_half", "row_adds", "row_overrides"]
+__all__ = ["BASELINE", "BENCHES", "HALF_CHOICES", "PAD_INSTANCES", "Bench", "Row", "Setting", "compose",
+           "default_rows", "device_defaults", "resolve_half", "row_adds", "row_overrides"]
 
 #: Overrides of the first row of every bench: torchvision's model as built, fp32, no callbacks, SGD (the recipe
 #: of ``conf/optim/sgd.yaml``) on PyTorch's default (foreach) kernel. ``precision.fp32_regions={}`` changes nothing
@@ -65,11 +66,20 @@ _FIRST_ROWS = (
     Row("channels-last", "+ channels_last", (_speedup("channels_last", "ChannelsLast"),)))
 # on every device, so that a CPU run measures it too; the compile row after it then compiles the whole detector
 _SYNC_FREE = Row("sync-free", "+ sync_free (fixed shapes)", (_speedup("sync_free", "SyncFree", ",devices:[cpu,cuda]"),))
+#: Padded training targets: every image's instance count (so the step's shapes) stays the same from batch to batch, as
+#: the CUDA graph replays it; the bench pads its batch as the data module pads a training batch.
+PAD_INSTANCES = "data.pad_instances=100"
+# training: the fixed-shape step as the step-graph row below replays it, so that the graph's ratio to this row is the
+# graph's gain alone: padded targets, and autocast ({mixed}) again, which a CUDA graph holds and half weights (the
+# low-precision-weights row above) it does not. Its ratio to that row is sync_free's gain less the half weights'; to
+# the fused-optim row (in the same precision) it is sync_free's gain.
+_SYNC_FREE_TRAIN = Row("sync-free", "+ sync_free (fixed shapes, padded targets; autocast weights again)",
+                       (*_SYNC_FREE.adds, "trainer.precision={mixed}", PAD_INSTANCES))
 _COMPILE = Row("compile", "+ torch.compile (whole if sync_free)", (_speedup("compile", "CompileBackbone"),))
 # training: the whole step (forward, backward, optimizer) replayed as one CUDA graph (callbacks.cuda_graph), before
 # compile so that the compile row's kernels are captured too; inference: inductor's CUDA graphs of the compiled forward
-_STEP_GRAPH = Row("step-graph", "+ whole step as one CUDA graph",
-                  ("callbacks=[freeze_norm,conv_bn_eval,cuda_graph]", "data.pad_instances=100"), "cuda")
+_STEP_GRAPH = Row("step-graph", "+ whole step as one CUDA graph", ("callbacks=[freeze_norm,conv_bn_eval,cuda_graph]",),
+                  "cuda")
 _CUDA_GRAPHS = Row("cuda-graphs", "+ CUDA graphs (reduce-overhead)", ("+speedups.compile.mode=reduce-overhead",),
                    "cuda")
 
@@ -78,7 +88,7 @@ TRAIN_ROWS = (
     Row("freeze-norm-convbn", "+ FreezeNorm + ConvBNEval", ("callbacks=[freeze_norm,conv_bn_eval]",)),
     Row("fused-optim", "+ fused SGD", ("optim.optimizer.fused=auto",)),
     Row("low-precision-weights", "+ half weights, fp32 masters", ("trainer.precision={weights}",), "half"),
-    _SYNC_FREE, _STEP_GRAPH, _COMPILE)
+    _SYNC_FREE_TRAIN, _STEP_GRAPH, _COMPILE)
 INFER_ROWS = (
     *_FIRST_ROWS,
     Row("binary-mask-paste", "+ masks pasted as booleans", (_speedup("binary_mask_paste", "BinaryMaskPaste"),)),
@@ -150,7 +160,8 @@ def device_defaults(device: str) -> dict[str, Any]:
 
 def row_overrides(bench: Bench, index: int, setting: Setting) -> list[str]:
     """The overrides of ``bench.rows[index]``: the setting's (the device's trainer, the model and its input size, the
-    state), :data:`BASELINE`, the timing lr, then the row's own (in a cumulative bench, those of every row up to it)."""
+    state), :data:`BASELINE`, the timing lr, then the row's own (in a cumulative bench, those of every row up to it but
+    the CUDA rows above it on a CPU: a switch that cannot run there would stop every row below it)."""
     # min/max size equal to the image sides: the transform keeps the images at their size
     overrides = [f"trainer={'gpu' if setting.device == 'cuda' else 'cpu'}", f"model={setting.model}",
                  f"model.num_classes={setting.num_classes}",
@@ -159,7 +170,11 @@ def row_overrides(bench: Bench, index: int, setting: Setting) -> list[str]:
     if setting.weights is not None:  # quoted: a path may hold characters Hydra's grammar reads otherwise
         quoted = setting.weights.replace("\\", "\\\\").replace("'", "\\'")
         overrides.append(f"model.weights='{quoted}'")
-    rows = bench.rows[1: index + 1] if bench.cumulative else bench.rows[index: index + 1]
+    if bench.cumulative:
+        above = [row for row in bench.rows[1:index] if row.when != "cuda" or setting.device == "cuda"]
+        rows = [*above, bench.rows[index]] if index > 0 else []
+    else:
+        rows = [bench.rows[index]]
     lr = [] if setting.lr is None else [f"optim.optimizer.lr={setting.lr!r}", "optim.scheduler=null"]
     half = [_FP16_ON_CPU] if resolve_half(setting) == "fp16" and setting.device == "cpu" and bench.cumulative else []
     return [*overrides, *BASELINE, *lr, *half, *(add for row in rows for add in row_adds(row, setting))]

@@ -61,12 +61,16 @@ class BinaryMaskTransform(GeneralizedRCNNTransform):
         if self.training:
             return result
         for pred, shape, original in zip(result, image_shapes, original_image_sizes):
-            pred["boxes"] = resize_boxes(pred["boxes"], shape, original)
+            pred["boxes"] = self.rescale_boxes(pred["boxes"], shape, original)
             if "masks" in pred:
                 pred["masks"] = self.paste(pred["masks"], pred["boxes"], original)
             if "keypoints" in pred:
                 pred["keypoints"] = resize_keypoints(pred["keypoints"], shape, original)
         return result
+
+    def rescale_boxes(self, boxes: Tensor, size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
+        """``[N, 4]`` boxes in the resized image of ``size`` -> in the original image (torchvision's rescaling)."""
+        return resize_boxes(boxes, size, original_size)
 
     def paste(self, masks: Tensor, boxes: Tensor, image_size: tuple[int, int]) -> Tensor:
         """``[N, 1, M, M]`` probabilities in their boxes -> ``[N, 1, H, W]`` booleans at :attr:`mask_threshold`."""

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import math
 import random
+
+import numpy as np
 from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
-from torchvision.models.detection._utils import Matcher
+from torchvision.models.detection._utils import BoxCoder, Matcher, encode_boxes
 from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.roi_heads import expand_boxes, expand_masks
+from torchvision.models.detection.transform import GeneralizedRCNNTransform, _resize_image_and_masks
 from torchvision.models.detection.rpn import concat_box_prediction_layers
 from torchvision.ops import boxes as box_ops
 
@@ -37,8 +40,20 @@ from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.models.mask_targets import project_masks_on_boxes
 from lit_amp_det.ops import batched_nms_padded, box_iou
 
-__all__ = ["FixedShapeTransform", "SyncFreeFasterRCNN", "SyncFreeMaskRCNN", "SyncFreeRPN", "SyncFreeRoIHeads", "match",
-           "paste_masks_padded", "sample_slots", "use_sync_free"]
+__all__ = [
+    "DeviceBoxCoder",
+    "DeviceConstants",
+    "FixedShapeTransform",
+    "SyncFreeFasterRCNN",
+    "SyncFreeMaskRCNN",
+    "SyncFreeRPN",
+    "SyncFreeRoIHeads",
+    "match",
+    "paste_masks_padded",
+    "sample_slots",
+    "scale_boxes",
+    "use_sync_free",
+]
 
 
 def match(quality: Tensor, matcher: Matcher, valid: Tensor | None = None) -> Tensor:
@@ -89,6 +104,87 @@ def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, 0.0).sum()
 
 
+def _float32_ratio(new: int, old: int) -> float:
+    """``new / old`` rounded to float32, as torchvision divides two float32 tensors of the sizes; exact as a Python
+    float, so that multiplying a float32 tensor by it gives torchvision's products without a tensor from the host."""
+    return float(np.float32(new) / np.float32(old))
+
+
+def scale_boxes(boxes: Tensor, old_size: tuple[int, int], new_size: tuple[int, int]) -> Tensor:
+    """torchvision's ``resize_boxes`` with the ratios as Python numbers: the same values, and no tensor built from
+    host numbers on the boxes' device (a host-to-device copy per call on a GPU, an error under CUDA-graph capture).
+
+    Args:
+        boxes (Tensor[N, 4]): ``x1, y1, x2, y2`` in an image of ``old_size`` (height, width).
+        old_size: the image's height and width the boxes are in.
+        new_size: the height and width to scale them to.
+
+    Returns:
+        Tensor[N, 4]: the boxes in an image of ``new_size``.
+    """
+    ratio_height = _float32_ratio(int(new_size[0]), int(old_size[0]))
+    ratio_width = _float32_ratio(int(new_size[1]), int(old_size[1]))
+    x1, y1, x2, y2 = boxes.unbind(1)
+    return torch.stack((x1 * ratio_width, y1 * ratio_height, x2 * ratio_width, y2 * ratio_height), dim=1)
+
+
+class DeviceConstants:
+    """Small constant tensors made once per device and dtype, so that a step never copies them from the host."""
+
+    def __init__(self, values: list[float] | tuple[float, ...]) -> None:
+        self.values = [float(v) for v in values]
+        self._made: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def on(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The values as a ``[len(values)]`` tensor on ``device`` in ``dtype`` (made on the first call only)."""
+        key = (device, dtype)
+        if key not in self._made:
+            with torch.inference_mode(False):  # usable in training after a first call under inference_mode
+                self._made[key] = torch.tensor(self.values, dtype=dtype, device=device)
+        return self._made[key]
+
+
+class DeviceBoxCoder(BoxCoder):
+    """torchvision's ``BoxCoder`` without tensors made from host numbers in a step: the encoding weights are made
+    once per device and dtype, and the decoding halves the box sizes with a Python scalar (the same values)."""
+
+    def __init__(self, weights: tuple[float, float, float, float], bbox_xform_clip: float) -> None:
+        super().__init__(weights, bbox_xform_clip)
+        self._weights = DeviceConstants(weights)
+
+    def encode_single(self, reference_boxes: Tensor, proposals: Tensor) -> Tensor:
+        weights = self._weights.on(reference_boxes.device, reference_boxes.dtype)
+        return encode_boxes(reference_boxes, proposals, weights)
+
+    def decode_single(self, rel_codes: Tensor, boxes: Tensor) -> Tensor:
+        boxes = boxes.to(rel_codes.dtype)
+        widths = boxes[:, 2] - boxes[:, 0]
+        heights = boxes[:, 3] - boxes[:, 1]
+        centre_x = boxes[:, 0] + 0.5 * widths
+        centre_y = boxes[:, 1] + 0.5 * heights
+        weight_x, weight_y, weight_w, weight_h = self.weights
+        dx = rel_codes[:, 0::4] / weight_x
+        dy = rel_codes[:, 1::4] / weight_y
+        dw = torch.clamp(rel_codes[:, 2::4] / weight_w, max=self.bbox_xform_clip)  # exp() stays finite
+        dh = torch.clamp(rel_codes[:, 3::4] / weight_h, max=self.bbox_xform_clip)
+        box_centre_x = dx * widths[:, None] + centre_x[:, None]
+        box_centre_y = dy * heights[:, None] + centre_y[:, None]
+        half_width = 0.5 * (torch.exp(dw) * widths[:, None])
+        half_height = 0.5 * (torch.exp(dh) * heights[:, None])
+        corners = (
+            box_centre_x - half_width,
+            box_centre_y - half_height,
+            box_centre_x + half_width,
+            box_centre_y + half_height,
+        )
+        return torch.stack(corners, dim=2).flatten(1)
+
+
+def device_box_coder(coder: BoxCoder) -> DeviceBoxCoder:
+    """A :class:`DeviceBoxCoder` with ``coder``'s weights and clip."""
+    return DeviceBoxCoder(coder.weights, coder.bbox_xform_clip)
+
+
 _PASTE_CHUNK = 16  # detections pasted at a time: the full-image temporaries of a large photo stay bounded
 
 
@@ -137,6 +233,11 @@ class FixedShapeTransform(BinaryMaskTransform):
     resizing skipped, is padded as torchvision pads it). The training scale is drawn with Python's ``random`` (seeded by
     Lightning's ``seed_everything``), not read back from a tensor."""
 
+    def __init__(self, transform: GeneralizedRCNNTransform, mask_threshold: float) -> None:
+        super().__init__(transform, mask_threshold)
+        self._mean = DeviceConstants(self.image_mean)
+        self._std = DeviceConstants(self.image_std)
+
     def torch_choice(self, k: list[int]) -> int:
         return k[0] if len(k) == 1 else random.choice(k)
 
@@ -157,6 +258,30 @@ class FixedShapeTransform(BinaryMaskTransform):
     def paste(self, masks: Tensor, boxes: Tensor, image_size: tuple[int, int]) -> Tensor:
         return paste_masks_padded(masks, boxes, image_size, self.mask_threshold)
 
+    def normalize(self, image: Tensor) -> Tensor:
+        """torchvision's normalisation with the mean and std made once per device and dtype, not per image."""
+        if not image.is_floating_point():
+            raise TypeError(f"images should be floating point in [0, 1], got {image.dtype}")
+        mean = self._mean.on(image.device, image.dtype)
+        std = self._std.on(image.device, image.dtype)
+        return (image - mean[:, None, None]) / std[:, None, None]
+
+    def resize(self, image: Tensor, target: dict[str, Tensor] | None = None
+               ) -> tuple[Tensor, dict[str, Tensor] | None]:
+        """torchvision's resize (the same size choice and interpolation), with the boxes rescaled by
+        :func:`scale_boxes`."""
+        if self.training and self._skip_resize:
+            return image, target
+        size = self.torch_choice(self.min_size) if self.training else self.min_size[-1]
+        old_size = (image.shape[-2], image.shape[-1])
+        image, target = _resize_image_and_masks(image, size, self.max_size, target, self.fixed_size)
+        if target is not None:
+            target["boxes"] = scale_boxes(target["boxes"], old_size, (image.shape[-2], image.shape[-1]))
+        return image, target
+
+    def rescale_boxes(self, boxes: Tensor, size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
+        """The detections' boxes back in the original image, by :func:`scale_boxes` (no tensor from the host)."""
+        return scale_boxes(boxes, size, original_size)
 
 class SyncFreeRPN(ExtRegionProposalNetwork):
     """The RPN with ``post_nms_top_n`` proposal slots per image (``(boxes [B, P, 4], valid [B, P])``) and a
@@ -407,7 +532,9 @@ def use_sync_free(model: nn.Module) -> nn.Module:
                         f"{type(model).__qualname__}; turn it off with speedups.sync_free=null")
     use_extension_ops(model)
     model.rpn.__class__ = SyncFreeRPN
+    model.rpn.box_coder = device_box_coder(model.rpn.box_coder)
     model.roi_heads.__class__ = SyncFreeRoIHeads
+    model.roi_heads.box_coder = device_box_coder(model.roi_heads.box_coder)
     model.transform = FixedShapeTransform(model.transform, getattr(model.transform, "mask_threshold", 0.5))
     model.__class__ = classes[type(model)]
     return model

@@ -3,7 +3,12 @@
 They serve the CUDA kernels registered for ``torch.ops.lit_amp_det`` and :mod:`lit_amp_det.ops.triton`. CUDA tensors run
 the compiled kernels; CPU tensors run them through Triton's interpreter under ``TRITON_INTERPRET=1`` (so every kernel
 can be tested without a GPU). Only :func:`nms` / :func:`batched_nms` synchronise with the host (their result size is
-data-dependent)."""
+data-dependent).
+
+``torch.compile`` and ``torch.export`` see ``torch.ops.lit_amp_det`` as custom ops with fake kernels and run these
+launchers only when the graph runs, eagerly; an eager launch goes straight to Triton's launcher. Only a trace through
+the launchers themselves (calling :mod:`lit_amp_det.ops.triton` under ``torch.compile``, ``make_fx`` or non-strict
+export) records each launch with ``torch.library.wrap_triton`` (:func:`_launch`)."""
 
 from __future__ import annotations
 
@@ -95,14 +100,79 @@ def _gpu_configs(device: torch.device) -> bool:
     return device.type == "cuda" or _GPU_CONFIGS_ON_CPU
 
 
+_INTERPRETED_FUNCTION: type | None = None
+
+
+def _interpreted_function() -> type:
+    """Triton's ``InterpretedFunction``, imported once: an import statement in every launch would add to its host
+    time, and Dynamo warns about a ``functools.cache``."""
+    global _INTERPRETED_FUNCTION
+    if _INTERPRETED_FUNCTION is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _INTERPRETED_FUNCTION = InterpretedFunction
+    return _INTERPRETED_FUNCTION
+
+
+def _without_data(tensors: Sequence[Tensor]) -> bool:
+    """Whether a tensor has no data of its own to launch on: fake, functional or another ``__torch_dispatch__``
+    subclass."""
+    return any(type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__ for t in tensors)
+
+
+#: the dispatch modes of a trace (torch's own, each kept in its slot of the dispatch stack)
+_TRACING_MODE_KEYS = (
+    torch._C._TorchDispatchModeKey.PROXY,
+    torch._C._TorchDispatchModeKey.FAKE,
+    torch._C._TorchDispatchModeKey.FUNCTIONAL,
+)
+
+
+def _tracing_mode() -> bool:
+    """Whether a tracing mode is on the dispatch stack: ``make_fx``'s proxy mode, fake tensors or functionalization
+    (the modes ``wrap_triton``'s higher-order op has rules for; under any other ``TorchDispatchMode``, a profiler's
+    counter, it raises ``NotImplementedError``)."""
+    if not torch._C._len_torch_dispatch_stack():  # the common case, one call
+        return False
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
+
+
 def _launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
-    """Launches on the current device; compiled kernels go through ``wrap_triton`` so torch.compile traces them."""
-    from triton.runtime.interpreter import InterpretedFunction
-    if isinstance(kernel, InterpretedFunction):
+    """Launches ``kernel`` over ``grid`` on the device of its first tensor argument.
+
+    A plain eager call launches the compiled kernel directly, through Triton's own launcher.
+    ``torch.library.wrap_triton`` is taken only where a trace must record the launch as a
+    ``triton_kernel_wrapper_mutation`` node: ``torch.compile``, ``make_fx`` and ``torch.export`` (fake tensors,
+    functionalization). In eager mode that wrapper is a higher-order op through the dispatcher, many times the host
+    time of the launch itself (``tools/triton_launch_overhead.py``), and it keeps every call's constant arguments in
+    ``kernel_side_table`` for the life of the process, so plain calls must not take it.
+
+    Args:
+        kernel: a ``triton.jit`` kernel, compiled or interpreted (``TRITON_INTERPRET=1`` on CPU tensors).
+        grid: the number of programs along each grid axis.
+        *args: the kernel's arguments; its tensors all on one device.
+        **meta: the kernel's constexpr arguments and launch options (``num_warps``).
+    """
+    if isinstance(kernel, _interpreted_function()):
         kernel[grid](*args, **meta)
         return
-    with torch.cuda.device(args[0].device if isinstance(args[0], Tensor) else None):
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    # is_compiling first: Dynamo folds it to True and traces nothing after it
+    if torch.compiler.is_compiling() or _without_data(tensors):
+        # recorded, nothing runs: no device is made current (the graph places the launch where it runs)
         torch.library.wrap_triton(kernel)[grid](*args, enable_fp_fusion=False, **meta)
+        return
+    # real tensors under make_fx: recorded and run, so on their device like an eager launch
+    launch = torch.library.wrap_triton(kernel) if _tracing_mode() else kernel
+    # Triton 3.8's launcher has no device argument: it launches on torch.cuda.current_device() with that device's
+    # current stream. Comparing first costs one lookup; a torch.cuda.device context costs two device exchanges per
+    # launch, so it is entered only for tensors on another device than the current one.
+    device = tensors[0].device.index
+    if device == torch.cuda.current_device():
+        launch[grid](*args, enable_fp_fusion=False, **meta)
+        return
+    with torch.cuda.device(device):
+        launch[grid](*args, enable_fp_fusion=False, **meta)
 
 
 def _acc_dtype(*tensors: Tensor) -> torch.dtype:

@@ -3,23 +3,34 @@
 The schemas, CPU kernels, fake kernels and autograd formulas stay where they are; only the CUDA dispatch key is
 filled here, once per process, by :func:`register_cuda_kernels` (called by :mod:`lit_amp_det.ops._extension`
 after the compiled extension has defined the ops). It imports neither triton nor the kernels: that happens on
-the first call with a CUDA tensor, so CPU-only machines pay nothing at import.
+the first call with a CUDA tensor, so CPU-only machines pay nothing at import. ``torch.compile`` and
+``torch.export`` trace the ops by their schemas and fake kernels; these kernels run only when an op runs on CUDA
+tensors, eagerly or inside a compiled graph, so their launches go straight to Triton's launcher
+(:func:`._launch._launch`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from types import ModuleType
 
 import torch
 
 __all__ = ["register_cuda_kernels", "registered"]
 
 _LIBRARY: torch.library.Library | None = None
+_LAUNCHERS: ModuleType | None = None
 
 
-def _launchers():
-    from lit_amp_det.ops.triton import _launch
-    return _launch
+def _launchers() -> ModuleType:
+    """:mod:`._launch`, imported on the first CUDA call and kept: an import statement in every op call would add
+    to the host time that each launch saves by not going through the dispatcher."""
+    global _LAUNCHERS
+    if _LAUNCHERS is None:
+        from lit_amp_det.ops.triton import _launch
+
+        _LAUNCHERS = _launch
+    return _LAUNCHERS
 
 
 def _nms(boxes, scores, iou_threshold, max_output=-1):
