@@ -35,6 +35,7 @@ from lit_amp_det.distributed import gather_list_states
 from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import DEFAULT_SPEEDUPS, ModelTransform, apply_transforms, build_transforms
+from lit_amp_det.models.sync_free import is_fixed_shape
 from lit_amp_det.module_settings import EVAL_BACKENDS, check_eval_backend, check_evaluation, check_optim
 from lit_amp_det.optim import build_optimizer, global_batch_size, scale_lr
 
@@ -287,7 +288,7 @@ class MaskRCNNModule(LightningModule):
             loss_dict, loss = self.captured_step.run(self, images, targets)
         else:
             targets = self.training_targets(targets)
-            if targets and "valid" in targets[0] and not hasattr(self.model, "forward_padded"):
+            if targets and "valid" in targets[0] and not is_fixed_shape(self.model):
                 raise ValueError("the training targets are padded (data.pad_instances), which only the sync_free "
                                  "detector reads: apply it on this device (speedups.sync_free.devices) or set "
                                  "data.pad_instances=null")

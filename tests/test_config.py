@@ -186,3 +186,23 @@ def test_bad_model_settings_name_the_field(override: str, message: str, tmp_path
     cfg = compose_config([override], tmp_path)
     with pytest.raises(ArgumentError, match=message):
         build_model(cfg, SimpleNamespace(num_classes=3))
+
+
+def test_the_precision_config_and_the_python_defaults_agree(tmp_path: Path) -> None:
+    """``conf/precision/default.yaml`` holds the same defaults as the plugin's own (one home each in Python: the
+    guard's in ``precision.guard``, GradScaler's in ``precision.options``), so a plugin built without the config (a
+    research script) behaves as ``fit`` does."""
+    import dataclasses
+    import inspect
+
+    from lit_amp_det.precision import HalfPrecisionOptions, build_precision_plugin
+
+    composed = dict(compose_config([], tmp_path).precision)
+    options = {f.name: f.default for f in dataclasses.fields(HalfPrecisionOptions)}
+    keywords = {
+        name: parameter.default
+        for name, parameter in inspect.signature(build_precision_plugin).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert composed == keywords
+    assert {key: composed[key] for key in options} == options

@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from host_syncs import PACKAGE
 
+from lit_amp_det.models.sync_free import is_fixed_shape
 from lit_amp_det.profiling import SYNC_KINDS, HostSyncs
 
 #: the tiny sizes every configuration runs at here (the model's own architecture, small images and head widths)
@@ -268,7 +269,7 @@ def inference_step(built: CudaModule, images: Sequence[torch.Tensor]) -> None:
     module = built.module
     module.eval()
     detector = module.model
-    forward = getattr(detector, "forward_padded", detector)
+    forward = detector.forward_padded if is_fixed_shape(detector) else detector
     with cuda_available():
         context = built.plugin.forward_context()
         context.__enter__()

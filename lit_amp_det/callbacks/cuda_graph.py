@@ -27,6 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.sync_free import is_fixed_shape
 from lit_amp_det.precision._lightning_internals import carry_step_count, count_manual_step
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.profiling import HostSyncs
@@ -304,7 +305,7 @@ class CUDAGraphTraining(Callback):
         ]
         if hooks:
             return f"{', '.join(hooks)} would run once, at capture, and never again"
-        if not hasattr(getattr(module, "model", None), "forward_padded"):
+        if not is_fixed_shape(getattr(module, "model", None)):
             return (
                 "its shapes change from step to step: apply speedups.sync_free on cuda "
                 "(speedups.sync_free.devices=[cuda]) and pad the targets (data.pad_instances=100)"

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.ext_ops import use_extension_ops
 from lit_amp_det.models.mask_paste import use_binary_mask_paste
-from lit_amp_det.models.sync_free import use_sync_free
+from lit_amp_det.models.sync_free import is_fixed_shape, use_sync_free
 
 __all__ = ["DEFAULT_SPEEDUPS", "DEVICE_TYPES", "BinaryMaskPaste", "ChannelsLast", "CompileBackbone", "ExtensionOps",
            "ModelTransform", "SyncFree", "apply_transforms", "build_transforms"]
@@ -164,7 +164,7 @@ class CompileBackbone(ModelTransform):
     def __call__(self, model: nn.Module) -> nn.Module:
         if not hasattr(model, "backbone"):
             raise TypeError(f"speedups.compile needs a detector with a .backbone, got {type(model).__name__}")
-        (model if hasattr(model, "forward_padded") else model.backbone).compile(**self.options)
+        (model if is_fixed_shape(model) else model.backbone).compile(**self.options)
         return model
 
 

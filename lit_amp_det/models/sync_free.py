@@ -50,6 +50,7 @@ __all__ = [
     "SyncFreeRoIHeads",
     "match",
     "paste_masks_padded",
+    "is_fixed_shape",
     "sample_slots",
     "scale_boxes",
     "use_sync_free",
@@ -519,6 +520,19 @@ class SyncFreeFasterRCNN(_SyncFreeForward, FasterRCNN):
 
 class SyncFreeMaskRCNN(_SyncFreeForward, MaskRCNN):
     """torchvision's ``MaskRCNN`` computed with fixed shapes (:func:`use_sync_free`)."""
+
+
+def is_fixed_shape(model: object) -> bool:
+    """Whether ``model`` is a fixed-shape detector (:func:`use_sync_free`): its training step's shapes are fixed by
+    the configuration and its inference returns detection slots (``forward_padded``).
+
+    Args:
+        model: any object; a detector, or None.
+
+    Returns:
+        True for a :class:`SyncFreeFasterRCNN` or :class:`SyncFreeMaskRCNN`.
+    """
+    return isinstance(model, _SyncFreeForward)
 
 
 def use_sync_free(model: nn.Module) -> nn.Module:

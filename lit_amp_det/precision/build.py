@@ -17,10 +17,12 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_amp_det.precision.full import FiniteStepPrecision
+from lit_amp_det.precision.guard import MAX_CONSECUTIVE_SKIPS, SKIP_CHECK_EVERY_N_STEPS
 from lit_amp_det.precision.hardware import resolve_precision
 from lit_amp_det.precision.low_precision_weights import MasterWeightPrecision
 from lit_amp_det.precision.mixed import DetectionMixedPrecision
 from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS, PRECISIONS, RegionMode
+from lit_amp_det.precision.options import GROWTH_INTERVAL, INIT_SCALE
 from lit_amp_det.precision.state import PRECISION_KEY
 
 __all__ = ["build_precision_plugin", "trained_precision", "warn_if_precision_changes"]
@@ -29,10 +31,17 @@ __all__ = ["build_precision_plugin", "trained_precision", "warn_if_precision_cha
 _RECORDING_PLUGINS = (FiniteStepPrecision, DetectionMixedPrecision, MasterWeightPrecision)
 
 
-def build_precision_plugin(precision: str, accelerator: str = "auto", *,
-                           fp32_regions: Mapping[str, RegionMode] | None = None, init_scale: float = 2.0**16,
-                           growth_interval: int = 2000, fp16_on_cpu: bool = False, max_consecutive_skips: int = 20,
-                           skip_check_every_n_steps: int = 50) -> Precision:
+def build_precision_plugin(
+    precision: str,
+    accelerator: str = "auto",
+    *,
+    fp32_regions: Mapping[str, RegionMode] | None = None,
+    init_scale: float = INIT_SCALE,
+    growth_interval: int = GROWTH_INTERVAL,
+    fp16_on_cpu: bool = False,
+    max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS,
+    skip_check_every_n_steps: int = SKIP_CHECK_EVERY_N_STEPS,
+) -> Precision:
     """The plugin for ``trainer.precision`` with the ``precision`` config node's settings.
 
     ``auto`` and the half precisions on a CPU first become what runs fast there

@@ -10,7 +10,12 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
-from lit_amp_det.precision.guard import NonFiniteStepGuard, guarded_optimizer_step
+from lit_amp_det.precision.guard import (
+    MAX_CONSECUTIVE_SKIPS,
+    SKIP_CHECK_EVERY_N_STEPS,
+    NonFiniteStepGuard,
+    guarded_optimizer_step,
+)
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
 
 __all__ = ["FiniteStepPrecision"]
@@ -25,7 +30,11 @@ class FiniteStepPrecision(Precision):
 
     precision = "32-true"
 
-    def __init__(self, max_consecutive_skips: int = 20, skip_check_every_n_steps: int = 50) -> None:
+    def __init__(
+        self,
+        max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS,
+        skip_check_every_n_steps: int = SKIP_CHECK_EVERY_N_STEPS,
+    ) -> None:
         super().__init__()
         self.guard = NonFiniteStepGuard(self.precision, max_consecutive_skips, skip_check_every_n_steps)
 

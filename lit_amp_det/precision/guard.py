@@ -20,7 +20,12 @@ from torch import Tensor
 from lit_amp_det.precision._lightning_internals import run_after_closure_hooks
 from lit_amp_det.precision.skip import DeviceSkippedStep, gradients, non_finite
 
-__all__ = ["NonFiniteStepGuard", "guarded_optimizer_step"]
+__all__ = ["MAX_CONSECUTIVE_SKIPS", "SKIP_CHECK_EVERY_N_STEPS", "NonFiniteStepGuard", "guarded_optimizer_step"]
+
+#: ``precision.max_consecutive_skips``'s default: the skips in a row that stop a run as diverged
+MAX_CONSECUTIVE_SKIPS = 20
+#: ``precision.skip_check_every_n_steps``'s default: the recorded steps between two host reads of the counts
+SKIP_CHECK_EVERY_N_STEPS = 50
 
 
 class NonFiniteStepGuard:
@@ -32,7 +37,12 @@ class NonFiniteStepGuard:
         check_every_n_steps: read the counters on the host every this many recorded steps
             (``precision.skip_check_every_n_steps``); the stop comes at most this many steps minus one late."""
 
-    def __init__(self, precision: str, max_consecutive: int = 20, check_every_n_steps: int = 50) -> None:
+    def __init__(
+        self,
+        precision: str,
+        max_consecutive: int = MAX_CONSECUTIVE_SKIPS,
+        check_every_n_steps: int = SKIP_CHECK_EVERY_N_STEPS,
+    ) -> None:
         if max_consecutive < 1:
             raise ValueError(f"precision.max_consecutive_skips must be >= 1, got {max_consecutive}")
         if check_every_n_steps < 1:

@@ -12,15 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_amp_det.precision.guard import NonFiniteStepGuard
+from lit_amp_det.precision.guard import MAX_CONSECUTIVE_SKIPS, SKIP_CHECK_EVERY_N_STEPS, NonFiniteStepGuard
 from lit_amp_det.precision.modes import RegionMode
 
-__all__ = ["HalfPrecisionOptions", "half_dtype"]
+__all__ = ["GROWTH_INTERVAL", "INIT_SCALE", "HalfPrecisionOptions", "half_dtype"]
 
 
 def half_dtype(precision: str) -> torch.dtype:
     """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for ``bf16-*``."""
     return torch.float16 if precision.startswith("16-") else torch.bfloat16
+
+
+#: GradScaler's first loss scale (``precision.init_scale``), torch's default
+INIT_SCALE = 2.0**16
+#: steps without an overflow before GradScaler doubles the scale (``precision.growth_interval``), torch's default
+GROWTH_INTERVAL = 2000
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,10 @@ class HalfPrecisionOptions:
         max_consecutive_skips, skip_check_every_n_steps: the guard's settings."""
 
     fp32_regions: Mapping[str, RegionMode] | None = None
-    init_scale: float = 2.0**16
-    growth_interval: int = 2000
-    max_consecutive_skips: int = 20
-    skip_check_every_n_steps: int = 50
+    init_scale: float = INIT_SCALE
+    growth_interval: int = GROWTH_INTERVAL
+    max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS
+    skip_check_every_n_steps: int = SKIP_CHECK_EVERY_N_STEPS
 
     def scaler(self, precision: str, device: str) -> torch.amp.GradScaler | None:
         """A GradScaler for the fp16 precisions (``16-mixed``, ``16-weights``: fp16 gradients underflow without
