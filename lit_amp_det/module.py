@@ -125,6 +125,8 @@ class MaskRCNNModule(LightningModule):
         self.test_metric = self.build_metric()
         self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
         self.captured_step: Any = None  # the CUDAGraphTraining callback while it trains (callbacks.cuda_graph)
+        self._lookup: Tensor | None = None  # category_ids on the device (predict_step)
+        self._lookup_key: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------------------ implementation choices
     def model_transforms(self) -> list[ModelTransform]:
@@ -349,13 +351,25 @@ class MaskRCNNModule(LightningModule):
         # checkpoint callback seeing the same value
         self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=False, sync_dist=True)
 
+    def _category_lookup(self) -> Tensor | None:
+        """``category_ids`` as a tensor on the module's device (class k -> entry k - 1), made again only when the ids
+        or the device change, so that a predict batch copies nothing from the host; None without ids."""
+        category_ids = self.hparams.category_ids
+        if not category_ids:
+            return None
+        key = (self.device, tuple(int(i) for i in category_ids))
+        if self._lookup_key != key:
+            with torch.inference_mode(False):  # usable outside predict's inference mode too
+                self._lookup = torch.tensor(key[1], device=self.device)
+            self._lookup_key = key
+        return self._lookup
+
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
         """Detections with the dataset's image ids and category ids, ready for a COCO results file."""
         images, targets = batch
         predictions = self(images)
-        category_ids = self.hparams.category_ids
         image_ids = torch.stack([t["image_id"] for t in targets]).tolist() if targets else []  # one read a batch
-        lookup = torch.tensor(category_ids, device=self.device) if category_ids else None  # no read per detection
+        lookup = self._category_lookup()
         for pred, target, image_id in zip(predictions, targets, image_ids):
             pred["image_id"] = int(image_id)
             if "file_name" in target:  # a folder of pictures (data.predict_images): the writer records it

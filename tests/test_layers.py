@@ -141,11 +141,6 @@ def test_application_modules_live_in_the_app_package():
 #: The core: what every user's training step runs. It holds no CPU-only speed machinery.
 CORE = ("lit_amp_det.module", "lit_amp_det.models", "lit_amp_det.precision", "lit_amp_det.callbacks",
         "lit_amp_det.data", "lit_amp_det.ops")
-#: Modules of CPU-only speed tricks removed from the core (issue 40); none may come back into it under these names.
-REMOVED_CPU_MODULES = ("winograd", "pointwise_conv", "patch_deconv", "half_compute", "bounded_matmul",
-                       "bounded_linear", "labelled_mask_logits", "fused_master_step", "optim_step", "cpu_model",
-                       "cpu_heap", "retain_cpu_heap", "host_probe")
-
 
 def _in_core(name: str) -> bool:
     return any(name == prefix or name.startswith(prefix + ".") for prefix in CORE)
@@ -184,10 +179,13 @@ def _transform_classes() -> dict[str, tuple[str, ...] | None]:
     return found
 
 
-def test_the_transform_scan_finds_the_packages_transforms():
-    """The scan below would pass vacuously if it found nothing."""
+def test_the_transform_scan_finds_the_packages_transforms_and_their_devices():
+    """The check below relies on this scan: it finds every transform and reads the device types each declares (a
+    transform that declared only ``cpu`` would be read as CPU-only the way ``SyncFree``'s ``cuda`` is read here)."""
     found = _transform_classes()
     assert {"lit_amp_det.models.speedups.ExtensionOps", "lit_amp_det.models.speedups.ChannelsLast"} <= set(found)
+    assert found["lit_amp_det.models.speedups.SyncFree"] == ("cuda",)
+    assert found["lit_amp_det.models.speedups.ExtensionOps"] is None  # every device (the base class's)
 
 
 def test_no_core_module_holds_or_imports_a_cpu_only_transform():
@@ -200,5 +198,3 @@ def test_no_core_module_holds_or_imports_a_cpu_only_transform():
     for name, targets in graph.items():
         if _in_core(name):
             assert not targets & cpu_only, f"{name} imports a CPU-only transform: {sorted(targets & cpu_only)}"
-            assert not [t for t in targets if t.rpartition(".")[2] in REMOVED_CPU_MODULES], name
-    assert not [name for name in graph if name.rpartition(".")[2] in REMOVED_CPU_MODULES]

@@ -92,6 +92,22 @@ def test_predictions_are_fp32_with_boolean_masks(tmp_path: Path, speedups: str) 
     assert sum(len(o["boxes"]) for o in outputs) > 0
 
 
+
+def test_predict_batches_reuse_one_category_lookup_on_the_device(tmp_path: Path) -> None:
+    """The category ids travel to the device once, not with every predict batch; new ids make a new lookup."""
+    module = _tiny(tmp_path, "model.roi_heads.score_thresh=0.0").eval()
+    images, targets = _batch()
+    with torch.inference_mode():
+        module.predict_step((images, targets), 0)
+        first = module._category_lookup()
+        outputs = module.predict_step((images, targets), 1)
+        assert module._category_lookup() is first and first.tolist() == [10, 20, 30]
+    labels = torch.cat([o["labels"] for o in outputs])
+    assert labels.numel() > 0
+    assert torch.equal(torch.cat([o["category_ids"] for o in outputs]), torch.tensor([10, 20, 30])[labels - 1])
+    module.hparams.category_ids = [7, 8, 9]
+    assert module._category_lookup().tolist() == [7, 8, 9]
+
 def test_validation_computes_coco_map(tmp_path: Path) -> None:
     module = _tiny(tmp_path).eval()
     images, targets = _batch()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
 import time
@@ -87,8 +88,10 @@ class _StandInLauncher:
 class _StandInUtils:
     """Loading a compiled binary onto device 0: handles that the stand-in launcher never dereferences."""
 
+    MODULE = 1  # the handle of every module it loads
+
     def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[int, int, int, int, int]:
-        return 1, 1, 0, 0, 1024  # module, function, registers, spills, most threads a block
+        return self.MODULE, 1, 0, 0, 1024  # module, function, registers, spills, most threads a block
 
     def unload_module(self, module: int) -> None:
         pass
@@ -133,9 +136,21 @@ def stand_in_gpu() -> Iterator[None]:
     try:
         yield
     finally:
+        _forget_stand_in_modules()
         driver._active = previous
         for name, original in saved.items():
             setattr(torch.cuda, name, original)
+
+
+def _forget_stand_in_modules() -> None:
+    """Marks the kernels loaded by the stand-in as unloaded: Triton unloads a kernel's module when the kernel is
+    collected, through whatever driver is active then, and after the block there is none to ask."""
+    from triton.compiler.compiler import CompiledKernel
+
+    for candidate in gc.get_objects():
+        # by exact type: gc also holds weak proxies, which isinstance would dereference
+        if type(candidate) is CompiledKernel and candidate.module == _StandInUtils.MODULE:
+            candidate.module = None
 
 
 def recorded_launches(kernels: ModuleType) -> list[Launch]:
