@@ -235,20 +235,28 @@ def optimizer_step(built: CudaModule, loss: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def plugin_context(built: CudaModule) -> Iterator[None]:
+    """The precision plugin's forward context (autocast on ``cuda``), entered as on a GPU (:func:`cuda_available`
+    only while it is entered: the step inside runs on fake tensors)."""
+    with cuda_available():
+        context = built.plugin.forward_context()
+        context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
 def training_step(built: CudaModule, batch: Any, with_optimizer: bool = True) -> torch.Tensor:
     """One training step as ``MaskRCNNModule.training_step`` computes it (forward, loss) under the plugin's forward
     context, and the plugin's optimizer step; returns the loss."""
     module = built.module
     images, targets = batch
     module.train()
-    with cuda_available():
-        context = built.plugin.forward_context()
-        context.__enter__()
-    try:
+    with plugin_context(built):
         loss_dict = module.model(module.prepare_images(images), module.training_targets(targets))
         loss = module.compute_loss(loss_dict)
-    finally:
-        context.__exit__(None, None, None)
     if with_optimizer:
         optimizer_step(built, loss)
     return loss
@@ -270,14 +278,8 @@ def inference_step(built: CudaModule, images: Sequence[torch.Tensor]) -> None:
     module.eval()
     detector = module.model
     forward = detector.forward_padded if is_fixed_shape(detector) else detector
-    with cuda_available():
-        context = built.plugin.forward_context()
-        context.__enter__()
-    try:
-        with torch.no_grad():
-            forward(module.prepare_images(images))
-    finally:
-        context.__exit__(None, None, None)
+    with torch.no_grad(), plugin_context(built):
+        forward(module.prepare_images(images))
 
 
 def count_cuda_steps(cfg: Any, batch: Any, steps: Sequence[str] = ("training", "inference")) -> dict[str, StepCount]:

@@ -142,10 +142,7 @@ def restore_configuration(optimizer: torch.optim.Optimizer, flags: CapturableFla
     if flags.default is not None:
         optimizer.defaults["capturable"] = flags.default
     for group, flag in zip(optimizer.param_groups, flags.groups):
-        if flag is not None:
-            group["capturable"] = flag
-        if isinstance(group["lr"], Tensor):
-            group["lr"] = float(group["lr"])
+        _as_built(group, flag)
     _place_step_counts(optimizer)
 
 
@@ -164,14 +161,7 @@ def as_configured(saved: dict[str, Any], flags: CapturableFlags) -> dict[str, An
     Returns:
         The new state dict (tensors it does not change are shared with ``saved``).
     """
-    groups = []
-    for group, flag in zip(saved["param_groups"], flags.groups):
-        group = dict(group)
-        if flag is not None:
-            group["capturable"] = flag
-        if isinstance(group["lr"], Tensor):
-            group["lr"] = float(group["lr"])
-        groups.append(group)
+    groups = [_as_built(dict(group), flag) for group, flag in zip(saved["param_groups"], flags.groups)]
     state = dict(saved["state"])
     for group in groups:
         if group.get("capturable") or group.get("fused"):
@@ -181,6 +171,16 @@ def as_configured(saved: dict[str, Any], flags: CapturableFlags) -> dict[str, An
             if isinstance(entry.get("step"), Tensor):
                 state[index] = {**entry, "step": entry["step"].cpu()}
     return {**saved, "state": state, "param_groups": groups}
+
+
+def _as_built(group: dict[str, Any], capturable: bool | None) -> dict[str, Any]:
+    """``group`` (a param group, changed in place and returned) as the optimizer was built: its lr a Python float and
+    its ``capturable`` flag the one it had (``None``: the optimizer has no such flag)."""
+    if capturable is not None:
+        group["capturable"] = capturable
+    if isinstance(group["lr"], Tensor):
+        group["lr"] = float(group["lr"])
+    return group
 
 
 def _place_step_counts(optimizer: torch.optim.Optimizer) -> None:
