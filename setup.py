@@ -31,11 +31,11 @@ def _files(*patterns: str) -> list[str]:
 def torch_cxx_runtime() -> list[str]:
     """The shared C++ runtime (``libstdc++.so.6``) that torch itself loaded, as a link argument.
 
-    Some toolchains link the C++ runtime statically (a ``g++`` whose library folder has only ``libstdc++.a``, as
-    a ``CXX`` set to a vendor compiler may be). The extension then carries its own ``__cxa_throw`` and
-    personality routine, and the first ``TORCH_CHECK`` that throws across into torch's frames crashes the process
-    instead of raising. Naming torch's own shared runtime on the link line makes the extension share it on every
-    toolchain; where it is already the default, this changes nothing.
+    Some toolchains link the C++ runtime statically (a ``g++`` whose library folder has only ``libstdc++.a``,
+    as a ``CXX`` set to a vendor compiler may be). The extension then carries its own ``__cxa_throw`` and
+    personality routine, and the first ``TORCH_CHECK`` that throws across into torch's frames crashes the
+    process instead of raising. Naming torch's own shared runtime on the link line makes the extension share
+    it on every toolchain; where it is already the default, this changes nothing.
     """
     import torch  # noqa: F401  (loads the runtime this process maps)
 

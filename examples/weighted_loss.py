@@ -1,4 +1,5 @@
-"""A research module: Mask R-CNN with re-weighted losses and a GroupNorm mask head, keeping the configured speedups.
+"""A research module: Mask R-CNN with re-weighted losses and a GroupNorm mask head, keeping the configured
+speedups.
 
 Run it without touching lit_amp_det (from the repository root):
 
@@ -11,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from torch import Tensor, nn
-from torchvision.models.detection.mask_rcnn import MaskRCNNHeads
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.models.speedups import ModelTransform
+from torch import Tensor, nn
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads
 
 
 class WeightedLossMaskRCNN(MaskRCNNModule):
@@ -37,8 +37,9 @@ class WeightedLossMaskRCNN(MaskRCNNModule):
         return model
 
     def model_transforms(self) -> list[ModelTransform]:
-        # build_model is overridden, so the speedups are off unless asked for: the detector is still torchvision's
-        # with another mask head, which every speedup (ext ops, binary mask paste, channels_last, compile) leaves be
+        # build_model is overridden, so the speedups are off unless asked for: the detector is still
+        # torchvision's with another mask head, which every speedup (ext ops, binary mask paste,
+        # channels_last, compile) leaves be
         return list(self.configured_speedups)
 
     def compute_loss(self, loss_dict: Mapping[str, Tensor]) -> Tensor:

@@ -25,8 +25,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from lit_amp_det.module import MaskRCNNModule
     from lit_amp_det.app.tasks import predict, test, train, validate
+    from lit_amp_det.module import MaskRCNNModule
 
 
 def __getattr__(name: str) -> Any:

@@ -2,9 +2,9 @@
 
 Lightning's default IO serialises a checkpoint into memory and writes it through an fsspec transaction, whose
 temporary file lives in the system temp folder: a save needs room for a second copy elsewhere, and a full disk
-leaves partial files behind. :class:`DurableCheckpointIO` writes ``.<name>.tmp`` beside the checkpoint, fsyncs it,
-renames it over the old file and fsyncs the folder (so a power loss keeps one of the two), and on a failed write
-removes the partial file, keeps the old checkpoint and raises :class:`DiskFull` when the disk is full.
+leaves partial files behind. :class:`DurableCheckpointIO` writes ``.<name>.tmp`` beside the checkpoint, fsyncs
+it, renames it over the old file and fsyncs the folder (so a power loss keeps one of the two), and on a failed
+write removes the partial file, keeps the old checkpoint and raises :class:`DiskFull` when the disk is full.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def fsync_folder(folder: Path) -> None:
 
 
 def _out_of_space(err: BaseException | None) -> bool:
-    """Whether ``err`` (or what it arose from) is a full disk; torch's zip writer reports one as a RuntimeError."""
+    """Whether ``err`` (or what it arose from) is a full disk; torch's zip writer reports one as a
+    RuntimeError."""
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -49,9 +50,12 @@ def _out_of_space(err: BaseException | None) -> bool:
 
 
 class DurableCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to ``.<name>.tmp`` beside the checkpoint, fsync, rename, fsync the folder (see the module)."""
+    """``torch.save`` to ``.<name>.tmp`` beside the checkpoint, fsync, rename, fsync the folder (see the
+    module)."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -67,7 +71,12 @@ class DurableCheckpointIO(TorchCheckpointIO):
             if not _out_of_space(err):
                 raise
             free = shutil.disk_usage(path.parent).free / 2**20
-            kept = f"the previous {path.name} is kept" if path.is_file() else f"no earlier {path.name} existed"
-            raise DiskFull(errno.ENOSPC, f"no space left on the disk of {path.parent} to save {path.name} ({free:.0f} "
-                                      f"MB free; the partial file is removed, {kept}). Free space, then resume with "
-                                      "ckpt_path=last") from err
+            kept = (
+                f"the previous {path.name} is kept" if path.is_file() else f"no earlier {path.name} existed"
+            )
+            raise DiskFull(
+                errno.ENOSPC,
+                f"no space left on the disk of {path.parent} to save {path.name} ({free:.0f} "
+                f"MB free; the partial file is removed, {kept}). Free space, then resume with "
+                "ckpt_path=last",
+            ) from err

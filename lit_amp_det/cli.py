@@ -18,34 +18,40 @@ from omegaconf import DictConfig
 
 from lit_amp_det.app.config import COMMANDS, config_dir, config_groups
 from lit_amp_det.app.launch import launch_rank
+from lit_amp_det.app.runs import holds_a_run, is_earlier_attempt
 from lit_amp_det.precision.modes import PRECISIONS
 from lit_amp_det.slurm import current_job
-from lit_amp_det.app.runs import holds_a_run, is_earlier_attempt
 
 __all__ = ["hydra_argv", "main", "usage"]
 
 _DESCRIPTIONS = {
     "fit": "train, validating every trainer.check_val_every_n_epoch epochs; ckpt_path=last resumes the newest "
-           "unfinished fit",
+    "unfinished fit",
     "validate": "score a checkpoint (ckpt_path=... or model.weights=...) on the validation split",
     "test": "score a checkpoint on the test split",
     "predict": "write COCO-format detections of data.predict_split (or of the pictures in data.predict_images) "
-               "to predictions.json",
+    "to predictions.json",
     "export": "write the model (ckpt_path=... or model.weights=...) as format=onnx|pt2 with a JSON description",
     "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), "
-             "`bench precision|ops|convbn|coco_eval`",
+    "`bench precision|ops|convbn|coco_eval`",
 }
 
 
 def usage() -> str:
     """The text of ``--help``: subcommands, config groups with their options, and examples."""
-    lines = ["usage: python -m lit_amp_det {fit,validate,test,predict,export} [-m] [--cfg job] [key=value ...]", "",
-             "subcommands:"]
+    lines = [
+        "usage: python -m lit_amp_det {fit,validate,test,predict,export} [-m] [--cfg job] [key=value ...]",
+        "",
+        "subcommands:",
+    ]
     lines += [f"  {name:<9} {_DESCRIPTIONS[name]}" for name in (*COMMANDS, "bench")]
     lines += ["", f"config groups (choose with group=option; tree at {config_dir()}):"]
     lines += [f"  {group:<10} {', '.join(options)}" for group, options in config_groups().items()]
     lines += [
-        "", f"trainer.precision: {' | '.join(PRECISIONS)}", "", "examples:",
+        "",
+        f"trainer.precision: {' | '.join(PRECISIONS)}",
+        "",
+        "examples:",
         "  python -m lit_amp_det fit trainer.max_steps=50          (a quick run)",
         "  python -m lit_amp_det fit trainer.precision=16-mixed",
         "  python -m lit_amp_det fit ckpt_path=last                (resume the newest unfinished fit)",
@@ -86,15 +92,19 @@ def _main(argv: Sequence[str] | None) -> None:
         bench_main(rest)
         return
     if command not in COMMANDS:
-        sys.exit(f"lit_amp_det: unknown subcommand {command!r}; the first argument must be one of "
-                 f"{', '.join(COMMANDS)}, bench (see --help)")
+        sys.exit(
+            f"lit_amp_det: unknown subcommand {command!r}; the first argument must be one of "
+            f"{', '.join(COMMANDS)}, bench (see --help)"
+        )
     if "-h" in rest or "--help" in rest:
         print(usage())
         return
     if (used := _used_run_dir(rest)) is not None:
-        sys.exit(f"lit_amp_det: hydra.run.dir={used} already holds a run (run.json, metrics.json or checkpoints); "
-                 f"runs never write into an earlier run's folder. Choose another folder (or leave hydra.run.dir out: "
-                 f"each run gets a new one), or resume that run into a new folder with ckpt_path={used}")
+        sys.exit(
+            f"lit_amp_det: hydra.run.dir={used} already holds a run (run.json, metrics.json or checkpoints); "
+            f"runs never write into an earlier run's folder. Choose another folder (or leave hydra.run.dir out: "
+            f"each run gets a new one), or resume that run into a new folder with ckpt_path={used}"
+        )
     if launch_rank() and not any(arg.startswith("hydra.output_subdir=") for arg in rest):
         rest = [*rest, "hydra.output_subdir=null"]  # another node's first process: rank 0 writes .hydra/
     from lit_amp_det.app.overrides import prepare_overrides
@@ -102,7 +112,10 @@ def _main(argv: Sequence[str] | None) -> None:
     if (short := _short_of_room()) is not None:
         sys.exit(short)
     multirun = "-m" in rest or "--multirun" in rest
-    sys.argv = [sys.argv[0], *hydra_argv(rest, command, lambda overrides: prepare_overrides(overrides, multirun))]
+    sys.argv = [
+        sys.argv[0],
+        *hydra_argv(rest, command, lambda overrides: prepare_overrides(overrides, multirun)),
+    ]
     try:
         _hydra_entry()
     except KeyboardInterrupt:  # while Hydra and the imports start: nothing was written yet
@@ -115,25 +128,40 @@ MIN_FREE_MB = 64
 
 
 def _short_of_room() -> str | None:
-    """Why the runs folder's disk cannot take a run (``None`` when it can): said before anything is written."""
+    """Why the runs folder's disk cannot take a run (``None`` when it can): said before anything is written.
+    """
     root = Path(os.environ.get("LIT_AMP_DET_RUNS", "runs")).expanduser().absolute()
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free / 2**20
     if free >= MIN_FREE_MB:
         return None
-    return (f"lit_amp_det: {free:.0f} MB free on the disk of {root}, where runs are written: a run needs room for its "
-            f"config, logs and checkpoints (at least {MIN_FREE_MB} MB). Free space there, or set LIT_AMP_DET_RUNS "
-            "to a folder on another disk")
+    return (
+        f"lit_amp_det: {free:.0f} MB free on the disk of {root}, where runs are written: a run needs room for its "
+        f"config, logs and checkpoints (at least {MIN_FREE_MB} MB). Free space there, or set LIT_AMP_DET_RUNS "
+        "to a folder on another disk"
+    )
 
 
 #: Hydra's flags that take a value (``--cfg job``); ``--info`` takes one of ``_INFO_TOPICS`` optionally.
-_FLAGS_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
-                     "--config-dir", "--experimental-rerun"}
+_FLAGS_WITH_VALUE = {
+    "-c",
+    "--cfg",
+    "-p",
+    "--package",
+    "-cp",
+    "--config-path",
+    "-cn",
+    "--config-name",
+    "-cd",
+    "--config-dir",
+    "--experimental-rerun",
+}
 _INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
 def _used_run_dir(args: Sequence[str]) -> str | None:
-    """An explicit ``hydra.run.dir=`` that already holds a run, checked before Hydra writes ``.hydra/`` into it.
+    """An explicit ``hydra.run.dir=`` that already holds a run, checked before Hydra writes ``.hydra/`` into
+    it.
 
     DDP's other ranks (started by Lightning, or another node's processes) are given the first rank's folder on
     purpose, and a requeued SLURM job continues in its preempted attempt's folder."""
@@ -148,11 +176,13 @@ def _used_run_dir(args: Sequence[str]) -> str | None:
     return None
 
 
-def hydra_argv(args: Sequence[str], command: str,
-               prepare: Callable[[list[str]], list[str]] | None = None) -> list[str]:
-    """Hydra's argv for ``args``: flags (with their values) first, then the overrides (passed through ``prepare``),
-    then ``command=...``. Hydra's argparse rejects overrides on both sides of a flag (``seed=1 --cfg job x=2``);
-    moving the flags to the front accepts any order, and ``command=`` goes last so it is one more override."""
+def hydra_argv(
+    args: Sequence[str], command: str, prepare: Callable[[list[str]], list[str]] | None = None
+) -> list[str]:
+    """Hydra's argv for ``args``: flags (with their values) first, then the overrides (passed through
+    ``prepare``), then ``command=...``. Hydra's argparse rejects overrides on both sides of a flag (``seed=1
+    --cfg job x=2``); moving the flags to the front accepts any order, and ``command=`` goes last so it is one
+    more override."""
     flags: list[str] = []
     overrides: list[str] = []
     position = 0

@@ -1,14 +1,16 @@
-"""Deployable graphs of a trained detector: ONNX (onnxruntime, TensorRT) and ``torch.export`` programs (``.pt2``).
+"""Deployable graphs of a trained detector: ONNX (onnxruntime, TensorRT) and ``torch.export`` programs
+(``.pt2``).
 
 torchvision's detector returns lists whose lengths depend on the image, which ``torch.export`` cannot trace (a
 data-dependent guard) and ONNX can only hold with ``If``/``Loop`` nodes. The exported graph is the
-:mod:`fixed-shape computation <lit_amp_det.models.sync_free>` of the same weights instead: ``detections_per_img``
-slots per image and each image's count, every shape fixed by the input's. So the batch size and the image size are
-fixed at export (``export.batch_size``, ``export.image_size``); a picture of another size is resized or padded to it
-by the caller. Resizing to the model's size and normalisation happen inside the graph.
+:mod:`fixed-shape computation <lit_amp_det.models.sync_free>` of the same weights instead:
+``detections_per_img`` slots per image and each image's count, every shape fixed by the input's. So the batch
+size and the image size are fixed at export (``export.batch_size``, ``export.image_size``); a picture of
+another size is resized or padded to it by the caller. Resizing to the model's size and normalisation happen
+inside the graph.
 
-The ``.pt2`` program calls the package's own ops: ``import lit_amp_det.ops`` before ``torch.export.load``. The ONNX
-graph has standard ops only (:mod:`lit_amp_det.ops.onnx`).
+The ``.pt2`` program calls the package's own ops: ``import lit_amp_det.ops`` before ``torch.export.load``. The
+ONNX graph has standard ops only (:mod:`lit_amp_det.ops.onnx`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FORMATS", "OUTPUTS", "DeployedDetector", "deployed_detector", "export_detector", "supported_format"]
+__all__ = [
+    "FORMATS",
+    "OUTPUTS",
+    "DeployedDetector",
+    "deployed_detector",
+    "export_detector",
+    "supported_format",
+]
 
 FORMATS = ("onnx", "pt2")
 
@@ -36,7 +45,8 @@ OUTPUTS = {
 
 
 class DeployedDetector(nn.Module):
-    """``images [B, 3, H, W]`` (uint8 RGB, or float in [0, 1]) -> :data:`OUTPUTS` as a tuple, every shape fixed."""
+    """``images [B, 3, H, W]`` (uint8 RGB, or float in [0, 1]) -> :data:`OUTPUTS` as a tuple, every shape
+    fixed."""
 
     def __init__(self, detector: nn.Module) -> None:
         super().__init__()
@@ -54,7 +64,8 @@ class DeployedDetector(nn.Module):
 
 
 def deployed_detector(module: Any) -> DeployedDetector:
-    """The fixed-shape graph of ``module``'s detector (a fresh copy with its weights; ``module`` is not changed)."""
+    """The fixed-shape graph of ``module``'s detector (a fresh copy with its weights; ``module`` is not
+    changed)."""
     from lit_amp_det.models.sync_free import use_sync_free
 
     hparams, saved = module.hparams, {key: module.hparams.get(key) for key in ("weights", "backbone")}
@@ -69,8 +80,10 @@ def deployed_detector(module: Any) -> DeployedDetector:
     try:
         detector = use_sync_free(detector.to(module.device))
     except TypeError:
-        raise TypeError(f"export writes the fixed-shape computation of torchvision's FasterRCNN or MaskRCNN; "
-                        f"{type(module).__name__}.build_model() made a {type(detector).__qualname__}") from None
+        raise TypeError(
+            f"export writes the fixed-shape computation of torchvision's FasterRCNN or MaskRCNN; "
+            f"{type(module).__name__}.build_model() made a {type(detector).__qualname__}"
+        ) from None
     detector.transform.mask_threshold = float(module.evaluation_settings.mask_threshold)
     return DeployedDetector(detector).eval()
 
@@ -82,11 +95,18 @@ def supported_format(fmt: str) -> str:
     return fmt
 
 
-def export_detector(module: Any, path: str | Path | None, fmt: str = "onnx", image_size: Sequence[int] | None = None,
-                    batch_size: int = 1, sample: Tensor | None = None, **exporter_args: Any) -> Any:
-    """``module``'s detector as ``fmt``: an ``ONNXProgram`` (``onnx``) or an ``ExportedProgram`` (``pt2``). With a
-    ``path``, also writes it there and its description to ``path`` with ``.json`` (input, normalisation, classes,
-    thresholds, outputs).
+def export_detector(
+    module: Any,
+    path: str | Path | None,
+    fmt: str = "onnx",
+    image_size: Sequence[int] | None = None,
+    batch_size: int = 1,
+    sample: Tensor | None = None,
+    **exporter_args: Any,
+) -> Any:
+    """``module``'s detector as ``fmt``: an ``ONNXProgram`` (``onnx``) or an ``ExportedProgram`` (``pt2``).
+    With a ``path``, also writes it there and its description to ``path`` with ``.json`` (input,
+    normalisation, classes, thresholds, outputs).
 
     ``image_size`` ``(H, W)``: the input's size; ``None``: the model's inference size (short x long side).
     ``sample``: an input to trace instead of zeros of that size (its dtype and shape are the graph's).
@@ -117,19 +137,35 @@ def export_detector(module: Any, path: str | Path | None, fmt: str = "onnx", ima
     hparams = module.hparams
     names, ids = list(hparams.get("class_names") or []), list(hparams.get("category_ids") or [])
     description = {
-        "format": fmt, "file": path.name,
-        "input": {"name": "images", "shape": list(sample.shape), "dtype": str(sample.dtype).removeprefix("torch."),
-                  "layout": "RGB, channels first" + (", 0..255" if sample.dtype == torch.uint8 else ", 0..1"),
-                  "inside_the_graph": {"resize": {"min_size": list(transform.min_size), "max_size": transform.max_size},
-                                       "normalise": {"mean": transform.image_mean, "std": transform.image_std}}},
+        "format": fmt,
+        "file": path.name,
+        "input": {
+            "name": "images",
+            "shape": list(sample.shape),
+            "dtype": str(sample.dtype).removeprefix("torch."),
+            "layout": "RGB, channels first" + (", 0..255" if sample.dtype == torch.uint8 else ", 0..1"),
+            "inside_the_graph": {
+                "resize": {"min_size": list(transform.min_size), "max_size": transform.max_size},
+                "normalise": {"mean": transform.image_mean, "std": transform.image_std},
+            },
+        },
         "outputs": {name: OUTPUTS[name] for name in graph.names},
-        "classes": [{"label": i + 1, "name": names[i] if i < len(names) else None,
-                     "category_id": ids[i] if i < len(ids) else i + 1} for i in range(int(hparams.num_classes) - 1)],
+        "classes": [
+            {
+                "label": i + 1,
+                "name": names[i] if i < len(names) else None,
+                "category_id": ids[i] if i < len(ids) else i + 1,
+            }
+            for i in range(int(hparams.num_classes) - 1)
+        ],
         "score_threshold": graph.detector.roi_heads.score_thresh,
         "mask_threshold": transform.mask_threshold,
         "detections_per_image": graph.detector.roi_heads.detections_per_img,
-        "load": ("import lit_amp_det.ops; torch.export.load(file).module()(images)" if fmt == "pt2"
-                 else "onnxruntime.InferenceSession(file).run(None, {'images': images})"),
+        "load": (
+            "import lit_amp_det.ops; torch.export.load(file).module()(images)"
+            if fmt == "pt2"
+            else "onnxruntime.InferenceSession(file).run(None, {'images': images})"
+        ),
         "torch": torch.__version__,
     }
     path.with_suffix(".json").write_text(json.dumps(description, indent=2) + "\n")
@@ -140,10 +176,18 @@ def _onnx_program(graph: DeployedDetector, sample: Tensor, exporter_args: dict[s
     try:
         import onnxscript  # noqa: F401  # the exporter's dependency, named here so its absence is one clear line
     except ImportError:
-        raise ImportError("format=onnx needs onnx and onnxscript: pip install 'lit_amp_det[export]' (or use "
-                          "format=pt2)") from None
+        raise ImportError(
+            "format=onnx needs onnx and onnxscript: pip install 'lit_amp_det[export]' (or use format=pt2)"
+        ) from None
     from lit_amp_det.ops.onnx import translation_table
 
-    settings = {"input_names": ["images"], "output_names": graph.names, "optimize": True, "verbose": False,
-                **exporter_args, "dynamo": True, "custom_translation_table": translation_table()}
+    settings = {
+        "input_names": ["images"],
+        "output_names": graph.names,
+        "optimize": True,
+        "verbose": False,
+        **exporter_args,
+        "dynamo": True,
+        "custom_translation_table": translation_table(),
+    }
     return torch.onnx.export(graph, (sample,), **settings)

@@ -57,8 +57,8 @@ class MaskRCNNModule(LightningModule):
     """Mask R-CNN (``mask=True``) or Faster R-CNN on a ResNet-FPN backbone.
 
     The constructor takes what the model is, where its weights come from, how it is optimised and how it is
-    evaluated; how it computes (kernels, memory format, compilation) is ``speedups``, applied to the built detector
-    by :meth:`configure_model`.
+    evaluated; how it computes (kernels, memory format, compilation) is ``speedups``, applied to the built
+    detector by :meth:`configure_model`.
 
     Args:
         num_classes: classes including background (the CLI fills it in from the data).
@@ -67,17 +67,18 @@ class MaskRCNNModule(LightningModule):
         mask: predict instance masks (Mask R-CNN); ``False`` gives Faster R-CNN.
         backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
         weights: where the weights come from: a torchvision COCO checkpoint for this architecture by name
-            (``"COCO_V1"``, ``"DEFAULT"``; see :func:`~lit_amp_det.models.maskrcnn.build_detector`), fetched through
-            torch hub's cache, or a local file: a state dict of the detector or a Lightning checkpoint, loaded with
-            ``weights_only=True``. With another class count than the file's, the class-dependent predictor layers
-            keep their fresh initialisation (fine-tuning); any other difference is an error that names the
-            settings the file was made with. A local file replaces ``backbone.weights``, which is then checked but
-            not fetched. ``None``: no detection weights.
-        optim: ``optimizer`` (a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02, "fused":
+            (``"COCO_V1"``, ``"DEFAULT"``; see :func:`~lit_amp_det.models.maskrcnn.build_detector`), fetched
+            through torch hub's cache, or a local file: a state dict of the detector or a Lightning
+            checkpoint, loaded with ``weights_only=True``. With another class count than the file's, the
+            class-dependent predictor layers keep their fresh initialisation (fine-tuning); any other
+            difference is an error that names the settings the file was made with. A local file replaces
+            ``backbone.weights``, which is then checked but not fetched. ``None``: no detection weights.
+        optim: ``optimizer`` (a ``_target_`` mapping, e.g. ``{"_target_": "torch.optim.SGD", "lr": 0.02,
+        "fused":
             "auto"}``), ``scheduler`` (a ``_target_`` mapping called with ``optimizer=`` and ``total_steps=``;
-            ``None`` for none) and ``reference_batch`` (the global batch that ``optimizer.lr`` is given for; the lr
-            is scaled linearly to the run's global batch, :func:`lit_amp_det.optim.scale_lr`; ``None``: used as is).
-            The Hydra app passes ``conf/optim``.
+            ``None`` for none) and ``reference_batch`` (the global batch that ``optimizer.lr`` is given for;
+            the lr is scaled linearly to the run's global batch, :func:`lit_amp_det.optim.scale_lr`; ``None``:
+            used as is). The Hydra app passes ``conf/optim``.
         evaluation: ``mask_threshold`` (mask probability above which a pixel belongs to the instance, for
             predictions and scoring; 0.5) and ``backend``, the library that computes COCO mAP:
             ``"faster_coco_eval"`` (the default) or ``"pycocotools"`` (see :data:`EVAL_BACKENDS`).
@@ -118,13 +119,18 @@ class MaskRCNNModule(LightningModule):
         if local is not None:
             named = (backbone or {}).get("weights")
             if named:
-                log.info("weights=%r supplies the weights: backbone.weights=%r checked but not loaded", str(local),
-                         named)
+                log.info(
+                    "weights=%r supplies the weights: backbone.weights=%r checked but not loaded",
+                    str(local),
+                    named,
+                )
             load_model_weights(self.model, local, hparams=self.hparams)
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()
         self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
-        self.captured_step: Any = None  # the CUDAGraphTraining callback while it trains (callbacks.cuda_graph)
+        self.captured_step: Any = (
+            None  # the CUDAGraphTraining callback while it trains (callbacks.cuda_graph)
+        )
         self._lookup: Tensor | None = None  # category_ids on the device (predict_step)
         self._lookup_key: tuple[Any, ...] | None = None
 
@@ -133,17 +139,18 @@ class MaskRCNNModule(LightningModule):
         """The implementation transforms :meth:`configure_model` applies to :meth:`build_model`'s detector.
 
         The configured ``speedups`` when this class builds the package's detector. A subclass that overrides
-        :meth:`build_model` gets exactly the model it built: it opts in by overriding this method, e.g. to return
-        ``self.configured_speedups`` (or transforms of its own).
+        :meth:`build_model` gets exactly the model it built: it opts in by overriding this method, e.g. to
+        return ``self.configured_speedups`` (or transforms of its own).
         """
         if type(self).build_model is not MaskRCNNModule.build_model:
             return []
         return list(self.configured_speedups)
 
     def configure_model(self) -> None:
-        """Applies :meth:`model_transforms` to ``self.model``, once (Lightning calls this before every fit, validate,
-        test and predict; call it yourself to use the module without a Trainer). Each transform applies only on
-        the device types it declares: the Trainer's device, or the module's outside a Trainer."""
+        """Applies :meth:`model_transforms` to ``self.model``, once (Lightning calls this before every fit,
+        validate, test and predict; call it yourself to use the module without a Trainer). Each transform
+        applies only on the device types it declares: the Trainer's device, or the module's outside a Trainer.
+        """
         if self.applied_speedups is not None:
             return
         try:
@@ -162,8 +169,16 @@ class MaskRCNNModule(LightningModule):
         weights = hp.get("weights")
         local = local_weights(weights) is not None
         # load_weights: a local file replaces the named weights (see ``weights``)
-        return build_detector(hp.num_classes, mask=hp.mask, backbone=hp.backbone, transform=hp.transform, rpn=hp.rpn,
-                              roi_heads=hp.roi_heads, weights=None if local else weights, load_weights=not local)
+        return build_detector(
+            hp.num_classes,
+            mask=hp.mask,
+            backbone=hp.backbone,
+            transform=hp.transform,
+            rpn=hp.rpn,
+            roi_heads=hp.roi_heads,
+            weights=None if local else weights,
+            load_weights=not local,
+        )
 
     def compute_loss(self, loss_dict: Mapping[str, Tensor]) -> Tensor:
         """Reduces torchvision's loss dict to the training loss. Override to weight or add terms."""
@@ -172,12 +187,16 @@ class MaskRCNNModule(LightningModule):
     def postprocess(self, detections: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """Turns raw detections into fp32 boxes/scores, int64 labels and boolean ``[N, H, W]`` masks.
 
-        The raw masks are ``[N, 1, H, W]``: booleans already thresholded with the ``binary_mask_paste`` speedup (a
-        default), torchvision's probabilities without it.
+        The raw masks are ``[N, 1, H, W]``: booleans already thresholded with the ``binary_mask_paste``
+        speedup (a default), torchvision's probabilities without it.
         """
         results = []
         for det in detections:
-            out = {"boxes": det["boxes"].float(), "scores": det["scores"].float(), "labels": det["labels"].long()}
+            out = {
+                "boxes": det["boxes"].float(),
+                "scores": det["scores"].float(),
+                "labels": det["labels"].long(),
+            }
             if "masks" in det:
                 masks = det["masks"][:, 0]
                 threshold = self.evaluation_settings.mask_threshold
@@ -211,8 +230,8 @@ class MaskRCNNModule(LightningModule):
         """COCO mAP for boxes, and masks when the model predicts them.
 
         Under DDP each rank scores its shard; :meth:`_log_metric` gathers the shards before computing
-        (``sync_on_compute=False``: torchmetrics' own gather needs equally long shards). ``evaluation.backend``
-        picks the library that computes it (:data:`EVAL_BACKENDS`).
+        (``sync_on_compute=False``: torchmetrics' own gather needs equally long shards).
+        ``evaluation.backend`` picks the library that computes it (:data:`EVAL_BACKENDS`).
         """
         iou_types = ("bbox", "segm") if self.hparams.mask else ("bbox",)
         backend = self.evaluation_settings.backend
@@ -231,38 +250,53 @@ class MaskRCNNModule(LightningModule):
         reference = settings.reference_batch
         if reference is not None:
             trainer = self.trainer
-            batch = global_batch_size(getattr(trainer.datamodule, "batch_size", None), trainer.world_size,
-                                      trainer.accumulate_grad_batches)
+            batch = global_batch_size(
+                getattr(trainer.datamodule, "batch_size", None),
+                trainer.world_size,
+                trainer.accumulate_grad_batches,
+            )
             optimizer_cfg = scale_lr(given, batch, reference)
             if trainer.is_global_zero:
-                log.info("lr %g for a global batch of %d images (%g given for reference_batch=%d)",
-                         optimizer_cfg["lr"], batch, given["lr"], reference)
+                log.info(
+                    "lr %g for a global batch of %d images (%g given for reference_batch=%d)",
+                    optimizer_cfg["lr"],
+                    batch,
+                    given["lr"],
+                    reference,
+                )
         optimizer = build_optimizer(optimizer_cfg, params)
         scheduler_cfg = settings.scheduler
         if not scheduler_cfg:
             return optimizer
-        scheduler = instantiate(dict(scheduler_cfg), optimizer=optimizer,
-                                total_steps=max(int(self.trainer.estimated_stepping_batches), 1))
+        scheduler = instantiate(
+            dict(scheduler_cfg),
+            optimizer=optimizer,
+            total_steps=max(int(self.trainer.estimated_stepping_batches), 1),
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------ export
-    def to_onnx(self, file_path: str | Path | None = None, input_sample: Tensor | None = None, **kwargs: Any) -> Any:
-        """Lightning's ``to_onnx`` for a detector: :mod:`lit_amp_det.deploy`'s fixed-shape graph (standard ONNX ops;
-        padded detections and each image's count) traced on ``input_sample``, a ``[B, 3, H, W]`` batch (uint8, or
-        float in [0, 1]; default ``example_input_array``, else one image at the inference size). Saved to
-        ``file_path`` with a JSON description beside it; returns the ``ONNXProgram``. ``kwargs`` go to
-        ``torch.onnx.export``."""
+    def to_onnx(
+        self, file_path: str | Path | None = None, input_sample: Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's ``to_onnx`` for a detector: :mod:`lit_amp_det.deploy`'s fixed-shape graph (standard
+        ONNX ops; padded detections and each image's count) traced on ``input_sample``, a ``[B, 3, H, W]``
+        batch (uint8, or float in [0, 1]; default ``example_input_array``, else one image at the inference
+        size). Saved to ``file_path`` with a JSON description beside it; returns the ``ONNXProgram``.
+        ``kwargs`` go to ``torch.onnx.export``."""
         from lit_amp_det.deploy import export_detector
 
         sample = input_sample if input_sample is not None else self.example_input_array
         return export_detector(self, file_path, "onnx", sample=sample, **kwargs)
 
     def to_torchscript(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: the detector calls the package's ops and hooks that TorchScript (deprecated) cannot compile."""
+        """Refused: the detector calls the package's ops and hooks that TorchScript (deprecated) cannot
+        compile."""
         raise NotImplementedError(
             f"{type(self).__name__} cannot become TorchScript: its detector calls lit_amp_det's ops, which TorchScript "
             f"(deprecated by PyTorch) cannot compile. Use module.to_onnx(path) for ONNX, or torch.export through "
-            f"`python -m lit_amp_det export format=pt2` / lit_amp_det.deploy.export_detector(module, path, 'pt2')")
+            f"`python -m lit_amp_det export format=pt2` / lit_amp_det.deploy.export_detector(module, path, 'pt2')"
+        )
 
     # ------------------------------------------------------------------------------------ forward
     @staticmethod
@@ -272,15 +306,17 @@ class MaskRCNNModule(LightningModule):
 
     @staticmethod
     def training_targets(targets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-        """Crowd regions are not objects to learn: they only matter for evaluation. ``valid`` marks padded instances
-        (``data.pad_instances``)."""
+        """Crowd regions are not objects to learn: they only matter for evaluation. ``valid`` marks padded
+        instances (``data.pad_instances``)."""
         kept = ("boxes", "labels", "masks", "valid")
         return [{k: v for k, v in drop_crowd(t).items() if k in kept} for t in targets]
 
     def forward(self, images: Sequence[Tensor]) -> list[dict[str, Tensor]]:
         """Detections (post-processed, fp32) for a list of ``[3, H, W]`` images."""
         transform = getattr(self.model, "transform", None)
-        if isinstance(transform, BinaryMaskTransform):  # the threshold is read per call, as postprocess reads it
+        if isinstance(
+            transform, BinaryMaskTransform
+        ):  # the threshold is read per call, as postprocess reads it
             transform.mask_threshold = self.evaluation_settings.mask_threshold
         return self.postprocess(self.model(self.prepare_images(images)))
 
@@ -291,18 +327,23 @@ class MaskRCNNModule(LightningModule):
         else:
             targets = self.training_targets(targets)
             if targets and "valid" in targets[0] and not is_fixed_shape(self.model):
-                raise ValueError("the training targets are padded (data.pad_instances), which only the sync_free "
-                                 "detector reads: apply it on this device (speedups.sync_free.devices) or set "
-                                 "data.pad_instances=null")
+                raise ValueError(
+                    "the training targets are padded (data.pad_instances), which only the sync_free "
+                    "detector reads: apply it on this device (speedups.sync_free.devices) or set "
+                    "data.pad_instances=null"
+                )
             loss_dict = self.model(self.prepare_images(images), targets)
             loss = self.compute_loss(loss_dict)
         batch_size = len(images)
         self.log_dict({f"train/{k}": v.detach().float() for k, v in loss_dict.items()}, batch_size=batch_size)
-        # the progress bar reads what it shows at every refresh: a captured step would wait for the device each step
+        # the progress bar reads what it shows at every refresh: a captured step would wait for the device
+        # each step
         shown = self.captured_step is None
         self.log("train/loss", loss.detach(), prog_bar=shown, batch_size=batch_size)
         lr = self.optimizers().param_groups[0]["lr"]
-        if not isinstance(lr, Tensor):  # a host number stays on the host (self.log would copy it to the device)
+        if not isinstance(
+            lr, Tensor
+        ):  # a host number stays on the host (self.log would copy it to the device)
             lr = torch.tensor(float(lr), dtype=torch.float32)
         self.log("train/lr", lr, prog_bar=True, batch_size=batch_size)
         return loss
@@ -346,14 +387,15 @@ class MaskRCNNModule(LightningModule):
             for key, value in results.items()
             if key.split("_", 1)[-1] in wanted and value.numel() == 1
         }
-        # torchmetrics already gathered every rank's images before compute(), so the values are global and equal
-        # on all ranks; sync_dist averages equal numbers (a few scalars once per epoch) and keeps every rank's
-        # checkpoint callback seeing the same value
+        # torchmetrics already gathered every rank's images before compute(), so the values are global and
+        # equal on all ranks; sync_dist averages equal numbers (a few scalars once per epoch) and keeps every
+        # rank's checkpoint callback seeing the same value
         self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=False, sync_dist=True)
 
     def _category_lookup(self) -> Tensor | None:
-        """``category_ids`` as a tensor on the module's device (class k -> entry k - 1), made again only when the ids
-        or the device change, so that a predict batch copies nothing from the host; None without ids."""
+        """``category_ids`` as a tensor on the module's device (class k -> entry k - 1), made again only when
+        the ids or the device change, so that a predict batch copies nothing from the host; None without ids.
+        """
         category_ids = self.hparams.category_ids
         if not category_ids:
             return None
@@ -368,7 +410,9 @@ class MaskRCNNModule(LightningModule):
         """Detections with the dataset's image ids and category ids, ready for a COCO results file."""
         images, targets = batch
         predictions = self(images)
-        image_ids = torch.stack([t["image_id"] for t in targets]).tolist() if targets else []  # one read a batch
+        image_ids = (
+            torch.stack([t["image_id"] for t in targets]).tolist() if targets else []
+        )  # one read a batch
         lookup = self._category_lookup()
         for pred, target, image_id in zip(predictions, targets, image_ids):
             pred["image_id"] = int(image_id)

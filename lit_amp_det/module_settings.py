@@ -1,8 +1,9 @@
-"""The optimisation and evaluation settings of :class:`~lit_amp_det.MaskRCNNModule`, checked where they are read.
+"""The optimisation and evaluation settings of :class:`~lit_amp_det.MaskRCNNModule`, checked where they are
+read.
 
-The module takes them as two plain mappings (``optim``, ``evaluation``), so that its hyper-parameters stay plain
-data in every checkpoint; these dataclasses are what the module reads, made once in its constructor, which fails
-before any work on a wrong value and names the setting.
+The module takes them as two plain mappings (``optim``, ``evaluation``), so that its hyper-parameters stay
+plain data in every checkpoint; these dataclasses are what the module reads, made once in its constructor,
+which fails before any work on a wrong value and names the setting.
 """
 
 from __future__ import annotations
@@ -16,22 +17,29 @@ from typing import Any
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.optim import check_reference_batch
 
-__all__ = ["EVAL_BACKENDS", "EvaluationSettings", "OptimSettings", "check_eval_backend", "check_evaluation",
-           "check_optim"]
+__all__ = [
+    "EVAL_BACKENDS",
+    "EvaluationSettings",
+    "OptimSettings",
+    "check_eval_backend",
+    "check_evaluation",
+    "check_optim",
+]
 
 #: The optimizer and schedule a module gets when ``optim`` names none (``conf/optim`` gives its own).
 DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
 DEFAULT_SCHEDULER = {"_target_": "lit_amp_det.optim.warmup_schedule", "warmup_steps": 100}
 
-#: ``evaluation.backend`` (the library behind torchmetrics' ``MeanAveragePrecision``) -> the pip package providing
-#: it. Both give the same numbers; faster-coco-eval computes faster, its mask encoding is slower on large images.
+#: ``evaluation.backend`` (the library behind torchmetrics' ``MeanAveragePrecision``) -> the pip package
+#: providing it. Both give the same numbers; faster-coco-eval computes faster, its mask encoding is slower on
+#: large images.
 EVAL_BACKENDS = {"faster_coco_eval": "faster-coco-eval", "pycocotools": "pycocotools"}
 
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """``optimizer`` and ``scheduler`` (``_target_`` mappings; an empty scheduler means none) and the global batch
-    ``reference_batch`` the lr is given for (``None``: the lr is used as it is)."""
+    """``optimizer`` and ``scheduler`` (``_target_`` mappings; an empty scheduler means none) and the global
+    batch ``reference_batch`` the lr is given for (``None``: the lr is used as it is)."""
 
     optimizer: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_OPTIMIZER))
     scheduler: dict[str, Any] | None = field(default_factory=lambda: dict(DEFAULT_SCHEDULER))
@@ -40,7 +48,8 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class EvaluationSettings:
-    """``mask_threshold`` (probability above which a mask pixel is the instance's) and the COCO ``backend``."""
+    """``mask_threshold`` (probability above which a mask pixel is the instance's) and the COCO ``backend``.
+    """
 
     mask_threshold: float = 0.5
     backend: str = "faster_coco_eval"
@@ -53,7 +62,8 @@ def _unknown_keys(node: str, given: Mapping[str, Any], known: tuple[str, ...]) -
 
 
 def check_optim(optim: Mapping[str, Any] | None) -> OptimSettings:
-    """``optim`` (``optimizer``, ``scheduler``, ``reference_batch``; missing keys take the defaults) checked."""
+    """``optim`` (``optimizer``, ``scheduler``, ``reference_batch``; missing keys take the defaults) checked.
+    """
     given = dict(optim or {})
     _unknown_keys("optim", given, ("optimizer", "scheduler", "reference_batch"))
     optimizer = given.get("optimizer", DEFAULT_OPTIMIZER)
@@ -61,8 +71,11 @@ def check_optim(optim: Mapping[str, Any] | None) -> OptimSettings:
         raise ArgumentError("optim.optimizer", optimizer, "needs a _target_ (e.g. torch.optim.SGD)")
     scheduler = given.get("scheduler", DEFAULT_SCHEDULER)
     if scheduler and (not isinstance(scheduler, Mapping) or not scheduler.get("_target_")):
-        raise ArgumentError("optim.scheduler", scheduler, "needs a _target_ (e.g. lit_amp_det.optim.warmup_schedule), "
-                            "or null for a constant lr")
+        raise ArgumentError(
+            "optim.scheduler",
+            scheduler,
+            "needs a _target_ (e.g. lit_amp_det.optim.warmup_schedule), or null for a constant lr",
+        )
     reference = given.get("reference_batch")
     try:
         check_reference_batch(reference)
@@ -72,12 +85,14 @@ def check_optim(optim: Mapping[str, Any] | None) -> OptimSettings:
 
 
 def check_eval_backend(backend: object) -> None:
-    """Raises unless ``backend`` is a name in :data:`EVAL_BACKENDS` whose package imports, so that a misspelt name
-    or a missing package stops a run before any work rather than at the first validation: :class:`ArgumentError` (a
-    ``ValueError``) for an unknown name, ``ModuleNotFoundError`` naming ``pip install`` and the other backend for a
-    missing package."""
+    """Raises unless ``backend`` is a name in :data:`EVAL_BACKENDS` whose package imports, so that a misspelt
+    name or a missing package stops a run before any work rather than at the first validation:
+    :class:`ArgumentError` (a ``ValueError``) for an unknown name, ``ModuleNotFoundError`` naming ``pip
+    install`` and the other backend for a missing package."""
     if backend not in EVAL_BACKENDS:
-        raise ArgumentError("evaluation.backend", backend, f"is unknown; choose one of {', '.join(EVAL_BACKENDS)}")
+        raise ArgumentError(
+            "evaluation.backend", backend, f"is unknown; choose one of {', '.join(EVAL_BACKENDS)}"
+        )
     try:
         importlib.import_module(str(backend))
     except ImportError as err:
@@ -96,8 +111,11 @@ def check_evaluation(evaluation: Mapping[str, Any] | None) -> EvaluationSettings
     _unknown_keys("evaluation", given, ("mask_threshold", "backend"))
     defaults = EvaluationSettings()
     threshold = given.get("mask_threshold", defaults.mask_threshold)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-            math.isfinite(threshold) and 0 <= threshold < 1):
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, float))
+        or not (math.isfinite(threshold) and 0 <= threshold < 1)
+    ):
         raise ArgumentError("evaluation.mask_threshold", threshold, "must be a probability in [0, 1)")
     backend = given.get("backend", defaults.backend)
     check_eval_backend(backend)

@@ -1,8 +1,8 @@
 """How lit_amp_det measures: peak memory, bytes saved for backward, step time and images per batch.
 
 The callbacks (``MemoryMonitor``, ``Throughput``, ``RunStats``), the benches and the tasks all measure through
-this one module, so a figure means the same thing wherever it is printed. It imports only the standard library and
-torch, so any layer may use it."""
+this one module, so a figure means the same thing wherever it is printed. It imports only the standard library
+and torch, so any layer may use it."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def _mallopt(param: int, value: int) -> bool:
 
 
 def release_freed_cpu_memory() -> None:
-    """Returns freed heap to the OS, so a resident-set peak measures this step, not the last one's leftovers."""
+    """Returns freed heap to the OS, so a resident-set peak measures this step, not the last one's leftovers.
+    """
     gc.collect()
     trim = getattr(_LIBC, "malloc_trim", None)  # glibc; musl has none
     if trim is not None:
@@ -85,8 +86,9 @@ def release_freed_cpu_memory() -> None:
 
 
 def pin_malloc_threshold(threshold: int = 128 * 1024) -> None:
-    """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and the resident set stays
-    up), so that consecutive peaks are comparable. Costs page faults: :func:`unpin_malloc_threshold` afterwards."""
+    """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and the resident set
+    stays up), so that consecutive peaks are comparable. Costs page faults: :func:`unpin_malloc_threshold`
+    afterwards."""
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is None or not _mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX):
         return
@@ -105,8 +107,9 @@ def unpin_malloc_threshold() -> None:
 class MemoryProbe:
     """Peak and in-use memory of one device: the CUDA caching allocator, or this process on a CPU.
 
-    On a CPU the peak is the process's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``); where
-    that is not allowed, ``ru_maxrss``, which only grows (``resettable`` False). ``source`` names what is measured."""
+    On a CPU the peak is the process's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``);
+    where that is not allowed, ``ru_maxrss``, which only grows (``resettable`` False). ``source`` names what
+    is measured."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -146,7 +149,8 @@ class MemoryProbe:
         return None if rss is None else 1024 * rss
 
     def baseline_bytes(self) -> int:
-        """What a later peak is measured above: in use now, or the peak so far where the peak cannot be reset."""
+        """What a later peak is measured above: in use now, or the peak so far where the peak cannot be reset.
+        """
         in_use = self.in_use_bytes()
         return in_use if self.resettable and in_use is not None else self.peak_bytes()
 
@@ -155,10 +159,11 @@ class MemoryProbe:
 class SavedTensorBytes:
     """Counts the bytes autograd saves for backward while the context is open.
 
-    Each distinct storage is counted once, whole (a saved view keeps all of it alive); storages of ``exclude`` (the
-    parameters and buffers, resident anyway) are not counted. Of the total, ``weight_cast_bytes`` are dtype copies
-    of trainable parameters (autocast's low-precision weight copies), and ``within_bytes`` are storages first saved
-    during the forward of the module ``within``. It only observes, and counts tensors, not allocator blocks."""
+    Each distinct storage is counted once, whole (a saved view keeps all of it alive); storages of ``exclude``
+    (the parameters and buffers, resident anyway) are not counted. Of the total, ``weight_cast_bytes`` are
+    dtype copies of trainable parameters (autocast's low-precision weight copies), and ``within_bytes`` are
+    storages first saved during the forward of the module ``within``. It only observes, and counts tensors,
+    not allocator blocks."""
 
     def __init__(self, exclude: Iterable[Tensor] = (), within: nn.Module | None = None) -> None:
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
@@ -179,9 +184,16 @@ class SavedTensorBytes:
                 self.bytes += storage.nbytes()
                 if self._inside:
                     self.within_bytes += storage.nbytes()
-                fn = tensor.grad_fn  # a dtype copy of a trainable parameter? (autocast's low-precision weight copies)
-                if fn is not None and fn.name() == "ToCopyBackward0" and any(
-                        isinstance(getattr(f, "variable", None), nn.Parameter) for f, _ in fn.next_functions):
+                fn = (
+                    tensor.grad_fn
+                )  # a dtype copy of a trainable parameter? (autocast's low-precision weight copies)
+                if (
+                    fn is not None
+                    and fn.name() == "ToCopyBackward0"
+                    and any(
+                        isinstance(getattr(f, "variable", None), nn.Parameter) for f, _ in fn.next_functions
+                    )
+                ):
                     self.weight_cast_bytes += storage.nbytes()
         return tensor
 
@@ -220,10 +232,12 @@ def timed(fn: Callable[[], Any], device: torch.device | str) -> float:
 
 class StepTimer:
     """Times steps from :meth:`start` to :meth:`stop`, CUDA synchronised at both ends; the first ``warmup``
-    steps are not timed (allocator growth, autotuning, lazy optimizer state). ``clock`` is swappable for tests."""
+    steps are not timed (allocator growth, autotuning, lazy optimizer state). ``clock`` is swappable for
+    tests."""
 
-    def __init__(self, device: torch.device | str, warmup: int = 0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, device: torch.device | str, warmup: int = 0, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.device = torch.device(device)
         self.warmup = warmup
         self.clock = clock
@@ -252,7 +266,8 @@ class StepTimer:
 
 # ---------------------------------------------------------------------------------------------- images
 def count_images(batch: Any) -> int:
-    """Images in a detection batch ``(images, targets)``: ``[3, H, W]`` tensors in a sequence, or ``[N, 3, H, W]``."""
+    """Images in a detection batch ``(images, targets)``: ``[3, H, W]`` tensors in a sequence, or ``[N, 3, H,
+    W]``."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         images = batch[0]
         if isinstance(images, torch.Tensor) and images.dim() == 4:
@@ -261,15 +276,18 @@ def count_images(batch: Any) -> int:
             return len(images)
     kind = type(batch).__name__
     length = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-    raise TypeError(f"Throughput counts images in (images, targets) batches, but the training batch is a "
-                    f"{kind}{length}; pass Throughput(batch_size_fn=...) returning the number of images of your "
-                    "batches")
+    raise TypeError(
+        f"Throughput counts images in (images, targets) batches, but the training batch is a "
+        f"{kind}{length}; pass Throughput(batch_size_fn=...) returning the number of images of your "
+        "batches"
+    )
 
 
 # ------------------------------------------------------------------------------------- host synchronisations
 _aten = torch.ops.aten
-#: ops that read a tensor's values on the host, or size their output by them: on a GPU each waits for the queued
-#: kernels (and breaks a ``torch.compile`` graph, and forbids CUDA-graph capture); mask indexing is a nonzero inside
+#: ops that read a tensor's values on the host, or size their output by them: on a GPU each waits for the
+#: queued kernels (and breaks a ``torch.compile`` graph, and forbids CUDA-graph capture); mask indexing is a
+#: nonzero inside
 _VALUE_READS = {
     _aten._local_scalar_dense.default,
     _aten.is_nonzero.default,
@@ -290,16 +308,28 @@ _READ_BACK_KERNELS = {
     _aten.histc.default,
     _aten.multinomial.default,
 }
-_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+_INDEXING = {
+    _aten.index.Tensor,
+    _aten.index_put.default,
+    _aten.index_put_.default,
+    _aten._index_put_impl_.default,
+}
 #: ops that make a tensor from host data (``torch.tensor``, ``torch.as_tensor`` of Python numbers)
 _HOST_DATA = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
-#: Tensor methods that hand a device tensor's values to the host (``item`` and ``bool`` reach the dispatcher as
-#: ``_local_scalar_dense``; these may not, and on a CPU tensor nothing reaches it at all)
+#: Tensor methods that hand a device tensor's values to the host (``item`` and ``bool`` reach the dispatcher
+#: as ``_local_scalar_dense``; these may not, and on a CPU tensor nothing reaches it at all)
 _HOST_READ_METHODS = {"tolist": "Tensor.tolist", "numpy": "Tensor.numpy", "cpu": "Tensor.cpu"}
 _TORCH_DIR = str(Path(torch.__file__).parent) + "/"
 
 #: what :class:`HostSyncs` counts, by kind
-SYNC_KINDS = ("value read", "read-back kernel", "device copy", "host data on a device", "host read", "explicit sync")
+SYNC_KINDS = (
+    "value read",
+    "read-back kernel",
+    "device copy",
+    "host data on a device",
+    "host read",
+    "explicit sync",
+)
 
 
 def _is_device(device: torch.device | str | None) -> bool:
@@ -335,7 +365,8 @@ def _value_read(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 
 def _call_site() -> str:
-    """``path:line`` of the innermost frame outside torch and this module: the code that asked for the value."""
+    """``path:line`` of the innermost frame outside torch and this module: the code that asked for the value.
+    """
     frame = sys._getframe(2)
     while frame is not None and (
         frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
@@ -347,8 +378,8 @@ def _call_site() -> str:
 class _MethodReads(torch.overrides.TorchFunctionMode):
     """Counts the Tensor methods that hand values to the host (``tolist``, ``numpy``, ``cpu``).
 
-    ``to(device)`` is left to the copy count: in a step it usually names the step's own device, which on a CPU run
-    is the host."""
+    ``to(device)`` is left to the copy count: in a step it usually names the step's own device, which on a CPU
+    run is the host."""
 
     def __init__(self, counter: HostSyncs) -> None:
         super().__init__()
@@ -368,15 +399,17 @@ class _MethodReads(torch.overrides.TorchFunctionMode):
 class _DispatchCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the aten calls that wait for a device: value reads, read-back kernels, copies, host data.
 
-    ``torch.tensor(numbers, device=cuda)`` is one wait, counted as host data on a device: a fake tensor mode makes it
-    as ``lift_fresh`` on the host then a copy, CUDA as a copy then ``lift_fresh`` on the device; either way the copy
-    is not counted again."""
+    ``torch.tensor(numbers, device=cuda)`` is one wait, counted as host data on a device: a fake tensor mode
+    makes it as ``lift_fresh`` on the host then a copy, CUDA as a copy then ``lift_fresh`` on the device;
+    either way the copy is not counted again."""
 
     def __init__(self, counter: HostSyncs) -> None:
         super().__init__()
         self.counter = counter
         self._lifted_on_host = WeakIdKeyDictionary()  # host tensors made from numbers, not yet on a device
-        self._copied: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a device copy's result -> its (what, site)
+        self._copied: WeakIdKeyDictionary = (
+            WeakIdKeyDictionary()
+        )  # a device copy's result -> its (what, site)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -425,18 +458,20 @@ class HostSyncs:
     A step that waits nowhere can run ahead of the GPU and be captured in a CUDA graph. Counted, by kind
     (:data:`SYNC_KINDS`):
 
-    * value reads: ``.item()``, ``bool()``, ``nonzero``, one-argument ``torch.where``, mask indexing, ``unique``,
-      unsized ``repeat_interleave``; CPU tensors dispatch them as CUDA ones do, so a CPU run shows where a GPU
-      step would stop;
+    * value reads: ``.item()``, ``bool()``, ``nonzero``, one-argument ``torch.where``, mask indexing,
+      ``unique``, unsized ``repeat_interleave``; CPU tensors dispatch them as CUDA ones do, so a CPU run shows
+      where a GPU step would stop;
     * read-back kernels: ops whose CUDA kernels read values back (``bincount``, ``histc``, ``multinomial``);
-    * device copies between the host and a device (a pageable copy blocks the host; under capture it is an error);
-    * host data on a device: tensors built from Python numbers on a device (``torch.tensor(..., device=cuda)``);
-    * host reads: ``tolist``, ``numpy``, ``cpu``, counted on any tensor, since in a step on a GPU the tensor would
-      be on the device (``to("cpu")`` of a device tensor counts as a device copy);
+    * device copies between the host and a device (a pageable copy blocks the host; under capture it is an
+      error);
+    * host data on a device: tensors built from Python numbers on a device (``torch.tensor(...,
+      device=cuda)``);
+    * host reads: ``tolist``, ``numpy``, ``cpu``, counted on any tensor, since in a step on a GPU the tensor
+      would be on the device (``to("cpu")`` of a device tensor counts as a device copy);
     * explicit syncs: ``torch.cuda.synchronize`` and the stream, event and accelerator ``synchronize``.
 
-    Copies and host data show only where tensors are on a device: run the step on CUDA, or on fake CUDA tensors
-    (``FakeTensorMode``) with this counter entered inside the fake mode."""
+    Copies and host data show only where tensors are on a device: run the step on CUDA, or on fake CUDA
+    tensors (``FakeTensorMode``) with this counter entered inside the fake mode."""
 
     def __init__(self) -> None:
         self.sites: dict[tuple[str, str], int] = {}
@@ -445,8 +480,8 @@ class HostSyncs:
         self._stack = contextlib.ExitStack()
 
     def add(self, kind: str, what: str) -> tuple[str, str] | None:
-        """Counts one wait of ``kind`` (one of :data:`SYNC_KINDS`) for ``what`` at the caller's call site; returns
-        the site's key, or None when counting is quiet."""
+        """Counts one wait of ``kind`` (one of :data:`SYNC_KINDS`) for ``what`` at the caller's call site;
+        returns the site's key, or None when counting is quiet."""
         if self._quiet:
             return None
         key = (what, _call_site())
@@ -455,8 +490,8 @@ class HostSyncs:
         return key
 
     def reclassify(self, key: tuple[str, str], kind: str, new_kind: str, what: str) -> None:
-        """Moves one wait counted at ``key`` from ``kind`` to ``new_kind``, named ``what`` (a copy found to be part
-        of a host-data tensor, say)."""
+        """Moves one wait counted at ``key`` from ``kind`` to ``new_kind``, named ``what`` (a copy found to be
+        part of a host-data tensor, say)."""
         self.sites[key] -= 1
         if not self.sites[key]:
             del self.sites[key]

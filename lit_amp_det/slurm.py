@@ -1,17 +1,17 @@
 """What a SLURM job adds to a run: its identity, the requeue call, and the preempted attempt to continue.
 
-A job submitted with ``#SBATCH --signal=USR1@90`` (and ``--requeue``) gets ``SIGUSR1`` 90 seconds before its time
-limit or preemption (``SIGUSR2`` if submitit started it: :func:`requeue_signal`).
+A job submitted with ``#SBATCH --signal=USR1@90`` (and ``--requeue``) gets ``SIGUSR1`` 90 seconds before its
+time limit or preemption (``SIGUSR2`` if submitit started it: :func:`requeue_signal`).
 :class:`~lit_amp_det.callbacks.last_checkpoint.LastCheckpoint` answers it: the step in progress completes,
-``checkpoints/last.ckpt`` is written, rank 0 runs ``scontrol requeue`` (:func:`requeue`) and the run stops with
-status ``requeued``. SLURM then ends the job (``SIGTERM``, which the stopping run ignores) and starts the same command
-again with the same job id and ``SLURM_RESTART_COUNT`` raised; ``fit`` finds the earlier attempt from the job id and
-restart count its ``run.json`` records (:func:`lit_amp_det.app.runs.slurm_resume_point`) and resumes from its
-checkpoint without ``ckpt_path``. Lightning's own requeue handler (which saves inside the signal handler) is turned
-off: :func:`cluster_plugins`.
+``checkpoints/last.ckpt`` is written, rank 0 runs ``scontrol requeue`` (:func:`requeue`) and the run stops
+with status ``requeued``. SLURM then ends the job (``SIGTERM``, which the stopping run ignores) and starts the
+same command again with the same job id and ``SLURM_RESTART_COUNT`` raised; ``fit`` finds the earlier attempt
+from the job id and restart count its ``run.json`` records (:func:`lit_amp_det.app.runs.slurm_resume_point`)
+and resumes from its checkpoint without ``ckpt_path``. Lightning's own requeue handler (which saves inside the
+signal handler) is turned off: :func:`cluster_plugins`.
 
-Detection follows Lightning's :class:`~lightning.fabric.plugins.environments.SLURMEnvironment`: ``SLURM_NTASKS``
-is set and the job is not interactive (job name ``bash`` or ``interactive``).
+Detection follows Lightning's :class:`~lightning.fabric.plugins.environments.SLURMEnvironment`:
+``SLURM_NTASKS`` is set and the job is not interactive (job name ``bash`` or ``interactive``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ SUBMITIT_SIGNAL_VARIABLE = "SUBMITIT_PREEMPT_SIGNAL"
 @dataclass(frozen=True)
 class SlurmJob:
     """The SLURM job this process runs in: ``job_id`` is ``<array job>_<task>`` for an array task (what
-    ``scontrol requeue`` takes), else ``SLURM_JOB_ID``; ``restart_count`` is ``SLURM_RESTART_COUNT`` (0 on the first
-    attempt)."""
+    ``scontrol requeue`` takes), else ``SLURM_JOB_ID``; ``restart_count`` is ``SLURM_RESTART_COUNT`` (0 on the
+    first attempt)."""
 
     job_id: str
     restart_count: int
@@ -73,8 +73,8 @@ def requeue_signal(environ: os._Environ[str] | dict[str, str] | None = None) -> 
 
 
 def cluster_plugins() -> list[Any]:
-    """Lightning's SLURM environment without its auto-requeue (``LastCheckpoint`` requeues after a clean save);
-    empty outside SLURM, where Lightning picks the environment itself."""
+    """Lightning's SLURM environment without its auto-requeue (``LastCheckpoint`` requeues after a clean
+    save); empty outside SLURM, where Lightning picks the environment itself."""
     if current_job() is None:
         return []
     from lightning.fabric.plugins.environments import SLURMEnvironment  # deferred: imports torch
@@ -83,17 +83,25 @@ def cluster_plugins() -> list[Any]:
 
 
 def requeue(job: SlurmJob) -> bool:
-    """Runs ``scontrol requeue <job id>``; whether it succeeded (a failure is logged, not raised: the checkpoint
-    is saved either way and the job can be resubmitted by hand)."""
+    """Runs ``scontrol requeue <job id>``; whether it succeeded (a failure is logged, not raised: the
+    checkpoint is saved either way and the job can be resubmitted by hand)."""
     command = ["scontrol", "requeue", job.job_id]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
-        log.warning("`%s` failed (%s): the job was not requeued; resubmit it to resume", " ".join(command), err)
+        log.warning(
+            "`%s` failed (%s): the job was not requeued; resubmit it to resume", " ".join(command), err
+        )
         return False
     if result.returncode != 0:
-        log.warning("`%s` exited with %d (%s): the job was not requeued; resubmit it to resume", " ".join(command),
-                    result.returncode, (result.stderr or result.stdout).strip()[-500:])
+        log.warning(
+            "`%s` exited with %d (%s): the job was not requeued; resubmit it to resume",
+            " ".join(command),
+            result.returncode,
+            (result.stderr or result.stdout).strip()[-500:],
+        )
         return False
-    log.warning("requeued SLURM job %s: it continues from the checkpoint when SLURM starts it again", job.job_id)
+    log.warning(
+        "requeued SLURM job %s: it continues from the checkpoint when SLURM starts it again", job.job_id
+    )
     return True

@@ -1,16 +1,16 @@
-"""A warm parent for the CLI tests: imports what every ``python -m lit_amp_det`` run imports once, then forks one
-child per command.
+"""A warm parent for the CLI tests: imports what every ``python -m lit_amp_det`` run imports once, then forks
+one child per command.
 
-A fresh ``python -m lit_amp_det`` spends most of a smoke run importing torch, torchvision, Lightning (and through it
-torchmetrics, scipy) and Hydra; the CLI tests start dozens. A forked child is still its own process, with its own
-pid, signals, exit code, working directory, environment and output files, and it runs ``lit_amp_det.__main__``
-exactly as ``python -m`` does; it only skips the imports. :func:`conftest.run_cli` uses it for the commands that
-do not change a variable read at import time (under DDP: rank 0, which starts the other ranks afresh from its command
-line), and a fresh process for the rest.
+A fresh ``python -m lit_amp_det`` spends most of a smoke run importing torch, torchvision, Lightning (and
+through it torchmetrics, scipy) and Hydra; the CLI tests start dozens. A forked child is still its own
+process, with its own pid, signals, exit code, working directory, environment and output files, and it runs
+``lit_amp_det.__main__`` exactly as ``python -m`` does; it only skips the imports. :func:`conftest.run_cli`
+uses it for the commands that do not change a variable read at import time (under DDP: rank 0, which starts
+the other ranks afresh from its command line), and a fresh process for the rest.
 
-Protocol (one JSON object per line): the test sends ``{"argv", "cwd", "env", "stdout", "stderr"}`` on stdin; this
-process answers ``{"pid": ...}`` at once and ``{"returncode": ...}`` (negative: killed by that signal) when the
-child ends. It answers ``{"ready": true}`` once warm.
+Protocol (one JSON object per line): the test sends ``{"argv", "cwd", "env", "stdout", "stderr"}`` on stdin;
+this process answers ``{"pid": ...}`` at once and ``{"returncode": ...}`` (negative: killed by that signal)
+when the child ends. It answers ``{"ready": true}`` once warm.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ def _warm() -> None:
     """The imports a CLI run makes before it does anything; nothing here starts a thread or runs an op."""
     import hydra  # noqa: F401
     import lightning.pytorch  # noqa: F401
-    import torch  # noqa: F401
-    import torchvision  # noqa: F401
-
     import lit_amp_det.app.tasks  # noqa: F401
     import lit_amp_det.cli  # noqa: F401
+    import torch  # noqa: F401
+    import torchvision  # noqa: F401
 
 
 def _child(request: dict, base_path: list[str]) -> None:

@@ -20,9 +20,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from lightning.pytorch.loggers import Logger
-from omegaconf import DictConfig
-
 from lit_amp_det.app.config import config_dir
+from omegaconf import DictConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,7 +46,8 @@ def _isolated_paths(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.fixture
 def cpu_bf16(monkeypatch: pytest.MonkeyPatch):
-    """Sets whether the CPU computes bf16 natively, for tests of what ``auto`` and the CPU fallbacks choose."""
+    """Sets whether the CPU computes bf16 natively, for tests of what ``auto`` and the CPU fallbacks choose.
+    """
     from lit_amp_det.precision import hardware
 
     def set_native(native: bool) -> None:
@@ -65,7 +65,18 @@ def compose_config(overrides: Sequence[str] = (), output_dir: Path | None = None
 
 #: variables read while Python, torch or Triton import, or that change how processes start: a command whose
 #: environment differs from the warm parent's in one of these runs in a fresh process
-_IMPORT_TIME_VARIABLES = ("PYTHON", "TRITON_", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_", "LD_", "NCCL_")
+_IMPORT_TIME_VARIABLES = (
+    "PYTHON",
+    "TRITON_",
+    "TORCH",
+    "PYTORCH_",
+    "CUDA_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "LD_",
+    "NCCL_",
+)
 
 
 class _WarmParent:
@@ -78,8 +89,12 @@ class _WarmParent:
     def get(cls) -> subprocess.Popen | None:
         if cls.process is None:
             cls.env = cls._environment()
-            cls.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], env=cls.env,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            cls.process = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "cli_zygote.py")],
+                env=cls.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
             atexit.register(cls.process.kill)
             if (cls._answer(cls.process, 300) or {}).get("ready") is not True:
                 cls.process.kill()
@@ -94,8 +109,8 @@ class _WarmParent:
 
     @staticmethod
     def _answer(parent: subprocess.Popen, timeout: float) -> dict | None:
-        """The parent's next line, read from its pipe a byte at a time (a buffered read could take the next answer
-        too, and ``select`` would then wait for it in vain); ``None`` after ``timeout`` seconds."""
+        """The parent's next line, read from its pipe a byte at a time (a buffered read could take the next
+        answer too, and ``select`` would then wait for it in vain); ``None`` after ``timeout`` seconds."""
         line, deadline = b"", time.monotonic() + timeout
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
@@ -116,14 +131,21 @@ class _WarmParent:
         return not any(k.startswith(_IMPORT_TIME_VARIABLES) and parent.get(k) != env.get(k) for k in keys)
 
     @classmethod
-    def run(cls, args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(
+        cls, args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess:
         parent = cls.get()
         if parent is None:
             raise RuntimeError("the warm parent of the CLI tests (tests/cli_zygote.py) did not start")
         with tempfile.TemporaryDirectory() as folder:
             out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-            request = {"argv": list(map(str, args)), "cwd": str(cwd), "env": env, "stdout": str(out),
-                       "stderr": str(err)}
+            request = {
+                "argv": list(map(str, args)),
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(out),
+                "stderr": str(err),
+            }
             parent.stdin.write((json.dumps(request) + "\n").encode())
             parent.stdin.flush()
             pid = cls._answer(parent, 60)["pid"]
@@ -133,31 +155,48 @@ class _WarmParent:
                 cls._answer(parent, 60)
                 raise subprocess.TimeoutExpired(["python", "-m", "lit_amp_det", *args], timeout)
             returncode = answer["returncode"]
-            return subprocess.CompletedProcess(["python", "-m", "lit_amp_det", *args], returncode,
-                                               out.read_text(errors="replace"), err.read_text(errors="replace"))
+            return subprocess.CompletedProcess(
+                ["python", "-m", "lit_amp_det", *args],
+                returncode,
+                out.read_text(errors="replace"),
+                err.read_text(errors="replace"),
+            )
 
 
-def run_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
-            check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(
+    args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Runs ``python -m lit_amp_det ...`` as a user would: in a process of its own, forked from a warm parent
     that has made the imports already (:mod:`cli_zygote`), or started afresh where that could differ
     (``LIT_AMP_DET_TESTS_FRESH_PROCESSES=1`` starts every one afresh)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
-    if _WarmParent.takes(args, full_env) and _WarmParent.get() is not None:  # DDP: rank 0 (Lightning starts the rest)
+    if (
+        _WarmParent.takes(args, full_env) and _WarmParent.get() is not None
+    ):  # DDP: rank 0 (Lightning starts the rest)
         proc = _WarmParent.run(args, cwd, full_env, timeout=600)
     else:
-        proc = subprocess.run([sys.executable, "-m", "lit_amp_det", *args], cwd=cwd, env=full_env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "lit_amp_det", *args],
+            cwd=cwd,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     if check and proc.returncode != 0:
-        raise AssertionError(f"CLI failed ({proc.returncode}):\nSTDOUT\n{proc.stdout[-4000:]}\n"
-                             f"STDERR\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"CLI failed ({proc.returncode}):\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
 def assert_same_last_weights(expected_run: Path, got_run: Path) -> None:
     """The two runs' ``checkpoints/last.ckpt`` hold the same tensors, bit for bit (an exact resume)."""
+
     def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)[
+            "state_dict"
+        ]
 
     expected, got = weights(expected_run), weights(got_run)
     assert expected.keys() == got.keys()
@@ -198,17 +237,18 @@ class CaptureLogger(Logger):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (``make test``: two workers on the two cores of CI) each worker, and every command it
-    starts, computes with one torch thread: two workers of two threads each would contend for the cores."""
+    """Under pytest-xdist (``make test``: two workers on the two cores of CI) each worker, and every command
+    it starts, computes with one torch thread: two workers of two threads each would contend for the cores."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Runs the slow tests first. Tests marked ``long`` run only when the ``-m`` expression names them (``pytest -m long``); so do those marked
-    ``bf16_training`` on a CPU without native bf16, where torch's bf16 kernels take slow paths (a 300-step bf16 parity
-    run of the light model took 22 minutes on a 2-core AVX2 EPYC, against about 1 minute in fp32)."""
+    """Runs the slow tests first. Tests marked ``long`` run only when the ``-m`` expression names them
+    (``pytest -m long``); so do those marked ``bf16_training`` on a CPU without native bf16, where torch's
+    bf16 kernels take slow paths (a 300-step bf16 parity run of the light model took 22 minutes on a 2-core
+    AVX2 EPYC, against about 1 minute in fp32)."""
     markexpr = config.getoption("markexpr") or ""
     skips = {}
     if "long" not in markexpr:
@@ -219,23 +259,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not cpu_computes_bf16_natively():
             skips["bf16_training"] = pytest.mark.skip(
                 reason=f"bf16 training on a CPU without native bf16 (torch capability {cpu_capability()}) takes 20+ "
-                       "minutes; run with `pytest -m bf16_training`")
+                "minutes; run with `pytest -m bf16_training`"
+            )
     for item in items:
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
-    # longest first (the end-to-end runs are marked slow): with --dist worksteal the two workers then end together
+    # longest first (the end-to-end runs are marked slow): with --dist worksteal the two workers then end
+    # together
     items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 def smooth_activations(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every ReLU replaced by SiLU, in place, for tests that compare two ways of computing the same
-    convolutions at 1e-5 or closer.
+    """``model`` with every ReLU replaced by SiLU, in place, for tests that compare two ways of computing the
+    same convolutions at 1e-5 or closer.
 
-    The two ways round differently (each within fp32's rounding of the exact result). Where a pre-activation lies
-    within that rounding of 0, a ReLU can take different sides in them, and every gradient upstream then differs by
-    that element's whole contribution (conv-BN folding in resnet18, say). A smooth activation has no such kink, so
-    the comparison checks the computation alone.
+    The two ways round differently (each within fp32's rounding of the exact result). Where a pre-activation
+    lies within that rounding of 0, a ReLU can take different sides in them, and every gradient upstream then
+    differs by that element's whole contribution (conv-BN folding in resnet18, say). A smooth activation has
+    no such kink, so the comparison checks the computation alone.
     """
     for name, child in model.named_children():
         if isinstance(child, torch.nn.ReLU):

@@ -10,7 +10,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
-
 from lit_amp_det.models.conv_bn import conv_bn_eval_enabled
 
 
@@ -21,7 +20,9 @@ class DDPProbe(Callback):
         self.dirpath = Path(dirpath)
         self.seen: dict[str, Any] = {"train_images": 0, "val_images": 0}
         self._hooks: list[Any] = []
-        self._armed = False  # hooks record real training steps only (MemoryMonitor runs copies of the model first)
+        self._armed = (
+            False  # hooks record real training steps only (MemoryMonitor runs copies of the model first)
+        )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         def remember(key: str):
@@ -31,25 +32,33 @@ class DDPProbe(Callback):
                 tensor = next(iter(output.values())) if isinstance(output, dict) else output
                 tensor = tensor[0] if isinstance(tensor, (tuple, list)) else tensor
                 self.seen.setdefault(key, str(tensor.dtype))
+
             return hook
 
         model = pl_module.model
-        self._hooks = [model.backbone.register_forward_hook(remember("backbone_dtype")),
-                       model.roi_heads.box_predictor.register_forward_hook(remember("box_predictor_dtype"))]
+        self._hooks = [
+            model.backbone.register_forward_hook(remember("backbone_dtype")),
+            model.roi_heads.box_predictor.register_forward_hook(remember("box_predictor_dtype")),
+        ]
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._armed = True
         self.seen["train_images"] += len(batch[0])
         self.seen.setdefault("train_ids", []).append(
-            [trainer.current_epoch, [int(t["image_id"]) for t in batch[1]]])
+            [trainer.current_epoch, [int(t["image_id"]) for t in batch[1]]]
+        )
         model = pl_module.model
         self.seen.setdefault("conv_bn_eval", conv_bn_eval_enabled(model))
-        self.seen.setdefault("norms_in_train_mode", sum(
-            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()))
+        self.seen.setdefault(
+            "norms_in_train_mode",
+            sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()),
+        )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._armed = False
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -64,8 +73,14 @@ class DDPProbe(Callback):
 
         metric.compute, metric._probed = counted_compute, True
 
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if not trainer.sanity_checking:
             self.seen["val_images"] += len(batch[0])
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.precision import force_fp32, mixed_precision_dtype
 
@@ -23,7 +22,9 @@ class FeatureStatsMaskRCNN(MaskRCNNModule):
     def feature_energy(self, feature: torch.Tensor) -> torch.Tensor:
         if mixed_precision_dtype(self) is not None:
             if feature.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
-                raise RuntimeError(f"fp32 region saw {feature.dtype}, autocast={torch.is_autocast_enabled('cpu')}")
+                raise RuntimeError(
+                    f"fp32 region saw {feature.dtype}, autocast={torch.is_autocast_enabled('cpu')}"
+                )
             self.fp32_checks += 1
         return feature.pow(2).mean()
 

@@ -1,4 +1,5 @@
-"""Anchors stay fp32 under mixed precision (torchvision's generator rounds them to the feature maps' half dtype)."""
+"""Anchors stay fp32 under mixed precision (torchvision's generator rounds them to the feature maps' half
+dtype)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
+from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
 from conftest import compose_config
-from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
 
 SIZES = ((32,), (64,), (128,), (256,), (512,))
 RATIOS = ((0.5, 1.0, 2.0),) * 5
@@ -41,16 +42,18 @@ def test_half_feature_maps_give_the_fp32_anchors(half: torch.dtype) -> None:
     for a, b in zip(got, reference):
         assert a.dtype == torch.float32 and torch.equal(a, b)
     assert all(cell.dtype == torch.float32 for cell in generator.cell_anchors)
-    # what torchvision's generator does with the same maps: anchors in the half dtype; torchvision's anchors are
-    # integers, exact in fp16 below 2048, while bf16 rounds the shift and then the sum (8 bits: 8 px steps)
+    # what torchvision's generator does with the same maps: anchors in the half dtype; torchvision's anchors
+    # are integers, exact in fp16 below 2048, while bf16 rounds the shift and then the sum (8 bits: 8 px
+    # steps)
     rounded = AnchorGenerator(SIZES, RATIOS)(*_inputs(half))[0]
     error = (rounded.float() - reference[0]).abs().max().item()
     assert rounded.dtype == half and error == (7.0 if half == torch.bfloat16 else 0.0), error
 
 
 def test_torchvision_keeps_rounded_cell_anchors_after_a_half_call_and_ours_does_not() -> None:
-    """torchvision converts ``cell_anchors`` in place: one bf16 call leaves later fp32 calls with rounded anchors
-    where a cell anchor is not a bf16 number (here size 800, ratio 0.5: a half-width of 566 becomes 568)."""
+    """torchvision converts ``cell_anchors`` in place: one bf16 call leaves later fp32 calls with rounded
+    anchors where a cell anchor is not a bf16 number (here size 800, ratio 0.5: a half-width of 566 becomes
+    568)."""
     sizes = (*SIZES[:4], (800,))
     reference = AnchorGenerator(sizes, RATIOS)(*_inputs(torch.float32))[0]
     theirs, ours = AnchorGenerator(sizes, RATIOS), FullPrecisionAnchorGenerator(sizes, RATIOS)

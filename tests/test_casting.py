@@ -12,8 +12,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from lit_amp_det.precision.casting import (
     AMP_DTYPE_ATTR,
     LOW_PRECISION_DTYPES,
@@ -26,6 +24,7 @@ from lit_amp_det.precision.casting import (
     unwrap_method,
     wrap_method,
 )
+from torch import nn
 
 
 def _cpu_autocast_supports(dtype: torch.dtype) -> bool:
@@ -96,6 +95,7 @@ def test_cast_tensor_type_changes_only_source_dtype_and_keeps_containers() -> No
 
 def test_cast_tensor_type_does_not_mutate_its_input() -> None:
     inputs = _nested()
+
     def summary() -> dict[str, Any]:
         return {k: (type(v), v.dtype if isinstance(v, torch.Tensor) else None) for k, v in inputs.items()}
 

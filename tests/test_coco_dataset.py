@@ -1,4 +1,5 @@
-"""Tests for `lit_amp_det.data.coco` and `lit_amp_det.data.transforms` on tiny COCO folders built in tmp_path."""
+"""Tests for `lit_amp_det.data.coco` and `lit_amp_det.data.transforms` on tiny COCO folders built in tmp_path.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from pycocotools import mask as mask_utils
-
 from lit_amp_det.data import coco as coco_module
 from lit_amp_det.data.coco import CocoInstances, drop_crowd
 from lit_amp_det.data.transforms import Compose, RandomHorizontalFlip, ToFloat, collate_detection
+from PIL import Image
+from pycocotools import mask as mask_utils
 
 H, W = 30, 40  # images 1 and 2; image 3 is 20 wide x 50 high
 
@@ -72,16 +72,51 @@ def _coco_dict() -> dict[str, Any]:
         ],
         "categories": [{"id": 7, "name": "dog"}, {"id": 3, "name": "cat"}],
         "annotations": [
-            {"id": 10, "image_id": 1, "category_id": 3, "bbox": [5, 4, 10, 8], "area": 80.0, "iscrowd": 0,
-             "segmentation": [[5, 4, 15, 4, 15, 12, 5, 12]]},
-            {"id": 11, "image_id": 1, "category_id": 7, "bbox": [30, 20, 20, 20], "area": 100.0, "iscrowd": 0,
-             "segmentation": _uncompressed_rle(MASK_11)},
-            {"id": 12, "image_id": 2, "category_id": 7, "bbox": [3, 2, 18, 9], "area": 19.0, "iscrowd": 0,
-             "segmentation": _compressed_rle(MASK_12)},
-            {"id": 13, "image_id": 2, "category_id": 3, "bbox": [0, 15, 10, 10], "area": 100.0, "iscrowd": 1,
-             "segmentation": _uncompressed_rle(MASK_13)},
-            {"id": 14, "image_id": 2, "category_id": 3, "bbox": [25, 2, 11, 22], "area": 36.0, "iscrowd": 0,
-             "segmentation": [[25, 2, 30, 2, 30, 6, 25, 6], [32, 20, 36, 20, 36, 24, 32, 24]]},
+            {
+                "id": 10,
+                "image_id": 1,
+                "category_id": 3,
+                "bbox": [5, 4, 10, 8],
+                "area": 80.0,
+                "iscrowd": 0,
+                "segmentation": [[5, 4, 15, 4, 15, 12, 5, 12]],
+            },
+            {
+                "id": 11,
+                "image_id": 1,
+                "category_id": 7,
+                "bbox": [30, 20, 20, 20],
+                "area": 100.0,
+                "iscrowd": 0,
+                "segmentation": _uncompressed_rle(MASK_11),
+            },
+            {
+                "id": 12,
+                "image_id": 2,
+                "category_id": 7,
+                "bbox": [3, 2, 18, 9],
+                "area": 19.0,
+                "iscrowd": 0,
+                "segmentation": _compressed_rle(MASK_12),
+            },
+            {
+                "id": 13,
+                "image_id": 2,
+                "category_id": 3,
+                "bbox": [0, 15, 10, 10],
+                "area": 100.0,
+                "iscrowd": 1,
+                "segmentation": _uncompressed_rle(MASK_13),
+            },
+            {
+                "id": 14,
+                "image_id": 2,
+                "category_id": 3,
+                "bbox": [25, 2, 11, 22],
+                "area": 36.0,
+                "iscrowd": 0,
+                "segmentation": [[25, 2, 30, 2, 30, 6, 25, 6], [32, 20, 36, 20, 36, 24, 32, 24]],
+            },
         ],
     }
 
@@ -147,7 +182,11 @@ def test_item_polygon_and_uncompressed_rle(folder):
     # ann 11's bbox [30, 20, 20, 20] is clipped to the 40x30 image
     assert target["boxes"].tolist() == [[5.0, 4.0, 15.0, 12.0], [30.0, 20.0, 40.0, 30.0]]
     assert target["labels"].dtype == torch.int64 and target["labels"].tolist() == [1, 2]
-    assert target["image_id"].dtype == torch.int64 and target["image_id"].shape == () and target["image_id"].item() == 1
+    assert (
+        target["image_id"].dtype == torch.int64
+        and target["image_id"].shape == ()
+        and target["image_id"].item() == 1
+    )
     assert target["area"].dtype == torch.float32 and target["area"].tolist() == [80.0, 100.0]
     assert target["iscrowd"].dtype == torch.int64 and target["iscrowd"].tolist() == [0, 0]
     masks = target["masks"]
@@ -160,7 +199,11 @@ def test_item_compressed_rle_crowd_and_multipart_polygon(folder):
     image, target = CocoInstances(*folder)[1]
     grey = torch.from_numpy(IMAGE_2)
     assert image.shape == (3, H, W) and all(torch.equal(image[c], grey) for c in range(3))
-    assert target["boxes"].tolist() == [[3.0, 2.0, 21.0, 11.0], [0.0, 15.0, 10.0, 25.0], [25.0, 2.0, 36.0, 24.0]]
+    assert target["boxes"].tolist() == [
+        [3.0, 2.0, 21.0, 11.0],
+        [0.0, 15.0, 10.0, 25.0],
+        [25.0, 2.0, 36.0, 24.0],
+    ]
     assert target["labels"].tolist() == [2, 1, 1]
     assert target["iscrowd"].tolist() == [0, 1, 0]
     assert target["image_id"].item() == 2
@@ -298,8 +341,12 @@ def test_image_size_disagreeing_with_json(tmp_path):
 
     image_dir, path = _mutated(tmp_path, heighten)
     ds = CocoInstances(image_dir, path)
-    with pytest.raises(ValueError, match=r"image 3 \(" + re.escape(str(image_dir / "3.png"))
-                       + r"\) is 20x50 pixels but .* says 20x51; fix the 'width'/'height'"):
+    with pytest.raises(
+        ValueError,
+        match=r"image 3 \("
+        + re.escape(str(image_dir / "3.png"))
+        + r"\) is 20x50 pixels but .* says 20x51; fix the 'width'/'height'",
+    ):
         ds[2]
 
 
@@ -315,8 +362,12 @@ def test_image_size_disagreeing_with_json(tmp_path):
 )
 def test_degenerate_box_errors(tmp_path, bbox, message):
     image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 10).update(bbox=bbox))
-    with pytest.raises(ValueError, match=r"annotation 10 \(image 1\) in " + re.escape(str(path) + " " + message)
-                       + r".*data\.invalid_boxes=skip"):
+    with pytest.raises(
+        ValueError,
+        match=r"annotation 10 \(image 1\) in "
+        + re.escape(str(path) + " " + message)
+        + r".*data\.invalid_boxes=skip",
+    ):
         CocoInstances(image_dir, path)
 
 
@@ -330,8 +381,9 @@ def test_invalid_boxes_skip_counts_and_drops(tmp_path, caplog):
         ds = CocoInstances(image_dir, path, invalid_boxes="skip")
     assert ds.skipped_boxes == 2
     assert sorted(ds.coco.getAnnIds()) == [12, 13, 14]  # evaluation ground truth matches the targets
-    assert [r.getMessage() for r in caplog.records] == [f"dropped 2 degenerate annotation(s) from {path} "
-                                                         "(data.invalid_boxes=skip)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"dropped 2 degenerate annotation(s) from {path} (data.invalid_boxes=skip)"
+    ]
     _, target = ds[0]
     assert target["boxes"].shape == (0, 4) and target["masks"].shape == (0, H, W)
     assert ds[1][1]["labels"].tolist() == [2, 1, 1]
@@ -345,26 +397,39 @@ def test_unknown_invalid_boxes_policy(folder):
 
 def test_unknown_category_id(tmp_path):
     image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 12).update(category_id=5))
-    with pytest.raises(ValueError, match=r"annotation 12 in " + re.escape(str(path))
-                       + r" has category_id 5, .*known category ids: \[3, 7\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"annotation 12 in "
+        + re.escape(str(path))
+        + r" has category_id 5, .*known category ids: \[3, 7\]",
+    ):
         CocoInstances(image_dir, path)
 
 
 def test_a_misspelt_key_is_named_missing(tmp_path):
-    image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 12).update(categoryid=_ann(d, 12).pop("category_id")))
-    with pytest.raises(ValueError, match=r"annotation 12 in " + re.escape(str(path)) + r" has no category_id key "
-                       r"\(its keys: .*categoryid.*\); a COCO annotation needs image_id, category_id and bbox"):
+    image_dir, path = _mutated(
+        tmp_path, lambda d: _ann(d, 12).update(categoryid=_ann(d, 12).pop("category_id"))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"annotation 12 in " + re.escape(str(path)) + r" has no category_id key "
+        r"\(its keys: .*categoryid.*\); a COCO annotation needs image_id, category_id and bbox",
+    ):
         CocoInstances(image_dir, path)
 
 
 def test_unknown_image_id(tmp_path):
     image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 12).update(image_id=99))
-    with pytest.raises(ValueError, match=r"annotation 12 in " + re.escape(str(path)) + r" has image_id 99, which is not"):
+    with pytest.raises(
+        ValueError, match=r"annotation 12 in " + re.escape(str(path)) + r" has image_id 99, which is not"
+    ):
         CocoInstances(image_dir, path)
 
 
 def test_empty_split(tmp_path):
-    image_dir, path = _write(tmp_path, {"images": [], "annotations": [], "categories": [{"id": 1, "name": "a"}]})
+    image_dir, path = _write(
+        tmp_path, {"images": [], "annotations": [], "categories": [{"id": 1, "name": "a"}]}
+    )
     with pytest.raises(ValueError, match=re.escape(str(path)) + r" has no images; check data\.root"):
         CocoInstances(image_dir, path)
 
@@ -387,8 +452,13 @@ def test_skip_empty_leaving_nothing(tmp_path):
 )
 def test_malformed_segmentation_at_construction(tmp_path, segmentation, message):
     image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 11).update(segmentation=segmentation))
-    with pytest.raises(ValueError, match=r"annotation 11 \(image 1\) in " + re.escape(str(path))
-                       + " has a malformed segmentation: " + message):
+    with pytest.raises(
+        ValueError,
+        match=r"annotation 11 \(image 1\) in "
+        + re.escape(str(path))
+        + " has a malformed segmentation: "
+        + message,
+    ):
         CocoInstances(image_dir, path)
     assert len(CocoInstances(image_dir, path, with_masks=False)) == 3
 
@@ -405,8 +475,12 @@ def test_degenerate_polygon_errors_or_is_skipped(tmp_path):
 def test_undecodable_compressed_rle_named_at_getitem(tmp_path, counts):
     image_dir, path = _mutated(tmp_path, lambda d: _ann(d, 12)["segmentation"].update(counts=counts))
     ds = CocoInstances(image_dir, path)
-    with pytest.raises(ValueError, match=r"annotation 12 \(image 2\) in " + re.escape(str(path))
-                       + r" has a segmentation pycocotools cannot decode"):
+    with pytest.raises(
+        ValueError,
+        match=r"annotation 12 \(image 2\) in "
+        + re.escape(str(path))
+        + r" has a segmentation pycocotools cannot decode",
+    ):
         ds[1]
     assert ds[0][1]["masks"].shape == (2, H, W)
 
@@ -465,7 +539,10 @@ def test_compose_passes_generator_and_to_float(folder):
     assert out_image.dtype == torch.float32
     assert torch.equal(out_image * 255, out_image.mul(255).round())  # exact k/255 values
     assert torch.allclose(ToFloat()(image, target)[0], image.float() / 255)
-    assert {tuple(t["boxes"][0].tolist()) for _, t in runs[0]} == {(5.0, 4.0, 15.0, 12.0), (25.0, 4.0, 35.0, 12.0)}
+    assert {tuple(t["boxes"][0].tolist()) for _, t in runs[0]} == {
+        (5.0, 4.0, 15.0, 12.0),
+        (25.0, 4.0, 35.0, 12.0),
+    }
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.5, "0.5", True])
@@ -495,15 +572,22 @@ def test_collate_detection_keeps_lists(folder):
     assert [t["image_id"].item() for t in targets] == [1, 3]
 
 
-# ---------------------------------------------------------------------- a training split with nothing to learn
+# ---------------------------------------------------------------------- a training split with nothing to
+# learn
 
 
 def _datamodule(tmp_path: Path, data: dict[str, Any], **options: Any):
     from lit_amp_det.data import CocoDataModule
 
     _write(tmp_path, data)
-    return CocoDataModule(tmp_path, train_images="images", train_annotations="instances_train.json",
-                          val_images="images", val_annotations="instances_train.json", **options)
+    return CocoDataModule(
+        tmp_path,
+        train_images="images",
+        train_annotations="instances_train.json",
+        val_images="images",
+        val_annotations="instances_train.json",
+        **options,
+    )
 
 
 def _no_annotations(data: dict[str, Any]) -> None:
@@ -521,8 +605,12 @@ def test_training_split_without_annotations_stops_fit(tmp_path, mutate):
     dm = _datamodule(tmp_path, data)
     dm.setup("validate")  # scoring such a split is not training on it
     path = tmp_path / "instances_train.json"
-    with pytest.raises(ValueError, match=re.escape(f"the training split {path} has no annotations to learn from "
-                                                   "(3 images, 0 non-crowd annotations)")) as info:
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"the training split {path} has no annotations to learn from (3 images, 0 non-crowd annotations)"
+        ),
+    ) as info:
         dm.setup("fit")
     assert "mAP 0" in str(info.value) and "set data.allow_empty_train=true" in str(info.value)
 
@@ -542,9 +630,16 @@ def test_allow_empty_train_is_silent_when_there_are_annotations(tmp_path, recwar
 
 
 def test_skip_empty_train_on_a_split_without_annotations(tmp_path):
-    dm = _datamodule(tmp_path, {**_coco_dict(), "annotations": []}, skip_empty_train=True, allow_empty_train=True)
+    dm = _datamodule(
+        tmp_path, {**_coco_dict(), "annotations": []}, skip_empty_train=True, allow_empty_train=True
+    )
     path = tmp_path / "instances_train.json"
-    with pytest.raises(ValueError, match=re.escape(f"{path} has no images with annotations, so skip_empty=True "
-                                                   "(data.skip_empty_train=true) leaves no image at all")) as info:
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{path} has no images with annotations, so skip_empty=True "
+            "(data.skip_empty_train=true) leaves no image at all"
+        ),
+    ) as info:
         dm.setup("fit")
     assert "set data.skip_empty_train=false data.allow_empty_train=true" in str(info.value)

@@ -10,12 +10,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.app.config import check_config, config_groups
 from lit_amp_det.app.tasks import build_model, build_trainer
 from lit_amp_det.errors import ArgumentError
+from omegaconf import OmegaConf
 
 from conftest import CONFIG_ERRORS, compose_config
 
@@ -23,8 +22,19 @@ GROUPS = config_groups()
 
 
 def test_expected_groups_exist() -> None:
-    for group in ("model", "speedups", "data", "trainer", "precision", "callbacks", "logger", "optim", "experiment",
-                  "hydra", "paths"):
+    for group in (
+        "model",
+        "speedups",
+        "data",
+        "trainer",
+        "precision",
+        "callbacks",
+        "logger",
+        "optim",
+        "experiment",
+        "hydra",
+        "paths",
+    ):
         assert group in GROUPS and GROUPS[group], group
 
 
@@ -42,8 +52,10 @@ def test_every_model_instantiates(option: str, tmp_path: Path) -> None:
 #: What each conf/speedups option names, and what of it applies to a model on a CPU.
 SPEEDUPS = {
     "default": (["ext_ops", "binary_mask_paste", "sync_free"], ["ext_ops", "binary_mask_paste"]),
-    "gpu": (["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"],
-            ["ext_ops", "binary_mask_paste"]),
+    "gpu": (
+        ["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"],
+        ["ext_ops", "binary_mask_paste"],
+    ),
     "none": ([], []),
 }
 
@@ -133,10 +145,16 @@ def test_precisions_are_accepted(precision: str, tmp_path: Path) -> None:
 
 
 def test_the_common_trainer_settings_are_plain_overrides(tmp_path: Path) -> None:
-    """What a Lightning user passes to the Trainer, and what the README names, needs no ``+`` (Hydra refuses a key
-    the config lacks without one): the values reach the Trainer."""
-    cfg = compose_config(["trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=0.5",
-                          "trainer.gradient_clip_algorithm=value"], tmp_path)
+    """What a Lightning user passes to the Trainer, and what the README names, needs no ``+`` (Hydra refuses a
+    key the config lacks without one): the values reach the Trainer."""
+    cfg = compose_config(
+        [
+            "trainer.accumulate_grad_batches=2",
+            "trainer.gradient_clip_val=0.5",
+            "trainer.gradient_clip_algorithm=value",
+        ],
+        tmp_path,
+    )
     trainer = build_trainer(cfg)
     assert trainer.accumulate_grad_batches == 2
     assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) == (0.5, "value")
@@ -145,10 +163,14 @@ def test_the_common_trainer_settings_are_plain_overrides(tmp_path: Path) -> None
 
 
 def test_data_settings_of_another_data_option_name_the_keys(tmp_path: Path) -> None:
-    """``experiment=smoke data=coco``: the smoke experiment's shapes settings reach CocoDataModule, which would fail
-    in ``instantiate`` as an unexpected keyword argument; the check names every such key and the way out."""
-    with pytest.raises(CONFIG_ERRORS, match=r"data.image_size, data.test_size, data.train_size, data.val_size: not a "
-                                            r"setting of CocoDataModule.*experiment=smoke.*CocoDataModule takes: root"):
+    """``experiment=smoke data=coco``: the smoke experiment's shapes settings reach CocoDataModule, which
+    would fail in ``instantiate`` as an unexpected keyword argument; the check names every such key and the
+    way out."""
+    with pytest.raises(
+        CONFIG_ERRORS,
+        match=r"data.image_size, data.test_size, data.train_size, data.val_size: not a "
+        r"setting of CocoDataModule.*experiment=smoke.*CocoDataModule takes: root",
+    ):
         check_config(compose_config(["experiment=smoke", "data=coco"], tmp_path))
     check_config(compose_config(["data=coco"], tmp_path))  # the option's own keys pass
     check_config(compose_config(["experiment=smoke"], tmp_path))
@@ -162,12 +184,18 @@ def test_bad_precision_names_the_field(tmp_path: Path) -> None:
 def test_weights_for_another_architecture_name_the_mismatch(tmp_path: Path) -> None:
     datamodule = SimpleNamespace(num_classes=3)
     cfg = compose_config(["model.weights=COCO_V1"], tmp_path)  # maskrcnn_light: R18, 64-wide FPN, slim heads
-    with pytest.raises(ArgumentError, match=r"^model.weights='COCO_V1' names torchvision's maskrcnn_resnet50_fpn.*"
-                                            r"backbone.name=resnet18 \(needs resnet50\)"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"^model.weights='COCO_V1' names torchvision's maskrcnn_resnet50_fpn.*"
+        r"backbone.name=resnet18 \(needs resnet50\)",
+    ):
         build_model(cfg, datamodule)
     cfg = compose_config(["model=maskrcnn_tiny", "model.backbone.weights=IMAGENET1K_V1"], tmp_path)
-    with pytest.raises(ArgumentError, match=r"^model.backbone.weights='IMAGENET1K_V1' cannot be used: torchvision "
-                                            r"publishes no weights for name='resnet10'"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"^model.backbone.weights='IMAGENET1K_V1' cannot be used: torchvision "
+        r"publishes no weights for name='resnet10'",
+    ):
         build_model(cfg, datamodule)
 
 
@@ -176,22 +204,26 @@ def test_weights_for_another_architecture_name_the_mismatch(tmp_path: Path) -> N
     [
         ("model.backbone.name=resnet7", r"^model.backbone.name='resnet7' is unknown"),
         ("model.backbone.trainable_layers=6", r"^model.backbone.trainable_layers=6 must be in \[0, 5\]"),
-        ("model.rpn.anchor_sizes=[16,32]", r"^model.rpn.anchor_sizes=\[16, 32\] has 2 entries but the FPN has 5 levels"),
+        (
+            "model.rpn.anchor_sizes=[16,32]",
+            r"^model.rpn.anchor_sizes=\[16, 32\] has 2 entries but the FPN has 5 levels",
+        ),
         ("+model.rpn.nms_threshold=0.5", r"^model.rpn.nms_threshold=0.5 is not a known RPN setting"),
         ("+model.roi_heads.box_width=5", r"^model.roi_heads.box_width=5 is not a known RoI-head setting"),
     ],
 )
 def test_bad_model_settings_name_the_field(override: str, message: str, tmp_path: Path) -> None:
-    """The builders name their argument (``backbone.name``); the command line adds the config node (``model.``)."""
+    """The builders name their argument (``backbone.name``); the command line adds the config node
+    (``model.``)."""
     cfg = compose_config([override], tmp_path)
     with pytest.raises(ArgumentError, match=message):
         build_model(cfg, SimpleNamespace(num_classes=3))
 
 
 def test_the_precision_config_and_the_python_defaults_agree(tmp_path: Path) -> None:
-    """``conf/precision/default.yaml`` holds the same defaults as the plugin's own (one home each in Python: the
-    guard's in ``precision.guard``, GradScaler's in ``precision.options``), so a plugin built without the config (a
-    research script) behaves as ``fit`` does."""
+    """``conf/precision/default.yaml`` holds the same defaults as the plugin's own (one home each in Python:
+    the guard's in ``precision.guard``, GradScaler's in ``precision.options``), so a plugin built without the
+    config (a research script) behaves as ``fit`` does."""
     import dataclasses
     import inspect
 

@@ -1,4 +1,5 @@
-"""Tune-mode conv-BN (lit_amp_det.models.conv_bn, ConvBNEval): equivalence with conv -> norm, pairing, callback."""
+"""Tune-mode conv-BN (lit_amp_det.models.conv_bn, ConvBNEval): equivalence with conv -> norm, pairing,
+callback."""
 
 from __future__ import annotations
 
@@ -16,10 +17,6 @@ import torch.nn.functional as F
 import torchvision
 from hydra.utils import instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
-from torchvision.ops import Conv2dNormActivation, FrozenBatchNorm2d
-
 from lit_amp_det.callbacks.conv_bn_eval import ConvBNEval
 from lit_amp_det.models.conv_bn import (
     NORM_TYPES,
@@ -31,6 +28,9 @@ from lit_amp_det.models.conv_bn import (
     fold_conv_bn,
 )
 from lit_amp_det.models.maskrcnn import build_detector
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.ops import Conv2dNormActivation, FrozenBatchNorm2d
 
 from conftest import SMOKE, compose_config, smooth_activations
 
@@ -38,6 +38,7 @@ PAIRS = {"resnet18": 20, "resnet50": 53}
 
 
 # --------------------------------------------------------------------------------------------- helpers
+
 
 def _randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     """Non-trivial statistics and affine values, so the fold is far from the identity."""
@@ -118,6 +119,7 @@ def _square(out: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------------- equivalence, fp32
 
+
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_outputs_and_gradients_match_plain_resnet_in_norm_eval(name: str) -> None:
     plain, folded = _pair_of_models(_norm_eval(_resnet(name)))
@@ -136,7 +138,16 @@ def test_outputs_and_gradients_match_plain_resnet_in_norm_eval(name: str) -> Non
     "conv",
     [
         dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, bias=True),
-        dict(in_channels=4, out_channels=8, kernel_size=3, stride=2, padding=2, dilation=2, groups=2, bias=False),
+        dict(
+            in_channels=4,
+            out_channels=8,
+            kernel_size=3,
+            stride=2,
+            padding=2,
+            dilation=2,
+            groups=2,
+            bias=False,
+        ),
         dict(in_channels=6, out_channels=6, kernel_size=(3, 1), padding="same", groups=6, bias=True),
         dict(in_channels=4, out_channels=5, kernel_size=(1, 3), stride=(2, 1), padding="valid", bias=False),
     ],
@@ -181,21 +192,30 @@ def test_frozen_batchnorm_and_subclasses_fold() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_tiny_maskrcnn_losses_and_gradients_match(dtype: torch.dtype) -> None:
-    """Losses in fp32 and float64; gradients in float64 only: the detector is ill-conditioned in fp32 (in the plain
-    model, moving the running means by 1e-6 moves the stem's weight gradient by 4e-4 and, with one torch thread on
-    an AVX-512 CPU, loss_classifier by 5e-5), so fp32 losses get 2e-4; a wrong fold moves them by far more."""
+    """Losses in fp32 and float64; gradients in float64 only: the detector is ill-conditioned in fp32 (in the
+    plain model, moving the running means by 1e-6 moves the stem's weight gradient by 4e-4 and, with one torch
+    thread on an AVX-512 CPU, loss_classifier by 5e-5), so fp32 losses get 2e-4; a wrong fold moves them by
+    far more."""
     torch.manual_seed(0)
-    model = build_detector(7, backbone={"name": "resnet10", "fpn_channels": 32},
-                           transform={"min_size": 128, "max_size": 128},
-                           roi_heads={"box_head_width": 64, "mask_head_layers": [16]})
+    model = build_detector(
+        7,
+        backbone={"name": "resnet10", "fpn_channels": 32},
+        transform={"min_size": 128, "max_size": 128},
+        roi_heads={"box_head_width": 64, "mask_head_layers": [16]},
+    )
     plain, folded = _pair_of_models(_norm_eval(_randomize_norms(model)).to(dtype))
     assert len(conv_bn_eval_pairs(folded)) == 12
     gen = torch.Generator().manual_seed(0)
     images = [torch.rand(3, 128, 128, generator=gen, dtype=dtype) for _ in range(2)]
     masks = torch.zeros(2, 128, 128, dtype=torch.uint8)
     masks[0, 10:60, 20:90], masks[1, 70:120, 30:100] = 1, 1
-    targets = [{"boxes": torch.tensor([[20.0, 10.0, 90.0, 60.0], [30.0, 70.0, 100.0, 120.0]], dtype=dtype),
-                "labels": torch.tensor([1, 4]), "masks": masks}] * 2
+    targets = [
+        {
+            "boxes": torch.tensor([[20.0, 10.0, 90.0, 60.0], [30.0, 70.0, 100.0, 120.0]], dtype=dtype),
+            "labels": torch.tensor([1, 4]),
+            "masks": masks,
+        }
+    ] * 2
 
     def loss(m: nn.Module) -> dict[str, Tensor]:
         torch.manual_seed(1)  # the RPN and RoI samplers draw from the global RNG
@@ -209,16 +229,22 @@ def test_tiny_maskrcnn_losses_and_gradients_match(dtype: torch.dtype) -> None:
     assert calls == {"folded": 12}
     assert sorted(actual) == sorted(expected) and len(expected) == 5
     for key in expected:
-        _assert_rel(actual[key].detach(), expected[key].detach(), 2e-4 if dtype == torch.float32 else 1e-10, key)
+        _assert_rel(
+            actual[key].detach(), expected[key].detach(), 2e-4 if dtype == torch.float32 else 1e-10, key
+        )
     if dtype == torch.float64:
         _assert_grads_match(plain, folded, 1e-10)
 
 
 def test_parameters_stay_equal_over_sgd_steps() -> None:
     plain, folded = _pair_of_models(_norm_eval(smooth_activations(_resnet("resnet18", num_classes=5))))
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4) for m in (plain, folded)]
+    optimizers = [
+        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4) for m in (plain, folded)
+    ]
     gen = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(2, 3, 48, 48, generator=gen), torch.randint(0, 5, (2,), generator=gen)) for _ in range(4)]
+    batches = [
+        (torch.randn(2, 3, 48, 48, generator=gen), torch.randint(0, 5, (2,), generator=gen)) for _ in range(4)
+    ]
     for x, y in batches:
         for model, optimizer in zip((plain, folded), optimizers):
             optimizer.zero_grad()
@@ -226,16 +252,21 @@ def test_parameters_stay_equal_over_sgd_steps() -> None:
             optimizer.step()
     start = _resnet("resnet18", num_classes=5)
     moved = 0
-    for (name, p), q, p0 in zip(plain.named_parameters(), folded.parameters(), start.parameters(), strict=True):
+    for (name, p), q, p0 in zip(
+        plain.named_parameters(), folded.parameters(), start.parameters(), strict=True
+    ):
         assert torch.isfinite(p).all(), name
         _assert_rel(q.detach(), p.detach(), 1e-5, name)
         moved += int(not torch.equal(p, p0))
     assert moved == len(list(plain.parameters()))  # every parameter trained, BatchNorm affine included
     for (name, a), b, b0 in zip(plain.named_buffers(), folded.buffers(), start.buffers(), strict=True):
-        assert torch.equal(a, b0) and torch.equal(b, b0), f"{name} changed: statistics stay fixed in eval mode"
+        assert torch.equal(a, b0) and torch.equal(b, b0), (
+            f"{name} changed: statistics stay fixed in eval mode"
+        )
 
 
 # ------------------------------------------------------------------------------------- per-call decisions
+
 
 def test_train_mode_batchnorm_falls_back_to_plain_training() -> None:
     plain, folded = _pair_of_models(_resnet("resnet18").train())
@@ -256,7 +287,9 @@ def test_train_mode_batchnorm_falls_back_to_plain_training() -> None:
 
 def test_only_when_cheaper_compares_activation_with_weight_copy() -> None:
     torch.manual_seed(0)
-    model = _norm_eval(_randomize_norms(nn.Sequential(nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32))))
+    model = _norm_eval(
+        _randomize_norms(nn.Sequential(nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32)))
+    )
     assert enable_conv_bn_eval(model) == [("0", "1")]  # only_when_cheaper=True by default
     weight = 32 * 32 * 9
     small, large = torch.randn(1, 32, 4, 4), torch.randn(2, 32, 16, 16)
@@ -265,7 +298,10 @@ def test_only_when_cheaper_compares_activation_with_weight_copy() -> None:
         with _norm_calls(model) as calls:
             model(x).sum().backward()
         assert calls == {expected: 1}, x.shape
-    with torch.no_grad(), _norm_calls(model) as calls:  # nothing is saved for backward: folding only saves work
+    with (
+        torch.no_grad(),
+        _norm_calls(model) as calls,
+    ):  # nothing is saved for backward: folding only saves work
         model(small)
     assert calls == {"folded": 1}
     with torch.autocast("cpu", dtype=torch.bfloat16), _norm_calls(model) as calls:
@@ -281,19 +317,24 @@ def test_only_when_cheaper_leaves_frozen_batchnorm_unfolded_while_recording_grad
     torch.manual_seed(0)
     model = _randomize_norms(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), FrozenBatchNorm2d(8)))
     enable_conv_bn_eval(model)
-    x = torch.randn(4, 8, 32, 32)  # the output outweighs the weight, but FrozenBatchNorm2d keeps no activation
+    x = torch.randn(
+        4, 8, 32, 32
+    )  # the output outweighs the weight, but FrozenBatchNorm2d keeps no activation
     expected = {"fp32": "plain", "bf16 autocast": "plain", "no_grad": "folded", "frozen conv": "folded"}
     for case, outcome in expected.items():
         model[0].requires_grad_(case != "frozen conv")
-        with (torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16 autocast"),
-              torch.set_grad_enabled(case != "no_grad"), _norm_calls(model) as calls):
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16 autocast"),
+            torch.set_grad_enabled(case != "no_grad"),
+            _norm_calls(model) as calls,
+        ):
             model(x)
         assert calls == {outcome: 1}, case
 
 
 def test_autocast_bf16_is_as_accurate_as_plain_autocast() -> None:
-    """bf16 rounding differs between the two (the folded weight is rounded, not the BatchNorm output), so each is
-    compared with the fp32 model: the fold must not be less accurate than plain autocast."""
+    """bf16 rounding differs between the two (the folded weight is rounded, not the BatchNorm output), so each
+    is compared with the fp32 model: the fold must not be less accurate than plain autocast."""
     reference, plain = _pair_of_models(_norm_eval(_resnet("resnet18")))
     disable_conv_bn_eval(plain)
     folded = copy.deepcopy(reference)
@@ -313,17 +354,23 @@ def test_autocast_bf16_is_as_accurate_as_plain_autocast() -> None:
     def grads(model: nn.Module) -> Tensor:
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    overall = [("output", out_plain, out_folded, out_ref), ("input gradient", dx_plain, dx_folded, dx_ref),
-               ("all parameter gradients", grads(plain), grads(folded), grads(reference))]
+    overall = [
+        ("output", out_plain, out_folded, out_ref),
+        ("input gradient", dx_plain, dx_folded, dx_ref),
+        ("all parameter gradients", grads(plain), grads(folded), grads(reference)),
+    ]
     for what, a, b, ref in overall:
         assert error(b, ref) <= 1.5 * error(a, ref) + 5e-3, (what, error(b, ref), error(a, ref))
     # per tensor, bf16 rounding lands differently (measured ratios 0.5x to 1.9x, either way)
-    for (name, p), q, r in zip(plain.named_parameters(), folded.parameters(), reference.parameters(), strict=True):
+    for (name, p), q, r in zip(
+        plain.named_parameters(), folded.parameters(), reference.parameters(), strict=True
+    ):
         assert error(q.grad, r.grad) <= 2.5 * error(p.grad, r.grad) + 5e-3, name
     assert error(out_folded, out_ref) < 2e-2
 
 
 # ------------------------------------------------------------------------------------------------ pairing
+
 
 class _SecondUser(nn.Module):
     """conv1 -> bn1 is a pair; conv2's output also feeds the residual add, and shared is called twice."""
@@ -385,6 +432,7 @@ def test_find_rejects_unknown_method() -> None:
 
 
 # ----------------------------------------------------------------------- state dict, copies, permanent fold
+
 
 def test_state_dict_keys_unchanged_and_round_trip(tmp_path: Path) -> None:
     plain, folded = _pair_of_models(_norm_eval(_resnet("resnet18")))
@@ -475,12 +523,15 @@ def test_mismatched_norm_input_raises_instead_of_normalising_twice() -> None:
 
 # ------------------------------------------------------------------------------------------------ callback
 
+
 class _Classifier(LightningModule):
     """A resnet18 classifier trained in norm_eval (BatchNorm put in eval mode before every batch)."""
 
     def __init__(self, swap_to_frozen: bool = False) -> None:
         super().__init__()
-        self.model = smooth_activations(_resnet("resnet18", num_classes=4))  # no ReLU kink: see smooth_activations
+        self.model = smooth_activations(
+            _resnet("resnet18", num_classes=4)
+        )  # no ReLU kink: see smooth_activations
         self.swap_to_frozen = swap_to_frozen
         self.losses: list[Tensor] = []
         self.norm_calls: Counter = Counter()
@@ -520,8 +571,15 @@ def _loader() -> DataLoader:
 
 
 def _trainer(*callbacks: Callback) -> Trainer:
-    return Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
+    return Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
 
 
 class _SaveWhileEnabled(Callback):
@@ -533,17 +591,23 @@ class _SaveWhileEnabled(Callback):
         trainer.save_checkpoint(self.path)
 
 
-def test_callback_trains_like_plain_and_checkpoints_load_both_ways(tmp_path: Path,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_callback_trains_like_plain_and_checkpoints_load_both_ways(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     plain, folded = _Classifier(), _Classifier()
     _trainer().fit(plain, _loader())
     lightning_log = logging.getLogger("lightning.pytorch")  # does not propagate to the root logger
     lightning_log.addHandler(caplog.handler)
     try:
-        _trainer(ConvBNEval(only_when_cheaper=False), _SaveWhileEnabled(tmp_path / "on.ckpt")).fit(folded, _loader())
+        _trainer(ConvBNEval(only_when_cheaper=False), _SaveWhileEnabled(tmp_path / "on.ckpt")).fit(
+            folded, _loader()
+        )
     finally:
         lightning_log.removeHandler(caplog.handler)
-    assert "ConvBNEval: 20 conv-BN pairs fold while their norm uses running statistics (on every call)" in caplog.text
+    assert (
+        "ConvBNEval: 20 conv-BN pairs fold while their norm uses running statistics (on every call)"
+        in caplog.text
+    )
     assert len(plain.losses) == 2 and plain.norm_calls == {"plain": 2 * PAIRS["resnet18"]}
     assert folded.norm_calls == {"folded": 2 * PAIRS["resnet18"]}
     assert not conv_bn_eval_enabled(folded.model)  # teardown
@@ -566,8 +630,9 @@ def test_callback_trains_like_plain_and_checkpoints_load_both_ways(tmp_path: Pat
     reference = _Classifier()
     reference.load_state_dict(torch.load(tmp_path / "off.ckpt", weights_only=True)["state_dict"])
     predictor = _Classifier()
-    predictions = _trainer(ConvBNEval(fold_on_predict=True)).predict(predictor, _loader(),
-                                                                     ckpt_path=tmp_path / "off.ckpt")
+    predictions = _trainer(ConvBNEval(fold_on_predict=True)).predict(
+        predictor, _loader(), ckpt_path=tmp_path / "off.ckpt"
+    )
     assert not any(isinstance(m, nn.BatchNorm2d) for m in predictor.model.modules())  # folded for prediction
     with torch.no_grad():
         expected = reference.model.eval()(torch.cat([images for images, _ in _loader()]))
@@ -591,7 +656,8 @@ def test_callback_fails_early_without_pairs() -> None:
 
 
 class _NormEvalCounter(Callback):
-    """norm_eval for the detector (BatchNorm in eval mode before every batch), counting norm calls per kind."""
+    """norm_eval for the detector (BatchNorm in eval mode before every batch), counting norm calls per kind.
+    """
 
     def __init__(self) -> None:
         self.calls: Counter = Counter()
@@ -600,7 +666,9 @@ class _NormEvalCounter(Callback):
     def _count(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
         self.calls["folded" if output is args[0] else "plain"] += 1
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, i: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: object, i: int
+    ) -> None:
         _norm_eval(pl_module.model)
         norms = [m for m in pl_module.model.modules() if isinstance(m, NORM_TYPES)]
         self._handles = [m.register_forward_hook(self._count) for m in norms]
@@ -618,13 +686,25 @@ def test_callback_on_the_maskrcnn_module(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     masks = torch.zeros(1, 64, 64, dtype=torch.uint8)
     masks[0, 8:40, 16:48] = 1
-    samples = [(torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=gen),
-                {"boxes": torch.tensor([[16.0, 8.0, 48.0, 40.0]]), "labels": torch.tensor([1]), "masks": masks})
-               for _ in range(4)]
+    samples = [
+        (
+            torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=gen),
+            {"boxes": torch.tensor([[16.0, 8.0, 48.0, 40.0]]), "labels": torch.tensor([1]), "masks": masks},
+        )
+        for _ in range(4)
+    ]
     loader = DataLoader(samples, batch_size=2, collate_fn=lambda batch: tuple(zip(*batch)))
     counter = _NormEvalCounter()
-    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, counter])
+    trainer = Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, counter],
+    )
     trainer.fit(module, loader)
     pairs = find_conv_norm_pairs(module.model)
     assert len(pairs) == 12 and pairs[0] == ("backbone.body.conv1", "backbone.body.bn1")

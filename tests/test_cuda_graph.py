@@ -1,12 +1,13 @@
 """callbacks.cuda_graph: the whole training step replayed as one CUDA graph.
 
-On the CPU everything up to the capture runs for real -- the data module feeding static buffers, manual optimisation,
-the warm-up steps with their host-sync count, the lr as a device tensor filled by the schedule, the step count, the
-guard -- with an eager stand-in for :func:`capture_graph` that runs the step again on the same buffers and checks that
-each call replays the same ops on the same shapes (what a graph would hold). The refusals are checked one by one. The
-optimizer made capturable and given back (in checkpoints too) is checked on the CPU and, for a foreach AdamW whose
-capturable step keeps its counts on the device, on fake CUDA tensors; the one side stream and the one memory pool with
-``torch.cuda``'s stream and graph calls stubbed. The capture itself runs under ``pytest -m cuda`` (``make gpu-check``).
+On the CPU everything up to the capture runs for real -- the data module feeding static buffers, manual
+optimisation, the warm-up steps with their host-sync count, the lr as a device tensor filled by the schedule,
+the step count, the guard -- with an eager stand-in for :func:`capture_graph` that runs the step again on the
+same buffers and checks that each call replays the same ops on the same shapes (what a graph would hold). The
+refusals are checked one by one. The optimizer made capturable and given back (in checkpoints too) is checked
+on the CPU and, for a foreach AdamW whose capturable step keeps its counts on the device, on fake CUDA
+tensors; the one side stream and the one memory pool with ``torch.cuda``'s stream and graph calls stubbed. The
+capture itself runs under ``pytest -m cuda`` (``make gpu-check``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import SMOKE, compose_config
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from lit_amp_det.app import tasks
 from lit_amp_det.callbacks import cuda_graph
 from lit_amp_det.callbacks.cuda_graph import (
@@ -32,6 +29,10 @@ from lit_amp_det.callbacks.cuda_graph import (
     restore_configuration,
 )
 from lit_amp_det.optim import build_optimizer
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import SMOKE, compose_config
 
 GRAPH = [
     "callbacks=[default,cuda_graph]",
@@ -44,8 +45,8 @@ GRAPH = [
 
 
 class _OpTrace(TorchDispatchMode):
-    """Every aten call that computes and its outputs' shapes, in order (``detach``, which autograd adds to what it
-    saves as it sees fit and which launches nothing, is left out).
+    """Every aten call that computes and its outputs' shapes, in order (``detach``, which autograd adds to
+    what it saves as it sees fit and which launches nothing, is left out).
     """
 
     def __init__(self) -> None:
@@ -62,7 +63,8 @@ class _OpTrace(TorchDispatchMode):
 
 
 class _EagerCapture:
-    """Stands in for :func:`capture_graph` on the CPU: each replay runs the step on the same static buffers, traced."""
+    """Stands in for :func:`capture_graph` on the CPU: each replay runs the step on the same static buffers,
+    traced."""
 
     def __init__(self) -> None:
         self.captured = 0
@@ -96,7 +98,8 @@ def _fit(
     steps: int = 5,
     callbacks: tuple[pl.Callback, ...] = (),
 ) -> pl.Trainer:
-    """A smoke fit of ``steps`` steps, with ``callbacks`` added to the configured ones; returns its Trainer."""
+    """A smoke fit of ``steps`` steps, with ``callbacks`` added to the configured ones; returns its Trainer.
+    """
     built: list[pl.Trainer] = []
     build_trainer = tasks.build_trainer
 
@@ -116,24 +119,31 @@ def _fit(
     ids=["32-true", "bf16-mixed", "16-mixed"],
 )
 def test_a_captured_step_trains_as_the_automatic_step_does(tmp_path, monkeypatch, on_cpu, precision) -> None:
-    """Same seed, same batches: two warm-up steps, the capture, three replays train the weights the Lightning loop
-    trains without the callback (autocast, GradScaler and the non-finite guard included); the step count, the
-    schedule and the logged losses follow; replays repeat the same ops on the same shapes (nothing allocated by
-    data).
+    """Same seed, same batches: two warm-up steps, the capture, three replays train the weights the Lightning
+    loop trains without the callback (autocast, GradScaler and the non-finite guard included); the step count,
+    the schedule and the logged losses follow; replays repeat the same ops on the same shapes (nothing
+    allocated by data).
     """
     graph = _fit(tmp_path / "graph", monkeypatch, [*GRAPH, *precision])
-    plain = _fit(tmp_path / "plain", monkeypatch, [*(g for g in GRAPH if not g.startswith("callbacks")), *precision])
+    plain = _fit(
+        tmp_path / "plain", monkeypatch, [*(g for g in GRAPH if not g.startswith("callbacks")), *precision]
+    )
     assert on_cpu.captured == 1 and len(on_cpu.traces) == 3
     assert len(on_cpu.traces[0]) > 1000 and on_cpu.traces[0] == on_cpu.traces[1] == on_cpu.traces[2]
     assert graph.global_step == plain.global_step == 5
     lr_graph, lr_plain = (t.optimizers[0].param_groups[0]["lr"] for t in (graph, plain))
-    assert isinstance(lr_graph, float) and lr_graph == pytest.approx(lr_plain, rel=1e-6)  # a float again after fit
+    assert isinstance(lr_graph, float) and lr_graph == pytest.approx(
+        lr_plain, rel=1e-6
+    )  # a float again after fit
     plugins = graph.precision_plugin, plain.precision_plugin
     assert plugins[0].guard.skipped == plugins[1].guard.skipped == 0
     if getattr(plugins[0], "scaler", None) is not None:  # scaler.update() ran in every replay
         assert int(plugins[0].scaler._growth_tracker) == int(plugins[1].scaler._growth_tracker) == 5
-    if not precision:  # the captured lr is an fp32 tensor (fused kernels read it so), the loop's a double: last-bit
-        # update differences, which the detector's discrete choices (proposals kept, samples) amplify in bf16/fp16
+    if (
+        not precision
+    ):  # the captured lr is an fp32 tensor (fused kernels read it so), the loop's a double: last-bit
+        # update differences, which the detector's discrete choices (proposals kept, samples) amplify in
+        # bf16/fp16
         weights = graph.lightning_module.state_dict(), plain.lightning_module.state_dict()
         assert weights[0] and weights[0].keys() == weights[1].keys()  # the loop below compares every tensor
         for key, value in weights[0].items():
@@ -155,7 +165,9 @@ def test_batches_are_copied_into_one_set_of_static_buffers(tmp_path, monkeypatch
         out = run(self, module, images, targets)
         (entry,) = self._entries.values()
         seen.append((entry.images[0].data_ptr(), entry.targets[0]["masks"].data_ptr()))
-        assert torch.equal(entry.images[0], images[0]) and torch.equal(entry.targets[0]["boxes"], targets[0]["boxes"])
+        assert torch.equal(entry.images[0], images[0]) and torch.equal(
+            entry.targets[0]["boxes"], targets[0]["boxes"]
+        )
         return out
 
     monkeypatch.setattr(CUDAGraphTraining, "run", recording)
@@ -224,7 +236,9 @@ def test_what_a_graph_cannot_hold_is_refused_with_what_to_change(
 def test_a_hook_inside_the_step_is_refused(tmp_path, monkeypatch, on_cpu) -> None:
     original = tasks.build_trainer
     monkeypatch.setattr(tasks, "build_trainer", lambda cfg: _with(original(cfg), _ClipsBeforeStep()))
-    with pytest.raises(RuntimeError, match=r"_ClipsBeforeStep.on_before_optimizer_step would run once, at capture"):
+    with pytest.raises(
+        RuntimeError, match=r"_ClipsBeforeStep.on_before_optimizer_step would run once, at capture"
+    ):
         tasks.train(compose_config([*SMOKE, "trainer.max_steps=1", *GRAPH], tmp_path))
 
 
@@ -275,9 +289,9 @@ class _Snapshots(pl.Callback):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_captured_step_replays_on_a_gpu(tmp_path, monkeypatch) -> None:
-    """A real capture (fp32, 2 eager steps, then 6 replays): every replay trains on its own batch (the losses differ),
-    and the weights end where the automatic loop's end, up to a small part of how far both moved (GPU atomics make
-    neither run bit-reproducible).
+    """A real capture (fp32, 2 eager steps, then 6 replays): every replay trains on its own batch (the losses
+    differ), and the weights end where the automatic loop's end, up to a small part of how far both moved (GPU
+    atomics make neither run bit-reproducible).
     """
     cuda = ["trainer=gpu", "trainer.devices=1"]
     snapshots: list[_Snapshots] = []
@@ -307,7 +321,8 @@ def test_the_captured_step_replays_on_a_gpu(tmp_path, monkeypatch) -> None:
 
 
 class _OptimizerSeen(pl.Callback):
-    """The optimizer as each training step left it: its capturable flags, fused flags, lr types and step devices."""
+    """The optimizer as each training step left it: its capturable flags, fused flags, lr types and step
+    devices."""
 
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
@@ -325,10 +340,12 @@ class _OptimizerSeen(pl.Callback):
         )
 
 
-def test_the_default_adamw_is_made_capturable_for_the_run_and_given_back(tmp_path, monkeypatch, on_cpu) -> None:
-    """conf/optim/adamw.yaml builds a fused AdamW that is not capturable (Adam's step refuses capture then): the
-    callback sets the flag before the first step, every step runs capturable with a device lr, and the fit ends with
-    the optimizer as it was built.
+def test_the_default_adamw_is_made_capturable_for_the_run_and_given_back(
+    tmp_path, monkeypatch, on_cpu
+) -> None:
+    """conf/optim/adamw.yaml builds a fused AdamW that is not capturable (Adam's step refuses capture then):
+    the callback sets the flag before the first step, every step runs capturable with a device lr, and the fit
+    ends with the optimizer as it was built.
     """
     seen = _OptimizerSeen()
     trainer = _fit(tmp_path, monkeypatch, GRAPH, steps=3, callbacks=(seen,))
@@ -343,16 +360,17 @@ def test_the_default_adamw_is_made_capturable_for_the_run_and_given_back(tmp_pat
 
 
 def _foreach_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW from conf/optim/adamw.yaml as the module builds it, with PyTorch's default implementation (foreach)."""
+    """AdamW from conf/optim/adamw.yaml as the module builds it, with PyTorch's default implementation
+    (foreach)."""
     config = compose_config([*SMOKE, "optim.optimizer.fused=null"]).optim.optimizer
     return build_optimizer(dict(config), params)
 
 
 def test_a_foreach_adamw_steps_capturably_on_fake_cuda_tensors() -> None:
-    """On fake CUDA tensors (no GPU; a host read of a device value raises there): a foreach AdamW's step counts, kept
-    on the CPU as its uncapturable steps keep them, move to the device; its step then runs with a device lr and no
-    host read, where its uncapturable step read the count on the host; restoring gives back the flag and the CPU
-    counts.
+    """On fake CUDA tensors (no GPU; a host read of a device value raises there): a foreach AdamW's step
+    counts, kept on the CPU as its uncapturable steps keep them, move to the device; its step then runs with a
+    device lr and no host read, where its uncapturable step read the count on the host; restoring gives back
+    the flag and the CPU counts.
     """
     with FakeTensorMode():
         param = torch.nn.Parameter(torch.zeros(4, 3, device="cuda"))
@@ -373,7 +391,9 @@ def test_a_foreach_adamw_steps_capturably_on_fake_cuda_tensors() -> None:
         assert optimizer.defaults["capturable"] is True and optimizer.param_groups[0]["capturable"] is True
         assert optimizer.state[param]["step"].device.type == "cuda"
         optimizer.step()
-        optimizer.param_groups[0]["lr"] = 1e-3  # a fake tensor has no value to read back (the CPU fit checks that)
+        optimizer.param_groups[0]["lr"] = (
+            1e-3  # a fake tensor has no value to read back (the CPU fit checks that)
+        )
         restore_configuration(optimizer, flags)
         assert optimizer.defaults["capturable"] is False and optimizer.param_groups[0]["capturable"] is False
         assert optimizer.state[param]["step"].device.type == "cpu"
@@ -381,7 +401,8 @@ def test_a_foreach_adamw_steps_capturably_on_fake_cuda_tensors() -> None:
 
 
 def test_what_cannot_be_made_capturable_is_named_with_what_to_change() -> None:
-    """SGD has no capturable mode: fused, its kernel reads a device lr; foreach or for-loop, it reads it on the host."""
+    """SGD has no capturable mode: fused, its kernel reads a device lr; foreach or for-loop, it reads it on
+    the host."""
     params = [torch.nn.Parameter(torch.zeros(3))]
     assert capture_refusal(torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)) is None
     assert capture_refusal(torch.optim.AdamW(params, lr=0.1, foreach=False)) is None
@@ -393,9 +414,10 @@ def test_what_cannot_be_made_capturable_is_named_with_what_to_change() -> None:
 
 
 def test_a_checkpoint_saved_while_capturing_resumes_into_a_foreach_adamw() -> None:
-    """A foreach AdamW made capturable with a device lr, as the callback runs it: its checkpoint holds the optimizer
-    as built, so a new foreach AdamW (on the CPU, where capturable cannot run) loads it and steps. Without the
-    callback's rewrite, the saved lr tensor and capturable flag follow the state into the new optimizer.
+    """A foreach AdamW made capturable with a device lr, as the callback runs it: its checkpoint holds the
+    optimizer as built, so a new foreach AdamW (on the CPU, where capturable cannot run) loads it and steps.
+    Without the callback's rewrite, the saved lr tensor and capturable flag follow the state into the new
+    optimizer.
     """
     params = [torch.nn.Parameter(torch.ones(4, 3))]
     optimizer = _foreach_adamw(params)
@@ -404,7 +426,10 @@ def test_a_checkpoint_saved_while_capturing_resumes_into_a_foreach_adamw() -> No
     callback = CUDAGraphTraining()
     callback._flags = make_capturable(optimizer)
     optimizer.param_groups[0]["lr"] = torch.tensor(2e-3)  # what on_train_start sets, on the root device
-    raw = {"optimizer_states": [optimizer.state_dict()], "lr_schedulers": [{"_last_lr": [torch.tensor(2e-3)]}]}
+    raw = {
+        "optimizer_states": [optimizer.state_dict()],
+        "lr_schedulers": [{"_last_lr": [torch.tensor(2e-3)]}],
+    }
     checkpoint = {**raw}
     callback.on_save_checkpoint(None, None, checkpoint)
     saved = checkpoint["optimizer_states"][0]
@@ -421,7 +446,9 @@ def test_a_checkpoint_saved_while_capturing_resumes_into_a_foreach_adamw() -> No
             resumed.step()
             assert int(resumed.state[resumed_params[0]]["step"]) == 2
         else:
-            with pytest.raises(AssertionError, match="capturable=True, params and state_steps must be on supported"):
+            with pytest.raises(
+                AssertionError, match="capturable=True, params and state_steps must be on supported"
+            ):
                 resumed.step()
 
 
@@ -438,9 +465,9 @@ class _StepsSeen(pl.Callback):
 def test_a_run_that_captured_resumes_from_its_last_checkpoint_without_the_callback(
     tmp_path, monkeypatch, on_cpu
 ) -> None:
-    """The whole path: a CPU fit with the callback writes last.ckpt with float lrs, the flags as built and the step count
-    of automatic optimisation, and a fit without the callback, configured with a foreach AdamW (``load_state_dict``
-    then takes the saved group's ``fused``), resumes from it at that step and trains on.
+    """The whole path: a CPU fit with the callback writes last.ckpt with float lrs, the flags as built and the
+    step count of automatic optimisation, and a fit without the callback, configured with a foreach AdamW
+    (``load_state_dict`` then takes the saved group's ``fused``), resumes from it at that step and trains on.
     """
     _fit(tmp_path / "graph", monkeypatch, GRAPH, steps=3)
     path = tmp_path / "graph" / "checkpoints" / "last.ckpt"
@@ -470,8 +497,8 @@ class _Stream:
 
 
 def test_warm_up_steps_and_captures_run_on_one_side_stream_and_share_one_pool(monkeypatch) -> None:
-    """With ``torch.cuda``'s stream and graph calls stubbed (no GPU here): three warm-up steps and two captures on a
-    CUDA device make one side stream and one pool handle, and every capture gets both.
+    """With ``torch.cuda``'s stream and graph calls stubbed (no GPU here): three warm-up steps and two
+    captures on a CUDA device make one side stream and one pool handle, and every capture gets both.
     """
     main = _Stream()
     _Stream.made = 0
@@ -513,8 +540,8 @@ def test_warm_up_steps_and_captures_run_on_one_side_stream_and_share_one_pool(mo
 
 
 def test_the_counted_warm_up_step_runs_with_cuda_syncs_raising(monkeypatch) -> None:
-    """On CUDA, the pre-capture step also runs under ``torch.cuda.set_sync_debug_mode("error")`` (the driver's check
-    of what the count cannot see), and the mode is put back, even when the step fails."""
+    """On CUDA, the pre-capture step also runs under ``torch.cuda.set_sync_debug_mode("error")`` (the driver's
+    check of what the count cannot see), and the mode is put back, even when the step fails."""
     from lit_amp_det.callbacks import cuda_graph
 
     modes = [0]

@@ -1,5 +1,5 @@
-"""model.evaluation.backend: faster-coco-eval and pycocotools give the same COCO metrics; bad or missing backends fail
-early with the fix."""
+"""model.evaluation.backend: faster-coco-eval and pycocotools give the same COCO metrics; bad or missing
+backends fail early with the fix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hydra.utils import instantiate
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.app.config import config_groups
 from lit_amp_det.app.tasks import build_model
@@ -29,9 +28,15 @@ def _module(tmp_path: Path, backend: str) -> MaskRCNNModule:
 
 
 def _ellipse(box: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[SIZE, SIZE]`` ellipse inscribed in ``box`` (x0, y0, x1, y1): masks that differ from their boxes."""
+    """Boolean ``[SIZE, SIZE]`` ellipse inscribed in ``box`` (x0, y0, x1, y1): masks that differ from their
+    boxes."""
     ys, xs = torch.meshgrid(torch.arange(SIZE) + 0.5, torch.arange(SIZE) + 0.5, indexing="ij")
-    cx, cy, rx, ry = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2, (box[2] - box[0]) / 2, (box[3] - box[1]) / 2
+    cx, cy, rx, ry = (
+        (box[0] + box[2]) / 2,
+        (box[1] + box[3]) / 2,
+        (box[2] - box[0]) / 2,
+        (box[3] - box[1]) / 2,
+    )
     return ((xs - cx) / rx) ** 2 + ((ys - cy) / ry) ** 2 <= 1
 
 
@@ -46,15 +51,28 @@ def _fixed_set() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Te
         boxes = torch.cat([corner, corner + sizes], dim=1)
         labels = torch.randint(1, 4, (3,), generator=gen)
         masks = torch.stack([_ellipse(b) for b in boxes])
-        targets.append({"boxes": boxes, "labels": labels, "masks": masks,
-                        "iscrowd": torch.tensor([0, 0, int(image == 2)]), "area": masks.sum((1, 2)).float()})
+        targets.append(
+            {
+                "boxes": boxes,
+                "labels": labels,
+                "masks": masks,
+                "iscrowd": torch.tensor([0, 0, int(image == 2)]),
+                "area": masks.sum((1, 2)).float(),
+            }
+        )
         jitter = (torch.rand(3, 4, generator=gen) - 0.5) * sizes.repeat(1, 2) * 0.4
         false_positive = torch.tensor([[5.0, 90.0, 40.0, 120.0]])
         det_boxes = torch.cat([(boxes + jitter).clamp(0, SIZE - 1), false_positive])
         det_labels = torch.cat([labels, torch.tensor([1])])
         det_labels[image % 3] = det_labels[image % 3] % 3 + 1  # one detection per image with the wrong class
-        preds.append({"boxes": det_boxes, "labels": det_labels, "scores": torch.rand(4, generator=gen),
-                      "masks": torch.stack([_ellipse(b) for b in det_boxes])})
+        preds.append(
+            {
+                "boxes": det_boxes,
+                "labels": det_labels,
+                "scores": torch.rand(4, generator=gen),
+                "masks": torch.stack([_ellipse(b) for b in det_boxes]),
+            }
+        )
     return preds, targets
 
 
@@ -65,6 +83,7 @@ def _count_evaluations(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     calls = dict.fromkeys(EVAL_BACKENDS, 0)
     for backend, cls in (("faster_coco_eval", COCOeval_faster), ("pycocotools", COCOeval)):
+
         def evaluate(self, _original=cls.evaluate, _backend=backend):
             calls[_backend] += 1
             return _original(self)
@@ -86,7 +105,16 @@ def test_backends_agree_on_every_key(tmp_path: Path, monkeypatch: pytest.MonkeyP
     fast, reference = results["faster_coco_eval"], results["pycocotools"]
     assert fast.keys() == reference.keys()
     for kind in ("bbox", "segm"):  # every area range is populated: no key compares -1 with -1
-        for key in ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_100", "mar_large"):
+        for key in (
+            "map",
+            "map_50",
+            "map_75",
+            "map_small",
+            "map_medium",
+            "map_large",
+            "mar_100",
+            "mar_large",
+        ):
             assert 0.0 < float(reference[f"{kind}_{key}"]) < 1.0, (kind, key)
     assert float(reference["bbox_map"]) != pytest.approx(float(reference["segm_map"]), abs=1e-3)
     for key, value in reference.items():
@@ -94,8 +122,11 @@ def test_backends_agree_on_every_key(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_default_backend_follows_the_measured_image_sizes(tmp_path: Path) -> None:
-    """faster_coco_eval for the small-image configs (faster there), pycocotools at COCO sizes (faster there)."""
-    expected = {option: "faster_coco_eval" for option in config_groups()["model"]} | {"maskrcnn_r50_fpn": "pycocotools"}
+    """faster_coco_eval for the small-image configs (faster there), pycocotools at COCO sizes (faster there).
+    """
+    expected = {option: "faster_coco_eval" for option in config_groups()["model"]} | {
+        "maskrcnn_r50_fpn": "pycocotools"
+    }
     for option, backend in expected.items():
         assert compose_config([f"model={option}"], tmp_path).model.evaluation.backend == backend, option
     assert MaskRCNNModule.__init__.__kwdefaults__["evaluation"] is None  # the defaults below
@@ -108,14 +139,22 @@ def test_bad_backend_names_the_argument_and_the_choices(tmp_path: Path) -> None:
     with pytest.raises(ArgumentError, match=rf"^evaluation\.backend{choices}$"):
         check_eval_backend("cocoapi")
     cfg = compose_config(["experiment=smoke", "model.evaluation.backend=cocoapi"], tmp_path)
-    with pytest.raises(ArgumentError, match=rf"^model\.evaluation\.backend{choices}$"):  # as the CLI reports it
+    with pytest.raises(
+        ArgumentError, match=rf"^model\.evaluation\.backend{choices}$"
+    ):  # as the CLI reports it
         build_model(cfg, SimpleNamespace(num_classes=4))
 
 
-@pytest.mark.parametrize(("backend", "package", "other"), [("faster_coco_eval", "faster-coco-eval", "pycocotools"),
-                                                           ("pycocotools", "pycocotools", "faster_coco_eval")])
-def test_missing_package_says_how_to_install_or_switch(backend: str, package: str, other: str,
-                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "package", "other"),
+    [
+        ("faster_coco_eval", "faster-coco-eval", "pycocotools"),
+        ("pycocotools", "pycocotools", "faster_coco_eval"),
+    ],
+)
+def test_missing_package_says_how_to_install_or_switch(
+    backend: str, package: str, other: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setitem(sys.modules, backend, None)  # the import fails as if the package were not installed
     fix = rf"`pip install {package}` \(`make install` does\), or set model\.evaluation\.backend={other}\."
     with pytest.raises(ModuleNotFoundError, match=fix):

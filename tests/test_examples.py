@@ -1,6 +1,6 @@
-"""``examples/weighted_loss.py``, the research subclass the README points to, does what it says: its GroupNorm mask
-head is the model that trains, with the configured speedups it opts back into, and its loss weights apply. (It
-trains from the CLI in ``tests/test_cli.py``.)"""
+"""``examples/weighted_loss.py``, the research subclass the README points to, does what it says: its GroupNorm
+mask head is the model that trains, with the configured speedups it opts back into, and its loss weights
+apply. (It trains from the CLI in ``tests/test_cli.py``.)"""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from lit_amp_det.models.ext_ops import ExtRoIHeads
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,8 +26,12 @@ def weighted_loss(monkeypatch: pytest.MonkeyPatch):
 
 def _module(weighted_loss, **speedups):
     return weighted_loss.WeightedLossMaskRCNN(
-        4, backbone={"name": "resnet10", "fpn_channels": 32}, roi_heads={"mask_head_layers": [16, 16]},
-        loss_weights={"loss_mask": 2.0}, speedups=speedups or None)
+        4,
+        backbone={"name": "resnet10", "fpn_channels": 32},
+        roi_heads={"mask_head_layers": [16, 16]},
+        loss_weights={"loss_mask": 2.0},
+        speedups=speedups or None,
+    )
 
 
 def test_the_groupnorm_head_gets_the_configured_speedups(weighted_loss) -> None:

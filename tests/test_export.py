@@ -1,5 +1,6 @@
-"""``export``: the ONNX graph (onnxruntime) and the ``torch.export`` program give the eager model's detections; the ONNX
-translations of the ops match the ops; ``to_onnx`` / ``to_torchscript`` behave as Lightning documents (issue 44)."""
+"""``export``: the ONNX graph (onnxruntime) and the ``torch.export`` program give the eager model's
+detections; the ONNX translations of the ops match the ops; ``to_onnx`` / ``to_torchscript`` behave as
+Lightning documents (issue 44)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.deploy import OUTPUTS, export_detector
 
@@ -30,10 +30,24 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run_cli(["fit", *SMOKE], cwd=root)
     files = {}
     for fmt in ("onnx", "pt2"):
-        proc = run_cli(["export", *SMOKE, f"model.roi_heads.score_thresh={SCORE}", "ckpt_path=last", f"format={fmt}",
-                        "export.batch_size=8"], cwd=root)
-        files[fmt] = Path(next(line.split("exported: ", 1)[1].split(" (")[0]
-                               for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "exported: " in line))
+        proc = run_cli(
+            [
+                "export",
+                *SMOKE,
+                f"model.roi_heads.score_thresh={SCORE}",
+                "ckpt_path=last",
+                f"format={fmt}",
+                "export.batch_size=8",
+            ],
+            cwd=root,
+        )
+        files[fmt] = Path(
+            next(
+                line.split("exported: ", 1)[1].split(" (")[0]
+                for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+                if "exported: " in line
+            )
+        )
     files["ckpt"] = next((root / "runs" / "fit").glob("*/checkpoints/last.ckpt"))
     return files
 
@@ -50,8 +64,9 @@ def _validation_images() -> torch.Tensor:
 def _trained(ckpt: Path, score: float) -> MaskRCNNModule:
     """The checkpoint's module with ``score`` as its detection threshold, configured as a Trainer would."""
     settings = torch.load(ckpt, weights_only=True)["hyper_parameters"]["roi_heads"]
-    module = MaskRCNNModule.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True,
-                                                 roi_heads={**settings, "score_thresh": score})
+    module = MaskRCNNModule.load_from_checkpoint(
+        ckpt, map_location="cpu", weights_only=True, roi_heads={**settings, "score_thresh": score}
+    )
     module.configure_model()
     return module.eval()
 
@@ -112,15 +127,17 @@ def test_images_without_a_detection_export_as_a_zero_count(exported: dict[str, P
 
 
 def _ops_graph(fn, *args) -> ort.InferenceSession:
-    """``fn`` (calling the package's ops) exported to ONNX with the translations, in an onnxruntime session."""
+    """``fn`` (calling the package's ops) exported to ONNX with the translations, in an onnxruntime session.
+    """
     from lit_amp_det.ops.onnx import translation_table
 
     class Graph(torch.nn.Module):
         def forward(self, *inputs):
             return fn(*inputs)
 
-    program = torch.onnx.export(Graph().eval(), args, dynamo=True, custom_translation_table=translation_table(),
-                                verbose=False)
+    program = torch.onnx.export(
+        Graph().eval(), args, dynamo=True, custom_translation_table=translation_table(), verbose=False
+    )
     return ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
@@ -158,8 +175,10 @@ def test_the_onnx_roi_align_pools_what_the_op_pools(aligned: bool, sampling_rati
     scales = [0.25, 0.125, 0.0625]
 
     def pooled(f0, f1, f2, r, lv):
-        return (multi_level_roi_align([f0, f1, f2], r, lv, scales, (7, 7), sampling_ratio, aligned),
-                roi_align(f0, r, (7, 7), 0.25, sampling_ratio, aligned))
+        return (
+            multi_level_roi_align([f0, f1, f2], r, lv, scales, (7, 7), sampling_ratio, aligned),
+            roi_align(f0, r, (7, 7), 0.25, sampling_ratio, aligned),
+        )
 
     inputs = (*features, rois, levels)
     session = _ops_graph(pooled, *inputs)
@@ -176,12 +195,15 @@ def test_an_unknown_format_is_refused_naming_the_choices(tmp_path: Path) -> None
     with pytest.raises(ValueError, match=r"export.batch_size=0: give a positive integer"):
         export_detector(module, tmp_path / "model.onnx", "onnx", batch_size=0)
     for size in ([800], [0, 64], ["abc", 64]):
-        with pytest.raises(ValueError, match=r"export.image_size=.*: give \[height, width\], two positive integers"):
+        with pytest.raises(
+            ValueError, match=r"export.image_size=.*: give \[height, width\], two positive integers"
+        ):
             export_detector(module, None, "pt2", image_size=size)
 
 
 def test_lightning_s_to_onnx_writes_the_deployable_graph_and_to_torchscript_names_the_alternatives(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     cfg = compose_config(SMOKE, tmp_path)
     module = instantiate(cfg.model, num_classes=4)
     images = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
@@ -204,15 +226,20 @@ def test_the_readme_onnxruntime_example_runs(tmp_path: Path, monkeypatch, capsys
     from conftest import REPO
 
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## Deploy"):text.index("## Tests")]
+    section = text[text.index("## Deploy") : text.index("## Tests")]
     example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    module = instantiate(compose_config(SMOKE, tmp_path).model, num_classes=4, class_names=["a", "b", "c"],
-                         roi_heads={"score_thresh": 0.0, "detections_per_img": 5})
+    module = instantiate(
+        compose_config(SMOKE, tmp_path).model,
+        num_classes=4,
+        class_names=["a", "b", "c"],
+        roi_heads={"score_thresh": 0.0, "detections_per_img": 5},
+    )
     with torch.no_grad():  # every box is class "b", scored about 1
         module.model.roi_heads.box_predictor.cls_score.bias.copy_(torch.tensor([0.0, 0.0, 20.0, 0.0]))
     module.to_onnx(tmp_path / "model.onnx", torch.zeros((1, 3, 48, 64), dtype=torch.uint8))
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 200, 3), dtype=np.uint8)).save(
-        tmp_path / "picture.jpg")
+        tmp_path / "picture.jpg"
+    )
     monkeypatch.chdir(tmp_path)
     exec(compile(example, "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
@@ -221,18 +248,26 @@ def test_the_readme_onnxruntime_example_runs(tmp_path: Path, monkeypatch, capsys
 
 @pytest.mark.slow
 def test_the_r50_fpn_exports_at_800x1333_from_the_command_line(tmp_path: Path) -> None:
-    proc = run_cli(["export", "model=maskrcnn_r50_fpn", "model.backbone.weights=null", "export.image_size=[800,1333]"],
-                   cwd=tmp_path)
+    proc = run_cli(
+        ["export", "model=maskrcnn_r50_fpn", "model.backbone.weights=null", "export.image_size=[800,1333]"],
+        cwd=tmp_path,
+    )
     assert "randomly initialised" in proc.stdout + proc.stderr
     description = json.loads(next((tmp_path / "runs" / "export").glob("*/model.json")).read_text())
     assert description["input"]["shape"] == [1, 3, 800, 1333] and description["format"] == "onnx"
-    assert (tmp_path / "runs" / "export").glob("*/model.onnx").__next__().stat().st_size > 100e6  # the weights too
+    assert (tmp_path / "runs" / "export").glob(
+        "*/model.onnx"
+    ).__next__().stat().st_size > 100e6  # the weights too
 
 
 def test_a_faster_rcnn_exports_without_masks(tmp_path: Path) -> None:
-    cfg = compose_config(["model=fasterrcnn_light", "model.transform.min_size=96", "model.transform.max_size=96"])
+    cfg = compose_config(
+        ["model=fasterrcnn_light", "model.transform.min_size=96", "model.transform.max_size=96"]
+    )
     module = instantiate(cfg.model, num_classes=3).eval()
-    images = torch.randint(0, 256, (2, 3, 96, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    images = torch.randint(
+        0, 256, (2, 3, 96, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         expected = module(list(images))
     module.to_onnx(tmp_path / "model.onnx", images)
@@ -242,8 +277,9 @@ def test_a_faster_rcnn_exports_without_masks(tmp_path: Path) -> None:
     got = dict(zip(names, session.run(None, {"images": images.numpy()})))
     assert got["count"].tolist() == [len(e["boxes"]) for e in expected]
     for index, want in enumerate(expected):
-        torch.testing.assert_close(torch.from_numpy(got["boxes"][index, :len(want["boxes"])]), want["boxes"],
-                                   atol=1e-2, rtol=0)
+        torch.testing.assert_close(
+            torch.from_numpy(got["boxes"][index, : len(want["boxes"])]), want["boxes"], atol=1e-2, rtol=0
+        )
 
 
 def test_a_detector_of_another_kind_is_refused_naming_it() -> None:
@@ -251,5 +287,7 @@ def test_a_detector_of_another_kind_is_refused_naming_it() -> None:
         def build_model(self) -> torch.nn.Module:
             return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1))
 
-    with pytest.raises(TypeError, match=r"FasterRCNN or MaskRCNN; Classifier.build_model\(\) made a Sequential"):
+    with pytest.raises(
+        TypeError, match=r"FasterRCNN or MaskRCNN; Classifier.build_model\(\) made a Sequential"
+    ):
         export_detector(Classifier(4), None, "pt2", image_size=[32, 32])

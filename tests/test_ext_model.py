@@ -1,4 +1,5 @@
-"""The Mask R-CNN on lit_amp_det's ops (the ``ext_ops`` speedup) against the same weights on torchvision's ops."""
+"""The Mask R-CNN on lit_amp_det's ops (the ``ext_ops`` speedup) against the same weights on torchvision's
+ops."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ import copy
 
 import pytest
 import torch
-from torchvision.models.detection.roi_heads import RoIHeads
-
 from hydra.utils import instantiate
-
+from lit_amp_det import ops
 from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads, use_extension_ops
 from lit_amp_det.models.maskrcnn import build_detector
-from lit_amp_det import ops
 from lit_amp_det.ops import MultiScaleRoIAlign
+from torchvision.models.detection.roi_heads import RoIHeads
+
 from conftest import compose_config
 from ops_inputs import needs_extension, random_boxes
 
@@ -24,7 +24,12 @@ MODEL = dict(
     backbone={"name": "resnet10", "fpn_channels": 32},
     transform={"min_size": 160, "max_size": 160},
     rpn={"anchor_sizes": [16, 32, 64, 128, 256], "pre_nms_top_n_test": 1000, "post_nms_top_n_test": 300},
-    roi_heads={"box_head_width": 64, "mask_head_layers": [16], "score_thresh": 0.05, "detections_per_img": 50},
+    roi_heads={
+        "box_head_width": 64,
+        "mask_head_layers": [16],
+        "score_thresh": 0.05,
+        "detections_per_img": 50,
+    },
 )
 
 
@@ -58,7 +63,9 @@ def test_same_detections_as_torchvision_on_the_validation_split():
     compared = 0
     with torch.no_grad():
         for images, _ in data.val_dataloader():
-            images = [image.float() / 255 for image in images]  # the module's prepare_images does this in training
+            images = [
+                image.float() / 255 for image in images
+            ]  # the module's prepare_images does this in training
             for a, b in zip(ext(images), plain(images)):
                 assert torch.equal(a["labels"], b["labels"])
                 torch.testing.assert_close(a["boxes"], b["boxes"], rtol=0, atol=1e-4)
@@ -72,10 +79,16 @@ def _training_batch():
     g = torch.Generator().manual_seed(0)
     images = [torch.rand(3, 160, 160, generator=g), torch.rand(3, 150, 140, generator=g)]
     targets = [
-        {"boxes": torch.tensor([[10.0, 20, 80, 90], [50, 50, 120, 110]]), "labels": torch.tensor([1, 3]),
-         "masks": torch.zeros(2, 160, 160, dtype=torch.uint8)},
-        {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
-         "masks": torch.zeros(0, 150, 140, dtype=torch.uint8)},
+        {
+            "boxes": torch.tensor([[10.0, 20, 80, 90], [50, 50, 120, 110]]),
+            "labels": torch.tensor([1, 3]),
+            "masks": torch.zeros(2, 160, 160, dtype=torch.uint8),
+        },
+        {
+            "boxes": torch.zeros(0, 4),
+            "labels": torch.zeros(0, dtype=torch.int64),
+            "masks": torch.zeros(0, 150, 140, dtype=torch.uint8),
+        },
     ]
     targets[0]["masks"][0, 20:90, 10:80] = 1
     targets[0]["masks"][1, 50:110, 50:120] = 1
@@ -99,7 +112,9 @@ def _losses_and_gradient(model, autocast):
 
 def test_fp32_training_step_equals_torchvision_ops():
     ext, plain = _pair()
-    (ext_losses, ext_grad), (plain_losses, plain_grad) = (_losses_and_gradient(m, False) for m in (ext, plain))
+    (ext_losses, ext_grad), (plain_losses, plain_grad) = (
+        _losses_and_gradient(m, False) for m in (ext, plain)
+    )
     assert ext.backbone.body.conv1.weight.grad.abs().sum() > 0
     for key in ext_losses:
         torch.testing.assert_close(ext_losses[key], plain_losses[key], rtol=1e-4, atol=1e-5)
@@ -124,10 +139,10 @@ def test_autocast_training_step_is_as_accurate_as_torchvision_ops():
 
 
 def test_torch_export_of_the_models_extension_op_path():
-    """``torch.export`` traces the ops through their fake kernels, data-dependent NMS output size included: the
-    eval model's backbone, NMS of given proposals, multi-level pooling and box head export as one program that
-    gives the same scores. (The whole eval model does not export, with either op set: torchvision's box decoding
-    and per-detection mask pasting branch on data-dependent sizes; see the README.)"""
+    """``torch.export`` traces the ops through their fake kernels, data-dependent NMS output size included:
+    the eval model's backbone, NMS of given proposals, multi-level pooling and box head export as one program
+    that gives the same scores. (The whole eval model does not export, with either op set: torchvision's box
+    decoding and per-detection mask pasting branch on data-dependent sizes; see the README.)"""
     ext, _ = _pair()
     heads = ext.roi_heads
 
@@ -135,7 +150,11 @@ def test_torch_export_of_the_models_extension_op_path():
         def __init__(self):
             super().__init__()
             self.backbone, self.pool, self.head, self.predictor = (
-                ext.backbone, heads.box_roi_pool, heads.box_head, heads.box_predictor)
+                ext.backbone,
+                heads.box_roi_pool,
+                heads.box_head,
+                heads.box_predictor,
+            )
 
         def forward(self, images, boxes, scores, labels):
             features = self.backbone(images)
@@ -154,7 +173,10 @@ def test_torch_export_of_the_models_extension_op_path():
         program = torch.export.export(model, (images, boxes, scores, labels), strict=False)
         got = program.module()(images, boxes, scores, labels)
     targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
-    assert {torch.ops.lit_amp_det.batched_nms.default, torch.ops.lit_amp_det.multi_level_roi_align.default} <= targets
+    assert {
+        torch.ops.lit_amp_det.batched_nms.default,
+        torch.ops.lit_amp_det.multi_level_roi_align.default,
+    } <= targets
     torch.testing.assert_close(got, expected)
 
 

@@ -1,9 +1,9 @@
 """The CUDA configuration's step on fake CUDA tensors: what a GPU would wait for, checked without a GPU.
 
-``tools/fake_cuda_step.py`` builds the module as a GPU run builds it (the speedups for ``cuda``, the precision plugin
-for ``cuda``, the configured optimizer) on fake CUDA tensors and counts, by call site, every copy between the host
-and the device, every tensor made from host numbers on the device, every value read, and the ops fake tensors
-refuse for needing a device value. The sync-free step must wait for nothing."""
+``tools/fake_cuda_step.py`` builds the module as a GPU run builds it (the speedups for ``cuda``, the precision
+plugin for ``cuda``, the configured optimizer) on fake CUDA tensors and counts, by call site, every copy
+between the host and the device, every tensor made from host numbers on the device, every value read, and the
+ops fake tensors refuse for needing a device value. The sync-free step must wait for nothing."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
+from lit_amp_det.bench.rows import compose
+
 from fake_cuda_step import TINY, count_cuda_steps, tiny_batch
 from host_syncs import package_sites
-
-from lit_amp_det.bench.rows import compose
 
 #: the CUDA defaults (speedups, precision 16-mixed, AdamW) with targets padded as the data module pads them
 SYNC_FREE = ["trainer=gpu", "trainer.precision=16-mixed", *TINY, "data.pad_instances=32"]
@@ -32,8 +32,9 @@ def _describe(counts) -> str:
 @pytest.mark.parametrize("model", ["maskrcnn_light", "maskrcnn_r50_fpn", "fasterrcnn_light"])
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_the_sync_free_cuda_step_waits_for_nothing(model, precision, batch) -> None:
-    """Training (forward, loss, the plugin's optimizer step) and padded inference: no copy between the host and the
-    device, no tensor from host numbers, no value read, no op refused for its data-dependent output."""
+    """Training (forward, loss, the plugin's optimizer step) and padded inference: no copy between the host
+    and the device, no tensor from host numbers, no value read, no op refused for its data-dependent output.
+    """
     overrides = [f"model={model}", *SYNC_FREE, f"trainer.precision={precision}"]
     counts = count_cuda_steps(compose(overrides), copy.deepcopy(batch))
     assert set(counts) == {"training", "inference"}
@@ -44,9 +45,16 @@ def test_the_sync_free_cuda_step_waits_for_nothing(model, precision, batch) -> N
 
 
 def test_the_stand_in_sees_what_a_gpu_would_wait_for_in_the_dynamic_path(batch) -> None:
-    """The same count on the dynamic path (lit_amp_det's ops without sync_free) finds torchvision's normalisation
-    constants made from host numbers on the device, and stops at the first value read, named by its line."""
-    overrides = ["model=maskrcnn_light", "trainer=gpu", "trainer.precision=16-mixed", *TINY, "speedups.sync_free=null"]
+    """The same count on the dynamic path (lit_amp_det's ops without sync_free) finds torchvision's
+    normalisation constants made from host numbers on the device, and stops at the first value read, named by
+    its line."""
+    overrides = [
+        "model=maskrcnn_light",
+        "trainer=gpu",
+        "trainer.precision=16-mixed",
+        *TINY,
+        "speedups.sync_free=null",
+    ]
     counts = count_cuda_steps(compose(overrides), copy.deepcopy(batch))
     training, inference = counts["training"], counts["inference"]
     assert training.host_data >= 2, _describe(counts)  # the mean and std of torchvision's normalize
@@ -56,11 +64,10 @@ def test_the_stand_in_sees_what_a_gpu_would_wait_for_in_the_dynamic_path(batch) 
 
 
 def test_the_sync_free_step_made_no_copy_where_torchvision_made_them(batch) -> None:
-    """torchvision's transform and box coder, as the sync-free detector used them before, make tensors from host
-    numbers in every step: the counter finds them when the detector's own replacements are undone."""
-    from torchvision.models.detection._utils import BoxCoder
-
+    """torchvision's transform and box coder, as the sync-free detector used them before, make tensors from
+    host numbers in every step: the counter finds them when the detector's own replacements are undone."""
     from lit_amp_det.models import sync_free
+    from torchvision.models.detection._utils import BoxCoder
 
     cfg = compose(["model=maskrcnn_light", *SYNC_FREE])
     original = sync_free.device_box_coder
@@ -87,9 +94,10 @@ def _quick_rows() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize(("bench", "row"), _quick_rows())
 def test_every_gpu_check_row_runs_its_step_on_fake_cuda(bench, row) -> None:
-    """Each row ``make gpu-check`` runs, composed as ``bench train|infer`` composes it for CUDA (the GPU check's model,
-    at 128 px), builds and runs its step on fake CUDA tensors: a sync-free row waits for nothing; a dynamic row runs
-    until fake tensors refuse its first data-dependent op (a GPU waits there), and fails in no other way."""
+    """Each row ``make gpu-check`` runs, composed as ``bench train|infer`` composes it for CUDA (the GPU
+    check's model, at 128 px), builds and runs its step on fake CUDA tensors: a sync-free row waits for
+    nothing; a dynamic row runs until fake tensors refuse its first data-dependent op (a GPU waits there), and
+    fails in no other way."""
     from lit_amp_det.bench import gpu_check
     from lit_amp_det.bench.measure import shapes_batch
     from lit_amp_det.bench.rows import BENCHES, Setting, device_defaults, row_overrides

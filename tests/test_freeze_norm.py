@@ -1,4 +1,5 @@
-"""FreezeNorm and the dtype-keeping FrozenBatchNorm2d: frozen statistics, frozen stages, checkpoints, errors."""
+"""FreezeNorm and the dtype-keeping FrozenBatchNorm2d: frozen statistics, frozen stages, checkpoints, errors.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +13,16 @@ import torch
 import torchvision
 from hydra.utils import instantiate
 from lightning.pytorch import Callback
+from lit_amp_det import MaskRCNNModule
+from lit_amp_det.app.tasks import build_trainer
+from lit_amp_det.callbacks.freeze_norm import FreezeNorm
+from lit_amp_det.data.transforms import collate_detection
+from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.maskrcnn import BACKBONES, build_backbone
+from lit_amp_det.models.norms import FrozenBatchNorm2d, convert_frozen_batchnorm
 from torch import nn
 from torch.utils.data import DataLoader
 from torchvision.models._utils import IntermediateLayerGetter
-
-from lit_amp_det import MaskRCNNModule
-from lit_amp_det.callbacks.freeze_norm import FreezeNorm
-from lit_amp_det.errors import ArgumentError
-from lit_amp_det.data.transforms import collate_detection
-from lit_amp_det.models.maskrcnn import BACKBONES, build_backbone
-from lit_amp_det.models.norms import FrozenBatchNorm2d, convert_frozen_batchnorm
-from lit_amp_det.app.tasks import build_trainer
 
 from conftest import CONFIG_ERRORS, SMOKE, compose_config
 
@@ -41,7 +41,8 @@ def _one_thread() -> Iterator[None]:
 
 
 def _module(tmp_path: Path, *overrides: str, seed: int = 0) -> MaskRCNNModule:
-    """The smoke model (resnet10, 32-channel FPN, 64-px images) with a constant lr, so every step moves weights."""
+    """The smoke model (resnet10, 32-channel FPN, 64-px images) with a constant lr, so every step moves
+    weights."""
     torch.manual_seed(seed)
     cfg = compose_config(
         [*SMOKE, "optim.scheduler.policy=constant", "optim.scheduler.warmup_steps=0", *overrides], tmp_path
@@ -55,16 +56,29 @@ def _loader(batches: int = STEPS) -> DataLoader:
     for i in range(2 * batches):
         masks = torch.zeros(1, 64, 64, dtype=torch.uint8)
         masks[0, 10:40, 12:50] = 1
-        target = {"boxes": torch.tensor([[12.0, 10.0, 50.0, 40.0]]), "labels": torch.tensor([1 + i % 3]),
-                  "masks": masks, "image_id": torch.tensor(i + 1)}
+        target = {
+            "boxes": torch.tensor([[12.0, 10.0, 50.0, 40.0]]),
+            "labels": torch.tensor([1 + i % 3]),
+            "masks": masks,
+            "image_id": torch.tensor(i + 1),
+        }
         samples.append((torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=gen), target))
     return DataLoader(samples, batch_size=2, collate_fn=collate_detection)
 
 
 def _trainer(*callbacks: Callback, steps: int = STEPS) -> pl.Trainer:
-    return pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=1, callbacks=list(callbacks))
+    return pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        callbacks=list(callbacks),
+    )
 
 
 class _CallsTrain(Callback):
@@ -106,7 +120,9 @@ def _fit(module: MaskRCNNModule, *callbacks: Callback) -> _Recorder:
 
 
 def _statistics(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in module.state_dict().items() if k.endswith(("running_mean", "running_var"))}
+    return {
+        k: v.clone() for k, v in module.state_dict().items() if k.endswith(("running_mean", "running_var"))
+    }
 
 
 def _batchnorm_count(module: nn.Module) -> int:
@@ -135,7 +151,9 @@ def _random_bn(channels: int = 8, seed: int = 0) -> nn.BatchNorm2d:
 
 
 def _names(module: nn.Module, *prefixes: str) -> set[str]:
-    return {name for name, _ in module.named_parameters() if name.startswith(tuple(BODY + p for p in prefixes))}
+    return {
+        name for name, _ in module.named_parameters() if name.startswith(tuple(BODY + p for p in prefixes))
+    }
 
 
 def _batchnorm_affine(module: nn.Module) -> set[str]:
@@ -143,8 +161,13 @@ def _batchnorm_affine(module: nn.Module) -> set[str]:
     return {f"{name}.{p}" for name in norms for p in ("weight", "bias")}
 
 
-def _check_frozen_and_trained(module: nn.Module, before: dict[str, torch.Tensor], recorder: _Recorder,
-                              frozen: set[str], trained: set[str]) -> None:
+def _check_frozen_and_trained(
+    module: nn.Module,
+    before: dict[str, torch.Tensor],
+    recorder: _Recorder,
+    frozen: set[str],
+    trained: set[str],
+) -> None:
     assert frozen and trained and not frozen & trained
     params = dict(module.named_parameters())
     for name in frozen:
@@ -192,7 +215,9 @@ def test_running_statistics_stay_fixed_only_with_the_callback(mode: str | None, 
 def test_frozen_stages_and_frozen_affine_with_norm_eval(tmp_path: Path) -> None:
     module = _module(tmp_path)
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    recorder = _fit(module, FreezeNorm(mode="norm_eval", affine_trainable=False, frozen_stages=1))  # FREEZE_AT=2
+    recorder = _fit(
+        module, FreezeNorm(mode="norm_eval", affine_trainable=False, frozen_stages=1)
+    )  # FREEZE_AT=2
     affine = _batchnorm_affine(module)
     frozen = _names(module, "conv1.", "bn1.", "layer1.") | affine
     trained = _names(module, "layer2.", "layer3.", "layer4.") - affine
@@ -210,22 +235,34 @@ def test_frozen_stages_with_frozen_bn(tmp_path: Path) -> None:
     recorder = _fit(module, FreezeNorm(mode="frozen_bn", frozen_stages=2))
     assert not _batchnorm_affine(module)  # the former BatchNorm parameters are buffers now
     assert not any(".bn" in name or "downsample.1" in name for name, _ in module.named_parameters())
-    # the swap happened before configure_optimizers: the optimizer holds no orphaned former-BatchNorm parameter
+    # the swap happened before configure_optimizers: the optimizer holds no orphaned former-BatchNorm
+    # parameter
     assert recorder.optimized == {id(p) for p in module.parameters() if p.requires_grad}
-    _check_frozen_and_trained(module, before, recorder, _names(module, "conv1.", "layer1.", "layer2."),
-                              _names(module, "layer3.", "layer4."))
+    _check_frozen_and_trained(
+        module,
+        before,
+        recorder,
+        _names(module, "conv1.", "layer1.", "layer2."),
+        _names(module, "layer3.", "layer4."),
+    )
 
 
-@pytest.mark.parametrize(("frozen_stages", "frozen"), [(0, ("conv1.", "layer1.")), (2, ("conv1.", "layer1.", "layer2."))])
-def test_model_config_and_freeze_norm_together_freeze_the_union(tmp_path: Path, frozen_stages: int,
-                                                                 frozen: tuple[str, ...]) -> None:
-    """Both homes can freeze: ``model.backbone.trainable_layers`` / ``norm`` build the model, FreezeNorm acts on
-    it in setup() and only ever freezes more, so the stricter of the two wins for each stage."""
+@pytest.mark.parametrize(
+    ("frozen_stages", "frozen"), [(0, ("conv1.", "layer1.")), (2, ("conv1.", "layer1.", "layer2."))]
+)
+def test_model_config_and_freeze_norm_together_freeze_the_union(
+    tmp_path: Path, frozen_stages: int, frozen: tuple[str, ...]
+) -> None:
+    """Both homes can freeze: ``model.backbone.trainable_layers`` / ``norm`` build the model, FreezeNorm acts
+    on it in setup() and only ever freezes more, so the stricter of the two wins for each stage."""
     module = _module(tmp_path, "model.backbone.trainable_layers=3", "model.backbone.norm=frozen_bn")
     assert not any(p.requires_grad for n, p in module.named_parameters() if n.startswith(BODY + "layer1."))
-    _fit(module, FreezeNorm(mode="frozen_bn", frozen_stages=frozen_stages))  # frozen_bn again: nothing to swap
-    assert _names(module, *frozen) == {n for n, p in module.named_parameters()
-                                       if n.startswith(BODY) and not p.requires_grad}
+    _fit(
+        module, FreezeNorm(mode="frozen_bn", frozen_stages=frozen_stages)
+    )  # frozen_bn again: nothing to swap
+    assert _names(module, *frozen) == {
+        n for n, p in module.named_parameters() if n.startswith(BODY) and not p.requires_grad
+    }
 
 
 # ---------------------------------------------------------------------------------- FrozenBatchNorm2d
@@ -265,12 +302,18 @@ def test_frozen_batchnorm_keeps_the_input_dtype_under_autocast(dtype: torch.dtyp
 def test_a_converted_trunk_stays_in_bf16_under_autocast() -> None:
     """torchvision's FrozenBatchNorm2d promotes bf16 activations to fp32; ours keeps them (and is what
     ``model.backbone.norm=frozen_bn`` builds)."""
-    assert build_backbone("resnet10", fpn_channels=32, norm="frozen_bn").body.bn1.__class__ is FrozenBatchNorm2d
+    assert (
+        build_backbone("resnet10", fpn_channels=32, norm="frozen_bn").body.bn1.__class__ is FrozenBatchNorm2d
+    )
     trunk = torchvision.models.resnet.ResNet(
         torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], norm_layer=torchvision.ops.FrozenBatchNorm2d
     )
-    trunk = nn.Sequential(*(getattr(trunk, name) for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2",
-                                                              "layer3", "layer4")))
+    trunk = nn.Sequential(
+        *(
+            getattr(trunk, name)
+            for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
+        )
+    )
     count = sum(type(m) is torchvision.ops.FrozenBatchNorm2d for m in trunk.modules())
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -286,8 +329,12 @@ def test_a_converted_trunk_stays_in_bf16_under_autocast() -> None:
 def test_convert_swaps_batchnorms_and_state_dicts_load_both_ways() -> None:
     tv_frozen = torchvision.ops.FrozenBatchNorm2d(8)
     tv_frozen.load_state_dict(_random_bn(seed=3).state_dict())
-    net = nn.Sequential(nn.Conv2d(3, 8, 1), _random_bn(seed=1),
-                        nn.Sequential(nn.SyncBatchNorm(8).eval(), nn.BatchNorm2d(8, affine=False).eval()), tv_frozen)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 1),
+        _random_bn(seed=1),
+        nn.Sequential(nn.SyncBatchNorm(8).eval(), nn.BatchNorm2d(8, affine=False).eval()),
+        tv_frozen,
+    )
     with torch.no_grad():
         net[2][0].running_mean.fill_(0.5)
         net[2][1].running_var.fill_(4.0)
@@ -296,8 +343,12 @@ def test_convert_swaps_batchnorms_and_state_dicts_load_both_ways() -> None:
     assert [type(m) for m in (net[1], net[2][0], net[2][1], net[3])] == [FrozenBatchNorm2d] * 4
     x = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():  # SyncBatchNorm in eval mode runs without a process group
-        for converted, source in [(net[1], original[1]), (net[2][0], original[2][0]), (net[2][1], original[2][1]),
-                                  (net[3], original[3])]:
+        for converted, source in [
+            (net[1], original[1]),
+            (net[2][0], original[2][0]),
+            (net[2][1], original[2][1]),
+            (net[3], original[3]),
+        ]:
             torch.testing.assert_close(converted(x), source(x))
     assert torch.equal(net[2][0].running_mean, torch.full((8,), 0.5))
     assert torch.equal(net[2][1].weight, torch.ones(8)) and torch.equal(net[2][1].bias, torch.zeros(8))
@@ -366,20 +417,24 @@ def test_frozen_bn_checkpoints_load_without_the_callback_and_back(tmp_path: Path
     assert any(key.endswith("num_batches_tracked") for key in saved)
     target = _module(tmp_path, seed=2)
     assert not torch.equal(target.state_dict()[BODY + "bn1.running_var"], saved[BODY + "bn1.running_var"])
-    _trainer(FreezeNorm(mode="frozen_bn"), steps=1).validate(target, dataloaders=_loader(1), ckpt_path=plain_ckpt,
-                                                             verbose=False)
+    _trainer(FreezeNorm(mode="frozen_bn"), steps=1).validate(
+        target, dataloaders=_loader(1), ckpt_path=plain_ckpt, verbose=False
+    )
     assert _batchnorm_count(target) == 0
     _assert_loaded(target, saved)
 
 
 # ------------------------------------------------------------------------------------------ bad settings
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "x"}, r"^mode='x' is unknown; choose one of \['norm_eval', 'frozen_bn'\]"),
-    ({"frozen_stages": 5}, r"^frozen_stages=5 must be an integer in \[-1, 4\]"),
-    ({"frozen_stages": -2}, r"^frozen_stages=-2 must be an integer in \[-1, 4\]"),
-    ({"frozen_stages": True}, r"^frozen_stages=True must be an integer"),
-    ({"affine_trainable": "no"}, r"^affine_trainable='no' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "x"}, r"^mode='x' is unknown; choose one of \['norm_eval', 'frozen_bn'\]"),
+        ({"frozen_stages": 5}, r"^frozen_stages=5 must be an integer in \[-1, 4\]"),
+        ({"frozen_stages": -2}, r"^frozen_stages=-2 must be an integer in \[-1, 4\]"),
+        ({"frozen_stages": True}, r"^frozen_stages=True must be an integer"),
+        ({"affine_trainable": "no"}, r"^affine_trainable='no' must be true or false"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs: dict, match: str) -> None:
     """The class names its own argument; the command line adds the config path (see the config test below)."""
     with pytest.raises(ArgumentError, match=match):
@@ -402,10 +457,15 @@ class _NoDetector(pl.LightningModule):
 
 def test_frozen_stages_need_a_resnet_body_and_fail_before_training() -> None:
     module = _NoDetector()
-    with pytest.raises(ValueError, match=r"FreezeNorm\(frozen_stages=1\) needs a torchvision ResNet trunk at "
-                                         r"pl_module\.model\.backbone\.body.*_NoDetector\.model is missing.*"
-                                         r"set frozen_stages=-1"):
-        _trainer(FreezeNorm(mode="frozen_bn", frozen_stages=1), steps=1).fit(module, DataLoader(torch.zeros(4, 1)))
+    with pytest.raises(
+        ValueError,
+        match=r"FreezeNorm\(frozen_stages=1\) needs a torchvision ResNet trunk at "
+        r"pl_module\.model\.backbone\.body.*_NoDetector\.model is missing.*"
+        r"set frozen_stages=-1",
+    ):
+        _trainer(FreezeNorm(mode="frozen_bn", frozen_stages=1), steps=1).fit(
+            module, DataLoader(torch.zeros(4, 1))
+        )
     assert module.steps == 0 and isinstance(module.net[1], nn.BatchNorm2d)  # failed before changing anything
 
 
@@ -413,10 +473,15 @@ def test_missing_stages_are_named() -> None:
     module = _NoDetector()
     module.model = nn.Module()
     module.model.backbone = nn.Module()
-    module.model.backbone.body = IntermediateLayerGetter(BACKBONES["resnet10"](), {"layer2": "0"})  # drops 3, 4
+    module.model.backbone.body = IntermediateLayerGetter(
+        BACKBONES["resnet10"](), {"layer2": "0"}
+    )  # drops 3, 4
     FreezeNorm(frozen_stages=2).setup(None, module, "fit")  # stem, layer1, layer2 exist
     assert not module.model.backbone.body.layer2[0].conv1.weight.requires_grad
-    with pytest.raises(ValueError, match=r"FreezeNorm\(frozen_stages=3\) freezes .* has no \['layer3'\] .*lower frozen_stages"):
+    with pytest.raises(
+        ValueError,
+        match=r"FreezeNorm\(frozen_stages=3\) freezes .* has no \['layer3'\] .*lower frozen_stages",
+    ):
         FreezeNorm(frozen_stages=3).setup(None, module, "fit")
 
 
@@ -432,7 +497,11 @@ def test_config_instantiates_and_checks_its_values(tmp_path: Path) -> None:
     callbacks = build_trainer(cfg).callbacks
     (callback,) = [c for c in callbacks if isinstance(c, FreezeNorm)]
     assert repr(callback) == repr(FreezeNorm())  # the YAML's values are the class defaults
-    assert "ModelCheckpoint" in {type(c).__name__ for c in callbacks}  # added to the defaults, not replacing them
-    cfg = compose_config([*SMOKE, "callbacks=[default,freeze_norm]", "callbacks.freeze_norm.mode=x"], tmp_path)
+    assert "ModelCheckpoint" in {
+        type(c).__name__ for c in callbacks
+    }  # added to the defaults, not replacing them
+    cfg = compose_config(
+        [*SMOKE, "callbacks=[default,freeze_norm]", "callbacks.freeze_norm.mode=x"], tmp_path
+    )
     with pytest.raises(CONFIG_ERRORS, match=r"callbacks\.freeze_norm\.mode='x'"):
         build_trainer(cfg)

@@ -11,13 +11,12 @@ import pytest
 import torch
 import torchvision
 from hydra.utils import instantiate
+from lit_amp_det.precision import MasterWeightPrecision, build_precision_plugin
+from lit_amp_det.precision.master_weights import NORM_LAYERS, master_weights_of, use_low_precision_weights
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchvision.models.detection._utils import BoxCoder
 from torchvision.models.detection.rpn import RegionProposalNetwork
-
-from lit_amp_det.precision import MasterWeightPrecision, build_precision_plugin
-from lit_amp_det.precision.master_weights import NORM_LAYERS, master_weights_of, use_low_precision_weights
 
 from conftest import compose_config
 
@@ -39,8 +38,11 @@ def _batch(size: int = 64) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
     masks = torch.zeros(2, size, size, dtype=torch.uint8)
     masks[0, 10:40, 12:50] = 1
     masks[1, 30:60, 20:44] = 1
-    target = {"boxes": torch.tensor([[12.0, 10.0, 50.0, 40.0], [20.0, 30.0, 44.0, 60.0]]),
-              "labels": torch.tensor([2, 3]), "masks": masks}
+    target = {
+        "boxes": torch.tensor([[12.0, 10.0, 50.0, 40.0], [20.0, 30.0, 44.0, 60.0]]),
+        "labels": torch.tensor([2, 3]),
+        "masks": masks,
+    }
     return images, [target, {k: v.clone() for k, v in target.items()}]
 
 
@@ -50,7 +52,9 @@ def _is_norm_param(module: nn.Module, name: str) -> bool:
 
 
 @pytest.mark.parametrize("norm", ["bn", "frozen_bn"])
-def test_weights_are_bf16_except_norms_and_the_masters_hold_the_fp32_values(tmp_path: Path, norm: str) -> None:
+def test_weights_are_bf16_except_norms_and_the_masters_hold_the_fp32_values(
+    tmp_path: Path, norm: str
+) -> None:
     module = _module(tmp_path, f"model.backbone.norm={norm}")
     before = {k: v.clone() for k, v in module.state_dict().items()}
     plugin = build_precision_plugin("bf16-weights", "cpu")
@@ -67,17 +71,20 @@ def test_weights_are_bf16_except_norms_and_the_masters_hold_the_fp32_values(tmp_
         assert master.dtype == torch.float32 and master.requires_grad == low.requires_grad
         assert torch.equal(master, before[name])  # the fp32 values themselves, not their bf16 rounding
         assert torch.equal(low, before[name].to(torch.bfloat16))
-    assert plugin.convert_module(module) is module and master_weights_of(module) is weights  # fit, then validate
+    assert (
+        plugin.convert_module(module) is module and master_weights_of(module) is weights
+    )  # fit, then validate
 
 
 def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_path: Path) -> None:
-    """The bf16 convolution weights stay channels_last (``speedups.channels_last``) while their fp32 masters are
-    contiguous: fused optimizers clone and copy back every non-contiguous tensor they step. A fused SGD step on the
-    masters then gives what plain SGD gives."""
+    """The bf16 convolution weights stay channels_last (``speedups.channels_last``) while their fp32 masters
+    are contiguous: fused optimizers clone and copy back every non-contiguous tensor they step. A fused SGD
+    step on the masters then gives what plain SGD gives."""
     module = _channels_last_module(tmp_path)
     conv_weights = {n for n, p in module.named_parameters() if p.dim() == 4 and p.shape[-1] > 1}  # 1x1: both
-    assert conv_weights and all(module.get_parameter(n).is_contiguous(memory_format=torch.channels_last)
-                                for n in conv_weights)
+    assert conv_weights and all(
+        module.get_parameter(n).is_contiguous(memory_format=torch.channels_last) for n in conv_weights
+    )
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(module)
     assert conv_weights <= set(plugin.weights.names)  # every checked weight has a master
@@ -91,8 +98,9 @@ def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_
         copy.load_state_dict(module.state_dict())
         copy_plugin = build_precision_plugin("bf16-weights", "cpu")
         copy_plugin.convert_module(copy)
-        optimizer = torch.optim.SGD([p for p in copy.parameters() if p.requires_grad], lr=0.01, momentum=0.9,
-                                    fused=fused)
+        optimizer = torch.optim.SGD(
+            [p for p in copy.parameters() if p.requires_grad], lr=0.01, momentum=0.9, fused=fused
+        )
         copy_plugin.connect(copy, [optimizer], [])
         copy.train()
         torch.manual_seed(0)
@@ -138,7 +146,9 @@ def test_checkpoints_hold_the_fp32_masters_and_load_into_any_precision(tmp_path:
     build_precision_plugin("bf16-weights", "cpu").convert_module(module)
     state = module.state_dict()
     assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in state)
-    inexact = [k for k, v in state.items() if v.is_floating_point() and not torch.equal(v, v.bfloat16().float())]
+    inexact = [
+        k for k, v in state.items() if v.is_floating_point() and not torch.equal(v, v.bfloat16().float())
+    ]
     assert len(inexact) > 30  # so the equality says: full fp32 values, not bf16 ones widened
     plain.load_state_dict(state)  # an fp32 model loads it strictly
     changed = {k: v + 1e-3 if v.is_floating_point() else v for k, v in plain.state_dict().items()}
@@ -163,7 +173,8 @@ def test_norms_and_fp32_regions_run_in_fp32(tmp_path: Path, monkeypatch: pytest.
 
         def recorder(self, *args, **kwargs):
             seen.setdefault(name, []).extend(
-                a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point())
+                a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point()
+            )
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, name, recorder)
@@ -181,8 +192,13 @@ def test_norms_and_fp32_regions_run_in_fp32(tmp_path: Path, monkeypatch: pytest.
     module.train()
     with plugin.forward_context():
         losses = module.model(module.prepare_images(images), module.training_targets(targets))
-    assert outputs == {"layer2": torch.bfloat16, "masks": torch.float32}  # convolutions low, predictor outputs fp32
-    assert body.bn1.running_mean.dtype == torch.float32 and not torch.equal(body.bn1.running_mean, running_mean)
+    assert outputs == {
+        "layer2": torch.bfloat16,
+        "masks": torch.float32,
+    }  # convolutions low, predictor outputs fp32
+    assert body.bn1.running_mean.dtype == torch.float32 and not torch.equal(
+        body.bn1.running_mean, running_mean
+    )
     assert set(seen["compute_loss"]) == {torch.float32} and set(seen["decode"]) == {torch.float32}
     assert all(v.dtype == torch.float32 and torch.isfinite(v) for v in losses.values())
 
@@ -198,9 +214,9 @@ def test_a_norm_without_mixed_kernels_gets_fp32_inputs() -> None:
 
 
 def test_gradient_equals_bf16_mixed_within_bf16_rounding(tmp_path: Path) -> None:
-    """Both run the convolutions on the same bf16-rounded weights; the gradients differ only where the new mode
-    sums a shared weight's per-use gradients in bf16 (the RPN head over the FPN levels), so by far less than bf16's
-    unit roundoff 2**-8 relative to the whole gradient."""
+    """Both run the convolutions on the same bf16-rounded weights; the gradients differ only where the new
+    mode sums a shared weight's per-use gradients in bf16 (the RPN head over the FPN levels), so by far less
+    than bf16's unit roundoff 2**-8 relative to the whole gradient."""
     base = _module(tmp_path)
     images, targets = _batch(96)
 
@@ -229,7 +245,8 @@ def test_gradient_equals_bf16_mixed_within_bf16_rounding(tmp_path: Path) -> None
 
 
 def test_torchvision_roi_ops_run_as_fp32_regions(tmp_path: Path) -> None:
-    """torchvision's RoIAlign refuses bf16 features with fp32 boxes outside autocast; the plugin runs it in fp32."""
+    """torchvision's RoIAlign refuses bf16 features with fp32 boxes outside autocast; the plugin runs it in
+    fp32."""
     module = _module(tmp_path)  # torchvision's model as built, its RoI ops included
     assert type(module.model.roi_heads.box_roi_pool) is torchvision.ops.MultiScaleRoIAlign
     plugin = build_precision_plugin("bf16-weights", "cpu")
@@ -244,8 +261,8 @@ def test_torchvision_roi_ops_run_as_fp32_regions(tmp_path: Path) -> None:
 
 
 class _Fit(pl.LightningModule):
-    """The smoke Mask R-CNN on a fixed list of batches, SGD with momentum (constant lr); the samplers draw from a
-    seed per step, so a resumed run draws what the straight one drew without restoring any RNG."""
+    """The smoke Mask R-CNN on a fixed list of batches, SGD with momentum (constant lr); the samplers draw
+    from a seed per step, so a resumed run draws what the straight one drew without restoring any RNG."""
 
     def __init__(self, detector_module: pl.LightningModule) -> None:
         super().__init__()
@@ -255,8 +272,13 @@ class _Fit(pl.LightningModule):
         self.model_grads_seen: list[set[torch.dtype | None]] = []  # per step: dtypes of the model's gradients
 
     def on_before_optimizer_step(self, optimizer) -> None:  # where clipping and grad-norm logging look
-        self.grads_seen.append({None if p.grad is None else p.grad.dtype
-                                for group in optimizer.param_groups for p in group["params"]})
+        self.grads_seen.append(
+            {
+                None if p.grad is None else p.grad.dtype
+                for group in optimizer.param_groups
+                for p in group["params"]
+            }
+        )
         self.model_grads_seen.append({None if p.grad is None else p.grad.dtype for p in self.parameters()})
 
     def fp32_regions(self) -> dict[str, str]:
@@ -272,19 +294,30 @@ class _Fit(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     def train_dataloader(self):
-        return DataLoader(self.batches, batch_size=None, collate_fn=lambda batch: batch)  # one item, one batch
+        return DataLoader(
+            self.batches, batch_size=None, collate_fn=lambda batch: batch
+        )  # one item, one batch
 
 
 def _trainer(max_steps: int, precision: str, root: Path, **kwargs) -> pl.Trainer:
     plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True)
-    return pl.Trainer(max_steps=max_steps, plugins=[plugin],
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                      default_root_dir=root, deterministic=True, **kwargs)
+    return pl.Trainer(
+        max_steps=max_steps,
+        plugins=[plugin],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=root,
+        deterministic=True,
+        **kwargs,
+    )
 
 
 def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path) -> None:
-    """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32. The hooks
-    see the fp32 master gradients."""
+    """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32. The
+    hooks see the fp32 master gradients."""
+
     def fresh() -> _Fit:
         return _Fit(_module(tmp_path))
 
@@ -314,7 +347,8 @@ def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path) -> None:
 @pytest.mark.parametrize("precision", ["bf16-weights", "16-weights"])
 def test_inf_gradients_skip_the_step_and_fp16_scales_the_loss(precision: str) -> None:
     """The step guard and (fp16) the GradScaler act on the masters: a poisoned step changes nothing."""
-    from test_precision_plugin import _fit as fit_linear, _Linear
+    from test_precision_plugin import _fit as fit_linear
+    from test_precision_plugin import _Linear
 
     plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True, init_scale=256.0)
     module = _Linear(poison_steps={2})
@@ -335,10 +369,10 @@ def test_inf_gradients_skip_the_step_and_fp16_scales_the_loss(precision: str) ->
 
 
 def test_memory_baseline_takes_half_weights_and_run_stats_count_the_masters(tmp_path: Path) -> None:
-    """MemoryMonitor's fp32 baseline of a half-weights run is measured on a copy with the masters as weights, so
-    ``-weights`` is comparable while ``-true`` (no fp32 copies anywhere) is refused with the fix named; the
-    order-free tensor-memory figure counts the fp32 masters and their gradients, which the model's ``parameters()``
-    do not list."""
+    """MemoryMonitor's fp32 baseline of a half-weights run is measured on a copy with the masters as weights,
+    so ``-weights`` is comparable while ``-true`` (no fp32 copies anywhere) is refused with the fix named; the
+    order-free tensor-memory figure counts the fp32 masters and their gradients, which the model's
+    ``parameters()`` do not list."""
     from types import SimpleNamespace
 
     from lit_amp_det.callbacks.memory_savings import check_comparable
@@ -348,8 +382,11 @@ def test_memory_baseline_takes_half_weights_and_run_stats_count_the_masters(tmp_
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(module)
     check_comparable(SimpleNamespace(precision_plugin=plugin), module)
-    with pytest.raises(ValueError, match=r"trainer.precision=bf16-true stores the parameters in low precision "
-                                         r"without fp32 copies.*callbacks.memory_monitor.compare_baseline=false"):
+    with pytest.raises(
+        ValueError,
+        match=r"trainer.precision=bf16-true stores the parameters in low precision "
+        r"without fp32 copies.*callbacks.memory_monitor.compare_baseline=false",
+    ):
         check_comparable(SimpleNamespace(precision_plugin=SimpleNamespace(precision="bf16-true")), module)
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.01)
     plugin.connect(module, [optimizer], [])
@@ -359,9 +396,9 @@ def test_memory_baseline_takes_half_weights_and_run_stats_count_the_masters(tmp_
 
 
 def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_path: Path) -> None:
-    """``full_precision_copy``: the masters (not their bf16 rounding) as parameters in the weights' memory format,
-    no casting hooks or masters left, the same losses and gradients as an fp32 model with those values; the
-    converted model is untouched."""
+    """``full_precision_copy``: the masters (not their bf16 rounding) as parameters in the weights' memory
+    format, no casting hooks or masters left, the same losses and gradients as an fp32 model with those
+    values; the converted model is untouched."""
     from lit_amp_det.precision.master_weights import full_precision_copy
 
     module = _channels_last_module(tmp_path)
@@ -382,10 +419,15 @@ def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_p
     for name, param in fp32.named_parameters():
         assert params[name].dtype == torch.float32 and torch.equal(params[name], param), name
         assert params[name].stride() == module.get_parameter(name).stride(), name  # channels_last kept
-    hooks = [h for m in full.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values(),
-                                                 *m._state_dict_hooks.values())]
+    hooks = [
+        h
+        for m in full.modules()
+        for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values(), *m._state_dict_hooks.values())
+    ]
     assert not [h for h in hooks if h.__module__ == "lit_amp_det.precision.master_weights"]
-    assert {k: v.dtype for k, v in full.state_dict().items()} == {k: v.dtype for k, v in fp32.state_dict().items()}
+    assert {k: v.dtype for k, v in full.state_dict().items()} == {
+        k: v.dtype for k, v in fp32.state_dict().items()
+    }
     full.load_state_dict(fp32.state_dict())  # no master hooks left to trip over
 
     full.train(), fp32.train()
@@ -399,15 +441,18 @@ def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_p
     assert losses[0][0].dtype == torch.float32 and torch.equal(losses[0][0], losses[1][0])
     compared = [(a, b) for a, b in zip(losses[0][1], losses[1][1]) if b is not None]
     assert len(compared) > 40 and all(a is not None and torch.equal(a, b) for a, b in compared)
-    assert all(torch.equal(p, low_before[n]) and p.dtype in (torch.bfloat16, torch.float32)
-               for n, p in module.named_parameters())
+    assert all(
+        torch.equal(p, low_before[n]) and p.dtype in (torch.bfloat16, torch.float32)
+        for n, p in module.named_parameters()
+    )
     with pytest.raises(ValueError, match="no fp32 masters"):
         full_precision_copy(fp32)
 
 
 def test_gradients_add_onto_master_gradients_left_by_zero_grad_without_set_to_none() -> None:
-    """``zero_grad(set_to_none=False)`` keeps the masters' gradient tensors (zeroed): the next bf16 gradient is
-    added onto them in fp32 instead of replacing them, and the step is the same as with ``set_to_none=True``."""
+    """``zero_grad(set_to_none=False)`` keeps the masters' gradient tensors (zeroed): the next bf16 gradient
+    is added onto them in fp32 instead of replacing them, and the step is the same as with
+    ``set_to_none=True``."""
     results = []
     for set_to_none in (True, False):
         model = _Scalar()
@@ -441,16 +486,21 @@ class _TinyConvNet(nn.Module):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_a_skipped_step_leaves_the_masters_the_weights_and_the_optimizer_state_unchanged(optimizer: str) -> None:
-    """``bf16-weights`` steps AdamW (or SGD with momentum and weight decay) through the guard: a step with a NaN
-    gradient leaves the fp32 masters, the bf16 weights and every optimizer state tensor (AdamW's step count too) as
-    they were; the steps around it train."""
+def test_a_skipped_step_leaves_the_masters_the_weights_and_the_optimizer_state_unchanged(
+    optimizer: str,
+) -> None:
+    """``bf16-weights`` steps AdamW (or SGD with momentum and weight decay) through the guard: a step with a
+    NaN gradient leaves the fp32 masters, the bf16 weights and every optimizer state tensor (AdamW's step
+    count too) as they were; the steps around it train."""
     model = _TinyConvNet()
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if optimizer == "adamw" else
-           torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-2))
+    opt = (
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        if optimizer == "adamw"
+        else torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-2)
+    )
     plugin.connect(model, [opt], [])
     x = torch.randn(3, 2, 6, 6, generator=torch.Generator().manual_seed(1))
 

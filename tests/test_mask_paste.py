@@ -1,35 +1,36 @@
-"""The ``binary_mask_paste`` speedup: masks pasted as booleans box by box equal torchvision's float paste thresholded, bit
-for bit (``paste_masks_in_image`` is the reference), for every dtype, empty and degenerate inputs, and whole models."""
+"""The ``binary_mask_paste`` speedup: masks pasted as booleans box by box equal torchvision's float paste
+thresholded, bit for bit (``paste_masks_in_image`` is the reference), for every dtype, empty and degenerate
+inputs, and whole models."""
 
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
+from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS
+from lit_amp_det.models.mask_paste import BinaryMaskTransform, paste_masks_binary, use_binary_mask_paste
 from torch import nn
 from torchvision.models.detection.roi_heads import paste_masks_in_image
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import clip_boxes_to_image
 
-from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS
-from lit_amp_det.models.mask_paste import BinaryMaskTransform, paste_masks_binary, use_binary_mask_paste
-
 from conftest import compose_config, smooth_activations
 
 
-def _detections(count: int, height: int, width: int, seed: int, dtype: torch.dtype = torch.float32,
-                mask_side: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask probabilities and boxes as torchvision's RoI heads hand them over: boxes clipped to the image (some
-    of them crossing its border before clipping, some of zero width or height)."""
+def _detections(
+    count: int, height: int, width: int, seed: int, dtype: torch.dtype = torch.float32, mask_side: int = 28
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask probabilities and boxes as torchvision's RoI heads hand them over: boxes clipped to the image
+    (some of them crossing its border before clipping, some of zero width or height)."""
     gen = torch.Generator().manual_seed(seed)
     masks = torch.rand(count, 1, mask_side, mask_side, generator=gen).to(dtype)
-    corner = torch.rand(count, 2, generator=gen) * torch.tensor([1.3 * width, 1.3 * height]) - 0.15 * torch.tensor(
-        [width, height])
+    corner = torch.rand(count, 2, generator=gen) * torch.tensor(
+        [1.3 * width, 1.3 * height]
+    ) - 0.15 * torch.tensor([width, height])
     size = torch.rand(count, 2, generator=gen) * torch.tensor([width, height])
     size[::4] = 0.0  # degenerate boxes
     boxes = clip_boxes_to_image(torch.cat([corner, corner + size], dim=1), (height, width))
@@ -45,18 +46,24 @@ def test_the_same_booleans_as_torchvision_s_paste_thresholded(dtype: torch.dtype
         pasted = paste_masks_binary(masks, boxes, (height, width), threshold)
         assert pasted.dtype == torch.bool and pasted.shape == (count, 1, height, width)
         assert torch.equal(pasted, expected), (seed, (pasted != expected).sum())
-        if height * width > 1000 and threshold >= 0:  # neither all False nor all True: the comparison has content
+        if (
+            height * width > 1000 and threshold >= 0
+        ):  # neither all False nor all True: the comparison has content
             assert 0 < int(pasted.sum()) < pasted.numel()
 
 
 def test_a_real_size_paste_and_other_mask_sides_and_paddings() -> None:
     masks, boxes = _detections(50, 800, 1216, seed=7)
-    assert torch.equal(paste_masks_binary(masks, boxes, (800, 1216), 0.5),
-                       paste_masks_in_image(masks, boxes, (800, 1216)) > 0.5)
+    assert torch.equal(
+        paste_masks_binary(masks, boxes, (800, 1216), 0.5),
+        paste_masks_in_image(masks, boxes, (800, 1216)) > 0.5,
+    )
     masks, boxes = _detections(6, 90, 70, seed=8, mask_side=14)
     for padding in (0, 1, 3):
-        assert torch.equal(paste_masks_binary(masks, boxes, (90, 70), 0.5, padding=padding),
-                           paste_masks_in_image(masks, boxes, (90, 70), padding=padding) > 0.5)
+        assert torch.equal(
+            paste_masks_binary(masks, boxes, (90, 70), 0.5, padding=padding),
+            paste_masks_in_image(masks, boxes, (90, 70), padding=padding) > 0.5,
+        )
 
 
 def test_no_detections_and_boxes_outside_the_image() -> None:
@@ -67,11 +74,15 @@ def test_no_detections_and_boxes_outside_the_image() -> None:
     outside = torch.tensor([[50.0, 5.0, 60.0, 9.0], [-30.0, -20.0, -10.0, -5.0]])
     pasted = paste_masks_binary(torch.ones(2, 1, 28, 28), outside, (30, 40), 0.5)
     assert not pasted.any()
-    assert paste_masks_binary(torch.ones(2, 1, 28, 28), outside, (30, 40), -0.5).all()  # 0 > -0.5, as the canvas
+    assert paste_masks_binary(
+        torch.ones(2, 1, 28, 28), outside, (30, 40), -0.5
+    ).all()  # 0 > -0.5, as the canvas
 
 
 def test_the_transform_is_torchvision_s_but_for_the_masks() -> None:
-    torchvision_transform = GeneralizedRCNNTransform(64, 96, [0.4, 0.5, 0.6], [0.2, 0.3, 0.25], size_divisible=16)
+    torchvision_transform = GeneralizedRCNNTransform(
+        64, 96, [0.4, 0.5, 0.6], [0.2, 0.3, 0.25], size_divisible=16
+    )
     torchvision_transform.eval()
     binary = BinaryMaskTransform(torchvision_transform, 0.5).eval()
     images = [torch.rand(3, 40, 60), torch.rand(3, 50, 30)]
@@ -79,11 +90,20 @@ def test_the_transform_is_torchvision_s_but_for_the_masks() -> None:
     again, _ = binary(images)
     assert torch.equal(batch.tensors, again.tensors) and batch.image_sizes == again.image_sizes
     masks, boxes = _detections(5, 64, 96, seed=3)
-    raw = [{"boxes": boxes.clone(), "masks": masks, "scores": torch.rand(5), "labels": torch.ones(5, dtype=torch.int64),
-            "keypoints": torch.rand(5, 3, 3) * 64}]
+    raw = [
+        {
+            "boxes": boxes.clone(),
+            "masks": masks,
+            "scores": torch.rand(5),
+            "labels": torch.ones(5, dtype=torch.int64),
+            "keypoints": torch.rand(5, 3, 3) * 64,
+        }
+    ]
     expected = torchvision_transform.postprocess([dict(raw[0])], [(64, 96)], [(40, 60)])[0]
     got = binary.postprocess([dict(raw[0])], [(64, 96)], [(40, 60)])[0]
-    assert torch.equal(got["boxes"], expected["boxes"]) and torch.equal(got["keypoints"], expected["keypoints"])
+    assert torch.equal(got["boxes"], expected["boxes"]) and torch.equal(
+        got["keypoints"], expected["keypoints"]
+    )
     assert torch.equal(got["masks"], expected["masks"] > 0.5)
     binary.train()
     untouched = [dict(raw[0])]
@@ -122,7 +142,8 @@ def test_a_model_predicts_the_same_masks_with_the_switch_on_and_off(tmp_path: Pa
 
 
 def test_nothing_is_switched_for_a_detector_without_masks_or_with_its_own_transform(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     faster = _module(tmp_path, "model.mask=false")
     assert type(faster.model.transform) is GeneralizedRCNNTransform
     detector = _module(tmp_path, "speedups.binary_mask_paste=null").model
@@ -147,9 +168,15 @@ def test_nothing_is_switched_for_a_detector_without_masks_or_with_its_own_transf
             return list(self.configured_speedups)
 
     with caplog.at_level(logging.INFO, logger="lit_amp_det.models.speedups"):
-        module = OptedIn(num_classes=4, **{k: v for k, v in instantiate(cfg.model, _partial_=True).keywords.items()
-                                           if k != "num_classes"})
+        module = OptedIn(
+            num_classes=4,
+            **{
+                k: v for k, v in instantiate(cfg.model, _partial_=True).keywords.items() if k != "num_classes"
+            },
+        )
         module.configure_model()
     assert type(module.model.transform) is OwnTransform
-    assert "speedups.binary_mask_paste: the detector has no mask head or not torchvision's transform (OwnTransform)" \
+    assert (
+        "speedups.binary_mask_paste: the detector has no mask head or not torchvision's transform (OwnTransform)"
         in caplog.text
+    )

@@ -1,31 +1,40 @@
-"""Mask targets of the whole batch in one RoIAlign call against torchvision's per-image ``project_masks_on_boxes``."""
+"""Mask targets of the whole batch in one RoIAlign call against torchvision's per-image
+``project_masks_on_boxes``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torchvision.models.detection.roi_heads as tv_roi_heads
-from torch import Tensor
-
 from lit_amp_det.models import mask_targets
 from lit_amp_det.models.ext_ops import ExtRoIHeads, use_extension_ops
-from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.mask_targets import maskrcnn_loss, project_masks_on_boxes
+from lit_amp_det.models.maskrcnn import build_detector
+from torch import Tensor
+
 from ops_inputs import needs_extension, random_boxes
 
 pytestmark = needs_extension
 
 
-def _image(masks: int, size: tuple[int, int], positives: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _image(
+    masks: int, size: tuple[int, int], positives: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Random blob masks, proposals reaching the image border, matched indices and labels of one image."""
     g = torch.Generator().manual_seed(seed)
     height, width = size
     gt = (torch.rand(masks, height, width, generator=g) > 0.6).to(torch.uint8)
     boxes = random_boxes(positives, image=size, min_size=2.0, max_size=max(size) * 0.9, generator=g)
-    boxes = torch.cat([torch.tensor([[0.0, 0.0, width, height]]), boxes])[:positives]  # one box is the whole image
+    boxes = torch.cat([torch.tensor([[0.0, 0.0, width, height]]), boxes])[
+        :positives
+    ]  # one box is the whole image
     boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)  # proposals are clipped to the image, as the RPN does
     boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
-    idxs = torch.randint(max(masks, 1), (positives,), generator=g) if masks else torch.zeros(0, dtype=torch.int64)
+    idxs = (
+        torch.randint(max(masks, 1), (positives,), generator=g)
+        if masks
+        else torch.zeros(0, dtype=torch.int64)
+    )
     labels = torch.randint(1, 5, (masks,), generator=g)
     return gt, boxes, idxs, labels
 
@@ -45,8 +54,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_targets_equal_torchvision_per_image(case: str) -> None:
     gt_masks, proposals, idxs, _ = _batch(*CASES[case])
-    expected = torch.cat([tv_roi_heads.project_masks_on_boxes(m, p, i, 28)
-                          for m, p, i in zip(gt_masks, proposals, idxs)])
+    expected = torch.cat(
+        [tv_roi_heads.project_masks_on_boxes(m, p, i, 28) for m, p, i in zip(gt_masks, proposals, idxs)]
+    )
     got = project_masks_on_boxes(gt_masks, proposals, idxs, 28)
     assert got.shape == expected.shape == (sum(p.shape[0] for p in proposals), 28, 28)
     assert got.dtype == torch.float32
@@ -67,7 +77,11 @@ def test_one_roi_align_call_per_distinct_mask_size(monkeypatch: pytest.MonkeyPat
     assert calls == [(6, 1, 96, 96)]  # the images with positives, 4 + 2 masks, one call
     calls.clear()
     project_masks_on_boxes(*_batch(*CASES["three sizes, interleaved"])[:3], 28)
-    assert sorted(calls) == [(1, 1, 50, 40), (2, 1, 64, 80), (3, 1, 96, 96)]  # the 96 px image without positives
+    assert sorted(calls) == [
+        (1, 1, 50, 40),
+        (2, 1, 64, 80),
+        (3, 1, 96, 96),
+    ]  # the 96 px image without positives
     # contributes neither a call nor masks
 
 
@@ -82,7 +96,9 @@ def test_no_positive_anywhere_gives_empty_targets_and_a_zero_loss_in_the_graph()
 
 def test_loss_and_gradient_equal_torchvision() -> None:
     gt_masks, proposals, idxs, labels = _batch(*CASES["three sizes, interleaved"])
-    logits = torch.randn(sum(p.shape[0] for p in proposals), 5, 28, 28, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(
+        sum(p.shape[0] for p in proposals), 5, 28, 28, generator=torch.Generator().manual_seed(3)
+    )
     ours, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     loss = maskrcnn_loss(ours, proposals, gt_masks, labels, idxs)
     expected = tv_roi_heads.maskrcnn_loss(theirs, proposals, gt_masks, labels, idxs)
@@ -93,28 +109,46 @@ def test_loss_and_gradient_equal_torchvision() -> None:
 
 
 def test_ext_heads_train_masks_with_batched_targets_and_the_switch_restores_torchvision(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A training step of the ext model calls the batched loss (not torchvision's) and gives torchvision's losses;
-    ``batched_mask_targets=False`` on the instance runs torchvision's own branch."""
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A training step of the ext model calls the batched loss (not torchvision's) and gives torchvision's
+    losses; ``batched_mask_targets=False`` on the instance runs torchvision's own branch."""
     torch.manual_seed(0)
-    model = use_extension_ops(build_detector(7, backbone={"name": "resnet10", "fpn_channels": 32},
-                                             transform={"min_size": 96, "max_size": 96},
-                                             roi_heads={"mask_head_layers": [16]}))
+    model = use_extension_ops(
+        build_detector(
+            7,
+            backbone={"name": "resnet10", "fpn_channels": 32},
+            transform={"min_size": 96, "max_size": 96},
+            roi_heads={"mask_head_layers": [16]},
+        )
+    )
     assert type(model.roi_heads) is ExtRoIHeads
     g = torch.Generator().manual_seed(0)
     images = [torch.rand(3, 96, 96, generator=g) for _ in range(2)]
     masks = torch.zeros(2, 96, 96, dtype=torch.uint8)
     masks[0, 10:60, 20:70] = 1
     masks[1, 40:90, 30:80] = 1
-    targets = [{"boxes": torch.tensor([[20.0, 10, 70, 60], [30, 40, 80, 90]]), "labels": torch.tensor([1, 4]),
-                "masks": masks}, {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
-                                  "masks": torch.zeros(0, 96, 96, dtype=torch.uint8)}]
+    targets = [
+        {
+            "boxes": torch.tensor([[20.0, 10, 70, 60], [30, 40, 80, 90]]),
+            "labels": torch.tensor([1, 4]),
+            "masks": masks,
+        },
+        {
+            "boxes": torch.zeros(0, 4),
+            "labels": torch.zeros(0, dtype=torch.int64),
+            "masks": torch.zeros(0, 96, 96, dtype=torch.uint8),
+        },
+    ]
     batched: list[int] = []
-    monkeypatch.setattr(mask_targets, "project_masks_on_boxes",
-                        lambda *a: batched.append(1) or project_masks_on_boxes(*a))
+    monkeypatch.setattr(
+        mask_targets, "project_masks_on_boxes", lambda *a: batched.append(1) or project_masks_on_boxes(*a)
+    )
     per_image: list[int] = []
     original = tv_roi_heads.project_masks_on_boxes
-    monkeypatch.setattr(tv_roi_heads, "project_masks_on_boxes", lambda *a: per_image.append(1) or original(*a))
+    monkeypatch.setattr(
+        tv_roi_heads, "project_masks_on_boxes", lambda *a: per_image.append(1) or original(*a)
+    )
     model.train()
 
     def losses() -> dict[str, Tensor]:

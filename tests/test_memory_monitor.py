@@ -16,12 +16,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Callback
-from torch.utils.data import DataLoader, Dataset, IterableDataset
-
+from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
 from lit_amp_det.callbacks.memory_savings import draw_batches
 from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader
-from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from conftest import SMOKE, CaptureLogger, compose_config
 
@@ -47,8 +46,9 @@ class Snapshot(Callback):
             "forward_contexts": getattr(trainer.precision_plugin, "contexts_entered", None),
         }
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.taken is None and not self.at_end:
             self._take(trainer, pl_module)
 
@@ -72,8 +72,9 @@ class CountForwardContexts(Callback):
         plugin.forward_context = counted
 
 
-def _fit(overrides: Sequence[str], tmp_path: Path, before: Sequence[Callback] = (),
-         after: Sequence[Callback] = ()) -> tuple[pl.Trainer, MemoryMonitor, CaptureLogger]:
+def _fit(
+    overrides: Sequence[str], tmp_path: Path, before: Sequence[Callback] = (), after: Sequence[Callback] = ()
+) -> tuple[pl.Trainer, MemoryMonitor, CaptureLogger]:
     """A smoke fit in this process, with callbacks placed ``before`` and ``after`` the monitor."""
     cfg = compose_config([*SHORT, "callbacks=memory_monitor", *overrides], tmp_path)
     datamodule = build_datamodule(cfg)
@@ -83,15 +84,16 @@ def _fit(overrides: Sequence[str], tmp_path: Path, before: Sequence[Callback] = 
     trainer.loggers = [logger]
     (monitor,) = [c for c in trainer.callbacks if isinstance(c, MemoryMonitor)]
     index = trainer.callbacks.index(monitor)
-    trainer.callbacks[index:index + 1] = [*before, monitor, *after]
+    trainer.callbacks[index : index + 1] = [*before, monitor, *after]
     trainer.fit(module, datamodule=datamodule)
     return trainer, monitor, logger
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> Any:
-    """One intra-op thread while these fits run: on a busy 2-core machine OpenMP threads waiting for each other
-    make each step 10-50x slower. Behaviour, not speed, is tested here; the setting is restored afterwards."""
+    """One intra-op thread while these fits run: on a busy 2-core machine OpenMP threads waiting for each
+    other make each step 10-50x slower. Behaviour, not speed, is tested here; the setting is restored
+    afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -121,15 +123,29 @@ def bf16_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[
     """One bf16-mixed smoke fit (one epoch of two steps) with the baseline comparison, shared below."""
     out = tmp_path_factory.mktemp("bf16")
     before, after, end = Snapshot(), Snapshot(), Snapshot(at_end=True)
-    overrides = ["trainer.max_epochs=1", "trainer.precision=bf16-mixed",
-                 "callbacks.memory_monitor.compare_baseline=true", "callbacks.memory_monitor.baseline_steps=1",
-                 "callbacks.memory_monitor.warmup_steps=1"]
+    overrides = [
+        "trainer.max_epochs=1",
+        "trainer.precision=bf16-mixed",
+        "callbacks.memory_monitor.compare_baseline=true",
+        "callbacks.memory_monitor.baseline_steps=1",
+        "callbacks.memory_monitor.warmup_steps=1",
+    ]
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
         mp.setenv("LIT_AMP_DET_CACHE", str(cache_dir))
-        trainer, monitor, logger = _fit(overrides, out, before=[CountForwardContexts(), before], after=[after, end])
-    return {"trainer": trainer, "monitor": monitor, "logger": logger, "out": out, "stdout": stdout.getvalue(),
-            "before": before.taken, "after": after.taken, "end": end.taken}
+        trainer, monitor, logger = _fit(
+            overrides, out, before=[CountForwardContexts(), before], after=[after, end]
+        )
+    return {
+        "trainer": trainer,
+        "monitor": monitor,
+        "logger": logger,
+        "out": out,
+        "stdout": stdout.getvalue(),
+        "before": before.taken,
+        "after": after.taken,
+        "end": end.taken,
+    }
 
 
 def test_bf16_savings_table_is_printed_written_and_logged(bf16_run: dict[str, Any]) -> None:
@@ -150,7 +166,9 @@ def test_bf16_savings_table_is_printed_written_and_logged(bf16_run: dict[str, An
     assert base["peak_vs_baseline"] == 1.0
     # fp32 keeps no weight copies; bf16 keeps a 2-byte copy of (at most) every trainable weight, and its
     # activations, the rest of what is saved, take less than the fp32 ones
-    params = sum(p.numel() for p in bf16_run["trainer"].lightning_module.model.parameters() if p.requires_grad)
+    params = sum(
+        p.numel() for p in bf16_run["trainer"].lightning_module.model.parameters() if p.requires_grad
+    )
     assert base["weight_casts_mb"] == 0 and 0 < bf16["weight_casts_mb"] <= 2 * params / 2**20
     assert bf16["saved_for_backward_mb"] - bf16["weight_casts_mb"] < base["saved_for_backward_mb"]
     assert data["training"]["steps"] == 2 and 100 < data["training"]["peak_mb"] < RAM_MB
@@ -160,7 +178,8 @@ def test_bf16_savings_table_is_printed_written_and_logged(bf16_run: dict[str, An
     assert logged["memory/current_peak_mb"] == pytest.approx(bf16["peak_mb"])
     assert logged["memory/bf16_mixed_saved_for_backward_mb"] == pytest.approx(bf16["saved_for_backward_mb"])
     assert logged["memory/saved_for_backward_ratio"] == pytest.approx(
-        bf16["saved_for_backward_mb"] / base["saved_for_backward_mb"], rel=1e-5)
+        bf16["saved_for_backward_mb"] / base["saved_for_backward_mb"], rel=1e-5
+    )
     assert logged["memory/step_time_ratio"] == pytest.approx(bf16["step_ms"] / base["step_ms"], rel=1e-5)
 
 
@@ -187,18 +206,25 @@ def test_conv_bn_eval_row_measures_copies_and_keeps_it_on_the_model(tmp_path: Pa
     from lit_amp_det.callbacks.conv_bn_eval import ConvBNEval
     from lit_amp_det.callbacks.freeze_norm import FreezeNorm
 
-    overrides = ["trainer.max_epochs=1", "trainer.precision=32-true", "trainer.max_steps=1",
-                 "callbacks.memory_monitor.compare_baseline=true", "callbacks.memory_monitor.baseline_steps=1",
-                 "callbacks.memory_monitor.warmup_steps=0"]
+    overrides = [
+        "trainer.max_epochs=1",
+        "trainer.precision=32-true",
+        "trainer.max_steps=1",
+        "callbacks.memory_monitor.compare_baseline=true",
+        "callbacks.memory_monitor.baseline_steps=1",
+        "callbacks.memory_monitor.warmup_steps=0",
+    ]
     seen: list[bool] = []
 
     class StillEnabled(Callback):
-        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                 batch_idx: int) -> None:
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        ) -> None:
             seen.append(conv_bn.conv_bn_eval_enabled(pl_module.model))
 
-    _, monitor, _ = _fit(overrides, tmp_path, before=[FreezeNorm(mode="norm_eval"), ConvBNEval()],
-                         after=[StillEnabled()])
+    _, monitor, _ = _fit(
+        overrides, tmp_path, before=[FreezeNorm(mode="norm_eval"), ConvBNEval()], after=[StillEnabled()]
+    )
     base, folded = monitor.rows
     assert (base.label, folded.label, folded.optimisations) == ("baseline", "conv-bn eval", ["conv-bn eval"])
     # folding keeps a weight-sized copy instead of each conv output: less is saved for backward
@@ -208,24 +234,35 @@ def test_conv_bn_eval_row_measures_copies_and_keeps_it_on_the_model(tmp_path: Pa
 
 
 def test_half_weights_rows_measure_an_fp32_baseline_from_the_masters(tmp_path: Path) -> None:
-    """``bf16-weights``: the baseline runs on a full-precision copy (the masters as weights), the bf16-weights row on
-    a copy of the converted model; the real model's bf16 weights and masters are left as they were."""
+    """``bf16-weights``: the baseline runs on a full-precision copy (the masters as weights), the bf16-weights
+    row on a copy of the converted model; the real model's bf16 weights and masters are left as they were."""
     from lit_amp_det.precision.master_weights import master_weights_of
 
-    overrides = ["trainer.max_epochs=1", "trainer.precision=bf16-weights", "trainer.max_steps=1",
-                 "callbacks.memory_monitor.compare_baseline=true", "callbacks.memory_monitor.baseline_steps=1",
-                 "callbacks.memory_monitor.warmup_steps=0"]
+    overrides = [
+        "trainer.max_epochs=1",
+        "trainer.precision=bf16-weights",
+        "trainer.max_steps=1",
+        "callbacks.memory_monitor.compare_baseline=true",
+        "callbacks.memory_monitor.baseline_steps=1",
+        "callbacks.memory_monitor.warmup_steps=0",
+    ]
     taken: list[dict[str, torch.Tensor]] = []
 
     class Parameters(Callback):  # the bf16 weights themselves (state_dict() holds the masters)
-        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                 batch_idx: int) -> None:
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        ) -> None:
             taken.append({n: p.detach().clone() for n, p in pl_module.model.named_parameters()})
 
     before, after = Snapshot(), Snapshot()
-    with pytest.warns(UserWarning, match="no native bf16") if not torch.ops.mkldnn._is_mkldnn_bf16_supported() \
-            else contextlib.nullcontext():
-        trainer, monitor, _ = _fit(overrides, tmp_path, before=[before, Parameters()], after=[after, Parameters()])
+    with (
+        pytest.warns(UserWarning, match="no native bf16")
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        else contextlib.nullcontext()
+    ):
+        trainer, monitor, _ = _fit(
+            overrides, tmp_path, before=[before, Parameters()], after=[after, Parameters()]
+        )
     base, half = monitor.rows
     assert (base.label, half.label, half.optimisations) == ("baseline", "bf16-weights", ["bf16-weights"])
     # bf16 activations are half the fp32 baseline's; no autocast weight casts in either (the weights are bf16)
@@ -288,14 +325,21 @@ def test_streaming_loaders_fall_back_to_the_first_real_batch() -> None:
         ({"compare_baseline": "yes"}, r"^compare_baseline='yes' must be true or false"),
     ],
 )
-def test_bad_arguments_fail_in_the_constructor_naming_the_argument(kwargs: dict[str, Any], message: str) -> None:
+def test_bad_arguments_fail_in_the_constructor_naming_the_argument(
+    kwargs: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         MemoryMonitor(**kwargs)
 
 
 def test_compare_baseline_needs_a_detector_module() -> None:
     trainer = SimpleNamespace(precision_plugin=SimpleNamespace(precision="32-true"))
-    with pytest.raises(ValueError, match=r"compare_baseline=True\) measures deep copies of `pl_module.model`.*"
-                                         r"compare_baseline=false"):
+    with pytest.raises(
+        ValueError,
+        match=r"compare_baseline=True\) measures deep copies of `pl_module.model`.*"
+        r"compare_baseline=false",
+    ):
         MemoryMonitor(compare_baseline=True).setup(trainer, pl.LightningModule(), "fit")
-    MemoryMonitor(compare_baseline=False).setup(trainer, pl.LightningModule(), "fit")  # plain monitoring is fine
+    MemoryMonitor(compare_baseline=False).setup(
+        trainer, pl.LightningModule(), "fit"
+    )  # plain monitoring is fine

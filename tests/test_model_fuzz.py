@@ -1,5 +1,5 @@
-"""Input fuzz test of the Mask R-CNN on both op sets: lit_amp_det's (the ``ext_ops`` speedup) and torchvision's
-(``speedups.ext_ops=null``).
+"""Input fuzz test of the Mask R-CNN on both op sets: lit_amp_det's (the ``ext_ops`` speedup) and
+torchvision's (``speedups.ext_ops=null``).
 
 Seeded random batches of what users feed a detector: images from 3 px to over 2000 px per side, aspect ratios
 up to 1:10 and 10:1, batches mixing them, 0 to 200 ground-truth boxes among which tiny, out-of-image and
@@ -14,9 +14,9 @@ import math
 
 import pytest
 import torch
-
 from lit_amp_det.models.ext_ops import ExtRoIHeads, use_extension_ops
 from lit_amp_det.models.maskrcnn import build_detector
+
 from ops_inputs import needs_extension
 
 pytestmark = needs_extension
@@ -25,10 +25,20 @@ MODEL = dict(
     num_classes=5,
     backbone={"name": "resnet10", "fpn_channels": 16},
     transform={"min_size": 128, "max_size": 160},
-    rpn={"anchor_sizes": [16, 32, 64, 128, 256], "pre_nms_top_n_test": 500, "post_nms_top_n_test": 200,
-         "pre_nms_top_n_train": 500, "post_nms_top_n_train": 200},
-    roi_heads={"box_head_width": 32, "mask_head_layers": [8], "score_thresh": 0.05, "detections_per_img": 40,
-               "batch_size_per_image": 64},
+    rpn={
+        "anchor_sizes": [16, 32, 64, 128, 256],
+        "pre_nms_top_n_test": 500,
+        "post_nms_top_n_test": 200,
+        "pre_nms_top_n_train": 500,
+        "post_nms_top_n_train": 200,
+    },
+    roi_heads={
+        "box_head_width": 32,
+        "mask_head_layers": [8],
+        "score_thresh": 0.05,
+        "detections_per_img": 40,
+        "batch_size_per_image": 64,
+    },
 )
 
 
@@ -67,8 +77,12 @@ def _targets(height: int, width: int, g: torch.Generator) -> dict[str, torch.Ten
         boxes[0] = torch.tensor([0.0, 0.0, width, height])  # the whole image
     masks = torch.zeros(count, height, width, dtype=torch.uint8)
     for i, (x1, y1, x2, y2) in enumerate(boxes.tolist()):
-        masks[i, max(0, int(y1)):max(0, math.ceil(y2)), max(0, int(x1)):max(0, math.ceil(x2))] = 1
-    return {"boxes": boxes, "labels": torch.randint(1, MODEL["num_classes"], (count,), generator=g), "masks": masks}
+        masks[i, max(0, int(y1)) : max(0, math.ceil(y2)), max(0, int(x1)) : max(0, math.ceil(x2))] = 1
+    return {
+        "boxes": boxes,
+        "labels": torch.randint(1, MODEL["num_classes"], (count,), generator=g),
+        "masks": masks,
+    }
 
 
 #: batches every run starts with: the extremes themselves, then random draws
@@ -129,8 +143,13 @@ def test_zero_area_ground_truth_is_refused_alike_by_both_op_sets():
     """torchvision refuses boxes of zero width or height in training; the ext model does not change that
     (the data modules drop or reject them first, see ``data.invalid_boxes``)."""
     image = [torch.rand(3, 64, 64)]
-    target = [{"boxes": torch.tensor([[10.0, 10, 10, 30]]), "labels": torch.tensor([1]),
-               "masks": torch.zeros(1, 64, 64, dtype=torch.uint8)}]
+    target = [
+        {
+            "boxes": torch.tensor([[10.0, 10, 10, 30]]),
+            "labels": torch.tensor([1]),
+            "masks": torch.zeros(1, 64, 64, dtype=torch.uint8),
+        }
+    ]
     for model in _models():
         with pytest.raises(AssertionError, match="positive height and width"):
             model.train()(image, target)
@@ -140,8 +159,13 @@ def test_zero_area_ground_truth_is_refused_alike_by_both_op_sets():
 def test_built_models_pool_at_the_backbone_strides_whatever_the_first_batch(ops):
     """A first batch of panoramas would make torchvision infer every level a power of two off (height ratio
     16 / 45 -> 1/2 for the stride-4 map); the models built here carry the strides instead."""
-    model = build_detector(**{**MODEL, "backbone": {**MODEL["backbone"], "returned_layers": [2, 3, 4]},
-                              "rpn": {**MODEL["rpn"], "anchor_sizes": [32, 64, 128, 256]}})
+    model = build_detector(
+        **{
+            **MODEL,
+            "backbone": {**MODEL["backbone"], "returned_layers": [2, 3, 4]},
+            "rpn": {**MODEL["rpn"], "anchor_sizes": [32, 64, 128, 256]},
+        }
+    )
     if ops == "ext":
         model = use_extension_ops(model)
     assert isinstance(model.roi_heads, ExtRoIHeads) == (ops == "ext")
@@ -151,4 +175,7 @@ def test_built_models_pool_at_the_backbone_strides_whatever_the_first_batch(ops)
     for pooler in (model.roi_heads.box_roi_pool, model.roi_heads.mask_roi_pool):
         assert pooler.scales == [1 / 8, 1 / 16, 1 / 32]
     if ops == "torchvision":
-        assert (model.roi_heads.box_roi_pool.map_levels.k_min, model.roi_heads.box_roi_pool.map_levels.k_max) == (3, 5)
+        assert (
+            model.roi_heads.box_roi_pool.map_levels.k_min,
+            model.roi_heads.box_roi_pool.map_levels.k_max,
+        ) == (3, 5)

@@ -11,25 +11,25 @@ from typing import ClassVar
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
-from torch import nn
-from torchvision.models.detection.roi_heads import RoIHeads
-from torchvision.models.detection.rpn import RegionProposalNetwork
-from torchvision.models.detection.transform import GeneralizedRCNNTransform
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads
 from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import ModelTransform
+from omegaconf import OmegaConf
+from torch import nn
+from torchvision.models.detection.roi_heads import RoIHeads
+from torchvision.models.detection.rpn import RegionProposalNetwork
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from conftest import CONFIG_ERRORS, compose_config
 from ops_inputs import needs_cuda
 
 
 def _tiny(tmp_path: Path, *overrides: str, configure: bool = True) -> MaskRCNNModule:
-    """The smoke model with 3 classes, its speedups applied as a Trainer applies them (``configure_model``)."""
+    """The smoke model with 3 classes, its speedups applied as a Trainer applies them (``configure_model``).
+    """
     cfg = compose_config(["experiment=smoke", *overrides], tmp_path)
     module = instantiate(cfg.model, num_classes=4, category_ids=[10, 20, 30])
     if configure:
@@ -52,14 +52,16 @@ def _batch(n: int = 2, size: int = 64) -> tuple[list[torch.Tensor], list[dict[st
         masks = torch.zeros(2, size, size, dtype=torch.uint8)
         masks[0, 5:30, 8:40] = 1
         masks[1, 30:60, 20:50] = 1
-        targets.append({
-            "boxes": torch.tensor([[8.0, 5.0, 40.0, 30.0], [20.0, 30.0, 50.0, 60.0]]),
-            "labels": torch.tensor([1, 3]),
-            "masks": masks,
-            "iscrowd": torch.tensor([0, 1]),
-            "area": torch.tensor([800.0, 900.0]),
-            "image_id": torch.tensor(i + 1),
-        })
+        targets.append(
+            {
+                "boxes": torch.tensor([[8.0, 5.0, 40.0, 30.0], [20.0, 30.0, 50.0, 60.0]]),
+                "labels": torch.tensor([1, 3]),
+                "masks": masks,
+                "iscrowd": torch.tensor([0, 1]),
+                "area": torch.tensor([800.0, 900.0]),
+                "image_id": torch.tensor(i + 1),
+            }
+        )
     return images, targets
 
 
@@ -92,7 +94,6 @@ def test_predictions_are_fp32_with_boolean_masks(tmp_path: Path, speedups: str) 
     assert sum(len(o["boxes"]) for o in outputs) > 0
 
 
-
 def test_predict_batches_reuse_one_category_lookup_on_the_device(tmp_path: Path) -> None:
     """The category ids travel to the device once, not with every predict batch; new ids make a new lookup."""
     module = _tiny(tmp_path, "model.roi_heads.score_thresh=0.0").eval()
@@ -104,9 +105,12 @@ def test_predict_batches_reuse_one_category_lookup_on_the_device(tmp_path: Path)
         assert module._category_lookup() is first and first.tolist() == [10, 20, 30]
     labels = torch.cat([o["labels"] for o in outputs])
     assert labels.numel() > 0
-    assert torch.equal(torch.cat([o["category_ids"] for o in outputs]), torch.tensor([10, 20, 30])[labels - 1])
+    assert torch.equal(
+        torch.cat([o["category_ids"] for o in outputs]), torch.tensor([10, 20, 30])[labels - 1]
+    )
     module.hparams.category_ids = [7, 8, 9]
     assert module._category_lookup().tolist() == [7, 8, 9]
+
 
 def test_validation_computes_coco_map(tmp_path: Path) -> None:
     module = _tiny(tmp_path).eval()
@@ -144,7 +148,13 @@ def test_subclass_override_points_are_used(tmp_path: Path) -> None:
     module.optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.1)
     module.train()
     module.training_step(_batch(), 0)
-    assert module.seen_keys == ["loss_box_reg", "loss_classifier", "loss_mask", "loss_objectness", "loss_rpn_box_reg"]
+    assert module.seen_keys == [
+        "loss_box_reg",
+        "loss_classifier",
+        "loss_mask",
+        "loss_objectness",
+        "loss_rpn_box_reg",
+    ]
 
 
 def test_weights_load_from_state_dict_and_lightning_checkpoint(tmp_path: Path) -> None:
@@ -159,7 +169,9 @@ def test_weights_load_from_state_dict_and_lightning_checkpoint(tmp_path: Path) -
             assert torch.equal(value, loaded.model.state_dict()[key]), key
 
 
-def test_another_class_count_fine_tunes_without_a_switch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_another_class_count_fine_tunes_without_a_switch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     source = _tiny(tmp_path)
     path = tmp_path / "model.pt"
     torch.save(source.model.state_dict(), path)
@@ -168,15 +180,21 @@ def test_another_class_count_fine_tunes_without_a_switch(tmp_path: Path, caplog:
         module = instantiate(cfg.model, num_classes=6)
     saved, loaded = source.model.state_dict(), module.model.state_dict()
     class_layers = sorted(k for k in loaded if loaded[k].shape != saved[k].shape)
-    assert class_layers == ["roi_heads.box_predictor.bbox_pred.bias", "roi_heads.box_predictor.bbox_pred.weight",
-                            "roi_heads.box_predictor.cls_score.bias", "roi_heads.box_predictor.cls_score.weight",
-                            "roi_heads.mask_predictor.mask_fcn_logits.bias",
-                            "roi_heads.mask_predictor.mask_fcn_logits.weight"]
+    assert class_layers == [
+        "roi_heads.box_predictor.bbox_pred.bias",
+        "roi_heads.box_predictor.bbox_pred.weight",
+        "roi_heads.box_predictor.cls_score.bias",
+        "roi_heads.box_predictor.cls_score.weight",
+        "roi_heads.mask_predictor.mask_fcn_logits.bias",
+        "roi_heads.mask_predictor.mask_fcn_logits.weight",
+    ]
     for key, value in loaded.items():  # everything else comes from the file
         if key not in class_layers:
             assert torch.equal(value, saved[key]), key
-    assert "made for another class count; 6 class-dependent predictor tensors keep their fresh initialisation" \
+    assert (
+        "made for another class count; 6 class-dependent predictor tensors keep their fresh initialisation"
         in caplog.text
+    )
 
 
 def test_unsafe_or_missing_checkpoints_are_refused(tmp_path: Path) -> None:
@@ -188,36 +206,72 @@ def test_unsafe_or_missing_checkpoints_are_refused(tmp_path: Path) -> None:
         _tiny(tmp_path, f"model.weights={tmp_path / 'nope.pt'}")
 
 
-# ------------------------------------------------------------------------------------------ constructor settings
+# ------------------------------------------------------------------------------------------ constructor
+# settings
 def test_the_constructor_takes_at_most_twelve_arguments() -> None:
     params = [p for p in inspect.signature(MaskRCNNModule.__init__).parameters.values() if p.name != "self"]
     assert len(params) <= 12, [p.name for p in params]
-    assert [p.name for p in params] == ["num_classes", "class_names", "category_ids", "mask", "backbone", "transform",
-                                        "rpn", "roi_heads", "weights", "optim", "evaluation", "speedups"]
+    assert [p.name for p in params] == [
+        "num_classes",
+        "class_names",
+        "category_ids",
+        "mask",
+        "backbone",
+        "transform",
+        "rpn",
+        "roi_heads",
+        "weights",
+        "optim",
+        "evaluation",
+        "speedups",
+    ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[1:])
 
 
 _CHANNELS_LAST = "lit_amp_det.models.speedups.ChannelsLast"
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"optim": {"optimizer": {"lr": 0.1}}}, r"^optim\.optimizer=\{'lr': 0\.1\} needs a _target_"),
-    ({"optim": {"optimizer": {"_target_": None}}}, r"^optim\.optimizer=\{'_target_': None\} needs a _target_"),
-    ({"optim": {"scheduler": {"warmup_steps": 3}}}, r"^optim\.scheduler=\{'warmup_steps': 3\} needs a _target_"),
-    ({"optim": {"reference_batch": 0}}, r"^optim\.reference_batch=0 must be a positive integer"),
-    ({"optim": {"optimiser": {"_target_": "torch.optim.SGD"}}}, r"^optim=.* has unknown keys \['optimiser'\]"),
-    ({"evaluation": {"mask_threshold": 1.0}}, r"^evaluation\.mask_threshold=1\.0 must be a probability in \[0, 1\)"),
-    ({"evaluation": {"mask_threshold": True}}, r"^evaluation\.mask_threshold=True must be a probability"),
-    ({"evaluation": {"threshold": 0.5}}, r"^evaluation=\{'threshold': 0\.5\} has unknown keys \['threshold'\]"),
-    ({"evaluation": {"backend": "cocoapi"}}, r"^evaluation\.backend='cocoapi' is unknown"),
-    ({"speedups": {"channels_last": {"_target_": _CHANNELS_LAST, "devices": ["tpu"]}}},
-     r"^speedups\.channels_last\.devices=\['tpu'\] must list device types among \['cpu', 'cuda'\]"),
-    ({"speedups": {"ext_ops": True}}, r"^speedups\.ext_ops=True must be a _target_ mapping"),
-    ({"speedups": {"mine": {"_target_": "torch.nn.Identity"}}},
-     r"^speedups\.mine\._target_='torch\.nn\.Identity' made a Identity, not a lit_amp_det\.models\.speedups"),
-])
-def test_settings_errors_name_the_setting_before_any_work(monkeypatch: pytest.MonkeyPatch, settings: dict,
-                                                          message: str) -> None:
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"optim": {"optimizer": {"lr": 0.1}}}, r"^optim\.optimizer=\{'lr': 0\.1\} needs a _target_"),
+        (
+            {"optim": {"optimizer": {"_target_": None}}},
+            r"^optim\.optimizer=\{'_target_': None\} needs a _target_",
+        ),
+        (
+            {"optim": {"scheduler": {"warmup_steps": 3}}},
+            r"^optim\.scheduler=\{'warmup_steps': 3\} needs a _target_",
+        ),
+        ({"optim": {"reference_batch": 0}}, r"^optim\.reference_batch=0 must be a positive integer"),
+        (
+            {"optim": {"optimiser": {"_target_": "torch.optim.SGD"}}},
+            r"^optim=.* has unknown keys \['optimiser'\]",
+        ),
+        (
+            {"evaluation": {"mask_threshold": 1.0}},
+            r"^evaluation\.mask_threshold=1\.0 must be a probability in \[0, 1\)",
+        ),
+        ({"evaluation": {"mask_threshold": True}}, r"^evaluation\.mask_threshold=True must be a probability"),
+        (
+            {"evaluation": {"threshold": 0.5}},
+            r"^evaluation=\{'threshold': 0\.5\} has unknown keys \['threshold'\]",
+        ),
+        ({"evaluation": {"backend": "cocoapi"}}, r"^evaluation\.backend='cocoapi' is unknown"),
+        (
+            {"speedups": {"channels_last": {"_target_": _CHANNELS_LAST, "devices": ["tpu"]}}},
+            r"^speedups\.channels_last\.devices=\['tpu'\] must list device types among \['cpu', 'cuda'\]",
+        ),
+        ({"speedups": {"ext_ops": True}}, r"^speedups\.ext_ops=True must be a _target_ mapping"),
+        (
+            {"speedups": {"mine": {"_target_": "torch.nn.Identity"}}},
+            r"^speedups\.mine\._target_='torch\.nn\.Identity' made a Identity, not a lit_amp_det\.models\.speedups",
+        ),
+    ],
+)
+def test_settings_errors_name_the_setting_before_any_work(
+    monkeypatch: pytest.MonkeyPatch, settings: dict, message: str
+) -> None:
     def build_model(self: MaskRCNNModule) -> nn.Module:
         raise AssertionError("the model was built before the settings were checked")
 
@@ -231,7 +285,10 @@ def test_settings_missing_keys_take_the_defaults(tmp_path: Path) -> None:
     assert module.optim_settings.optimizer["_target_"] == "torch.optim.SGD"
     assert module.optim_settings.scheduler["_target_"] == "lit_amp_det.optim.warmup_schedule"
     assert module.optim_settings.reference_batch == 8
-    assert (module.evaluation_settings.mask_threshold, module.evaluation_settings.backend) == (0.5, "pycocotools")
+    assert (module.evaluation_settings.mask_threshold, module.evaluation_settings.backend) == (
+        0.5,
+        "pycocotools",
+    )
     assert module.hparams.optim == {"reference_batch": 8}  # saved as given: plain data
 
 
@@ -249,8 +306,14 @@ class _OwnModel(MaskRCNNModule):
 
     def build_model(self) -> nn.Module:
         hp = self.hparams
-        return build_detector(hp.num_classes, mask=hp.mask, backbone=hp.backbone, transform=hp.transform, rpn=hp.rpn,
-                              roi_heads=hp.roi_heads)
+        return build_detector(
+            hp.num_classes,
+            mask=hp.mask,
+            backbone=hp.backbone,
+            transform=hp.transform,
+            rpn=hp.rpn,
+            roi_heads=hp.roi_heads,
+        )
 
 
 class _OwnModelWithSpeedups(_OwnModel):
@@ -258,14 +321,20 @@ class _OwnModelWithSpeedups(_OwnModel):
         return self.configured_speedups
 
 
-@pytest.mark.parametrize(("cls", "expected", "applied"), [
-    (_OwnModel, _TORCHVISION, []),
-    (_OwnModelWithSpeedups, _SPEEDED, ["ext_ops", "binary_mask_paste"]),
-])
-def test_a_subclass_that_builds_its_model_opts_in_to_speedups(tmp_path: Path, cls: type, expected: dict,
-                                                              applied: list[str]) -> None:
-    cfg = compose_config(["experiment=smoke", f"model._target_={__name__}.{cls.__name__}",
-                          "model.roi_heads.score_thresh=0.0"], tmp_path)
+@pytest.mark.parametrize(
+    ("cls", "expected", "applied"),
+    [
+        (_OwnModel, _TORCHVISION, []),
+        (_OwnModelWithSpeedups, _SPEEDED, ["ext_ops", "binary_mask_paste"]),
+    ],
+)
+def test_a_subclass_that_builds_its_model_opts_in_to_speedups(
+    tmp_path: Path, cls: type, expected: dict, applied: list[str]
+) -> None:
+    cfg = compose_config(
+        ["experiment=smoke", f"model._target_={__name__}.{cls.__name__}", "model.roi_heads.score_thresh=0.0"],
+        tmp_path,
+    )
     module = instantiate(cfg.model, num_classes=4)
     built = module.model
     assert module.applied_speedups is None  # nothing applied before configure_model
@@ -291,7 +360,9 @@ class _Counting(ModelTransform):
 
 def test_configure_model_applies_the_speedups_once(tmp_path: Path) -> None:
     _Counting.calls.clear()
-    cfg = compose_config(["experiment=smoke", f"+speedups.counting={{_target_:{__name__}._Counting}}"], tmp_path)
+    cfg = compose_config(
+        ["experiment=smoke", f"+speedups.counting={{_target_:{__name__}._Counting}}"], tmp_path
+    )
     module = instantiate(cfg.model, num_classes=4)
     assert _parts(module.model) == _TORCHVISION and not _Counting.calls  # built as torchvision builds it
     module.configure_model()
@@ -302,16 +373,30 @@ def test_configure_model_applies_the_speedups_once(tmp_path: Path) -> None:
     assert module.applied_speedups == ["ext_ops", "binary_mask_paste", "counting"]
 
 
-@pytest.mark.parametrize(("speedups", "override", "expected", "applied"), [
-    ({}, [], _TORCHVISION, []),
-    (None, ["speedups=none"], _TORCHVISION, []),
-    (None, [], _SPEEDED, ["ext_ops", "binary_mask_paste"]),  # conf/speedups/default.yaml
-    ("python default", [], _SPEEDED, ["ext_ops", "binary_mask_paste"]),  # speedups=None in Python
-    (None, ["speedups.ext_ops=null"], {**_TORCHVISION, "transform": BinaryMaskTransform}, ["binary_mask_paste"]),
-    (None, ["speedups.binary_mask_paste=null"], {**_SPEEDED, "transform": GeneralizedRCNNTransform}, ["ext_ops"]),
-])
-def test_speedups_choose_the_implementation(tmp_path: Path, speedups: object, override: list[str], expected: dict,
-                                            applied: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("speedups", "override", "expected", "applied"),
+    [
+        ({}, [], _TORCHVISION, []),
+        (None, ["speedups=none"], _TORCHVISION, []),
+        (None, [], _SPEEDED, ["ext_ops", "binary_mask_paste"]),  # conf/speedups/default.yaml
+        ("python default", [], _SPEEDED, ["ext_ops", "binary_mask_paste"]),  # speedups=None in Python
+        (
+            None,
+            ["speedups.ext_ops=null"],
+            {**_TORCHVISION, "transform": BinaryMaskTransform},
+            ["binary_mask_paste"],
+        ),
+        (
+            None,
+            ["speedups.binary_mask_paste=null"],
+            {**_SPEEDED, "transform": GeneralizedRCNNTransform},
+            ["ext_ops"],
+        ),
+    ],
+)
+def test_speedups_choose_the_implementation(
+    tmp_path: Path, speedups: object, override: list[str], expected: dict, applied: list[str]
+) -> None:
     if speedups is None:
         module = instantiate(compose_config(["experiment=smoke", *override], tmp_path).model, num_classes=4)
     else:
@@ -322,8 +407,9 @@ def test_speedups_choose_the_implementation(tmp_path: Path, speedups: object, ov
 
 
 @pytest.mark.parametrize(("devices", "applied"), [(["cuda"], False), (["cpu"], True), (None, True)])
-def test_a_speedup_applies_only_on_its_devices(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                              devices: list[str] | None, applied: bool) -> None:
+def test_a_speedup_applies_only_on_its_devices(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, devices: list[str] | None, applied: bool
+) -> None:
     entry = {"_target_": _CHANNELS_LAST, **({} if devices is None else {"devices": devices})}
     module = _smoke_module(tmp_path, speedups={"channels_last": entry})
     assert module.device.type == "cpu"
@@ -335,12 +421,13 @@ def test_a_speedup_applies_only_on_its_devices(tmp_path: Path, caplog: pytest.Lo
     assert ("speedups.channels_last is for cuda: not applied on cpu" in caplog.text) == (not applied)
 
 
-_ON_DEVICE = {"cpu": ["ext_ops", "binary_mask_paste"],
-              "gpu": ["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"]}  # conf/speedups/gpu.yaml
+_ON_DEVICE = {
+    "cpu": ["ext_ops", "binary_mask_paste"],
+    "gpu": ["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"],
+}  # conf/speedups/gpu.yaml
 
 
-@pytest.mark.parametrize("accelerator", [
-    "cpu", pytest.param("gpu", marks=needs_cuda)])
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=needs_cuda)])
 def test_a_trainer_applies_the_speedups_of_its_device(tmp_path: Path, accelerator: str) -> None:
     """Lightning calls ``configure_model`` before it moves the module: the Trainer's device decides, not the
     module's (still on the CPU then)."""
@@ -348,8 +435,14 @@ def test_a_trainer_applies_the_speedups_of_its_device(tmp_path: Path, accelerato
 
     module = _tiny(tmp_path, "speedups=gpu", "model.roi_heads.score_thresh=0.0", configure=False)
     batches = torch.utils.data.DataLoader([_batch()], batch_size=None)
-    trainer = Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator=accelerator,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     predictions = [p for batch in trainer.predict(module, dataloaders=batches) for p in batch]
     assert module.applied_speedups == _ON_DEVICE[accelerator]
     weight = module.model.backbone.body.layer1[0].conv1.weight

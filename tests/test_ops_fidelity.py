@@ -1,6 +1,6 @@
-"""Drop-in fidelity of the ops on the inputs users meet: elongated batches, fx tracing, TorchScript, integer and
-infinite boxes, empty inputs, RoIs that address no image, half-precision level mapping, threshold rounding,
-``max_output`` at word boundaries, score dtypes, NaN scores and arbitrary class ids.
+"""Drop-in fidelity of the ops on the inputs users meet: elongated batches, fx tracing, TorchScript, integer
+and infinite boxes, empty inputs, RoIs that address no image, half-precision level mapping, threshold
+rounding, ``max_output`` at word boundaries, score dtypes, NaN scores and arbitrary class ids.
 
 Cases follow torchvision's ``test/test_ops.py`` (``TestNMS``, ``TestBoxIou``, ``TestRoIAlign``,
 ``TestMultiScaleRoIAlign``) where it has them, compared against torchvision itself.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import warnings
 
+import lit_amp_det.ops as ops
 import pytest
 import torch
 import torchvision
-
-import lit_amp_det.ops as ops
 from lit_amp_det.ops import reference
+
 from ops_inputs import distinct_scores, needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension
@@ -73,15 +73,17 @@ def test_levels_of_different_dtypes_are_pooled_in_the_first_levels_dtype():
     boxes = [random_boxes(10, image=(128, 128))]
     ours = ops.MultiScaleRoIAlign(["0", "1"], 3, 2)(x, boxes, [(128, 128)])
     # torchvision's CPU kernel wants rois of the level's dtype, so it is given the levels already cast
-    theirs = torchvision.ops.MultiScaleRoIAlign(["0", "1"], 3, 2)({k: v.float() for k, v in x.items()}, boxes,
-                                                                   [(128, 128)])
+    theirs = torchvision.ops.MultiScaleRoIAlign(["0", "1"], 3, 2)(
+        {k: v.float() for k, v in x.items()}, boxes, [(128, 128)]
+    )
     assert ours.dtype == theirs.dtype == torch.float32
     torch.testing.assert_close(ours, theirs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_level_mapping_of_half_boxes_upcasts_before_the_area(dtype):
-    """fp16 areas overflow beyond 256 x 256 px (300 x 300 went to the top level); torchvision upcasts first."""
+    """fp16 areas overflow beyond 256 x 256 px (300 x 300 went to the top level); torchvision upcasts first.
+    """
     edges = [300.0, 1000.0, 223.0, 224.0, 225.0, 447.0, 448.0, 449.0, 111.0, 112.0, 113.0]
     boxes = torch.tensor([[0.0, 0.0, e, e] for e in edges]).to(dtype)
     x = _fpn([(256, 256), (128, 128), (64, 64), (32, 32)])
@@ -129,7 +131,9 @@ def test_fx_feature_extraction_of_a_model_on_the_extension_ops():
 
 def _script(fn):
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning
+        )
         return torch.jit.script(fn)
 
 
@@ -137,14 +141,20 @@ def test_functional_ops_and_roi_align_module_script_like_torchvision():
     boxes, scores = random_boxes(200, clusters=10), distinct_scores(200)
     idxs = torch.randint(3, (200,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_script(ops.nms)(boxes, scores, 0.5, 20), ops.nms(boxes, scores, 0.5, 20))
-    assert torch.equal(_script(ops.batched_nms)(boxes, scores, idxs, 0.5, -1), ops.batched_nms(boxes, scores, idxs, 0.5))
+    assert torch.equal(
+        _script(ops.batched_nms)(boxes, scores, idxs, 0.5, -1), ops.batched_nms(boxes, scores, idxs, 0.5)
+    )
     assert torch.equal(_script(ops.box_iou)(boxes[:5], boxes), ops.box_iou(boxes[:5], boxes))
     x = torch.randn(2, 4, 16, 16)
     rois = random_rois(7, 2, (64, 64))
     per_image = [rois[:3, 1:], rois[3:, 1:]]
     scripted = _script(ops.roi_align)
-    torch.testing.assert_close(scripted(x, rois, (3, 2), 0.25, 2, True), ops.roi_align(x, rois, (3, 2), 0.25, 2, True))
-    torch.testing.assert_close(scripted(x, per_image, 3, 0.25, -1, False), ops.roi_align(x, per_image, 3, 0.25))
+    torch.testing.assert_close(
+        scripted(x, rois, (3, 2), 0.25, 2, True), ops.roi_align(x, rois, (3, 2), 0.25, 2, True)
+    )
+    torch.testing.assert_close(
+        scripted(x, per_image, 3, 0.25, -1, False), ops.roi_align(x, per_image, 3, 0.25)
+    )
     module = ops.RoIAlign(3, 0.25, 2)
     torch.testing.assert_close(_script(module)(x, rois), module(x, rois))
 
@@ -157,7 +167,9 @@ def test_scripting_multi_scale_roi_align_says_what_to_use_instead():
 # --- box_iou ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])  # uint8 wraps around in torchvision
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.int16]
+)  # uint8 wraps around in torchvision
 def test_box_iou_accepts_integer_boxes_as_torchvision(dtype):
     a = torch.tensor([[0, 0, 100, 100], [0, 0, 50, 50], [200, 100, 230, 130]], dtype=dtype)
     b = torch.tensor([[0, 0, 100, 100], [0, 0, 25, 25], [10, 10, 20, 20], [40, 40, 90, 95]], dtype=dtype)
@@ -175,13 +187,16 @@ def test_box_iou_mixed_integer_and_float_boxes():
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_box_iou_of_infinite_or_nan_coordinates_is_zero_not_nan(dtype):
     inf, nan = math.inf, math.nan
-    a = torch.tensor([[0, 0, inf, inf], [-inf, -inf, inf, inf], [0, 0, 10, 10], [nan, 0, 10, 10]], dtype=dtype)
+    a = torch.tensor(
+        [[0, 0, inf, inf], [-inf, -inf, inf, inf], [0, 0, 10, 10], [nan, 0, 10, 10]], dtype=dtype
+    )
     for iou in (ops.box_iou(a, a), reference.box_iou(a, a)):
         assert not iou.isnan().any()
         assert iou[2, 2] == 1 and iou[0, 2] == 0 and iou[0, 0] == 0
 
 
-# --- NMS ------------------------------------------------------------------------------------------------------
+# --- NMS
+# ------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -189,8 +204,11 @@ def test_nms_threshold_compared_as_torchvision_rounds_it(dtype):
     """IoU([0,0,10,1], [0,0,1,1]) = 0.1: fp32 0.1 is above the double 0.1, so torchvision suppresses."""
     boxes = torch.tensor([[0, 0, 10, 1], [0, 0, 1, 1]], dtype=dtype)
     scores = torch.tensor([0.9, 0.8], dtype=dtype)
-    expected = torchvision.ops.nms(boxes.to(torch.float64 if dtype == torch.float64 else torch.float32),
-                                   scores.float().to(torch.float64 if dtype == torch.float64 else torch.float32), 0.1)
+    expected = torchvision.ops.nms(
+        boxes.to(torch.float64 if dtype == torch.float64 else torch.float32),
+        scores.float().to(torch.float64 if dtype == torch.float64 else torch.float32),
+        0.1,
+    )
     assert ops.nms(boxes, scores, 0.1).tolist() == expected.tolist()
     assert reference.nms(boxes, scores, 0.1).tolist() == expected.tolist()
     if dtype != torch.float64:
@@ -200,7 +218,10 @@ def test_nms_threshold_compared_as_torchvision_rounds_it(dtype):
 @pytest.mark.parametrize("max_output", [63, 64, 65])
 def test_nms_max_output_at_word_boundaries(max_output):
     """200 boxes in a grid (none overlaps another) plus a suppressed copy of every third one."""
-    grid = torch.stack(torch.meshgrid(torch.arange(20.0), torch.arange(10.0), indexing="ij"), -1).reshape(-1, 2) * 20
+    grid = (
+        torch.stack(torch.meshgrid(torch.arange(20.0), torch.arange(10.0), indexing="ij"), -1).reshape(-1, 2)
+        * 20
+    )
     boxes = torch.cat([grid, grid + 10], dim=1)
     copies = boxes[::3] + 0.5
     all_boxes = torch.cat([boxes, copies])
@@ -209,8 +230,9 @@ def test_nms_max_output_at_word_boundaries(max_output):
     assert full.numel() == 200
     for k in (max_output, max_output - 1, max_output + 1):
         assert torch.equal(ops.nms(all_boxes, scores, 0.5, k), full[:k])
-        assert torch.equal(ops.batched_nms(all_boxes, scores, torch.zeros(len(scores), dtype=torch.int64), 0.5, k),
-                           full[:k])
+        assert torch.equal(
+            ops.batched_nms(all_boxes, scores, torch.zeros(len(scores), dtype=torch.int64), 0.5, k), full[:k]
+        )
 
 
 @pytest.mark.parametrize("box_dtype", FLOATS)
@@ -256,8 +278,10 @@ def test_nms_and_batched_nms_on_empty_inputs_as_torchvision(max_output):
         (torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.int32)),
     ):
         assert torchvision.ops.batched_nms(empty_boxes, scores.float(), idxs, 0.5).shape == (0,)
-        for result in (ops.batched_nms(empty_boxes, scores, idxs, 0.5, max_output),
-                       ops.nms(empty_boxes, scores, 0.5, max_output)):
+        for result in (
+            ops.batched_nms(empty_boxes, scores, idxs, 0.5, max_output),
+            ops.nms(empty_boxes, scores, 0.5, max_output),
+        ):
             assert result.shape == (0,) and result.dtype == torch.int64
 
 
@@ -286,7 +310,9 @@ def test_multi_level_rois_with_an_out_of_range_level_or_batch_index_pool_to_zero
     levels = torch.tensor([0, 1, 0, 2])
     out = ops.multi_level_roi_align(features, rois, levels, [0.5, 0.25], 3, 2)
     assert out[2:].abs().sum() == 0 and out[:2].abs().sum() > 0
-    torch.testing.assert_close(reference.multi_level_roi_align(features, rois, levels, [0.5, 0.25], 3, 2), out)
+    torch.testing.assert_close(
+        reference.multi_level_roi_align(features, rois, levels, [0.5, 0.25], 3, 2), out
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -296,8 +322,10 @@ def test_gradients_follow_the_input_layout(layout, dtype):
     rois = random_rois(12, 2, (64, 80))
     ops.roi_align(x, rois, 3, 0.25, 2).sum().backward()
     assert x.grad.is_contiguous(memory_format=layout) and x.grad.dtype == dtype
-    features = [f.contiguous(memory_format=layout).requires_grad_()
-                for f in (torch.randn(2, 8, 16, 20, dtype=dtype), torch.randn(2, 8, 8, 10, dtype=dtype))]
+    features = [
+        f.contiguous(memory_format=layout).requires_grad_()
+        for f in (torch.randn(2, 8, 16, 20, dtype=dtype), torch.randn(2, 8, 8, 10, dtype=dtype))
+    ]
     levels = torch.randint(2, (12,), generator=torch.Generator().manual_seed(0))
     ops.multi_level_roi_align(features, rois, levels, [0.25, 0.125], 3, 2).sum().backward()
     for f in features:

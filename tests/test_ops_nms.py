@@ -1,13 +1,14 @@
-"""NMS, batched NMS and box IoU: parity with torchvision and the pure-PyTorch reference, edge cases, compile."""
+"""NMS, batched NMS and box IoU: parity with torchvision and the pure-PyTorch reference, edge cases, compile.
+"""
 
 from __future__ import annotations
 
+import lit_amp_det.ops as ops
 import pytest
 import torch
 import torchvision
-
-import lit_amp_det.ops as ops
 from lit_amp_det.ops import reference
+
 from ops_inputs import DEVICES, distinct_scores, needs_extension, random_boxes
 
 pytestmark = needs_extension
@@ -21,7 +22,8 @@ def _iou_precision(boxes):
 
 
 def _tv_nms(boxes, scores, threshold):
-    """torchvision's CPU NMS on the same values in the same IoU precision: the results (and tie order) we match."""
+    """torchvision's CPU NMS on the same values in the same IoU precision: the results (and tie order) we
+    match."""
     boxes = _iou_precision(boxes)
     return torchvision.ops.nms(boxes, scores.cpu().to(boxes.dtype), threshold)
 
@@ -64,14 +66,18 @@ def test_nms_tied_scores_keep_the_lower_index_first(device):
     boxes = random_boxes(500).to(device)
     scores = torch.randint(0, 5, (500,)).float().to(device)  # heavy ties
     assert torch.equal(ops.nms(boxes, scores, 0.3).cpu(), torchvision.ops.nms(boxes.cpu(), scores.cpu(), 0.3))
-    assert torch.equal(reference.nms(boxes, scores, 0.3).cpu(), torchvision.ops.nms(boxes.cpu(), scores.cpu(), 0.3))
+    assert torch.equal(
+        reference.nms(boxes, scores, 0.3).cpu(), torchvision.ops.nms(boxes.cpu(), scores.cpu(), 0.3)
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nms_iou_exactly_at_the_threshold_does_not_suppress(device, dtype):
     # IoU([0,0,2,1], [0,0,1,1]) = 1/2 exactly, and IoU([0,0,4,1], [0,0,3,1]) = 3/4 exactly
-    boxes = torch.tensor([[0, 0, 2, 1], [0, 0, 1, 1], [10, 0, 14, 1], [10, 0, 13, 1]], dtype=dtype, device=device)
+    boxes = torch.tensor(
+        [[0, 0, 2, 1], [0, 0, 1, 1], [10, 0, 14, 1], [10, 0, 13, 1]], dtype=dtype, device=device
+    )
     scores = torch.tensor([0.9, 0.8, 0.7, 0.6], device=device)
     for threshold, kept in ((0.5, [0, 1, 2]), (0.75, [0, 1, 2, 3]), (0.4999, [0, 2]), (0.7499, [0, 1, 2])):
         assert ops.nms(boxes, scores, threshold).tolist() == kept, threshold
@@ -81,8 +87,16 @@ def test_nms_iou_exactly_at_the_threshold_does_not_suppress(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_nms_degenerate_boxes(device):
     boxes = torch.tensor(
-        [[5, 5, 5, 5], [5, 5, 5, 5], [-50, -50, -10, -10], [-50, -50, -10, -12], [3, 3, 1, 1], [0, 0, 10, 10]],
-        dtype=torch.float32, device=device,
+        [
+            [5, 5, 5, 5],
+            [5, 5, 5, 5],
+            [-50, -50, -10, -10],
+            [-50, -50, -10, -12],
+            [3, 3, 1, 1],
+            [0, 0, 10, 10],
+        ],
+        dtype=torch.float32,
+        device=device,
     )
     scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4], device=device)
     # zero-area boxes never suppress (IoU 0, not NaN); boxes outside the image behave like any other;
@@ -95,8 +109,11 @@ def test_nms_degenerate_boxes(device):
 def test_nms_empty_input(device):
     boxes = torch.empty(0, 4, device=device)
     scores = torch.empty(0, device=device)
-    for result in (ops.nms(boxes, scores, 0.5), ops.nms(boxes, scores, 0.5, 10),
-                   ops.batched_nms(boxes, scores, torch.empty(0, dtype=torch.int64, device=device), 0.5)):
+    for result in (
+        ops.nms(boxes, scores, 0.5),
+        ops.nms(boxes, scores, 0.5, 10),
+        ops.batched_nms(boxes, scores, torch.empty(0, dtype=torch.int64, device=device), 0.5),
+    ):
         assert result.shape == (0,) and result.dtype == torch.int64
 
 
@@ -119,7 +136,9 @@ def test_batched_nms_matches_torchvision(device, dtype, classes):
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_nms_rpn_levels(device):
     """The RPN's call: 5 FPN levels of 2000 candidates, NMS per level, 2000 kept overall."""
-    boxes = torch.cat([random_boxes(2000, clusters=100, generator=torch.Generator().manual_seed(i)) for i in range(5)])
+    boxes = torch.cat(
+        [random_boxes(2000, clusters=100, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    )
     scores = distinct_scores(10000).to(device)
     levels = torch.arange(5).repeat_interleave(2000).to(device)
     boxes = boxes.to(device)
@@ -138,12 +157,14 @@ def test_batched_nms_padded_is_batched_nms_of_the_valid_boxes(device, dtype, max
     members = torch.nonzero(valid).flatten()
     limit = 3000 if max_output < 0 else min(3000, max_output)
     expected = members[ops.batched_nms(boxes[members], scores[members], idxs[members], 0.6, limit)]
-    for keep, count in (ops.batched_nms_padded(boxes, scores, idxs, 0.6, max_output, valid=valid),
-                        reference.batched_nms_padded(boxes, scores, idxs, 0.6, max_output, valid)):
+    for keep, count in (
+        ops.batched_nms_padded(boxes, scores, idxs, 0.6, max_output, valid=valid),
+        reference.batched_nms_padded(boxes, scores, idxs, 0.6, max_output, valid),
+    ):
         assert keep.shape == (limit,) and keep.dtype == count.dtype == torch.int64 and count.shape == ()
         assert keep.device == count.device == boxes.device
         assert int(count) == expected.shape[0] and torch.equal(keep[: int(count)], expected)
-        assert (keep[int(count):] == -1).all()
+        assert (keep[int(count) :] == -1).all()
     keep, count = ops.batched_nms_padded(boxes, scores, idxs, 0.6, max_output)  # no mask: every box
     assert torch.equal(keep[: int(count)], ops.batched_nms(boxes, scores, idxs, 0.6, limit))
 
@@ -154,8 +175,14 @@ def test_batched_nms_padded_empty_and_all_invalid(device):
     keep, count = ops.batched_nms_padded(none, none[:, 0], none[:, 0].long(), 0.5, 10)
     assert keep.shape == (0,) and int(count) == 0
     boxes, scores = random_boxes(20).to(device), distinct_scores(20).to(device)
-    keep, count = ops.batched_nms_padded(boxes, scores, torch.zeros(20, dtype=torch.int64, device=device), 0.5, 8,
-                                         valid=torch.zeros(20, dtype=torch.bool, device=device))
+    keep, count = ops.batched_nms_padded(
+        boxes,
+        scores,
+        torch.zeros(20, dtype=torch.int64, device=device),
+        0.5,
+        8,
+        valid=torch.zeros(20, dtype=torch.bool, device=device),
+    )
     assert keep.tolist() == [-1] * 8 and int(count) == 0
 
 
@@ -210,8 +237,9 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.lit_amp_det.batched_nms.default, (boxes, scores, idxs, 0.5, -1))
     torch.library.opcheck(torch.ops.lit_amp_det.box_iou.default, (boxes[:10], boxes))
     for valid in (None, scores > 0.5):
-        torch.library.opcheck(torch.ops.lit_amp_det.batched_nms_padded.default,
-                              (boxes, scores, idxs, valid, 0.5, 40, 300))
+        torch.library.opcheck(
+            torch.ops.lit_amp_det.batched_nms_padded.default, (boxes, scores, idxs, valid, 0.5, 40, 300)
+        )
 
 
 def test_compile_fullgraph():

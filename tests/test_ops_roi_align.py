@@ -3,13 +3,13 @@ mixed precision, channels_last, gradients, opcheck and compile."""
 
 from __future__ import annotations
 
+import lit_amp_det.ops as ops
 import pytest
 import torch
 import torchvision
+from lit_amp_det.ops import reference
 from torch import Tensor
 
-import lit_amp_det.ops as ops
-from lit_amp_det.ops import reference
 from ops_inputs import DEVICES, assert_as_close_as_theirs, needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension
@@ -30,7 +30,8 @@ def _working_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _torchvision(x: Tensor, rois: Tensor, *args) -> Tensor:
-    """torchvision on the exact values we were given, in our working precision: the reference to compare with."""
+    """torchvision on the exact values we were given, in our working precision: the reference to compare with.
+    """
     dtype = _working_dtype(x.dtype)
     return torchvision.ops.roi_align(x.to(dtype).contiguous(), rois.to(dtype), *args).double()
 
@@ -53,7 +54,9 @@ def test_roi_align_forward_matches_torchvision(device, dtype, layout, aligned, s
     got = ops.roi_align(x, rois, *args)
     assert got.dtype == dtype and got.shape == (300, 256, 7, 7)
     assert got.is_contiguous(memory_format=layout)
-    assert_as_close_as_theirs(got, _torchvision(x, rois, *args), _truth(x, rois, *args), atol=TOLERANCE[dtype])
+    assert_as_close_as_theirs(
+        got, _torchvision(x, rois, *args), _truth(x, rois, *args), atol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -62,8 +65,12 @@ def test_reference_matches_torchvision(dtype):
     rois = random_rois(50, 2, (320, 480))
     for aligned in (False, True):
         args = ((5, 4), 0.125, -1, aligned)
-        torch.testing.assert_close(reference.roi_align(x, rois, *args).double(), _torchvision(x, rois, *args),
-                                   rtol=0, atol=TOLERANCE[dtype])
+        torch.testing.assert_close(
+            reference.roi_align(x, rois, *args).double(),
+            _torchvision(x, rois, *args),
+            rtol=0,
+            atol=TOLERANCE[dtype],
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,8 +79,9 @@ def test_rois_of_any_float_dtype(device, rois_dtype):
     x = _features((1, 8, 32, 32), torch.bfloat16, torch.contiguous_format, device)
     rois = torch.tensor([[0, 2.0, 3.0, 20.0, 30.0], [0, 0.5, 0.5, 8.0, 4.0]], device=device)
     got = ops.roi_align(x, rois.to(rois_dtype), 7, 0.5, 2)
-    torch.testing.assert_close(got.double(), _torchvision(x, rois.to(rois_dtype), 7, 0.5, 2),
-                               rtol=0, atol=TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(
+        got.double(), _torchvision(x, rois.to(rois_dtype), 7, 0.5, 2), rtol=0, atol=TOLERANCE[torch.bfloat16]
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,10 +91,14 @@ def test_autocast_half_features_with_fp32_rois(device):
     x = _features((2, 8, 32, 32), torch.float32, torch.contiguous_format, device)
     rois = random_rois(20, 2, (128, 128)).to(device)
     with torch.autocast(device, dtype=half):
-        features = torch.nn.functional.conv2d(x, torch.eye(8, device=device)[:, :, None, None])  # autocast -> half
+        features = torch.nn.functional.conv2d(
+            x, torch.eye(8, device=device)[:, :, None, None]
+        )  # autocast -> half
         got = ops.roi_align(features, rois, 7, 0.25, 2)
     assert features.dtype == half and got.dtype == half
-    torch.testing.assert_close(got.double(), _torchvision(features, rois, 7, 0.25, 2), rtol=0, atol=TOLERANCE[half])
+    torch.testing.assert_close(
+        got.double(), _torchvision(features, rois, 7, 0.25, 2), rtol=0, atol=TOLERANCE[half]
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -101,12 +113,21 @@ def test_boxes_as_a_list_per_image(device):
 def test_degenerate_and_empty_rois(device):
     x = _features((1, 3, 16, 16), torch.float32, torch.contiguous_format, device)
     rois = torch.tensor(
-        [[0, 5, 5, 5, 5], [0, -40, -40, -20, -20], [0, 30, 30, 60, 60], [0, 10, 10, 2, 2], [0, -3, -3, 40, 40]],
-        dtype=torch.float32, device=device,
+        [
+            [0, 5, 5, 5, 5],
+            [0, -40, -40, -20, -20],
+            [0, 30, 30, 60, 60],
+            [0, 10, 10, 2, 2],
+            [0, -3, -3, 40, 40],
+        ],
+        dtype=torch.float32,
+        device=device,
     )
     for aligned in (False, True):
-        torch.testing.assert_close(ops.roi_align(x, rois, 4, 1.0, -1, aligned),
-                                   torchvision.ops.roi_align(x, rois, 4, 1.0, -1, aligned))
+        torch.testing.assert_close(
+            ops.roi_align(x, rois, 4, 1.0, -1, aligned),
+            torchvision.ops.roi_align(x, rois, 4, 1.0, -1, aligned),
+        )
     empty = ops.roi_align(x.requires_grad_(), rois[:0], (2, 3))
     assert empty.shape == (0, 3, 2, 3)
     empty.sum().backward()
@@ -135,12 +156,15 @@ def test_roi_align_backward_matches_torchvision(device, dtype, layout):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("channels", [1, 17, 67])
 def test_half_channels_last_at_odd_channel_counts(dtype, channels):
-    """The wide (AVX-512 / AVX2) channel loops of half-precision channels_last features, remainders included."""
+    """The wide (AVX-512 / AVX2) channel loops of half-precision channels_last features, remainders included.
+    """
     x = _features((2, channels, 40, 60), dtype, torch.channels_last).requires_grad_()
     rois = random_rois(50, 2, (320, 480))
     grad_out = torch.randn(50, channels, 7, 7, generator=torch.Generator().manual_seed(3)).to(dtype)
     got = ops.roi_align(x, rois, 7, 0.125, 2)
-    torch.testing.assert_close(got.double(), _torchvision(x, rois, (7, 7), 0.125, 2), rtol=0, atol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        got.double(), _torchvision(x, rois, (7, 7), 0.125, 2), rtol=0, atol=TOLERANCE[dtype]
+    )
     got.backward(grad_out)
     x32 = x.detach().float().requires_grad_()
     torchvision.ops.roi_align(x32, rois, 7, 0.125, 2).backward(grad_out.float())
@@ -154,13 +178,17 @@ def test_half_channels_last_at_odd_channel_counts(dtype, channels):
 def test_roi_align_gradcheck(layout, aligned, sampling_ratio, seed):
     x = _features((2, 3, 10, 12), torch.float64, layout, seed=seed).requires_grad_()
     rois = random_rois(6, 2, (40, 48), generator=torch.Generator().manual_seed(seed)).double()
-    assert torch.autograd.gradcheck(lambda t: ops.roi_align(t, rois, (3, 2), 0.25, sampling_ratio, aligned), (x,))
+    assert torch.autograd.gradcheck(
+        lambda t: ops.roi_align(t, rois, (3, 2), 0.25, sampling_ratio, aligned), (x,)
+    )
 
 
 def _levels_input(dtype, layout, device="cpu", channels=256):
     """Four FPN levels of a 2-image 800 x 1216 batch (strides 4..32) and 512 RoIs spread over them."""
     sizes = [(200, 304), (100, 152), (50, 76), (25, 38)]
-    features = [_features((2, channels, h, w), dtype, layout, device, seed=i) for i, (h, w) in enumerate(sizes)]
+    features = [
+        _features((2, channels, h, w), dtype, layout, device, seed=i) for i, (h, w) in enumerate(sizes)
+    ]
     rois = random_rois(512, 2, (800, 1216)).to(device)
     levels = torch.randint(4, (512,), generator=torch.Generator().manual_seed(4)).to(device)
     return features, rois, levels, [0.25, 0.125, 0.0625, 0.03125]
@@ -174,8 +202,9 @@ def test_multi_level_matches_a_per_level_loop(device, dtype, layout):
     got = ops.multi_level_roi_align(features, rois, levels, scales, 7, 2)
     assert got.dtype == dtype and got.is_contiguous(memory_format=layout)
     expected = reference.multi_level_roi_align([f.float() for f in features], rois, levels, scales, 7, 2)
-    truth = reference.multi_level_roi_align([f.double().cpu() for f in features], rois.double().cpu(), levels.cpu(),
-                                            scales, 7, 2)
+    truth = reference.multi_level_roi_align(
+        [f.double().cpu() for f in features], rois.double().cpu(), levels.cpu(), scales, 7, 2
+    )
     assert_as_close_as_theirs(got, expected, truth, atol=TOLERANCE[dtype])
 
 
@@ -193,8 +222,12 @@ def _fpn_input(device, dtype=torch.float32, layout=torch.contiguous_format):
     features, _, _, _ = _levels_input(dtype, layout, device, channels=64)
     x = {str(i): f.requires_grad_() for i, f in enumerate(features)}
     x["pool"] = torch.randn(2, 64, 13, 19, device=device, dtype=dtype)  # not pooled: not in featmap_names
-    boxes = [random_boxes(300, image=(800, 1216), max_size=700, generator=torch.Generator().manual_seed(i)).to(device)
-             for i in range(2)]
+    boxes = [
+        random_boxes(300, image=(800, 1216), max_size=700, generator=torch.Generator().manual_seed(i)).to(
+            device
+        )
+        for i in range(2)
+    ]
     return x, boxes, [(800, 1216), (760, 1100)]
 
 
@@ -246,7 +279,8 @@ def test_opcheck(layout):
     features = [x, _features((2, 4, 6, 6), torch.float32, layout).requires_grad_()]
     levels = torch.tensor([0, 1, 1, 0, 1])
     torch.library.opcheck(
-        torch.ops.lit_amp_det.multi_level_roi_align.default, (features, rois, levels, [0.25, 0.125], 3, 3, 2, True)
+        torch.ops.lit_amp_det.multi_level_roi_align.default,
+        (features, rois, levels, [0.25, 0.125], 3, 3, 2, True),
     )
 
 

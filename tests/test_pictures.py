@@ -1,12 +1,12 @@
-"""Pictures: detections drawn by ``predict``, ground truth beside predictions at each validation, training curves."""
+"""Pictures: detections drawn by ``predict``, ground truth beside predictions at each validation, training
+curves."""
 
 from __future__ import annotations
-
-import shutil
 
 import csv
 import json
 import math
+import shutil
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,18 +16,29 @@ import pycocotools.mask as mask_utils
 import pytest
 import torch
 from lightning.pytorch import Callback
-from PIL import Image
-
 from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer, predict
 from lit_amp_det.callbacks import CocoPredictionWriter, TrainingCurves, ValidationImages
-from lit_amp_det.callbacks.drawing import (PALETTE, DrawingWarning, class_names_of, draw_detections,
-                                           draw_ground_truth, side_by_side)
+from lit_amp_det.callbacks.drawing import (
+    PALETTE,
+    DrawingWarning,
+    class_names_of,
+    draw_detections,
+    draw_ground_truth,
+    side_by_side,
+)
+from PIL import Image
 
 from conftest import CONFIG_ERRORS, SMOKE, compose_config
 
 #: one epoch of 2 steps and one validation batch (4 images at the smoke size, 64 px)
-TINY_FIT = [*SMOKE, "trainer.max_epochs=1", "trainer.check_val_every_n_epoch=1", "+trainer.limit_train_batches=2",
-            "+trainer.limit_val_batches=1", "callbacks.validation_images.score_threshold=0.0"]
+TINY_FIT = [
+    *SMOKE,
+    "trainer.max_epochs=1",
+    "trainer.check_val_every_n_epoch=1",
+    "+trainer.limit_train_batches=2",
+    "+trainer.limit_val_batches=1",
+    "callbacks.validation_images.score_threshold=0.0",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -57,8 +68,12 @@ def _gray(h: int = 40, w: int = 60) -> torch.Tensor:
 def test_soft_masks_are_cut_at_one_half_and_boxes_drawn_where_detected():
     probabilities = torch.full((1, 1, 64, 64), 0.3)
     probabilities[0, 0, 30:55, 10:40] = 0.7  # the instance; 0.3 elsewhere is background
-    det = {"boxes": torch.tensor([[5.0, 10.0, 55.0, 58.0]]), "labels": torch.tensor([2]),
-           "scores": torch.tensor([0.9]), "masks": probabilities}
+    det = {
+        "boxes": torch.tensor([[5.0, 10.0, 55.0, 58.0]]),
+        "labels": torch.tensor([2]),
+        "scores": torch.tensor([0.9]),
+        "masks": probabilities,
+    }
     out = draw_detections(_gray(64, 64), det, ["a", "b"])
     assert out.dtype == torch.uint8 and out.shape == (3, 64, 64)
     changed = (out != 128).any(0)
@@ -69,7 +84,11 @@ def test_soft_masks_are_cut_at_one_half_and_boxes_drawn_where_detected():
 
 
 def test_score_threshold_hides_weak_detections_and_boxes_only_detections_draw_no_mask():
-    det = {"boxes": torch.tensor([[5.0, 5.0, 55.0, 35.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.3])}
+    det = {
+        "boxes": torch.tensor([[5.0, 5.0, 55.0, 35.0]]),
+        "labels": torch.tensor([1]),
+        "scores": torch.tensor([0.3]),
+    }
     wide = torch.full((3, 40, 200), 0.5)
     hidden = draw_detections(wide, det, score_threshold=0.5)  # no box, and a note saying why
     assert (hidden[:, 16:] == 128).all() and (hidden[:, :14, :3] == 255).all()  # the note's white patch
@@ -83,8 +102,12 @@ def test_overlapping_masks_show_the_most_confident_instance_not_black():
     masks = torch.zeros(2, 64, 64, dtype=torch.bool)
     masks[0, 30:50, 10:30] = True
     masks[1, 30:50, 20:40] = True  # columns 20..29 are in both
-    det = {"boxes": torch.tensor([[10.0, 30.0, 30.0, 50.0], [20.0, 30.0, 40.0, 50.0]]),
-           "labels": torch.tensor([1, 2]), "scores": torch.tensor([0.6, 0.9]), "masks": masks}
+    det = {
+        "boxes": torch.tensor([[10.0, 30.0, 30.0, 50.0], [20.0, 30.0, 40.0, 50.0]]),
+        "labels": torch.tensor([1, 2]),
+        "scores": torch.tensor([0.6, 0.9]),
+        "masks": masks,
+    }
     out = draw_detections(_gray(64, 64), det)
     overlap, only_first, only_second = out[:, 45, 25], out[:, 45, 12], out[:, 45, 35]
     assert torch.equal(overlap, only_second) and not torch.equal(overlap, only_first)  # 0.9 beats 0.6
@@ -93,18 +116,23 @@ def test_overlapping_masks_show_the_most_confident_instance_not_black():
 def _many_detections(n: int, h: int, w: int, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     corner = torch.rand(n, 2, generator=gen) * torch.tensor([w * 0.8, h * 0.8])
-    boxes = torch.cat([corner, corner + torch.rand(n, 2, generator=gen) * torch.tensor([w * 0.5, h * 0.5]) + 2], 1)
+    boxes = torch.cat(
+        [corner, corner + torch.rand(n, 2, generator=gen) * torch.tensor([w * 0.5, h * 0.5]) + 2], 1
+    )
     masks = torch.rand(n, h, w, generator=gen) > 0.6
-    return {"boxes": boxes, "labels": torch.randint(1, 14, (n,), generator=gen),
-            "scores": torch.rand(n, generator=gen), "masks": masks}
+    return {
+        "boxes": boxes,
+        "labels": torch.randint(1, 14, (n,), generator=gen),
+        "scores": torch.rand(n, generator=gen),
+        "masks": masks,
+    }
 
 
 def test_masks_drawn_one_per_colour_make_torchvision_s_picture_of_them_all():
     """The disjoint (first-owner) masks merged per colour draw exactly what one torchvision call per detection
     would: 13 classes share tab10's 10 colours, and the masks overlap."""
-    from torchvision.utils import draw_segmentation_masks
-
     from lit_amp_det.callbacks.drawing import _first_owner
+    from torchvision.utils import draw_segmentation_masks
 
     image = torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     det = _many_detections(30, 48, 64)
@@ -112,7 +140,10 @@ def test_masks_drawn_one_per_colour_make_torchvision_s_picture_of_them_all():
     owned = _first_owner(det["masks"][order])
     colors = [PALETTE[(int(k) - 1) % len(PALETTE)] for k in det["labels"][order]]
     expected = draw_segmentation_masks(image, owned, alpha=0.5, colors=colors)
-    off_image = {**det, "boxes": torch.zeros(30, 4) - 10}  # boxes outside: only their captions reach the picture
+    off_image = {
+        **det,
+        "boxes": torch.zeros(30, 4) - 10,
+    }  # boxes outside: only their captions reach the picture
     drawn = draw_detections(image, off_image)
     assert torch.equal(drawn[:, 16:], expected[:, 16:])  # below the captions' row
 
@@ -122,7 +153,9 @@ def test_large_images_are_drawn_shrunk_to_max_side():
     nearest pixel and its boxes scaled: nothing full-size is drawn."""
     from torchvision.transforms.v2.functional import resize
 
-    image = torch.randint(0, 256, (3, 300, 400), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    image = torch.randint(
+        0, 256, (3, 300, 400), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)
+    )
     det = _many_detections(6, 300, 400, seed=3)
     picture = draw_detections(image, det, max_side=200)
     assert picture.shape == (3, 150, 200)
@@ -140,7 +173,9 @@ def test_the_writer_encodes_each_mask_as_pycocotools_encodes_the_stack(tmp_path)
     expected = [{"size": r["size"], "counts": r["counts"].decode("ascii")} for r in mask_utils.encode(stack)]
     records = CocoPredictionWriter(tmp_path, score_threshold=0.3)._image_records(det)
     assert len(records) == int(keep.sum()) > 2 and [r["segmentation"] for r in records] == expected
-    soft = CocoPredictionWriter(tmp_path, score_threshold=0.3)._image_records({**det, "masks": det["masks"][:, None]})
+    soft = CocoPredictionWriter(tmp_path, score_threshold=0.3)._image_records(
+        {**det, "masks": det["masks"][:, None]}
+    )
     assert [r["segmentation"] for r in soft] == expected  # [N, 1, H, W] as torchvision's output has them
     with pytest.raises(ValueError, match=r"max_side=-1 must be an integer >= 0"):
         CocoPredictionWriter(tmp_path, max_side=-1)
@@ -149,15 +184,23 @@ def test_the_writer_encodes_each_mask_as_pycocotools_encodes_the_stack(tmp_path)
 
 
 def test_a_mask_count_other_than_the_box_count_fails():
-    det = {"boxes": torch.tensor([[1.0, 1.0, 5.0, 5.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([1.0])}
+    det = {
+        "boxes": torch.tensor([[1.0, 1.0, 5.0, 5.0]]),
+        "labels": torch.tensor([1]),
+        "scores": torch.tensor([1.0]),
+    }
     with pytest.raises(ValueError, match="2 masks for 1 boxes"):
         draw_ground_truth(_gray(), {**det, "masks": torch.zeros(2, 40, 60, dtype=torch.uint8)})
 
 
 def test_small_images_are_enlarged_by_whole_pixels():
     image = torch.randint(0, 256, (3, 20, 30), dtype=torch.uint8)
-    det = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "scores": torch.zeros(0),
-           "masks": torch.zeros(0, 20, 30, dtype=torch.bool)}
+    det = {
+        "boxes": torch.zeros(0, 4),
+        "labels": torch.zeros(0, dtype=torch.long),
+        "scores": torch.zeros(0),
+        "masks": torch.zeros(0, 20, 30, dtype=torch.bool),
+    }
     enlarged = draw_detections(image, det, min_side=64)  # ceil(64 / 20) = 4; no detection: a note at the top
     assert enlarged.shape == (3, 80, 120) and torch.equal(enlarged[:, 20:], _enlarged(image, 4)[:, 20:])
     assert draw_detections(image, det).shape == image.shape
@@ -167,15 +210,23 @@ def test_ground_truth_draws_uint8_masks_and_names():
     image = torch.zeros(3, 40, 40, dtype=torch.uint8)
     masks = torch.zeros(1, 40, 40, dtype=torch.uint8)
     masks[0, 15:38, 5:25] = 1
-    target = {"boxes": torch.tensor([[5.0, 15.0, 25.0, 38.0]]), "labels": torch.tensor([3]), "masks": masks,
-              "iscrowd": torch.tensor([0])}
+    target = {
+        "boxes": torch.tensor([[5.0, 15.0, 25.0, 38.0]]),
+        "labels": torch.tensor([3]),
+        "masks": masks,
+        "iscrowd": torch.tensor([0]),
+    }
     changed = (draw_ground_truth(image, target, ["x", "y", "z"]) != 0).any(0)
     assert changed[30:37, 7:23].all() and not changed[:14].any() and not changed[:, 27:].any()
 
 
 def test_masks_of_another_size_fail_with_both_shapes():
-    det = {"boxes": torch.tensor([[1.0, 1.0, 5.0, 5.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([1.0]),
-           "masks": torch.ones(1, 1, 20, 20)}
+    det = {
+        "boxes": torch.tensor([[1.0, 1.0, 5.0, 5.0]]),
+        "labels": torch.tensor([1]),
+        "scores": torch.tensor([1.0]),
+        "masks": torch.ones(1, 1, 20, 20),
+    }
     with pytest.raises(ValueError, match=r"masks have shape \(1, 1, 20, 20\); expected \[N, 40, 60\]"):
         draw_detections(_gray(), det)
 
@@ -200,8 +251,16 @@ def _writer_batch(n: int, ids: list[int]) -> tuple[tuple, list[dict]]:
     images = [torch.rand(3, 16, 16) for _ in range(n)]
     masks = torch.zeros(1, 16, 16, dtype=torch.bool)
     masks[0, 4:12, 4:12] = True
-    dets = [{"image_id": i, "boxes": torch.tensor([[4.0, 4.0, 12.0, 12.0]]), "scores": torch.tensor([0.8]),
-             "labels": torch.tensor([1]), "masks": masks} for i in ids]
+    dets = [
+        {
+            "image_id": i,
+            "boxes": torch.tensor([[4.0, 4.0, 12.0, 12.0]]),
+            "scores": torch.tensor([0.8]),
+            "labels": torch.tensor([1]),
+            "masks": masks,
+        }
+        for i in ids
+    ]
     return (images, [{} for _ in range(n)]), dets
 
 
@@ -229,19 +288,30 @@ def test_writer_warns_about_a_picture_it_cannot_draw_and_keeps_the_records(tmp_p
     writer.on_predict_start(SimpleNamespace(is_global_zero=True), None)
     batch, dets = _writer_batch(2, [1, 2])
     batch[0][0] = torch.rand(3, 8, 8)  # not the size the masks have
-    with pytest.warns(DrawingWarning, match=r"no picture .*1\.png: ValueError: masks have shape \(1, 16, 16\)"):
+    with pytest.warns(
+        DrawingWarning, match=r"no picture .*1\.png: ValueError: masks have shape \(1, 16, 16\)"
+    ):
         writer.write_on_batch_end(None, None, dets, None, batch, 0, 0)
     assert len(writer._records) == 2 and [p.name for p in (tmp_path / "predictions").iterdir()] == ["2.png"]
 
 
 def test_writer_rejects_a_negative_image_count(tmp_path):
-    with pytest.raises(ValueError, match=r"callbacks.prediction_writer.num_images=-1 must be an integer >= 0"):
+    with pytest.raises(
+        ValueError, match=r"callbacks.prediction_writer.num_images=-1 must be an integer >= 0"
+    ):
         CocoPredictionWriter(tmp_path, num_images=-1)
 
 
 def test_predict_draws_the_json_detections_onto_the_dataset_images(tmp_path):
-    cfg = compose_config([*SMOKE, "command=predict", "callbacks.prediction_writer.num_images=3",
-                          "callbacks.prediction_writer.image_score_threshold=null"], tmp_path)  # draw all the JSON has
+    cfg = compose_config(
+        [
+            *SMOKE,
+            "command=predict",
+            "callbacks.prediction_writer.num_images=3",
+            "callbacks.prediction_writer.image_score_threshold=null",
+        ],
+        tmp_path,
+    )  # draw all the JSON has
     predict(cfg)
     dataset = build_datamodule(cfg).dataset("val")
     records = json.loads((tmp_path / "predictions.json").read_text())
@@ -253,8 +323,11 @@ def test_predict_draws_the_json_detections_onto_the_dataset_images(tmp_path):
         drawn = _png(tmp_path / "predictions" / f"{image_id}.png")
         k = math.ceil(256 / image.shape[-1])
         assert drawn.shape == (3, image.shape[-2] * k, image.shape[-1] * k)
-        masks = [mask_utils.decode({"size": r["segmentation"]["size"], "counts": r["segmentation"]["counts"]})
-                 for r in records if r["image_id"] == image_id]
+        masks = [
+            mask_utils.decode({"size": r["segmentation"]["size"], "counts": r["segmentation"]["counts"]})
+            for r in records
+            if r["image_id"] == image_id
+        ]
         assert masks, f"image {image_id}: no detection above the threshold to draw"
         under = _enlarged(torch.from_numpy(np.any(masks, axis=0)), k)
         assert under.sum() > 0
@@ -292,9 +365,15 @@ def test_fit_with_the_csv_logger_writes_validation_pngs_and_training_curves(tmp_
 
     curves = _only(trainer, TrainingCurves)
     assert _png(tmp_path / "training_curves.png").shape[0] == 3
-    logged = [float(row["train/loss"]) for row in csv.DictReader((tmp_path / "logs" / "metrics.csv").open())
-              if row.get("train/loss")]
-    assert [step for step, _ in curves.history["train/loss"]] == [1, 2]  # log_every_n_steps=1 in the smoke run
+    logged = [
+        float(row["train/loss"])
+        for row in csv.DictReader((tmp_path / "logs" / "metrics.csv").open())
+        if row.get("train/loss")
+    ]
+    assert [step for step, _ in curves.history["train/loss"]] == [
+        1,
+        2,
+    ]  # log_every_n_steps=1 in the smoke run
     assert [value for _, value in curves.history["train/loss"]] == pytest.approx(logged, rel=1e-6)
     assert {"train/lr", "train/loss_mask", "val/segm_mAP", "val/bbox_mAP_50"} <= curves.history.keys()
     assert [step for step, _ in curves.history["val/segm_mAP"]] == [2] and curves.epoch_ends == [2]
@@ -302,8 +381,9 @@ def test_fit_with_the_csv_logger_writes_validation_pngs_and_training_curves(tmp_
 
 
 def test_validate_after_fit_draws_too(tmp_path):
-    """``train()`` scores the final weights with ``trainer.validate`` when the last epoch did not validate, and the
-    ``validate`` command runs only that: both draw their pictures (the sanity check still draws none)."""
+    """``train()`` scores the final weights with ``trainer.validate`` when the last epoch did not validate,
+    and the ``validate`` command runs only that: both draw their pictures (the sanity check still draws none).
+    """
     trainer, datamodule = _fit(tmp_path, "callbacks.validation_images.num_images=2")
     shutil.rmtree(tmp_path / "val_images")
     (tmp_path / "training_curves.png").unlink()
@@ -359,11 +439,20 @@ def _saved(state: dict, tmp_path: Path) -> Path:
     return tmp_path / "state.pt"
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("callbacks.validation_images.num_images=-1", r"callbacks.validation_images.num_images=-1 must be an integer"),
-    ("callbacks.validation_images.png=maybe", r"callbacks.validation_images.png='maybe'; choose auto"),
-    ("callbacks.training_curves.every_n_steps=0", r"callbacks.training_curves.every_n_steps=0 must be an integer"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "callbacks.validation_images.num_images=-1",
+            r"callbacks.validation_images.num_images=-1 must be an integer",
+        ),
+        ("callbacks.validation_images.png=maybe", r"callbacks.validation_images.png='maybe'; choose auto"),
+        (
+            "callbacks.training_curves.every_n_steps=0",
+            r"callbacks.training_curves.every_n_steps=0 must be an integer",
+        ),
+    ],
+)
 def test_bad_settings_fail_before_training_with_the_field_named(tmp_path, override, message):
     with pytest.raises(CONFIG_ERRORS, match=message):
         _fit(tmp_path, override)
@@ -371,9 +460,16 @@ def test_bad_settings_fail_before_training_with_the_field_named(tmp_path, overri
 
 def test_validation_images_only_draw_on_rank_zero_during_fit_and_validate(tmp_path):
     callback = ValidationImages(tmp_path)
-    for rank_zero, sanity, fn, active in [(True, False, "fit", True), (False, False, "fit", False),
-                                          (True, True, "fit", False), (True, False, "validate", True),
-                                          (False, False, "validate", False), (True, False, "test", False)]:
-        trainer = SimpleNamespace(is_global_zero=rank_zero, sanity_checking=sanity, state=SimpleNamespace(fn=fn))
+    for rank_zero, sanity, fn, active in [
+        (True, False, "fit", True),
+        (False, False, "fit", False),
+        (True, True, "fit", False),
+        (True, False, "validate", True),
+        (False, False, "validate", False),
+        (True, False, "test", False),
+    ]:
+        trainer = SimpleNamespace(
+            is_global_zero=rank_zero, sanity_checking=sanity, state=SimpleNamespace(fn=fn)
+        )
         callback.on_validation_epoch_start(trainer, None)
         assert callback._active is active, (rank_zero, sanity, fn)

@@ -1,6 +1,7 @@
-"""The non-finite step guard: the check and the skip stay on the device, a skipped step changes nothing (parameters
-and optimizer state, SGD with momentum and weight decay and AdamW, for-loop, foreach and fused), the counts are read
-on the host only every ``skip_check_every_n_steps`` steps, and a training step makes no host sync."""
+"""The non-finite step guard: the check and the skip stay on the device, a skipped step changes nothing
+(parameters and optimizer state, SGD with momentum and weight decay and AdamW, for-loop, foreach and fused),
+the counts are read on the host only every ``skip_check_every_n_steps`` steps, and a training step makes no
+host sync."""
 
 from __future__ import annotations
 
@@ -12,19 +13,24 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import pytest
 import torch
+from lit_amp_det.precision import NonFiniteStepGuard, build_precision_plugin
+from lit_amp_det.precision.skip import DeviceSkippedStep, gradients, non_finite
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_amp_det.precision import NonFiniteStepGuard, build_precision_plugin
-from lit_amp_det.precision.skip import DeviceSkippedStep, gradients, non_finite
-
-#: the aten ops through which the host reads a tensor's value (``bool()``, ``.item()``, ``float()``, ``torch.equal``)
-_HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-               torch.ops.aten.item.default, torch.ops.aten.equal.default}
+#: the aten ops through which the host reads a tensor's value (``bool()``, ``.item()``, ``float()``,
+#: ``torch.equal``)
+_HOST_READS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.equal.default,
+}
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts the host reads of tensor values made under it, by op (CPU tensors dispatch them as CUDA ones do)."""
+    """Counts the host reads of tensor values made under it, by op (CPU tensors dispatch them as CUDA ones
+    do)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,7 +48,11 @@ class _HostReads(TorchDispatchMode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [None, math.inf, -math.inf, math.nan])
 def test_non_finite_finds_inf_and_nan_and_leaves_the_values(dtype: torch.dtype, bad: float | None) -> None:
-    tensors = [torch.randn(5, 3, dtype=dtype), torch.randn(7, dtype=torch.float32), torch.randn((), dtype=dtype)]
+    tensors = [
+        torch.randn(5, 3, dtype=dtype),
+        torch.randn(7, dtype=torch.float32),
+        torch.randn((), dtype=dtype),
+    ]
     if bad is not None:
         tensors[0][2, 1] = bad
     before = [t.clone() for t in tensors]
@@ -56,8 +66,9 @@ def test_non_finite_finds_inf_and_nan_and_leaves_the_values(dtype: torch.dtype, 
 
 def test_non_finite_of_nothing_and_of_sparse_values() -> None:
     assert not bool(non_finite([]))
-    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, math.nan]), (4,),
-                                     check_invariants=True)
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 2]]), torch.tensor([1.0, math.nan]), (4,), check_invariants=True
+    )
     assert bool(non_finite([torch.ones(3), sparse]))
     finite = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([2.0]), (4,), check_invariants=True)
     assert not bool(non_finite([finite]))
@@ -89,15 +100,19 @@ def _set_grads(params: list[nn.Parameter], step: int, bad: float | None = None) 
 
 
 def _state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, object]]:
-    """The optimizer's state by parameter position (comparable across optimizers), copied; empty entries left out."""
+    """The optimizer's state by parameter position (comparable across optimizers), copied; empty entries left
+    out."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {i: {k: v.clone() if isinstance(v, Tensor) else v for k, v in optimizer.state[p].items()}
-            for i, p in enumerate(params) if optimizer.state.get(p)}
+    return {
+        i: {k: v.clone() if isinstance(v, Tensor) else v for k, v in optimizer.state[p].items()}
+        for i, p in enumerate(params)
+        if optimizer.state.get(p)
+    }
 
 
 def _own_reads(name: str, optimizer: torch.optim.Optimizer, step: int) -> int:
-    """Host reads the optimizer makes itself in a step (AdamW without ``capturable``/``fused`` reads its step count,
-    a CPU tensor even when the parameters are on a GPU), measured on a copy."""
+    """Host reads the optimizer makes itself in a step (AdamW without ``capturable``/``fused`` reads its step
+    count, a CPU tensor even when the parameters are on a GPU), measured on a copy."""
     params = [nn.Parameter(p.detach().clone()) for group in optimizer.param_groups for p in group["params"]]
     copy = _OPTIMIZERS[name](params)
     copy.load_state_dict(copy_module.deepcopy(optimizer.state_dict()))
@@ -119,11 +134,16 @@ def _assert_same(a: object, b: object) -> None:
         assert a == b
 
 
-def _assert_next_finite_step_as_unguarded(skipper: DeviceSkippedStep, optimizer: torch.optim.Optimizer,
-                                          params: list[nn.Parameter], expected: torch.optim.Optimizer,
-                                          reference: list[nn.Parameter], step: int) -> None:
-    """A finite step after a skipped one: the guarded optimizer ends where the unguarded one, which never saw the
-    skipped step, does (parameters and state bit for bit)."""
+def _assert_next_finite_step_as_unguarded(
+    skipper: DeviceSkippedStep,
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    expected: torch.optim.Optimizer,
+    reference: list[nn.Parameter],
+    step: int,
+) -> None:
+    """A finite step after a skipped one: the guarded optimizer ends where the unguarded one, which never saw
+    the skipped step, does (parameters and state bit for bit)."""
     _set_grads(params, step)
     skipper.step(optimizer, non_finite(gradients(optimizer)))
     _set_grads(reference, step)
@@ -135,9 +155,11 @@ def _assert_next_finite_step_as_unguarded(skipper: DeviceSkippedStep, optimizer:
 
 @pytest.mark.parametrize("name", list(_OPTIMIZERS))
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
-def test_a_skipped_step_leaves_parameters_and_optimizer_state_exactly_as_they_were(name: str, bad: float) -> None:
-    """Two real steps (the optimizer has state), then a poisoned one: nothing moves, nothing is read on the host;
-    the next finite step is the one the optimizer would have taken without the poisoned step."""
+def test_a_skipped_step_leaves_parameters_and_optimizer_state_exactly_as_they_were(
+    name: str, bad: float
+) -> None:
+    """Two real steps (the optimizer has state), then a poisoned one: nothing moves, nothing is read on the
+    host; the next finite step is the one the optimizer would have taken without the poisoned step."""
     params, reference = _params(), _params()
     optimizer, expected = _OPTIMIZERS[name](params), _OPTIMIZERS[name](reference)
     skipper = DeviceSkippedStep()
@@ -165,7 +187,8 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_exactly_as_they_we
 
 @pytest.mark.parametrize("name", ["sgd-foreach", "adamw-foreach", "adamw-fused"])
 def test_a_skipped_first_step_leaves_no_state_behind(name: str) -> None:
-    """On a parameter's first step the optimizer creates its state: the host decides (one read) and removes it."""
+    """On a parameter's first step the optimizer creates its state: the host decides (one read) and removes
+    it."""
     params, reference = _params(), _params()
     optimizer, expected = _OPTIMIZERS[name](params), _OPTIMIZERS[name](reference)
     skipper = DeviceSkippedStep()
@@ -227,9 +250,12 @@ def test_a_run_that_reached_the_limit_stops_at_the_next_read_even_after_it_ended
     guard = NonFiniteStepGuard("32-true", max_consecutive=2, check_every_n_steps=5)
     for skipped in (False, True, True, False):
         guard.record(torch.tensor(skipped))
-    with pytest.raises(RuntimeError, match=r"^2 consecutive optimizer steps had non-finite gradients under "
-                                           r"trainer.precision=32-true \(2 skipped in all; the limit is "
-                                           r"precision.max_consecutive_skips=2\).*gradient_clip_val"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^2 consecutive optimizer steps had non-finite gradients under "
+        r"trainer.precision=32-true \(2 skipped in all; the limit is "
+        r"precision.max_consecutive_skips=2\).*gradient_clip_val",
+    ):
         guard.record(torch.tensor(False))
 
 
@@ -285,9 +311,16 @@ def _fit_counting(precision: str, steps: int, check_every: int, poison_steps: se
         return result
 
     plugin.optimizer_step = counted  # type: ignore[method-assign]
-    trainer = pl.Trainer(max_steps=steps, plugins=[plugin], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                         log_every_n_steps=1)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        plugins=[plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        log_every_n_steps=1,
+    )
     module = _Tiny(poison_steps)
     trainer.fit(module)
     return plugin, per_step
@@ -295,9 +328,9 @@ def _fit_counting(precision: str, steps: int, check_every: int, poison_steps: se
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-weights"])
 def test_a_training_step_reads_nothing_on_the_host(precision: str) -> None:
-    """Inside the plugin's ``optimizer_step`` (forward, backward, hooks, check, step, logging): no host read of a
-    tensor, except once on the first step, where SGD creates its momentum buffers and the host decides whether to
-    keep them. The step that skips (the 5th) reads nothing either."""
+    """Inside the plugin's ``optimizer_step`` (forward, backward, hooks, check, step, logging): no host read
+    of a tensor, except once on the first step, where SGD creates its momentum buffers and the host decides
+    whether to keep them. The step that skips (the 5th) reads nothing either."""
     plugin, per_step = _fit_counting(precision, steps=8, check_every=3, poison_steps={4})
     assert len(per_step) == 8
     assert per_step[0] == {"aten._local_scalar_dense.default": 1}
@@ -310,11 +343,20 @@ def test_the_plugin_reads_the_counts_every_n_steps_and_stops_a_diverged_run_then
     reads = []
     read = plugin.guard._read
     plugin.guard._read = lambda: reads.append(1) or read()  # type: ignore[method-assign]
-    trainer = pl.Trainer(max_steps=12, plugins=[plugin], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer = pl.Trainer(
+        max_steps=12,
+        plugins=[plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
     module = _Tiny(poison_steps=set(range(100)))
     before = [p.detach().clone() for p in module.parameters()]
     with pytest.raises(RuntimeError, match=r"^5 consecutive optimizer steps.*max_consecutive_skips=3"):
         trainer.fit(module)
-    assert len(reads) == 1 and trainer.global_step == 4  # the 5th step raised: 2 steps after the limit, at the read
+    assert (
+        len(reads) == 1 and trainer.global_step == 4
+    )  # the 5th step raised: 2 steps after the limit, at the read
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # no step changed anything

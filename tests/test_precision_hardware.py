@@ -1,4 +1,5 @@
-"""``trainer.precision=auto`` and the CPU fallbacks: each device gets the precision it runs fast, and says why."""
+"""``trainer.precision=auto`` and the CPU fallbacks: each device gets the precision it runs fast, and says
+why."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lit_amp_det.app.config import check_config
 from lit_amp_det.precision import (
     DetectionMixedPrecision,
@@ -33,8 +33,9 @@ def _resolve_quietly(precision: str, device: str, fp16_on_cpu: bool = False) -> 
 
 
 @pytest.mark.parametrize(("native", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
-def test_auto_on_a_cpu_follows_native_bf16(cpu_bf16, caplog: pytest.LogCaptureFixture, native: bool,
-                                           expected: str) -> None:
+def test_auto_on_a_cpu_follows_native_bf16(
+    cpu_bf16, caplog: pytest.LogCaptureFixture, native: bool, expected: str
+) -> None:
     cpu_bf16(native)
     with caplog.at_level(logging.INFO):
         assert _resolve_quietly("auto", "cpu") == expected
@@ -52,10 +53,14 @@ def test_auto_on_cuda_is_fp16_autocast(cpu_bf16) -> None:
 @pytest.mark.parametrize("precision", ["16-mixed", "16-weights"])
 def test_fp16_on_a_cpu_without_native_bf16_runs_fp32(cpu_bf16, precision: str) -> None:
     cpu_bf16(False)
-    with pytest.warns(UserWarning, match=rf"{precision} on a CPU runs as 32-true .*no native bf16.*fp16_on_cpu=true"):
+    with pytest.warns(
+        UserWarning, match=rf"{precision} on a CPU runs as 32-true .*no native bf16.*fp16_on_cpu=true"
+    ):
         assert resolve_precision(precision, "cpu") == "32-true"
     cpu_bf16(True)
-    with pytest.warns(UserWarning, match=rf"{precision} on a CPU runs as bf{precision} \(fp16 on CPUs is slow"):
+    with pytest.warns(
+        UserWarning, match=rf"{precision} on a CPU runs as bf{precision} \(fp16 on CPUs is slow"
+    ):
         assert resolve_precision(precision, "cpu") == f"bf{precision}"
     assert _resolve_quietly(precision, "cpu", fp16_on_cpu=True) == precision  # forced: as asked, no warning
 
@@ -63,8 +68,11 @@ def test_fp16_on_a_cpu_without_native_bf16_runs_fp32(cpu_bf16, precision: str) -
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-weights"])
 def test_explicit_bf16_is_kept_and_warned_about_without_native_bf16(cpu_bf16, precision: str) -> None:
     cpu_bf16(False)
-    with pytest.warns(UserWarning, match=rf"trainer.precision={precision}: this CPU has no native bf16 .*"
-                                         r"trainer.precision=auto \(32-true here\)"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"trainer.precision={precision}: this CPU has no native bf16 .*"
+        r"trainer.precision=auto \(32-true here\)",
+    ):
         assert resolve_precision(precision, "cpu") == precision
     cpu_bf16(True)
     assert _resolve_quietly(precision, "cpu") == precision
@@ -92,7 +100,8 @@ def test_the_plugin_is_built_for_what_runs(cpu_bf16) -> None:
 
 
 def test_native_bf16_is_torchs_own_test(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The answer is torch's oneDNN bf16 device check; without that private op, torch's CPU capability decides."""
+    """The answer is torch's oneDNN bf16 device check; without that private op, torch's CPU capability
+    decides."""
     probe = hardware._native_bf16
     probe.cache_clear()
     try:
@@ -106,7 +115,9 @@ def test_native_bf16_is_torchs_own_test(monkeypatch: pytest.MonkeyPatch) -> None
         def refusing_op() -> bool:
             raise RuntimeError("mkldnn bf16 check unavailable")
 
-        monkeypatch.setattr(hardware, "_torch_bf16_op", lambda: refusing_op)  # torch's op fails: capability decides
+        monkeypatch.setattr(
+            hardware, "_torch_bf16_op", lambda: refusing_op
+        )  # torch's op fails: capability decides
         for capability, native in [("AVX2", False), ("AMX", True)]:
             monkeypatch.setattr(hardware, "cpu_capability", lambda c=capability: c)
             probe.cache_clear()
@@ -136,8 +147,8 @@ def test_auto_is_the_default_and_a_valid_value(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_metrics_json_records_the_precision_that_ran_and_a_resume_in_another_warns(tmp_path: Path) -> None:
-    """A fit with ``trainer.precision=auto`` records what auto chose on this machine (and logs it); resuming its
-    checkpoint in another precision (as ``auto`` does on a machine with other bf16 support) says so."""
+    """A fit with ``trainer.precision=auto`` records what auto chose on this machine (and logs it); resuming
+    its checkpoint in another precision (as ``auto`` does on a machine with other bf16 support) says so."""
     proc = run_cli(["fit", *SMOKE, "trainer.max_steps=1", "+trainer.limit_val_batches=1"], cwd=tmp_path)
     run_dir = only_run_dir(tmp_path / "runs")
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -147,8 +158,17 @@ def test_metrics_json_records_the_precision_that_ran_and_a_resume_in_another_war
     assert trained_precision(torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)) == expected
 
     other = "32-true" if expected == "bf16-mixed" else "bf16-mixed"
-    resumed = run_cli(["fit", *SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=1",
-                       f"trainer.precision={other}", f"ckpt_path={run_dir}"], cwd=tmp_path)
+    resumed = run_cli(
+        [
+            "fit",
+            *SMOKE,
+            "trainer.max_steps=2",
+            "+trainer.limit_val_batches=1",
+            f"trainer.precision={other}",
+            f"ckpt_path={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
     output = " ".join((resumed.stdout + resumed.stderr).split())  # the warning may wrap
     assert f"was trained in {expected}; this fit continues it in {other}" in output
     assert f"Pass trainer.precision={expected} to continue as it was trained" in output
@@ -176,6 +196,9 @@ def test_a_precision_change_warns_only_when_the_checkpoint_says_another() -> Non
         warnings.simplefilter("error")
         assert warn_if_precision_changes(checkpoint, "ckpt_path=a.ckpt", "bf16-mixed") is None
         assert warn_if_precision_changes({"state_dict": {}}, "ckpt_path=a.ckpt", "32-true") is None
-    with pytest.warns(UserWarning, match=r"ckpt_path=a.ckpt was trained in bf16-mixed; this fit continues it in "
-                                         r"32-true .* Pass trainer.precision=bf16-mixed"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ckpt_path=a.ckpt was trained in bf16-mixed; this fit continues it in "
+        r"32-true .* Pass trainer.precision=bf16-mixed",
+    ):
         warn_if_precision_changes(checkpoint, "ckpt_path=a.ckpt", "32-true")

@@ -9,8 +9,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
-from torch import nn
-
 from lit_amp_det.precision import (
     DetectionMixedPrecision,
     FiniteStepPrecision,
@@ -18,6 +16,7 @@ from lit_amp_det.precision import (
     build_precision_plugin,
 )
 from lit_amp_det.precision.casting import mixed_precision_dtype
+from torch import nn
 
 from conftest import compose_config
 
@@ -61,8 +60,16 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-#: the region methods every detector's fp32 regions include (whichever classes model.ops and the speedups built)
-REGION_NAMES = {"compute_loss", "filter_proposals", "encode", "decode", "postprocess_detections", "postprocess"}
+#: the region methods every detector's fp32 regions include (whichever classes model.ops and the speedups
+#: built)
+REGION_NAMES = {
+    "compute_loss",
+    "filter_proposals",
+    "encode",
+    "decode",
+    "postprocess_detections",
+    "postprocess",
+}
 
 
 def _region_methods(module) -> set[tuple[type, str]]:
@@ -99,8 +106,9 @@ def _run(module, plugin, monkeypatch) -> tuple[list, dict, list, list[torch.dtyp
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_regions_run_in_fp32_while_the_backbone_runs_low(precision: str, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_regions_run_in_fp32_while_the_backbone_runs_low(
+    precision: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = _tiny_module(tmp_path)
     plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True)
     calls, losses, predictions, dtypes = _run(module, plugin, monkeypatch)
@@ -119,7 +127,9 @@ def test_regions_run_in_fp32_while_the_backbone_runs_low(precision: str, tmp_pat
     assert mixed_precision_dtype(module.model.rpn) == low
 
 
-def test_without_regions_the_same_methods_see_low_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_regions_the_same_methods_see_low_precision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = _tiny_module(tmp_path)
     plugin = build_precision_plugin("bf16-mixed", "cpu", fp32_regions={})
     calls, *_ = _run(module, plugin, monkeypatch)
@@ -172,12 +182,21 @@ def test_low_precision_weight_strings_map_to_the_master_weight_plugin(cpu_bf16) 
         DetectionMixedPrecision("bf16-weights", "cpu")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("plugin", "precision"), [(DetectionMixedPrecision, "16-mixed"),
-                                                   (MasterWeightPrecision, "16-weights")])
+@pytest.mark.parametrize(
+    ("plugin", "precision"), [(DetectionMixedPrecision, "16-mixed"), (MasterWeightPrecision, "16-weights")]
+)
 def test_both_half_plugins_take_the_same_options(plugin, precision) -> None:
-    """One settings object builds both plugins' GradScaler, regions and guard; an unknown keyword is refused."""
-    built = plugin(precision, "cpu", fp32_regions={"model.roi_heads": "fp32"}, init_scale=8.0, growth_interval=3,
-                   max_consecutive_skips=4, skip_check_every_n_steps=5)
+    """One settings object builds both plugins' GradScaler, regions and guard; an unknown keyword is refused.
+    """
+    built = plugin(
+        precision,
+        "cpu",
+        fp32_regions={"model.roi_heads": "fp32"},
+        init_scale=8.0,
+        growth_interval=3,
+        max_consecutive_skips=4,
+        skip_check_every_n_steps=5,
+    )
     assert built.scaler.get_scale() == 8.0 and built.scaler.get_growth_interval() == 3
     assert built.fp32_regions == {"model.roi_heads": "fp32"}
     assert (built.guard.max_consecutive, built.guard.check_every_n_steps) == (4, 5)
@@ -215,8 +234,15 @@ class _Linear(pl.LightningModule):
 
 
 def _fit(module: pl.LightningModule, plugin, steps: int) -> pl.Trainer:
-    trainer = pl.Trainer(max_steps=steps, plugins=[plugin], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer = pl.Trainer(
+        max_steps=steps,
+        plugins=[plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
     trainer.fit(module)
     return trainer
 
@@ -234,12 +260,15 @@ def test_an_inf_gradient_skips_the_step_and_training_recovers(precision: str) ->
 
 
 def test_too_many_consecutive_skips_stop_with_a_clear_error_at_the_next_read() -> None:
-    """The counts are read on the host every ``skip_check_every_n_steps`` steps: the stop comes at the first read
-    after the limit, here the 4th step with a limit of 3; no step changed the weight."""
+    """The counts are read on the host every ``skip_check_every_n_steps`` steps: the stop comes at the first
+    read after the limit, here the 4th step with a limit of 3; no step changed the weight."""
     plugin = build_precision_plugin("bf16-mixed", "cpu", max_consecutive_skips=3, skip_check_every_n_steps=4)
     module = _Linear(poison_steps=set(range(100)))
     before = float(module.layer.weight.detach())
-    with pytest.raises(RuntimeError, match=r"4 consecutive optimizer steps had non-finite gradients.*"
-                                           r"max_consecutive_skips=3.*gradient_clip_val"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"4 consecutive optimizer steps had non-finite gradients.*"
+        r"max_consecutive_skips=3.*gradient_clip_val",
+    ):
         _fit(module, plugin, steps=10)
     assert module.weights == [before] * 3  # three steps ended; the fourth raised

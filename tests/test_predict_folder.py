@@ -1,5 +1,6 @@
 """``predict`` on a folder of pictures without annotations (``data.predict_images``): which files are read, in
-which order and under which ids, and the errors that name the folder or file (the CLI run: ``test_cli.py``)."""
+which order and under which ids, and the errors that name the folder or file (the CLI run: ``test_cli.py``).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from lit_amp_det.data.datamodule import ShapesDataModule
 from lit_amp_det.data.image_folder import ImageFolder
-
+from PIL import Image
 
 
 def pictures_folder(folder: Path) -> dict[str, tuple[int, int]]:
@@ -62,8 +61,15 @@ def test_a_corrupt_picture_is_named_when_read(tmp_path: Path) -> None:
 
 def test_the_data_module_predicts_the_folder_not_the_split(tmp_path: Path) -> None:
     pictures_folder(tmp_path / "pictures")
-    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
-                                  predict_images=str(tmp_path / "pictures"), verify_images=False)
+    datamodule = ShapesDataModule(
+        tmp_path / "cache",
+        train_size=4,
+        val_size=2,
+        test_size=2,
+        image_size=64,
+        predict_images=str(tmp_path / "pictures"),
+        verify_images=False,
+    )
     datamodule.setup("predict")
     assert "val" not in datamodule.datasets  # the predict split is neither built nor verified
     images, targets = next(iter(datamodule.predict_dataloader()))
@@ -73,8 +79,9 @@ def test_the_data_module_predicts_the_folder_not_the_split(tmp_path: Path) -> No
 
 
 def test_without_a_folder_predict_runs_on_the_split(tmp_path: Path) -> None:
-    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
-                                  verify_images=False)
+    datamodule = ShapesDataModule(
+        tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64, verify_images=False
+    )
     datamodule.setup("predict")
     assert "val" in datamodule.datasets and len(datamodule.predict_dataloader().dataset) == 2
     with pytest.raises(ValueError, match="data.predict_images is not set"):
@@ -83,13 +90,13 @@ def test_without_a_folder_predict_runs_on_the_split(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp"])
 @pytest.mark.parametrize("orientation", [3, 6, 8])
-def test_a_picture_stored_sideways_is_read_as_a_viewer_shows_it(tmp_path: Path, suffix: str,
-                                                                 orientation: int) -> None:
-    """EXIF orientation (3: upside down, 6 and 8: a quarter turn), as PIL's ``exif_transpose`` applies it; for a WebP
-    too, whose tag torchvision's decoder ignores. Annotated datasets keep the stored pixels."""
-    from PIL import ImageOps
-
+def test_a_picture_stored_sideways_is_read_as_a_viewer_shows_it(
+    tmp_path: Path, suffix: str, orientation: int
+) -> None:
+    """EXIF orientation (3: upside down, 6 and 8: a quarter turn), as PIL's ``exif_transpose`` applies it; for
+    a WebP too, whose tag torchvision's decoder ignores. Annotated datasets keep the stored pixels."""
     from lit_amp_det.data.image_io import read_rgb_image
+    from PIL import ImageOps
 
     (tmp_path / "pictures").mkdir()
     path = tmp_path / "pictures" / f"phone{suffix}"
@@ -116,11 +123,15 @@ def test_an_unreadable_picture_stops_predict_before_the_model_runs(tmp_path: Pat
     from lit_amp_det.data.verify import BadImagesError
 
     folder = _folder_with_a_broken_picture(tmp_path)
-    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
-                                  predict_images=str(folder))
-    with pytest.raises(BadImagesError, match=r"(?s)1 of 4 images cannot be used:\n  .*b_broken.jpg: cannot read "
-                                             r".*Replace these files or move them out of the folder, or set "
-                                             r"data.bad_images=skip"):
+    datamodule = ShapesDataModule(
+        tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64, predict_images=str(folder)
+    )
+    with pytest.raises(
+        BadImagesError,
+        match=r"(?s)1 of 4 images cannot be used:\n  .*b_broken.jpg: cannot read "
+        r".*Replace these files or move them out of the folder, or set "
+        r"data.bad_images=skip",
+    ):
         datamodule.setup("predict")
     import pickle
 
@@ -128,15 +139,27 @@ def test_an_unreadable_picture_stops_predict_before_the_model_runs(tmp_path: Pat
     assert str(pickle.loads(pickle.dumps(error))) == str(error)  # crosses DDP ranks and loader workers whole
 
 
-def test_bad_images_skip_leaves_the_picture_out_and_keeps_the_ids(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_images_skip_leaves_the_picture_out_and_keeps_the_ids(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     folder = _folder_with_a_broken_picture(tmp_path)
-    datamodule = ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
-                                  predict_images=str(folder), bad_images="skip")
+    datamodule = ShapesDataModule(
+        tmp_path / "cache",
+        train_size=4,
+        val_size=2,
+        test_size=2,
+        image_size=64,
+        predict_images=str(folder),
+        bad_images="skip",
+    )
     datamodule.setup("predict")
     assert "left out 1 unreadable picture(s) of" in caplog.text and "b_broken.jpg" in caplog.text
     dataset = datamodule.predict_folder()
-    assert [dataset[k][1]["file_name"] for k in range(len(dataset))] == ["a_street.JPG", "b_night.png", "c_scan.bmp"]
+    assert [dataset[k][1]["file_name"] for k in range(len(dataset))] == [
+        "a_street.JPG",
+        "b_night.png",
+        "c_scan.bmp",
+    ]
     assert [int(dataset[k][1]["image_id"]) for k in range(len(dataset))] == [1, 3, 4]  # b_broken.jpg was id 2
     (folder / "b_broken.jpg").write_bytes(b"")  # nothing left to read at all
     for name in ("a_street.JPG", "b_night.png", "c_scan.bmp"):
@@ -144,5 +167,12 @@ def test_bad_images_skip_leaves_the_picture_out_and_keeps_the_ids(tmp_path: Path
     from lit_amp_det.data.verify import BadImagesError
 
     with pytest.raises(BadImagesError, match="4 of 4 images cannot be used"):
-        ShapesDataModule(tmp_path / "cache", train_size=4, val_size=2, test_size=2, image_size=64,
-                         predict_images=str(folder), bad_images="skip").setup("predict")
+        ShapesDataModule(
+            tmp_path / "cache",
+            train_size=4,
+            val_size=2,
+            test_size=2,
+            image_size=64,
+            predict_images=str(folder),
+            bad_images="skip",
+        ).setup("predict")

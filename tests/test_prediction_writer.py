@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pycocotools.mask as mask_utils
 import torch
-
 from lit_amp_det.callbacks.prediction_writer import CocoPredictionWriter
 
 
@@ -13,8 +12,14 @@ def _detections(n: int, size=(20, 30), seed=0):
     g = torch.Generator().manual_seed(seed)
     xy = torch.rand(n, 2, generator=g) * 10
     masks = torch.rand(n, *size, generator=g) > 0.5
-    return {"image_id": 7, "boxes": torch.cat([xy, xy + 5], dim=1), "scores": torch.linspace(0.9, 0.0, n),
-            "labels": torch.arange(n) % 3 + 1, "category_ids": torch.arange(n) % 3 + 11, "masks": masks}
+    return {
+        "image_id": 7,
+        "boxes": torch.cat([xy, xy + 5], dim=1),
+        "scores": torch.linspace(0.9, 0.0, n),
+        "labels": torch.arange(n) % 3 + 1,
+        "category_ids": torch.arange(n) % 3 + 11,
+        "masks": masks,
+    }
 
 
 def test_records_keep_each_detections_own_score_box_category_and_mask(tmp_path):
@@ -23,8 +28,13 @@ def test_records_keep_each_detections_own_score_box_category_and_mask(tmp_path):
     writer.write_on_batch_end(None, None, [det, _detections(0)], None, None, 0, 0)
     keep = det["scores"] >= 0.3
     assert len(writer._records) == int(keep.sum()) > 20
-    for record, box, score, category, mask in zip(writer._records, det["boxes"][keep], det["scores"][keep],
-                                                   det["category_ids"][keep], det["masks"][keep]):
+    for record, box, score, category, mask in zip(
+        writer._records,
+        det["boxes"][keep],
+        det["scores"][keep],
+        det["category_ids"][keep],
+        det["masks"][keep],
+    ):
         x1, y1, x2, y2 = box.tolist()
         assert record["image_id"] == 7 and record["category_id"] == int(category)
         assert record["score"] == float(score)
@@ -55,7 +65,8 @@ def test_the_images_index_names_the_categories_the_records_carry():
 
 
 def test_the_images_index_leaves_out_torchvision_s_unused_coco_ids():
-    """torchvision's COCO weights name 91 labels, the 10 ids COCO never uses ``N/A``: the index lists COCO's 80."""
+    """torchvision's COCO weights name 91 labels, the 10 ids COCO never uses ``N/A``: the index lists COCO's
+    80."""
     from types import SimpleNamespace
 
     from lit_amp_det.app.model_classes import weights_classes

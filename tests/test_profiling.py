@@ -12,9 +12,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
-
 from lit_amp_det.profiling import HostSyncs, MemoryProbe, SavedTensorBytes, StepTimer, count_images, timed
+from torch import nn
 
 
 def test_saved_tensor_bytes_counts_distinct_storages_and_skips_model_state() -> None:
@@ -95,19 +94,22 @@ def _timer_run(plan: list[str], step: Any) -> Any:
 
 
 def test_bench_peak_step_counts_what_the_step_holds_not_the_heap_kept_before() -> None:
-    """The bench's peak step: 96 MB allocated in small-ish blocks and freed (heap glibc may keep) before it, then a
-    step that holds 64 MB more than an empty step reads 64 MB more."""
+    """The bench's peak step: 96 MB allocated in small-ish blocks and freed (heap glibc may keep) before it,
+    then a step that holds 64 MB more than an empty step reads 64 MB more."""
     if not MemoryProbe("cpu").resettable:
         pytest.skip("this kernel does not let the process reset its VmHWM")
 
     def holds(mb: int) -> Any:
         def step(index: int) -> None:
             if index == 0:
-                blocks = [torch.ones(2 ** 20 // 4 * 3) for _ in range(32)]  # 32 x 3 MB, below glibc's mmap threshold
+                blocks = [
+                    torch.ones(2**20 // 4 * 3) for _ in range(32)
+                ]  # 32 x 3 MB, below glibc's mmap threshold
                 del blocks
             else:
-                tensor = torch.ones(mb * 2 ** 20 // 4)
+                tensor = torch.ones(mb * 2**20 // 4)
                 assert tensor.sum() == tensor.numel()  # every page written
+
         return step
 
     empty = _timer_run(["step", "memory"], holds(0))
@@ -116,9 +118,11 @@ def test_bench_peak_step_counts_what_the_step_holds_not_the_heap_kept_before() -
     assert len(full.times["step"]) == 1 and "memory" not in full.times  # the peak step is not a timed one
 
 
-def test_bench_peak_step_lifts_the_pinned_malloc_threshold_afterwards(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process that goes on working must not keep the 128 KB threshold (every larger allocation would fault in
-    fresh pages): lifted after the peak step, and after a failed one; the timed steps run unpinned."""
+def test_bench_peak_step_lifts_the_pinned_malloc_threshold_afterwards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that goes on working must not keep the 128 KB threshold (every larger allocation would fault
+    in fresh pages): lifted after the peak step, and after a failed one; the timed steps run unpinned."""
     from lit_amp_det.bench import measure
 
     calls: list[str] = []
@@ -153,20 +157,30 @@ def test_host_syncs_counts_what_waits_for_the_device_and_names_the_line() -> Non
         torch.where(x > 0, x, 0), x.masked_fill(x > 0, 0), x.topk(3)
     here = Path(__file__).resolve()
     assert {(op, site): n for (op, site), n in syncs.sites.items()} == {
-        ("aten._local_scalar_dense", f"{here}:{line + 2}"): 1, ("aten.index", f"{here}:{line + 3}"): 1,
-        ("aten.nonzero", f"{here}:{line + 4}"): 1, ("aten.repeat_interleave", f"{here}:{line + 5}"): 1,
-        ("aten.index_put_", f"{here}:{line + 7}"): 1, ("aten._unique2", f"{here}:{line + 8}"): 1,
-        ("aten._local_scalar_dense", f"{here}:{line + 9}"): 1}
+        ("aten._local_scalar_dense", f"{here}:{line + 2}"): 1,
+        ("aten.index", f"{here}:{line + 3}"): 1,
+        ("aten.nonzero", f"{here}:{line + 4}"): 1,
+        ("aten.repeat_interleave", f"{here}:{line + 5}"): 1,
+        ("aten.index_put_", f"{here}:{line + 7}"): 1,
+        ("aten._unique2", f"{here}:{line + 8}"): 1,
+        ("aten._local_scalar_dense", f"{here}:{line + 9}"): 1,
+    }
     assert syncs.total == 7 and f"{here}:{line + 2}" in syncs.table()
 
 
 def test_host_syncs_counts_the_same_under_inference_mode() -> None:
-    """Lightning predicts under ``torch.inference_mode``, where composite ops (``item``, one-argument ``where``,
-    ``nonzero(as_tuple=True)``) reach the mode whole instead of as their value-reading parts."""
+    """Lightning predicts under ``torch.inference_mode``, where composite ops (``item``, one-argument
+    ``where``, ``nonzero(as_tuple=True)``) reach the mode whole instead of as their value-reading parts."""
     with torch.inference_mode():
         x = torch.randn(10)
         with HostSyncs() as syncs:
-            x.sum().item(), x[x > 0], torch.where(x > 0), torch.nonzero(x > 0, as_tuple=True), bool(x.sum() > 0)
+            (
+                x.sum().item(),
+                x[x > 0],
+                torch.where(x > 0),
+                torch.nonzero(x > 0, as_tuple=True),
+                bool(x.sum() > 0),
+            )
             torch.where(x > 0, x, 0), x.masked_fill(x > 0, 0)
     assert syncs.total == 5, syncs.table()
 
@@ -198,12 +212,11 @@ def test_host_syncs_counts_copies_between_the_host_and_a_device() -> None:
 
 
 def test_host_syncs_counts_tensors_built_from_host_data_on_a_device() -> None:
-    with _fake_cuda():
-        with HostSyncs() as syncs:
-            torch.tensor([1.0, 2.0], device="cuda")
-            torch.as_tensor([0.5], device="cuda")
-            torch.tensor([1.0, 2.0])  # on the host: no wait
-            torch.full((2,), 0.5, device="cuda"), torch.zeros(2, device="cuda")  # filled on the device
+    with _fake_cuda(), HostSyncs() as syncs:
+        torch.tensor([1.0, 2.0], device="cuda")
+        torch.as_tensor([0.5], device="cuda")
+        torch.tensor([1.0, 2.0])  # on the host: no wait
+        torch.full((2,), 0.5, device="cuda"), torch.zeros(2, device="cuda")  # filled on the device
     # one wait each (the copy that takes the numbers to the device is that wait, not a second one)
     assert syncs.kinds["host data on a device"] == 2 and syncs.total == 2, syncs.table()
 
@@ -217,7 +230,9 @@ def test_host_syncs_counts_host_reads_on_any_tensor_once() -> None:
         device = torch.ones(3, device="cuda")
         with HostSyncs() as syncs:
             device.cpu()  # one read: its copy is part of it
-    assert syncs.sites.keys() == {("Tensor.cpu", syncs.table().split()[-1])} and syncs.total == 1, syncs.table()
+    assert syncs.sites.keys() == {("Tensor.cpu", syncs.table().split()[-1])} and syncs.total == 1, (
+        syncs.table()
+    )
 
 
 def test_host_syncs_counts_ops_whose_cuda_kernels_read_back() -> None:
@@ -243,12 +258,12 @@ def test_host_syncs_counts_explicit_synchronisation_and_restores_it(monkeypatch)
 
 
 def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
-    """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code does
-    and at two known points of ``models/ext_ops.py`` (the RPN's filters, the mask head's positives; issue 42 removes
-    them): a new one fails here, with the list of call sites."""
-    from host_syncs import count, package_sites, tiny_model
-
+    """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code
+    does and at two known points of ``models/ext_ops.py`` (the RPN's filters, the mask head's positives; issue
+    42 removes them): a new one fails here, with the list of call sites."""
     from lit_amp_det.models.speedups import ExtensionOps
+
+    from host_syncs import count, package_sites, tiny_model
 
     syncs = count(ExtensionOps()(tiny_model()), train=True)
     ours = package_sites(syncs)
@@ -257,8 +272,8 @@ def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
 
 
 class _CountSyncsPerStep(pl.Callback):
-    """Host syncs from each training batch's start (after its transfer) to its end: forward, backward, optimizer
-    and precision plugin, and the callbacks' per-step hooks."""
+    """Host syncs from each training batch's start (after its transfer) to its end: forward, backward,
+    optimizer and precision plugin, and the callbacks' per-step hooks."""
 
     def __init__(self) -> None:
         self.steps: list[HostSyncs] = []
@@ -273,9 +288,9 @@ class _CountSyncsPerStep(pl.Callback):
 
 def _fit_step_syncs(tmp_path: Path, monkeypatch, overrides: Sequence[str] = ()) -> list[HostSyncs]:
     """The host syncs of each of two smoke ``fit`` steps (default callbacks, the precision plugin)."""
-    from conftest import SMOKE, compose_config
-
     from lit_amp_det.app import tasks
+
+    from conftest import SMOKE, compose_config
 
     counter, build_trainer = _CountSyncsPerStep(), tasks.build_trainer
 
@@ -285,30 +300,38 @@ def _fit_step_syncs(tmp_path: Path, monkeypatch, overrides: Sequence[str] = ()) 
         return trainer
 
     monkeypatch.setattr(tasks, "build_trainer", with_counter)
-    tasks.train(compose_config([*SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=0", *overrides], tmp_path))
+    tasks.train(
+        compose_config([*SMOKE, "trainer.max_steps=2", "+trainer.limit_val_batches=0", *overrides], tmp_path)
+    )
     assert len(counter.steps) == 2
     return counter.steps
 
 
 def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Path, monkeypatch) -> None:
-    """A smoke ``fit`` step with the default callbacks and the precision plugin: the module, the data module (crowd
-    instances dropped on the host), the plugin and the callbacks add no host sync to the model's own after the
-    first step."""
+    """A smoke ``fit`` step with the default callbacks and the precision plugin: the module, the data module
+    (crowd instances dropped on the host), the plugin and the callbacks add no host sync to the model's own
+    after the first step."""
     from host_syncs import package_sites
 
     for step, syncs in enumerate(_fit_step_syncs(tmp_path, monkeypatch)):
         ours = {site.rsplit(":", 1)[0] for site in package_sites(syncs)}
-        # the first step reads once more: SGD creates its momentum buffers, and the host decides whether to keep
-        # them (tests/test_precision_guard.py)
-        assert ours == ({"models/ext_ops.py", "precision/skip.py"} if step == 0 else {"models/ext_ops.py"}), \
+        # the first step reads once more: SGD creates its momentum buffers, and the host decides whether to
+        # keep them (tests/test_precision_guard.py)
+        assert ours == ({"models/ext_ops.py", "precision/skip.py"} if step == 0 else {"models/ext_ops.py"}), (
             syncs.table()
+        )
 
 
-@pytest.mark.parametrize("precision", [[], ["trainer.precision=16-mixed", "precision.fp16_on_cpu=true"],
-                                       ["data.pad_instances=8"]], ids=["auto", "16-mixed", "padded-targets"])
+@pytest.mark.parametrize(
+    "precision",
+    [[], ["trainer.precision=16-mixed", "precision.fp16_on_cpu=true"], ["data.pad_instances=8"]],
+    ids=["auto", "16-mixed", "padded-targets"],
+)
 def test_a_sync_free_fit_step_never_waits_for_the_device(tmp_path: Path, monkeypatch, precision) -> None:
-    """With ``speedups.sync_free`` on the CPU, a whole fit step after the first (module, model, plugin, callbacks,
-    optimizer; under 16-mixed the loss scaler too, which takes a fused optimizer's step without reading its
-    ``found_inf``) makes no host sync at all."""
-    first, second = _fit_step_syncs(tmp_path, monkeypatch, ["speedups.sync_free.devices=[cpu,cuda]", *precision])
+    """With ``speedups.sync_free`` on the CPU, a whole fit step after the first (module, model, plugin,
+    callbacks, optimizer; under 16-mixed the loss scaler too, which takes a fused optimizer's step without
+    reading its ``found_inf``) makes no host sync at all."""
+    first, second = _fit_step_syncs(
+        tmp_path, monkeypatch, ["speedups.sync_free.devices=[cpu,cuda]", *precision]
+    )
     assert second.total == 0, second.table()

@@ -21,7 +21,9 @@ COMMON = [
 
 def _final(run_root: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     (metrics_file,) = run_root.glob("fit/*/metrics.json")
-    last = torch.load(metrics_file.parent / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    last = torch.load(
+        metrics_file.parent / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
+    )
     return json.loads(metrics_file.read_text())["metrics"], last["state_dict"]
 
 
@@ -32,13 +34,19 @@ def test_killed_mid_epoch_run_resumes_to_identical_result(tmp_path: Path) -> Non
     run_cli(["fit", *COMMON], cwd=tmp_path, env={**env, "LIT_AMP_DET_RUNS": str(straight)})
 
     # 16 images / batch 4 = 4 steps per epoch; the last checkpoint before the kill is at step 6 (mid-epoch 1)
-    killed = run_cli(["fit", *COMMON, "+callbacks.killer._target_=killer.KillAtStep", "+callbacks.killer.step=7"],
-                     cwd=tmp_path, env={**env, "LIT_AMP_DET_RUNS": str(interrupted)}, check=False)
+    killed = run_cli(
+        ["fit", *COMMON, "+callbacks.killer._target_=killer.KillAtStep", "+callbacks.killer.step=7"],
+        cwd=tmp_path,
+        env={**env, "LIT_AMP_DET_RUNS": str(interrupted)},
+        check=False,
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     (killed_ckpt,) = interrupted.glob("fit/*/checkpoints/last.ckpt")
     assert torch.load(killed_ckpt, map_location="cpu", weights_only=True)["global_step"] == 6
 
-    resumed = run_cli(["fit", *COMMON, "ckpt_path=last"], cwd=tmp_path, env={**env, "LIT_AMP_DET_RUNS": str(interrupted)})
+    resumed = run_cli(
+        ["fit", *COMMON, "ckpt_path=last"], cwd=tmp_path, env={**env, "LIT_AMP_DET_RUNS": str(interrupted)}
+    )
     assert str(killed_ckpt) in resumed.stdout + resumed.stderr  # it said which checkpoint it resumed
 
     expected_metrics, expected_state = _final(straight)

@@ -1,4 +1,5 @@
-"""Run folders and ``ckpt_path``: unique folders, never reused, and ``last`` resuming only the run it should."""
+"""Run folders and ``ckpt_path``: unique folders, never reused, and ``last`` resuming only the run it should.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +11,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from lit_amp_det.app.runs import (
+    ResumeError,
+    read_run,
+    resolve_ckpt_path,
+    unique_dir,
+    update_run_record,
+    write_run_record,
+)
 from omegaconf import OmegaConf
 
 from conftest import REPO, SMOKE, compose_config, run_cli
-from lit_amp_det.app.runs import ResumeError, read_run, resolve_ckpt_path, unique_dir, write_run_record, update_run_record
 
 
 # ------------------------------------------------------------------------------------------ unit level
-def _fake_run(root: Path, name: str, *, status: str, overrides: list[str] = (), step: int | None = 3,
-              started: float, resumed_from: str | None = None, pid: int | None = None) -> Path:
-    """A run folder as a fit leaves it: run.json, config_resolved.yaml and (optionally) checkpoints/last.ckpt."""
+def _fake_run(
+    root: Path,
+    name: str,
+    *,
+    status: str,
+    overrides: list[str] = (),
+    step: int | None = 3,
+    started: float,
+    resumed_from: str | None = None,
+    pid: int | None = None,
+) -> Path:
+    """A run folder as a fit leaves it: run.json, config_resolved.yaml and (optionally) checkpoints/last.ckpt.
+    """
     run_dir = root / "fit" / name
     run_dir.mkdir(parents=True)
     cfg = compose_config([*SMOKE, *overrides], output_dir=run_dir)
@@ -74,8 +92,8 @@ CASES = ["finished", "other_data", "no_checkpoint", "still_running"]
 
 @pytest.mark.parametrize("case", CASES)
 def test_last_passes_over_newer_fits_it_cannot_resume(tmp_path: Path, case: str, caplog) -> None:
-    """``fit ckpt_path=last`` is the newest unfinished fit with this model and data that saved a checkpoint: a newer
-    finished, other, checkpoint-less (named in a log line) or running fit does not stand in its way."""
+    """``fit ckpt_path=last`` is the newest unfinished fit with this model and data that saved a checkpoint: a
+    newer finished, other, checkpoint-less (named in a log line) or running fit does not stand in its way."""
     root = tmp_path / "runs"
     older = _fake_run(root, "a", status="interrupted", step=2, started=1.0)
     newest, sleeper = _newest_fit(root, case)
@@ -89,9 +107,20 @@ def test_last_passes_over_newer_fits_it_cannot_resume(tmp_path: Path, case: str,
     assert ("saved no checkpoint: " + str(newest) in caplog.text) == (case == "no_checkpoint")
 
 
-@pytest.mark.parametrize(("case", "expected"), list(zip(CASES, ["finished: there is nothing to resume",
-                                                           "data.train_size: 12 -> 16", "before it saved a checkpoint",
-                                                           "is still running"])))
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    list(
+        zip(
+            CASES,
+            [
+                "finished: there is nothing to resume",
+                "data.train_size: 12 -> 16",
+                "before it saved a checkpoint",
+                "is still running",
+            ],
+        )
+    ),
+)
 def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, expected: str) -> None:
     root = tmp_path / "runs"
     newest, sleeper = _newest_fit(root, case)
@@ -110,11 +139,16 @@ def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, 
 
 @pytest.mark.parametrize("saved", ["fused_absent", "fused_null", "speedups_absent"])
 def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, saved: str, caplog) -> None:
-    """``optim.optimizer.fused`` and the ``speedups`` change how a step is computed, not its result: a run saved
-    without the key (made before it existed) or with another value is still the run ``last`` resumes."""
+    """``optim.optimizer.fused`` and the ``speedups`` change how a step is computed, not its result: a run
+    saved without the key (made before it existed) or with another value is still the run ``last`` resumes."""
     root = tmp_path / "runs"
-    killed = _fake_run(root, "a", status="interrupted", started=1.0,
-                       overrides=["optim.optimizer.fused=null"] if saved == "fused_null" else [])
+    killed = _fake_run(
+        root,
+        "a",
+        status="interrupted",
+        started=1.0,
+        overrides=["optim.optimizer.fused=null"] if saved == "fused_null" else [],
+    )
     if saved.endswith("absent"):
         saved_config = OmegaConf.load(killed / "config_resolved.yaml")
         if saved == "fused_absent":
@@ -125,39 +159,61 @@ def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, sav
         OmegaConf.save(saved_config, killed / "config_resolved.yaml")
     with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
         assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
-    said = {"fused_absent": "model.optim.optimizer.fused: None -> 'auto'",
-            "fused_null": "model.optim.optimizer.fused: None -> 'auto'",
-            "speedups_absent": "model.speedups.ext_ops._target_: None -> 'lit_amp_det.models.speedups.ExtensionOps'"}
+    said = {
+        "fused_absent": "model.optim.optimizer.fused: None -> 'auto'",
+        "fused_null": "model.optim.optimizer.fused: None -> 'auto'",
+        "speedups_absent": "model.speedups.ext_ops._target_: None -> 'lit_amp_det.models.speedups.ExtensionOps'",
+    }
     assert said[saved] in caplog.text  # said, not refused
-    with pytest.raises(ResumeError, match="model.optim.optimizer.lr"):  # a setting that changes the run still counts
+    with pytest.raises(
+        ResumeError, match="model.optim.optimizer.lr"
+    ):  # a setting that changes the run still counts
         _resolve(root, "last", ["optim.optimizer.lr=0.5"])
 
 
 def test_last_resumes_under_other_implementation_settings(tmp_path: Path, caplog) -> None:
-    """Kernels, memory formats, compilation and the evaluation settings change how a step is computed or scored, not
-    the model, data or recipe (as ``trainer.precision``, which is not compared): a run killed on one machine resumes
-    with another's ``speedups``, and from other ``model.weights`` (a resume restores every tensor)."""
+    """Kernels, memory formats, compilation and the evaluation settings change how a step is computed or
+    scored, not the model, data or recipe (as ``trainer.precision``, which is not compared): a run killed on
+    one machine resumes with another's ``speedups``, and from other ``model.weights`` (a resume restores every
+    tensor)."""
     root = tmp_path / "runs"
     killed = _fake_run(root, "a", status="interrupted", started=1.0)
-    switches = ["speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast}", "speedups.ext_ops=null",
-                "speedups.compile={_target_:lit_amp_det.models.speedups.CompileBackbone,devices:[cuda]}",
-                "model.evaluation.backend=pycocotools", "model.evaluation.mask_threshold=0.4",
-                "optim.optimizer.fused=null", f"model.weights={tmp_path / 'other.ckpt'}"]
+    switches = [
+        "speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast}",
+        "speedups.ext_ops=null",
+        "speedups.compile={_target_:lit_amp_det.models.speedups.CompileBackbone,devices:[cuda]}",
+        "model.evaluation.backend=pycocotools",
+        "model.evaluation.mask_threshold=0.4",
+        "optim.optimizer.fused=null",
+        f"model.weights={tmp_path / 'other.ckpt'}",
+    ]
     with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
         assert _resolve(root, "last", switches) == str((killed / "checkpoints" / "last.ckpt").resolve())
-    for key in ("model.speedups.channels_last._target_: None -> 'lit_amp_det.models.speedups.ChannelsLast'",
-                "model.speedups.ext_ops._target_: 'lit_amp_det.models.speedups.ExtensionOps' -> None",
-                "model.speedups.compile.devices: None -> ['cuda']", "model.evaluation.mask_threshold: 0.5 -> 0.4",
-                "model.evaluation.backend: 'faster_coco_eval' -> 'pycocotools'",
-                "model.optim.optimizer.fused: 'auto' -> None"):
+    for key in (
+        "model.speedups.channels_last._target_: None -> 'lit_amp_det.models.speedups.ChannelsLast'",
+        "model.speedups.ext_ops._target_: 'lit_amp_det.models.speedups.ExtensionOps' -> None",
+        "model.speedups.compile.devices: None -> ['cuda']",
+        "model.evaluation.mask_threshold: 0.5 -> 0.4",
+        "model.evaluation.backend: 'faster_coco_eval' -> 'pycocotools'",
+        "model.optim.optimizer.fused: 'auto' -> None",
+    ):
         assert key in caplog.text
     assert "model.weights" not in caplog.text  # not even an implementation difference
     assert _resolve(root, "last", ["speedups=none"]) == str((killed / "checkpoints" / "last.ckpt").resolve())
     assert _resolve(root, "last", ["speedups=gpu"]) == str((killed / "checkpoints" / "last.ckpt").resolve())
-    for changed in ("model.rpn.batch_size_per_image=64", "model.backbone.fpn_channels=16", "model.mask=false",
-                    "optim.reference_batch=16", "optim.scheduler.warmup_steps=5"):
-        with pytest.raises(ResumeError, match=changed.split("=")[0].replace("optim.", "model.optim.", 1)
-                           if changed.startswith("optim.") else changed.split("=")[0]):
+    for changed in (
+        "model.rpn.batch_size_per_image=64",
+        "model.backbone.fpn_channels=16",
+        "model.mask=false",
+        "optim.reference_batch=16",
+        "optim.scheduler.warmup_steps=5",
+    ):
+        with pytest.raises(
+            ResumeError,
+            match=changed.split("=")[0].replace("optim.", "model.optim.", 1)
+            if changed.startswith("optim.")
+            else changed.split("=")[0],
+        ):
             _resolve(root, "last", [*switches, changed])  # the model and the recipe still count
 
 
@@ -167,7 +223,8 @@ def test_explicit_run_dir_and_resumed_chains(tmp_path: Path) -> None:
     _fake_run(root, "b", status="finished", step=8, started=2.0)
     first_ckpt = str((first / "checkpoints" / "last.ckpt").resolve())
     assert _resolve(root, str(first)) == first_ckpt  # ckpt_path=RUN_DIR, whatever is newer
-    # a run that resumed `first` and was killed before its own first save: resuming it continues first's checkpoint
+    # a run that resumed `first` and was killed before its own first save: resuming it continues first's
+    # checkpoint
     _fake_run(root, "c", status="killed", step=None, started=3.0, resumed_from=first_ckpt)
     assert _resolve(root, "last") == first_ckpt
     # once a later run resumed it, `first` itself is no longer offered
@@ -179,14 +236,20 @@ def test_explicit_run_dir_and_resumed_chains(tmp_path: Path) -> None:
 
 def test_last_for_evaluation_takes_the_newest_fit_with_the_same_model(tmp_path: Path) -> None:
     root = tmp_path / "runs"
-    older = _fake_run(root, "a", status="finished", step=8, started=1.0, overrides=["model.backbone.fpn_channels=16"])
+    older = _fake_run(
+        root, "a", status="finished", step=8, started=1.0, overrides=["model.backbone.fpn_channels=16"]
+    )
     newest = _fake_run(root, "b", status="finished", overrides=["data.train_size=12"], step=8, started=2.0)
     assert _resolve(root, "last", command="test") == str((newest / "checkpoints" / "last.ckpt").resolve())
     # a newer fit of another model does not stand in the way
     assert _resolve(root, "last", overrides=["model.backbone.fpn_channels=16"], command="predict") == str(
-        (older / "checkpoints" / "last.ckpt").resolve())
-    with pytest.raises(ResumeError, match=r"no fit with a checkpoint has this model; the newest, .*differs: "
-                                          r".*model.num_classes") as err:
+        (older / "checkpoints" / "last.ckpt").resolve()
+    )
+    with pytest.raises(
+        ResumeError,
+        match=r"no fit with a checkpoint has this model; the newest, .*differs: "
+        r".*model.num_classes",
+    ) as err:
         _resolve(root, "last", overrides=["model.num_classes=9"], command="validate")
     assert str(newest.resolve()) in str(err.value)
 
@@ -199,29 +262,49 @@ def test_last_for_evaluation_refuses_a_fit_without_its_saved_config(tmp_path: Pa
 
 
 @pytest.mark.parametrize("command", ["validate", "test", "predict"])
-def test_last_for_evaluation_takes_weights_across_settings_that_leave_them_usable(tmp_path: Path, command: str,
-                                                                                  caplog) -> None:
-    """Evaluating a fit's weights at another test size, score threshold, kernel or memory format is what one does
-    with weights: only a setting that changes a tensor's name or shape makes them another model's."""
+def test_last_for_evaluation_takes_weights_across_settings_that_leave_them_usable(
+    tmp_path: Path, command: str, caplog
+) -> None:
+    """Evaluating a fit's weights at another test size, score threshold, kernel or memory format is what one
+    does with weights: only a setting that changes a tensor's name or shape makes them another model's."""
     root = tmp_path / "runs"
     fit = _fake_run(root, "a", status="finished", step=8, started=1.0)
-    other = ["speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast}", "speedups.ext_ops=null",
-             "model.transform.min_size=96",
-             "model.transform.max_size=96", "model.roi_heads.score_thresh=0.3", "model.rpn.post_nms_top_n_test=20",
-             "model.evaluation.mask_threshold=0.4", "model.evaluation.backend=pycocotools"]
+    other = [
+        "speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast}",
+        "speedups.ext_ops=null",
+        "model.transform.min_size=96",
+        "model.transform.max_size=96",
+        "model.roi_heads.score_thresh=0.3",
+        "model.rpn.post_nms_top_n_test=20",
+        "model.evaluation.mask_threshold=0.4",
+        "model.evaluation.backend=pycocotools",
+    ]
     with caplog.at_level("INFO", logger="lit_amp_det.app.runs"):
-        assert _resolve(root, "last", other, command=command) == str((fit / "checkpoints" / "last.ckpt").resolve())
-    assert "model.transform.min_size: 64 -> 96" in caplog.text and "model.roi_heads.score_thresh" in caplog.text
-    assert "model.speedups.channels_last._target_: None -> 'lit_amp_det.models.speedups.ChannelsLast'" in caplog.text
+        assert _resolve(root, "last", other, command=command) == str(
+            (fit / "checkpoints" / "last.ckpt").resolve()
+        )
+    assert (
+        "model.transform.min_size: 64 -> 96" in caplog.text and "model.roi_heads.score_thresh" in caplog.text
+    )
+    assert (
+        "model.speedups.channels_last._target_: None -> 'lit_amp_det.models.speedups.ChannelsLast'"
+        in caplog.text
+    )
     for more in (["speedups=gpu"], ["speedups=none"], ["optim=sgd"]):
-        assert _resolve(root, "last", more, command=command) == str((fit / "checkpoints" / "last.ckpt").resolve())
+        assert _resolve(root, "last", more, command=command) == str(
+            (fit / "checkpoints" / "last.ckpt").resolve()
+        )
 
 
 def test_run_record_updates_keep_the_rest(tmp_path: Path) -> None:
     write_run_record(tmp_path, "fit", resumed_from="/x/last.ckpt")
     update_run_record(tmp_path, status="finished", global_step=8)
     record = json.loads((tmp_path / "run.json").read_text())
-    assert record["status"] == "finished" and record["resumed_from"] == "/x/last.ckpt" and record["global_step"] == 8
+    assert (
+        record["status"] == "finished"
+        and record["resumed_from"] == "/x/last.ckpt"
+        and record["global_step"] == 8
+    )
 
 
 # ------------------------------------------------------------------------------------------- end to end
@@ -231,23 +314,36 @@ def test_an_earlier_run_folder_is_never_written_into(tmp_path: Path) -> None:
     (used / "checkpoints" / "last.ckpt").write_bytes(b"earlier checkpoint")
     (used / "metrics.json").write_text('{"earlier": true}')
     proc = run_cli(["fit", *SMOKE, f"hydra.run.dir={used}"], cwd=tmp_path, check=False)
-    assert proc.returncode != 0 and "already holds a run" in proc.stderr and f"ckpt_path={used}" in proc.stderr
+    assert (
+        proc.returncode != 0 and "already holds a run" in proc.stderr and f"ckpt_path={used}" in proc.stderr
+    )
     assert sorted(p.name for p in used.iterdir()) == ["checkpoints", "metrics.json"]  # not even .hydra/
     assert (used / "checkpoints" / "last.ckpt").read_bytes() == b"earlier checkpoint"
 
 
 def _popen_fit(args: list[str], cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-    return subprocess.Popen([sys.executable, "-m", "lit_amp_det", "fit", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lit_amp_det", "fit", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
 def test_two_fits_started_together_get_their_own_folders_and_plain_text_logs(tmp_path: Path) -> None:
     # both ask for the same folder name, as two runs started in the same second do
     same_second = "hydra.run.dir=${unique_dir:" + str(tmp_path / "runs" / "fit" / "2026-11-23_10-00-00") + "}"
-    common = [*SMOKE, "trainer.max_epochs=1", "trainer.check_val_every_n_epoch=1", same_second,
-              "callbacks.console_log.every_n_steps=2"]
+    common = [
+        *SMOKE,
+        "trainer.max_epochs=1",
+        "trainer.check_val_every_n_epoch=1",
+        same_second,
+        "callbacks.console_log.every_n_steps=2",
+    ]
     procs = [_popen_fit([*common, f"data.train_size={size}"], tmp_path) for size in (12, 16)]
     outputs = [proc.communicate(timeout=600) for proc in procs]
     for proc, (out, err) in zip(procs, outputs):
@@ -263,9 +359,15 @@ def test_two_fits_started_together_get_their_own_folders_and_plain_text_logs(tmp
         steps.add(metrics["global_step"])
         rows = (run_dir / "logs" / "metrics.csv").read_text().splitlines()
         loss_column = rows[0].split(",").index("train/loss")
-        assert sum(1 for row in rows[1:] if row.split(",")[loss_column]) == size // 4  # no rows of the other run
-        assert torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
-                          weights_only=True)["global_step"] == size // 4
+        assert (
+            sum(1 for row in rows[1:] if row.split(",")[loss_column]) == size // 4
+        )  # no rows of the other run
+        assert (
+            torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)[
+                "global_step"
+            ]
+            == size // 4
+        )
         log_text = (run_dir / "fit.log").read_text()
         assert "step 2" in log_text and "lr " in log_text and "images/s" in log_text
         assert "validation after epoch 0" in log_text and "val/segm_mAP" in log_text
@@ -281,12 +383,24 @@ def test_kill_9_then_last_resumes_that_run_and_not_a_finished_one(tmp_path: Path
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     fast = [*SMOKE, "trainer.max_epochs=1"]
     run_cli(["fit", *fast, "data.train_size=12"], cwd=tmp_path)  # an earlier, finished run on other data
-    killed = run_cli(["fit", *fast, "callbacks.last_checkpoint.every_n_train_steps=2",
-                      "+callbacks.killer._target_=killer.KillAtStep", "+callbacks.killer.step=3"],
-                     cwd=tmp_path, env=env, check=False)
+    killed = run_cli(
+        [
+            "fit",
+            *fast,
+            "callbacks.last_checkpoint.every_n_train_steps=2",
+            "+callbacks.killer._target_=killer.KillAtStep",
+            "+callbacks.killer.step=3",
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
     assert killed.returncode == -9
-    (killed_ckpt,) = [p for p in (tmp_path / "runs").glob("fit/*/checkpoints/last.ckpt")
-                      if not (p.parent.parent / "metrics.json").exists()]
+    (killed_ckpt,) = [
+        p
+        for p in (tmp_path / "runs").glob("fit/*/checkpoints/last.ckpt")
+        if not (p.parent.parent / "metrics.json").exists()
+    ]
     resumed = run_cli(["fit", *fast, "ckpt_path=last"], cwd=tmp_path)
     assert f"resuming {killed_ckpt.resolve()} (step 2" in resumed.stdout
     newest = max((tmp_path / "runs").glob("fit/*/metrics.json"), key=lambda p: p.stat().st_mtime)
@@ -299,11 +413,13 @@ def test_kill_9_then_last_resumes_that_run_and_not_a_finished_one(tmp_path: Path
 # ------------------------------------------------------------------------------------------ small things
 def test_progress_bar_shows_the_learning_rate_readably(monkeypatch) -> None:
     from lightning.pytorch.callbacks import TQDMProgressBar
-
     from lit_amp_det.callbacks.console_log import ReadableProgressBar
 
-    monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, trainer, module: {"train/lr": 0.000123,
-                                                                                       "train/loss": 0.5})
+    monkeypatch.setattr(
+        TQDMProgressBar,
+        "get_metrics",
+        lambda self, trainer, module: {"train/lr": 0.000123, "train/loss": 0.5},
+    )
     metrics = ReadableProgressBar().get_metrics(None, None)
     assert metrics == {"train/lr": "1.23e-04", "train/loss": 0.5}
 
@@ -314,12 +430,14 @@ def test_coco_loader_defaults_follow_the_device() -> None:
     gpu = compose_config(["data=coco", "data.root=/x", "trainer=gpu"], output_dir=Path("/tmp/x"))
     assert gpu.data.pin_memory is True
     quick = compose_config(["trainer.max_steps=50", "data.predict_split=test"], output_dir=Path("/tmp/x"))
-    assert quick.trainer.max_steps == 50 and quick.data.predict_split == "test"  # keys a user sets often exist
+    assert (
+        quick.trainer.max_steps == 50 and quick.data.predict_split == "test"
+    )  # keys a user sets often exist
 
 
 def test_loader_workers_are_clamped_where_the_data_is_loaded() -> None:
-    """The config keeps what was asked (a SLURM job's ``cpus_per_task`` is sized from it on the submitting host);
-    the data module starts no more workers than the CPUs its process may use."""
+    """The config keeps what was asked (a SLURM job's ``cpus_per_task`` is sized from it on the submitting
+    host); the data module starts no more workers than the CPUs its process may use."""
     from lit_amp_det.data import CocoDataModule
     from lit_amp_det.errors import ArgumentError
 
@@ -330,7 +448,9 @@ def test_loader_workers_are_clamped_where_the_data_is_loaded() -> None:
         CocoDataModule(root="/x", num_workers=-1)
 
 
-def test_a_resumed_folder_is_claimed_against_a_second_fit_and_loses_its_stale_temporaries(tmp_path: Path) -> None:
+def test_a_resumed_folder_is_claimed_against_a_second_fit_and_loses_its_stale_temporaries(
+    tmp_path: Path,
+) -> None:
     from lit_amp_det.app import runs
 
     root = tmp_path / "runs"
@@ -338,13 +458,23 @@ def test_a_resumed_folder_is_claimed_against_a_second_fit_and_loses_its_stale_te
     stale = killed / "checkpoints" / ".last.ckpt.tmp"
     stale.write_bytes(b"half a checkpoint")  # what a SIGKILL during a save leaves
     lock = killed / "checkpoints" / ".resume.lock"
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'process 4242 on elsewhere')\n"
-                               "print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'process 4242 on elsewhere')\n"
+            "print('locked', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(ResumeError, match=r"checkpoints is being resumed by process 4242 on elsewhere; wait"):
+        with pytest.raises(
+            ResumeError, match=r"checkpoints is being resumed by process 4242 on elsewhere; wait"
+        ):
             _resolve(root, "last")
     finally:
         holder.kill()
@@ -352,7 +482,9 @@ def test_a_resumed_folder_is_claimed_against_a_second_fit_and_loses_its_stale_te
     assert stale.exists()  # not touched while another process resumed it
     assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())
     assert not stale.exists() and (killed / "checkpoints").resolve() in runs._CLAIMS
-    assert _resolve(root, "last") == str((killed / "checkpoints" / "last.ckpt").resolve())  # this process again
+    assert _resolve(root, "last") == str(
+        (killed / "checkpoints" / "last.ckpt").resolve()
+    )  # this process again
 
 
 def test_a_new_fit_removes_the_partial_checkpoints_of_killed_fits(tmp_path: Path) -> None:
@@ -365,5 +497,7 @@ def test_a_new_fit_removes_the_partial_checkpoints_of_killed_fits(tmp_path: Path
         (run / "checkpoints" / ".last.ckpt.tmp").write_bytes(b"half a checkpoint")
     remove_stale_temporaries(root)
     assert not (killed / "checkpoints" / ".last.ckpt.tmp").exists()
-    assert (stopped / "checkpoints" / ".last.ckpt.tmp").exists()  # its process was not seen to die: left alone
+    assert (
+        stopped / "checkpoints" / ".last.ckpt.tmp"
+    ).exists()  # its process was not seen to die: left alone
     assert (killed / "checkpoints" / "last.ckpt").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 
 
@@ -64,13 +63,16 @@ def _loader_state(monkeypatch: pytest.MonkeyPatch, world: int, consumed: int) ->
     return loader.state_dict()
 
 
-@pytest.mark.parametrize(("saved_world", "world", "consumed", "refused"), [
-    (4, 2, 1, True),  # mid-epoch, fewer processes: the shares change
-    (2, 4, 3, True),  # mid-epoch, more processes
-    (4, 2, 2, False),  # the epoch's 2 batches (16 images / 4 / 2) were all consumed: any count resumes
-    (4, 2, 0, False),  # nothing of the epoch consumed yet
-    (4, 4, 1, False),  # the same count resumes anywhere, mid-epoch too
-])
+@pytest.mark.parametrize(
+    ("saved_world", "world", "consumed", "refused"),
+    [
+        (4, 2, 1, True),  # mid-epoch, fewer processes: the shares change
+        (2, 4, 3, True),  # mid-epoch, more processes
+        (4, 2, 2, False),  # the epoch's 2 batches (16 images / 4 / 2) were all consumed: any count resumes
+        (4, 2, 0, False),  # nothing of the epoch consumed yet
+        (4, 4, 1, False),  # the same count resumes anywhere, mid-epoch too
+    ],
+)
 def test_a_mid_epoch_checkpoint_resumes_only_on_as_many_processes(
     monkeypatch: pytest.MonkeyPatch, saved_world: int, world: int, consumed: int, refused: bool
 ) -> None:
@@ -78,8 +80,11 @@ def test_a_mid_epoch_checkpoint_resumes_only_on_as_many_processes(
     monkeypatch.setattr("lit_amp_det.data.sampler._distributed_rank_and_size", lambda: (0, world))
     loader = ResumableDataLoader(_KeyEcho(), ResumableBatchSampler(16, 2, seed=0), collate_fn=lambda b: b)
     if refused:
-        with pytest.raises(ValueError, match=rf"taken by {saved_world} processes.*trainer.num_nodes x "
-                                             rf"trainer.devices = {saved_world}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"taken by {saved_world} processes.*trainer.num_nodes x "
+            rf"trainer.devices = {saved_world}",
+        ):
             loader.load_state_dict(state)
     else:
         loader.load_state_dict(state)
@@ -124,11 +129,14 @@ def test_training_shards_are_equal_sized_and_cover_every_sample_padding_with_rep
     assert len(everything) - len(set(everything)) == 2
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"dataset_size": 0, "batch_size": 2}, "training split is empty"),
-    ({"dataset_size": 4, "batch_size": 0}, "data.batch_size must be >= 1"),
-    ({"dataset_size": 4, "batch_size": 2, "group_ids": [0]}, "group_ids has 1 entries for 4 samples"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dataset_size": 0, "batch_size": 2}, "training split is empty"),
+        ({"dataset_size": 4, "batch_size": 0}, "data.batch_size must be >= 1"),
+        ({"dataset_size": 4, "batch_size": 2, "group_ids": [0]}, "group_ids has 1 entries for 4 samples"),
+    ],
+)
 def test_bad_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ResumableBatchSampler(**kwargs)

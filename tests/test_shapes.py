@@ -9,19 +9,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-from pycocotools.coco import COCO
-
 from lit_amp_det.data import shapes, shapes_spec
 from lit_amp_det.data.shapes import (
     MARKER_NAME,
-    ShapesSpec,
     SHAPE_CLASSES,
+    ShapesSpec,
     ensure_shapes,
     generate_shapes,
     render_shapes_image,
     shapes_dataset_dir,
 )
+from PIL import Image
+from pycocotools.coco import COCO
 
 # pycocotools' Cython decode trips a numpy-2 DeprecationWarning on every call; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
@@ -51,8 +50,7 @@ def _tight_box(mask: np.ndarray) -> tuple[int, int, int, int]:
 
 def _read_pixels(root: Path) -> dict[str, np.ndarray]:
     return {
-        str(p.relative_to(root)): np.asarray(Image.open(p))
-        for p in sorted((root / "images").rglob("*.png"))
+        str(p.relative_to(root)): np.asarray(Image.open(p)) for p in sorted((root / "images").rglob("*.png"))
     }
 
 
@@ -228,11 +226,18 @@ def _as_call(fields: dict) -> dict:
 
 def test_cache_dir_depends_on_every_parameter(tmp_path: Path) -> None:
     base = shapes_dataset_dir(tmp_path)
-    assert base == shapes_dataset_dir(tmp_path, ShapesSpec(seed=0), splits={"val": 100, "test": 100, "train": 800})
+    assert base == shapes_dataset_dir(
+        tmp_path, ShapesSpec(seed=0), splits={"val": 100, "test": 100, "train": 800}
+    )
     variants = [
-        dict(splits={"train": 801, "val": 100, "test": 100}), dict(image_size=128),
-        dict(min_objects=2), dict(max_objects=4), dict(min_size=0.2), dict(max_size=0.4),
-        dict(seed=1), dict(empty_prob=0.0),
+        dict(splits={"train": 801, "val": 100, "test": 100}),
+        dict(image_size=128),
+        dict(min_objects=2),
+        dict(max_objects=4),
+        dict(min_size=0.2),
+        dict(max_size=0.4),
+        dict(seed=1),
+        dict(empty_prob=0.0),
     ]
     names = {shapes_dataset_dir(tmp_path, **_as_call(kw)).name for kw in variants}
     assert len(names) == len(variants) and base.name not in names
@@ -317,7 +322,9 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict, argument: str) -> None:
 
 
 def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert shapes.main([str(tmp_path / "cli"), "--split", "train=2", "--image-size", "48", "--seed", "2"]) == 0
+    assert (
+        shapes.main([str(tmp_path / "cli"), "--split", "train=2", "--image-size", "48", "--seed", "2"]) == 0
+    )
     assert str(tmp_path / "cli") in capsys.readouterr().out
     marker = json.loads((tmp_path / "cli" / MARKER_NAME).read_text())
     assert marker["params"]["seed"] == 2 and marker["splits"]["train"]["images"] == 2
@@ -327,21 +334,28 @@ def test_the_yaml_and_the_code_share_the_generators_defaults():
     """``conf/data/shapes.yaml`` repeats ShapesSpec's defaults for the command line; they must not drift."""
     import inspect
 
-    from omegaconf import OmegaConf
-
     from lit_amp_det.app.config import config_dir
     from lit_amp_det.data import ShapesDataModule
     from lit_amp_det.data.shapes import ShapesSpec
+    from omegaconf import OmegaConf
 
     yaml = OmegaConf.load(config_dir() / "data" / "shapes.yaml")
     spec = ShapesSpec()
-    assert (yaml.image_size, yaml.min_objects, yaml.max_objects, yaml.min_object_size, yaml.max_object_size,
-            yaml.data_seed) == (spec.image_size, spec.min_objects, spec.max_objects, spec.min_size, spec.max_size,
-                                spec.seed)
+    assert (
+        yaml.image_size,
+        yaml.min_objects,
+        yaml.max_objects,
+        yaml.min_object_size,
+        yaml.max_object_size,
+        yaml.data_seed,
+    ) == (spec.image_size, spec.min_objects, spec.max_objects, spec.min_size, spec.max_size, spec.seed)
     defaults = {k: p.default for k, p in inspect.signature(ShapesDataModule).parameters.items()}
     assert (defaults["max_objects"], defaults["min_object_size"]) == (spec.max_objects, spec.min_size)
     for function in (generate_shapes, ensure_shapes, shapes_dataset_dir, render_shapes_image):
         params = inspect.signature(function).parameters
         keys = ("min_objects", "max_objects", "min_size", "max_size", "empty_prob", "seed", "image_size")
-        assert all(params[k].default == getattr(spec, k) for k in keys
-                   if k in params and params[k].default is not inspect.Parameter.empty), function
+        assert all(
+            params[k].default == getattr(spec, k)
+            for k in keys
+            if k in params and params[k].default is not inspect.Parameter.empty
+        ), function

@@ -1,13 +1,11 @@
-"""The speedups (``conf/speedups``, :mod:`lit_amp_det.models.speedups`): each keeps the state_dict and the results,
-applies only on the devices it declares, and a bad entry is refused naming it."""
+"""The speedups (``conf/speedups``, :mod:`lit_amp_det.models.speedups`): each keeps the state_dict and the
+results, applies only on the devices it declares, and a bad entry is refused naming it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIG_ERRORS, compose_config
 from hydra.utils import instantiate
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.models.speedups import (
     DEFAULT_SPEEDUPS,
@@ -17,6 +15,8 @@ from lit_amp_det.models.speedups import (
     apply_transforms,
     build_transforms,
 )
+
+from conftest import CONFIG_ERRORS, compose_config
 
 CHANNELS_LAST = {"_target_": "lit_amp_det.models.speedups.ChannelsLast"}
 
@@ -52,7 +52,8 @@ def test_channels_last_gives_the_same_detections_and_state_dict() -> None:
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     seen = []
     nhwc.model.backbone.body.conv1.register_forward_pre_hook(
-        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
     plain.eval(), nhwc.eval()
     for module in (plain, nhwc):  # score layers wide enough that detections survive the thresholds
         torch.nn.init.normal_(module.model.roi_heads.box_predictor.cls_score.weight, std=0.5)
@@ -90,17 +91,31 @@ def test_a_transform_applies_only_on_the_devices_it_declares() -> None:
 
 def test_the_gpu_option_adds_channels_last_and_compile_on_cuda_only() -> None:
     transforms = build_transforms(compose_config(["speedups=gpu"]).speedups)
-    assert [t.name for t in transforms] == ["ext_ops", "binary_mask_paste", "sync_free", "channels_last", "compile"]
+    assert [t.name for t in transforms] == [
+        "ext_ops",
+        "binary_mask_paste",
+        "sync_free",
+        "channels_last",
+        "compile",
+    ]
     assert [t.devices for t in transforms[2:]] == [("cuda",), ("cuda",), ("cuda",)]
     assert _module("speedups=gpu").applied_speedups == ["ext_ops", "binary_mask_paste"]  # on this CPU
 
 
-@pytest.mark.parametrize(("entry", "match"), [
-    ("speedups.channels_last=true", "speedups.channels_last=True must be a _target_ mapping"),
-    ("speedups.ext_ops={_target_:torch.nn.Identity}", "speedups.ext_ops._target_='torch.nn.Identity' made a Identity"),
-    ("speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast,devices:[tpu]}",
-     r"speedups.channels_last.devices=\[.*tpu.*\] must list device types"),
-])
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ("speedups.channels_last=true", "speedups.channels_last=True must be a _target_ mapping"),
+        (
+            "speedups.ext_ops={_target_:torch.nn.Identity}",
+            "speedups.ext_ops._target_='torch.nn.Identity' made a Identity",
+        ),
+        (
+            "speedups.channels_last={_target_:lit_amp_det.models.speedups.ChannelsLast,devices:[tpu]}",
+            r"speedups.channels_last.devices=\[.*tpu.*\] must list device types",
+        ),
+    ],
+)
 def test_bad_entries_are_refused_naming_them(entry: str, match: str) -> None:
     with pytest.raises(CONFIG_ERRORS, match=match):
         _module(entry)

@@ -15,10 +15,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
-from omegaconf import OmegaConf
-
 from lit_amp_det.app.config import config_dir
 from lit_amp_det.app.sweep import FAILURE_FILE, SweepSummary, collect_rows, summarize_sweep
+from omegaconf import OmegaConf
 
 from conftest import SMOKE, run_cli
 
@@ -36,9 +35,15 @@ def _metrics(job: int) -> dict[str, float]:
 
 
 def _perf(job: int) -> dict[str, Any]:
-    return {"device": "cpu", "train_images_per_s": 10.0 + job, "train_step_ms_median": 400.0 - job,
-            "peak_memory_mb": 800.0 + 10 * job, "step_memory_mb": 100.0 + job, "tensor_memory_mb": 50.0 + job,
-            "timed_steps": 6}
+    return {
+        "device": "cpu",
+        "train_images_per_s": 10.0 + job,
+        "train_step_ms_median": 400.0 - job,
+        "peak_memory_mb": 800.0 + 10 * job,
+        "step_memory_mb": 100.0 + job,
+        "tensor_memory_mb": 50.0 + job,
+        "timed_steps": 6,
+    }
 
 
 def _job(sweep: Path, num: int, overrides: list[str], record: dict[str, Any] | str | None) -> Path:
@@ -58,8 +63,14 @@ def sweep(tmp_path: Path) -> Path:
     metrics.json; 5: truncated metrics.json; 10: a job that raised (numbered 10 to check numeric order)."""
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
     for num, (precision, callbacks) in enumerate(GRID):
-        record: dict[str, Any] = {"command": "fit", "metrics": _metrics(num), "time_s": 10.0 + num,
-                                  "global_step": 8, "epoch": 1, "perf": _perf(num)}
+        record: dict[str, Any] = {
+            "command": "fit",
+            "metrics": _metrics(num),
+            "time_s": 10.0 + num,
+            "global_step": 8,
+            "epoch": 1,
+            "perf": _perf(num),
+        }
         if num == 3:
             record = {"command": "fit", "metrics": {"train/loss": 1.0}, "time_s": 13.0}
         _job(sweep, num, [*COMMON, f"trainer.precision={precision}", f"callbacks={callbacks}"], record)
@@ -88,13 +99,25 @@ def test_rows_have_status_overrides_metrics_and_perf(sweep: Path, caplog: pytest
     assert columns[:5] == ["job", "status", "overrides", "experiment", "command"]
     assert columns[5:8] == ["trainer.precision", "callbacks", "callbacks.extra"]  # leading + dropped
     assert columns[8] == "objective" and "val/segm_mAP_large" in columns and "train/loss" not in columns
-    assert columns[-8:] == ["images_per_s", "step_ms", "peak_memory_mb", "step_memory_mb", "tensor_memory_mb",
-                            "device", "time_s", "error"]
+    assert columns[-8:] == [
+        "images_per_s",
+        "step_ms",
+        "peak_memory_mb",
+        "step_memory_mb",
+        "tensor_memory_mb",
+        "device",
+        "time_s",
+        "error",
+    ]
     assert all(list(r) == columns for r in rows)
 
     first = rows[0]
     assert first["overrides"] == "experiment=smoke command=fit trainer.precision=32-true callbacks=none"
-    assert (first["trainer.precision"], first["callbacks"], first["callbacks.extra"]) == ("32-true", "none", "")
+    assert (first["trainer.precision"], first["callbacks"], first["callbacks.extra"]) == (
+        "32-true",
+        "none",
+        "",
+    )
     assert first["objective"] == first["val/segm_mAP"] == 0.11 and first["val/bbox_mAP_50"] == 0.1
     assert (first["images_per_s"], first["step_ms"], first["peak_memory_mb"]) == (10.0, 400.0, 800.0)
     assert first["step_memory_mb"] == 100.0 and first["tensor_memory_mb"] == 50.0
@@ -142,8 +165,9 @@ def test_summary_files_csv_markdown_png(sweep: Path) -> None:
     assert not list(sweep.glob(".summary*")), "temporary files left behind"
 
 
-def test_no_matplotlib_skips_the_png_with_one_warning(sweep: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_no_matplotlib_skips_the_png_with_one_warning(
+    sweep: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it looks like
     with caplog.at_level(logging.WARNING, logger="lit_amp_det.app.sweep"):
         summarize_sweep(sweep, METRIC)
@@ -165,16 +189,26 @@ def test_callback_writes_and_prints_at_multirun_end(sweep: Path, capsys: pytest.
     assert (sweep / "summary.md").is_file() and (sweep / "summary.png").is_file()
 
 
-def test_callback_never_raises_at_the_end_of_a_sweep(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "gone")}}, "optimized_metric": METRIC})
+def test_callback_never_raises_at_the_end_of_a_sweep(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = OmegaConf.create(
+        {"hydra": {"sweep": {"dir": str(tmp_path / "gone")}}, "optimized_metric": METRIC}
+    )
     with caplog.at_level(logging.WARNING, logger="lit_amp_det.app.sweep"):
         SweepSummary().on_multirun_end(config=config)
-    assert any("gone" in rec.getMessage() and "FileNotFoundError" in rec.getMessage() for rec in caplog.records)
+    assert any(
+        "gone" in rec.getMessage() and "FileNotFoundError" in rec.getMessage() for rec in caplog.records
+    )
 
 
 def _job_config(sweep: Path, job_dir: Path, mode: RunMode) -> Any:
-    return OmegaConf.create({"hydra": {"mode": mode, "sweep": {"dir": str(sweep)},
-                                       "runtime": {"output_dir": str(job_dir)}}, "optimized_metric": METRIC})
+    return OmegaConf.create(
+        {
+            "hydra": {"mode": mode, "sweep": {"dir": str(sweep)}, "runtime": {"output_dir": str(job_dir)}},
+            "optimized_metric": METRIC,
+        }
+    )
 
 
 def _failed(error: Exception) -> JobReturn:
@@ -185,8 +219,10 @@ def _failed(error: Exception) -> JobReturn:
 
 def test_failed_job_is_recorded_and_summarised_at_once(sweep: Path, capsys: pytest.CaptureFixture) -> None:
     job_dir = _job(sweep, 11, [*COMMON, "trainer.precision=16-mixed", "callbacks=default"], None)
-    SweepSummary().on_job_end(config=_job_config(sweep, job_dir, RunMode.MULTIRUN),
-                              job_return=_failed(ValueError("trainer.precision='fp16'")))
+    SweepSummary().on_job_end(
+        config=_job_config(sweep, job_dir, RunMode.MULTIRUN),
+        job_return=_failed(ValueError("trainer.precision='fp16'")),
+    )
     assert (job_dir / FAILURE_FILE).read_text() == "ValueError: trainer.precision='fp16'\n"
     table = list(csv.DictReader((sweep / "summary.csv").open()))
     assert (table[-1]["job"], table[-1]["status"]) == ("11", "failed")
@@ -197,7 +233,9 @@ def test_failed_job_is_recorded_and_summarised_at_once(sweep: Path, capsys: pyte
 
 def test_single_runs_are_left_alone(sweep: Path) -> None:
     job_dir = _job(sweep, 12, COMMON, None)
-    SweepSummary().on_job_end(config=_job_config(sweep, job_dir, RunMode.RUN), job_return=_failed(ValueError("x")))
+    SweepSummary().on_job_end(
+        config=_job_config(sweep, job_dir, RunMode.RUN), job_return=_failed(ValueError("x"))
+    )
     assert not (job_dir / FAILURE_FILE).exists() and not (sweep / "summary.csv").exists()
 
 
@@ -220,7 +258,9 @@ def test_optuna_search_config_composes() -> None:
     assert sweeper.sampler._target_ == "optuna.samplers.TPESampler" and sweeper.sampler.seed is not None
     assert (sweeper.n_trials, sweeper.n_jobs) == (20, 1)
     assert sweeper.params["optim.optimizer.lr"] == "tag(log, interval(1e-4, 3e-3))"
-    assert {"trainer.precision", "model.rpn.nms_thresh", "optim.optimizer.weight_decay"} <= set(sweeper.params)
+    assert {"trainer.precision", "model.rpn.nms_thresh", "optim.optimizer.weight_decay"} <= set(
+        sweeper.params
+    )
     assert cfg.optimized_metric == METRIC  # kept from config.yaml
     assert cfg.hydra.callbacks.sweep_summary._target_ == "lit_amp_det.app.sweep.SweepSummary"
 
@@ -237,16 +277,22 @@ def _only_sweep_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_multirun_writes_the_summary(tmp_path: Path) -> None:
-    # (callbacks=fast would add its baseline-comparison steps to every other job; freeze_norm is a cheap second value)
-    proc = run_cli(["fit", "-m", "trainer.precision=32-true,bf16-mixed", "callbacks=none,freeze_norm", *TINY],
-                   cwd=tmp_path)
+    # (callbacks=fast would add its baseline-comparison steps to every other job; freeze_norm is a cheap
+    # second value)
+    proc = run_cli(
+        ["fit", "-m", "trainer.precision=32-true,bf16-mixed", "callbacks=none,freeze_norm", *TINY],
+        cwd=tmp_path,
+    )
     sweep = _only_sweep_dir(tmp_path)
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
     assert f"sweep summary: {sweep}/summary.{{csv,md,png}}" in proc.stdout
     table = list(csv.DictReader((sweep / "summary.csv").open()))
     assert [r["status"] for r in table] == ["ok"] * 4
     assert {(r["trainer.precision"], r["callbacks"]) for r in table} == {
-        (precision, callbacks) for precision in ("32-true", "bf16-mixed") for callbacks in ("none", "freeze_norm")}
+        (precision, callbacks)
+        for precision in ("32-true", "bf16-mixed")
+        for callbacks in ("none", "freeze_norm")
+    }
     for row in table:
         assert 0.0 <= float(row["objective"]) <= 1.0 and row["objective"] == row["val/segm_mAP"]
         assert float(row["images_per_s"]) > 0 and float(row["peak_memory_mb"]) > 0 and row["device"] == "cpu"
@@ -254,25 +300,37 @@ def test_multirun_writes_the_summary(tmp_path: Path) -> None:
     assert "4 jobs (4 ok)" in md and "| trainer.precision | callbacks |" in md
     assert (sweep / "summary.png").read_bytes().startswith(b"\x89PNG")
 
-    # the same settings in the opposite order: the tensor total of each setting does not move (the resident-set
-    # peak does: each later job starts on what earlier ones left in the process)
-    run_cli(["fit", "-m", "trainer.precision=bf16-mixed,32-true", "callbacks=none", *TINY], cwd=tmp_path,
-            env={"LIT_AMP_DET_RUNS": str(tmp_path / "reversed")})
+    # the same settings in the opposite order: the tensor total of each setting does not move (the
+    # resident-set peak does: each later job starts on what earlier ones left in the process)
+    run_cli(
+        ["fit", "-m", "trainer.precision=bf16-mixed,32-true", "callbacks=none", *TINY],
+        cwd=tmp_path,
+        env={"LIT_AMP_DET_RUNS": str(tmp_path / "reversed")},
+    )
     (reversed_sweep,) = (tmp_path / "reversed" / "multirun").iterdir()
-    forward = {r["trainer.precision"]: float(r["tensor_memory_mb"]) for r in table if r["callbacks"] == "none"}
-    backward = {r["trainer.precision"]: float(r["tensor_memory_mb"])
-                for r in csv.DictReader((reversed_sweep / "summary.csv").open())}
+    forward = {
+        r["trainer.precision"]: float(r["tensor_memory_mb"]) for r in table if r["callbacks"] == "none"
+    }
+    backward = {
+        r["trainer.precision"]: float(r["tensor_memory_mb"])
+        for r in csv.DictReader((reversed_sweep / "summary.csv").open())
+    }
     assert forward == backward and forward["32-true"] > 0
 
 
 @pytest.mark.slow
 def test_optuna_trials_end_in_the_summary(tmp_path: Path) -> None:
-    run_cli(["fit", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer.precision=32-true", *TINY],
-            cwd=tmp_path)
+    run_cli(
+        ["fit", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer.precision=32-true", *TINY],
+        cwd=tmp_path,
+    )
     sweep = _only_sweep_dir(tmp_path)
     results = OmegaConf.load(sweep / "optimization_results.yaml")
-    assert set(results.best_params) == {"optim.optimizer.lr", "optim.optimizer.weight_decay",
-                                        "model.rpn.nms_thresh"}  # a fixed value on the command line wins
+    assert set(results.best_params) == {
+        "optim.optimizer.lr",
+        "optim.optimizer.weight_decay",
+        "model.rpn.nms_thresh",
+    }  # a fixed value on the command line wins
     table = list(csv.DictReader((sweep / "summary.csv").open()))
     assert [r["status"] for r in table] == ["ok", "ok"]
     for row in table:

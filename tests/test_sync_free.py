@@ -1,6 +1,6 @@
-"""The fixed-shape Mask R-CNN (``speedups.sync_free``): no host synchronisation in a training step, none in inference
-before the one read of the counts, one graph for ``torch.compile``, torchvision's matching and sampling statistics,
-torchvision's detections and masks."""
+"""The fixed-shape Mask R-CNN (``speedups.sync_free``): no host synchronisation in a training step, none in
+inference before the one read of the counts, one graph for ``torch.compile``, torchvision's matching and
+sampling statistics, torchvision's detections and masks."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
-from torch.utils._python_dispatch import TorchDispatchMode
-from torchvision.models.detection.roi_heads import paste_masks_in_image
-
 from lit_amp_det.models import sync_free
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
@@ -26,6 +22,10 @@ from lit_amp_det.models.sync_free import (
     use_sync_free,
 )
 from lit_amp_det.profiling import HostSyncs
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
+from torchvision.models.detection.roi_heads import paste_masks_in_image
+
 from ops_inputs import needs_extension, on_cuda_only, random_boxes
 
 pytestmark = needs_extension
@@ -51,11 +51,18 @@ def test_match_is_torchvisions_matcher(thresholds):
 # ------------------------------------------------------------------------------------------------ sampling
 
 
-@pytest.mark.parametrize("positives, negatives, ignored", [(3, 200, 20), (100, 300, 0), (0, 50, 5), (40, 0, 3),
-                                                            (0, 0, 10), (10, 20, 0)])
+@pytest.mark.parametrize(
+    "positives, negatives, ignored",
+    [(3, 200, 20), (100, 300, 0), (0, 50, 5), (40, 0, 3), (0, 0, 10), (10, 20, 0)],
+)
 def test_sample_slots_draws_as_many_as_torchvisions_sampler(positives, negatives, ignored):
-    labels = torch.cat([torch.randint(1, 5, (positives,)), torch.zeros(negatives, dtype=torch.int64),
-                        torch.full((ignored,), -1)])
+    labels = torch.cat(
+        [
+            torch.randint(1, 5, (positives,)),
+            torch.zeros(negatives, dtype=torch.int64),
+            torch.full((ignored,), -1),
+        ]
+    )
     labels = labels[torch.randperm(labels.shape[0])]
     sampler = BalancedPositiveNegativeSampler(64, 0.25)
     expected_pos, expected_neg = (int(m[0].sum()) for m in sampler([labels]))
@@ -65,12 +72,16 @@ def test_sample_slots_draws_as_many_as_torchvisions_sampler(positives, negatives
     drawn = index[valid]
     assert drawn.unique().numel() == drawn.numel()  # no element twice
     assert (labels[index[valid & positive]] >= 1).all() and (labels[index[valid & ~positive]] == 0).all()
-    assert not (positive & ~valid).any() and (positive[:-1].int() >= positive[1:].int()).all()  # positives first
+    assert (
+        not (positive & ~valid).any() and (positive[:-1].int() >= positive[1:].int()).all()
+    )  # positives first
 
 
 def test_sample_slots_without_room_for_a_positive_draws_negatives_only():
     labels = torch.tensor([1, 1, 0, 0, 0, -1])
-    index, valid, positive = sample_slots(labels, 3, 0.25)  # int(3 * 0.25) = 0 positives, as torchvision draws
+    index, valid, positive = sample_slots(
+        labels, 3, 0.25
+    )  # int(3 * 0.25) = 0 positives, as torchvision draws
     assert not positive.any() and valid.all() and (labels[index] == 0).all() and index.unique().numel() == 3
 
 
@@ -92,9 +103,20 @@ def test_sample_slots_draws_each_candidate_equally_often():
 @pytest.mark.parametrize("threshold", [0.5, 0.2, -0.1])
 def test_padded_paste_is_torchvisions_paste_thresholded(threshold):
     g = torch.Generator().manual_seed(0)
-    boxes = torch.cat([random_boxes(40, image=(70, 90), min_size=1, max_size=60, generator=g),
-                       torch.tensor([[-20.0, -10, 30, 25], [60, 50, 140, 120], [5, 5, 5.4, 5.2], [200, 200, 230, 260],
-                                     [0, 0, 90, 70]])])
+    boxes = torch.cat(
+        [
+            random_boxes(40, image=(70, 90), min_size=1, max_size=60, generator=g),
+            torch.tensor(
+                [
+                    [-20.0, -10, 30, 25],
+                    [60, 50, 140, 120],
+                    [5, 5, 5.4, 5.2],
+                    [200, 200, 230, 260],
+                    [0, 0, 90, 70],
+                ]
+            ),
+        ]
+    )
     masks = torch.rand(boxes.shape[0], 1, 28, 28, generator=g)
     expected = paste_masks_in_image(masks, boxes, (70, 90), padding=1) > threshold
     got = paste_masks_padded(masks, boxes, (70, 90), threshold)
@@ -156,12 +178,15 @@ def test_an_r50_fpn_training_step_makes_no_host_sync():
     from host_syncs import batch
 
     torch.manual_seed(0)
-    model = _sync_free(build_detector(5, backbone={"name": "resnet50", "fpn_channels": 256, "trainable_layers": 3,
-                                                   "norm": "frozen_bn"},
-                                      transform={"min_size": 128, "max_size": 128},
-                                      rpn={"pre_nms_top_n_train": 2000, "post_nms_top_n_train": 2000,
-                                           "batch_size_per_image": 256},
-                                      roi_heads={"box_head_width": 1024, "batch_size_per_image": 512}))
+    model = _sync_free(
+        build_detector(
+            5,
+            backbone={"name": "resnet50", "fpn_channels": 256, "trainable_layers": 3, "norm": "frozen_bn"},
+            transform={"min_size": 128, "max_size": 128},
+            rpn={"pre_nms_top_n_train": 2000, "post_nms_top_n_train": 2000, "batch_size_per_image": 256},
+            roi_heads={"box_head_width": 1024, "batch_size_per_image": 512},
+        )
+    )
     images, targets = batch()
     for t in targets:
         t["labels"] = t["labels"].clamp(max=4)
@@ -185,7 +210,7 @@ def test_inference_reads_the_device_once_per_batch():
     with torch.no_grad(), HostSyncs() as syncs:
         model(images)
     # the counts of the batch, read once, in forward
-    (what, site), = syncs.sites
+    ((what, site),) = syncs.sites
     assert what == "Tensor.tolist" and site.startswith(str(Path(sync_free.__file__))), syncs.table()
     assert syncs.total == 1 and syncs.kinds["host read"] == 1, syncs.table()
 
@@ -212,9 +237,16 @@ def test_same_detections_and_masks_as_the_dynamic_path_on_the_validation_split()
     data = instantiate(compose_config().data)
     data.setup("validate")
     torch.manual_seed(0)
-    dynamic = BinaryMaskPaste()(ExtensionOps()(build_detector(
-        7, backbone={"name": "resnet10", "fpn_channels": 32}, transform={"min_size": 160, "max_size": 160},
-        roi_heads={"box_head_width": 64, "mask_head_layers": [16], "score_thresh": 0.05}))).eval()
+    dynamic = BinaryMaskPaste()(
+        ExtensionOps()(
+            build_detector(
+                7,
+                backbone={"name": "resnet10", "fpn_channels": 32},
+                transform={"min_size": 160, "max_size": 160},
+                roi_heads={"box_head_width": 64, "mask_head_layers": [16], "score_thresh": 0.05},
+            )
+        )
+    ).eval()
     torch.nn.init.normal_(dynamic.roi_heads.box_predictor.cls_score.weight, std=0.5)  # spread the scores
     fixed = SyncFree(devices=["cpu"])(copy.deepcopy(dynamic)).eval()
     compared = pixels = 0
@@ -231,7 +263,8 @@ def test_same_detections_and_masks_as_the_dynamic_path_on_the_validation_split()
 
 
 def test_training_draws_torchvisions_sample_sizes():
-    """The RoI heads' draw keeps torchvision's counts: positives up to the fraction, negatives filling the batch."""
+    """The RoI heads' draw keeps torchvision's counts: positives up to the fraction, negatives filling the
+    batch."""
     from host_syncs import batch
 
     model = _sync_free(_tiny()).train()
@@ -239,16 +272,26 @@ def test_training_draws_torchvisions_sample_sizes():
     heads = model.roi_heads
     proposals = random_boxes(80, image=(128, 128), max_size=90, clusters=4)
     valid = torch.arange(80) < 70
-    boxes, _, labels, drawn, positive = heads._draw(proposals, valid, targets[0]["boxes"], targets[0]["labels"])
+    boxes, _, labels, drawn, positive = heads._draw(
+        proposals, valid, targets[0]["boxes"], targets[0]["labels"]
+    )
     reference = copy.deepcopy(heads)
-    _, _, expected, _ = type(heads).__mro__[2].select_training_samples(reference, [proposals[:70]], targets[:1])
+    _, _, expected, _ = (
+        type(heads).__mro__[2].select_training_samples(reference, [proposals[:70]], targets[:1])
+    )
     assert int((drawn & positive).sum()) == int((expected[0] > 0).sum())
     assert int(drawn.sum()) == expected[0].numel() and (labels[drawn & positive] > 0).all()
 
 
 def test_fixed_shape_batches_repeat_their_shape():
-    transform = FixedShapeTransform(build_detector(3, backbone={"name": "resnet10", "fpn_channels": 32},
-                                                   transform={"min_size": [96, 100], "max_size": 150}).transform, 0.5)
+    transform = FixedShapeTransform(
+        build_detector(
+            3,
+            backbone={"name": "resnet10", "fpn_channels": 32},
+            transform={"min_size": [96, 100], "max_size": 150},
+        ).transform,
+        0.5,
+    )
     transform.train()
     shapes = set()
     for size in ((80, 120), (60, 90), (120, 70), (100, 100)):
@@ -263,8 +306,14 @@ def test_faster_rcnn_trains_without_a_host_sync_and_detects_as_the_dynamic_path(
     from host_syncs import batch, count
 
     torch.manual_seed(0)
-    dynamic = ExtensionOps()(build_detector(7, mask=False, backbone={"name": "resnet10", "fpn_channels": 32},
-                                            transform={"min_size": 128, "max_size": 128}))
+    dynamic = ExtensionOps()(
+        build_detector(
+            7,
+            mask=False,
+            backbone={"name": "resnet10", "fpn_channels": 32},
+            transform={"min_size": 128, "max_size": 128},
+        )
+    )
     torch.nn.init.normal_(dynamic.roi_heads.box_predictor.cls_score.weight, std=0.5)  # spread the scores
     fixed = SyncFree(devices=["cpu"])(copy.deepcopy(dynamic))
     assert type(fixed).__name__ == "SyncFreeFasterRCNN"
@@ -297,9 +346,9 @@ def test_a_degenerate_box_is_refused_with_torchvisions_words():
 
 
 def test_compile_takes_the_whole_sync_free_detector():
-    from host_syncs import batch
-
     from lit_amp_det.models.speedups import CompileBackbone
+
+    from host_syncs import batch
 
     model = _sync_free(_tiny()).train()
     eager = copy.deepcopy(model)
@@ -313,7 +362,8 @@ def test_compile_takes_the_whole_sync_free_detector():
         torch.testing.assert_close(value, expected[key])
 
 
-# ------------------------------------------------------------------------------------------------ static shapes
+# ------------------------------------------------------------------------------------------------ static
+# shapes
 
 
 class _ShapeTrace(TorchDispatchMode):
@@ -334,7 +384,9 @@ def _targets(counts: list[int]) -> list[dict[str, torch.Tensor]]:
     """Targets of 128x128 images with ``counts[i]`` instances each."""
     targets = []
     for count in counts:
-        boxes = torch.tensor([[10.0 + 20 * k, 10.0 + 15 * k, 60.0 + 20 * k, 70.0 + 15 * k] for k in range(count)])
+        boxes = torch.tensor(
+            [[10.0 + 20 * k, 10.0 + 15 * k, 60.0 + 20 * k, 70.0 + 15 * k] for k in range(count)]
+        )
         masks = torch.zeros(count, 128, 128, dtype=torch.uint8)
         for k, (x1, y1, x2, y2) in enumerate(boxes.int().tolist()):
             masks[k, y1:y2, x1:x2] = 1
@@ -343,11 +395,11 @@ def _targets(counts: list[int]) -> list[dict[str, torch.Tensor]]:
 
 
 def test_padded_targets_give_every_training_step_the_same_shapes():
-    """With ``data.pad_instances`` every step runs the same ops on the same shapes, whatever the images hold: no
-    allocation depends on the data (with no host sync, what capturing the step in a CUDA graph needs)."""
-    from host_syncs import batch
-
+    """With ``data.pad_instances`` every step runs the same ops on the same shapes, whatever the images hold:
+    no allocation depends on the data (with no host sync, what capturing the step in a CUDA graph needs)."""
     from lit_amp_det.data.coco import pad_instances
+
+    from host_syncs import batch
 
     model = _sync_free(_tiny()).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -364,9 +416,9 @@ def test_padded_targets_give_every_training_step_the_same_shapes():
 
 
 def test_padding_changes_no_anchor_draw_and_no_loss_term_kind():
-    from host_syncs import batch
-
     from lit_amp_det.data.coco import pad_instances
+
+    from host_syncs import batch
 
     model = _sync_free(_tiny()).train()
     images, _ = batch()
@@ -389,8 +441,9 @@ def test_padding_refuses_an_image_with_more_instances_and_a_detector_that_cannot
     target = {**_targets([3])[0], "image_id": torch.tensor(42)}
     with pytest.raises(ValueError, match=r"data.pad_instances=2 is less than the 3 instances of image_id 42"):
         pad_instances(target, 2)
-    module = MaskRCNNModule(7, backbone={"name": "resnet10", "fpn_channels": 32},
-                            transform={"min_size": 128, "max_size": 128})
+    module = MaskRCNNModule(
+        7, backbone={"name": "resnet10", "fpn_channels": 32}, transform={"min_size": 128, "max_size": 128}
+    )
     module.configure_model()  # on a CPU: no sync_free
     with pytest.raises(ValueError, match="speedups.sync_free.devices"):
         module.training_step(([torch.rand(3, 128, 128)], [pad_instances(target, 4)]), 0)
@@ -398,10 +451,10 @@ def test_padding_refuses_an_image_with_more_instances_and_a_detector_that_cannot
 
 @on_cuda_only  # the capture itself: what the CPU tests above prepare
 def test_a_whole_training_step_replays_as_one_cuda_graph(monkeypatch):
-    """Forward, backward and the fused optimizer step of the sync-free detector captured in one CUDA graph, replayed
-    on static input buffers refilled with other images' padded targets (``tools/cuda_graph_step.py`` times it)."""
+    """Forward, backward and the fused optimizer step of the sync-free detector captured in one CUDA graph,
+    replayed on static input buffers refilled with other images' padded targets (``tools/cuda_graph_step.py``
+    times it)."""
     from cuda_graph_step import capture_step, padded_targets
-
     from host_syncs import batch
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -423,9 +476,8 @@ def test_a_whole_training_step_replays_as_one_cuda_graph(monkeypatch):
 # ------------------------------------------------------------------- no tensors from host numbers in a step
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_device_box_coder_codes_as_torchvision_does(dtype) -> None:
-    from torchvision.models.detection._utils import BoxCoder
-
     from lit_amp_det.models.sync_free import DeviceBoxCoder
+    from torchvision.models.detection._utils import BoxCoder
 
     g = torch.Generator().manual_seed(0)
     corners = torch.rand(300, 2, generator=g) * 500
@@ -434,19 +486,27 @@ def test_the_device_box_coder_codes_as_torchvision_does(dtype) -> None:
     codes = (torch.randn(300, 8, generator=g) * 2).to(dtype)  # two classes' deltas
     for weights in [(1.0, 1.0, 1.0, 1.0), (10.0, 10.0, 5.0, 5.0)]:
         ours, theirs = DeviceBoxCoder(weights, math.log(1000 / 16)), BoxCoder(weights)
-        assert torch.equal(ours.encode_single(reference, proposals), theirs.encode_single(reference, proposals))
-        assert torch.equal(ours.decode(codes, [proposals[:100], proposals[100:]]),
-                           theirs.decode(codes, [proposals[:100], proposals[100:]]))
+        assert torch.equal(
+            ours.encode_single(reference, proposals), theirs.encode_single(reference, proposals)
+        )
+        assert torch.equal(
+            ours.decode(codes, [proposals[:100], proposals[100:]]),
+            theirs.decode(codes, [proposals[:100], proposals[100:]]),
+        )
 
 
 def test_boxes_rescale_with_python_ratios_as_torchvision_rescales_them() -> None:
-    from torchvision.models.detection.transform import resize_boxes
-
     from lit_amp_det.models.sync_free import scale_boxes
+    from torchvision.models.detection.transform import resize_boxes
 
     g = torch.Generator().manual_seed(0)
     boxes = torch.rand(500, 4, generator=g) * 1333
-    for old, new in [((480, 640), (800, 1066)), ((427, 640), (800, 1199)), ((333, 500), (128, 192)), ((7, 3), (13, 5))]:
+    for old, new in [
+        ((480, 640), (800, 1066)),
+        ((427, 640), (800, 1199)),
+        ((333, 500), (128, 192)),
+        ((7, 3), (13, 5)),
+    ]:
         assert torch.equal(scale_boxes(boxes, old, new), resize_boxes(boxes, list(old), list(new)))
     assert scale_boxes(boxes[:0], (10, 10), (20, 20)).shape == (0, 4)
 
@@ -454,10 +514,10 @@ def test_boxes_rescale_with_python_ratios_as_torchvision_rescales_them() -> None
 def test_the_fixed_shape_transform_normalises_and_resizes_as_torchvision() -> None:
     """The same images and targets as torchvision's transform, training and inference (one scale, so that both
     draw the same size); only the padding differs (a size bucket)."""
+    from lit_amp_det.models.sync_free import FixedShapeTransform
     from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
     from host_syncs import batch
-    from lit_amp_det.models.sync_free import FixedShapeTransform
 
     theirs = GeneralizedRCNNTransform(96, 160, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
     ours = FixedShapeTransform(theirs, 0.5)

@@ -1,4 +1,5 @@
-"""Throughput: exact step times and images/s from a fake clock, real ones from a real fit, config and bad input."""
+"""Throughput: exact step times and images/s from a fake clock, real ones from a real fit, config and bad
+input."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lit_amp_det.app.tasks import build_trainer
+from lit_amp_det.callbacks.throughput import Throughput
 from torch import nn
 from torch.utils.data import DataLoader
-
-from lit_amp_det.callbacks.throughput import Throughput
-from lit_amp_det.app.tasks import build_trainer
 
 from conftest import SMOKE, CaptureLogger, compose_config
 
@@ -45,9 +45,16 @@ def _loader(images: int = 10, batch_size: int = 4) -> DataLoader:
 
 def _fit(callback: Throughput, epochs: int = 2) -> tuple[pl.Trainer, CaptureLogger]:
     logger = CaptureLogger()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=logger, callbacks=[callback],
-                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=logger,
+        callbacks=[callback],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(TinyStep(), train_dataloaders=_loader())
     return trainer, logger
 
@@ -93,7 +100,9 @@ def test_real_clock_values_are_positive_and_one_per_timed_step() -> None:
         assert len(values) == trainer.current_epoch, key  # one per epoch
         assert all(math.isfinite(v) and v > 0 for v in values), (key, values)
     assert {key for _, metrics in logger.calls for key in metrics if key.startswith("train/")} == {
-        *STEP_KEYS, *EPOCH_KEYS}
+        *STEP_KEYS,
+        *EPOCH_KEYS,
+    }
 
 
 def test_an_epoch_of_warmup_steps_logs_no_epoch_values() -> None:

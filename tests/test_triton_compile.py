@@ -1,11 +1,11 @@
 """Every Triton kernel compiles for the GPU (sm_90, through Triton's own ptxas) on a machine without one.
 
-The interpreter (tests/test_triton_ops.py) checks what the kernels compute, but it is plain Python: it does not
-type-check loop-carried values, branches or constexpr folding the way the compiler does. Here the launches of a
-few representative op calls are recorded while they run interpreted, and each is specialised as Triton's launcher
-does and compiled to a cubin for an H100 (``tools/triton_compile.py``, which also reports registers and
-spills: the model's launches must not spill). The PTX is also checked for the numerics the kernels promise: no contracted multiply-adds in the box
-kernels and IEEE round-to-nearest fp32 division.
+The interpreter (tests/test_triton_ops.py) checks what the kernels compute, but it is plain Python: it does
+not type-check loop-carried values, branches or constexpr folding the way the compiler does. Here the launches
+of a few representative op calls are recorded while they run interpreted, and each is specialised as Triton's
+launcher does and compiled to a cubin for an H100 (``tools/triton_compile.py``, which also reports registers
+and spills: the model's launches must not spill). The PTX is also checked for the numerics the kernels
+promise: no contracted multiply-adds in the box kernels and IEEE round-to-nearest fp32 division.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import re
 
 import pytest
 import torch
-
 from lit_amp_det.ops import triton as tops
 from lit_amp_det.ops.triton import _launch
+
 from ops_inputs import needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension
@@ -61,8 +61,12 @@ def test_every_kernel_compiles_for_sm90_with_the_promised_numerics(monkeypatch):
     launches = [triton_compile.Launch(name, args, meta) for name, args, meta in _record_launches(monkeypatch)]
     kernels = triton_compile.compiled_kernels()
     assert {launch.kernel for launch in launches} == {
-        "box_iou_kernel", "nms_mask_kernel", "nms_greedy_kernel", "roi_align_forward_kernel",
-        "roi_align_backward_atomic_kernel", "roi_align_backward_owned_kernel",
+        "box_iou_kernel",
+        "nms_mask_kernel",
+        "nms_greedy_kernel",
+        "roi_align_forward_kernel",
+        "roi_align_backward_atomic_kernel",
+        "roi_align_backward_owned_kernel",
     }
     distinct = triton_compile.specialisations(kernels, launches, "sm_90")
     for launch in distinct:
@@ -70,30 +74,42 @@ def test_every_kernel_compiles_for_sm90_with_the_promised_numerics(monkeypatch):
         assert compiled.asm["cubin"], launch.kernel
         ptx = compiled.asm["ptx"]
         if launch.kernel in ("box_iou_kernel", "nms_mask_kernel"):
-            assert not re.search(r"\bfma\.rn\.f(32|64)", ptx), f"{launch.kernel}: a multiply-add was contracted"
+            assert not re.search(r"\bfma\.rn\.f(32|64)", ptx), (
+                f"{launch.kernel}: a multiply-add was contracted"
+            )
             if launch.dtype != torch.float64 and launch.meta.get("FP64") is not True:
-                assert "div.rn.f32" in ptx and "div.full.f32" not in ptx, f"{launch.kernel}: fp32 division is not IEEE"
+                assert "div.rn.f32" in ptx and "div.full.f32" not in ptx, (
+                    f"{launch.kernel}: fp32 division is not IEEE"
+                )
     assert len(distinct) >= 8
 
 
 @pytest.mark.slow
 def test_the_models_launches_compile_without_spills_on_hopper_and_blackwell():
-    """``make gpu-compile`` on a subset (the heads' pools at 256 channels, both layouts, NMS and IoU at the model's
-    sizes, every model dtype): no fp16/bf16/fp32 specialisation spills on sm_90 or sm_100, and the memory-bound
-    RoIAlign kernels stay within 128 registers a thread."""
+    """``make gpu-compile`` on a subset (the heads' pools at 256 channels, both layouts, NMS and IoU at the
+    model's sizes, every model dtype): no fp16/bf16/fp32 specialisation spills on sm_90 or sm_100, and the
+    memory-bound RoIAlign kernels stay within 128 registers a thread."""
     import triton_compile
 
-    launches = triton_compile.model_launches(dtypes=triton_compile.MODEL_DTYPES, pools=(7, 14), channels=(256,))
+    launches = triton_compile.model_launches(
+        dtypes=triton_compile.MODEL_DTYPES, pools=(7, 14), channels=(256,)
+    )
     assert {launch.kernel for launch in launches} == {
-        "box_iou_kernel", "nms_mask_kernel", "nms_greedy_kernel", "roi_align_forward_kernel",
-        "roi_align_backward_atomic_kernel", "roi_align_backward_owned_kernel",
+        "box_iou_kernel",
+        "nms_mask_kernel",
+        "nms_greedy_kernel",
+        "roi_align_forward_kernel",
+        "roi_align_backward_atomic_kernel",
+        "roi_align_backward_owned_kernel",
     }
     kernels = triton_compile.compiled_kernels()
     for target in ("sm_90", "sm_100"):
         for launch in triton_compile.specialisations(kernels, launches, target):
             cost = triton_compile.usage(kernels, launch, target)
             label = f"{target} {cost.kernel} {cost.dtype} {cost.block} ({cost.num_warps} warps)"
-            assert cost.spill_bytes == 0, f"{label}: {cost.spill_bytes} bytes spilled at {cost.registers} registers"
+            assert cost.spill_bytes == 0, (
+                f"{label}: {cost.spill_bytes} bytes spilled at {cost.registers} registers"
+            )
             if cost.kernel.startswith("roi_align"):
                 assert cost.registers <= 128, f"{label}: {cost.registers} registers"
 
@@ -101,8 +117,11 @@ def test_the_models_launches_compile_without_spills_on_hopper_and_blackwell():
 def test_the_compile_report_names_each_specialisation_once_at_its_worst():
     from triton_compile import Usage, report
 
-    rows = [Usage("sm_90", "k", "float16", "BLOCK_C=8", 4, 80, 0, 0), Usage("sm_90", "k", "float16", "BLOCK_C=8", 4, 90, 0, 0),
-            Usage("sm_90", "k", "float64", "BLOCK_C=8", 4, 128, 24, 0)]
+    rows = [
+        Usage("sm_90", "k", "float16", "BLOCK_C=8", 4, 80, 0, 0),
+        Usage("sm_90", "k", "float16", "BLOCK_C=8", 4, 90, 0, 0),
+        Usage("sm_90", "k", "float64", "BLOCK_C=8", 4, 128, 24, 0),
+    ]
     table = report(rows)
     assert "| sm_90 | k | float16 | BLOCK_C=8 | 4 | 90 | 0 | 0 |" in table and "| 80 |" not in table
     assert "24 (fp64: may spill)" in table

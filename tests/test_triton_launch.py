@@ -1,14 +1,15 @@
 """Triton launches without the dispatcher (issue 53, point 5).
 
 An eager launch of a compiled kernel goes straight to Triton's launcher: it neither enters ``wrap_triton``'s
-higher-order op nor keeps anything in ``kernel_side_table``; a trace (``make_fx``, non-strict ``torch.export``,
-``torch.compile``) still records each launch as a ``triton_kernel_wrapper_mutation`` node; ``torch.compile`` over an
-op still sees the custom op (its fake kernel) and runs the Triton launcher when the graph runs.
+higher-order op nor keeps anything in ``kernel_side_table``; a trace (``make_fx``, non-strict
+``torch.export``, ``torch.compile``) still records each launch as a ``triton_kernel_wrapper_mutation`` node;
+``torch.compile`` over an op still sees the custom op (its fake kernel) and runs the Triton launcher when the
+graph runs.
 
 No GPU is needed: the kernels are compiled for sm_90 and launched up to the driver call with the stand-ins of
-``tools/triton_launch_overhead.py`` (Triton's driver answers device 0, the compiled kernel's C launcher counts calls,
-tensors report ``cuda:0``). The tests of eager launches also make the launch as it was made before (``before``):
-each check sees what it looks for.
+``tools/triton_launch_overhead.py`` (Triton's driver answers device 0, the compiled kernel's C launcher counts
+calls, tensors report ``cuda:0``). The tests of eager launches also make the launch as it was made before
+(``before``): each check sees what it looks for.
 """
 
 from __future__ import annotations
@@ -17,28 +18,32 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from lit_amp_det.ops.triton import _launch, _register
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_amp_det.ops.triton import _launch, _register
 from ops_inputs import needs_extension, random_boxes
 
 triton = pytest.importorskip("triton")
 
-import triton_launch_overhead  # noqa: E402  (tools/; after the skip, as it launches Triton kernels)
 from torch._higher_order_ops.triton_kernel_wrap import (  # noqa: E402
     TritonKernelWrapperMutation,
     kernel_side_table,
 )
+
+import triton_launch_overhead  # noqa: E402  (tools/; after the skip, as it launches Triton kernels)
 
 LAUNCHES = 1000
 
 
 @pytest.fixture(scope="module")
 def iou_launch() -> Iterator[triton_launch_overhead.Launch]:
-    """The IoU matrix's launch, compiled for sm_90, with the stand-in GPU active while the module's tests run."""
+    """The IoU matrix's launch, compiled for sm_90, with the stand-in GPU active while the module's tests run.
+    """
     kernels = _launch.load_kernels(interpret=False)
     with triton_launch_overhead.stand_in_gpu():
-        launch = next(x for x in triton_launch_overhead.recorded_launches(kernels) if x.name == "box_iou_kernel")
+        launch = next(
+            x for x in triton_launch_overhead.recorded_launches(kernels) if x.name == "box_iou_kernel"
+        )
         _launch._launch(launch.kernel, launch.grid, *launch.args, **launch.meta)  # compiles
         yield launch
 
@@ -110,8 +115,8 @@ class _CountOps(TorchDispatchMode):
 
 
 def test_under_a_counting_dispatch_mode_the_launch_runs_directly(iou_launch, dispatcher_entries):
-    """A profiler's ``TorchDispatchMode`` (not a trace) sees the ops around a launch; the launch itself runs directly.
-    Through ``wrap_triton`` it raised: its higher-order op has no rule for such a mode."""
+    """A profiler's ``TorchDispatchMode`` (not a trace) sees the ops around a launch; the launch itself runs
+    directly. Through ``wrap_triton`` it raised: its higher-order op has no rule for such a mode."""
     calls = _driver_calls()
     with _CountOps() as mode:
         _run(iou_launch)
@@ -154,8 +159,8 @@ def test_non_strict_export_records_each_launch(iou_launch):
 
 
 def test_while_dynamo_traces_the_launch_goes_through_wrap_triton(iou_launch, dispatcher_entries, monkeypatch):
-    """Dynamo folds ``torch.compiler.is_compiling()`` to True; the launch it traces is the wrapped one (Dynamo itself
-    recognises Triton kernels only where a GPU is present, so its trace is checked on a GPU)."""
+    """Dynamo folds ``torch.compiler.is_compiling()`` to True; the launch it traces is the wrapped one (Dynamo
+    itself recognises Triton kernels only where a GPU is present, so its trace is checked on a GPU)."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     _run(iou_launch)
     assert dispatcher_entries[:1] == ["wrap_triton"]
@@ -163,16 +168,19 @@ def test_while_dynamo_traces_the_launch_goes_through_wrap_triton(iou_launch, dis
 
 @needs_extension
 def test_compile_fullgraph_over_the_op_runs_the_triton_launcher_when_the_graph_runs(monkeypatch):
-    """``lit_amp_det::box_iou`` with the Triton launcher as its kernel (on the CPU: interpreted, standing in for the
-    CUDA kernel ``_register`` installs): one graph, the op in it through its fake kernel, and the launcher runs only
-    when the compiled graph runs, outside any trace, which is where ``_launch`` launches directly."""
+    """``lit_amp_det::box_iou`` with the Triton launcher as its kernel (on the CPU: interpreted, standing in
+    for the CUDA kernel ``_register`` installs): one graph, the op in it through its fake kernel, and the
+    launcher runs only when the compiled graph runs, outside any trace, which is where ``_launch`` launches
+    directly."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launches: list[tuple[bool, bool]] = []
     launch = _launch._launch
 
     def spy(kernel, grid, *args, **meta):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        launches.append((torch.compiler.is_compiling() or _launch._without_data(tensors), _launch._tracing_mode()))
+        launches.append(
+            (torch.compiler.is_compiling() or _launch._without_data(tensors), _launch._tracing_mode())
+        )
         return launch(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(_launch, "_launch", spy)

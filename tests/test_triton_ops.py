@@ -2,25 +2,26 @@
 
 Each op of :mod:`lit_amp_det.ops.triton` is compared with the C++ CPU kernel (``torch.ops.lit_amp_det``) and
 with :mod:`lit_amp_det.ops.reference` on every dtype and layout, at sizes small enough for the interpreter but
-large enough to span several tiles. Interpreter facts these tests rely on: the kernels upcast right after every
-load (bf16 arithmetic inside an interpreted kernel is wrong), and interpreted bf16 stores truncate instead of
-rounding, so bf16 outputs are compared to within 1 ulp; fp16 stores round, so they are compared exactly.
+large enough to span several tiles. Interpreter facts these tests rely on: the kernels upcast right after
+every load (bf16 arithmetic inside an interpreted kernel is wrong), and interpreted bf16 stores truncate
+instead of rounding, so bf16 outputs are compared to within 1 ulp; fp16 stores round, so they are compared
+exactly.
 """
 
 from __future__ import annotations
 
 import math
 
+import lit_amp_det.ops as ops
 import pytest
 import torch
 import torchvision
 import triton
 import triton.language as tl
-
-import lit_amp_det.ops as ops
 from lit_amp_det.ops import reference
 from lit_amp_det.ops import triton as tops
 from lit_amp_det.ops.triton import _launch, _register
+
 from ops_inputs import distinct_scores, needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension
@@ -130,7 +131,7 @@ def test_nms_max_output_is_a_prefix_and_padded_agrees(max_output):
     keep, count = tops.nms_padded(boxes, scores, 0.6, max_output)
     assert keep.shape == (min(200, max_output),) and count.dim() == 0 and count.dtype == torch.int64
     assert torch.equal(keep[: int(count)], got)
-    assert (keep[int(count):] == -1).all()
+    assert (keep[int(count) :] == -1).all()
 
 
 def test_nms_ties_nan_scores_and_threshold_rounding():
@@ -155,9 +156,13 @@ def test_nms_empty_zero_area_and_out_of_image():
     assert empty.dtype == torch.int64 and empty.numel() == 0
     keep, count = tops.nms_padded(torch.zeros(0, 4), torch.zeros(0), 0.5)
     assert keep.numel() == 0 and int(count) == 0
-    boxes = torch.tensor([[3.0, 3, 3, 3], [3, 3, 3, 3], [-50, -50, -10, -10], [-49, -50, -10, -10], [0, 0, 5, 5]])
+    boxes = torch.tensor(
+        [[3.0, 3, 3, 3], [3, 3, 3, 3], [-50, -50, -10, -10], [-49, -50, -10, -10], [0, 0, 5, 5]]
+    )
     scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5])
-    assert tops.nms(boxes, scores, 0.5).tolist() == cpu_kernels.nms(boxes, scores, 0.5).tolist() == [0, 1, 2, 4]
+    assert (
+        tops.nms(boxes, scores, 0.5).tolist() == cpu_kernels.nms(boxes, scores, 0.5).tolist() == [0, 1, 2, 4]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -169,14 +174,17 @@ def test_batched_nms_keeps_classes_apart(dtype, max_output):
     classes = torch.tensor([-7, 0, 3, 10**12])[torch.randint(4, (180,), generator=g)]
     got = tops.batched_nms(boxes, scores, classes, 0.4, max_output)
     assert torch.equal(got, cpu_kernels.batched_nms(boxes, scores, classes, 0.4, max_output))
-    # torchvision's coordinate-offset trick loses precision with ids like 1e12: the per-class reference is the oracle
+    # torchvision's coordinate-offset trick loses precision with ids like 1e12: the per-class reference is the
+    # oracle
     assert torch.equal(got, reference.batched_nms(boxes, scores, classes, 0.4, max_output))
     keep, count = tops.batched_nms_padded(boxes, scores, classes, 0.4, max_output)
     assert torch.equal(keep[: int(count)], got)
 
 
 def test_nms_inputs_are_checked():
-    with pytest.raises(ValueError, match=r"boxes should be a 2-D tensor of shape \[N, 4\], got shape \[3, 5\]"):
+    with pytest.raises(
+        ValueError, match=r"boxes should be a 2-D tensor of shape \[N, 4\], got shape \[3, 5\]"
+    ):
         tops.nms(torch.zeros(3, 5), torch.zeros(3), 0.5)
     with pytest.raises(ValueError, match="scores should be a 1-D tensor of shape"):
         tops.nms(torch.zeros(3, 4), torch.zeros(2), 0.5)
@@ -234,24 +242,28 @@ def test_roi_align_backward_matches_the_cpu_kernel_and_keeps_the_layout(dtype, l
     args = (0.25, 2, 3, 2, 5, 12, 14, -1, True)
     got = _launch.roi_align_backward(grad, rois, *args)
     assert got.dtype == dtype and got.shape == x.shape
-    assert got.is_contiguous(memory_format=layout), "the gradient must follow the layout of grad (and the input)"
+    assert got.is_contiguous(memory_format=layout), (
+        "the gradient must follow the layout of grad (and the input)"
+    )
     expected = cpu_kernels._roi_align_backward(grad.to(_acc(dtype)), rois, *args)
     assert_matches(got, expected, dtype, atol=1e-5 if dtype != torch.float64 else 1e-12)
 
 
 def _gpu_config(kernel: str, meta: dict) -> tuple:
-    """What distinguishes one CUDA launch configuration from another: kernel, warps, tile (elements per program)."""
+    """What distinguishes one CUDA launch configuration from another: kernel, warps, tile (elements per
+    program)."""
     tile = meta.get("BLOCK_P", 1) * meta["BLOCK_C"] if "BLOCK_C" in meta else None
     return kernel, meta.get("num_warps", 4), tile, meta.get("BLOCK_N"), meta.get("BLOCK_M")
 
 
 @pytest.mark.slow
 def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monkeypatch):
-    """Under ``gpu_launch_configs()`` the interpreter runs the blocks a CUDA device gets: box IoU, NMS past 16 mask
-    words (1,100 boxes), RoIAlign at the box head's, mask head's and mask targets' pools (9 channels: several channel
-    blocks, a partial last one) forward, atomic backward and owned backward, each against the CPU kernels. Every
-    configuration the model's launches take on a GPU (``make gpu-compile``'s, recorded on fake CUDA tensors) must be
-    among those run here: a launcher that gains one fails this test until it is run."""
+    """Under ``gpu_launch_configs()`` the interpreter runs the blocks a CUDA device gets: box IoU, NMS past 16
+    mask words (1,100 boxes), RoIAlign at the box head's, mask head's and mask targets' pools (9 channels:
+    several channel blocks, a partial last one) forward, atomic backward and owned backward, each against the
+    CPU kernels. Every configuration the model's launches take on a GPU (``make gpu-compile``'s, recorded on
+    fake CUDA tensors) must be among those run here: a launcher that gains one fails this test until it is
+    run."""
     from triton_compile import model_launches
 
     ran = set()
@@ -265,29 +277,38 @@ def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monke
         monkeypatch.setattr(_launch, "_launch", record)
         boxes, scores = _nms_inputs(1100, torch.float32, clusters=40)
         iou = tops.box_iou(boxes[:70].half(), boxes[:5].half())
-        torch.testing.assert_close(iou, cpu_kernels.box_iou(boxes[:70].half(), boxes[:5].half()), rtol=0, atol=0)
+        torch.testing.assert_close(
+            iou, cpu_kernels.box_iou(boxes[:70].half(), boxes[:5].half()), rtol=0, atol=0
+        )
         assert torch.equal(tops.nms(boxes, scores, 0.5), cpu_kernels.nms(boxes, scores, 0.5))
         classes = torch.randint(3, (1100,), generator=torch.Generator().manual_seed(2))
-        assert torch.equal(tops.batched_nms(boxes, scores, classes, 0.5, 300),
-                           cpu_kernels.batched_nms(boxes, scores, classes, 0.5, 300))
+        assert torch.equal(
+            tops.batched_nms(boxes, scores, classes, 0.5, 300),
+            cpu_kernels.batched_nms(boxes, scores, classes, 0.5, 300),
+        )
         rois = _rois(5, 2, (48, 56))
-        for pool, dtype, layout in ((7, torch.float16, torch.channels_last), (14, torch.float32, torch.contiguous_format),
-                                    (28, torch.bfloat16, torch.channels_last)):
+        for pool, dtype, layout in (
+            (7, torch.float16, torch.channels_last),
+            (14, torch.float32, torch.contiguous_format),
+            (28, torch.bfloat16, torch.channels_last),
+        ):
             x = _features((2, 9, 12, 14), dtype, layout, seed=3)
             block_p, block_c, _ = _launch._blocks(9, pool * pool, x.device)
             assert block_p * block_c >= _launch.GPU_TILE and 9 % block_c in (1, 0 if block_c == 1 else 1)
             got = tops.roi_align(x, rois, pool, 0.25, 2, True)
-            assert_matches(got, cpu_kernels.roi_align(x.to(_acc(dtype)), rois, 0.25, pool, pool, 2, True), dtype)
+            assert_matches(
+                got, cpu_kernels.roi_align(x.to(_acc(dtype)), rois, 0.25, pool, pool, 2, True), dtype
+            )
             grad = _features((5, 9, pool, pool), dtype, layout, seed=4)
             args = (0.25, pool, pool, 2, 9, 12, 14, 2, True)
             expected = cpu_kernels._roi_align_backward(grad.to(_acc(dtype)), rois, *args)
-            # the atomics add in another order than the CPU kernel: fp32 sums differ in their last bits, a half
-            # result may round one ulp apart
+            # the atomics add in another order than the CPU kernel: fp32 sums differ in their last bits, a
+            # half result may round one ulp apart
             atol = expected.abs().max().item() * (2.0**-16 if dtype == torch.float32 else 2.0**-7)
             assert_matches(_launch.roi_align_backward(grad, rois, *args), expected, dtype, atol=atol)
-        # the owned backward's GPU block (up to 32 channels, whatever the pool, so a 2 x 2 pool: interpreted, it costs
-        # its bins) on 33 channels (a partial second block) and on one (mask targets), two RoIs; its tiles:
-        # test_the_tiled_deterministic_backward_adds_in_the_serial_order
+        # the owned backward's GPU block (up to 32 channels, whatever the pool, so a 2 x 2 pool: interpreted,
+        # it costs its bins) on 33 channels (a partial second block) and on one (mask targets), two RoIs; its
+        # tiles: test_the_tiled_deterministic_backward_adds_in_the_serial_order
         for channels in (33, 1):
             grad = _features((2, channels, 2, 2), torch.float32, torch.channels_last, seed=6)
             args = (0.25, 2, 2, 2, channels, 12, 14, 2, True)
@@ -295,10 +316,15 @@ def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monke
                 owned = _launch.roi_align_backward(grad, rois[3:5], *args)
             expected = cpu_kernels._roi_align_backward(grad, rois[3:5], *args)
             torch.testing.assert_close(owned, expected, rtol=0, atol=1e-6)
-    model = {_gpu_config(launch.kernel, launch.meta)
-             for launch in model_launches(dtypes=(torch.float16,), pools=(7, 14, 28), channels=(256,),
-                                          layouts=(torch.channels_last,))}
-    assert model <= ran, f"CUDA launch configurations no interpreter test runs: {sorted(model - ran, key=str)}"
+    model = {
+        _gpu_config(launch.kernel, launch.meta)
+        for launch in model_launches(
+            dtypes=(torch.float16,), pools=(7, 14, 28), channels=(256,), layouts=(torch.channels_last,)
+        )
+    }
+    assert model <= ran, (
+        f"CUDA launch configurations no interpreter test runs: {sorted(model - ran, key=str)}"
+    )
 
 
 def test_roi_align_deterministic_backward_is_the_same(monkeypatch):
@@ -313,20 +339,36 @@ def test_roi_align_deterministic_backward_is_the_same(monkeypatch):
     torch.testing.assert_close(owned, cpu_kernels._roi_align_backward(grad, rois, *args), rtol=0, atol=1e-13)
 
 
-@pytest.mark.parametrize(("dtype", "layout", "aligned", "sampling_ratio"), [
-    (torch.float32, torch.channels_last, True, 2), (torch.float16, torch.contiguous_format, False, 2),
-    (torch.float64, torch.channels_last, False, -1), (torch.bfloat16, torch.contiguous_format, True, 1)])
+@pytest.mark.parametrize(
+    ("dtype", "layout", "aligned", "sampling_ratio"),
+    [
+        (torch.float32, torch.channels_last, True, 2),
+        (torch.float16, torch.contiguous_format, False, 2),
+        (torch.float64, torch.channels_last, False, -1),
+        (torch.bfloat16, torch.contiguous_format, True, 1),
+    ],
+)
 def test_the_tiled_deterministic_backward_adds_in_the_serial_order(dtype, layout, aligned, sampling_ratio):
-    """The GPU's owned backward (``OWNED_TILE``-pixel tiles: here a 70 x 36 level and a 20 x 18 one, RoIs crossing
-    tile edges, leaving the map, of zero and negative size, NaN and of an image outside the batch) gives bit for bit
-    the sums of one tile a map (the serial walk), because every element still adds in (roi, bin, sample, corner)
-    order; and agrees with the CPU kernel. Levels, aligned and adaptive sampling, every float dtype."""
+    """The GPU's owned backward (``OWNED_TILE``-pixel tiles: here a 70 x 36 level and a 20 x 18 one, RoIs
+    crossing tile edges, leaving the map, of zero and negative size, NaN and of an image outside the batch)
+    gives bit for bit the sums of one tile a map (the serial walk), because every element still adds in (roi,
+    bin, sample, corner) order; and agrees with the CPU kernel. Levels, aligned and adaptive sampling, every
+    float dtype."""
     features = [_features((2, 3, 70, 36), dtype, layout, 0), _features((2, 3, 20, 18), dtype, layout, 1)]
-    g = torch.Generator().manual_seed(8)  # RoIs of up to 10 level-0 pixels (adaptive sampling costs their area)
-    rois = torch.cat([torch.randint(2, (9, 1), generator=g).float(),
-                      random_boxes(9, image=(280, 144), min_size=1.0, max_size=40.0, generator=g)], dim=1)
+    g = torch.Generator().manual_seed(
+        8
+    )  # RoIs of up to 10 level-0 pixels (adaptive sampling costs their area)
+    rois = torch.cat(
+        [
+            torch.randint(2, (9, 1), generator=g).float(),
+            random_boxes(9, image=(280, 144), min_size=1.0, max_size=40.0, generator=g),
+        ],
+        dim=1,
+    )
     rois[2, 1:] = torch.tensor([-30.0, 100, 20, 150])  # leaves the map, crosses the tile edge at row 32
-    rois[3, 1:] = torch.tensor([40.0, 120, 30, 100])  # negative size: aligned pools it, unaligned forces 1 x 1
+    rois[3, 1:] = torch.tensor(
+        [40.0, 120, 30, 100]
+    )  # negative size: aligned pools it, unaligned forces 1 x 1
     rois[4, 0] = 5.0  # an image outside the batch
     rois[5, 1:] = torch.tensor([float("nan"), 10, 60, 50])
     levels = torch.tensor([0, 1, 0, 1, 0, 0, 0, 1, 0])
@@ -338,7 +380,9 @@ def test_the_tiled_deterministic_backward_adds_in_the_serial_order(dtype, layout
         serial = _launch.multi_level_roi_align_backward(grad, features, rois, levels, scales, *args)
     assert _launch.OWNED_TILE < 70 and features[0].shape[2] // _launch.OWNED_TILE >= 2
     acc = [f.to(_acc(dtype)) for f in features]
-    expected = cpu_kernels._multi_level_roi_align_backward(grad.to(_acc(dtype)), acc, rois, levels, scales, *args)
+    expected = cpu_kernels._multi_level_roi_align_backward(
+        grad.to(_acc(dtype)), acc, rois, levels, scales, *args
+    )
     for t, s, e in zip(tiled, serial, expected):
         assert torch.equal(t, s) and t.is_contiguous(memory_format=layout)
         assert_matches(t, e, dtype, atol=1e-6 * e.abs().max().item())
@@ -355,12 +399,22 @@ class _deterministic:
 
 def test_rois_of_other_images_and_bad_batch_indices():
     x = _features((3, 4, 12, 12), torch.float32, torch.contiguous_format).requires_grad_()
-    rois = torch.tensor([[0, 1.0, 1, 20, 20], [2, 4, 4, 30, 40], [3, 1, 1, 9, 9], [-1, 1, 1, 9, 9],
-                         [1, 0, 0, 40, 40], [2.9, 2, 2, 12, 12]])
+    rois = torch.tensor(
+        [
+            [0, 1.0, 1, 20, 20],
+            [2, 4, 4, 30, 40],
+            [3, 1, 1, 9, 9],
+            [-1, 1, 1, 9, 9],
+            [1, 0, 0, 40, 40],
+            [2.9, 2, 2, 12, 12],
+        ]
+    )
     got = tops.roi_align(x, rois, 2, 0.25, 2)
     assert torch.equal(got[2:4], torch.zeros_like(got[2:4]))  # index 3 and -1 are outside [0, 3)
     good = torch.tensor([0, 1, 4, 5])
-    torch.testing.assert_close(got[good], torchvision.ops.roi_align(x, rois[good], 2, 0.25, 2), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        got[good], torchvision.ops.roi_align(x, rois[good], 2, 0.25, 2), rtol=0, atol=1e-6
+    )
     got.sum().backward()
     expected = torch.autograd.grad(torchvision.ops.roi_align(x, rois[good], 2, 0.25, 2).sum(), x)[0]
     torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-6)
@@ -371,21 +425,28 @@ def test_roi_align_empty_inputs():
     out = tops.roi_align(x, torch.zeros(0, 5), 7, 1.0)
     assert out.shape == (0, 3, 7, 7) and out.dtype == torch.float16
     out.sum().backward()
-    assert torch.equal(x.grad, torch.zeros_like(x)) and x.grad.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(x.grad, torch.zeros_like(x)) and x.grad.is_contiguous(
+        memory_format=torch.channels_last
+    )
 
 
 @pytest.mark.slow
 def test_roi_align_gradcheck_fp64():
     x = _features((1, 2, 4, 5), torch.float64, torch.contiguous_format, seed=7).requires_grad_()
     rois = torch.tensor([[0, 0.3, 0.6, 4.1, 3.7], [0, 1.2, -0.5, 6.5, 4.2]], dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda t: tops.roi_align(t, rois, 2, 1.0, 2, True), (x,), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(
+        lambda t: tops.roi_align(t, rois, 2, 1.0, 2, True), (x,), eps=1e-6, atol=1e-8
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_multi_level_matches_the_cpu_kernel(dtype, layout):
-    features = [_features((2, 4, 16, 20), dtype, layout, 0), _features((2, 4, 8, 10), dtype, layout, 1),
-                _features((2, 4, 4, 5), dtype, layout, 2)]
+    features = [
+        _features((2, 4, 16, 20), dtype, layout, 0),
+        _features((2, 4, 8, 10), dtype, layout, 1),
+        _features((2, 4, 4, 5), dtype, layout, 2),
+    ]
     rois = _rois(14, 2, (64, 80))
     levels = torch.randint(3, (14,), generator=torch.Generator().manual_seed(9))
     scales, args = [0.25, 0.125, 0.0625], (3, 3, -1, False)
@@ -403,9 +464,11 @@ def test_multi_level_matches_the_cpu_kernel(dtype, layout):
 
 def test_multi_scale_roi_align_module_matches_the_extension_one():
     names = ["0", "1"]
-    features = {"0": _features((2, 3, 16, 16), torch.float32, torch.contiguous_format, 0).requires_grad_(),
-                "1": _features((2, 3, 8, 8), torch.float32, torch.contiguous_format, 1),
-                "pool": torch.zeros(2, 3, 4, 4)}
+    features = {
+        "0": _features((2, 3, 16, 16), torch.float32, torch.contiguous_format, 0).requires_grad_(),
+        "1": _features((2, 3, 8, 8), torch.float32, torch.contiguous_format, 1),
+        "pool": torch.zeros(2, 3, 4, 4),
+    }
     boxes = [random_boxes(5, image=(64, 64), max_size=60), random_boxes(4, image=(64, 64), max_size=60)]
     ours = tops.MultiScaleRoIAlign(names, 3, 2)
     assert repr(ours).startswith("MultiScaleRoIAlign(featmap_names=['0', '1']")
@@ -422,8 +485,16 @@ def test_multi_scale_roi_align_module_matches_the_extension_one():
 
 def test_triton_launchers_are_the_cuda_kernels():
     assert _register.registered() and ops._extension.triton_cuda_kernels()
-    for name in ("nms", "batched_nms", "batched_nms_padded", "box_iou", "roi_align", "_roi_align_backward",
-                 "multi_level_roi_align", "_multi_level_roi_align_backward"):
+    for name in (
+        "nms",
+        "batched_nms",
+        "batched_nms_padded",
+        "box_iou",
+        "roi_align",
+        "_roi_align_backward",
+        "multi_level_roi_align",
+        "_multi_level_roi_align_backward",
+    ):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"lit_amp_det::{name}", "CUDA"), name
     assert ops._extension.has_kernel("nms", torch.device("cuda"))
     assert _register.register_cuda_kernels()  # idempotent: no second registration
@@ -435,16 +506,25 @@ def test_registered_cuda_kernels_follow_the_schemas():
     boxes, scores = _nms_inputs(70, torch.float32, clusters=3)
     assert torch.equal(kernels["nms"](boxes, scores, 0.5, 5), cpu_kernels.nms(boxes, scores, 0.5, 5))
     classes, valid = torch.arange(70) % 3, scores > 0.3
-    for got, expected in zip(kernels["batched_nms_padded"](boxes, scores, classes, valid, 0.5, 9, 30),
-                             cpu_kernels.batched_nms_padded(boxes, scores, classes, valid, 0.5, 9, 30)):
+    for got, expected in zip(
+        kernels["batched_nms_padded"](boxes, scores, classes, valid, 0.5, 9, 30),
+        cpu_kernels.batched_nms_padded(boxes, scores, classes, valid, 0.5, 9, 30),
+    ):
         assert torch.equal(got, expected)
     x = _features((1, 3, 8, 8), torch.float32, torch.contiguous_format)
     rois = _rois(4, 1, (32, 32))
     out = kernels["roi_align"](x, rois, 0.25, 2, 2, 2, False)
     torch.testing.assert_close(out, cpu_kernels.roi_align(x, rois, 0.25, 2, 2, 2, False), rtol=0, atol=1e-6)
     grads = kernels["_multi_level_roi_align_backward"](
-        torch.ones(4, 3, 2, 2), [x, x[:, :, ::2, ::2].contiguous()], rois, torch.tensor([0, 1, 1, 0]),
-        [0.25, 0.125], 2, 2, 2, False,
+        torch.ones(4, 3, 2, 2),
+        [x, x[:, :, ::2, ::2].contiguous()],
+        rois,
+        torch.tensor([0, 1, 1, 0]),
+        [0.25, 0.125],
+        2,
+        2,
+        2,
+        False,
     )
     assert isinstance(grads, list) and [tuple(g.shape) for g in grads] == [(1, 3, 8, 8), (1, 3, 4, 4)]
 

@@ -1,19 +1,19 @@
-"""NMS without host synchronisation: the padded results agree with the unpadded ones, the sync-free RPN's proposal
-slots and the detector's detection slots hold exactly what the per-filter paths select, with the C++ op and with the
-Triton kernels (the CUDA path, interpreted), and on a GPU none of the Triton ops synchronises with the host."""
+"""NMS without host synchronisation: the padded results agree with the unpadded ones, the sync-free RPN's
+proposal slots and the detector's detection slots hold exactly what the per-filter paths select, with the C++
+op and with the Triton kernels (the CUDA path, interpreted), and on a GPU none of the Triton ops synchronises
+with the host."""
 
 from __future__ import annotations
 
-
+import lit_amp_det.ops as ops
 import pytest
 import torch
+from lit_amp_det.models import ext_ops, sync_free
+from lit_amp_det.ops import triton as tops
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 
-import lit_amp_det.ops as ops
-from lit_amp_det.models import ext_ops, sync_free
-from lit_amp_det.ops import triton as tops
 from ops_inputs import distinct_scores, needs_extension, on_cuda_only, random_boxes, random_rois
 
 pytestmark = needs_extension
@@ -26,9 +26,16 @@ def _interpret(monkeypatch):
 
 def _rpn(training: bool, cls: type = ext_ops.ExtRegionProposalNetwork) -> ext_ops.ExtRegionProposalNetwork:
     rpn = RegionProposalNetwork(
-        AnchorGenerator(((32,),), ((1.0,),)), RPNHead(4, 1), fg_iou_thresh=0.7, bg_iou_thresh=0.3,
-        batch_size_per_image=8, positive_fraction=0.5, pre_nms_top_n=dict(training=60, testing=40),
-        post_nms_top_n=dict(training=25, testing=12), nms_thresh=0.5, score_thresh=0.3,
+        AnchorGenerator(((32,),), ((1.0,),)),
+        RPNHead(4, 1),
+        fg_iou_thresh=0.7,
+        bg_iou_thresh=0.3,
+        batch_size_per_image=8,
+        positive_fraction=0.5,
+        pre_nms_top_n=dict(training=60, testing=40),
+        post_nms_top_n=dict(training=25, testing=12),
+        nms_thresh=0.5,
+        score_thresh=0.3,
     )
     rpn.min_size = 6.0
     rpn.__class__ = cls
@@ -50,8 +57,19 @@ def _triton_nms(monkeypatch) -> None:
 @pytest.mark.parametrize("training", [True, False])
 def test_rpn_proposal_slots_hold_the_per_filter_selection(monkeypatch, training, kernel):
     g = torch.Generator().manual_seed(0)
-    proposals = torch.stack([random_boxes(150, image=(96, 128), min_size=2, max_size=60, clusters=8,
-                                          generator=torch.Generator().manual_seed(i)) for i in range(2)])
+    proposals = torch.stack(
+        [
+            random_boxes(
+                150,
+                image=(96, 128),
+                min_size=2,
+                max_size=60,
+                clusters=8,
+                generator=torch.Generator().manual_seed(i),
+            )
+            for i in range(2)
+        ]
+    )
     objectness = torch.randn(2 * 150, 1, generator=g)
     args = (proposals, objectness, [(96, 128), (90, 120)], [100, 50])
     expected_boxes, _ = _rpn(training).filter_proposals(*args)
@@ -62,7 +80,9 @@ def test_rpn_proposal_slots_hold_the_per_filter_selection(monkeypatch, training,
     assert boxes.shape == (2, rpn.post_nms_top_n(), 4) and valid.shape == (2, rpn.post_nms_top_n())
     assert 0 < expected_boxes[0].shape[0] <= rpn.post_nms_top_n()
     for got, slot_valid, expected in zip(boxes, valid, expected_boxes):
-        assert slot_valid.sum() == expected.shape[0] and slot_valid[: expected.shape[0]].all()  # valid slots first
+        assert (
+            slot_valid.sum() == expected.shape[0] and slot_valid[: expected.shape[0]].all()
+        )  # valid slots first
         assert torch.equal(got[: expected.shape[0]], expected)
 
 
@@ -72,8 +92,9 @@ def test_padded_nms_of_the_valid_boxes_is_nms_of_the_valid_subset(max_class_size
     scores = distinct_scores(260)
     classes = torch.arange(260) // 65  # four classes of 65 boxes
     valid = scores > 0.3
-    keep, count = tops.batched_nms_padded(boxes, scores, classes, 0.5, 40, valid=valid,
-                                          max_class_size=max_class_size)
+    keep, count = tops.batched_nms_padded(
+        boxes, scores, classes, 0.5, 40, valid=valid, max_class_size=max_class_size
+    )
     members = torch.nonzero(valid).flatten()
     expected = members[ops.batched_nms(boxes[members], scores[members], classes[members], 0.5, 40)]
     assert 0 < int(count) <= 40
@@ -84,27 +105,42 @@ def test_padded_nms_of_the_valid_boxes_is_nms_of_the_valid_subset(max_class_size
 
 @pytest.mark.parametrize("kernel", ["cpu", "triton"])
 def test_detection_slots_hold_the_per_image_detections(monkeypatch, kernel):
-    heads = RoIHeads(None, None, None, 0.5, 0.5, 16, 0.25, None, score_thresh=0.1, nms_thresh=0.5,
-                     detections_per_img=15)
+    heads = RoIHeads(
+        None, None, None, 0.5, 0.5, 16, 0.25, None, score_thresh=0.1, nms_thresh=0.5, detections_per_img=15
+    )
     heads.__class__ = ext_ops.ExtRoIHeads
     g = torch.Generator().manual_seed(3)
-    proposals = torch.stack([random_boxes(40, image=(64, 80), max_size=40, clusters=5,
-                                          generator=torch.Generator().manual_seed(i)) for i in range(2)])
-    valid = torch.arange(40) < torch.tensor([[40], [31]])  # the second image's last proposal slots are padding
+    proposals = torch.stack(
+        [
+            random_boxes(
+                40, image=(64, 80), max_size=40, clusters=5, generator=torch.Generator().manual_seed(i)
+            )
+            for i in range(2)
+        ]
+    )
+    valid = torch.arange(40) < torch.tensor(
+        [[40], [31]]
+    )  # the second image's last proposal slots are padding
     class_logits = torch.randn(80, 4, generator=g) * 2
     box_regression = torch.randn(80, 16, generator=g) * 0.1
-    expected = heads.postprocess_detections(class_logits[torch.cat([valid[0], valid[1]])],
-                                            box_regression[torch.cat([valid[0], valid[1]])],
-                                            [proposals[0], proposals[1][:31]], [(64, 80), (60, 70)])
+    expected = heads.postprocess_detections(
+        class_logits[torch.cat([valid[0], valid[1]])],
+        box_regression[torch.cat([valid[0], valid[1]])],
+        [proposals[0], proposals[1][:31]],
+        [(64, 80), (60, 70)],
+    )
     if kernel == "triton":
         _triton_nms(monkeypatch)
     heads.__class__ = sync_free.SyncFreeRoIHeads
-    boxes, scores, labels, counts = heads.postprocess_detections(class_logits, box_regression, (proposals, valid),
-                                                                 [(64, 80), (60, 70)])
+    boxes, scores, labels, counts = heads.postprocess_detections(
+        class_logits, box_regression, (proposals, valid), [(64, 80), (60, 70)]
+    )
     assert boxes.shape == (2, 15, 4) and counts.tolist() == [b.shape[0] for b in expected[0]]
     assert counts[0] > 0
     for i, n in enumerate(counts.tolist()):
-        for got, want in zip((boxes[i], scores[i], labels[i]), (expected[0][i], expected[1][i], expected[2][i])):
+        for got, want in zip(
+            (boxes[i], scores[i], labels[i]), (expected[0][i], expected[1][i], expected[2][i])
+        ):
             assert torch.equal(got[:n], want)
 
 
@@ -124,7 +160,9 @@ def test_triton_ops_do_not_synchronise_with_the_host(monkeypatch):
         tops.batched_nms_padded(boxes, scores, classes, 0.5, 100)
         ops.box_iou(boxes[:100], boxes)
         ops.roi_align(x, rois, 7, 0.125, 2).sum().backward()
-        ops.multi_level_roi_align([x, x[:, :, ::2, ::2]], rois, classes[:300].clamp(max=1), [0.125, 0.0625], 7, 2)
+        ops.multi_level_roi_align(
+            [x, x[:, :, ::2, ::2]], rois, classes[:300].clamp(max=1), [0.125, 0.0625], 7, 2
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -7,24 +7,29 @@ import os
 import shutil
 from pathlib import Path
 
+import lit_amp_det.data.verify as verify
 import numpy as np
 import pytest
-from PIL import Image
-
-import lit_amp_det.data.verify as verify
-from conftest import run_cli
 from lit_amp_det.data import CocoDataModule, ShapesDataModule
 from lit_amp_det.data.verify import BadImagesError, verify_images
+from PIL import Image
 
-SPLITS = {f"{split}_{kind}": path for split in ("train", "val", "test")
-          for kind, path in (("images", f"images/{split}"), ("annotations", f"annotations/instances_{split}.json"))}
+from conftest import run_cli
+
+SPLITS = {
+    f"{split}_{kind}": path
+    for split in ("train", "val", "test")
+    for kind, path in (("images", f"images/{split}"), ("annotations", f"annotations/instances_{split}.json"))
+}
 
 
 @pytest.fixture()
 def damaged(tmp_path: Path) -> tuple[Path, list[Path]]:
     """A small shapes dataset with a truncated JPEG and a garbage file in val, a truncated PNG in train."""
     # its own cache: other tests expect one generated dataset in the session's cache
-    source = ShapesDataModule(tmp_path / "generated", train_size=16, val_size=8, test_size=8, image_size=64, verify_images=False)
+    source = ShapesDataModule(
+        tmp_path / "generated", train_size=16, val_size=8, test_size=8, image_size=64, verify_images=False
+    )
     source.prepare_data()
     root = tmp_path / "coco"
     shutil.copytree(source.root, root)
@@ -67,7 +72,9 @@ def test_skip_leaves_bad_images_out_with_a_warning(damaged, tmp_path: Path, capl
     assert image.shape[0] == 3
 
 
-def test_second_check_reads_nothing_and_a_changed_file_is_read_again(damaged, tmp_path: Path, monkeypatch) -> None:
+def test_second_check_reads_nothing_and_a_changed_file_is_read_again(
+    damaged, tmp_path: Path, monkeypatch
+) -> None:
     root, _ = damaged
     good = sorted((root / "images" / "test").iterdir())
     items = [(str(p), None) for p in good]
@@ -88,8 +95,15 @@ def test_second_check_reads_nothing_and_a_changed_file_is_read_again(damaged, tm
 @pytest.mark.slow
 def test_fit_with_a_corrupt_val_image_stops_before_training(damaged, tmp_path: Path) -> None:
     root, bad = damaged
-    args = ["fit", "model=maskrcnn_tiny", "trainer.max_epochs=1", "data=coco", f"data.root={root}", "data.num_workers=0",
-            *(f"data.{key}={value}" for key, value in SPLITS.items() if not key.startswith("test"))]
+    args = [
+        "fit",
+        "model=maskrcnn_tiny",
+        "trainer.max_epochs=1",
+        "data=coco",
+        f"data.root={root}",
+        "data.num_workers=0",
+        *(f"data.{key}={value}" for key, value in SPLITS.items() if not key.startswith("test")),
+    ]
     proc = run_cli(args, cwd=tmp_path, check=False)
     assert proc.returncode != 0
     for path in bad:

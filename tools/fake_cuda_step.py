@@ -1,24 +1,24 @@
 """The CUDA configuration's step run on fake CUDA tensors: what a GPU would wait for, counted without a GPU.
 
-``torch._subclasses.fake_tensor.FakeTensorMode`` makes ``device="cuda"`` tensors on a machine without a GPU: they
-carry shapes, dtypes and devices but no values, and every op runs through its fake (meta) kernel, lit_amp_det's ops
-included. So the module as a GPU run builds it (the speedups that apply on ``cuda``, the precision plugin built for
-``cuda``, the configured optimizer on the parameters' device) runs here as the GPU would run it, and
-:class:`lit_amp_det.profiling.HostSyncs`, entered inside the fake mode, sees every copy between the host and the
-device, every tensor built from host numbers on the device and every value read, by call site. An op that needs a
-device value or sizes its output by one (``nonzero``, ``.item()``) is refused by fake tensors: it is recorded with
-its call site and the run stops there.
+``torch._subclasses.fake_tensor.FakeTensorMode`` makes ``device="cuda"`` tensors on a machine without a GPU:
+they carry shapes, dtypes and devices but no values, and every op runs through its fake (meta) kernel,
+lit_amp_det's ops included. So the module as a GPU run builds it (the speedups that apply on ``cuda``, the
+precision plugin built for ``cuda``, the configured optimizer on the parameters' device) runs here as the GPU
+would run it, and :class:`lit_amp_det.profiling.HostSyncs`, entered inside the fake mode, sees every copy
+between the host and the device, every tensor built from host numbers on the device and every value read, by
+call site. An op that needs a device value or sizes its output by one (``nonzero``, ``.item()``) is refused by
+fake tensors: it is recorded with its call site and the run stops there.
 
-The module is configured for ``cuda`` on the host (as Lightning does, before moving it), then moved to fake CUDA.
-What one step runs on fake CUDA tensors, after one warm-up step (the cell anchors and the cached constants move to the
-device once, and the optimizer makes its state, as in a GPU run's first step):
+The module is configured for ``cuda`` on the host (as Lightning does, before moving it), then moved to fake
+CUDA. What one step runs on fake CUDA tensors, after one warm-up step (the cell anchors and the cached
+constants move to the device once, and the optimizer makes its state, as in a GPU run's first step):
 
-* training: the forward and loss, under the precision plugin's autocast and fp32 regions, then the optimizer step
-  the plugin takes (GradScaler's unscale, step and update for 16-mixed; the non-finite guard's step otherwise) on
-  gradients of the parameters' shapes. PyTorch's autograd engine cannot run backward on fake CUDA tensors (its
-  ``GraphTask`` asks the CUDA driver for each device's current stream, and there is no driver), so the backward is
-  covered by the same step on the CPU (``tests/test_profiling.py``, ``tests/test_sync_free.py``), where
-  :class:`HostSyncs` counts its value reads and host reads;
+* training: the forward and loss, under the precision plugin's autocast and fp32 regions, then the optimizer
+  step the plugin takes (GradScaler's unscale, step and update for 16-mixed; the non-finite guard's step
+  otherwise) on gradients of the parameters' shapes. PyTorch's autograd engine cannot run backward on fake
+  CUDA tensors (its ``GraphTask`` asks the CUDA driver for each device's current stream, and there is no
+  driver), so the backward is covered by the same step on the CPU (``tests/test_profiling.py``,
+  ``tests/test_sync_free.py``), where :class:`HostSyncs` counts its value reads and host reads;
 * inference: ``forward_padded`` (no read of the detection counts; ``forward`` adds that one read).
 
     python tools/fake_cuda_step.py [--sites]
@@ -38,14 +38,18 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from lit_amp_det.models.sync_free import is_fixed_shape
+from lit_amp_det.profiling import SYNC_KINDS, HostSyncs
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 
 from host_syncs import PACKAGE
 
-from lit_amp_det.models.sync_free import is_fixed_shape
-from lit_amp_det.profiling import SYNC_KINDS, HostSyncs
-
-#: the tiny sizes every configuration runs at here (the model's own architecture, small images and head widths)
+#: the tiny sizes every configuration runs at here (the model's own architecture, small images and head
+#: widths)
 TINY = (
     "model.num_classes=4",
     "model.transform.min_size=128",
@@ -59,14 +63,16 @@ TINY = (
     "model.backbone.weights=null",
     "model.weights=null",
 )
-#: the refusals of fake tensors: an op that needs a device value on the host, or an output sized by device values
+#: the refusals of fake tensors: an op that needs a device value on the host, or an output sized by device
+#: values
 REFUSALS = (DataDependentOutputException, DynamicOutputShapeException)
 
 
 @dataclasses.dataclass
 class StepCount:
     """What one step on fake CUDA tensors waited for: ``kinds`` (by :data:`SYNC_KINDS`), ``sites`` (``(what,
-    path:line) -> count``) and ``refused`` (the op fake tensors refused, with its call site, where the step stopped)."""
+    path:line) -> count``) and ``refused`` (the op fake tensors refused, with its call site, where the step
+    stopped)."""
 
     kinds: dict[str, int]
     sites: dict[tuple[str, str], int]
@@ -96,8 +102,9 @@ _FUSED_SGD_META: torch.library.Library | None = None
 
 
 def _register_fused_sgd_meta() -> None:
-    """A meta kernel for ``aten::_fused_sgd_``, which PyTorch ships without one (fused Adam and AdamW have theirs):
-    the op updates its tensor lists in place and returns nothing, so on fake tensors it has nothing to do."""
+    """A meta kernel for ``aten::_fused_sgd_``, which PyTorch ships without one (fused Adam and AdamW have
+    theirs): the op updates its tensor lists in place and returns nothing, so on fake tensors it has nothing
+    to do."""
     global _FUSED_SGD_META
     if _FUSED_SGD_META is not None:
         return
@@ -109,18 +116,21 @@ def _register_fused_sgd_meta() -> None:
 
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[FakeTensorMode]:
-    """A fake tensor mode in which ``cuda`` tensors need no GPU; ``torch.cuda.current_device()`` answers 0 inside
-    (Lightning's ``module.device`` asks it)."""
+    """A fake tensor mode in which ``cuda`` tensors need no GPU; ``torch.cuda.current_device()`` answers 0
+    inside (Lightning's ``module.device`` asks it)."""
     _register_fused_sgd_meta()
-    with mock.patch.object(torch.cuda, "current_device", lambda: 0), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with (
+        mock.patch.object(torch.cuda, "current_device", lambda: 0),
+        FakeTensorMode(allow_non_fake_inputs=True) as mode,
+    ):
         yield mode
 
 
 @contextlib.contextmanager
 def cuda_available() -> Iterator[None]:
-    """``torch.cuda.is_available()`` and ``is_bf16_supported()`` true inside (a GPU of the H100's generation), so that
-    what a GPU run builds and enters (autocast on ``cuda``, a GradScaler) is built as on that GPU; only around that,
-    since fake tensors ask ``is_available`` to decide whether to be fake."""
+    """``torch.cuda.is_available()`` and ``is_bf16_supported()`` true inside (a GPU of the H100's generation),
+    so that what a GPU run builds and enters (autocast on ``cuda``, a GradScaler) is built as on that GPU;
+    only around that, since fake tensors ask ``is_available`` to decide whether to be fake."""
     with (
         mock.patch.object(torch.cuda, "is_available", lambda: True),
         mock.patch.object(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True),
@@ -129,7 +139,8 @@ def cuda_available() -> Iterator[None]:
 
 
 def _refused_site(error: BaseException) -> str:
-    """``error`` and the innermost frame of its traceback outside torch and the counter: the code that asked."""
+    """``error`` and the innermost frame of its traceback outside torch and the counter: the code that asked.
+    """
     skipped = (str(Path(torch.__file__).parent) + "/", str(PACKAGE / "profiling.py"))
     site = "?"
     for frame, line in _frames(error.__traceback__):
@@ -167,21 +178,21 @@ class CudaModule:
 
 
 def configure_for_cuda(module: Any) -> None:
-    """``module.configure_model()`` as a Trainer on a GPU calls it, before the module moves there: the speedups that
-    apply on ``cuda`` are applied (the Trainer's root device is what the module asks)."""
+    """``module.configure_model()`` as a Trainer on a GPU calls it, before the module moves there: the
+    speedups that apply on ``cuda`` are applied (the Trainer's root device is what the module asks)."""
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda")))
     with mock.patch.object(type(module), "trainer", trainer):
         module.configure_model()
 
 
 def build_cuda_module(cfg: Any, module: Any) -> CudaModule:
-    """``module`` (``cfg``'s, instantiated and configured for ``cuda`` on the host: :func:`configure_for_cuda`) as
-    ``fit`` builds it on a GPU, inside :func:`fake_cuda`: moved to ``cuda``, converted by the precision plugin of
-    ``trainer.precision`` built for ``cuda``, and the optimizer of ``optim.optimizer`` on its parameters."""
-    from omegaconf import OmegaConf
-
+    """``module`` (``cfg``'s, instantiated and configured for ``cuda`` on the host:
+    :func:`configure_for_cuda`) as ``fit`` builds it on a GPU, inside :func:`fake_cuda`: moved to ``cuda``,
+    converted by the precision plugin of ``trainer.precision`` built for ``cuda``, and the optimizer of
+    ``optim.optimizer`` on its parameters."""
     from lit_amp_det.optim import build_optimizer
     from lit_amp_det.precision import build_precision_plugin
+    from omegaconf import OmegaConf
 
     module.to("cuda")
     precision = OmegaConf.to_container(cfg.precision, resolve=True)
@@ -194,8 +205,8 @@ def build_cuda_module(cfg: Any, module: Any) -> CudaModule:
 
 
 def padded(batch: Any, pad_instances: int | None) -> Any:
-    """``(images, targets)`` with the targets padded to ``pad_instances`` (``data.pad_instances``), as the data
-    module pads them on the host."""
+    """``(images, targets)`` with the targets padded to ``pad_instances`` (``data.pad_instances``), as the
+    data module pads them on the host."""
     from lit_amp_det.data.coco import pad_instances as pad
 
     images, targets = batch
@@ -220,8 +231,8 @@ def _fake_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_step(built: CudaModule, loss: torch.Tensor) -> None:
-    """The optimizer step the precision plugin takes after backward: GradScaler's scale, unscale, step and update
-    (16-mixed), or the plugin's step through the non-finite guard."""
+    """The optimizer step the precision plugin takes after backward: GradScaler's scale, unscale, step and
+    update (16-mixed), or the plugin's step through the non-finite guard."""
     plugin, optimizer = built.plugin, built.optimizer
     scaler = getattr(plugin, "scaler", None)
     _fake_gradients(optimizer)
@@ -237,8 +248,8 @@ def optimizer_step(built: CudaModule, loss: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def plugin_context(built: CudaModule) -> Iterator[None]:
-    """The precision plugin's forward context (autocast on ``cuda``), entered as on a GPU (:func:`cuda_available`
-    only while it is entered: the step inside runs on fake tensors)."""
+    """The precision plugin's forward context (autocast on ``cuda``), entered as on a GPU
+    (:func:`cuda_available` only while it is entered: the step inside runs on fake tensors)."""
     with cuda_available():
         context = built.plugin.forward_context()
         context.__enter__()
@@ -249,8 +260,8 @@ def plugin_context(built: CudaModule) -> Iterator[None]:
 
 
 def training_step(built: CudaModule, batch: Any, with_optimizer: bool = True) -> torch.Tensor:
-    """One training step as ``MaskRCNNModule.training_step`` computes it (forward, loss) under the plugin's forward
-    context, and the plugin's optimizer step; returns the loss."""
+    """One training step as ``MaskRCNNModule.training_step`` computes it (forward, loss) under the plugin's
+    forward context, and the plugin's optimizer step; returns the loss."""
     module = built.module
     images, targets = batch
     module.train()
@@ -263,9 +274,9 @@ def training_step(built: CudaModule, batch: Any, with_optimizer: bool = True) ->
 
 
 def warm_up_training(built: CudaModule, batch: Any) -> None:
-    """A first training step: the forward and loss, a plain optimizer step that makes the optimizer's state (the
-    non-finite guard reads its flag on the host at a parameter's first step, which fake tensors cannot), then the
-    plugin's step (its counters move to the device)."""
+    """A first training step: the forward and loss, a plain optimizer step that makes the optimizer's state
+    (the non-finite guard reads its flag on the host at a parameter's first step, which fake tensors cannot),
+    then the plugin's step (its counters move to the device)."""
     loss = training_step(built, batch, with_optimizer=False)
     _fake_gradients(built.optimizer)
     built.optimizer.step()
@@ -282,9 +293,11 @@ def inference_step(built: CudaModule, images: Sequence[torch.Tensor]) -> None:
         forward(module.prepare_images(images))
 
 
-def count_cuda_steps(cfg: Any, batch: Any, steps: Sequence[str] = ("training", "inference")) -> dict[str, StepCount]:
-    """The waits of one training step and one padded inference call (``steps``: either or both) of ``cfg``'s module on
-    fake CUDA tensors, each after a warm-up call: ``{"training": ..., "inference": ...}``."""
+def count_cuda_steps(
+    cfg: Any, batch: Any, steps: Sequence[str] = ("training", "inference")
+) -> dict[str, StepCount]:
+    """The waits of one training step and one padded inference call (``steps``: either or both) of ``cfg``'s
+    module on fake CUDA tensors, each after a warm-up call: ``{"training": ..., "inference": ...}``."""
     from lit_amp_det.bench.measure import instantiate_model
 
     torch.manual_seed(0)
@@ -310,7 +323,8 @@ def count_cuda_steps(cfg: Any, batch: Any, steps: Sequence[str] = ("training", "
         return counts
 
 
-# --------------------------------------------------------------------------------------------------- the table
+# --------------------------------------------------------------------------------------------------- the
+# table
 def tiny_batch() -> Any:
     """Two 128 x 128 shapes images with their targets, as the loaders deliver them."""
     from lit_amp_det.bench.measure import shapes_batch
@@ -319,8 +333,9 @@ def tiny_batch() -> Any:
 
 
 def configurations() -> dict[str, list[str]]:
-    """The configurations of the table: torchvision's model, the dynamic path (lit_amp_det's ops), the sync-free
-    detector (the CUDA default), each under the CUDA defaults' precision (``16-mixed``) and AdamW."""
+    """The configurations of the table: torchvision's model, the dynamic path (lit_amp_det's ops), the
+    sync-free detector (the CUDA default), each under the CUDA defaults' precision (``16-mixed``) and AdamW.
+    """
     base = ["trainer=gpu", "trainer.precision=16-mixed", *TINY]
     return {
         "torchvision (speedups=none)": [*base, "speedups=none"],
@@ -332,7 +347,9 @@ def configurations() -> dict[str, list[str]]:
 def main(argv: Sequence[str] | None = None) -> None:
     from lit_amp_det.bench.rows import compose
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sites", action="store_true", help="list the waits by call site")
     parser.add_argument("--model", default="maskrcnn_light", help="model config (default: maskrcnn_light)")
     args = parser.parse_args(argv)

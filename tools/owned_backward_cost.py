@@ -1,11 +1,12 @@
 """What the deterministic RoIAlign backward costs on a GPU against the atomic one, counted without a GPU.
 
 The box head's backward at R50-FPN 800x1333, batch 8 (7x7 bins, sampling ratio 2, 512 RoIs an image, 256
-channels, one launch per FPN level), with RoIs of log-uniform sizes from 16 to 700 pixels assigned to levels by
-torchvision's rule. Per launch shape it prints the programs (each a warp or more, see ``make gpu-compile`` for their
-registers) and the longest chain of dependent read-add-write steps one program walks: the serial owned kernel (one
-program per image and channel block), the tiled one at several tile sizes, and the atomic kernel (one program per
-RoI and channel block, every step an atomic add). The tiled kernel's programs also check every RoI of the launch.
+channels, one launch per FPN level), with RoIs of log-uniform sizes from 16 to 700 pixels assigned to levels
+by torchvision's rule. Per launch shape it prints the programs (each a warp or more, see ``make gpu-compile``
+for their registers) and the longest chain of dependent read-add-write steps one program walks: the serial
+owned kernel (one program per image and channel block), the tiled one at several tile sizes, and the atomic
+kernel (one program per RoI and channel block, every step an atomic add). The tiled kernel's programs also
+check every RoI of the launch.
 
     python tools/owned_backward_cost.py
 """
@@ -18,7 +19,10 @@ import torch
 
 IMAGES, ROIS, CHANNELS, POOL, SAMPLES, CORNERS = 8, 512, 256, 7, 2, 4
 HEIGHT, WIDTH = 800, 1333
-OWNED_CHANNELS, ATOMIC_CHANNELS = 32, 8  # channels a program: _launch._owned_blocks, _launch._blocks at 7x7 x 256
+OWNED_CHANNELS, ATOMIC_CHANNELS = (
+    32,
+    8,
+)  # channels a program: _launch._owned_blocks, _launch._blocks at 7x7 x 256
 
 
 def _rois(generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -32,11 +36,16 @@ def _rois(generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     return torch.arange(IMAGES).repeat_interleave(ROIS), level, y, x, h, w
 
 
-def _bins_reaching(start: torch.Tensor, bin_size: torch.Tensor, first: torch.Tensor, tile: int) -> torch.Tensor:
-    """[RoIs, tiles]: how many of each RoI's bins along one axis reach each tile (the kernel's rule, no slack)."""
+def _bins_reaching(
+    start: torch.Tensor, bin_size: torch.Tensor, first: torch.Tensor, tile: int
+) -> torch.Tensor:
+    """[RoIs, tiles]: how many of each RoI's bins along one axis reach each tile (the kernel's rule, no
+    slack)."""
     b = torch.arange(POOL, dtype=start.dtype)
     low = start[:, None, None] + b[None, None, :] * bin_size[:, None, None]
-    reaches = (low + bin_size[:, None, None] >= first[None, :, None] - 1) & (low <= first[None, :, None] + tile)
+    reaches = (low + bin_size[:, None, None] >= first[None, :, None] - 1) & (
+        low <= first[None, :, None] + tile
+    )
     return reaches.sum(-1)
 
 
@@ -56,8 +65,12 @@ def costs(tiles: tuple[int, ...] = (8, 16, 32)) -> list[tuple[str, int, int]]:
         rows["atomic"][1] += steps_per_bin if mine.any() else 0
         for tile in tiles:
             ty, tx = math.ceil(height / tile), math.ceil(width / tile)
-            rows_y = _bins_reaching(y[mine] * scale, h[mine] * scale / POOL, torch.arange(ty) * float(tile), tile)
-            cols_x = _bins_reaching(x[mine] * scale, w[mine] * scale / POOL, torch.arange(tx) * float(tile), tile)
+            rows_y = _bins_reaching(
+                y[mine] * scale, h[mine] * scale / POOL, torch.arange(ty) * float(tile), tile
+            )
+            cols_x = _bins_reaching(
+                x[mine] * scale, w[mine] * scale / POOL, torch.arange(tx) * float(tile), tile
+            )
             work = torch.zeros(IMAGES, ty, tx)
             work.index_add_(0, image[mine], (rows_y[:, :, None] * cols_x[:, None, :]).float() * steps_per_bin)
             key = f"owned, {tile}-pixel tiles"
@@ -67,7 +80,7 @@ def costs(tiles: tuple[int, ...] = (8, 16, 32)) -> list[tuple[str, int, int]]:
 
 
 def main() -> None:
-    print(f"| kernel | programs | longest chain (steps) | RoI checks a program |")
+    print("| kernel | programs | longest chain (steps) | RoI checks a program |")
     print("|---|---:|---:|---:|")
     for name, programs, chain in costs():
         checks = f"{IMAGES * ROIS:,}" if "tiles" in name else "0"

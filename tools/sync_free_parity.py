@@ -1,6 +1,6 @@
-"""A trained checkpoint's detections with ``speedups.sync_free`` against the dynamic path, on the embedded validation
-split (issue 42's inference check): per image the same count and labels, the largest box difference, the mask pixels
-that differ.
+"""A trained checkpoint's detections with ``speedups.sync_free`` against the dynamic path, on the embedded
+validation split (issue 42's inference check): per image the same count and labels, the largest box
+difference, the mask pixels that differ.
 
     python tools/sync_free_parity.py runs/fit/<run>/checkpoints/last.ckpt
 """
@@ -11,19 +11,22 @@ import argparse
 
 import torch
 from hydra.utils import instantiate
-
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.bench.rows import compose
 from lit_amp_det.models.speedups import DEFAULT_SPEEDUPS
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint")
     args = parser.parse_args()
     on_cpu = {**DEFAULT_SPEEDUPS, "sync_free": {**DEFAULT_SPEEDUPS["sync_free"], "devices": ["cpu", "cuda"]}}
     fixed = MaskRCNNModule.load_from_checkpoint(args.checkpoint, map_location="cpu", speedups=on_cpu)
-    dynamic = MaskRCNNModule.load_from_checkpoint(args.checkpoint, map_location="cpu", speedups=DEFAULT_SPEEDUPS)
+    dynamic = MaskRCNNModule.load_from_checkpoint(
+        args.checkpoint, map_location="cpu", speedups=DEFAULT_SPEEDUPS
+    )
     for module in (fixed, dynamic):
         module.configure_model()
         module.eval()
@@ -37,15 +40,19 @@ def main() -> None:
             for a, b in zip(fixed(batch), dynamic(batch)):
                 images += 1
                 if a["boxes"].shape != b["boxes"].shape or not torch.equal(a["labels"], b["labels"]):
-                    print(f"image {images - 1}: {a['boxes'].shape[0]} detections against {b['boxes'].shape[0]}")
+                    print(
+                        f"image {images - 1}: {a['boxes'].shape[0]} detections against {b['boxes'].shape[0]}"
+                    )
                     continue
                 same += 1
                 if a["boxes"].numel():
                     worst = max(worst, float((a["boxes"] - b["boxes"]).abs().max()))
                 pixels += int((a["masks"] != b["masks"]).sum())
                 total += a["masks"].numel()
-    print(f"{images} images: {same} with the same count and labels; largest box difference {worst:.2e}; "
-          f"{pixels} of {total} mask pixels differ")
+    print(
+        f"{images} images: {same} with the same count and labels; largest box difference {worst:.2e}; "
+        f"{pixels} of {total} mask pixels differ"
+    )
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""Host time of one Triton launch of lit_amp_det's kernels, up to the driver call, measured on a machine without a GPU.
+"""Host time of one Triton launch of lit_amp_det's kernels, up to the driver call, measured on a machine
+without a GPU.
 
 What a GPU launch costs the host before the driver takes over: lit_amp_det's launcher
-(``lit_amp_det.ops.triton._launch._launch``) and Triton's ``JITFunction.run`` (argument binding, specialisation and
-cache key, launch metadata and hooks) on the compiled kernel, compiled ahead of time for sm_90 as
-``tools/triton_compile.py`` compiles it. Only what needs a GPU is stood in for: Triton's driver answers device 0,
-stream 0 and an sm_90 target; the compiled kernel's C launcher (``CompiledKernel.run``, which packs the arguments and
-calls ``cuLaunchKernelEx``, the same for every row) only counts; ``torch.cuda``'s current-device and exchange-device
-calls return 0; the tensors are CPU tensors that report ``cuda:0`` as their device (a subclass without
-``__torch_dispatch__``, so the dispatcher treats them as plain dense tensors). The arguments are those the real
-launchers pass for an IoU matrix (9 positional arguments, 5 keywords) and a RoIAlign forward (24 and 7), with a
-GPU's launch configurations.
+(``lit_amp_det.ops.triton._launch._launch``) and Triton's ``JITFunction.run`` (argument binding,
+specialisation and cache key, launch metadata and hooks) on the compiled kernel, compiled ahead of time for
+sm_90 as ``tools/triton_compile.py`` compiles it. Only what needs a GPU is stood in for: Triton's driver
+answers device 0, stream 0 and an sm_90 target; the compiled kernel's C launcher (``CompiledKernel.run``,
+which packs the arguments and calls ``cuLaunchKernelEx``, the same for every row) only counts;
+``torch.cuda``'s current-device and exchange-device calls return 0; the tensors are CPU tensors that report
+``cuda:0`` as their device (a subclass without ``__torch_dispatch__``, so the dispatcher treats them as plain
+dense tensors). The arguments are those the real launchers pass for an IoU matrix (9 positional arguments, 5
+keywords) and a RoIAlign forward (24 and 7), with a GPU's launch configurations.
 
 Rows, timed in interleaved repeats (ratios, not lone times, are what carry over to another CPU):
 
@@ -18,8 +19,8 @@ Rows, timed in interleaved repeats (ratios, not lone times, are what carry over 
 * ``_launch``: the launcher of this checkout;
 * ``kernel[grid]``: Triton's own launcher alone, the floor.
 
-The side-table column counts the entries one launch adds to ``kernel_side_table``'s constant arguments (kept for
-the life of the process).
+The side-table column counts the entries one launch adds to ``kernel_side_table``'s constant arguments (kept
+for the life of the process).
 
     python tools/triton_launch_overhead.py [--repeats 15] [--launches 500]
 """
@@ -39,7 +40,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-
 from lit_amp_det.ops.triton import _launch
 
 __all__ = ["Launch", "before", "main", "measure", "recorded_launches", "stand_in_gpu"]
@@ -59,8 +59,8 @@ class Launch:
 
 
 class _OnCuda(torch.Tensor):
-    """A CPU tensor that reports ``cuda:0``: a real data pointer and dtype for Triton's binder, the device a GPU
-    launch reads. No ``__torch_dispatch__``, so the dispatcher sees a plain dense tensor."""
+    """A CPU tensor that reports ``cuda:0``: a real data pointer and dtype for Triton's binder, the device a
+    GPU launch reads. No ``__torch_dispatch__``, so the dispatcher sees a plain dense tensor."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -74,7 +74,8 @@ def _on_cuda(value: Any) -> Any:
 
 
 class _StandInLauncher:
-    """Stands for the compiled kernel's C launcher (it packs the arguments and calls ``cuLaunchKernelEx``): counts."""
+    """Stands for the compiled kernel's C launcher (it packs the arguments and calls ``cuLaunchKernelEx``):
+    counts."""
 
     calls = 0
 
@@ -90,7 +91,9 @@ class _StandInUtils:
 
     MODULE = 1  # the handle of every module it loads
 
-    def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[int, int, int, int, int]:
+    def load_binary(
+        self, name: str, kernel: bytes, shared: int, device: int
+    ) -> tuple[int, int, int, int, int]:
         return self.MODULE, 1, 0, 0, 1024  # module, function, registers, spills, most threads a block
 
     def unload_module(self, module: int) -> None:
@@ -143,8 +146,8 @@ def stand_in_gpu() -> Iterator[None]:
 
 
 def _forget_stand_in_modules() -> None:
-    """Marks the kernels loaded by the stand-in as unloaded: Triton unloads a kernel's module when the kernel is
-    collected, through whatever driver is active then, and after the block there is none to ask."""
+    """Marks the kernels loaded by the stand-in as unloaded: Triton unloads a kernel's module when the kernel
+    is collected, through whatever driver is active then, and after the block there is none to ask."""
     from triton.compiler.compiler import CompiledKernel
 
     for candidate in gc.get_objects():
@@ -154,8 +157,9 @@ def _forget_stand_in_modules() -> None:
 
 
 def recorded_launches(kernels: ModuleType) -> list[Launch]:
-    """The launches of an IoU matrix (300 x 20 boxes) and of a RoIAlign forward (512 RoIs, 256 channels, 7 x 7) with
-    a GPU's launch configurations, recorded while the real launchers run on CPU tensors (nothing is launched)."""
+    """The launches of an IoU matrix (300 x 20 boxes) and of a RoIAlign forward (512 RoIs, 256 channels, 7 x
+    7) with a GPU's launch configurations, recorded while the real launchers run on CPU tensors (nothing is
+    launched)."""
     launches: list[Launch] = []
 
     def record(kernel, grid, *args, **meta) -> None:
@@ -178,7 +182,8 @@ def recorded_launches(kernels: ModuleType) -> list[Launch]:
 
 
 def before(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
-    """The launch as ``_launch`` made it before issue 53: ``wrap_triton`` inside a ``torch.cuda.device`` context."""
+    """The launch as ``_launch`` made it before issue 53: ``wrap_triton`` inside a ``torch.cuda.device``
+    context."""
     with torch.cuda.device(args[0].device if isinstance(args[0], torch.Tensor) else None):
         torch.library.wrap_triton(kernel)[grid](*args, enable_fp_fusion=False, **meta)
 
@@ -214,8 +219,8 @@ def _time(path: Callable[..., None], launch: Launch, launches: int) -> float:
 
 
 def measure(repeats: int, launches: int) -> list[dict[str, Any]]:
-    """Per kernel and path: median microseconds per launch over ``repeats`` interleaved repeats, the ratio to the
-    first path, and the side-table entries one launch adds.
+    """Per kernel and path: median microseconds per launch over ``repeats`` interleaved repeats, the ratio to
+    the first path, and the side-table entries one launch adds.
 
     Raises:
         RuntimeError: if a path did not reach the (stubbed) driver call once per launch.
@@ -230,7 +235,9 @@ def measure(repeats: int, launches: int) -> list[dict[str, Any]]:
             times: dict[str, list[float]] = {name: [] for name in PATHS}
             for repeat in range(repeats):
                 names = list(PATHS)
-                names = names[repeat % len(names) :] + names[: repeat % len(names)]  # each path in each position
+                names = (
+                    names[repeat % len(names) :] + names[: repeat % len(names)]
+                )  # each path in each position
                 for name in names:
                     times[name].append(_time(PATHS[name], launch, launches))
             reference = statistics.median(times[next(iter(PATHS))])

@@ -6,17 +6,17 @@ The YAML tree sits in the repository's ``conf/`` folder and is installed as the 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 import math
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_amp_det.app.launch import rank_suffix
+from lit_amp_det.app.runs import unique_dir
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.precision.modes import PRECISIONS
-from lit_amp_det.app.runs import unique_dir
 
 __all__ = ["COMMANDS", "check_command", "check_config", "compose", "config_dir", "config_groups"]
 
@@ -29,6 +29,7 @@ def _pin_memory(accelerator: str) -> bool:
     if str(accelerator) != "auto":
         return str(accelerator) in ("gpu", "cuda")
     import torch  # deferred: only when a config asks
+
     return torch.cuda.is_available()
 
 
@@ -53,8 +54,11 @@ def config_dir() -> Path:
 def config_groups() -> dict[str, list[str]]:
     """Config groups and their options, e.g. ``{"data": ["coco", "shapes"], ...}``."""
     root = config_dir()
-    return {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in sorted(root.iterdir())
-            if group.is_dir() and not group.name.startswith(("_", "."))}
+    return {
+        group.name: sorted(p.stem for p in group.glob("*.yaml"))
+        for group in sorted(root.iterdir())
+        if group.is_dir() and not group.name.startswith(("_", "."))
+    }
 
 
 def check_command(command: object) -> None:
@@ -82,37 +86,55 @@ def check_config(cfg: DictConfig) -> None:
     _check_numbers(cfg)
     for key in ("max_steps", "max_epochs"):
         if cfg.command == "fit" and cfg.trainer.get(key) == 0:
-            raise ValueError(f"trainer.{key}=0 trains nothing; give a positive number, or -1 (max_steps) / null "
-                             "(max_epochs) for no limit")
+            raise ValueError(
+                f"trainer.{key}=0 trains nothing; give a positive number, or -1 (max_steps) / null "
+                "(max_epochs) for no limit"
+            )
     if (seed := cfg.get("seed")) is not None and not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer or null")
 
 
-#: Numeric settings checked before anything is built (key, integer, lowest value, lowest allowed): a bad one would
-#: otherwise fail deep in interpolation, a sampler or the optimizer, with a message that does not name it.
-_NUMBERS = (("model.transform.min_size", True, 1, True), ("model.transform.max_size", True, 1, True),
-            ("optim.optimizer.lr", False, 0, False), ("optim.optimizer.weight_decay", False, 0, True),
-            ("optim.optimizer.momentum", False, 0, True), ("data.batch_size", True, 1, True),
-            ("data.eval_batch_size", True, 1, True), ("data.num_workers", True, 0, True),
-            ("data.train_size", True, 1, True), ("data.val_size", True, 1, True), ("data.test_size", True, 1, True),
-            ("export.image_size", True, 1, True), ("export.batch_size", True, 1, True))
+#: Numeric settings checked before anything is built (key, integer, lowest value, lowest allowed): a bad one
+#: would otherwise fail deep in interpolation, a sampler or the optimizer, with a message that does not name
+#: it.
+_NUMBERS = (
+    ("model.transform.min_size", True, 1, True),
+    ("model.transform.max_size", True, 1, True),
+    ("optim.optimizer.lr", False, 0, False),
+    ("optim.optimizer.weight_decay", False, 0, True),
+    ("optim.optimizer.momentum", False, 0, True),
+    ("data.batch_size", True, 1, True),
+    ("data.eval_batch_size", True, 1, True),
+    ("data.num_workers", True, 0, True),
+    ("data.train_size", True, 1, True),
+    ("data.val_size", True, 1, True),
+    ("data.test_size", True, 1, True),
+    ("export.image_size", True, 1, True),
+    ("export.batch_size", True, 1, True),
+)
 
 
 def _check_numbers(cfg: DictConfig) -> None:
     for key, integer, low, inclusive in _NUMBERS:
         value = OmegaConf.select(cfg, key, default=None)
-        for item in (value if isinstance(value, ListConfig) else [value] if value is not None else []):
+        for item in value if isinstance(value, ListConfig) else [value] if value is not None else []:
             number = isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item)
-            if not number or (integer and not isinstance(item, int)) or item < low or (item == low and not inclusive):
+            if (
+                not number
+                or (integer and not isinstance(item, int))
+                or item < low
+                or (item == low and not inclusive)
+            ):
                 kind = "an integer" if integer else "a finite number"
                 raise ArgumentError(key, value, f"must be {kind} {'>=' if inclusive else '>'} {low}")
 
 
 def _check_data_settings(cfg: DictConfig) -> None:
     """Settings of ``data`` its data module does not take: what an experiment written for one ``data`` option
-    leaves when combined with another (``experiment=smoke data=coco``: ``data.train_size`` is the generated shapes'
-    setting), which ``instantiate`` would report as an unexpected keyword argument of ``__init__``."""
+    leaves when combined with another (``experiment=smoke data=coco``: ``data.train_size`` is the generated
+    shapes' setting), which ``instantiate`` would report as an unexpected keyword argument of ``__init__``."""
     from hydra.utils import get_class  # deferred: checks run before anything heavy is imported
+
     data = cfg.get("data")
     target = data.get("_target_") if data is not None else None
     if target is None:
@@ -125,10 +147,12 @@ def _check_data_settings(cfg: DictConfig) -> None:
         return
     if unknown := sorted(str(k) for k in data if not str(k).startswith("_") and k not in parameters):
         name = str(target).rsplit(".", 1)[-1]
-        raise ValueError(f"data.{', data.'.join(unknown)}: not a setting of {name}, the chosen data option's module. "
-                         "An experiment written for other data sets such keys (experiment=smoke: the generated shapes "
-                         f"data): leave the experiment out or choose its data, or drop the override. {name} takes: "
-                         f"{', '.join(k for k in parameters if k != 'self')}")
+        raise ValueError(
+            f"data.{', data.'.join(unknown)}: not a setting of {name}, the chosen data option's module. "
+            "An experiment written for other data sets such keys (experiment=smoke: the generated shapes "
+            f"data): leave the experiment out or choose its data, or drop the override. {name} takes: "
+            f"{', '.join(k for k in parameters if k != 'self')}"
+        )
 
 
 def _check_sync_batchnorm(cfg: DictConfig) -> None:
@@ -136,8 +160,11 @@ def _check_sync_batchnorm(cfg: DictConfig) -> None:
     if not cfg.trainer.get("sync_batchnorm", False):
         return
     import torch  # deferred: config checks run before anything heavy is imported
+
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
-        raise ValueError("trainer.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm has no CPU kernel. On CPUs "
-                         "leave it false (each process keeps its own batch statistics), or freeze the norms "
-                         "(callbacks=fast).")
+        raise ValueError(
+            "trainer.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm has no CPU kernel. On CPUs "
+            "leave it false (each process keeps its own batch statistics), or freeze the norms "
+            "(callbacks=fast)."
+        )

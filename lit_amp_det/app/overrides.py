@@ -1,7 +1,7 @@
 """Command-line overrides, checked before Hydra runs them.
 
-* Every argument of Lightning's ``Trainer`` is a setting under ``trainer.``: one the trainer config does not list
-  (``trainer.limit_val_batches=2``) is added as Hydra's ``+trainer.limit_val_batches=2`` would add it.
+* Every argument of Lightning's ``Trainer`` is a setting under ``trainer.``: one the trainer config does not
+  list (``trainer.limit_val_batches=2``) is added as Hydra's ``+trainer.limit_val_batches=2`` would add it.
 * A key that is not a setting stops the command with one message that names the closest settings
   (``trainer.max_epoch=2``: did you mean ``trainer.max_epochs``?), instead of Hydra's "not in struct".
 """
@@ -34,12 +34,15 @@ def _keys(node: Any, prefix: str = "") -> list[str]:
     """Every dotted key of a composed config (mappings inside lists are not descended into)."""
     if not isinstance(node, DictConfig) or node._is_missing() or node._is_none():
         return []
-    return [k for key in node.keys() for k in (f"{prefix}{key}", *_keys(node._get_node(key), f"{prefix}{key}."))]
+    return [
+        k for key in node.keys() for k in (f"{prefix}{key}", *_keys(node._get_node(key), f"{prefix}{key}."))
+    ]
 
 
 def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[str]:
-    """``overrides`` with ``+`` added to Lightning ``Trainer`` arguments the trainer config lacks; for a single run, a
-    key that is not a setting raises :class:`UnknownSetting` (a multirun's sweep values are Hydra's to check)."""
+    """``overrides`` with ``+`` added to Lightning ``Trainer`` arguments the trainer config lacks; for a
+    single run, a key that is not a setting raises :class:`UnknownSetting` (a multirun's sweep values are
+    Hydra's to check)."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
     values = [o for o in overrides if "=" in o and not o.startswith(("+", "~", "hydra."))]
@@ -68,6 +71,8 @@ def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[
         known = list(dict.fromkeys([*_keys(base), *(f"trainer.{name}" for name in arguments)]))
         close = difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        raise UnknownSetting(f"lit_amp_det: {key} is not a setting.{hint}\nEvery setting: python -m lit_amp_det fit "
-                             f"--cfg job (a key of your own: +{key}=...)") from None
+        raise UnknownSetting(
+            f"lit_amp_det: {key} is not a setting.{hint}\nEvery setting: python -m lit_amp_det fit "
+            f"--cfg job (a key of your own: +{key}=...)"
+        ) from None
     return prepared

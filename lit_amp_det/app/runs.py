@@ -1,9 +1,10 @@
 """Run folders: created exclusively, recorded in ``run.json``, and found again by ``ckpt_path=last``.
 
 Every command writes into its own new folder (``runs/<command>/<timestamp>``, suffixed ``_1``, ``_2`` ... on a
-clash), where rank 0 keeps a small ``run.json``: the command, its state, the process id and host, and the checkpoint
-it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are resolved from these records, so that
-``fit ckpt_path=last`` only continues the newest unfinished fit made with the same model and data, and says why not."""
+clash), where rank 0 keeps a small ``run.json``: the command, its state, the process id and host, and the
+checkpoint it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are resolved from these records, so
+that ``fit ckpt_path=last`` only continues the newest unfinished fit made with the same model and data, and
+says why not."""
 
 from __future__ import annotations
 
@@ -24,32 +25,61 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_amp_det.app.launch import launch_rank
 
-__all__ = ["RUN_RECORD", "RunInfo", "ResumeError", "config_differences", "holds_a_run", "is_earlier_attempt",
-           "list_runs", "read_run", "remove_stale_temporaries", "resolve_ckpt_path", "resume_point",
-           "slurm_resume_point", "unique_dir", "update_run_record", "write_run_record"]
+__all__ = [
+    "RUN_RECORD",
+    "RunInfo",
+    "ResumeError",
+    "config_differences",
+    "holds_a_run",
+    "is_earlier_attempt",
+    "list_runs",
+    "read_run",
+    "remove_stale_temporaries",
+    "resolve_ckpt_path",
+    "resume_point",
+    "slurm_resume_point",
+    "unique_dir",
+    "update_run_record",
+    "write_run_record",
+]
 
 log = logging.getLogger(__name__)
 
 #: The record every run folder gets (rank 0 writes it; atomically replaced on every update).
 RUN_RECORD = "run.json"
-#: Data-module keys that change how data is loaded, not which data: they may differ between a run and its resume.
-_LOADER_KEYS = frozenset({"num_workers", "pin_memory", "persistent_workers", "eval_batch_size", "cache_dir",
-                          "predict_split", "verify_images", "bad_images", "verify_workers", "verify_cache_dir"})
+#: Data-module keys that change how data is loaded, not which data: they may differ between a run and its
+#: resume.
+_LOADER_KEYS = frozenset(
+    {
+        "num_workers",
+        "pin_memory",
+        "persistent_workers",
+        "eval_batch_size",
+        "cache_dir",
+        "predict_split",
+        "verify_images",
+        "bad_images",
+        "verify_workers",
+        "verify_cache_dir",
+    }
+)
 #: Model keys that only matter when training starts from scratch (a resume restores every tensor).
 _INIT_KEYS = frozenset({"weights"})
-#: Optimizer settings that pick its kernels, not its update (with the model's, :func:`_implementation_settings`).
+#: Optimizer settings that pick its kernels, not its update (with the model's,
+#: :func:`_implementation_settings`).
 _OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")
 
 
 class ResumeError(FileNotFoundError):
-    """``ckpt_path`` names nothing that can be resumed or scored; the message says why and what to pass instead."""
+    """``ckpt_path`` names nothing that can be resumed or scored; the message says why and what to pass
+    instead."""
 
 
 # ------------------------------------------------------------------------------------------ run folders
 def unique_dir(path: str) -> str:
-    """Creates ``path`` -- or ``path_1``, ``path_2``, ... when it exists -- exclusively, and returns it: the (cached)
-    ``unique_dir`` resolver of ``hydra.run.dir``. ``mkdir`` fails when another process made the folder first, so two
-    runs never share one."""
+    """Creates ``path`` -- or ``path_1``, ``path_2``, ... when it exists -- exclusively, and returns it: the
+    (cached) ``unique_dir`` resolver of ``hydra.run.dir``. ``mkdir`` fails when another process made the
+    folder first, so two runs never share one."""
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(10_000):
@@ -69,13 +99,15 @@ def holds_a_run(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in markers)
 
 
-#: ``run.json`` is padded with spaces (still JSON) to this many bytes, so that an update fits into the blocks it holds.
+#: ``run.json`` is padded with spaces (still JSON) to this many bytes, so that an update fits into the blocks
+#: it holds.
 RESERVED_RECORD_BYTES = 4096
 
 
 def _write_json(path: Path, record: Mapping[str, Any], reserve: int = 0) -> None:
-    """``record`` written beside ``path`` and renamed over it (a kill never leaves half a record), padded to ``reserve``
-    bytes. On a full disk, a text that fits into the existing file is written into it in place instead."""
+    """``record`` written beside ``path`` and renamed over it (a kill never leaves half a record), padded to
+    ``reserve`` bytes. On a full disk, a text that fits into the existing file is written into it in place
+    instead."""
     text = (json.dumps(record, indent=2) + "\n").encode()
     text += b" " * max(0, reserve - len(text))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -91,12 +123,21 @@ def _write_json(path: Path, record: Mapping[str, Any], reserve: int = 0) -> None
             file.truncate()
 
 
-def write_run_record(run_dir: Path, command: str, resumed_from: str | None = None, **fields: Any) -> dict[str, Any]:
+def write_run_record(
+    run_dir: Path, command: str, resumed_from: str | None = None, **fields: Any
+) -> dict[str, Any]:
     """Writes the ``running`` record of a run that starts now, with any extra ``fields`` (a SLURM job's id and
     restart count); returns it."""
-    record = {"command": command, "status": "running", "started": time.time(),
-              "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(), "host": socket.gethostname(),
-              "resumed_from": resumed_from, **fields}
+    record = {
+        "command": command,
+        "status": "running",
+        "started": time.time(),
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "resumed_from": resumed_from,
+        **fields,
+    }
     _write_json(Path(run_dir) / RUN_RECORD, record, RESERVED_RECORD_BYTES)
     return record
 
@@ -134,13 +175,17 @@ class RunInfo:
 
     def is_earlier_attempt_of(self, job_id: str, restart_count: int) -> bool:
         """An unfinished attempt of SLURM job ``job_id`` with a lower restart count than ``restart_count``."""
-        return (self.slurm_job_id == job_id and self.slurm_restart_count is not None
-                and self.slurm_restart_count < restart_count and not self.finished)
+        return (
+            self.slurm_job_id == job_id
+            and self.slurm_restart_count is not None
+            and self.slurm_restart_count < restart_count
+            and not self.finished
+        )
 
 
 def read_run(path: Path) -> RunInfo | None:
-    """The run in folder ``path``; ``None`` when it holds none. A folder without ``run.json`` counts as finished
-    when it holds ``metrics.json``, else as killed."""
+    """The run in folder ``path``; ``None`` when it holds none. A folder without ``run.json`` counts as
+    finished when it holds ``metrics.json``, else as killed."""
     path = Path(path)
     try:
         record = json.loads((path / RUN_RECORD).read_text())
@@ -153,7 +198,11 @@ def read_run(path: Path) -> RunInfo | None:
     except (OSError, ValueError):
         return None
     status = str(record.get("status", "running"))
-    if status == "running" and record.get("host") == socket.gethostname() and record.get("pid") != os.getpid():
+    if (
+        status == "running"
+        and record.get("host") == socket.gethostname()
+        and record.get("pid") != os.getpid()
+    ):
         try:
             os.kill(int(record.get("pid", -1)), 0)  # signal 0: only checks that the process exists
         except ProcessLookupError:
@@ -161,9 +210,15 @@ def read_run(path: Path) -> RunInfo | None:
         except PermissionError:  # it exists, owned by another user
             pass
     restarts = record.get("slurm_restart_count")
-    return RunInfo(path, str(record.get("command")), status, float(record.get("started", 0.0)),
-                   record.get("resumed_from"), record.get("slurm_job_id"),
-                   restarts if isinstance(restarts, int) else None)
+    return RunInfo(
+        path,
+        str(record.get("command")),
+        status,
+        float(record.get("started", 0.0)),
+        record.get("resumed_from"),
+        record.get("slurm_job_id"),
+        restarts if isinstance(restarts, int) else None,
+    )
 
 
 def list_runs(runs_root: Path, command: str, exclude: Path | None = None) -> list[RunInfo]:
@@ -171,8 +226,14 @@ def list_runs(runs_root: Path, command: str, exclude: Path | None = None) -> lis
     runs_root = Path(runs_root)
     folders = {*runs_root.glob(f"{command}/*"), *runs_root.glob("multirun/*/*")}
     excluded = Path(exclude).resolve() if exclude is not None else None
-    runs = [info for folder in folders if folder.is_dir() and folder.resolve() != excluded
-            and (info := read_run(folder)) is not None and info.command == command]
+    runs = [
+        info
+        for folder in folders
+        if folder.is_dir()
+        and folder.resolve() != excluded
+        and (info := read_run(folder)) is not None
+        and info.command == command
+    ]
     return sorted(runs, key=lambda info: (info.started, info.path.name), reverse=True)
 
 
@@ -194,20 +255,24 @@ def resume_point(run_dir: Path, seen: Iterable[Path] = ()) -> Path | None:
 
 
 def is_earlier_attempt(folder: Path, job_id: str, restart_count: int) -> bool:
-    """Whether ``folder`` holds an unfinished earlier attempt of SLURM job ``job_id`` (a lower restart count): the
-    one kind of earlier run whose folder a run may continue in (a requeued sweep job is rerun with its folder)."""
+    """Whether ``folder`` holds an unfinished earlier attempt of SLURM job ``job_id`` (a lower restart count):
+    the one kind of earlier run whose folder a run may continue in (a requeued sweep job is rerun with its
+    folder)."""
     info = read_run(folder)
     return info is not None and info.is_earlier_attempt_of(job_id, restart_count)
 
 
 def slurm_resume_point(runs_root: Path, job_id: str, restart_count: int) -> Path | None:
     """The resume point of the newest unfinished fit under ``runs_root`` whose ``run.json`` records SLURM job
-    ``job_id`` with a lower restart count; ``None`` on a first attempt, or when the earlier attempts finished or saved
-    nothing. The attempt running now never counts, so every rank finds the same file."""
+    ``job_id`` with a lower restart count; ``None`` on a first attempt, or when the earlier attempts finished
+    or saved nothing. The attempt running now never counts, so every rank finds the same file."""
     if restart_count <= 0:
         return None
-    earlier = (info.path for info in list_runs(Path(runs_root), "fit")  # each run.json read once
-               if info.is_earlier_attempt_of(job_id, restart_count))
+    earlier = (
+        info.path
+        for info in list_runs(Path(runs_root), "fit")  # each run.json read once
+        if info.is_earlier_attempt_of(job_id, restart_count)
+    )
     return next((point for path in earlier if (point := resume_point(path)) is not None), None)
 
 
@@ -231,7 +296,8 @@ def _comparable(cfg: Mapping[str, Any], sections: Iterable[str]) -> dict[str, An
 
 
 def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | None:
-    """``sections`` of the run's saved ``config_resolved.yaml`` as plain containers; None when the file is missing."""
+    """``sections`` of the run's saved ``config_resolved.yaml`` as plain containers; None when the file is
+    missing."""
     saved_file = Path(run_dir) / "config_resolved.yaml"
     if not saved_file.is_file():
         return None
@@ -240,25 +306,33 @@ def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | 
 
 
 def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ...]) -> list[str] | None:
-    """``key: earlier -> now`` for every differing setting of ``sections`` (loader settings and ``model.weights``
-    left out); None when the run's saved config is missing."""
+    """``key: earlier -> now`` for every differing setting of ``sections`` (loader settings and
+    ``model.weights`` left out); None when the run's saved config is missing."""
     if (saved_sections := _saved_sections(run_dir, sections)) is None:
         return None
     saved = _comparable(saved_sections, sections)
-    now = _comparable({s: OmegaConf.to_container(cfg[s], resolve=True) for s in sections if cfg.get(s) is not None},
-                      sections)
-    return [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
-            for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
+    now = _comparable(
+        {s: OmegaConf.to_container(cfg[s], resolve=True) for s in sections if cfg.get(s) is not None},
+        sections,
+    )
+    return [
+        f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(saved.keys() | now.keys())
+        if saved.get(key) != now.get(key)
+    ]
 
 
 @functools.cache
 def _implementation_settings() -> frozenset[str]:
     """Settings that change how a step is computed, not the model, data or recipe: the model's
-    :data:`lit_amp_det.checkpoints.IMPLEMENTATION_HPARAMS` and the optimizer's kernel choice. A run may resume under
-    other values (on another machine, say); the ones that differ are logged."""
+    :data:`lit_amp_det.checkpoints.IMPLEMENTATION_HPARAMS` and the optimizer's kernel choice. A run may resume
+    under other values (on another machine, say); the ones that differ are logged."""
     from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS  # deferred: imports torch
-    return frozenset({f"model.{key}" for key in IMPLEMENTATION_HPARAMS}
-                     | {f"model.optim.optimizer.{key}" for key in _OPTIMIZER_KERNEL_KEYS})
+
+    return frozenset(
+        {f"model.{key}" for key in IMPLEMENTATION_HPARAMS}
+        | {f"model.optim.optimizer.{key}" for key in _OPTIMIZER_KERNEL_KEYS}
+    )
 
 
 def _is_implementation(difference: str) -> bool:
@@ -266,9 +340,12 @@ def _is_implementation(difference: str) -> bool:
     return any(key == setting or key.startswith(f"{setting}.") for setting in _implementation_settings())
 
 
-def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")) -> list[str]:
+def config_differences(
+    run_dir: Path, cfg: DictConfig, sections: Iterable[str] = ("model", "data")
+) -> list[str]:
     """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
-    ``config_resolved.yaml`` (loader and :func:`_implementation_settings` left out): what makes it another run."""
+    ``config_resolved.yaml`` (loader and :func:`_implementation_settings` left out): what makes it another
+    run."""
     if (differences := _setting_differences(run_dir, cfg, tuple(sections))) is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
     return [d for d in differences if not _is_implementation(d)]
@@ -276,8 +353,10 @@ def config_differences(run_dir: Path, cfg: DictConfig, sections: Iterable[str] =
 
 def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
     """``key: earlier -> now`` for every model setting that changes the weights' names or shapes
-    (:func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into ``cfg``'s."""
+    (:func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into
+    ``cfg``'s."""
     from lit_amp_det.checkpoints import architecture_differences as differing  # deferred: imports torch
+
     if (saved := _saved_sections(run_dir, ("model",))) is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
     now = OmegaConf.to_container(cfg.model, resolve=True) if cfg.get("model") is not None else {}
@@ -288,6 +367,7 @@ def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
 def _describe(checkpoint: Path) -> str:
     """``step N, epoch E`` of a checkpoint (read without the tensors where possible)."""
     import torch  # deferred: resolving runs happens before anything heavy is imported
+
     try:
         payload = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 -- any unreadable file is reported, not fatal here
@@ -296,80 +376,121 @@ def _describe(checkpoint: Path) -> str:
 
 
 def _continued(runs: list[RunInfo]) -> set[Path]:
-    """Folders of runs whose resume point a later run already resumed from: that later run carries on their work."""
+    """Folders of runs whose resume point a later run already resumed from: that later run carries on their
+    work."""
     resumed_at: dict[Path, float] = {}
     for info in runs:
         if info.resumed_from:
             key = Path(info.resumed_from).resolve()
             resumed_at[key] = max(resumed_at.get(key, 0.0), info.started)
-    return {info.path.resolve() for info in runs if (point := resume_point(info.path)) is not None
-            and resumed_at.get(point.resolve(), -1.0) > info.started}
+    return {
+        info.path.resolve()
+        for info in runs
+        if (point := resume_point(info.path)) is not None
+        and resumed_at.get(point.resolve(), -1.0) > info.started
+    }
 
 
 def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
-    """``fit ckpt_path=last``: the newest unfinished fit that saved a checkpoint and was made with this model and data
-    (fits that saved none are skipped, and named in a log line); when none fits, an error about the newest fit."""
+    """``fit ckpt_path=last``: the newest unfinished fit that saved a checkpoint and was made with this model
+    and data (fits that saved none are skipped, and named in a log line); when none fits, an error about the
+    newest fit."""
     runs = list_runs(runs_root, "fit", exclude=run_dir)
     continued = _continued(runs)
-    runs = [info for info in runs if info.path.resolve() not in continued]  # resumed already: its successor counts
+    runs = [
+        info for info in runs if info.path.resolve() not in continued
+    ]  # resumed already: its successor counts
     if not runs:
-        raise ResumeError(f"ckpt_path=last: no earlier fit under {runs_root} to resume; start a new run "
-                          "(leave ckpt_path out) or pass ckpt_path=/path/to/run_dir or /path/to/file.ckpt")
+        raise ResumeError(
+            f"ckpt_path=last: no earlier fit under {runs_root} to resume; start a new run "
+            "(leave ckpt_path out) or pass ckpt_path=/path/to/run_dir or /path/to/file.ckpt"
+        )
     stopped = [r for r in runs if r.status not in ("finished", "running")]
     if unsaved := [r for r in stopped if resume_point(r.path) is None]:
-        log.info("ckpt_path=last: skipping %d fit(s) that saved no checkpoint: %s", len(unsaved),
-                 ", ".join(str(r.path) for r in unsaved[:5]))
+        log.info(
+            "ckpt_path=last: skipping %d fit(s) that saved no checkpoint: %s",
+            len(unsaved),
+            ", ".join(str(r.path) for r in unsaved[:5]),
+        )
     saved = [r for r in stopped if r not in unsaved]
     if (matching := next((r for r in saved if not config_differences(r.path, cfg)), None)) is not None:
-        if changed := [d for d in _setting_differences(matching.path, cfg, ("model",)) or [] if _is_implementation(d)]:
-            log.info("ckpt_path=last: resuming %s with other implementation settings than it had: %s", matching.path,
-                     "; ".join(changed))
+        if changed := [
+            d for d in _setting_differences(matching.path, cfg, ("model",)) or [] if _is_implementation(d)
+        ]:
+            log.info(
+                "ckpt_path=last: resuming %s with other implementation settings than it had: %s",
+                matching.path,
+                "; ".join(changed),
+            )
         return resume_point(matching.path)  # type: ignore[return-value]  # saved: it has one
     newest = runs[0]
     if saved:
         other = saved[0]
         differences = "; ".join(config_differences(other.path, cfg)[:8])
-        raise ResumeError(f"ckpt_path=last: no unfinished fit was made with this model and data; the newest, "
-                          f"{other.path} ({other.status}), differs: {differences}. Run with its settings to resume it, "
-                          f"or pass ckpt_path={other.path}")
+        raise ResumeError(
+            f"ckpt_path=last: no unfinished fit was made with this model and data; the newest, "
+            f"{other.path} ({other.status}), differs: {differences}. Run with its settings to resume it, "
+            f"or pass ckpt_path={other.path}"
+        )
     if newest.status == "running":
-        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, is still running and no other unfinished "
-                          "fit saved a checkpoint; stop it first")
+        raise ResumeError(
+            f"ckpt_path=last: the newest fit, {newest.path}, is still running and no other unfinished "
+            "fit saved a checkpoint; stop it first"
+        )
     if newest.finished:
-        raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. Start "
-                          f"a new run (leave ckpt_path out); train it further with its optimizer and schedule by "
-                          f"ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or fine-tune "
-                          f"from its weights with model.weights={newest.path / 'checkpoints' / 'last.ckpt'}")
-    raise ResumeError(f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it saved a "
-                      "checkpoint, as did every unfinished fit: there is nothing to resume. Start a new run, or lower "
-                      "callbacks.last_checkpoint.every_n_train_steps / every_n_minutes")
+        raise ResumeError(
+            f"ckpt_path=last: the newest fit, {newest.path}, finished: there is nothing to resume. Start "
+            f"a new run (leave ckpt_path out); train it further with its optimizer and schedule by "
+            f"ckpt_path={newest.path} and a larger trainer.max_epochs or trainer.max_steps; or fine-tune "
+            f"from its weights with model.weights={newest.path / 'checkpoints' / 'last.ckpt'}"
+        )
+    raise ResumeError(
+        f"ckpt_path=last: the newest fit, {newest.path}, stopped ({newest.status}) before it saved a "
+        "checkpoint, as did every unfinished fit: there is nothing to resume. Start a new run, or lower "
+        "callbacks.last_checkpoint.every_n_train_steps / every_n_minutes"
+    )
 
 
 def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
     """``validate|test|predict ckpt_path=last``: the final weights of the newest fit whose model matches."""
-    saved = [(info, point) for info in list_runs(runs_root, "fit", exclude=run_dir)
-             if (point := resume_point(info.path)) is not None]
+    saved = [
+        (info, point)
+        for info in list_runs(runs_root, "fit", exclude=run_dir)
+        if (point := resume_point(info.path)) is not None
+    ]
     if not saved:
-        raise ResumeError(f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
-                          "ckpt_path=/path/to/file.ckpt")
-    matching = next(((info, point) for info, point in saved if not _architecture_differences(info.path, cfg)), None)
+        raise ResumeError(
+            f"ckpt_path=last: no fit under {runs_root} has saved a checkpoint; train first, or pass "
+            "ckpt_path=/path/to/file.ckpt"
+        )
+    matching = next(
+        ((info, point) for info, point in saved if not _architecture_differences(info.path, cfg)), None
+    )
     if matching is None:
         newest = saved[0][0]
-        raise ResumeError(f"ckpt_path=last: no fit with a checkpoint has this model; the newest, {newest.path}, "
-                          f"differs: {'; '.join(_architecture_differences(newest.path, cfg)[:8])}; pass its model "
-                          "settings or ckpt_path=/path/to/file.ckpt")
+        raise ResumeError(
+            f"ckpt_path=last: no fit with a checkpoint has this model; the newest, {newest.path}, "
+            f"differs: {'; '.join(_architecture_differences(newest.path, cfg)[:8])}; pass its model "
+            "settings or ckpt_path=/path/to/file.ckpt"
+        )
     info, checkpoint = matching
     if info is not saved[0][0]:
-        log.info("ckpt_path=last: the newest fit with this model is %s (newer fits have another model)", info.path)
+        log.info(
+            "ckpt_path=last: the newest fit with this model is %s (newer fits have another model)", info.path
+        )
     if others := _setting_differences(info.path, cfg, ("model",)):
-        log.info("ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: %s",
-                 info.path, "; ".join(others[:8]))
+        log.info(
+            "ckpt_path=last: the weights of %s, under settings other than its own that leave them usable: %s",
+            info.path,
+            "; ".join(others[:8]),
+        )
     return checkpoint
 
 
 def remove_stale_temporaries(runs_root: Path) -> None:
-    """Deletes the partial checkpoints (``checkpoints/.*.tmp``) that fits killed during a save left: their process is
-    gone (``killed``: its pid no longer exists on this host), so nothing will finish or rename them."""
+    """Deletes the partial checkpoints (``checkpoints/.*.tmp``) that fits killed during a save left: their
+    process is gone (``killed``: its pid no longer exists on this host), so nothing will finish or rename
+    them."""
     for info in list_runs(Path(runs_root), "fit"):
         if info.status == "killed":
             for stale in (info.path / "checkpoints").glob(".*.tmp"):
@@ -380,8 +501,9 @@ _CLAIMS: dict[Path, int] = {}  # checkpoint folders this process resumes from: t
 
 
 def _claim(folder: Path) -> None:
-    """Locks ``folder`` (a checkpoints folder being resumed from) for this process's lifetime, so that a second fit
-    resuming it stops with the first one's pid; removes the temporary files its killed run left there."""
+    """Locks ``folder`` (a checkpoints folder being resumed from) for this process's lifetime, so that a
+    second fit resuming it stops with the first one's pid; removes the temporary files its killed run left
+    there."""
     folder = folder.resolve()
     if folder in _CLAIMS or not os.access(folder, os.W_OK):
         return
@@ -400,11 +522,13 @@ def _claim(folder: Path) -> None:
 
 
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | None:
-    """Turns ``cfg.ckpt_path`` into a checkpoint file (or Lightning's ``best``/``None``) and says what it picked.
+    """Turns ``cfg.ckpt_path`` into a checkpoint file (or Lightning's ``best``/``None``) and says what it
+    picked.
 
-    * ``last``: for ``fit``, the newest unfinished fit under ``runs_root`` whose saved config has the same model
-      and data; a :class:`ResumeError` with the reason and the folder when the newest fit finished, is still
-      running, used other settings or saved nothing. For the other commands, the newest fit's last weights.
+    * ``last``: for ``fit``, the newest unfinished fit under ``runs_root`` whose saved config has the same
+      model and data; a :class:`ResumeError` with the reason and the folder when the newest fit finished, is
+      still running, used other settings or saved nothing. For the other commands, the newest fit's last
+      weights.
     * a run folder: that run's ``checkpoints/last.ckpt`` (or the checkpoint it had resumed from).
     * a file: itself, once checked that it exists."""
     ckpt_path = cfg.get("ckpt_path")
@@ -419,16 +543,22 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | 
         if path.is_dir():
             checkpoint = resume_point(path)
             if checkpoint is None:
-                raise ResumeError(f"ckpt_path={str(path)!r} is a folder without checkpoints/last.ckpt; pass a run "
-                                  "folder that saved a checkpoint, or a .ckpt file")
+                raise ResumeError(
+                    f"ckpt_path={str(path)!r} is a folder without checkpoints/last.ckpt; pass a run "
+                    "folder that saved a checkpoint, or a .ckpt file"
+                )
             sections = ("model", "data") if command == "fit" else ("model",)
             differences = config_differences(checkpoint.parent.parent, cfg, sections)
             if differences and (checkpoint.parent.parent / "config_resolved.yaml").is_file():
-                log.warning("ckpt_path=%s: settings differ from that run's: %s", path, "; ".join(differences[:8]))
+                log.warning(
+                    "ckpt_path=%s: settings differ from that run's: %s", path, "; ".join(differences[:8])
+                )
         elif path.is_file():
             checkpoint = path
         else:
-            raise ResumeError(f"ckpt_path={str(ckpt_path)!r} does not exist; pass a .ckpt file, a run folder or 'last'")
+            raise ResumeError(
+                f"ckpt_path={str(ckpt_path)!r} does not exist; pass a .ckpt file, a run folder or 'last'"
+            )
     if command == "fit" and launch_rank() == 0:
         _claim(checkpoint.parent)
     verb = "resuming" if command == "fit" else "loading"

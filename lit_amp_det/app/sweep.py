@@ -1,9 +1,10 @@
 """One table and one plot per Hydra sweep: accuracy against speed and memory, job by job.
 
-A multirun leaves one directory per job. :class:`SweepSummary`, a Hydra callback, writes ``summary.{csv,md,png}`` into
-the sweep directory after each job and when the sweep ends; :func:`summarize_sweep` does the same from a notebook, and
-:func:`collect_rows` only reads. A job that crashed or whose ``metrics.json`` is missing or broken gets a row with its
-status instead of stopping the summary; under submitit, a failed job's row names its logs."""
+A multirun leaves one directory per job. :class:`SweepSummary`, a Hydra callback, writes
+``summary.{csv,md,png}`` into the sweep directory after each job and when the sweep ends;
+:func:`summarize_sweep` does the same from a notebook, and :func:`collect_rows` only reads. A job that crashed
+or whose ``metrics.json`` is missing or broken gets a row with its status instead of stopping the summary;
+under submitit, a failed job's row names its logs."""
 
 from __future__ import annotations
 
@@ -35,20 +36,29 @@ log = logging.getLogger(__name__)
 
 #: What a job's row says: metrics read; the job raised; no metrics.json; metrics.json is not valid JSON.
 STATUSES = ("ok", "failed", "missing", "unreadable")
-#: Written into a job directory by :meth:`SweepSummary.on_job_end` when the job raised: the error, and under submitit
-#: a second line naming the job's submitit logs (the traceback is in the ``.err`` one).
+#: Written into a job directory by :meth:`SweepSummary.on_job_end` when the job raised: the error, and under
+#: submitit a second line naming the job's submitit logs (the traceback is in the ``.err`` one).
 FAILURE_FILE = "failure.txt"
 
 # summary column -> key of metrics.json's "perf" record
-_PERF = {"images_per_s": "train_images_per_s", "step_ms": "train_step_ms_median", "peak_memory_mb": "peak_memory_mb",
-         "step_memory_mb": "step_memory_mb", "tensor_memory_mb": "tensor_memory_mb"}
+_PERF = {
+    "images_per_s": "train_images_per_s",
+    "step_ms": "train_step_ms_median",
+    "peak_memory_mb": "peak_memory_mb",
+    "step_memory_mb": "step_memory_mb",
+    "tensor_memory_mb": "tensor_memory_mb",
+}
 _NAN = float("nan")
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
-    """Subdirectories holding a Hydra job (``.hydra/``) or its ``metrics.json``, numbered ones first, in job order."""
-    jobs = [p for p in sweep_dir.iterdir()
-            if p.is_dir() and ((p / ".hydra").is_dir() or (p / "metrics.json").is_file())]
+    """Subdirectories holding a Hydra job (``.hydra/``) or its ``metrics.json``, numbered ones first, in job
+    order."""
+    jobs = [
+        p
+        for p in sweep_dir.iterdir()
+        if p.is_dir() and ((p / ".hydra").is_dir() or (p / "metrics.json").is_file())
+    ]
     return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
 
 
@@ -63,7 +73,8 @@ def _read_overrides(job_dir: Path) -> list[str]:
 
 
 def _split_override(override: str) -> tuple[str, str]:
-    """``+model.x=1`` -> ``("model.x", "1")``; a deletion ``~callbacks.x`` -> ``("callbacks.x", "<deleted>")``."""
+    """``+model.x=1`` -> ``("model.x", "1")``; a deletion ``~callbacks.x`` -> ``("callbacks.x",
+    "<deleted>")``."""
     key, sep, value = override.partition("=")
     return key.lstrip("+~"), (value if sep else "<deleted>")
 
@@ -95,21 +106,25 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         log.warning("sweep summary: %s is not readable JSON (%s); its row is marked unreadable", path, err)
         row.update(status="unreadable", error=f"{path.name}: {err}")
         return row
-    row.update({key: record[key] for key in ("metrics", "perf") if isinstance(record.get(key), dict)},
-               time_s=_number(record.get("time_s")))
+    row.update(
+        {key: record[key] for key in ("metrics", "perf") if isinstance(record.get(key), dict)},
+        time_s=_number(record.get("time_s")),
+    )
     return row
 
 
 def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
-    """One row per job of ``sweep_dir``, in job order, all with the same keys in column order. Columns: ``job``,
-    ``status`` (one of :data:`STATUSES`), ``overrides`` (as one string), one column per overridden key, ``objective``
-    (the value of ``metric``), every metric whose name contains ``mAP``, ``images_per_s``, ``step_ms``,
-    ``peak_memory_mb``, ``step_memory_mb``, ``tensor_memory_mb``, ``device``, ``time_s``, ``error``. Absent numbers are
-    NaN, absent text is ``""``."""
+    """One row per job of ``sweep_dir``, in job order, all with the same keys in column order. Columns:
+    ``job``, ``status`` (one of :data:`STATUSES`), ``overrides`` (as one string), one column per overridden
+    key, ``objective`` (the value of ``metric``), every metric whose name contains ``mAP``, ``images_per_s``,
+    ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``, ``tensor_memory_mb``, ``device``, ``time_s``,
+    ``error``. Absent numbers are NaN, absent text is ``""``."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
-        raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist; pass the folder of a multirun, "
-                                f"${{paths.runs_root}}/multirun/<timestamp> (runs/multirun/... by default)")
+        raise FileNotFoundError(
+            f"sweep directory {sweep_dir} does not exist; pass the folder of a multirun, "
+            f"${{paths.runs_root}}/multirun/<timestamp> (runs/multirun/... by default)"
+        )
     jobs = []
     for job_dir in _job_dirs(sweep_dir):
         overrides = _read_overrides(job_dir)
@@ -119,18 +134,26 @@ def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
     rows = []
     for job_dir, overrides, pairs, job in jobs:
         metrics, perf = job["metrics"], job["perf"]
-        rows.append({"job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name, "status": job["status"],
-                     "overrides": " ".join(overrides), **{key: pairs.get(key, "") for key in override_keys},
-                     "objective": _number(metrics.get(metric)) if metric else _NAN,
-                     **{key: _number(metrics.get(key)) for key in map_keys},
-                     **{column: _number(perf.get(key)) for column, key in _PERF.items()},
-                     "device": str(perf.get("device") or ""), "time_s": job["time_s"], "error": job["error"]})
+        rows.append(
+            {
+                "job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name,
+                "status": job["status"],
+                "overrides": " ".join(overrides),
+                **{key: pairs.get(key, "") for key in override_keys},
+                "objective": _number(metrics.get(metric)) if metric else _NAN,
+                **{key: _number(metrics.get(key)) for key in map_keys},
+                **{column: _number(perf.get(key)) for column, key in _PERF.items()},
+                "device": str(perf.get("device") or ""),
+                "time_s": job["time_s"],
+                "error": job["error"],
+            }
+        )
     return rows
 
 
 def _columns_between(rows: Sequence[dict[str, Any]], first: str, last: str) -> list[str]:
     keys = list(rows[0]) if rows else []
-    return keys[keys.index(first) + 1:keys.index(last)] if keys else []
+    return keys[keys.index(first) + 1 : keys.index(last)] if keys else []
 
 
 def _varying_keys(rows: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
@@ -150,7 +173,8 @@ def _short_value(value: str) -> str:
 
 
 def _label(row: dict[str, Any], varying: Sequence[str]) -> str:
-    """``#2 precision=bf16-mixed callbacks=fast``: the last part of each dotted key unless that is ambiguous."""
+    """``#2 precision=bf16-mixed callbacks=fast``: the last part of each dotted key unless that is ambiguous.
+    """
     tails = [k.rsplit(".", 1)[-1] for k in varying]
     names = [tail if tails.count(tail) == 1 else key for key, tail in zip(varying, tails)]
     pairs = [f"{n}={_short_value(str(row[k]))}" for n, k in zip(names, varying) if row[k] != ""]
@@ -166,25 +190,45 @@ def _cell(value: Any, digits: int | None) -> str:
 def _markdown(rows: Sequence[dict[str, Any]], sweep_dir: Path, metric: str | None) -> str:
     """The table of :func:`collect_rows` for people: varying overrides only, no per-size mAP columns."""
     varying, common = _varying_keys(rows)
-    maps = [k for k in _columns_between(rows, "objective", "images_per_s")
-            if not k.endswith(("_small", "_medium", "_large"))]
+    maps = [
+        k
+        for k in _columns_between(rows, "objective", "images_per_s")
+        if not k.endswith(("_small", "_medium", "_large"))
+    ]
     # (column, decimals): None for text, left-aligned; numbers are right-aligned
-    columns = [("job", None), ("status", None), *((k, None) for k in varying), ("objective", 4),
-               *((k, 4) for k in maps), ("images_per_s", 1), ("step_ms", 1), ("peak_memory_mb", 0),
-               ("step_memory_mb", 0), ("tensor_memory_mb", 0), ("time_s", 1)]
+    columns = [
+        ("job", None),
+        ("status", None),
+        *((k, None) for k in varying),
+        ("objective", 4),
+        *((k, 4) for k in maps),
+        ("images_per_s", 1),
+        ("step_ms", 1),
+        ("peak_memory_mb", 0),
+        ("step_memory_mb", 0),
+        ("tensor_memory_mb", 0),
+        ("time_s", 1),
+    ]
     if any(r["error"] for r in rows):
         columns.append(("error", None))
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(r["status"] == s for r in rows)))
-    lines = [f"# Sweep summary: `{sweep_dir}`", "",
-             f"{len(rows)} jobs ({counts or 'none found'}); objective = `{metric or 'not set'}` "
-             f"(the config's `optimized_metric`).", ""]
+    lines = [
+        f"# Sweep summary: `{sweep_dir}`",
+        "",
+        f"{len(rows)} jobs ({counts or 'none found'}); objective = `{metric or 'not set'}` "
+        f"(the config's `optimized_metric`).",
+        "",
+    ]
     if scored := [r for r in rows if not math.isnan(r["objective"])]:
         best = max(scored, key=lambda r: r["objective"])
         lines += [f"Highest `{metric}`: {best['objective']:.4f}, job {_label(best, varying)}.", ""]
     if any(str(r.get("device", "")).startswith("cpu") for r in rows):
-        lines += ["On a CPU, `peak_memory_mb` is the process's resident set, shared by a sweep's jobs, so it depends "
-                  "on job order; compare settings by `tensor_memory_mb` (parameters, gradients, optimizer state and "
-                  "the activations saved for backward of one step), which does not, and which the plot uses.", ""]
+        lines += [
+            "On a CPU, `peak_memory_mb` is the process's resident set, shared by a sweep's jobs, so it depends "
+            "on job order; compare settings by `tensor_memory_mb` (parameters, gradients, optimizer state and "
+            "the activations saved for backward of one step), which does not, and which the plot uses.",
+            "",
+        ]
     if common:
         lines += ["Overrides shared by all jobs: " + " ".join(f"`{k}={v}`" for k, v in common.items()), ""]
     lines.append("| " + " | ".join(name for name, _ in columns) + " |")
@@ -200,37 +244,59 @@ def _csv(rows: Sequence[dict[str, Any]]) -> str:
     if rows:
         writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
-        writer.writerows({k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows)
+        writer.writerows(
+            {k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows
+        )
     return out.getvalue()
 
 
 def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: Path) -> None:
-    """Two panels: objective vs. train images/s and vs. memory (tensor total on a CPU, peak on a GPU). Points carry job
-    numbers that the legend maps to varying overrides (labels by points overlap); a job has one colour and marker."""
+    """Two panels: objective vs. train images/s and vs. memory (tensor total on a CPU, peak on a GPU). Points
+    carry job numbers that the legend maps to varying overrides (labels by points overlap); a job has one
+    colour and marker."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg and never touches the global backend
     from matplotlib.lines import Line2D
+
     varying, _ = _varying_keys(rows)
     style = {id(r): {"color": f"C{i % 10}", "marker": "os^Dv"[i // 10 % 5]} for i, r in enumerate(rows)}
     fig = Figure(figsize=(13, 5.5 + 0.2 * len(rows) / 2), layout="constrained")
     # a CPU's resident-set peak ranks a sweep's jobs by their order; the tensor total does not
     on_cpu = any(str(r.get("device", "")).startswith("cpu") for r in rows)
-    memory = ("tensor_memory_mb", "training tensors MB (lower is better)") if on_cpu else (
-        "peak_memory_mb", "peak memory MB (lower is better)")
-    for ax, column, xlabel in zip(fig.subplots(1, 2), ("images_per_s", memory[0]),
-                                  ("train images/s (higher is better)", memory[1])):
+    memory = (
+        ("tensor_memory_mb", "training tensors MB (lower is better)")
+        if on_cpu
+        else ("peak_memory_mb", "peak memory MB (lower is better)")
+    )
+    for ax, column, xlabel in zip(
+        fig.subplots(1, 2), ("images_per_s", memory[0]), ("train images/s (higher is better)", memory[1])
+    ):
         points = [r for r in rows if not math.isnan(r[column]) and not math.isnan(r["objective"])]
         for row in points:
             ax.scatter(row[column], row["objective"], s=40, **style[id(row)])
-            ax.annotate(f"#{row['job']}", (row[column], row["objective"]), xytext=(5, 3),
-                        textcoords="offset points", fontsize=8).set_in_layout(False)
+            ax.annotate(
+                f"#{row['job']}",
+                (row[column], row["objective"]),
+                xytext=(5, 3),
+                textcoords="offset points",
+                fontsize=8,
+            ).set_in_layout(False)
         if not points:
-            ax.text(0.5, 0.5, f"no job has both {metric or 'an objective'} and {column} (metrics.json 'perf')",
-                    ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                f"no job has both {metric or 'an objective'} and {column} (metrics.json 'perf')",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
         ax.margins(0.12)
         ax.set(xlabel=xlabel, ylabel=metric or "objective")
         ax.grid(True, alpha=0.3)
-    handles = [Line2D([], [], linestyle="", label=_label(r, varying), **style[id(r)])
-               for r in rows if not math.isnan(r["objective"])]
+    handles = [
+        Line2D([], [], linestyle="", label=_label(r, varying), **style[id(r)])
+        for r in rows
+        if not math.isnan(r["objective"])
+    ]
     if handles:
         fig.legend(handles=handles, loc="outside lower center", ncols=min(3, len(handles)), fontsize=8)
     fig.suptitle(f"{metric or 'objective'} per job of {title}", fontsize=10)
@@ -250,8 +316,8 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def summarize_sweep(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
-    """Writes ``summary.csv``, ``summary.md`` and (with matplotlib) ``summary.png`` into ``sweep_dir``; returns the
-    rows. ``metric`` is the objective column (the config's ``optimized_metric``)."""
+    """Writes ``summary.csv``, ``summary.md`` and (with matplotlib) ``summary.png`` into ``sweep_dir``;
+    returns the rows. ``metric`` is the objective column (the config's ``optimized_metric``)."""
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir, metric)
     if not rows:
@@ -267,11 +333,12 @@ def summarize_sweep(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]
 
 class SweepSummary(Callback):
     """Hydra callback: keeps ``summary.{csv,md,png}`` of the sweep directory current, job by job. Hydra calls
-    ``on_multirun_end`` only when the sweep did not fail, so :meth:`on_job_end` records a failure in the job directory
-    (:data:`FAILURE_FILE`) and refreshes the summary after each job of a multirun; ``on_multirun_end`` writes the final
-    one and prints it, with every job that did not finish named on stderr (its overrides, error and logs). A sweep
-    stopped by a failed job gets the same as the command exits. Single runs are left alone. A problem while summarising
-    is logged, never raised: a sweep must not fail, or hide a job's own error, because of its report."""
+    ``on_multirun_end`` only when the sweep did not fail, so :meth:`on_job_end` records a failure in the job
+    directory (:data:`FAILURE_FILE`) and refreshes the summary after each job of a multirun;
+    ``on_multirun_end`` writes the final one and prints it, with every job that did not finish named on stderr
+    (its overrides, error and logs). A sweep stopped by a failed job gets the same as the command exits.
+    Single runs are left alone. A problem while summarising is logged, never raised: a sweep must not fail, or
+    hide a job's own error, because of its report."""
 
     _open_sweep: DictConfig | None = None  # the config of a sweep that has not reached on_multirun_end
     _exit_registered = False
@@ -310,8 +377,11 @@ class SweepSummary(Callback):
             print((sweep_dir / "summary.md").read_text(), flush=True)
             for row in (r for r in rows if r["status"] != "ok"):
                 error = row["error"].replace("\n", "\n  ")
-                print(f"sweep job {row['job']} {row['status']} ({row['overrides']}):\n  {error}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"sweep job {row['job']} {row['status']} ({row['overrides']}):\n  {error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         done = "" if final else f" (jobs so far: {len(rows)})"
         print(f"sweep summary{done}: {sweep_dir}/summary.{{csv,md,png}}", flush=True)
 
@@ -322,7 +392,9 @@ def _record_failure(job_dir: Path, job_return: JobReturn) -> None:
             job_return.return_value  # the public way to the exception: it re-raises it
     except Exception as err:  # noqa: BLE001 -- whatever the job raised is what we record
         error = f"{type(err).__name__}: {err}"
-        if logs := _submitit_logs():  # the sweep's process gets the exception without its traceback: log it here
+        if (
+            logs := _submitit_logs()
+        ):  # the sweep's process gets the exception without its traceback: log it here
             traceback.print_exception(err)
             error += "\nsubmitit log: " + " ".join(logs)
     else:
@@ -339,6 +411,7 @@ def _submitit_logs() -> list[str]:
         return []
     try:
         import submitit
+
         paths = submitit.JobEnvironment().paths
         return [str(p) for p in (paths.stderr, paths.stdout) if p.is_file()]
     except Exception:  # noqa: BLE001 -- a report must never fail the job's return

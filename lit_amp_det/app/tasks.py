@@ -1,8 +1,8 @@
 """The four jobs behind the CLI -- ``train``, ``validate``, ``test``, ``predict`` -- as importable functions.
 
-Each builds data module, model, callbacks, loggers and trainer from a composed Hydra config's ``_target_`` nodes, runs,
-and writes ``metrics.json``, ``config_resolved.yaml`` and ``run.json`` into the run directory. They are separate from
-the Hydra entry point so notebooks, tests and sweepers can call them."""
+Each builds data module, model, callbacks, loggers and trainer from a composed Hydra config's ``_target_``
+nodes, runs, and writes ``metrics.json``, ``config_resolved.yaml`` and ``run.json`` into the run directory.
+They are separate from the Hydra entry point so notebooks, tests and sweepers can call them."""
 
 from __future__ import annotations
 
@@ -27,9 +27,18 @@ from lit_amp_det.app.config import check_command, check_config
 from lit_amp_det.app.console import quiet_console, report_user_error
 from lit_amp_det.app.launch import adopt_launch_rank, ddp_child_command
 from lit_amp_det.app.model_classes import folder_prediction_classes, reads_no_split
-from lit_amp_det.app.runs import (_write_json, holds_a_run, is_earlier_attempt, read_run, remove_stale_temporaries,
-                                  resolve_ckpt_path, resume_point, slurm_resume_point, update_run_record,
-                                  write_run_record)
+from lit_amp_det.app.runs import (
+    _write_json,
+    holds_a_run,
+    is_earlier_attempt,
+    read_run,
+    remove_stale_temporaries,
+    resolve_ckpt_path,
+    resume_point,
+    slurm_resume_point,
+    update_run_record,
+    write_run_record,
+)
 from lit_amp_det.callbacks.console_log import ConsoleLog, ReadableProgressBar, emit, stdout_is_terminal
 from lit_amp_det.callbacks.last_checkpoint import RunInterrupted
 from lit_amp_det.callbacks.run_stats import RunStats
@@ -40,8 +49,17 @@ from lit_amp_det.models.weights import NO_WEIGHTS
 from lit_amp_det.precision import build_precision_plugin, warn_if_precision_changes
 from lit_amp_det.slurm import SlurmJob, cluster_plugins, current_job
 
-__all__ = ["train", "validate", "test", "predict", "run", "instantiate_all", "config_node", "resume_command",
-           "summary_line"]
+__all__ = [
+    "train",
+    "validate",
+    "test",
+    "predict",
+    "run",
+    "instantiate_all",
+    "config_node",
+    "resume_command",
+    "summary_line",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +72,9 @@ def _output_dir(cfg: DictConfig) -> Path:
 
 @contextmanager
 def config_node(path: str) -> Iterator[None]:
-    """A library :class:`ArgumentError` raised inside the block comes out naming its config path (``path.argument``),
-    unwrapped from Hydra's ``InstantiationException`` so the user reads the one line naming the key to change."""
+    """A library :class:`ArgumentError` raised inside the block comes out naming its config path
+    (``path.argument``), unwrapped from Hydra's ``InstantiationException`` so the user reads the one line
+    naming the key to change."""
     try:
         yield
     except InstantiationException as err:
@@ -67,7 +86,8 @@ def config_node(path: str) -> Iterator[None]:
 
 
 def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
-    """Instantiates ``cfg.data`` and prepares it, except for a command that reads no split (:func:`reads_no_split`)."""
+    """Instantiates ``cfg.data`` and prepares it, except for a command that reads no split
+    (:func:`reads_no_split`)."""
     with config_node("data"):
         datamodule = instantiate(cfg.data)
     if not reads_no_split(cfg):
@@ -75,11 +95,16 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     return datamodule
 
 
-def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *, weights_from_checkpoint: bool = False,
-                classes: dict[str, Any] | None = None) -> pl.LightningModule:
-    """Instantiates ``cfg.model``; class count, names and category ids come from ``classes`` if given, else from the
-    data unless set. ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named pretrained
-    weights are not read (nor downloaded)."""
+def build_model(
+    cfg: DictConfig,
+    datamodule: pl.LightningDataModule,
+    *,
+    weights_from_checkpoint: bool = False,
+    classes: dict[str, Any] | None = None,
+) -> pl.LightningModule:
+    """Instantiates ``cfg.model``; class count, names and category ids come from ``classes`` if given, else
+    from the data unless set. ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named
+    pretrained weights are not read (nor downloaded)."""
     from_data: dict[str, Any] = dict(classes) if classes is not None else {}
     with config_node("data"):  # the data module reads its annotations here; its errors name data.<argument>
         for key in CLASS_HPARAMS if classes is None else ():
@@ -96,7 +121,9 @@ def build_model(cfg: DictConfig, datamodule: pl.LightningDataModule, *, weights_
                 model_cfg.backbone.weights = None
     try:
         with config_node("model"):
-            return instantiate(model_cfg, _convert_="all", **from_data)  # plain dicts: weights_only-safe checkpoints
+            return instantiate(
+                model_cfg, _convert_="all", **from_data
+            )  # plain dicts: weights_only-safe checkpoints
     except ArgumentError as err:
         raise _named_by_group(err, model_cfg) from None
 
@@ -106,20 +133,25 @@ _GROUP_ARGUMENTS = ("optim", "speedups")
 
 
 def _named_by_group(err: ArgumentError, model_cfg: DictConfig) -> ArgumentError:
-    """``err`` naming ``optim.*`` / ``speedups.*`` instead of ``model.optim.*`` / ``model.speedups.*`` where the model
-    node reads that group (Hydra refuses overrides below an interpolation)."""
+    """``err`` naming ``optim.*`` / ``speedups.*`` instead of ``model.optim.*`` / ``model.speedups.*`` where
+    the model node reads that group (Hydra refuses overrides below an interpolation)."""
     argument = err.argument.removeprefix("model.")
     group = argument.split(".", 1)[0]
-    if (group not in _GROUP_ARGUMENTS or argument == err.argument
-            or OmegaConf.to_container(model_cfg, resolve=False).get(group) != f"${{{group}}}"):
+    if (
+        group not in _GROUP_ARGUMENTS
+        or argument == err.argument
+        or OmegaConf.to_container(model_cfg, resolve=False).get(group) != f"${{{group}}}"
+    ):
         return err
     return type(err)(argument, err.value, err.problem)
 
 
 def _named_weights(cfg: DictConfig) -> list[str]:
     """The pretrained weights the model config asks for, as ``key=value`` strings."""
-    named = {"model.weights": cfg.model.get("weights"),
-             "model.backbone.weights": (cfg.model.get("backbone") or {}).get("weights")}
+    named = {
+        "model.weights": cfg.model.get("weights"),
+        "model.backbone.weights": (cfg.model.get("backbone") or {}).get("weights"),
+    }
     return [f"{key}={value}" for key, value in named.items() if value not in NO_WEIGHTS]
 
 
@@ -135,40 +167,58 @@ def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
 
 
 def build_trainer(cfg: DictConfig) -> pl.Trainer:
-    """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision plugin.
-    ``trainer.precision`` becomes a plugin configured by the ``precision`` node (Lightning refuses a precision string
-    and a plugin together). :class:`RunStats` is always added, so ``metrics.json`` records speed and peak memory;
-    commands other than ``fit`` get no checkpoint callbacks."""
+    """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision
+    plugin. ``trainer.precision`` becomes a plugin configured by the ``precision`` node (Lightning refuses a
+    precision string and a plugin together). :class:`RunStats` is always added, so ``metrics.json`` records
+    speed and peak memory; commands other than ``fit`` get no checkpoint callbacks."""
     loggers = instantiate_all(cfg.get("logger"), "logger")
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
-    plugin = build_precision_plugin(str(cfg.trainer.get("precision", "32-true")),
-                                    str(cfg.trainer.get("accelerator", "auto")), **precision_options)
+    plugin = build_precision_plugin(
+        str(cfg.trainer.get("precision", "32-true")),
+        str(cfg.trainer.get("accelerator", "auto")),
+        **precision_options,
+    )
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cfg.pop("precision", None)
     callbacks = [*instantiate_all(cfg.get("callbacks"), "callbacks"), RunStats()]
-    if str(cfg.get("command", "fit")) != "fit":  # nothing to save; restoring a fit's checkpoint callbacks would
+    if (
+        str(cfg.get("command", "fit")) != "fit"
+    ):  # nothing to save; restoring a fit's checkpoint callbacks would
         # only warn that their folder is not this run's (Lightning restores callback states for every stage)
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.Checkpoint)]
         trainer_cfg["enable_checkpointing"] = False
     if trainer_cfg.get("enable_progress_bar", True):
         if not stdout_is_terminal() and any(isinstance(c, ConsoleLog) for c in callbacks):
-            trainer_cfg["enable_progress_bar"] = False  # a bar in a file keeps only its last state: lines instead
+            trainer_cfg["enable_progress_bar"] = (
+                False  # a bar in a file keeps only its last state: lines instead
+            )
         elif not any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks):
             callbacks.append(ReadableProgressBar())
-    return instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False,
-                       plugins=[plugin, DurableCheckpointIO(), *cluster_plugins()])
+    return instantiate(
+        trainer_cfg,
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=[plugin, DurableCheckpointIO(), *cluster_plugins()],
+    )
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
-    return {key: float(value) for key, value in sorted(trainer.callback_metrics.items())
-            if isinstance(value, torch.Tensor) and value.numel() == 1}
+    return {
+        key: float(value)
+        for key, value in sorted(trainer.callback_metrics.items())
+        if isinstance(value, torch.Tensor) and value.numel() == 1
+    }
 
 
 @rank_zero_only
 def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any]) -> None:
     out = _output_dir(cfg)
-    record = {**record, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-              "precision": getattr(trainer.precision_plugin, "precision", None)}  # what ran (auto resolved)
+    record = {
+        **record,
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "precision": getattr(trainer.precision_plugin, "precision", None),
+    }  # what ran (auto resolved)
     checkpoints = trainer.checkpoint_callbacks
     record["best_model_path"] = next((c.best_model_path for c in checkpoints if c.best_model_path), None)
     record["last_model_path"] = next((c.last_model_path for c in checkpoints if c.last_model_path), None)
@@ -187,35 +237,47 @@ def _write_outputs(cfg: DictConfig, trainer: pl.Trainer, record: dict[str, Any])
 def summary_line(metrics: dict[str, float]) -> str:
     """One line with the headline COCO numbers of whichever stage ran last."""
     for stage in ("test", "val"):
-        parts = [f"{stage} {kind} mAP {metrics[key]:.3f} (mAP@0.5 {metrics.get(key + '_50', float('nan')):.3f})"
-                 for kind in ("bbox", "segm") if (key := f"{stage}/{kind}_mAP") in metrics]
+        parts = [
+            f"{stage} {kind} mAP {metrics[key]:.3f} (mAP@0.5 {metrics.get(key + '_50', float('nan')):.3f})"
+            for kind in ("bbox", "segm")
+            if (key := f"{stage}/{kind}_mAP") in metrics
+        ]
         if parts:
             return " | ".join(parts)
     return "no mAP computed (no validation ran)"
 
 
-def _start(cfg: DictConfig, load_weights: bool = False
-           ) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
-    """Checks the config, records the run, builds data, model and trainer and checks ``ckpt_path`` against the model.
-    ``load_weights``: the checkpoint's weights go into the model here (a command no Trainer restores), from the one
-    read of the file."""
+def _start(
+    cfg: DictConfig, load_weights: bool = False
+) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
+    """Checks the config, records the run, builds data, model and trainer and checks ``ckpt_path`` against the
+    model. ``load_weights``: the checkpoint's weights go into the model here (a command no Trainer restores),
+    from the one read of the file."""
     check_config(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     out = _output_dir(cfg)
     job = current_job()
     if rank_zero_only.rank == 0 and holds_a_run(out) and not _earlier_attempt_of(job, out):
-        raise FileExistsError(f"{out} already holds a run (run.json, metrics.json or checkpoints); runs never "
-                              f"write into an earlier run's folder: choose another hydra.run.dir, or resume it "
-                              f"into a new folder with ckpt_path={out}")
+        raise FileExistsError(
+            f"{out} already holds a run (run.json, metrics.json or checkpoints); runs never "
+            f"write into an earlier run's folder: choose another hydra.run.dir, or resume it "
+            f"into a new folder with ckpt_path={out}"
+        )
     ckpt_path = start_checkpoint(cfg, out, job)
     if rank_zero_only.rank == 0:
         if str(cfg.command) == "fit":
             remove_stale_temporaries(Path(cfg.paths.runs_root))
-        write_run_record(out, str(cfg.command), resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None,
-                         **(job.record() if job is not None else {}))
+        write_run_record(
+            out,
+            str(cfg.command),
+            resumed_from=ckpt_path if names_a_checkpoint_file(ckpt_path) else None,
+            **(job.record() if job is not None else {}),
+        )
         OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
-        if ckpt_path is not None:  # DDP's other ranks re-run this command line: give them this file, not `last` again
+        if (
+            ckpt_path is not None
+        ):  # DDP's other ranks re-run this command line: give them this file, not `last` again
             sys.argv = [f"ckpt_path={ckpt_path}" if arg.startswith("ckpt_path=") else arg for arg in sys.argv]
     datamodule = build_datamodule(cfg)
     checkpoint, classes = None, None
@@ -225,9 +287,13 @@ def _start(cfg: DictConfig, load_weights: bool = False
         classes = folder_prediction_classes(cfg, ckpt_path, checkpoint)
     model = build_model(cfg, datamodule, weights_from_checkpoint=ckpt_path is not None, classes=classes)
     trainer = build_trainer(cfg)
-    checkpoint = check_checkpoint(ckpt_path, model, checkpoint)  # a bad or mismatched file fails here, with the fix
+    checkpoint = check_checkpoint(
+        ckpt_path, model, checkpoint
+    )  # a bad or mismatched file fails here, with the fix
     if checkpoint is not None and str(cfg.command) == "fit":
-        warn_if_precision_changes(checkpoint, f"ckpt_path={ckpt_path}", str(trainer.precision_plugin.precision))
+        warn_if_precision_changes(
+            checkpoint, f"ckpt_path={ckpt_path}", str(trainer.precision_plugin.precision)
+        )
     if load_weights and checkpoint is not None:
         model.load_state_dict(checkpoint["state_dict"])
     del checkpoint  # otherwise Lightning reads the file again itself
@@ -235,9 +301,9 @@ def _start(cfg: DictConfig, load_weights: bool = False
 
 
 def start_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -> str | None:
-    """The checkpoint this process starts from, resolved on every rank: the ranks Lightning starts get rank 0's file
-    pinned on their command line, the tasks ``srun`` starts (each its own command) resolve ``last``, a run folder or
-    a requeued job's attempt as rank 0 does."""
+    """The checkpoint this process starts from, resolved on every rank: the ranks Lightning starts get rank
+    0's file pinned on their command line, the tasks ``srun`` starts (each its own command) resolve ``last``,
+    a run folder or a requeued job's attempt as rank 0 does."""
     return resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root)) or _requeued_job_checkpoint(cfg, out, job)
 
 
@@ -246,27 +312,43 @@ def _earlier_attempt_of(job: SlurmJob | None, folder: Path) -> bool:
 
 
 def _requeued_job_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -> str | None:
-    """A requeued SLURM job's ``fit`` without ``ckpt_path``: the checkpoint of its preempted attempt, found in its
-    own folder (a sweep job's) or among the runs under ``paths.runs_root``; ``None`` on a first attempt."""
+    """A requeued SLURM job's ``fit`` without ``ckpt_path``: the checkpoint of its preempted attempt, found in
+    its own folder (a sweep job's) or among the runs under ``paths.runs_root``; ``None`` on a first attempt.
+    """
     if job is None or str(cfg.command) != "fit" or cfg.get("ckpt_path") is not None:
         return None
     record = read_run(out)
     if rank_zero_only.rank != 0 and record is not None and record.is_attempt(job.job_id, job.restart_count):
-        # rank 0 of this attempt recorded its choice over the earlier attempt's run.json first: follow it, or this
-        # task would start from step 0 beside a rank 0 that resumed (and the two would wait on each other forever)
+        # rank 0 of this attempt recorded its choice over the earlier attempt's run.json first: follow it, or
+        # this task would start from step 0 beside a rank 0 that resumed (and the two would wait on each other
+        # forever)
         checkpoint = Path(record.resumed_from) if record.resumed_from else None
     else:
-        checkpoint = resume_point(out) if record is not None and record.is_earlier_attempt_of(
-            job.job_id, job.restart_count) else None
+        checkpoint = (
+            resume_point(out)
+            if record is not None and record.is_earlier_attempt_of(job.job_id, job.restart_count)
+            else None
+        )
     if checkpoint is None:
-        checkpoint = slurm_resume_point(Path(cfg.paths.runs_root).expanduser().resolve(), job.job_id, job.restart_count)
+        checkpoint = slurm_resume_point(
+            Path(cfg.paths.runs_root).expanduser().resolve(), job.job_id, job.restart_count
+        )
     if checkpoint is None:
         if job.restart_count:
-            log.warning("SLURM job %s, restart %d: no earlier attempt of this job saved a checkpoint under %s; "
-                        "training starts from step 0", job.job_id, job.restart_count, cfg.paths.runs_root)
+            log.warning(
+                "SLURM job %s, restart %d: no earlier attempt of this job saved a checkpoint under %s; "
+                "training starts from step 0",
+                job.job_id,
+                job.restart_count,
+                cfg.paths.runs_root,
+            )
         return None
-    log.info("SLURM job %s, restart %d: resuming its preempted attempt from %s", job.job_id, job.restart_count,
-             checkpoint)
+    log.info(
+        "SLURM job %s, restart %d: resuming its preempted attempt from %s",
+        job.job_id,
+        job.restart_count,
+        checkpoint,
+    )
     return str(checkpoint)
 
 
@@ -279,9 +361,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except RunInterrupted as stop:  # Ctrl-C / SIGTERM: the checkpoint is saved; keep the metrics so far too
         perf = next((c.summary() for c in trainer.callbacks if isinstance(c, RunStats)), None)
         command = resume_command(cfg)
-        record = {"command": "fit", "status": "requeued" if stop.requeued_job else "interrupted",
-                  "interrupted_by": stop.signal_name, "metrics": _scalar_metrics(trainer),
-                  "time_s": time.perf_counter() - started, "perf": perf, "resume_command": command}
+        record = {
+            "command": "fit",
+            "status": "requeued" if stop.requeued_job else "interrupted",
+            "interrupted_by": stop.signal_name,
+            "metrics": _scalar_metrics(trainer),
+            "time_s": time.perf_counter() - started,
+            "perf": perf,
+            "resume_command": command,
+        }
         _write_outputs(cfg, trainer, record)
         _announce_interrupt(stop, command)
         raise
@@ -301,8 +389,11 @@ def resume_command(cfg: DictConfig) -> str:
     overrides: list[str] = []
     try:
         if HydraConfig.initialized():
-            overrides = [o for o in HydraConfig.get().overrides.task
-                         if not o.startswith(("ckpt_path=", "command=", "hydra.", "~hydra.", "+hydra."))]
+            overrides = [
+                o
+                for o in HydraConfig.get().overrides.task
+                if not o.startswith(("ckpt_path=", "command=", "hydra.", "~hydra.", "+hydra."))
+            ]
     except ValueError:
         overrides = []
     args = [*overrides, f"ckpt_path={Path(cfg.paths.output_dir).resolve()}"]
@@ -311,10 +402,16 @@ def resume_command(cfg: DictConfig) -> str:
 
 @rank_zero_only
 def _announce_interrupt(stop: RunInterrupted, command: str) -> None:
-    where = f"checkpoint saved at step {stop.global_step}: {stop.checkpoint}" if stop.checkpoint else "no checkpoint"
+    where = (
+        f"checkpoint saved at step {stop.global_step}: {stop.checkpoint}"
+        if stop.checkpoint
+        else "no checkpoint"
+    )
     emit(f"stopped by {stop.signal_name}; {where}")
     if stop.requeued_job:
-        emit(f"SLURM job {stop.requeued_job} requeued: its next attempt resumes from this checkpoint by itself")
+        emit(
+            f"SLURM job {stop.requeued_job} requeued: its next attempt resumes from this checkpoint by itself"
+        )
     emit(f"resume with: {command}")
 
 
@@ -325,7 +422,9 @@ def _evaluate(cfg: DictConfig, stage: str) -> dict[str, float]:
         log.warning("%s without ckpt_path or model.weights scores a randomly initialised model", stage)
     getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     metrics = _scalar_metrics(trainer)
-    _write_outputs(cfg, trainer, {"command": stage, "metrics": metrics, "time_s": time.perf_counter() - started})
+    _write_outputs(
+        cfg, trainer, {"command": stage, "metrics": metrics, "time_s": time.perf_counter() - started}
+    )
     return metrics
 
 
@@ -340,20 +439,25 @@ def test(cfg: DictConfig) -> dict[str, float]:
 
 
 def predict(cfg: DictConfig) -> Path:
-    """Writes COCO-format detections of ``data.predict_split`` (or of the pictures in ``data.predict_images``) to
-    ``predictions.json``; returns its path."""
+    """Writes COCO-format detections of ``data.predict_split`` (or of the pictures in ``data.predict_images``)
+    to ``predictions.json``; returns its path."""
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
     if ckpt_path is None and not _named_weights(cfg):
         log.warning("predict without ckpt_path or model.weights uses a randomly initialised model")
-    trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=False, weights_only=True)
-    _write_outputs(cfg, trainer, {"command": "predict", "metrics": {}, "time_s": time.perf_counter() - started})
+    trainer.predict(
+        model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=False, weights_only=True
+    )
+    _write_outputs(
+        cfg, trainer, {"command": "predict", "metrics": {}, "time_s": time.perf_counter() - started}
+    )
     return _output_dir(cfg) / "predictions.json"
 
 
 def export(cfg: DictConfig) -> Path:
-    """Writes the model (``ckpt_path`` or ``model.weights``) as ``format`` (onnx | pt2) into the run folder, with a
-    JSON description beside it (:func:`lit_amp_det.deploy.export_detector`); returns the file's path."""
+    """Writes the model (``ckpt_path`` or ``model.weights``) as ``format`` (onnx | pt2) into the run folder,
+    with a JSON description beside it (:func:`lit_amp_det.deploy.export_detector`); returns the file's path.
+    """
     from lit_amp_det.deploy import export_detector, supported_format
 
     started = time.perf_counter()
@@ -364,8 +468,11 @@ def export(cfg: DictConfig) -> Path:
     settings = cfg.get("export") or {}
     path = _output_dir(cfg) / f"model.{fmt}"
     export_detector(model, path, fmt, settings.get("image_size"), settings.get("batch_size", 1))
-    _write_outputs(cfg, trainer, {"command": "export", "metrics": {}, "exported": str(path),
-                                  "time_s": time.perf_counter() - started})
+    _write_outputs(
+        cfg,
+        trainer,
+        {"command": "export", "metrics": {}, "exported": str(path), "time_s": time.perf_counter() - started},
+    )
     return path
 
 
@@ -373,8 +480,8 @@ _TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict, 
 
 
 def _route_lightning_logs() -> None:
-    """Lets Lightning's messages reach the run's log file: under Hydra's logging, Lightning's own console handler is
-    dropped and its records propagate."""
+    """Lets Lightning's messages reach the run's log file: under Hydra's logging, Lightning's own console
+    handler is dropped and its records propagate."""
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
@@ -386,8 +493,8 @@ def _route_lightning_logs() -> None:
 
 def run(cfg: DictConfig) -> Any:
     """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises. A fit stopped by
-    SIGINT/SIGTERM exits with 128 + the signal's number (130 for Ctrl-C) once its checkpoint and metrics are written;
-    a run that raised is marked ``failed`` in its ``run.json``."""
+    SIGINT/SIGTERM exits with 128 + the signal's number (130 for Ctrl-C) once its checkpoint and metrics are
+    written; a run that raised is marked ``failed`` in its ``run.json``."""
     check_command(cfg.get("command"))  # the rest of the config is checked once, when the job starts
     devices = cfg.get("trainer", {}).get("devices")
     adopt_launch_rank(devices if isinstance(devices, int) else 1)  # node k > 0 must not claim the run folder
@@ -408,10 +515,14 @@ def run(cfg: DictConfig) -> Any:
                 else:  # stopped before the run was recorded (start-up)
                     write_run_record(out, str(cfg.command), **fields)
             if isinstance(err, KeyboardInterrupt):  # before LastCheckpoint took over the signal: start-up
-                print(f"lit_amp_det: interrupted (Ctrl-C) while starting; {out} is marked interrupted",
-                      file=sys.stderr)
+                print(
+                    f"lit_amp_det: interrupted (Ctrl-C) while starting; {out} is marked interrupted",
+                    file=sys.stderr,
+                )
                 sys.exit(130)
             if report_user_error(err, bool(cfg.get("verbose", False))):
                 sys.exit(1)  # the message is printed; the traceback is in the log file
             raise
-    return result.get(cfg.optimized_metric) if isinstance(result, dict) and cfg.get("optimized_metric") else None
+    return (
+        result.get(cfg.optimized_metric) if isinstance(result, dict) and cfg.get("optimized_metric") else None
+    )

@@ -1,4 +1,5 @@
-"""Lightning callbacks shipped with lit_amp_det (one module per callback, one YAML each in conf/callbacks/)."""
+"""Lightning callbacks shipped with lit_amp_det (one module per callback, one YAML each in conf/callbacks/).
+"""
 
 from lit_amp_det.callbacks.console_log import ConsoleLog
 from lit_amp_det.callbacks.conv_bn_eval import ConvBNEval
@@ -12,5 +13,17 @@ from lit_amp_det.callbacks.throughput import Throughput
 from lit_amp_det.callbacks.training_curves import TrainingCurves
 from lit_amp_det.callbacks.validation_images import ValidationImages
 
-__all__ = ["CocoPredictionWriter", "ConsoleLog", "ConvBNEval", "CUDAGraphTraining", "FreezeNorm", "LastCheckpoint",
-           "MemoryMonitor", "RNGStateCheckpoint", "RunInterrupted", "Throughput", "TrainingCurves", "ValidationImages"]
+__all__ = [
+    "CocoPredictionWriter",
+    "ConsoleLog",
+    "ConvBNEval",
+    "CUDAGraphTraining",
+    "FreezeNorm",
+    "LastCheckpoint",
+    "MemoryMonitor",
+    "RNGStateCheckpoint",
+    "RunInterrupted",
+    "Throughput",
+    "TrainingCurves",
+    "ValidationImages",
+]

@@ -1,11 +1,12 @@
-"""Plain-text training progress: a line after the first step, then every N steps or every minute, and the metrics of
-every validation.
+"""Plain-text training progress: a line after the first step, then every N steps or every minute, and the
+metrics of every validation.
 
-A progress bar in a file (``nohup``, ``sbatch``, CI logs) keeps only its last state, so this callback writes lines
-instead (step, epoch, loss, learning rate, images/s; the first once the first step is done, so that a slow CPU run
-shows it started, then every ``every_n_steps`` steps or ``every_n_seconds``, whichever comes first; the metrics after
-every validation) through the ``lit_amp_det.progress`` logger, reaching the console and the run's log file alike. With
-``console: auto`` they go to the console only when stdout is not a terminal (or the progress bar is off)."""
+A progress bar in a file (``nohup``, ``sbatch``, CI logs) keeps only its last state, so this callback writes
+lines instead (step, epoch, loss, learning rate, images/s; the first once the first step is done, so that a
+slow CPU run shows it started, then every ``every_n_steps`` steps or ``every_n_seconds``, whichever comes
+first; the metrics after every validation) through the ``lit_amp_det.progress`` logger, reaching the console
+and the run's log file alike. With ``console: auto`` they go to the console only when stdout is not a terminal
+(or the progress bar is off)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def emit(message: str, console: bool = True) -> None:
     """Writes ``message`` to the run's log file and, if ``console``, to stdout.
 
     Under the CLI, Hydra's logging sends ``lit_amp_det.progress`` records to stdout and to ``<command>.log``;
-    without configured logging (a notebook calling :func:`~lit_amp_det.app.tasks.train`) the message is printed."""
+    without configured logging (a notebook calling :func:`~lit_amp_det.app.tasks.train`) the message is
+    printed."""
     if not logging.getLogger().handlers:
         if console:
             print(message, flush=True)
@@ -57,32 +59,46 @@ class ConsoleLog(Callback):
 
     Args:
         every_n_steps: steps between two lines (step, loss, learning rate, images/s since the last line).
-        every_n_seconds: the longest time between two lines while steps complete.
-        console: ``auto`` (only when stdout is not a terminal or there is no progress bar), ``true``, ``false``;
+        every_n_seconds: the longest time between two lines while steps complete. console: ``auto`` (only when
+        stdout is not a terminal or there is no progress bar), ``true``, ``false``;
             the run's log file gets every line in any case."""
 
-    def __init__(self, every_n_steps: int = 50, console: bool | str = "auto", every_n_seconds: float = 60.0) -> None:
+    def __init__(
+        self, every_n_steps: int = 50, console: bool | str = "auto", every_n_seconds: float = 60.0
+    ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"ConsoleLog every_n_steps={every_n_steps!r} must be an integer >= 1")
-        if isinstance(every_n_seconds, bool) or not isinstance(every_n_seconds, (int, float)) or every_n_seconds <= 0:
+        if (
+            isinstance(every_n_seconds, bool)
+            or not isinstance(every_n_seconds, (int, float))
+            or every_n_seconds <= 0
+        ):
             raise ValueError(f"ConsoleLog every_n_seconds={every_n_seconds!r} must be a number > 0")
         if console not in ("auto", True, False):
             raise ValueError(f"ConsoleLog console={console!r}; choose auto, true or false")
-        self.every_n_steps, self.every_n_seconds, self.console = every_n_steps, float(every_n_seconds), console
+        self.every_n_steps, self.every_n_seconds, self.console = (
+            every_n_steps,
+            float(every_n_seconds),
+            console,
+        )
         self._first, self._to_console, self._images, self._since = True, True, 0, time.perf_counter()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._to_console = (not stdout_is_terminal() or trainer.progress_bar_callback is None
-                            if self.console == "auto" else bool(self.console))
+        self._to_console = (
+            not stdout_is_terminal() or trainer.progress_bar_callback is None
+            if self.console == "auto"
+            else bool(self.console)
+        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._images, self._since, self._first = 0, time.perf_counter(), True
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._images += count_images(batch) * trainer.world_size
         step, now = trainer.global_step, time.perf_counter()
         due = self._first or step % self.every_n_steps == 0 or now - self._since >= self.every_n_seconds
@@ -96,7 +112,9 @@ class ConsoleLog(Callback):
             value = trainer.callback_metrics.get(key)
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 number = float(value)
-                parts.append(f"{label} {number:.2e}" if number != 0 and abs(number) < 1e-2 else f"{label} {number:.4f}")
+                parts.append(
+                    f"{label} {number:.2e}" if number != 0 and abs(number) < 1e-2 else f"{label} {number:.4f}"
+                )
         parts.append(f"{rate:.1f} images/s")
         self._write("  ".join(parts))
 
@@ -104,7 +122,11 @@ class ConsoleLog(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        when = f" after epoch {trainer.current_epoch} (step {trainer.global_step})" if trainer.state.fn == "fit" else ""
+        when = (
+            f" after epoch {trainer.current_epoch} (step {trainer.global_step})"
+            if trainer.state.fn == "fit"
+            else ""
+        )
         self._write_metrics(trainer, "val/", f"validation{when}")
 
     @override
@@ -112,9 +134,14 @@ class ConsoleLog(Callback):
         self._write_metrics(trainer, "test/", "test")
 
     def _write_metrics(self, trainer: pl.Trainer, prefix: str, title: str) -> None:
-        values = {k: float(v) for k, v in sorted(trainer.callback_metrics.items())
-                  if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.numel() == 1
-                  and not k.endswith(("_small", "_medium", "_large"))}
+        values = {
+            k: float(v)
+            for k, v in sorted(trainer.callback_metrics.items())
+            if k.startswith(prefix)
+            and isinstance(v, torch.Tensor)
+            and v.numel() == 1
+            and not k.endswith(("_small", "_medium", "_large"))
+        }
         if values:
             self._write(f"{title}: " + "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
@@ -124,10 +151,13 @@ class ConsoleLog(Callback):
 
 
 class ReadableProgressBar(TQDMProgressBar):
-    """Lightning's progress bar with the learning rate in scientific notation (``lr=1.2e-04``, not ``0.000``)."""
+    """Lightning's progress bar with the learning rate in scientific notation (``lr=1.2e-04``, not ``0.000``).
+    """
 
     @override
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float | dict]:
+    def get_metrics(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> dict[str, int | str | float | dict]:
         metrics = super().get_metrics(trainer, pl_module)
         for key, value in metrics.items():
             if key.endswith("lr") and isinstance(value, float):

@@ -1,8 +1,9 @@
 """Trains ``Conv2d -> BatchNorm`` pairs in tune mode while their norms are in eval mode (``norm_eval``).
 
-With the norm on its running statistics, each pair runs as one convolution whose weight is folded on the fly: same
-outputs and gradients, but the conv output is not kept for BatchNorm's backward (:mod:`lit_amp_det.models.conv_bn`).
-The module tree and ``state_dict`` are unchanged, so checkpoints load with and without this callback."""
+With the norm on its running statistics, each pair runs as one convolution whose weight is folded on the fly:
+same outputs and gradients, but the conv output is not kept for BatchNorm's backward
+(:mod:`lit_amp_det.models.conv_bn`). The module tree and ``state_dict`` are unchanged, so checkpoints load
+with and without this callback."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from torch import nn
 from typing_extensions import override
 
 from lit_amp_det.errors import ArgumentError
-from lit_amp_det.models.conv_bn import conv_bn_eval_pairs, disable_conv_bn_eval, enable_conv_bn_eval, fold_conv_bn
+from lit_amp_det.models.conv_bn import (
+    conv_bn_eval_pairs,
+    disable_conv_bn_eval,
+    enable_conv_bn_eval,
+    fold_conv_bn,
+)
 
 __all__ = ["ConvBNEval"]
 
@@ -27,7 +33,8 @@ class ConvBNEval(Callback):
     """Folds each conv-BN pair of ``pl_module.model`` on the fly whenever its norm uses running statistics.
 
     Installed in ``setup()`` (an error if the model has no pair), checked again when fit, validation, test or
-    prediction starts (a strategy may have replaced norms, e.g. ``sync_batchnorm``), removed in ``teardown()``.
+    prediction starts (a strategy may have replaced norms, e.g. ``sync_batchnorm``), removed in
+    ``teardown()``.
 
     Args:
         only_when_cheaper: fold a call only when that saves memory kept for backward: a BatchNorm pair whose
@@ -46,21 +53,29 @@ class ConvBNEval(Callback):
     def _enable(self, model: nn.Module) -> None:
         self._pairs = enable_conv_bn_eval(model, only_when_cheaper=self.only_when_cheaper)
         if not self._pairs:
-            raise ValueError(f"ConvBNEval found no Conv2d -> BatchNorm2d/FrozenBatchNorm2d pair in "
-                             f"{type(model).__name__} (the conv output must feed nothing but the norm); remove the "
-                             "callback, or use a backbone with conv-BN blocks (the backbone's norm bn or frozen_bn); a "
-                             "model folded by fold_on_predict has no pair left")
+            raise ValueError(
+                f"ConvBNEval found no Conv2d -> BatchNorm2d/FrozenBatchNorm2d pair in "
+                f"{type(model).__name__} (the conv output must feed nothing but the norm); remove the "
+                "callback, or use a backbone with conv-BN blocks (the backbone's norm bn or frozen_bn); a "
+                "model folded by fold_on_predict has no pair left"
+            )
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._enable(_target(pl_module))
-        mode = "when it saves memory: BatchNorm pairs whose output outweighs the conv weight" if (
-            self.only_when_cheaper) else "on every call"
-        rank_zero_info(f"ConvBNEval: {len(self._pairs)} conv-BN pairs fold while their norm uses running statistics "
-                       f"({mode})")
+        mode = (
+            "when it saves memory: BatchNorm pairs whose output outweighs the conv weight"
+            if (self.only_when_cheaper)
+            else "on every call"
+        )
+        rank_zero_info(
+            f"ConvBNEval: {len(self._pairs)} conv-BN pairs fold while their norm uses running statistics "
+            f"({mode})"
+        )
 
     def _refresh(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Re-installs when the strategy replaced modules after ``setup`` (e.g. BatchNorm -> SyncBatchNorm)."""
+        """Re-installs when the strategy replaced modules after ``setup`` (e.g. BatchNorm -> SyncBatchNorm).
+        """
         model = _target(pl_module)
         if conv_bn_eval_pairs(model) != self._pairs:
             self._enable(model)
@@ -80,5 +95,7 @@ class ConvBNEval(Callback):
         disable_conv_bn_eval(_target(pl_module))
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(only_when_cheaper={self.only_when_cheaper}, "
-                f"fold_on_predict={self.fold_on_predict})")
+        return (
+            f"{type(self).__name__}(only_when_cheaper={self.only_when_cheaper}, "
+            f"fold_on_predict={self.fold_on_predict})"
+        )

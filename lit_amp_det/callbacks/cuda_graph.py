@@ -1,17 +1,17 @@
-"""The whole training step (forward, loss, backward, loss scaling, optimizer step, the non-finite guard) replayed as one
-CUDA graph, as NVIDIA's MLPerf Mask R-CNN runs it.
+"""The whole training step (forward, loss, backward, loss scaling, optimizer step, the non-finite guard)
+replayed as one CUDA graph, as NVIDIA's MLPerf Mask R-CNN runs it.
 
-With :class:`CUDAGraphTraining` in the callbacks, :class:`~lit_amp_det.MaskRCNNModule` optimises manually: each batch is
-copied into static input buffers (one set per batch signature, up to ``max_graphs``); a signature's first
-``warmup_steps`` batches train eagerly on them (on a side stream, the last one counted for host syncs), then the step
-is captured and each later batch is one ``graph.replay()``: no Python, no launches, no host sync. The lr becomes a
-device tensor the schedule fills in place, and an optimizer with PyTorch's ``capturable`` mode (Adam, AdamW) gets it, so
-that the configured optimizer is captured as built; both go back as they were at the end of training and in every
-checkpoint, which therefore resumes into any optimizer and without the callback. The warm-up steps and the captures
-run on one side stream, and the graphs share one memory pool. The graph replays what the step did at capture, so the
-start refuses, with what to change, what it could not hold: changing shapes, a host sync (by file and line), an
-optimizer reading its lr on the host, hooks inside the step, clipping, accumulation, other precisions, several
-processes.
+With :class:`CUDAGraphTraining` in the callbacks, :class:`~lit_amp_det.MaskRCNNModule` optimises manually:
+each batch is copied into static input buffers (one set per batch signature, up to ``max_graphs``); a
+signature's first ``warmup_steps`` batches train eagerly on them (on a side stream, the last one counted for
+host syncs), then the step is captured and each later batch is one ``graph.replay()``: no Python, no launches,
+no host sync. The lr becomes a device tensor the schedule fills in place, and an optimizer with PyTorch's
+``capturable`` mode (Adam, AdamW) gets it, so that the configured optimizer is captured as built; both go back
+as they were at the end of training and in every checkpoint, which therefore resumes into any optimizer and
+without the callback. The warm-up steps and the captures run on one side stream, and the graphs share one
+memory pool. The graph replays what the step did at capture, so the start refuses, with what to change, what
+it could not hold: changing shapes, a host sync (by file and line), an optimizer reading its lr on the host,
+hooks inside the step, clipping, accumulation, other precisions, several processes.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ def capture_graph(
     """Captures ``step`` in a CUDA graph: the capture records the step's kernels without running them.
 
     Args:
-        step: the training step, returning ``(loss_dict, loss)``.
-        pool: a memory pool handle (:func:`torch.cuda.graph_pool_handle`) that the graph shares with other graphs;
+        step: the training step, returning ``(loss_dict, loss)``. pool: a memory pool handle
+        (:func:`torch.cuda.graph_pool_handle`) that the graph shares with other graphs;
             ``None``: a pool of its own.
         stream: the side stream the capture runs on; ``None``: PyTorch's capture stream.
 
     Returns:
-        ``replay``: runs the graph and returns the step's static outputs, which the next replay of any graph sharing
-        the pool may overwrite.
+        ``replay``: runs the graph and returns the step's static outputs, which the next replay of any graph
+        sharing the pool may overwrite.
     """
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -75,8 +75,9 @@ def capture_graph(
 
 
 class CapturableFlags(NamedTuple):
-    """An optimizer's ``capturable`` flags as it was built (``None`` where it has no such flag): in ``defaults`` and in
-    each param group. :func:`restore_configuration` and :func:`as_configured` put them back.
+    """An optimizer's ``capturable`` flags as it was built (``None`` where it has no such flag): in
+    ``defaults`` and in each param group. :func:`restore_configuration` and :func:`as_configured` put them
+    back.
     """
 
     default: bool | None
@@ -84,11 +85,13 @@ class CapturableFlags(NamedTuple):
 
 
 def capture_refusal(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why ``optimizer``'s step cannot be replayed from a CUDA graph with an lr that changes, or ``None`` when it can.
+    """Why ``optimizer``'s step cannot be replayed from a CUDA graph with an lr that changes, or ``None`` when
+    it can.
 
-    A captured step must read its lr and step counts on the device. Optimizers with PyTorch's ``capturable`` mode do
-    once :func:`make_capturable` sets it; fused optimizers without the flag (SGD) read a tensor lr in their kernel.
-    Anything else reads the lr on the host: SGD's foreach and for-loop steps call ``.item()`` on it.
+    A captured step must read its lr and step counts on the device. Optimizers with PyTorch's ``capturable``
+    mode do once :func:`make_capturable` sets it; fused optimizers without the flag (SGD) read a tensor lr in
+    their kernel. Anything else reads the lr on the host: SGD's foreach and for-loop steps call ``.item()`` on
+    it.
 
     Args:
         optimizer: the optimizer the training step steps.
@@ -107,11 +110,13 @@ def capture_refusal(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> CapturableFlags:
-    """Sets PyTorch's ``capturable`` flag in ``defaults`` and in every param group of an optimizer that has one, and
-    puts its step counts on their parameters' devices, as ``torch.optim`` keeps them for a capturable step.
+    """Sets PyTorch's ``capturable`` flag in ``defaults`` and in every param group of an optimizer that has
+    one, and puts its step counts on their parameters' devices, as ``torch.optim`` keeps them for a capturable
+    step.
 
-    Done before the first step that will be captured; the state may already exist (warm-up steps, a checkpoint). A
-    fused optimizer already keeps its step counts on the device; a foreach one keeps them on the CPU otherwise.
+    Done before the first step that will be captured; the state may already exist (warm-up steps, a
+    checkpoint). A fused optimizer already keeps its step counts on the device; a foreach one keeps them on
+    the CPU otherwise.
 
     Args:
         optimizer: the optimizer to make capturable (``capture_refusal(optimizer)`` is ``None``).
@@ -132,8 +137,8 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> CapturableFlags:
 
 
 def restore_configuration(optimizer: torch.optim.Optimizer, flags: CapturableFlags) -> None:
-    """Gives ``optimizer`` back as it was built: lrs as Python floats, the ``capturable`` flags it had, and its step
-    counts where ``torch.optim`` keeps them for those flags.
+    """Gives ``optimizer`` back as it was built: lrs as Python floats, the ``capturable`` flags it had, and
+    its step counts where ``torch.optim`` keeps them for those flags.
 
     Args:
         optimizer: an optimizer :func:`make_capturable` changed, its lrs possibly device tensors.
@@ -147,12 +152,13 @@ def restore_configuration(optimizer: torch.optim.Optimizer, flags: CapturableFla
 
 
 def as_configured(saved: dict[str, Any], flags: CapturableFlags) -> dict[str, Any]:
-    """A copy of an optimizer's ``state_dict()`` that describes the optimizer as it was built: lrs as Python floats,
-    the ``capturable`` flags it had, and step counts on the CPU where a group is neither capturable nor fused.
+    """A copy of an optimizer's ``state_dict()`` that describes the optimizer as it was built: lrs as Python
+    floats, the ``capturable`` flags it had, and step counts on the CPU where a group is neither capturable
+    nor fused.
 
-    ``load_state_dict`` takes every hyperparameter from the saved groups, so a device lr or a ``capturable`` flag
-    saved while the callback trains would follow the checkpoint into a resumed run: a foreach AdamW refuses a tensor
-    lr unless capturable, and a capturable one refuses CPU parameters.
+    ``load_state_dict`` takes every hyperparameter from the saved groups, so a device lr or a ``capturable``
+    flag saved while the callback trains would follow the checkpoint into a resumed run: a foreach AdamW
+    refuses a tensor lr unless capturable, and a capturable one refuses CPU parameters.
 
     Args:
         saved: ``optimizer.state_dict()`` while the callback trains (it is not changed).
@@ -174,8 +180,8 @@ def as_configured(saved: dict[str, Any], flags: CapturableFlags) -> dict[str, An
 
 
 def _as_built(group: dict[str, Any], capturable: bool | None) -> dict[str, Any]:
-    """``group`` (a param group, changed in place and returned) as the optimizer was built: its lr a Python float and
-    its ``capturable`` flag the one it had (``None``: the optimizer has no such flag)."""
+    """``group`` (a param group, changed in place and returned) as the optimizer was built: its lr a Python
+    float and its ``capturable`` flag the one it had (``None``: the optimizer has no such flag)."""
     if capturable is not None:
         group["capturable"] = capturable
     if isinstance(group["lr"], Tensor):
@@ -184,8 +190,8 @@ def _as_built(group: dict[str, Any], capturable: bool | None) -> dict[str, Any]:
 
 
 def _place_step_counts(optimizer: torch.optim.Optimizer) -> None:
-    """Puts each ``step`` count where ``torch.optim`` keeps it: on its parameter's device when the group is capturable
-    or fused (the kernels read it there), on the CPU otherwise (the step reads it on the host).
+    """Puts each ``step`` count where ``torch.optim`` keeps it: on its parameter's device when the group is
+    capturable or fused (the kernels read it there), on the CPU otherwise (the step reads it on the host).
     """
     for group in optimizer.param_groups:
         on_device = bool(group.get("capturable") or group.get("fused"))
@@ -197,7 +203,8 @@ def _place_step_counts(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _scheduler_as_configured(saved: dict[str, Any]) -> dict[str, Any]:
-    """A copy of an lr scheduler's ``state_dict()`` with the last lrs as floats (they are the device lrs' copies)."""
+    """A copy of an lr scheduler's ``state_dict()`` with the last lrs as floats (they are the device lrs'
+    copies)."""
     if "_last_lr" not in saved:
         return saved
     last = [float(lr) if isinstance(lr, Tensor) else lr for lr in saved["_last_lr"]]
@@ -206,8 +213,9 @@ def _scheduler_as_configured(saved: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _syncs_raise(device: torch.device) -> Iterator[None]:
-    """On CUDA, makes every op that synchronises with the device raise (``torch.cuda.set_sync_debug_mode``): the
-    driver's own check, beside :class:`~lit_amp_det.profiling.HostSyncs`' count, for what the count cannot see."""
+    """On CUDA, makes every op that synchronises with the device raise (``torch.cuda.set_sync_debug_mode``):
+    the driver's own check, beside :class:`~lit_amp_det.profiling.HostSyncs`' count, for what the count cannot
+    see."""
     if device.type != "cuda":
         yield
         return
@@ -228,7 +236,10 @@ def _signature(images: Sequence[Tensor], targets: Sequence[dict[str, Any]]) -> t
     """Shapes and dtypes of a batch's tensors: batches with one signature share static buffers and a graph."""
     return (
         tuple((tuple(i.shape), i.dtype) for i in images),
-        tuple(tuple((k, tuple(v.shape), v.dtype) for k, v in t.items() if isinstance(v, Tensor)) for t in targets),
+        tuple(
+            tuple((k, tuple(v.shape), v.dtype) for k, v in t.items() if isinstance(v, Tensor))
+            for t in targets
+        ),
     )
 
 
@@ -248,7 +259,8 @@ class CUDAGraphTraining(Callback):
     """Trains with the whole step in one CUDA graph per batch signature (see the module).
 
     Args:
-        warmup_steps: eager steps on a signature's buffers before its capture (kernel autotuning, cuBLAS workspaces,
+        warmup_steps: eager steps on a signature's buffers before its capture (kernel autotuning, cuBLAS
+        workspaces,
             optimizer state and the fused kernels' first-step paths happen there).
         max_graphs: batch signatures (and graphs, sharing one memory pool) allowed; one more stops training.
     """
@@ -270,16 +282,21 @@ class CUDAGraphTraining(Callback):
         self.max_graphs = max_graphs
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._flags: CapturableFlags | None = None  # the optimizer's flags as built, while it is capturable
-        self._stream: torch.cuda.Stream | None = None  # the one side stream of the warm-up steps and the captures
+        self._stream: torch.cuda.Stream | None = (
+            None  # the one side stream of the warm-up steps and the captures
+        )
         self._pool: tuple[int, int] | None = None  # the memory pool the graphs share
 
-    # ------------------------------------------------------------------------------ what the graph cannot hold
+    # ------------------------------------------------------------------------------ what the graph cannot
+    # hold
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After ``configure_model`` (the speedups), the precision plugin's setup and ``configure_optimizers``:
-        refuses, or takes the step.
+        """After ``configure_model`` (the speedups), the precision plugin's setup and
+        ``configure_optimizers``: refuses, or takes the step.
         """
-        refuse = self._refusal(trainer, pl_module, trainer.strategy.root_device) or self._optimizer_refusal(trainer)
+        refuse = self._refusal(trainer, pl_module, trainer.strategy.root_device) or self._optimizer_refusal(
+            trainer
+        )
         if refuse:
             raise RuntimeError(f"callbacks.cuda_graph cannot capture this training step: {refuse}")
         self._entries = {}
@@ -295,7 +312,9 @@ class CUDAGraphTraining(Callback):
         if not hasattr(module, "captured_step") or step_owner.__module__ != "lit_amp_det.module":
             return f"{type(module).__name__} is not a MaskRCNNModule with its training_step"
         if trainer.gradient_clip_val or trainer.accumulate_grad_batches != 1:
-            return "trainer.gradient_clip_val and trainer.accumulate_grad_batches are not captured: unset them"
+            return (
+                "trainer.gradient_clip_val and trainer.accumulate_grad_batches are not captured: unset them"
+            )
         hooks = [
             f"{type(owner).__name__}.{hook}"
             for owner in (module, *trainer.callbacks)
@@ -337,9 +356,9 @@ class CUDAGraphTraining(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After the optimizer is built and a checkpoint restored, before the first step: the optimizer becomes
-        capturable (:func:`make_capturable`), its lrs device tensors (the schedule fills them in place), and the step
-        count carries over from a run that optimised automatically.
+        """After the optimizer is built and a checkpoint restored, before the first step: the optimizer
+        becomes capturable (:func:`make_capturable`), its lrs device tensors (the schedule fills them in
+        place), and the step count carries over from a run that optimised automatically.
         """
         optimizer = trainer.optimizers[0]
         self._flags = make_capturable(optimizer)
@@ -355,8 +374,8 @@ class CUDAGraphTraining(Callback):
         pl_module: pl.LightningModule,
         checkpoint: dict[str, Any],
     ) -> None:
-        """The checkpoint describes the optimizer and its schedule as built (:func:`as_configured`), not as this
-        callback runs them, so that it resumes into any optimizer, with the callback or without.
+        """The checkpoint describes the optimizer and its schedule as built (:func:`as_configured`), not as
+        this callback runs them, so that it resumes into any optimizer, with the callback or without.
         """
         if self._flags is None:
             return
@@ -371,8 +390,8 @@ class CUDAGraphTraining(Callback):
     def feed(
         self, images: Sequence[Tensor], targets: Sequence[dict[str, Any]], device: torch.device
     ) -> tuple[list[Tensor], list[dict[str, Any]]]:
-        """The static buffers of this batch's signature, refilled in place with this batch (a new signature gets new
-        buffers, on ``device``).
+        """The static buffers of this batch's signature, refilled in place with this batch (a new signature
+        gets new buffers, on ``device``).
         """
         key = _signature(images, targets)
         entry = self._entries.get(key)
@@ -388,7 +407,10 @@ class CUDAGraphTraining(Callback):
             moved = [i.to(device, copy=True) for i in images]
             entry = self._entries[key] = _Entry(
                 moved,
-                [{k: v.to(device, copy=True) if isinstance(v, Tensor) else v for k, v in t.items()} for t in targets],
+                [
+                    {k: v.to(device, copy=True) if isinstance(v, Tensor) else v for k, v in t.items()}
+                    for t in targets
+                ],
             )
         else:
             for buffer, value in zip(_tensors(entry.images, entry.targets), _tensors(images, targets)):
@@ -399,8 +421,8 @@ class CUDAGraphTraining(Callback):
     def run(
         self, module: Any, images: Sequence[Tensor], targets: Sequence[dict[str, Tensor]]
     ) -> tuple[dict[str, Tensor], Tensor]:
-        """One training step on ``images``/``targets`` (copied into their signature's static buffers): eager during
-        warm-up, a replay after; returns the losses (copies, safe to keep).
+        """One training step on ``images``/``targets`` (copied into their signature's static buffers): eager
+        during warm-up, a replay after; returns the losses (copies, safe to keep).
         """
         if "valid" not in (targets[0] if targets else {}):
             raise RuntimeError(
@@ -417,10 +439,12 @@ class CUDAGraphTraining(Callback):
                 entry.replay = self._capture(step, static_images[0].device)
         else:
             loss_dict, loss = entry.replay()
-        # then what the loop does after an automatic optimizer step: step count, the guard's host check, schedules
+        # then what the loop does after an automatic optimizer step: step count, the guard's host check,
+        # schedules
         trainer = module.trainer
         count_manual_step(trainer)
-        # the automatic count too: a checkpoint written now then resumes at this step without the callback as well
+        # the automatic count too: a checkpoint written now then resumes at this step without the callback as
+        # well
         carry_step_count(trainer, to_manual=False)
         trainer.precision_plugin.guard.tick()
         trainer.precision_plugin.guard.log(module)
@@ -430,8 +454,8 @@ class CUDAGraphTraining(Callback):
         return {k: v.clone() for k, v in loss_dict.items()}, loss.clone()
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream of every warm-up step and capture, made once: the caching allocator keeps freed blocks per
-        stream, so a stream per step would strand each step's cached memory.
+        """The side stream of every warm-up step and capture, made once: the caching allocator keeps freed
+        blocks per stream, so a stream per step would strand each step's cached memory.
         """
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
@@ -440,8 +464,9 @@ class CUDAGraphTraining(Callback):
     def _capture(self, step: Step, device: torch.device) -> Step:
         """``step`` captured (:func:`capture_graph`) on the side stream, into the pool every graph shares.
 
-        Sharing is safe here: replays run one at a time on one stream, and :meth:`run` copies a replay's outputs before
-        another graph runs, so between replays no graph's memory holds anything another graph reads.
+        Sharing is safe here: replays run one at a time on one stream, and :meth:`run` copies a replay's
+        outputs before another graph runs, so between replays no graph's memory holds anything another graph
+        reads.
         """
         if device.type != "cuda":  # the CPU stand-in of the tests
             return capture_graph(step)
@@ -450,7 +475,8 @@ class CUDAGraphTraining(Callback):
         return capture_graph(step, pool=self._pool, stream=self._side_stream(device))
 
     def _eager(self, step: Step, device: torch.device, count_syncs: bool) -> tuple[dict[str, Tensor], Tensor]:
-        """A warm-up step, on the side stream as capture requires; the one before the capture counts host syncs."""
+        """A warm-up step, on the side stream as capture requires; the one before the capture counts host
+        syncs."""
         side = self._side_stream(device) if device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
@@ -479,15 +505,18 @@ class CUDAGraphTraining(Callback):
         return outputs
 
     def _step_function(self, module: Any, images: list[Tensor], targets: list[dict[str, Tensor]]) -> Step:
-        """Forward and loss under the precision's autocast (its cast cache off, as capture requires), backward,
-        then the optimizer step as the precision plugin takes it (GradScaler or the non-finite guard), on device.
+        """Forward and loss under the precision's autocast (its cast cache off, as capture requires),
+        backward, then the optimizer step as the precision plugin takes it (GradScaler or the non-finite
+        guard), on device.
         """
         plugin, optimizer = module.trainer.precision_plugin, module.trainer.optimizers[0]
         scaler, low = getattr(plugin, "scaler", None), getattr(plugin, "low_dtype", None)
         device_type = images[0].device.type
 
         def step() -> tuple[dict[str, Tensor], Tensor]:
-            optimizer.zero_grad(set_to_none=False)  # gradients stay in their buffers: the graph zeroes and refills
+            optimizer.zero_grad(
+                set_to_none=False
+            )  # gradients stay in their buffers: the graph zeroes and refills
             with (
                 torch.autocast(device_type, dtype=low, cache_enabled=False)
                 if low is not None
@@ -495,7 +524,8 @@ class CUDAGraphTraining(Callback):
             ):
                 loss_dict = module.model(module.prepare_images(images), targets)
                 loss = module.compute_loss(loss_dict)
-            # Lightning runs the training step under the precision's autocast; backward and step run outside it
+            # Lightning runs the training step under the precision's autocast; backward and step run outside
+            # it
             with torch.autocast(device_type, enabled=False):
                 if scaler is None:
                     loss.backward()
@@ -518,8 +548,8 @@ class CUDAGraphTraining(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Hands the step back to Lightning and the optimizer back as it was built (:func:`restore_configuration`),
-        and frees the graphs.
+        """Hands the step back to Lightning and the optimizer back as it was built
+        (:func:`restore_configuration`), and frees the graphs.
         """
         if stage == "fit" and getattr(pl_module, "captured_step", None) is self:
             pl_module.captured_step = None

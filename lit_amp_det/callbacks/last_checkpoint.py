@@ -1,18 +1,20 @@
-"""``checkpoints/last.ckpt``: saved every N steps or M minutes (whichever comes first), at every epoch end, and
-when the run is stopped with Ctrl-C or SIGTERM.
+"""``checkpoints/last.ckpt``: saved every N steps or M minutes (whichever comes first), at every epoch end,
+and when the run is stopped with Ctrl-C or SIGTERM.
 
-A killed run loses at most ``every_n_train_steps`` steps or ``every_n_minutes`` of work, and ``fit ckpt_path=last``
-continues it exactly (saves happen at batch ends, where the data module records its position). The file is written
-next to itself and renamed over the old one, so a kill during the save leaves the previous checkpoint intact.
+A killed run loses at most ``every_n_train_steps`` steps or ``every_n_minutes`` of work, and ``fit
+ckpt_path=last`` continues it exactly (saves happen at batch ends, where the data module records its
+position). The file is written next to itself and renamed over the old one, so a kill during the save leaves
+the previous checkpoint intact.
 
 On the first SIGINT or SIGTERM during training the step in progress (during validation: the batch in progress)
-completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; a second signal exits the process at once
-(128 + its number), except during a save, which completes first. Under DDP every rank stops after the same step.
+completes, the checkpoint is saved and :class:`RunInterrupted` stops the fit; a second signal exits the
+process at once (128 + its number), except during a save, which completes first. Under DDP every rank stops
+after the same step.
 
-In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's ``SIGUSR2``
-in a job it started) does the same and then requeues the job with ``scontrol requeue``; the requeued attempt
-resumes from the checkpoint by itself. Signals that follow (SLURM ends a requeued job with ``SIGTERM``) are logged
-and ignored while the run stops."""
+In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's
+``SIGUSR2`` in a job it started) does the same and then requeues the job with ``scontrol requeue``; the
+requeued attempt resumes from the checkpoint by itself. Signals that follow (SLURM ends a requeued job with
+``SIGTERM``) are logged and ignored while the run stops."""
 
 from __future__ import annotations
 
@@ -39,16 +41,20 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class RunInterrupted(Exception):
-    """A fit stopped by a signal after saving ``checkpoint`` (``None`` if saving was off); ``requeued_job`` is the
-    SLURM job id that ``scontrol requeue`` accepted, if any."""
+    """A fit stopped by a signal after saving ``checkpoint`` (``None`` if saving was off); ``requeued_job`` is
+    the SLURM job id that ``scontrol requeue`` accepted, if any."""
 
-    def __init__(self, signum: int, checkpoint: str | None, global_step: int, requeued_job: str | None = None) -> None:
+    def __init__(
+        self, signum: int, checkpoint: str | None, global_step: int, requeued_job: str | None = None
+    ) -> None:
         self.signum, self.checkpoint = signum, checkpoint
         self.global_step, self.requeued_job = global_step, requeued_job
         self.signal_name = signal.Signals(signum).name
-        super().__init__(f"{self.signal_name} received: stopped after step {global_step}"
-                         + (f", checkpoint {checkpoint}" if checkpoint else "")
-                         + (f", SLURM job {requeued_job} requeued" if requeued_job else ""))
+        super().__init__(
+            f"{self.signal_name} received: stopped after step {global_step}"
+            + (f", checkpoint {checkpoint}" if checkpoint else "")
+            + (f", SLURM job {requeued_job} requeued" if requeued_job else "")
+        )
 
     @property
     def exit_code(self) -> int:
@@ -60,17 +66,25 @@ class LastCheckpoint(Checkpoint):
     """Keeps ``<dirpath>/last.ckpt`` up to date and turns Ctrl-C/SIGTERM into a saved, resumable stop.
 
     Args:
-        dirpath: folder of ``last.ckpt`` (the run's ``checkpoints/``).
-        every_n_train_steps: save after every N optimizer steps; ``None`` or 0: not by steps.
-        every_n_minutes: save when this many minutes of training passed since the last save; ``None``: not by time.
-        save_on_signal: on SIGINT/SIGTERM during training, save after the current step and stop.
-        filename: name of the file in ``dirpath``."""
+        dirpath: folder of ``last.ckpt`` (the run's ``checkpoints/``). every_n_train_steps: save after every N
+        optimizer steps; ``None`` or 0: not by steps. every_n_minutes: save when this many minutes of training
+        passed since the last save; ``None``: not by time. save_on_signal: on SIGINT/SIGTERM during training,
+        save after the current step and stop. filename: name of the file in ``dirpath``."""
 
-    def __init__(self, dirpath: str | os.PathLike, every_n_train_steps: int | None = 1000,
-                 every_n_minutes: float | None = 10.0, save_on_signal: bool = True,
-                 filename: str = "last.ckpt") -> None:
-        if every_n_train_steps is not None and (isinstance(every_n_train_steps, bool) or every_n_train_steps < 0):
-            raise ValueError(f"LastCheckpoint every_n_train_steps={every_n_train_steps!r} must be >= 0 or null")
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        every_n_train_steps: int | None = 1000,
+        every_n_minutes: float | None = 10.0,
+        save_on_signal: bool = True,
+        filename: str = "last.ckpt",
+    ) -> None:
+        if every_n_train_steps is not None and (
+            isinstance(every_n_train_steps, bool) or every_n_train_steps < 0
+        ):
+            raise ValueError(
+                f"LastCheckpoint every_n_train_steps={every_n_train_steps!r} must be >= 0 or null"
+            )
         if every_n_minutes is not None and every_n_minutes <= 0:
             raise ValueError(f"LastCheckpoint every_n_minutes={every_n_minutes!r} must be > 0 or null")
         self.dirpath = Path(dirpath)
@@ -92,7 +106,8 @@ class LastCheckpoint(Checkpoint):
 
     def save(self, trainer: pl.Trainer) -> str:
         """Writes ``last.ckpt`` now (all ranks must call it: the save is collective under DDP). The trainer's
-        checkpoint IO writes it beside the old one and renames it over (``DurableCheckpointIO`` under the CLI)."""
+        checkpoint IO writes it beside the old one and renames it over (``DurableCheckpointIO`` under the
+        CLI)."""
         self._saving = True  # a signal now is answered after the write, never inside it
         try:
             trainer.save_checkpoint(self.path, weights_only=False)
@@ -113,25 +128,36 @@ class LastCheckpoint(Checkpoint):
             self._install_handlers()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.save_on_signal and self._signalled(trainer):
             self._stop(trainer)
         if trainer.global_step == self._last_saved_step:
             return
         by_steps = self.every_n_train_steps > 0 and trainer.global_step % self.every_n_train_steps == 0
-        by_time = (self.every_n_minutes is not None
-                   and time.monotonic() - self._last_saved_time >= 60.0 * self.every_n_minutes)
+        by_time = (
+            self.every_n_minutes is not None
+            and time.monotonic() - self._last_saved_time >= 60.0 * self.every_n_minutes
+        )
         if trainer.world_size > 1:  # clocks differ between ranks: rank 0 decides for all
             by_time = bool(trainer.strategy.broadcast(by_time))
         if by_steps or by_time:
             self.save(trainer)
 
     @override
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
-        """A signal during a fit's validation stops it after the batch in progress, not after the whole split (which
-        can outlast a preemption's grace period): the training state, unchanged since validation began, is saved."""
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """A signal during a fit's validation stops it after the batch in progress, not after the whole split
+        (which can outlast a preemption's grace period): the training state, unchanged since validation began,
+        is saved."""
         during_fit = not trainer.sanity_checking and trainer.state.fn == "fit"
         if self.save_on_signal and during_fit and self._signalled(trainer):
             self._stop(trainer)
@@ -159,7 +185,9 @@ class LastCheckpoint(Checkpoint):
         self._restore_handlers()
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._restore_handlers()
 
     @override
@@ -167,7 +195,8 @@ class LastCheckpoint(Checkpoint):
         return {"last_model_path": self.last_model_path}
 
     def _requeue_after_save(self, trainer: pl.Trainer, signum: int) -> str | None:
-        """Under SLURM, after the save that ``SIGUSR1`` asked for: rank 0 requeues the job; its id if requeued."""
+        """Under SLURM, after the save that ``SIGUSR1`` asked for: rank 0 requeues the job; its id if
+        requeued."""
         asked = self._job is not None and signum == self._requeue_signal
         if trainer.world_size > 1 and self._job is not None:
             asked = trainer.strategy.reduce_boolean_decision(asked, all=False)
@@ -203,19 +232,25 @@ class LastCheckpoint(Checkpoint):
             if self._saving:
                 self._stop_now = signum
                 return
-            _exit_now(signum, f"{self.path} is as the last save left it" if self.path.is_file() else "no checkpoint")
+            _exit_now(
+                signum, f"{self.path} is as the last save left it" if self.path.is_file() else "no checkpoint"
+            )
         self._signal = signum
         if self._job is not None and signum == self._requeue_signal:
-            _announce(f"{name} received: saving {self.path} after this step, then requeueing SLURM job "
-                      f"{self._job.job_id} and stopping")
+            _announce(
+                f"{name} received: saving {self.path} after this step, then requeueing SLURM job "
+                f"{self._job.job_id} and stopping"
+            )
             return
-        _announce(f"{name} received: saving {self.path} after this step, then stopping "
-                  "(send it again to stop at once without saving)")
+        _announce(
+            f"{name} received: saving {self.path} after this step, then stopping "
+            "(send it again to stop at once without saving)"
+        )
 
 
 def _exit_now(signum: int, kept: str) -> None:
-    """Exits the process at once with 128 + ``signum``, after one line saying so: the answer to a second signal.
-    Lightning's handler would tear the run down first, which takes seconds to minutes."""
+    """Exits the process at once with 128 + ``signum``, after one line saying so: the answer to a second
+    signal. Lightning's handler would tear the run down first, which takes seconds to minutes."""
     _announce(f"{signal.Signals(signum).name} received again: stopped at once; {kept}")
     logging.shutdown()
     os._exit(128 + signum)

@@ -14,7 +14,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lit_amp_det.callbacks.memory_savings import BaselineComparison, SavingsRow, check_comparable, write_savings
+from lit_amp_det.callbacks.memory_savings import (
+    BaselineComparison,
+    SavingsRow,
+    check_comparable,
+    write_savings,
+)
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.profiling import MB, MemoryProbe, StepTimer
 
@@ -22,30 +27,38 @@ __all__ = ["MemoryMonitor"]
 
 
 class MemoryMonitor(Callback):
-    """Logs peak memory per training step and epoch; optionally measures savings against an unoptimised baseline.
+    """Logs peak memory per training step and epoch; optionally measures savings against an unoptimised
+    baseline.
 
-    Logged every training step: ``memory/step_peak_mb`` (peak during the step), ``memory/in_use_mb`` (allocated
-    on the GPU, resident set on a CPU, at the end of the step) and, on a GPU, ``memory/step_peak_reserved_mb``.
-    Every epoch: ``memory/epoch_peak_mb`` (and ``memory/epoch_peak_reserved_mb`` on a GPU).
+    Logged every training step: ``memory/step_peak_mb`` (peak during the step), ``memory/in_use_mb``
+    (allocated on the GPU, resident set on a CPU, at the end of the step) and, on a GPU,
+    ``memory/step_peak_reserved_mb``. Every epoch: ``memory/epoch_peak_mb`` (and
+    ``memory/epoch_peak_reserved_mb`` on a GPU).
 
     With ``compare_baseline``, once per fit: ``memory/<row>_{peak_mb,step_mb,saved_for_backward_mb,
     weight_casts_mb,step_ms}`` for each row (``baseline``, the precision, ``conv_bn_eval``, ``current``) and
-    ``memory/{peak,step_memory,saved_for_backward,step_time}_ratio`` of current over baseline. At the end of fit
-    the savings table is printed and written to ``<trainer.log_dir>/memory_savings.md`` and ``.json``.
+    ``memory/{peak,step_memory,saved_for_backward,step_time}_ratio`` of current over baseline. At the end of
+    fit the savings table is printed and written to ``<trainer.log_dir>/memory_savings.md`` and ``.json``.
 
     Args:
         compare_baseline: measure the baseline and per-optimisation rows (costs ``(warmup_steps +
             baseline_steps)`` forward+backward passes per row, and one extra copy of the model while it runs).
-        baseline_steps: measured steps per row, on as many distinct training batches where the loader has them.
-        warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning)."""
+        baseline_steps: measured steps per row, on as many distinct training batches where the loader has
+        them. warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning)."""
 
-    def __init__(self, compare_baseline: bool = False, baseline_steps: int = 3, warmup_steps: int = 3) -> None:
+    def __init__(
+        self, compare_baseline: bool = False, baseline_steps: int = 3, warmup_steps: int = 3
+    ) -> None:
         if not isinstance(compare_baseline, bool):
             raise ArgumentError("compare_baseline", compare_baseline, "must be true or false")
         for name, value, low in (("baseline_steps", baseline_steps, 1), ("warmup_steps", warmup_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ArgumentError(name, value, f"must be an integer >= {low}")
-        self.compare_baseline, self.baseline_steps, self.warmup_steps = compare_baseline, baseline_steps, warmup_steps
+        self.compare_baseline, self.baseline_steps, self.warmup_steps = (
+            compare_baseline,
+            baseline_steps,
+            warmup_steps,
+        )
         self._comparison: BaselineComparison | None = None
         self._pending_comparison = False
         self._probe: MemoryProbe | None = None
@@ -80,8 +93,9 @@ class MemoryMonitor(Callback):
             self._comparison.prepare(trainer, pl_module.device)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         assert self._probe is not None and self._timer is not None
         if self._pending_comparison and self._comparison is not None:
             # here, not at on_train_start: every on_train_epoch_start hook has set the norms' train/eval mode
@@ -92,8 +106,9 @@ class MemoryMonitor(Callback):
         self._timer.start()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         probe, timer = self._probe, self._timer
         assert probe is not None and timer is not None
         seconds = timer.stop()
@@ -110,7 +125,9 @@ class MemoryMonitor(Callback):
         reserved = probe.peak_reserved_bytes()
         if reserved is not None:
             self._epoch_peak_reserved_mb = max(self._epoch_peak_reserved_mb, reserved / MB)
-            pl_module.log("memory/step_peak_reserved_mb", reserved / MB, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(
+                "memory/step_peak_reserved_mb", reserved / MB, on_step=True, on_epoch=False, batch_size=1
+            )
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -122,15 +139,22 @@ class MemoryMonitor(Callback):
             return
         pl_module.log("memory/epoch_peak_mb", self._epoch_peak_mb, on_step=False, on_epoch=True, batch_size=1)
         if self._probe is not None and self._probe.cuda:
-            pl_module.log("memory/epoch_peak_reserved_mb", self._epoch_peak_reserved_mb, on_step=False,
-                          on_epoch=True, batch_size=1)
+            pl_module.log(
+                "memory/epoch_peak_reserved_mb",
+                self._epoch_peak_reserved_mb,
+                on_step=False,
+                on_epoch=True,
+                batch_size=1,
+            )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.compare_baseline:
             return
         if not self.rows:
-            rank_zero_warn("MemoryMonitor(compare_baseline=True) wrote no savings table: no training step ran")
+            rank_zero_warn(
+                "MemoryMonitor(compare_baseline=True) wrote no savings table: no training step ran"
+            )
             return
         # on every rank: Trainer.log_dir broadcasts, which must not happen inside rank_zero_only
         self._write_report(trainer, pl_module, Path(trainer.log_dir or trainer.default_root_dir))
@@ -138,9 +162,12 @@ class MemoryMonitor(Callback):
     def report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The savings table's data: the measured rows, ratios to the baseline and what training observed."""
         assert self._probe is not None and self._comparison is not None
-        timed = self._step_ms[self.warmup_steps:] or self._step_ms
-        training = {"steps": len(self._step_peaks), "peak_mb": max(self._step_peaks) if self._step_peaks else None,
-                    "step_ms_median": statistics.median(timed) if timed else None}
+        timed = self._step_ms[self.warmup_steps :] or self._step_ms
+        training = {
+            "steps": len(self._step_peaks),
+            "peak_mb": max(self._step_peaks) if self._step_peaks else None,
+            "step_ms_median": statistics.median(timed) if timed else None,
+        }
         return self._comparison.report(trainer, pl_module, self._probe.source, training)
 
     @rank_zero_only
@@ -148,5 +175,7 @@ class MemoryMonitor(Callback):
         write_savings(self.report(trainer, pl_module), out)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(compare_baseline={self.compare_baseline}, "
-                f"baseline_steps={self.baseline_steps}, warmup_steps={self.warmup_steps})")
+        return (
+            f"{type(self).__name__}(compare_baseline={self.compare_baseline}, "
+            f"baseline_steps={self.baseline_steps}, warmup_steps={self.warmup_steps})"
+        )

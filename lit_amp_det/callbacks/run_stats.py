@@ -1,11 +1,11 @@
 """Records a fit's training speed and peak memory for ``metrics.json`` (and so for sweep summaries).
 
-Every ``fit`` gets this callback whatever the ``callbacks`` group holds, so runs of a sweep that toggles callbacks
-are measured the same way. It logs and prints nothing: ``train`` writes its totals under ``perf`` in
-``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput`; memory is the largest
-per-step peak, so one-off work before training does not count. A CPU resident set also holds what earlier jobs of a
-sweep left behind; ``tensor_memory_mb`` does not: it adds up parameters, gradients, optimizer state and what
-autograd saved for backward, once, on the first timed step."""
+Every ``fit`` gets this callback whatever the ``callbacks`` group holds, so runs of a sweep that toggles
+callbacks are measured the same way. It logs and prints nothing: ``train`` writes its totals under ``perf`` in
+``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput`; memory is the
+largest per-step peak, so one-off work before training does not count. A CPU resident set also holds what
+earlier jobs of a sweep left behind; ``tensor_memory_mb`` does not: it adds up parameters, gradients,
+optimizer state and what autograd saved for backward, once, on the first timed step."""
 
 from __future__ import annotations
 
@@ -49,25 +49,30 @@ class RunStats(Callback):
         self._steps_seen, self._started, self._step_seconds, self._images = 0, None, [], 0
         self._peak_bytes, self._step_bytes, self._tensor_bytes = 0, 0, None
         if not self._probe.cuda:
-            # jobs of a sweep share the process: hand what earlier jobs freed back to the OS, or their leftovers
-            # count in this job's resident-set peak (and the figure would rank settings by job order)
+            # jobs of a sweep share the process: hand what earlier jobs freed back to the OS, or their
+            # leftovers count in this job's resident-set peak (and the figure would rank settings by job
+            # order)
             release_freed_cpu_memory()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._started = None
         if self._probe is not None and self._steps_seen >= self.warmup_steps:
             self._probe.synchronize()
             self._probe.reset_peak()
             self._in_use_at_start = self._probe.in_use_bytes()
             if self._tensor_bytes is None:  # the first timed step also counts its tensors
-                self._saved = SavedTensorBytes(exclude=[*pl_module.parameters(), *pl_module.buffers()]).__enter__()
+                self._saved = SavedTensorBytes(
+                    exclude=[*pl_module.parameters(), *pl_module.buffers()]
+                ).__enter__()
             self._started = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._steps_seen += 1
         if self._started is None or self._probe is None:
             return
@@ -92,21 +97,27 @@ class RunStats(Callback):
         set on a CPU (libraries and data included, so on a CPU it moves little between settings).
         ``step_memory_mb`` is what a step added on top of what was in use when it started (activations,
         gradients, optimizer state growth): the figure that shows what mixed precision and conv-bn eval save.
-        ``tensor_memory_mb`` is parameters + gradients + optimizer state + the activations saved for backward of
-        the first timed step: independent of what ran before in the process, so a sweep's jobs compare in any order.
+        ``tensor_memory_mb`` is parameters + gradients + optimizer state + the activations saved for backward
+        of the first timed step: independent of what ran before in the process, so a sweep's jobs compare in
+        any order.
 
         Speed and memory are ``None`` when no step was timed (a fit shorter than the warm-up). Under DDP,
         images/s counts every process (this rank's rate times the world size: ranks step in lockstep) and the
         peak memory is this process's (rank 0 writes ``metrics.json``)."""
         timed, probe = len(self._step_seconds), self._probe
-        return {"device": None if probe is None else str(probe.device), "world_size": self._world_size,
-                "timed_steps": timed,
-                "train_images_per_s": self._world_size * self._images / sum(self._step_seconds) if timed else None,
-                "train_step_ms_median": 1000.0 * statistics.median(self._step_seconds) if timed else None,
-                "peak_memory_mb": self._peak_bytes / 2**20 if timed else None,
-                "step_memory_mb": self._step_bytes / 2**20 if timed else None,
-                "tensor_memory_mb": None if self._tensor_bytes is None else self._tensor_bytes / 2**20,
-                "memory_source": None if probe is None else probe.source}
+        return {
+            "device": None if probe is None else str(probe.device),
+            "world_size": self._world_size,
+            "timed_steps": timed,
+            "train_images_per_s": self._world_size * self._images / sum(self._step_seconds)
+            if timed
+            else None,
+            "train_step_ms_median": 1000.0 * statistics.median(self._step_seconds) if timed else None,
+            "peak_memory_mb": self._peak_bytes / 2**20 if timed else None,
+            "step_memory_mb": self._step_bytes / 2**20 if timed else None,
+            "tensor_memory_mb": None if self._tensor_bytes is None else self._tensor_bytes / 2**20,
+            "memory_source": None if probe is None else probe.source,
+        }
 
 
 def resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -> int:
@@ -124,6 +135,7 @@ def resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
+
     for parameter in module.parameters():
         add(parameter)
         add(parameter.grad)

@@ -1,8 +1,8 @@
 """Logs training step time and images per second, for spotting input stalls and comparing optimisations.
 
-A thin adapter over :class:`~lit_amp_det.profiling.StepTimer` that counts images of detection batches. A step runs
-from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer; not data loading or
-validation); the progress bar shows a moving median, which one slow step does not move."""
+A thin adapter over :class:`~lit_amp_det.profiling.StepTimer` that counts images of detection batches. A step
+runs from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer; not data loading
+or validation); the progress bar shows a moving median, which one slow step does not move."""
 
 from __future__ import annotations
 
@@ -34,17 +34,22 @@ class Throughput(Callback):
     Per epoch (over the epoch's timed steps; not logged for an epoch whose steps were all warm-up):
 
     * ``train/step_ms_epoch``: mean step time;
-    * ``train/images_per_s_epoch``: images divided by the time they took (the mean rate, weighted by step time,
-      so a short last batch does not skew it).
+    * ``train/images_per_s_epoch``: images divided by the time they took (the mean rate, weighted by step
+      time, so a short last batch does not skew it).
 
     Args:
         window: steps in the moving median of the progress-bar value (1: the last step's rate).
         warmup_steps: steps at the start of each fit that are not timed.
         batch_size_fn: returns the number of images in a batch; default :func:`count_images`."""
 
-    def __init__(self, window: int = 20, warmup_steps: int = 2,
-                 batch_size_fn: Callable[[Any], int] | None = None) -> None:
-        self.window, self.warmup_steps, self.batch_size_fn = window, warmup_steps, batch_size_fn or count_images
+    def __init__(
+        self, window: int = 20, warmup_steps: int = 2, batch_size_fn: Callable[[Any], int] | None = None
+    ) -> None:
+        self.window, self.warmup_steps, self.batch_size_fn = (
+            window,
+            warmup_steps,
+            batch_size_fn or count_images,
+        )
         self._clock: Callable[[], float] = time.perf_counter  # tests swap in a fake clock
         self._timer: StepTimer | None = None
         self._rates: deque[float] = deque()
@@ -56,13 +61,23 @@ class Throughput(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"{_FIELD}.window={self.window!r} must be an integer >= 1 (steps in the progress-bar "
-                             "median; 1 shows the last step)")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"{_FIELD}.warmup_steps={self.warmup_steps!r} must be an integer >= 0 (untimed steps at "
-                             "the start of each fit)")
+            raise ValueError(
+                f"{_FIELD}.window={self.window!r} must be an integer >= 1 (steps in the progress-bar "
+                "median; 1 shows the last step)"
+            )
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, int)
+            or self.warmup_steps < 0
+        ):
+            raise ValueError(
+                f"{_FIELD}.warmup_steps={self.warmup_steps!r} must be an integer >= 0 (untimed steps at "
+                "the start of each fit)"
+            )
         if not callable(self.batch_size_fn):
-            raise ValueError(f"{_FIELD}.batch_size_fn={self.batch_size_fn!r} must be callable (batch -> images)")
+            raise ValueError(
+                f"{_FIELD}.batch_size_fn={self.batch_size_fn!r} must be callable (batch -> images)"
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -74,14 +89,16 @@ class Throughput(Callback):
         self._reset_epoch()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         assert self._timer is not None
         self._timer.start()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         assert self._timer is not None
         seconds = self._timer.stop()
         if seconds is None:
@@ -92,17 +109,33 @@ class Throughput(Callback):
         self._epoch_seconds += seconds
         self._epoch_images += images
         pl_module.log("train/step_ms", 1000.0 * seconds, on_step=True, on_epoch=False, batch_size=images)
-        pl_module.log("train/images_per_s", statistics.median(self._rates), on_step=True, on_epoch=False,
-                      prog_bar=True, batch_size=images)
+        pl_module.log(
+            "train/images_per_s",
+            statistics.median(self._rates),
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            batch_size=images,
+        )
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._epoch_steps:
             return  # every step of this epoch was warm-up
-        pl_module.log("train/step_ms_epoch", 1000.0 * self._epoch_seconds / self._epoch_steps, on_step=False,
-                      on_epoch=True, batch_size=1)
-        pl_module.log("train/images_per_s_epoch", self._epoch_images / self._epoch_seconds, on_step=False,
-                      on_epoch=True, batch_size=1)
+        pl_module.log(
+            "train/step_ms_epoch",
+            1000.0 * self._epoch_seconds / self._epoch_steps,
+            on_step=False,
+            on_epoch=True,
+            batch_size=1,
+        )
+        pl_module.log(
+            "train/images_per_s_epoch",
+            self._epoch_images / self._epoch_seconds,
+            on_step=False,
+            on_epoch=True,
+            batch_size=1,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(window={self.window}, warmup_steps={self.warmup_steps})"

@@ -4,4 +4,11 @@ from lit_amp_det.data.coco import CocoInstances
 from lit_amp_det.data.datamodule import CocoDataModule, ShapesDataModule
 from lit_amp_det.data.shapes import SHAPE_CLASSES, ensure_shapes, generate_shapes
 
-__all__ = ["CocoInstances", "CocoDataModule", "ShapesDataModule", "SHAPE_CLASSES", "ensure_shapes", "generate_shapes"]
+__all__ = [
+    "CocoInstances",
+    "CocoDataModule",
+    "ShapesDataModule",
+    "SHAPE_CLASSES",
+    "ensure_shapes",
+    "generate_shapes",
+]

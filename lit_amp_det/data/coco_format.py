@@ -1,8 +1,8 @@
 """The COCO annotation format: reading an instances file and checking its records without decoding any mask.
 
-Pure functions over parsed JSON values, so :class:`~lit_amp_det.data.coco.CocoInstances` can validate a whole file
-at construction and name the record and the fix; compressed RLE strings are decoded to run lengths here, vectorised,
-because pycocotools would only say "invalid" (or crash) much later."""
+Pure functions over parsed JSON values, so :class:`~lit_amp_det.data.coco.CocoInstances` can validate a whole
+file at construction and name the record and the fix; compressed RLE strings are decoded to run lengths here,
+vectorised, because pycocotools would only say "invalid" (or crash) much later."""
 
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ from typing import Any
 import numpy as np
 from pycocotools.coco import COCO
 
-__all__ = ["REQUIRED_KEYS", "compressed_rle_runs", "finite_sum", "index_with_pycocotools", "is_number",
-           "load_annotation_file", "polygons_problem", "runs_problem", "segmentation_problem"]
+__all__ = [
+    "REQUIRED_KEYS",
+    "compressed_rle_runs",
+    "finite_sum",
+    "index_with_pycocotools",
+    "is_number",
+    "load_annotation_file",
+    "polygons_problem",
+    "runs_problem",
+    "segmentation_problem",
+]
 
 #: Top-level keys every COCO instances file has.
 REQUIRED_KEYS = ("images", "annotations", "categories")
@@ -30,17 +39,22 @@ def load_annotation_file(path: Path) -> dict[str, Any]:
         with open(path, encoding="utf-8") as fh:
             dataset = json.load(fh)
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"annotation file {path} does not exist; check data.root and the split's annotation "
-                                "path") from err
+        raise FileNotFoundError(
+            f"annotation file {path} does not exist; check data.root and the split's annotation path"
+        ) from err
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; "
-                         "the file is truncated or corrupt -- re-download or re-export it") from err
+        raise ValueError(
+            f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; "
+            "the file is truncated or corrupt -- re-download or re-export it"
+        ) from err
     if not isinstance(dataset, dict):
         raise ValueError(f"{path} must contain a JSON object with 'images', 'annotations' and 'categories'")
     for key in REQUIRED_KEYS:
         if key not in dataset:
-            raise ValueError(f"{path} has no top-level key {key!r}; a COCO instances file needs "
-                             f"{', '.join(repr(k) for k in REQUIRED_KEYS)}")
+            raise ValueError(
+                f"{path} has no top-level key {key!r}; a COCO instances file needs "
+                f"{', '.join(repr(k) for k in REQUIRED_KEYS)}"
+            )
     return dataset
 
 
@@ -112,10 +126,11 @@ def runs_problem(runs: Sequence[int] | np.ndarray | None, height: int, width: in
 
 
 def compressed_rle_runs(counts: str | bytes) -> np.ndarray | None:
-    """Decode a compressed COCO RLE string into run lengths, vectorised; ``None`` if malformed. Format (pycocotools
-    ``rleFrString``): each run is a little-endian sequence of 5-bit groups, one per character ``48 + bits`` with 0x20 as
-    the continuation flag and 0x10 of the last group as the sign; runs from the fourth on are stored as deltas to the
-    run two before. ~20-70 us per mask, far less than decoding the image."""
+    """Decode a compressed COCO RLE string into run lengths, vectorised; ``None`` if malformed. Format
+    (pycocotools ``rleFrString``): each run is a little-endian sequence of 5-bit groups, one per character
+    ``48 + bits`` with 0x20 as the continuation flag and 0x10 of the last group as the sign; runs from the
+    fourth on are stored as deltas to the run two before. ~20-70 us per mask, far less than decoding the
+    image."""
     raw = counts.encode("ascii") if isinstance(counts, str) else bytes(counts)
     chars = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) - 48
     if chars.size == 0:

@@ -1,9 +1,10 @@
 """Deterministic, resumable training batches with optional aspect-ratio grouping.
 
-Exact mid-epoch resume needs what the stock ``DataLoader`` lacks: an epoch order that is a pure function of (seed,
-epoch), augmentation independent of the loading worker, and a count of the batches the loop consumed (not prefetched).
-:class:`ResumableBatchSampler` shards ``(index, sample_seed)`` keys over ranks (so ``use_distributed_sampler=False``);
-:class:`ResumableDataLoader` adds Lightning's ``state_dict``/``load_state_dict`` protocol to it."""
+Exact mid-epoch resume needs what the stock ``DataLoader`` lacks: an epoch order that is a pure function of
+(seed, epoch), augmentation independent of the loading worker, and a count of the batches the loop consumed
+(not prefetched). :class:`ResumableBatchSampler` shards ``(index, sample_seed)`` keys over ranks (so
+``use_distributed_sampler=False``); :class:`ResumableDataLoader` adds Lightning's
+``state_dict``/``load_state_dict`` protocol to it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
-__all__ = ["EpochSampler", "EvalShardSampler", "ResumableBatchSampler", "ResumableDataLoader", "aspect_ratio_groups"]
+__all__ = [
+    "EpochSampler",
+    "EvalShardSampler",
+    "ResumableBatchSampler",
+    "ResumableDataLoader",
+    "aspect_ratio_groups",
+]
 
 SampleKey = tuple[int, int]
 
@@ -39,9 +46,9 @@ def _splitmix64(value: int) -> int:
 
 
 class EvalShardSampler(Sampler[int]):
-    """Evaluation order for this rank: every ``world``-th image from ``rank``, no padding, no shuffling. Each image is
-    scored exactly once across the ranks (the metrics and the prediction writer gather the ranks' results), unlike
-    padded training shards, whose repeated images would be counted twice."""
+    """Evaluation order for this rank: every ``world``-th image from ``rank``, no padding, no shuffling. Each
+    image is scored exactly once across the ranks (the metrics and the prediction writer gather the ranks'
+    results), unlike padded training shards, whose repeated images would be counted twice."""
 
     def __init__(self, dataset_size: int) -> None:
         self.dataset_size = dataset_size
@@ -56,8 +63,8 @@ class EvalShardSampler(Sampler[int]):
 
 
 class EpochSampler(Sampler[int]):
-    """This rank's sample indices for one epoch: a permutation drawn from ``seed + epoch``, sharded by rank. Lightning
-    calls :meth:`set_epoch` on ``dataloader.batch_sampler.sampler`` at every epoch start."""
+    """This rank's sample indices for one epoch: a permutation drawn from ``seed + epoch``, sharded by rank.
+    Lightning calls :meth:`set_epoch` on ``dataloader.batch_sampler.sampler`` at every epoch start."""
 
     def __init__(self, dataset_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if dataset_size < 1:
@@ -94,8 +101,16 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         drop_last: drop the last incomplete batch of the epoch.
         shuffle: shuffle (training) or keep dataset order."""
 
-    def __init__(self, dataset_size: int, batch_size: int, *, seed: int = 0, group_ids: Sequence[int] | None = None,
-                 drop_last: bool = False, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        group_ids: Sequence[int] | None = None,
+        drop_last: bool = False,
+        shuffle: bool = True,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if group_ids is not None and len(group_ids) != dataset_size:
@@ -147,9 +162,9 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
 
 
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableBatchSampler` that Lightning can checkpoint mid-epoch. Lightning
-    prefetches a batch ahead, so "batches yielded" overstates progress; the count kept here is advanced by
-    :meth:`mark_consumed`, which the data module calls when the training loop takes a batch."""
+    """A ``DataLoader`` over a :class:`ResumableBatchSampler` that Lightning can checkpoint mid-epoch.
+    Lightning prefetches a batch ahead, so "batches yielded" overstates progress; the count kept here is
+    advanced by :meth:`mark_consumed`, which the data module calls when the training loop takes a batch."""
 
     def __init__(self, dataset: Any, batch_sampler: ResumableBatchSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
@@ -163,21 +178,28 @@ class ResumableDataLoader(DataLoader):
         self.consumed_batches += 1
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._consumed_epoch, "consumed_batches": self.consumed_batches,
-                "world_size": _distributed_rank_and_size()[1], "epoch_batches": len(self.batch_sampler)}
+        return {
+            "epoch": self._consumed_epoch,
+            "consumed_batches": self.consumed_batches,
+            "world_size": _distributed_rank_and_size()[1],
+            "epoch_batches": len(self.batch_sampler),
+        }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Continues the saved epoch after its consumed batches. Each epoch's order depends on the seed and epoch alone,
-        and each of W processes takes every W-th image of it; so a checkpoint taken between epochs resumes on any number
-        of processes. One taken mid-epoch resumes only on as many processes as saved it: with another count the shares
-        change and images would be seen twice or not at all. Checkpoints without a ``world_size`` are not checked."""
+        """Continues the saved epoch after its consumed batches. Each epoch's order depends on the seed and
+        epoch alone, and each of W processes takes every W-th image of it; so a checkpoint taken between
+        epochs resumes on any number of processes. One taken mid-epoch resumes only on as many processes as
+        saved it: with another count the shares change and images would be seen twice or not at all.
+        Checkpoints without a ``world_size`` are not checked."""
         saved_world, world = int(state_dict.get("world_size", 0)), _distributed_rank_and_size()[1]
         consumed, epoch_batches = int(state_dict["consumed_batches"]), int(state_dict.get("epoch_batches", 0))
         if saved_world and saved_world != world and 0 < consumed < epoch_batches:
-            raise ValueError(f"this checkpoint was taken by {saved_world} processes in the middle of epoch "
-                             f"{state_dict['epoch']} ({consumed} of {epoch_batches} batches); resuming with {world} "
-                             f"processes (trainer.num_nodes x trainer.devices) would see some of its images twice and "
-                             f"others not at all. Resume with trainer.num_nodes x trainer.devices = {saved_world}, or "
-                             f"from a checkpoint taken at the end of an epoch")
+            raise ValueError(
+                f"this checkpoint was taken by {saved_world} processes in the middle of epoch "
+                f"{state_dict['epoch']} ({consumed} of {epoch_batches} batches); resuming with {world} "
+                f"processes (trainer.num_nodes x trainer.devices) would see some of its images twice and "
+                f"others not at all. Resume with trainer.num_nodes x trainer.devices = {saved_world}, or "
+                f"from a checkpoint taken at the end of an epoch"
+            )
         self._consumed_epoch, self.consumed_batches = int(state_dict["epoch"]), consumed
         self.batch_sampler.resume(self._consumed_epoch, self.consumed_batches)  # type: ignore[union-attr]

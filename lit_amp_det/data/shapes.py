@@ -1,11 +1,12 @@
 """Deterministic synthetic "shapes" instance-segmentation dataset written as real COCO.
 
-Renders small RGB images of coloured shapes on textured backgrounds and writes them in the exact layout of a COCO
-dataset (``images/<split>/*.png`` plus ``annotations/instances_<split>.json``), so the default training path exercises
-the same COCO loader, mask decoding and evaluation code as real data, without a download: shapes occlude one another,
-only their visible region is labelled, and both polygon and compressed-RLE segmentations occur. Each image has its own
-PCG64 stream keyed by (seed, split, index), so output is byte-identical across runs, and the dataset is published with
-an atomic rename plus a completion marker, so an interrupted or concurrent generation never looks complete."""
+Renders small RGB images of coloured shapes on textured backgrounds and writes them in the exact layout of a
+COCO dataset (``images/<split>/*.png`` plus ``annotations/instances_<split>.json``), so the default training
+path exercises the same COCO loader, mask decoding and evaluation code as real data, without a download:
+shapes occlude one another, only their visible region is labelled, and both polygon and compressed-RLE
+segmentations occur. Each image has its own PCG64 stream keyed by (seed, split, index), so output is
+byte-identical across runs, and the dataset is published with an atomic rename plus a completion marker, so an
+interrupted or concurrent generation never looks complete."""
 
 from __future__ import annotations
 
@@ -24,12 +25,34 @@ import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from lit_amp_det.data.shapes_draw import RenderedImage, ShapeInstance, _rasterise, _render, render_shapes_image
-from lit_amp_det.data.shapes_spec import (DEFAULT_SPLITS, FORMAT_VERSION, SHAPE_CLASSES, ShapesSpec, _make_params,
-                                          _Params)
+from lit_amp_det.data.shapes_draw import (
+    RenderedImage,
+    ShapeInstance,
+    _rasterise,
+    _render,
+    render_shapes_image,
+)
+from lit_amp_det.data.shapes_spec import (
+    DEFAULT_SPLITS,
+    FORMAT_VERSION,
+    SHAPE_CLASSES,
+    ShapesSpec,
+    _make_params,
+    _Params,
+)
 
-__all__ = ["DEFAULT_SPLITS", "MARKER_NAME", "SHAPE_CLASSES", "RenderedImage", "ShapeInstance", "ensure_shapes",
-           "generate_shapes", "render_shapes_image", "shapes_dataset_dir", "ShapesSpec"]
+__all__ = [
+    "DEFAULT_SPLITS",
+    "MARKER_NAME",
+    "SHAPE_CLASSES",
+    "RenderedImage",
+    "ShapeInstance",
+    "ensure_shapes",
+    "generate_shapes",
+    "render_shapes_image",
+    "shapes_dataset_dir",
+    "ShapesSpec",
+]
 
 MARKER_NAME = "DONE"
 """File written last into a dataset dir; its presence means the dataset is complete."""
@@ -38,11 +61,15 @@ _PNG_COMPRESS_LEVEL = 1  # faster than the default, files barely larger (noise d
 
 
 def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[float, float]]:
-    """Sutherland-Hodgman clip of a polygon to the image rectangle [0, W] x [0, H] (one piece for our shapes: each
-    is star-shaped about a centre inside the image)."""
+    """Sutherland-Hodgman clip of a polygon to the image rectangle [0, W] x [0, H] (one piece for our shapes:
+    each is star-shaped about a centre inside the image)."""
     points = [(float(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
-    for axis, bound, keep_above in ((0, 0.0, True), (0, float(width), False),
-                                    (1, 0.0, True), (1, float(height), False)):
+    for axis, bound, keep_above in (
+        (0, 0.0, True),
+        (0, float(width), False),
+        (1, 0.0, True),
+        (1, float(height), False),
+    ):
         if not points:
             break
 
@@ -53,6 +80,7 @@ def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[
             t = (bound - p[axis]) / (q[axis] - p[axis])
             other = p[1 - axis] + t * (q[1 - axis] - p[1 - axis])
             return (bound, other) if axis == 0 else (other, bound)
+
         clipped: list[tuple[float, float]] = []
         prev = points[-1]
         for cur in points:
@@ -68,8 +96,8 @@ def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[
 
 
 def _polygon_segmentation(inst: ShapeInstance, height: int, width: int) -> list[list[float]] | None:
-    """COCO polygon for a fully visible, hole-free instance, or None if RLE is needed; used only if it re-rasterises
-    to the visible mask pixel for pixel, so polygon and RLE annotations are equally exact."""
+    """COCO polygon for a fully visible, hole-free instance, or None if RLE is needed; used only if it
+    re-rasterises to the visible mask pixel for pixel, so polygon and RLE annotations are equally exact."""
     if inst.hole_vertices is not None or not np.array_equal(inst.visible_mask, inst.full_mask):
         return None
     flat: list[float] = []
@@ -89,12 +117,26 @@ def _annotation(inst: ShapeInstance, ann_id: int, image_id: int, height: int, wi
     segmentation: Any = _polygon_segmentation(inst, height, width)
     if segmentation is None:  # compressed RLE, with ``counts`` as str so it can go into JSON
         rle = mask_utils.encode(np.asfortranarray(inst.visible_mask.astype(np.uint8)))
-        segmentation = {"size": [int(rle["size"][0]), int(rle["size"][1])], "counts": rle["counts"].decode("ascii")}
+        segmentation = {
+            "size": [int(rle["size"][0]), int(rle["size"][1])],
+            "counts": rle["counts"].decode("ascii"),
+        }
     rows, cols = np.flatnonzero(inst.visible_mask.any(axis=1)), np.flatnonzero(inst.visible_mask.any(axis=0))
-    x0, x1, y0, y1 = int(cols[0]), int(cols[-1]), int(rows[0]), int(rows[-1])  # the smallest box holding the mask
-    return {"id": ann_id, "image_id": image_id, "category_id": inst.category_id, "segmentation": segmentation,
-            "area": float(inst.visible_mask.sum()),
-            "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)], "iscrowd": 0}
+    x0, x1, y0, y1 = (
+        int(cols[0]),
+        int(cols[-1]),
+        int(rows[0]),
+        int(rows[-1]),
+    )  # the smallest box holding the mask
+    return {
+        "id": ann_id,
+        "image_id": image_id,
+        "category_id": inst.category_id,
+        "segmentation": segmentation,
+        "area": float(inst.visible_mask.sum()),
+        "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
+        "iscrowd": 0,
+    }
 
 
 def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[str, int]:
@@ -107,19 +149,38 @@ def _write_split(params: _Params, root: Path, split: str, count: int) -> dict[st
         image_id = index + 1
         rendered = _render(params, split, index)
         file_name = f"{image_id:06d}.png"
-        Image.fromarray(rendered.image).save(image_dir / file_name, format="PNG", compress_level=_PNG_COMPRESS_LEVEL)
-        images.append({"id": image_id, "file_name": file_name, "width": params.width, "height": params.height})
+        Image.fromarray(rendered.image).save(
+            image_dir / file_name, format="PNG", compress_level=_PNG_COMPRESS_LEVEL
+        )
+        images.append(
+            {"id": image_id, "file_name": file_name, "width": params.width, "height": params.height}
+        )
         for inst in rendered.instances:
             if inst.labelled:
-                annotations.append(_annotation(inst, len(annotations) + 1, image_id, params.height, params.width))
+                annotations.append(
+                    _annotation(inst, len(annotations) + 1, image_id, params.height, params.width)
+                )
     coco = {
-        "info": {"description": "lit_amp_det synthetic shapes dataset", "version": str(FORMAT_VERSION), "year": 2024,
-                 "contributor": "lit_amp_det.data.shapes", "date_created": "", "generator": params.to_json()},
-        "licenses": [], "images": images, "annotations": annotations,
-        "categories": [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)]}
+        "info": {
+            "description": "lit_amp_det synthetic shapes dataset",
+            "version": str(FORMAT_VERSION),
+            "year": 2024,
+            "contributor": "lit_amp_det.data.shapes",
+            "date_created": "",
+            "generator": params.to_json(),
+        },
+        "licenses": [],
+        "images": images,
+        "annotations": annotations,
+        "categories": [
+            {"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)
+        ],
+    }
     ann_dir = root / "annotations"
     ann_dir.mkdir(parents=True, exist_ok=True)
-    (ann_dir / f"instances_{split}.json").write_text(json.dumps(coco, separators=(",", ":")) + "\n", encoding="utf-8")
+    (ann_dir / f"instances_{split}.json").write_text(
+        json.dumps(coco, separators=(",", ":")) + "\n", encoding="utf-8"
+    )
     return {"images": len(images), "annotations": len(annotations)}
 
 
@@ -133,15 +194,17 @@ def _read_marker(root: Path) -> dict[str, Any] | None:
 
 
 def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool) -> None:
-    """Atomically move the finished ``tmp`` dataset to ``root``. An existing ``root`` is first renamed aside (rename is
-    atomic, rmtree is not), so ``root`` is always absent, the old dataset, or the complete new one. Losing a race to a
-    process publishing the same parameters is success."""
+    """Atomically move the finished ``tmp`` dataset to ``root``. An existing ``root`` is first renamed aside
+    (rename is atomic, rmtree is not), so ``root`` is always absent, the old dataset, or the complete new one.
+    Losing a race to a process publishing the same parameters is success."""
     for _attempt in range(3):
         if (marker := _read_marker(root)) is not None and not overwrite:
             if marker.get("params") == params_json:
                 shutil.rmtree(tmp, ignore_errors=True)  # generation is deterministic: theirs equals ours
                 return
-            raise FileExistsError(f"root {str(root)!r} meanwhile received a shapes dataset with other parameters")
+            raise FileExistsError(
+                f"root {str(root)!r} meanwhile received a shapes dataset with other parameters"
+            )
         aside = None
         if root.exists():
             aside = root.with_name(f".{root.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
@@ -161,12 +224,17 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
     raise RuntimeError(f"could not publish shapes dataset to {root}: it kept changing under us")
 
 
-def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
-                    splits: Mapping[str, int] = DEFAULT_SPLITS, overwrite: bool = False) -> Path:
-    """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path. ``spec`` says what is drawn
-    (:class:`ShapesSpec`), ``splits`` how many images each split gets. If ``root`` already holds a complete dataset with
-    the same parameters nothing is done; one with other parameters raises FileExistsError unless ``overwrite``. A
-    ``root`` without the completion marker is regenerated."""
+def generate_shapes(
+    root: str | os.PathLike[str],
+    spec: ShapesSpec = ShapesSpec(),
+    *,
+    splits: Mapping[str, int] = DEFAULT_SPLITS,
+    overwrite: bool = False,
+) -> Path:
+    """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path. ``spec`` says what is
+    drawn (:class:`ShapesSpec`), ``splits`` how many images each split gets. If ``root`` already holds a
+    complete dataset with the same parameters nothing is done; one with other parameters raises
+    FileExistsError unless ``overwrite``. A ``root`` without the completion marker is regenerated."""
     params = _make_params(spec, splits)
     root, params_json = Path(root), params.to_json()
     if root.exists() and not overwrite:
@@ -175,11 +243,15 @@ def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(
         if (marker := _read_marker(root)) is not None:
             if marker.get("params") == params_json:
                 return root
-            raise FileExistsError(f"root {str(root)!r} holds a shapes dataset made with other parameters "
-                                  f"({marker.get('params')}); pass overwrite=True to replace it")
+            raise FileExistsError(
+                f"root {str(root)!r} holds a shapes dataset made with other parameters "
+                f"({marker.get('params')}); pass overwrite=True to replace it"
+            )
         if not all(child.name in {"images", "annotations", MARKER_NAME} for child in root.iterdir()):
-            raise FileExistsError(f"root {str(root)!r} is a non-empty folder that is not a shapes dataset; "
-                                  "refusing to replace it without overwrite=True")
+            raise FileExistsError(
+                f"root {str(root)!r} is a non-empty folder that is not a shapes dataset; "
+                "refusing to replace it without overwrite=True"
+            )
     root.parent.mkdir(parents=True, exist_ok=True)
     # Sibling of root so the final rename stays on one filesystem (and is atomic).
     tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -194,17 +266,25 @@ def generate_shapes(root: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(
     return root
 
 
-def shapes_dataset_dir(cache_dir: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
-                       splits: Mapping[str, int] = DEFAULT_SPLITS) -> Path:
-    """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created). The hash covers every generation
-    parameter and the format version, so changing any selects a fresh folder."""
+def shapes_dataset_dir(
+    cache_dir: str | os.PathLike[str],
+    spec: ShapesSpec = ShapesSpec(),
+    *,
+    splits: Mapping[str, int] = DEFAULT_SPLITS,
+) -> Path:
+    """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created). The hash covers every
+    generation parameter and the format version, so changing any selects a fresh folder."""
     return Path(cache_dir) / f"shapes-{_make_params(spec, splits).short_hash()}"
 
 
-def ensure_shapes(cache_dir: str | os.PathLike[str], spec: ShapesSpec = ShapesSpec(), *,
-                  splits: Mapping[str, int] = DEFAULT_SPLITS) -> Path:
-    """Return the dataset dir for these parameters, generating it only if incomplete (one small file read when it
-    exists, so training calls it on every start)."""
+def ensure_shapes(
+    cache_dir: str | os.PathLike[str],
+    spec: ShapesSpec = ShapesSpec(),
+    *,
+    splits: Mapping[str, int] = DEFAULT_SPLITS,
+) -> Path:
+    """Return the dataset dir for these parameters, generating it only if incomplete (one small file read when
+    it exists, so training calls it on every start)."""
     root = shapes_dataset_dir(cache_dir, spec, splits=splits)
     if _read_marker(root) is not None:
         return root
@@ -222,33 +302,58 @@ def _parse_split(text: str) -> tuple[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m lit_amp_det.data.shapes OUTDIR [options]``."""
-    parser = argparse.ArgumentParser(prog="python -m lit_amp_det.data.shapes",
-                                     description="Generate the synthetic shapes dataset in COCO format.")
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_amp_det.data.shapes",
+        description="Generate the synthetic shapes dataset in COCO format.",
+    )
     parser.add_argument("outdir", help="dataset folder (or cache folder with --cache)")
-    parser.add_argument("--split", action="append", type=_parse_split, metavar="NAME=COUNT",
-                        help="split and image count, repeatable (default train=800 val=100 test=100)")
-    parser.add_argument("--image-size", type=int, nargs="+", default=[ShapesSpec.image_size], metavar="PX",
-                        help="side, or height width")
+    parser.add_argument(
+        "--split",
+        action="append",
+        type=_parse_split,
+        metavar="NAME=COUNT",
+        help="split and image count, repeatable (default train=800 val=100 test=100)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        nargs="+",
+        default=[ShapesSpec.image_size],
+        metavar="PX",
+        help="side, or height width",
+    )
     parser.add_argument("--min-objects", type=int, default=ShapesSpec.min_objects)
     parser.add_argument("--max-objects", type=int, default=ShapesSpec.max_objects)
     parser.add_argument("--min-size", type=float, default=ShapesSpec.min_size)
     parser.add_argument("--max-size", type=float, default=ShapesSpec.max_size)
     parser.add_argument("--empty-prob", type=float, default=ShapesSpec.empty_prob)
     parser.add_argument("--seed", type=int, default=ShapesSpec.seed)
-    parser.add_argument("--cache", action="store_true",
-                        help="treat OUTDIR as a cache folder and use a parameter-hashed subfolder")
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="treat OUTDIR as a cache folder and use a parameter-hashed subfolder",
+    )
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one or two integers")
-    spec = ShapesSpec(image_size=args.image_size[0] if len(args.image_size) == 1 else tuple(args.image_size),
-                      min_objects=args.min_objects, max_objects=args.max_objects, min_size=args.min_size,
-                      max_size=args.max_size, seed=args.seed, empty_prob=args.empty_prob)
+    spec = ShapesSpec(
+        image_size=args.image_size[0] if len(args.image_size) == 1 else tuple(args.image_size),
+        min_objects=args.min_objects,
+        max_objects=args.max_objects,
+        min_size=args.min_size,
+        max_size=args.max_size,
+        seed=args.seed,
+        empty_prob=args.empty_prob,
+    )
     splits = dict(args.split) if args.split else DEFAULT_SPLITS
     start = time.perf_counter()
     try:
-        root = (ensure_shapes(args.outdir, spec, splits=splits) if args.cache
-                else generate_shapes(args.outdir, spec, splits=splits, overwrite=args.overwrite))
+        root = (
+            ensure_shapes(args.outdir, spec, splits=splits)
+            if args.cache
+            else generate_shapes(args.outdir, spec, splits=splits, overwrite=args.overwrite)
+        )
     except (ValueError, FileExistsError) as err:
         parser.error(str(err))
     marker = _read_marker(root) or {}

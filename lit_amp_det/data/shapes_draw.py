@@ -1,7 +1,8 @@
 """Drawing one image of the synthetic shapes dataset: textured background, occluding shapes, their masks.
 
-Every image is drawn from its own ``numpy`` PCG64 stream keyed by (seed, split, index), so the output is byte-identical
-across runs and independent per split; :mod:`lit_amp_det.data.shapes` writes the images and their COCO annotations."""
+Every image is drawn from its own ``numpy`` PCG64 stream keyed by (seed, split, index), so the output is
+byte-identical across runs and independent per split; :mod:`lit_amp_det.data.shapes` writes the images and
+their COCO annotations."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ from dataclasses import dataclass
 import numpy as np
 from pycocotools import mask as mask_utils
 
-from lit_amp_det.data.shapes_spec import (CIRCLE_VERTICES, FORMAT_VERSION, MIN_VISIBLE_FRACTION, MIN_VISIBLE_PIXELS,
-                                          SHAPE_CLASSES, ShapesSpec, _is_int, _make_params, _Params)
+from lit_amp_det.data.shapes_spec import (
+    CIRCLE_VERTICES,
+    FORMAT_VERSION,
+    MIN_VISIBLE_FRACTION,
+    MIN_VISIBLE_PIXELS,
+    SHAPE_CLASSES,
+    ShapesSpec,
+    _is_int,
+    _make_params,
+    _Params,
+)
 
 __all__ = ["RenderedImage", "ShapeInstance", "render_shapes_image"]
 
@@ -24,9 +34,9 @@ _POLYGON_SIDES = {"circle": CIRCLE_VERTICES, "square": 4, "triangle": 3}
 
 @dataclass(frozen=True)
 class ShapeInstance:
-    """One drawn shape: its class, geometry and masks (bool HxW arrays). ``full_mask`` is the shape clipped to the image
-    but ignoring occlusion; ``visible_mask`` is what remains after later shapes were drawn over it. Instances with
-    ``labelled=False`` were drawn but are too hidden to be annotated."""
+    """One drawn shape: its class, geometry and masks (bool HxW arrays). ``full_mask`` is the shape clipped to
+    the image but ignoring occlusion; ``visible_mask`` is what remains after later shapes were drawn over it.
+    Instances with ``labelled=False`` were drawn but are too hidden to be annotated."""
 
     category_id: int
     colour: tuple[int, int, int]
@@ -51,8 +61,8 @@ class RenderedImage:
 
 
 def _unit_direction(rng: np.random.Generator) -> tuple[float, float]:
-    """Random direction from a small integer vector. Normalising by sqrt (correctly rounded by IEEE 754) instead of
-    cos/sin of a random angle keeps background pixels bit-identical across libm implementations."""
+    """Random direction from a small integer vector. Normalising by sqrt (correctly rounded by IEEE 754)
+    instead of cos/sin of a random angle keeps background pixels bit-identical across libm implementations."""
     while True:
         a, b = (int(v) for v in rng.integers(-4, 5, size=2))
         if a or b:
@@ -113,8 +123,11 @@ def _regular_polygon(n: int, radius: float, phase: float) -> np.ndarray:
     return np.array([[radius * math.cos(a), radius * math.sin(a)] for a in angles])
 
 
-def _shape_outline(name: str, radius: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
-    """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and that of its hole (rings only)."""
+def _shape_outline(
+    name: str, radius: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and that of its hole (rings
+    only)."""
     angle = 2.0 * math.pi * rng.random()
     if name in _POLYGON_SIDES:
         return _regular_polygon(_POLYGON_SIDES[name], radius, angle), None
@@ -124,27 +137,44 @@ def _shape_outline(name: str, radius: float, rng: np.random.Generator) -> tuple[
         return outer, None
     if name == "ring":
         inner_ratio = 0.45 + 0.2 * rng.random()
-        return (_regular_polygon(CIRCLE_VERTICES, radius, angle),
-                _regular_polygon(CIRCLE_VERTICES, radius * inner_ratio, angle))
+        return (
+            _regular_polygon(CIRCLE_VERTICES, radius, angle),
+            _regular_polygon(CIRCLE_VERTICES, radius * inner_ratio, angle),
+        )
     if name == "cross":
         arm, r = radius * (0.2 + 0.1 * rng.random()), radius
-        plus = np.array([[arm, -r], [arm, -arm], [r, -arm], [r, arm], [arm, arm], [arm, r],
-                         [-arm, r], [-arm, arm], [-r, arm], [-r, -arm], [-arm, -arm], [-arm, -r]])
+        plus = np.array(
+            [
+                [arm, -r],
+                [arm, -arm],
+                [r, -arm],
+                [r, arm],
+                [arm, arm],
+                [arm, r],
+                [-arm, r],
+                [-arm, arm],
+                [-r, arm],
+                [-r, -arm],
+                [-arm, -arm],
+                [-arm, -r],
+            ]
+        )
         c, s = math.cos(angle), math.sin(angle)
         return plus @ np.array([[c, s], [-s, c]]), None  # rotated about the origin
     raise ValueError(f"unknown shape name {name!r}")
 
 
 def _flat(points: np.ndarray) -> tuple[float, ...]:
-    """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...]. Rounding before both rasterising and writing makes
-    the JSON exactly describe the drawn shape and hides last-bit differences between libm implementations."""
+    """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...]. Rounding before both rasterising and
+    writing makes the JSON exactly describe the drawn shape and hides last-bit differences between libm
+    implementations."""
     return tuple(round(float(v), 2) for v in points.reshape(-1))
 
 
 def _rasterise(flat: Sequence[float], height: int, width: int) -> np.ndarray:
-    """Bool mask of a polygon via pycocotools, without antialiasing. The COCO rasteriser is used (not PIL) so a written
-    polygon decodes with ``annToMask`` to exactly the pixels painted into the image; PIL's fill convention differs by
-    about half a pixel, a large error for 20 px shapes."""
+    """Bool mask of a polygon via pycocotools, without antialiasing. The COCO rasteriser is used (not PIL) so
+    a written polygon decodes with ``annToMask`` to exactly the pixels painted into the image; PIL's fill
+    convention differs by about half a pixel, a large error for 20 px shapes."""
     return mask_utils.decode(mask_utils.frPyObjects([list(flat)], height, width))[:, :, 0].astype(bool)
 
 
@@ -157,8 +187,9 @@ def _shape_colour(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray
 
 
 def render_shapes_image(split: str, index: int, spec: ShapesSpec = ShapesSpec()) -> RenderedImage:
-    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it for ``spec``. Exposed so callers
-    and tests can inspect full (unoccluded) and visible masks, which the COCO files do not carry."""
+    """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it for ``spec``. Exposed
+    so callers and tests can inspect full (unoccluded) and visible masks, which the COCO files do not carry.
+    """
     if not _is_int(index) or index < 0:
         raise ValueError(f"index must be an int >= 0, got {index!r}")
     return _render(_make_params(spec, {split: index + 1}), split, index)
@@ -167,11 +198,19 @@ def render_shapes_image(split: str, index: int, spec: ShapesSpec = ShapesSpec())
 def _render(params: _Params, split: str, index: int) -> RenderedImage:
     """Draw background then shapes in order; later shapes occlude earlier ones."""
     # an independent stream per image, so splits and images can be drawn in any order
-    split_key = int.from_bytes(hashlib.sha256(split.encode("utf-8")).digest()[:8], "little")  # hash() is salted
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([FORMAT_VERSION, params.seed, split_key, index])))
+    split_key = int.from_bytes(
+        hashlib.sha256(split.encode("utf-8")).digest()[:8], "little"
+    )  # hash() is salted
+    rng = np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence([FORMAT_VERSION, params.seed, split_key, index]))
+    )
     height, width = params.height, params.width
     canvas = _background(rng, height, width)
-    n_objects = 0 if rng.random() < params.empty_prob else int(rng.integers(params.min_objects, params.max_objects + 1))
+    n_objects = (
+        0
+        if rng.random() < params.empty_prob
+        else int(rng.integers(params.min_objects, params.max_objects + 1))
+    )
     # owner[y, x] = 1 + index of the topmost shape covering the pixel (0 = background)
     owner = np.zeros((height, width), dtype=np.int32)
     drawn: list[tuple[int, np.ndarray, tuple[float, ...], tuple[float, ...] | None, np.ndarray]] = []
@@ -203,8 +242,18 @@ def _render(params: _Params, split: str, index: int) -> RenderedImage:
     for k, (category_id, mask, vertices, hole_vertices, colour) in enumerate(drawn):
         visible = owner == k + 1
         visible_area = int(visible.sum())
-        labelled = visible_area >= MIN_VISIBLE_PIXELS and visible_area >= MIN_VISIBLE_FRACTION * int(mask.sum())
-        instances.append(ShapeInstance(
-            category_id=category_id, colour=(int(colour[0]), int(colour[1]), int(colour[2])), vertices=vertices,
-            hole_vertices=hole_vertices, full_mask=mask, visible_mask=visible, labelled=labelled))
+        labelled = visible_area >= MIN_VISIBLE_PIXELS and visible_area >= MIN_VISIBLE_FRACTION * int(
+            mask.sum()
+        )
+        instances.append(
+            ShapeInstance(
+                category_id=category_id,
+                colour=(int(colour[0]), int(colour[1]), int(colour[2])),
+                vertices=vertices,
+                hole_vertices=hole_vertices,
+                full_mask=mask,
+                visible_mask=visible,
+                labelled=labelled,
+            )
+        )
     return RenderedImage(image=image, instances=tuple(instances))

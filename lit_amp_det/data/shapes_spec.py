@@ -27,7 +27,8 @@ DEFAULT_SPLITS: Mapping[str, int] = MappingProxyType({"train": 800, "val": 100, 
 # Bump whenever rendering changes, so cached datasets from older code are not reused.
 FORMAT_VERSION = 2
 
-# Instances hidden below these limits are still drawn but not labelled, as an annotator could not recognise them.
+# Instances hidden below these limits are still drawn but not labelled, as an annotator could not recognise
+# them.
 MIN_VISIBLE_FRACTION = 0.3
 MIN_VISIBLE_PIXELS = 20
 
@@ -73,9 +74,17 @@ class _Params:
 
     def to_json(self) -> dict[str, Any]:
         """Plain-JSON form; stable key order so hashes and markers are reproducible."""
-        return {"format_version": FORMAT_VERSION, "splits": dict(self.splits), "image_size": [self.height, self.width],
-                "min_objects": self.min_objects, "max_objects": self.max_objects, "min_size": self.min_size,
-                "max_size": self.max_size, "seed": self.seed, "empty_prob": self.empty_prob}
+        return {
+            "format_version": FORMAT_VERSION,
+            "splits": dict(self.splits),
+            "image_size": [self.height, self.width],
+            "min_objects": self.min_objects,
+            "max_objects": self.max_objects,
+            "min_size": self.min_size,
+            "max_size": self.max_size,
+            "seed": self.seed,
+            "empty_prob": self.empty_prob,
+        }
 
     def short_hash(self) -> str:
         """12 hex chars identifying these parameters, used to name cache folders."""
@@ -83,7 +92,9 @@ class _Params:
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:12]
 
 
-def _is_int(value: object) -> bool:  # bool is an int subclass, but `splits={"train": True}` is surely a mistake.
+def _is_int(
+    value: object,
+) -> bool:  # bool is an int subclass, but `splits={"train": True}` is surely a mistake.
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
@@ -95,8 +106,12 @@ def _check_image_size(image_size: int | Sequence[int]) -> tuple[int, int]:
     """Return (height, width) from an int or a (height, width) pair."""
     if _is_int(image_size):
         size = (int(image_size), int(image_size))  # type: ignore[arg-type]
-    elif (isinstance(image_size, Sequence) and not isinstance(image_size, str) and len(image_size) == 2
-          and all(_is_int(v) for v in image_size)):
+    elif (
+        isinstance(image_size, Sequence)
+        and not isinstance(image_size, str)
+        and len(image_size) == 2
+        and all(_is_int(v) for v in image_size)
+    ):
         size = (int(image_size[0]), int(image_size[1]))
     else:
         raise ValueError(f"image_size must be an int or a (height, width) pair of ints, got {image_size!r}")
@@ -129,8 +144,9 @@ def _make_params(spec: ShapesSpec, splits: Mapping[str, int]) -> _Params:
     if not _is_int(max_objects) or max_objects < 1:
         raise ValueError(f"max_objects must be an int >= 1, got {max_objects!r}")
     if min_objects > max_objects:
-        raise ValueError(f"min_objects must be <= max_objects, got min_objects={min_objects}, "
-                         f"max_objects={max_objects}")
+        raise ValueError(
+            f"min_objects must be <= max_objects, got min_objects={min_objects}, max_objects={max_objects}"
+        )
     for name, value in (("min_size", min_size), ("max_size", max_size)):
         if not _is_real(value) or not (0.0 < float(value) <= 1.0):
             raise ValueError(f"{name} must be a fraction of the image side in (0, 1], got {value!r}")
@@ -140,6 +156,14 @@ def _make_params(spec: ShapesSpec, splits: Mapping[str, int]) -> _Params:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     if not _is_real(empty_prob) or not (0.0 <= float(empty_prob) <= 1.0):
         raise ValueError(f"empty_prob must be in [0, 1], got {empty_prob!r}")
-    return _Params(splits=split_items, height=height, width=width, min_objects=int(min_objects),
-                   max_objects=int(max_objects), min_size=float(min_size), max_size=float(max_size), seed=int(seed),
-                   empty_prob=float(empty_prob))
+    return _Params(
+        splits=split_items,
+        height=height,
+        width=width,
+        min_objects=int(min_objects),
+        max_objects=int(max_objects),
+        min_size=float(min_size),
+        max_size=float(max_size),
+        seed=int(seed),
+        empty_prob=float(empty_prob),
+    )

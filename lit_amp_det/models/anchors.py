@@ -1,15 +1,16 @@
 """Anchors computed in fp32 whatever the feature maps' dtype.
 
-torchvision's ``AnchorGenerator`` builds the anchors in the dtype of the feature maps it is given. Under autocast
-(or with half-precision weights) those are bf16/fp16, so the anchor coordinates are rounded to the half format.
-bf16 keeps 8 significant bits, so above 1024 the shift and the shifted corner are each rounded to a multiple of 8,
-and anchors on a full-size image are pixels off before the fp32 box decoding sees them. ``set_cell_anchors`` also
-converts the generator's cell anchors *in place*, so after one bf16 step a cell anchor that is not a bf16 number
-stays rounded in later fp32 calls, evaluation included.
+torchvision's ``AnchorGenerator`` builds the anchors in the dtype of the feature maps it is given. Under
+autocast (or with half-precision weights) those are bf16/fp16, so the anchor coordinates are rounded to the
+half format. bf16 keeps 8 significant bits, so above 1024 the shift and the shifted corner are each rounded to
+a multiple of 8, and anchors on a full-size image are pixels off before the fp32 box decoding sees them.
+``set_cell_anchors`` also converts the generator's cell anchors *in place*, so after one bf16 step a cell
+anchor that is not a bf16 number stays rounded in later fp32 calls, evaluation included.
 
-:class:`FullPrecisionAnchorGenerator` hands torchvision's code a zero-stride fp32 stand-in of each half feature
-map (the generator reads only its shape, dtype and device; nothing is allocated), so the anchors and the cell
-anchors stay fp32. fp32 and fp64 feature maps pass through unchanged: the anchors are torchvision's, bit for bit."""
+:class:`FullPrecisionAnchorGenerator` hands torchvision's code a zero-stride fp32 stand-in of each half
+feature map (the generator reads only its shape, dtype and device; nothing is allocated), so the anchors and
+the cell anchors stay fp32. fp32 and fp64 feature maps pass through unchanged: the anchors are torchvision's,
+bit for bit."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Tune-mode conv-BN: a ``Conv2d -> BatchNorm`` pair in eval mode runs as one convolution during training.
 
-While a BatchNorm normalises with its running statistics (eval mode or :class:`~torchvision.ops.FrozenBatchNorm2d`),
-``bn(conv(x)) == conv(x, W * s) + ((b - mean) * s + beta)`` with ``s = gamma / sqrt(var + eps)``. Building that
-folded weight on the fly keeps every gradient exact, but autograd keeps a weight-sized copy instead of the conv
-output (Huang et al., "Tune-Mode ConvBN Blocks For Efficient Transfer Learning", 2024). :func:`enable_conv_bn_eval`
-installs this without changing the module tree or ``state_dict`` keys, and decides per call: a BatchNorm in training
-mode, or (``only_when_cheaper``) a pair where the weight copy would cost more than the activation it saves, runs as
-plain ``conv -> norm``. :func:`fold_conv_bn` is the permanent version for prediction and export."""
+While a BatchNorm normalises with its running statistics (eval mode or
+:class:`~torchvision.ops.FrozenBatchNorm2d`), ``bn(conv(x)) == conv(x, W * s) + ((b - mean) * s + beta)`` with
+``s = gamma / sqrt(var + eps)``. Building that folded weight on the fly keeps every gradient exact, but
+autograd keeps a weight-sized copy instead of the conv output (Huang et al., "Tune-Mode ConvBN Blocks For
+Efficient Transfer Learning", 2024). :func:`enable_conv_bn_eval` installs this without changing the module
+tree or ``state_dict`` keys, and decides per call: a BatchNorm in training mode, or (``only_when_cheaper``) a
+pair where the weight copy would cost more than the activation it saves, runs as plain ``conv -> norm``.
+:func:`fold_conv_bn` is the permanent version for prediction and export."""
 
 from __future__ import annotations
 
@@ -21,10 +22,19 @@ from torchvision.models import resnet
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.ops import FrozenBatchNorm2d
 
-__all__ = ["NORM_TYPES", "conv_bn_eval_enabled", "conv_bn_eval_pairs", "disable_conv_bn_eval", "enable_conv_bn_eval",
-           "find_conv_norm_pairs", "fold_conv_bn", "folded_weight_and_bias"]
+__all__ = [
+    "NORM_TYPES",
+    "conv_bn_eval_enabled",
+    "conv_bn_eval_pairs",
+    "disable_conv_bn_eval",
+    "enable_conv_bn_eval",
+    "find_conv_norm_pairs",
+    "fold_conv_bn",
+    "folded_weight_and_bias",
+]
 
-#: Norm layers that can be folded: (Sync)BatchNorm only in eval mode with running statistics; FrozenBatchNorm2d always.
+#: Norm layers that can be folded: (Sync)BatchNorm only in eval mode with running statistics;
+#: FrozenBatchNorm2d always.
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.BatchNorm2d, nn.SyncBatchNorm, FrozenBatchNorm2d)
 
 Norm = nn.BatchNorm2d | nn.SyncBatchNorm | FrozenBatchNorm2d
@@ -33,17 +43,28 @@ Pair = tuple[str, str]
 
 # ------------------------------------------------------------------------------------------- the fold
 
+
 def _is_norm(module: nn.Module) -> bool:
     if isinstance(module, FrozenBatchNorm2d):
         return True
-    return (isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm)) and module.track_running_stats
-            and module.running_mean is not None and module.running_var is not None)
+    return (
+        isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm))
+        and module.track_running_stats
+        and module.running_mean is not None
+        and module.running_var is not None
+    )
 
 
 def _matches(conv: nn.Module, norm: nn.Module) -> bool:
-    # a Conv2d with Conv2d's own forward (not e.g. weight standardisation) and zero padding, the fold's only mode
-    return (isinstance(conv, nn.Conv2d) and type(conv).forward is nn.Conv2d.forward and conv.padding_mode == "zeros"
-            and _is_norm(norm) and norm.running_mean.shape[0] == conv.out_channels)
+    # a Conv2d with Conv2d's own forward (not e.g. weight standardisation) and zero padding, the fold's only
+    # mode
+    return (
+        isinstance(conv, nn.Conv2d)
+        and type(conv).forward is nn.Conv2d.forward
+        and conv.padding_mode == "zeros"
+        and _is_norm(norm)
+        and norm.running_mean.shape[0] == conv.out_channels
+    )
 
 
 def _uses_running_stats(norm: Norm) -> bool:
@@ -52,11 +73,12 @@ def _uses_running_stats(norm: Norm) -> bool:
 
 
 def folded_weight_and_bias(conv: nn.Conv2d, norm: Norm) -> tuple[Tensor, Tensor]:
-    """The weight ``[C_out, C_in / groups, kh, kw]`` and bias ``[C_out]`` of the conv equal to ``norm(conv(x))``.
+    """The weight ``[C_out, C_in / groups, kh, kw]`` and bias ``[C_out]`` of the conv equal to
+    ``norm(conv(x))``.
 
     Built from the live parameters and buffers with autograd on, so gradients flow to the conv's and norm's
-    parameters. Computed in at least float32 and returned in ``conv.weight.dtype``. Uses the running statistics
-    whatever the norm's mode."""
+    parameters. Computed in at least float32 and returned in ``conv.weight.dtype``. Uses the running
+    statistics whatever the norm's mode."""
     dtype = torch.promote_types(conv.weight.dtype, torch.float32)
     mean = norm.running_mean.to(dtype)
     scale = torch.rsqrt(norm.running_var.to(dtype) + norm.eps)
@@ -72,8 +94,8 @@ def folded_weight_and_bias(conv: nn.Conv2d, norm: Norm) -> tuple[Tensor, Tensor]
 def _fold_is_cheaper(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
     """Whether folding reduces the memory kept for backward (always, when nothing is kept).
 
-    The folded conv keeps a weight copy instead of its parameter, which pays only when the norm would keep a larger
-    conv output: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale."""
+    The folded conv keeps a weight copy instead of its parameter, which pays only when the norm would keep a
+    larger conv output: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale."""
     tensors = (x, conv.weight, conv.bias, norm.weight, norm.bias)
     if not (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)):
         return True
@@ -93,8 +115,9 @@ def _fold_is_cheaper(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
 class _FoldedConv:
     """Stored as ``conv.forward``: runs the pair as one folded conv when the norm uses running statistics.
 
-    A class rather than a closure so that deep copies and pickles of the model point at the copied conv and norm.
-    The folded output is remembered (weakly) so :class:`_PassThroughNorm` can check it receives exactly that tensor."""
+    A class rather than a closure so that deep copies and pickles of the model point at the copied conv and
+    norm. The folded output is remembered (weakly) so :class:`_PassThroughNorm` can check it receives exactly
+    that tensor."""
 
     def __init__(self, conv: nn.Conv2d, norm: Norm, names: Pair, only_when_cheaper: bool) -> None:
         self.conv, self.norm, self.names = conv, norm, names
@@ -138,10 +161,12 @@ class _PassThroughNorm:
         if pending() is input:
             return input
         conv_name, norm_name = fold.names
-        raise RuntimeError(f"conv-BN eval: {norm_name!r} received a tensor other than the folded output of "
-                           f"{conv_name!r} (a forward hook or wrapper between them changed it), so it cannot pass the "
-                           "output through; remove that hook or call "
-                           "lit_amp_det.models.conv_bn.disable_conv_bn_eval(model) (callbacks.conv_bn_eval=null)")
+        raise RuntimeError(
+            f"conv-BN eval: {norm_name!r} received a tensor other than the folded output of "
+            f"{conv_name!r} (a forward hook or wrapper between them changed it), so it cannot pass the "
+            "output through; remove that hook or call "
+            "lit_amp_det.models.conv_bn.disable_conv_bn_eval(model) (callbacks.conv_bn_eval=null)"
+        )
 
     def __repr__(self) -> str:
         return f"<conv-BN eval pass-through of {self.fold.names[1]}>"
@@ -149,8 +174,10 @@ class _PassThroughNorm:
 
 # ------------------------------------------------------------------------------------- finding pairs
 
+
 class _PairTracer(fx.Tracer):
-    """Keeps convs and norms as single ``call_module`` nodes (FrozenBatchNorm2d lives outside ``torch.nn``)."""
+    """Keeps convs and norms as single ``call_module`` nodes (FrozenBatchNorm2d lives outside ``torch.nn``).
+    """
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, (nn.Conv2d, *NORM_TYPES)) or super().is_leaf_module(m, module_qualified_name)
@@ -165,22 +192,34 @@ def _fx_pairs(module: nn.Module) -> list[Pair]:
         if node.op != "call_module" or calls[node.target] != 1 or len(node.users) != 1:
             continue
         (user,) = node.users
-        if (user.op == "call_module" and calls[user.target] == 1 and user.args == (node,) and not user.kwargs
-                and _matches(module.get_submodule(node.target), module.get_submodule(user.target))):
+        if (
+            user.op == "call_module"
+            and calls[user.target] == 1
+            and user.args == (node,)
+            and not user.kwargs
+            and _matches(module.get_submodule(node.target), module.get_submodule(user.target))
+        ):
             pairs.append((node.target, user.target))
     return pairs
 
 
-def _sequence_pairs(children: list[tuple[str, nn.Module]], exclude: frozenset[str] = frozenset()) -> list[Pair]:
+def _sequence_pairs(
+    children: list[tuple[str, nn.Module]], exclude: frozenset[str] = frozenset()
+) -> list[Pair]:
     """Consecutive ``(conv, norm)`` children of a container whose forward chains them one into the next."""
-    return [(a, b) for (a, conv), (b, norm) in zip(children, children[1:]) if a not in exclude and _matches(conv, norm)]
+    return [
+        (a, b)
+        for (a, conv), (b, norm) in zip(children, children[1:])
+        if a not in exclude and _matches(conv, norm)
+    ]
 
 
 def _structural_pairs(module: nn.Module) -> list[Pair]:
     """Pairs among the direct children of torchvision ResNet pieces and ``nn.Sequential`` containers.
 
-    Relies on the dataflow of those classes' own ``forward`` (checked by identity, so subclasses that change it are
-    skipped), including two torchvision internals (``ResNet._forward_impl`` and ``IntermediateLayerGetter``)."""
+    Relies on the dataflow of those classes' own ``forward`` (checked by identity, so subclasses that change
+    it are skipped), including two torchvision internals (``ResNet._forward_impl`` and
+    ``IntermediateLayerGetter``)."""
     forward, children = type(module).forward, list(module.named_children())
     named = dict(children)
     if forward is resnet.ResNet.forward and type(module)._forward_impl is resnet.ResNet._forward_impl:
@@ -220,9 +259,10 @@ def find_conv_norm_pairs(model: nn.Module, *, method: str = "auto") -> list[Pair
     """Qualified names ``(conv, norm)`` of every Conv2d whose output feeds nothing but a foldable norm.
 
     Args:
-        model: any module; ``named_modules()`` order is kept in the result.
-        method: ``"auto"`` traces ``model`` with ``torch.fx`` and, where a module does not trace, recurses into its
-            children, reading ResNet blocks and ``nn.Sequential`` containers structurally; ``"structure"`` never traces.
+        model: any module; ``named_modules()`` order is kept in the result. method: ``"auto"`` traces
+        ``model`` with ``torch.fx`` and, where a module does not trace, recurses into its
+            children, reading ResNet blocks and ``nn.Sequential`` containers structurally; ``"structure"``
+            never traces.
 
     Norms: :data:`NORM_TYPES`; BatchNorms only with running statistics. A conv or norm called more than once,
     or a conv whose output has a second user, is not paired."""
@@ -234,6 +274,7 @@ def find_conv_norm_pairs(model: nn.Module, *, method: str = "auto") -> list[Pair
 
 
 # ------------------------------------------------------------------------------------------- public API
+
 
 def _installed(module: nn.Module) -> _FoldedConv | _PassThroughNorm | None:
     override = vars(module).get("forward")
@@ -257,8 +298,8 @@ def conv_bn_eval_enabled(model: nn.Module) -> bool:
 def conv_bn_eval_pairs(model: nn.Module) -> list[Pair]:
     """The ``(conv, norm)`` pairs of ``model`` that run through the fold now, by their current names.
 
-    A pair whose norm was replaced since :func:`enable_conv_bn_eval` (e.g. by ``convert_sync_batchnorm``) is missing
-    here: enable again to pick up the new module."""
+    A pair whose norm was replaced since :func:`enable_conv_bn_eval` (e.g. by ``convert_sync_batchnorm``) is
+    missing here: enable again to pick up the new module."""
     names = {id(module): name for name, module in model.named_modules()}
     pairs = []
     for name, module in model.named_modules():
@@ -269,17 +310,19 @@ def conv_bn_eval_pairs(model: nn.Module) -> list[Pair]:
 
 
 def enable_conv_bn_eval(model: nn.Module, *, only_when_cheaper: bool = True) -> list[Pair]:
-    """Makes every conv-norm pair of ``model`` run as one folded conv whenever its norm uses running statistics.
+    """Makes every conv-norm pair of ``model`` run as one folded conv whenever its norm uses running
+    statistics.
 
-    Module tree and ``state_dict`` keys are unchanged; outputs and gradients equal the plain model's up to float
-    rounding. Decided per call: a BatchNorm in training mode runs as plain ``conv -> norm``. Calling again
-    re-installs (with the new ``only_when_cheaper``).
+    Module tree and ``state_dict`` keys are unchanged; outputs and gradients equal the plain model's up to
+    float rounding. Decided per call: a BatchNorm in training mode runs as plain ``conv -> norm``. Calling
+    again re-installs (with the new ``only_when_cheaper``).
 
     Args:
-        only_when_cheaper: fold a call only when that saves memory held for backward: for a BatchNorm, when the conv
-            output (``N * C_out * H_out * W_out``) is larger than the folded weight (``C_out * C_in / groups * kh *
-            kw``); a FrozenBatchNorm2d keeps no activation, so it stays unfolded while gradients are recorded.
-            Without an autograd graph every pair folds. ``False`` folds every call.
+        only_when_cheaper: fold a call only when that saves memory held for backward: for a BatchNorm, when
+        the conv
+            output (``N * C_out * H_out * W_out``) is larger than the folded weight (``C_out * C_in / groups *
+            kh * kw``); a FrozenBatchNorm2d keeps no activation, so it stays unfolded while gradients are
+            recorded. Without an autograd graph every pair folds. ``False`` folds every call.
 
     Returns:
         The ``(conv, norm)`` pairs installed."""
@@ -289,8 +332,11 @@ def enable_conv_bn_eval(model: nn.Module, *, only_when_cheaper: bool = True) -> 
     for conv_name, norm_name in find_conv_norm_pairs(model):
         conv, norm = modules[conv_name], modules[norm_name]
         if "forward" in vars(conv) or "forward" in vars(norm):
-            warnings.warn(f"conv-BN eval: {conv_name!r} or {norm_name!r} already has an instance-level forward "
-                          "(another wrapper); that pair is left unfolded", stacklevel=2)
+            warnings.warn(
+                f"conv-BN eval: {conv_name!r} or {norm_name!r} already has an instance-level forward "
+                "(another wrapper); that pair is left unfolded",
+                stacklevel=2,
+            )
             continue
         fold = _FoldedConv(conv, norm, (conv_name, norm_name), only_when_cheaper)
         conv.forward = fold
@@ -300,16 +346,20 @@ def enable_conv_bn_eval(model: nn.Module, *, only_when_cheaper: bool = True) -> 
 
 
 def fold_conv_bn(model: nn.Module) -> nn.Module:
-    """Folds every conv-norm pair permanently, for prediction and export; returns ``model`` (changed in place).
+    """Folds every conv-norm pair permanently, for prediction and export; returns ``model`` (changed in
+    place).
 
-    Each conv gets the folded weight and a bias, each norm becomes ``nn.Identity``: outputs equal the eval model's,
-    but the ``state_dict`` changes and the norms cannot train any more. BatchNorms must be in eval mode."""
+    Each conv gets the folded weight and a bias, each norm becomes ``nn.Identity``: outputs equal the eval
+    model's, but the ``state_dict`` changes and the norms cannot train any more. BatchNorms must be in eval
+    mode."""
     pairs = find_conv_norm_pairs(model)
     modules = dict(model.named_modules())
     training = [norm for _, norm in pairs if not _uses_running_stats(modules[norm])]
     if training:
-        raise ValueError(f"fold_conv_bn folds with the running statistics, but {training} are in training mode; "
-                         "call model.eval() first")
+        raise ValueError(
+            f"fold_conv_bn folds with the running statistics, but {training} are in training mode; "
+            "call model.eval() first"
+        )
     disable_conv_bn_eval(model)
     for conv_name, norm_name in pairs:
         conv = modules[conv_name]

@@ -1,17 +1,17 @@
 """Builds torchvision Mask R-CNN / Faster R-CNN models from plain configuration values.
 
-Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, RPN and RoI-head settings, head
-widths) is an argument here, so the Hydra ``model`` node maps one to one onto these functions and
-:class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Pretrained weights are named as torchvision
-names them (``"IMAGENET1K_V1"`` for a trunk, ``"COCO_V1"`` for a detector) and fetched by
+Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, RPN and RoI-head settings,
+head widths) is an argument here, so the Hydra ``model`` node maps one to one onto these functions and
+:class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Pretrained weights are named as
+torchvision names them (``"IMAGENET1K_V1"`` for a trunk, ``"COCO_V1"`` for a detector) and fetched by
 :mod:`lit_amp_det.models.weights`."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 from torchvision.models import WeightsEnum, resnet
@@ -26,9 +26,17 @@ from torchvision.ops.poolers import initLevelMapper  # not in torchvision's __al
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
 from lit_amp_det.models.norms import FrozenBatchNorm2d
-from lit_amp_det.models.weights import (BACKBONE_WEIGHTS, NO_WEIGHTS, DetectionCheckpoint, WeightsMismatchError,
-                                        architecture_mismatches, detection_checkpoint, load_backbone_weights,
-                                        load_detection_weights, resolve_weights)
+from lit_amp_det.models.weights import (
+    BACKBONE_WEIGHTS,
+    NO_WEIGHTS,
+    DetectionCheckpoint,
+    WeightsMismatchError,
+    architecture_mismatches,
+    detection_checkpoint,
+    load_backbone_weights,
+    load_detection_weights,
+    resolve_weights,
+)
 
 __all__ = ["BACKBONES", "NORM_LAYERS", "build_backbone", "build_detector"]
 
@@ -41,12 +49,16 @@ def _resnet10(*, weights: None = None, **kwargs: Any) -> resnet.ResNet:
 
 
 #: Backbone trunks by config name. ``resnet10`` is the small fast option.
-BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {"resnet10": _resnet10, "resnet18": resnet.resnet18,
-                                                     "resnet34": resnet.resnet34, "resnet50": resnet.resnet50,
-                                                     "resnet101": resnet.resnet101}
+BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {
+    "resnet10": _resnet10,
+    "resnet18": resnet.resnet18,
+    "resnet34": resnet.resnet34,
+    "resnet50": resnet.resnet50,
+    "resnet101": resnet.resnet101,
+}
 
-#: Normalisation layers by config name. ``frozen_bn`` is a buffers-only BatchNorm (a subclass of torchvision's)
-#: that keeps bf16/fp16 activations in their dtype under autocast.
+#: Normalisation layers by config name. ``frozen_bn`` is a buffers-only BatchNorm (a subclass of
+#: torchvision's) that keeps bf16/fp16 activations in their dtype under autocast.
 NORM_LAYERS: dict[str, Callable[..., nn.Module]] = {"bn": nn.BatchNorm2d, "frozen_bn": FrozenBatchNorm2d}
 
 _STAGES_BY_DEPTH = ["layer4", "layer3", "layer2", "layer1", "conv1"]
@@ -57,9 +69,13 @@ def _backbone_weights(name: str, weights: str | None) -> WeightsEnum | None:
     if weights in NO_WEIGHTS:
         return None
     if name not in BACKBONE_WEIGHTS:
-        raise ArgumentError("weights", weights, f"cannot be used: torchvision publishes no weights for name={name!r} "
-                            f"(lit_amp_det's own small trunk); pretrained trunks are {sorted(BACKBONE_WEIGHTS)}, "
-                            "or set it to null")
+        raise ArgumentError(
+            "weights",
+            weights,
+            f"cannot be used: torchvision publishes no weights for name={name!r} "
+            f"(lit_amp_det's own small trunk); pretrained trunks are {sorted(BACKBONE_WEIGHTS)}, "
+            "or set it to null",
+        )
     return resolve_weights(BACKBONE_WEIGHTS[name], str(weights), "weights")
 
 
@@ -71,13 +87,23 @@ def _detection_weights(weights: str | None, mask: bool) -> tuple[DetectionCheckp
     try:
         return family, resolve_weights(family.enum, str(weights), "weights")
     except ArgumentError as err:  # the module also takes a local file here: say how one is told apart
-        raise ArgumentError(err.argument, err.value, f"{err.problem}; a local file needs a directory part or a "
-                            ".ckpt/.pt/.pth ending (./model.pt)") from None
+        raise ArgumentError(
+            err.argument,
+            err.value,
+            f"{err.problem}; a local file needs a directory part or a .ckpt/.pt/.pth ending (./model.pt)",
+        ) from None
 
 
-def build_backbone(name: str = "resnet18", *, fpn_channels: int = 256, trainable_layers: int = 5, norm: str = "bn",
-                   returned_layers: Sequence[int] = (1, 2, 3, 4), weights: str | None = None,
-                   load_weights: bool = True) -> BackboneWithFPN:
+def build_backbone(
+    name: str = "resnet18",
+    *,
+    fpn_channels: int = 256,
+    trainable_layers: int = 5,
+    norm: str = "bn",
+    returned_layers: Sequence[int] = (1, 2, 3, 4),
+    weights: str | None = None,
+    load_weights: bool = True,
+) -> BackboneWithFPN:
     """Builds a ResNet trunk with an FPN on top.
 
     Args:
@@ -112,15 +138,26 @@ def build_backbone(name: str = "resnet18", *, fpn_channels: int = 256, trainable
             param.requires_grad_(False)
 
     stage1_channels = trunk.inplanes // 8
-    return BackboneWithFPN(trunk, return_layers={f"layer{k}": str(i) for i, k in enumerate(returned_layers)},
-                           in_channels_list=[stage1_channels * 2 ** (k - 1) for k in returned_layers],
-                           out_channels=fpn_channels, extra_blocks=LastLevelMaxPool())
+    return BackboneWithFPN(
+        trunk,
+        return_layers={f"layer{k}": str(i) for i, k in enumerate(returned_layers)},
+        in_channels_list=[stage1_channels * 2 ** (k - 1) for k in returned_layers],
+        out_channels=fpn_channels,
+        extra_blocks=LastLevelMaxPool(),
+    )
 
 
-def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str, Any] | None = None,
-                   transform: Mapping[str, Any] | None = None, rpn: Mapping[str, Any] | None = None,
-                   roi_heads: Mapping[str, Any] | None = None, weights: str | None = None,
-                   load_weights: bool = True) -> FasterRCNN:
+def build_detector(
+    num_classes: int,
+    *,
+    mask: bool = True,
+    backbone: Mapping[str, Any] | None = None,
+    transform: Mapping[str, Any] | None = None,
+    rpn: Mapping[str, Any] | None = None,
+    roi_heads: Mapping[str, Any] | None = None,
+    weights: str | None = None,
+    load_weights: bool = True,
+) -> FasterRCNN:
     """Builds a torchvision Mask R-CNN (``mask=True``) or Faster R-CNN (``mask=False``) on torchvision's ops.
 
     lit_amp_det's kernels are an implementation choice applied afterwards
@@ -137,11 +174,11 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
             ``fg_iou_thresh``, ``bg_iou_thresh``, ``batch_size_per_image``, ``positive_fraction``,
             ``mask_head_layers`` (channels per mask-head conv), ``sampling_ratio``.
         weights: a torchvision COCO checkpoint by name (``COCO_V1`` or ``DEFAULT``): of
-            ``MaskRCNN_ResNet50_FPN_Weights`` for a Mask R-CNN, of ``FasterRCNN_ResNet50_FPN_Weights`` for a Faster
-            R-CNN, whose architecture the other arguments must match (``conf/model/maskrcnn_r50_fpn.yaml``). With
-            another ``num_classes`` than the checkpoint's 91, the class-dependent predictor layers keep their fresh
-            initialisation and everything else is loaded. It includes the trunk, so ``backbone.weights`` is then
-            checked but not loaded (as torchvision does).
+            ``MaskRCNN_ResNet50_FPN_Weights`` for a Mask R-CNN, of ``FasterRCNN_ResNet50_FPN_Weights`` for a
+            Faster R-CNN, whose architecture the other arguments must match
+            (``conf/model/maskrcnn_r50_fpn.yaml``). With another ``num_classes`` than the checkpoint's 91, the
+            class-dependent predictor layers keep their fresh initialisation and everything else is loaded. It
+            includes the trunk, so ``backbone.weights`` is then checked but not loaded (as torchvision does).
         load_weights: False checks ``weights`` and ``backbone.weights`` (names and architecture) but loads
             neither, for a caller that loads other tensors over them (a local checkpoint)."""
     if num_classes < 2:
@@ -149,8 +186,11 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
     pretrained = _detection_weights(weights, mask)
     backbone_cfg = dict(backbone or {})
     if pretrained is not None and load_weights and backbone_cfg.get("weights") not in NO_WEIGHTS:
-        log.info("weights=%r holds the trunk too: backbone.weights=%r is not loaded",
-                 weights, backbone_cfg.get("weights"))
+        log.info(
+            "weights=%r holds the trunk too: backbone.weights=%r is not loaded",
+            weights,
+            backbone_cfg.get("weights"),
+        )
     try:
         body = build_backbone(**backbone_cfg, load_weights=load_weights and pretrained is None)
     except ArgumentError as err:
@@ -164,43 +204,70 @@ def build_detector(num_classes: int, *, mask: bool = True, backbone: Mapping[str
 
     aspect_ratios = rpn_cfg.pop("aspect_ratios", (0.5, 1.0, 2.0))
     sizes = rpn_cfg.pop("anchor_sizes", (32, 64, 128, 256, 512))
-    if len(sizes) != levels:  # one anchor size per FPN level, every aspect ratio on each; fp32 under mixed precision
-        raise ArgumentError("rpn.anchor_sizes", list(sizes),
-                            f"has {len(sizes)} entries but the FPN has {levels} levels; give one size per level")
-    anchors = FullPrecisionAnchorGenerator(sizes=tuple((int(s),) for s in sizes),
-                                           aspect_ratios=(tuple(aspect_ratios),) * levels)
+    if (
+        len(sizes) != levels
+    ):  # one anchor size per FPN level, every aspect ratio on each; fp32 under mixed precision
+        raise ArgumentError(
+            "rpn.anchor_sizes",
+            list(sizes),
+            f"has {len(sizes)} entries but the FPN has {levels} levels; give one size per level",
+        )
+    anchors = FullPrecisionAnchorGenerator(
+        sizes=tuple((int(s),) for s in sizes), aspect_ratios=(tuple(aspect_ratios),) * levels
+    )
     feature_names = [str(i) for i in range(levels - 1)]
     sampling_ratio = roi_cfg.pop("sampling_ratio", 2)
     box_width = roi_cfg.pop("box_head_width", 1024)
     mask_layers = tuple(roi_cfg.pop("mask_head_layers", (256, 256, 256, 256)))
     if pretrained is not None:
-        configured = {"backbone.name": backbone_cfg.get("name", "resnet18"), "backbone.fpn_channels": channels,
-                      "backbone.returned_layers": list(returned_layers), "rpn.aspect_ratios": list(aspect_ratios),
-                      "roi_heads.box_head_width": box_width, "roi_heads.mask_head_layers": list(mask_layers)}
+        configured = {
+            "backbone.name": backbone_cfg.get("name", "resnet18"),
+            "backbone.fpn_channels": channels,
+            "backbone.returned_layers": list(returned_layers),
+            "rpn.aspect_ratios": list(aspect_ratios),
+            "roi_heads.box_head_width": box_width,
+            "roi_heads.mask_head_layers": list(mask_layers),
+        }
         family = pretrained[0]
         mismatches = architecture_mismatches(family, configured)
         if mismatches:  # fail before anything is fetched when the model cannot hold the checkpoint's tensors
-            raise WeightsMismatchError("weights", weights, f"names torchvision's {family.builder} checkpoint "
-                                       f"({family.enum.__name__}), which this model does not match: "
-                                       f"{', '.join(mismatches)}. Use model=maskrcnn_r50_fpn "
-                                       f"(mask={str(family.mask).lower()}) or set those values, or set it to null")
+            raise WeightsMismatchError(
+                "weights",
+                weights,
+                f"names torchvision's {family.builder} checkpoint "
+                f"({family.enum.__name__}), which this model does not match: "
+                f"{', '.join(mismatches)}. Use model=maskrcnn_r50_fpn "
+                f"(mask={str(family.mask).lower()}) or set those values, or set it to null",
+            )
     box_pool = MultiScaleRoIAlign(feature_names, output_size=7, sampling_ratio=sampling_ratio)
 
     kwargs: dict[str, Any] = dict(
-        min_size=tf_cfg.pop("min_size", 800), max_size=tf_cfg.pop("max_size", 1333),
-        image_mean=tf_cfg.pop("image_mean", None), image_std=tf_cfg.pop("image_std", None),
-        size_divisible=tf_cfg.pop("size_divisible", 32), rpn_anchor_generator=anchors, box_roi_pool=box_pool,
-        box_head=TwoMLPHead(channels * 7 * 7, box_width), box_predictor=FastRCNNPredictor(box_width, num_classes),
-        **{_rpn_kwarg(k, v): v for k, v in rpn_cfg.items()}, **{_roi_kwarg(k, v): v for k, v in roi_cfg.items()})
+        min_size=tf_cfg.pop("min_size", 800),
+        max_size=tf_cfg.pop("max_size", 1333),
+        image_mean=tf_cfg.pop("image_mean", None),
+        image_std=tf_cfg.pop("image_std", None),
+        size_divisible=tf_cfg.pop("size_divisible", 32),
+        rpn_anchor_generator=anchors,
+        box_roi_pool=box_pool,
+        box_head=TwoMLPHead(channels * 7 * 7, box_width),
+        box_predictor=FastRCNNPredictor(box_width, num_classes),
+        **{_rpn_kwarg(k, v): v for k, v in rpn_cfg.items()},
+        **{_roi_kwarg(k, v): v for k, v in roi_cfg.items()},
+    )
     if tf_cfg:
         raise ArgumentError("transform", dict(tf_cfg), f"has unknown keys {sorted(tf_cfg)}")
     if not mask:
         detector = FasterRCNN(body, num_classes=None, **kwargs)
     else:
         mask_pool = MultiScaleRoIAlign(feature_names, output_size=14, sampling_ratio=sampling_ratio)
-        detector = MaskRCNN(body, num_classes=None, mask_roi_pool=mask_pool,
-                            mask_head=MaskRCNNHeads(channels, mask_layers, 1),
-                            mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes), **kwargs)
+        detector = MaskRCNN(
+            body,
+            num_classes=None,
+            mask_roi_pool=mask_pool,
+            mask_head=MaskRCNNHeads(channels, mask_layers, 1),
+            mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], num_classes),
+            **kwargs,
+        )
     _fix_pooler_scales(detector, returned_layers)
     if pretrained is not None and load_weights:
         load_detection_weights(detector, pretrained[1], num_classes, "weights", str(weights))
@@ -211,7 +278,8 @@ def _fix_pooler_scales(detector: FasterRCNN, returned_layers: Sequence[int]) -> 
     """Sets the poolers' level scales from the backbone's strides (ResNet stage k: stride 2 ** (k + 1)).
 
     torchvision infers them from the first batch it pools, by the height ratio alone, which is a power of two
-    off when that batch is much wider than tall; the strides are known here, so neither op set has to guess."""
+    off when that batch is much wider than tall; the strides are known here, so neither op set has to guess.
+    """
     scales = [2.0 ** -(k + 1) for k in returned_layers]
     for pooler in (detector.roi_heads.box_roi_pool, getattr(detector.roi_heads, "mask_roi_pool", None)):
         if pooler is None:
@@ -220,14 +288,33 @@ def _fix_pooler_scales(detector: FasterRCNN, returned_layers: Sequence[int]) -> 
         pooler.scales = level_scales
         k_min, k_max = round(-math.log2(level_scales[0])), round(-math.log2(level_scales[-1]))
         # torchvision's pooler skips its own inference only when it has both the scales and a level mapper
-        pooler.map_levels = initLevelMapper(k_min, k_max, canonical_scale=pooler.canonical_scale,
-                                            canonical_level=pooler.canonical_level)
+        pooler.map_levels = initLevelMapper(
+            k_min, k_max, canonical_scale=pooler.canonical_scale, canonical_level=pooler.canonical_level
+        )
 
 
-_ROI_KWARGS = {"box_score_thresh", "box_nms_thresh", "box_detections_per_img", "box_fg_iou_thresh", "box_bg_iou_thresh",
-               "box_batch_size_per_image", "box_positive_fraction", "bbox_reg_weights"}
-_RPN_KWARGS = {"pre_nms_top_n_train", "pre_nms_top_n_test", "post_nms_top_n_train", "post_nms_top_n_test", "nms_thresh",
-               "fg_iou_thresh", "bg_iou_thresh", "batch_size_per_image", "positive_fraction", "score_thresh"}
+_ROI_KWARGS = {
+    "box_score_thresh",
+    "box_nms_thresh",
+    "box_detections_per_img",
+    "box_fg_iou_thresh",
+    "box_bg_iou_thresh",
+    "box_batch_size_per_image",
+    "box_positive_fraction",
+    "bbox_reg_weights",
+}
+_RPN_KWARGS = {
+    "pre_nms_top_n_train",
+    "pre_nms_top_n_test",
+    "post_nms_top_n_train",
+    "post_nms_top_n_test",
+    "nms_thresh",
+    "fg_iou_thresh",
+    "bg_iou_thresh",
+    "batch_size_per_image",
+    "positive_fraction",
+    "score_thresh",
+}
 
 
 def _rpn_kwarg(key: str, value: Any) -> str:
@@ -237,8 +324,11 @@ def _rpn_kwarg(key: str, value: Any) -> str:
 
 
 def _roi_kwarg(key: str, value: Any) -> str:
-    """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*`` names."""
+    """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*`` names.
+    """
     name = key if key.startswith("box_") or key == "bbox_reg_weights" else f"box_{key}"
     if name not in _ROI_KWARGS:
-        raise ArgumentError(f"roi_heads.{key}", value, f"is not a known RoI-head setting; known: {sorted(_ROI_KWARGS)}")
+        raise ArgumentError(
+            f"roi_heads.{key}", value, f"is not a known RoI-head setting; known: {sorted(_ROI_KWARGS)}"
+        )
     return name

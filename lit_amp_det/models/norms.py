@@ -4,9 +4,9 @@ Fine-tuning a detector with small per-GPU batches freezes BatchNorm: the statist
 pretrained trunk become constants. torchvision's :class:`~torchvision.ops.FrozenBatchNorm2d` does that, but it
 computes ``x * scale + bias`` with its fp32 buffers, so under autocast a bf16/fp16 activation comes out fp32:
 every following conv casts it back and the trunk's activations take twice the memory. The
-:class:`FrozenBatchNorm2d` here folds the buffers into a per-channel scale and shift in fp32, casts those to the
-input dtype and applies them, so a bf16 trunk stays bf16. It subclasses torchvision's class (code that looks
-for that class finds ours) and has the same state-dict keys as :class:`torch.nn.BatchNorm2d` apart from
+:class:`FrozenBatchNorm2d` here folds the buffers into a per-channel scale and shift in fp32, casts those to
+the input dtype and applies them, so a bf16 trunk stays bf16. It subclasses torchvision's class (code that
+looks for that class finds ours) and has the same state-dict keys as :class:`torch.nn.BatchNorm2d` apart from
 ``num_batches_tracked``, so checkpoints move between frozen and unfrozen models in both directions."""
 
 from __future__ import annotations
@@ -57,14 +57,18 @@ class FrozenBatchNorm2d(torchvision.ops.FrozenBatchNorm2d):
 
         Buffers keep ``bn``'s device and dtype. ``name`` is only used in the error message."""
         if bn.running_mean is None or bn.running_var is None:
-            raise ValueError(f"{name or type(bn).__name__} has no running statistics (track_running_stats=False), so "
-                             "there is nothing to freeze; build it with track_running_stats=True and load statistics "
-                             "before freezing")
+            raise ValueError(
+                f"{name or type(bn).__name__} has no running statistics (track_running_stats=False), so "
+                "there is nothing to freeze; build it with track_running_stats=True and load statistics "
+                "before freezing"
+            )
         frozen = cls(bn.running_mean.numel(), eps=bn.eps)
         frozen.running_mean = bn.running_mean.detach().clone()
         frozen.running_var = bn.running_var.detach().clone()
         # affine=False BatchNorm has no weight/bias: the identity affine
-        frozen.weight = bn.weight.detach().clone() if bn.weight is not None else torch.ones_like(bn.running_mean)
+        frozen.weight = (
+            bn.weight.detach().clone() if bn.weight is not None else torch.ones_like(bn.running_mean)
+        )
         frozen.bias = bn.bias.detach().clone() if bn.bias is not None else torch.zeros_like(bn.running_mean)
         return frozen
 

@@ -1,29 +1,31 @@
 """Mask R-CNN with shapes fixed by the configuration: a step in which the host never waits for the device.
 
-On a GPU every ``nonzero``, boolean-mask index, ``.item()`` or output of data-dependent size makes the host wait for the
-device to drain, breaks the graph for ``torch.compile`` and rules out CUDA-graph capture. This computes the same
-detector with every shape known before the step runs, as NVIDIA's MLPerf Mask R-CNN does:
+On a GPU every ``nonzero``, boolean-mask index, ``.item()`` or output of data-dependent size makes the host
+wait for the device to drain, breaks the graph for ``torch.compile`` and rules out CUDA-graph capture. This
+computes the same detector with every shape known before the step runs, as NVIDIA's MLPerf Mask R-CNN does:
 
-* batches are padded to a size bucket (the resized short x long side, in either orientation), so shapes repeat;
-* the RPN keeps exactly ``post_nms_top_n`` proposal slots per image with a validity mask, from the fixed-size NMS op
-  :func:`lit_amp_det.ops.batched_nms_padded` (small and low-scoring boxes marked invalid instead of gathered out);
-* anchors and proposals are matched by torchvision's ``Matcher`` rules written with three-argument ``where``, and
-  sampled by top-k over random keys drawn on the device: a uniformly random subset of the size torchvision's
-  ``BalancedPositiveNegativeSampler`` draws, in ``batch_size_per_image`` slots with a validity weight;
+* batches are padded to a size bucket (the resized short x long side, in either orientation), so shapes
+  repeat;
+* the RPN keeps exactly ``post_nms_top_n`` proposal slots per image with a validity mask, from the fixed-size
+  NMS op :func:`lit_amp_det.ops.batched_nms_padded` (small and low-scoring boxes marked invalid instead of
+  gathered out);
+* anchors and proposals are matched by torchvision's ``Matcher`` rules written with three-argument ``where``,
+  and sampled by top-k over random keys drawn on the device: a uniformly random subset of the size
+  torchvision's ``BalancedPositiveNegativeSampler`` draws, in ``batch_size_per_image`` slots with a validity
+  weight;
 * the losses are masked sums divided by the sample count (torchvision's means); the mask head trains on the
   ``positive_fraction * batch_size_per_image`` positive slots of each image, weighted by validity;
 * inference keeps ``detections_per_img`` slots per image and pastes all their masks in one vectorised pass:
-  :meth:`SyncFreeMaskRCNN.forward_padded` returns them with each image's count, ``forward`` reads the counts once per
-  batch and returns torchvision's per-image lists."""
+  :meth:`SyncFreeMaskRCNN.forward_padded` returns them with each image's count, ``forward`` reads the counts
+  once per batch and returns torchvision's per-image lists."""
 
 from __future__ import annotations
 
 import math
 import random
-
-import numpy as np
 from collections import OrderedDict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,11 +33,16 @@ from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection._utils import BoxCoder, Matcher, encode_boxes
 from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.roi_heads import expand_boxes, expand_masks
-from torchvision.models.detection.transform import GeneralizedRCNNTransform, _resize_image_and_masks
 from torchvision.models.detection.rpn import concat_box_prediction_layers
+from torchvision.models.detection.transform import GeneralizedRCNNTransform, _resize_image_and_masks
 from torchvision.ops import boxes as box_ops
 
-from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads, _check_target_types, use_extension_ops
+from lit_amp_det.models.ext_ops import (
+    ExtRegionProposalNetwork,
+    ExtRoIHeads,
+    _check_target_types,
+    use_extension_ops,
+)
 from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.models.mask_targets import project_masks_on_boxes
 from lit_amp_det.ops import batched_nms_padded, box_iou
@@ -58,9 +65,10 @@ __all__ = [
 
 
 def match(quality: Tensor, matcher: Matcher, valid: Tensor | None = None) -> Tensor:
-    """torchvision's ``matcher(quality)`` without a boolean index: each column of the ``[G, N]`` IoU matrix gets its
-    best row, ``-1`` below the low threshold, ``-2`` between them; with ``allow_low_quality_matches`` the columns that
-    are some row's best keep their best row. Rows not ``valid`` (bool ``[G]``, padding) match nothing."""
+    """torchvision's ``matcher(quality)`` without a boolean index: each column of the ``[G, N]`` IoU matrix
+    gets its best row, ``-1`` below the low threshold, ``-2`` between them; with ``allow_low_quality_matches``
+    the columns that are some row's best keep their best row. Rows not ``valid`` (bool ``[G]``, padding) match
+    nothing."""
     if valid is not None:
         quality = torch.where(valid[:, None], quality, -1.0)  # below any threshold, below any real IoU
     values, best = quality.max(dim=0)
@@ -75,13 +83,14 @@ def match(quality: Tensor, matcher: Matcher, valid: Tensor | None = None) -> Ten
 
 
 def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> tuple[Tensor, Tensor, Tensor]:
-    """torchvision's ``BalancedPositiveNegativeSampler`` for one image, in ``S = min(batch_size, N)`` fixed slots.
+    """torchvision's ``BalancedPositiveNegativeSampler`` for one image, in ``S = min(batch_size, N)`` fixed
+    slots.
 
     ``labels (Tensor[N])``: ``>= 1`` positive, ``0`` negative, ``-1`` ignored. As torchvision, it draws
-    ``min(#positives, int(batch_size * positive_fraction))`` positives and ``min(#negatives, batch_size - that)``
-    negatives uniformly at random (the top-k of uniform keys drawn on the device is a uniform subset). Returns
-    ``(index [S], valid [S], positive [S])``: the drawn positives fill the first slots, the negatives the next; slots
-    past the draw are not ``valid`` (their index is arbitrary)."""
+    ``min(#positives, int(batch_size * positive_fraction))`` positives and ``min(#negatives, batch_size -
+    that)`` negatives uniformly at random (the top-k of uniform keys drawn on the device is a uniform subset).
+    Returns ``(index [S], valid [S], positive [S])``: the drawn positives fill the first slots, the negatives
+    the next; slots past the draw are not ``valid`` (their index is arbitrary)."""
     n = labels.shape[0]
     slots = min(batch_size, n)
     keys = torch.rand(n, device=labels.device)
@@ -94,26 +103,32 @@ def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> t
     else:
         positive_keys, positives = torch.where(labels >= 1, keys, -1.0).topk(max_positives)
         num_positives = (positive_keys >= 0).sum()
-        index = torch.where(slot < num_positives, positives[slot.clamp(max=max_positives - 1)],
-                            negatives[(slot - num_positives).clamp(min=0)])
+        index = torch.where(
+            slot < num_positives,
+            positives[slot.clamp(max=max_positives - 1)],
+            negatives[(slot - num_positives).clamp(min=0)],
+        )
     num_negatives = torch.minimum((negative_keys >= 0).sum(), batch_size - num_positives)
     return index, slot < num_positives + num_negatives, slot < num_positives
 
 
 def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    """Sum of ``values`` where ``mask`` holds; selected rather than multiplied by the mask, since ``inf * 0`` is NaN."""
+    """Sum of ``values`` where ``mask`` holds; selected rather than multiplied by the mask, since ``inf * 0``
+    is NaN."""
     return torch.where(mask, values, 0.0).sum()
 
 
 def _float32_ratio(new: int, old: int) -> float:
-    """``new / old`` rounded to float32, as torchvision divides two float32 tensors of the sizes; exact as a Python
-    float, so that multiplying a float32 tensor by it gives torchvision's products without a tensor from the host."""
+    """``new / old`` rounded to float32, as torchvision divides two float32 tensors of the sizes; exact as a
+    Python float, so that multiplying a float32 tensor by it gives torchvision's products without a tensor
+    from the host."""
     return float(np.float32(new) / np.float32(old))
 
 
 def scale_boxes(boxes: Tensor, old_size: tuple[int, int], new_size: tuple[int, int]) -> Tensor:
-    """torchvision's ``resize_boxes`` with the ratios as Python numbers: the same values, and no tensor built from
-    host numbers on the boxes' device (a host-to-device copy per call on a GPU, an error under CUDA-graph capture).
+    """torchvision's ``resize_boxes`` with the ratios as Python numbers: the same values, and no tensor built
+    from host numbers on the boxes' device (a host-to-device copy per call on a GPU, an error under CUDA-graph
+    capture).
 
     Args:
         boxes (Tensor[N, 4]): ``x1, y1, x2, y2`` in an image of ``old_size`` (height, width).
@@ -130,14 +145,16 @@ def scale_boxes(boxes: Tensor, old_size: tuple[int, int], new_size: tuple[int, i
 
 
 class DeviceConstants:
-    """Small constant tensors made once per device and dtype, so that a step never copies them from the host."""
+    """Small constant tensors made once per device and dtype, so that a step never copies them from the host.
+    """
 
     def __init__(self, values: list[float] | tuple[float, ...]) -> None:
         self.values = [float(v) for v in values]
         self._made: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def on(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """The values as a ``[len(values)]`` tensor on ``device`` in ``dtype`` (made on the first call only)."""
+        """The values as a ``[len(values)]`` tensor on ``device`` in ``dtype`` (made on the first call only).
+        """
         key = (device, dtype)
         if key not in self._made:
             with torch.inference_mode(False):  # usable in training after a first call under inference_mode
@@ -146,8 +163,9 @@ class DeviceConstants:
 
 
 class DeviceBoxCoder(BoxCoder):
-    """torchvision's ``BoxCoder`` without tensors made from host numbers in a step: the encoding weights are made
-    once per device and dtype, and the decoding halves the box sizes with a Python scalar (the same values)."""
+    """torchvision's ``BoxCoder`` without tensors made from host numbers in a step: the encoding weights are
+    made once per device and dtype, and the decoding halves the box sizes with a Python scalar (the same
+    values)."""
 
     def __init__(self, weights: tuple[float, float, float, float], bbox_xform_clip: float) -> None:
         super().__init__(weights, bbox_xform_clip)
@@ -189,13 +207,15 @@ def device_box_coder(coder: BoxCoder) -> DeviceBoxCoder:
 _PASTE_CHUNK = 16  # detections pasted at a time: the full-image temporaries of a large photo stay bounded
 
 
-def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int], threshold: float,
-                       padding: int = 1) -> Tensor:
-    """``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` for all ``[D, 1, M, M]`` masks at once,
-    with no per-detection loop and no host read: ``[D, 1, H, W]`` booleans. Each box's expanded mask is resized to the
-    box as ``F.interpolate(bilinear, align_corners=False)`` resizes it (its source coordinates and weights, separable:
-    along x, then y), read at every image pixel the box covers; a value within rounding of the threshold may compare the
-    other way (about one pixel in 10^6). Costs ``D x H x W`` work instead of the boxes' areas."""
+def paste_masks_padded(
+    masks: Tensor, boxes: Tensor, image_size: tuple[int, int], threshold: float, padding: int = 1
+) -> Tensor:
+    """``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` for all ``[D, 1, M, M]`` masks
+    at once, with no per-detection loop and no host read: ``[D, 1, H, W]`` booleans. Each box's expanded mask
+    is resized to the box as ``F.interpolate(bilinear, align_corners=False)`` resizes it (its source
+    coordinates and weights, separable: along x, then y), read at every image pixel the box covers; a value
+    within rounding of the threshold may compare the other way (about one pixel in 10^6). Costs ``D x H x W``
+    work instead of the boxes' areas."""
     height, width = int(image_size[0]), int(image_size[1])
     padded, scale = expand_masks(masks, padding=padding)
     padded = padded[:, 0]
@@ -217,11 +237,17 @@ def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int]
     y_low, y_high, y_w0, y_w1, y_in = axis(corners[:, 1], corners[:, 3], height)
     rows, pasted = padded.shape[1], []
     for k in (slice(i, i + _PASTE_CHUNK) for i in range(0, max(masks.shape[0], 1), _PASTE_CHUNK)):
-        along_x = (padded[k].gather(2, x_low[k, None, :].expand(-1, rows, -1)) * x_w0[k, None, :]
-                   + padded[k].gather(2, x_high[k, None, :].expand(-1, rows, -1)) * x_w1[k, None, :])
-        values = (along_x.gather(1, y_low[k, :, None].expand(-1, -1, width)) * y_w0[k, :, None]
-                  + along_x.gather(1, y_high[k, :, None].expand(-1, -1, width)) * y_w1[k, :, None])
-        inside = y_in[k, :, None] & x_in[k, None, :]  # outside its box a mask reads 0 (no bool where: ONNX lacks it)
+        along_x = (
+            padded[k].gather(2, x_low[k, None, :].expand(-1, rows, -1)) * x_w0[k, None, :]
+            + padded[k].gather(2, x_high[k, None, :].expand(-1, rows, -1)) * x_w1[k, None, :]
+        )
+        values = (
+            along_x.gather(1, y_low[k, :, None].expand(-1, -1, width)) * y_w0[k, :, None]
+            + along_x.gather(1, y_high[k, :, None].expand(-1, -1, width)) * y_w1[k, :, None]
+        )
+        inside = (
+            y_in[k, :, None] & x_in[k, None, :]
+        )  # outside its box a mask reads 0 (no bool where: ONNX lacks it)
         pasted.append(inside & (values > threshold) if threshold >= 0 else ~inside | (values > threshold))
     return torch.cat(pasted)[:, None]
 
@@ -229,10 +255,10 @@ def paste_masks_padded(masks: Tensor, boxes: Tensor, image_size: tuple[int, int]
 class FixedShapeTransform(BinaryMaskTransform):
     """torchvision's detection transform with fixed batch shapes and a loop-free boolean mask paste.
 
-    Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest resized short
-    (at inference: the inference size) and long sides rounded up to ``size_divisible`` (a batch that fits none, with
-    resizing skipped, is padded as torchvision pads it). The training scale is drawn with Python's ``random`` (seeded by
-    Lightning's ``seed_everything``), not read back from a tensor."""
+    Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest
+    resized short (at inference: the inference size) and long sides rounded up to ``size_divisible`` (a batch
+    that fits none, with resizing skipped, is padded as torchvision pads it). The training scale is drawn with
+    Python's ``random`` (seeded by Lightning's ``seed_everything``), not read back from a tensor."""
 
     def __init__(self, transform: GeneralizedRCNNTransform, mask_threshold: float) -> None:
         super().__init__(transform, mask_threshold)
@@ -246,9 +272,14 @@ class FixedShapeTransform(BinaryMaskTransform):
         def rounded(side: float) -> int:
             return int(math.ceil(side / size_divisible) * size_divisible)
 
-        short, long = rounded(max(self.min_size) if self.training else self.min_size[-1]), rounded(self.max_size)
+        short, long = (
+            rounded(max(self.min_size) if self.training else self.min_size[-1]),
+            rounded(self.max_size),
+        )
         height, width = max(i.shape[-2] for i in images), max(i.shape[-1] for i in images)
-        buckets = [(h, w) for h, w in ((short, long), (long, short), (long, long)) if height <= h and width <= w]
+        buckets = [
+            (h, w) for h, w in ((short, long), (long, short), (long, long)) if height <= h and width <= w
+        ]
         if not buckets:
             return super().batch_images(images, size_divisible)
         batch = images[0].new_zeros((len(images), images[0].shape[0], *buckets[0]))
@@ -267,8 +298,9 @@ class FixedShapeTransform(BinaryMaskTransform):
         std = self._std.on(image.device, image.dtype)
         return (image - mean[:, None, None]) / std[:, None, None]
 
-    def resize(self, image: Tensor, target: dict[str, Tensor] | None = None
-               ) -> tuple[Tensor, dict[str, Tensor] | None]:
+    def resize(
+        self, image: Tensor, target: dict[str, Tensor] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor] | None]:
         """torchvision's resize (the same size choice and interpolation), with the boxes rescaled by
         :func:`scale_boxes`."""
         if self.training and self._skip_resize:
@@ -281,15 +313,18 @@ class FixedShapeTransform(BinaryMaskTransform):
         return image, target
 
     def rescale_boxes(self, boxes: Tensor, size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
-        """The detections' boxes back in the original image, by :func:`scale_boxes` (no tensor from the host)."""
+        """The detections' boxes back in the original image, by :func:`scale_boxes` (no tensor from the host).
+        """
         return scale_boxes(boxes, size, original_size)
+
 
 class SyncFreeRPN(ExtRegionProposalNetwork):
     """The RPN with ``post_nms_top_n`` proposal slots per image (``(boxes [B, P, 4], valid [B, P])``) and a
     training loss over anchors drawn by :func:`sample_slots`."""
 
-    def forward(self, images: ImageList, features: dict[str, Tensor],
-                targets: list[dict[str, Tensor]] | None = None) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+    def forward(
+        self, images: ImageList, features: dict[str, Tensor], targets: list[dict[str, Tensor]] | None = None
+    ) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
         maps = list(features.values())
         objectness, pred_bbox_deltas = self.head(maps)
         anchors = self.anchor_generator(images, maps)
@@ -302,11 +337,18 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
         if targets is None:
             raise ValueError("targets should not be None")
         labels, regression_targets = self.anchor_targets(anchors, targets)
-        loss_objectness, loss_rpn_box_reg = self.compute_loss(objectness, pred_bbox_deltas, labels, regression_targets)
+        loss_objectness, loss_rpn_box_reg = self.compute_loss(
+            objectness, pred_bbox_deltas, labels, regression_targets
+        )
         return boxes, {"loss_objectness": loss_objectness, "loss_rpn_box_reg": loss_rpn_box_reg}
 
-    def filter_proposals(self, proposals: Tensor, objectness: Tensor, image_shapes: list[tuple[int, int]],
-                         num_anchors_per_level: list[int]) -> tuple[Tensor, Tensor]:
+    def filter_proposals(
+        self,
+        proposals: Tensor,
+        objectness: Tensor,
+        image_shapes: list[tuple[int, int]],
+        num_anchors_per_level: list[int],
+    ) -> tuple[Tensor, Tensor]:
         """The per-filter selection of :class:`ExtRegionProposalNetwork` as fixed slots: each image's kept
         proposals in score order, then padding marked not valid."""
         num_images = proposals.shape[0]
@@ -318,14 +360,25 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
         for boxes, image_scores, shape in zip(candidates, scores, image_shapes):
             boxes = box_ops.clip_boxes_to_image(boxes, shape)
             widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-            usable = (widths >= self.min_size) & (heights >= self.min_size) & (image_scores >= self.score_thresh)
-            keep, count = batched_nms_padded(boxes, image_scores, levels, self.nms_thresh, self.post_nms_top_n(),
-                                             valid=usable, max_class_size=self.pre_nms_top_n())
+            usable = (
+                (widths >= self.min_size) & (heights >= self.min_size) & (image_scores >= self.score_thresh)
+            )
+            keep, count = batched_nms_padded(
+                boxes,
+                image_scores,
+                levels,
+                self.nms_thresh,
+                self.post_nms_top_n(),
+                valid=usable,
+                max_class_size=self.pre_nms_top_n(),
+            )
             kept.append(boxes[keep.clamp(min=0)])
             valid.append(torch.arange(keep.shape[0], device=keep.device) < count)
         return torch.stack(kept), torch.stack(valid)
 
-    def anchor_targets(self, anchors: list[Tensor], targets: list[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
+    def anchor_targets(
+        self, anchors: list[Tensor], targets: list[dict[str, Tensor]]
+    ) -> tuple[Tensor, Tensor]:
         """``[B * A]`` labels of the drawn anchors (1 object, 0 background, -1 not drawn) and ``[B * A, 4]``
         regression targets: torchvision's ``assign_targets_to_anchors`` and ``fg_bg_sampler``."""
         labels, matched_boxes = [], []
@@ -340,22 +393,33 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
                 matches = match(quality, self.proposal_matcher, target.get("valid"))
                 matched_boxes.append(gt_boxes[matches.clamp(min=0)])
                 image_labels = (matches >= 0).to(torch.float32)
-                image_labels = image_labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1.0)
-            index, valid, positive = sample_slots(image_labels, sampler.batch_size_per_image, sampler.positive_fraction)
-            # drawn indices are distinct, so adding each valid slot's value once is exact (and needs no scatter order)
+                image_labels = image_labels.masked_fill(
+                    matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1.0
+                )
+            index, valid, positive = sample_slots(
+                image_labels, sampler.batch_size_per_image, sampler.positive_fraction
+            )
+            # drawn indices are distinct, so adding each valid slot's value once is exact (and needs no
+            # scatter order)
             drawn = torch.where(valid, positive.to(torch.float32) + 1, 0.0)
-            labels.append(torch.full((image_labels.shape[0],), -1.0, device=index.device).index_add_(0, index, drawn))
+            labels.append(
+                torch.full((image_labels.shape[0],), -1.0, device=index.device).index_add_(0, index, drawn)
+            )
         regression_targets = self.box_coder.encode(matched_boxes, anchors)
         return torch.cat(labels), torch.cat(regression_targets)
 
-    def compute_loss(self, objectness: Tensor, pred_bbox_deltas: Tensor, labels: Tensor,
-                     regression_targets: Tensor) -> tuple[Tensor, Tensor]:
+    def compute_loss(
+        self, objectness: Tensor, pred_bbox_deltas: Tensor, labels: Tensor, regression_targets: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """torchvision's RPN losses over the drawn anchors of ``labels`` (see :meth:`anchor_targets`)."""
         count = (labels >= 0).sum().clamp(min=1)
-        regression_targets = torch.where(labels[:, None] > 0, regression_targets, 0.0)  # a blank image's are inf
+        regression_targets = torch.where(
+            labels[:, None] > 0, regression_targets, 0.0
+        )  # a blank image's are inf
         box_loss = F.smooth_l1_loss(pred_bbox_deltas, regression_targets, beta=1 / 9, reduction="none").sum(1)
-        objectness_loss = F.binary_cross_entropy_with_logits(objectness.flatten(), labels.clamp(min=0),
-                                                             reduction="none")
+        objectness_loss = F.binary_cross_entropy_with_logits(
+            objectness.flatten(), labels.clamp(min=0), reduction="none"
+        )
         return _masked_sum(objectness_loss, labels >= 0) / count, _masked_sum(box_loss, labels > 0) / count
 
 
@@ -363,9 +427,13 @@ class SyncFreeRoIHeads(ExtRoIHeads):
     """The RoI heads on the RPN's proposal slots: ``batch_size_per_image`` drawn slots per training image, and
     ``detections_per_img`` detection slots per image with their count at inference."""
 
-    def forward(self, features: dict[str, Tensor], proposals: tuple[Tensor, Tensor],
-                image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]] | None = None
-                ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
+    def forward(
+        self,
+        features: dict[str, Tensor],
+        proposals: tuple[Tensor, Tensor],
+        image_shapes: list[tuple[int, int]],
+        targets: list[dict[str, Tensor]] | None = None,
+    ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
         boxes, valid = proposals
         if not self.training:
             return self._detect(features, boxes, valid, image_shapes), {}
@@ -374,8 +442,14 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         _check_target_types(targets)
         return [], self._losses(features, boxes, valid, image_shapes, targets)
 
-    def _draw(self, boxes: Tensor, valid: Tensor, gt_boxes: Tensor, gt_labels: Tensor,
-              gt_valid: Tensor | None = None) -> tuple[Tensor, ...]:
+    def _draw(
+        self,
+        boxes: Tensor,
+        valid: Tensor,
+        gt_boxes: Tensor,
+        gt_labels: Tensor,
+        gt_valid: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:
         """One image's drawn slots: ``(boxes, matched gt index, label, valid, positive)``, torchvision's
         ``select_training_samples`` (ground truth added to the proposals, matched, drawn)."""
         boxes = torch.cat([boxes, gt_boxes.to(boxes.dtype)])
@@ -389,20 +463,32 @@ class SyncFreeRoIHeads(ExtRoIHeads):
             labels = labels.masked_fill(matches == self.proposal_matcher.BELOW_LOW_THRESHOLD, 0)
             labels = labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1)
         labels = labels.masked_fill(~usable, -1)  # proposal padding is never drawn
-        index, drawn, positive = sample_slots(labels, self.fg_bg_sampler.batch_size_per_image,
-                                              self.fg_bg_sampler.positive_fraction)
+        index, drawn, positive = sample_slots(
+            labels, self.fg_bg_sampler.batch_size_per_image, self.fg_bg_sampler.positive_fraction
+        )
         return boxes[index], matched[index], labels[index], drawn, positive
 
-    def _losses(self, features: dict[str, Tensor], proposals: Tensor, valid: Tensor,
-                image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    def _losses(
+        self,
+        features: dict[str, Tensor],
+        proposals: Tensor,
+        valid: Tensor,
+        image_shapes: list[tuple[int, int]],
+        targets: list[dict[str, Tensor]],
+    ) -> dict[str, Tensor]:
         gt_boxes = [t["boxes"] for t in targets]
-        draws = [self._draw(p, v, g, t["labels"], t.get("valid")) for p, v, g, t in zip(proposals, valid, gt_boxes,
-                                                                                         targets)]
+        draws = [
+            self._draw(p, v, g, t["labels"], t.get("valid"))
+            for p, v, g, t in zip(proposals, valid, gt_boxes, targets)
+        ]
         boxes, matched, labels, drawn, positive = (torch.stack(parts) for parts in zip(*draws))
-        matched_boxes = [g[m] if g.shape[0] else torch.zeros_like(b) for g, m, b in zip(gt_boxes, matched, boxes)]
+        matched_boxes = [
+            g[m] if g.shape[0] else torch.zeros_like(b) for g, m, b in zip(gt_boxes, matched, boxes)
+        ]
         regression_targets = torch.cat(self.box_coder.encode(matched_boxes, list(boxes)))
-        class_logits, box_regression = self.box_predictor(self.box_head(self.box_roi_pool(features, list(boxes),
-                                                                                          image_shapes)))
+        class_logits, box_regression = self.box_predictor(
+            self.box_head(self.box_roi_pool(features, list(boxes), image_shapes))
+        )
         labels, drawn = labels.flatten(), drawn.flatten()
         count = drawn.sum().clamp(min=1)
         classes = labels.clamp(min=0)
@@ -410,53 +496,87 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         classifier = F.cross_entropy(class_logits, classes, reduction="none")
         box_deltas = box_regression.reshape(classes.shape[0], -1, 4)[rows, classes]
         regressed = drawn & (labels > 0)
-        # a padding slot's degenerate box codes to inf or NaN, whose gradient would be NaN even where not summed
+        # a padding slot's degenerate box codes to inf or NaN, whose gradient would be NaN even where not
+        # summed
         regression_targets = torch.where(regressed[:, None], regression_targets, 0.0)
         box_loss = F.smooth_l1_loss(box_deltas, regression_targets, beta=1 / 9, reduction="none").sum(1)
-        losses = {"loss_classifier": _masked_sum(classifier, drawn) / count,
-                  "loss_box_reg": _masked_sum(box_loss, regressed) / count}
+        losses = {
+            "loss_classifier": _masked_sum(classifier, drawn) / count,
+            "loss_box_reg": _masked_sum(box_loss, regressed) / count,
+        }
         if self.has_mask():
-            losses["loss_mask"] = self._mask_loss(features, boxes, matched, classes.view_as(matched), positive,
-                                                  image_shapes, targets)
+            losses["loss_mask"] = self._mask_loss(
+                features, boxes, matched, classes.view_as(matched), positive, image_shapes, targets
+            )
         return losses
 
-    def _mask_loss(self, features: dict[str, Tensor], boxes: Tensor, matched: Tensor, classes: Tensor,
-                   positive: Tensor, image_shapes: list[tuple[int, int]], targets: list[dict[str, Tensor]]) -> Tensor:
-        """torchvision's mask loss over the positive slots (the first ``positive_fraction * batch_size_per_image``
-        of each image, weighted by :func:`sample_slots`' ``positive``)."""
-        slots = min(int(self.fg_bg_sampler.batch_size_per_image * self.fg_bg_sampler.positive_fraction), boxes.shape[1])
+    def _mask_loss(
+        self,
+        features: dict[str, Tensor],
+        boxes: Tensor,
+        matched: Tensor,
+        classes: Tensor,
+        positive: Tensor,
+        image_shapes: list[tuple[int, int]],
+        targets: list[dict[str, Tensor]],
+    ) -> Tensor:
+        """torchvision's mask loss over the positive slots (the first ``positive_fraction *
+        batch_size_per_image`` of each image, weighted by :func:`sample_slots`' ``positive``)."""
+        slots = min(
+            int(self.fg_bg_sampler.batch_size_per_image * self.fg_bg_sampler.positive_fraction),
+            boxes.shape[1],
+        )
         boxes, matched, classes, positive = (t[:, :slots] for t in (boxes, matched, classes, positive))
         logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, list(boxes), image_shapes)))
         # an image without ground truth crops a blank mask (its slots are never positive)
-        gt_masks = [t["masks"] if t["masks"].shape[0] else t["masks"].new_zeros((1, *t["masks"].shape[-2:]))
-                    for t in targets]
+        gt_masks = [
+            t["masks"] if t["masks"].shape[0] else t["masks"].new_zeros((1, *t["masks"].shape[-2:]))
+            for t in targets
+        ]
         mask_targets = project_masks_on_boxes(gt_masks, list(boxes), list(matched), logits.shape[-1])
         rows = torch.arange(logits.shape[0], device=logits.device)
-        per_slot = F.binary_cross_entropy_with_logits(logits[rows, classes.flatten()], mask_targets,
-                                                      reduction="none").mean(dim=(1, 2))
+        per_slot = F.binary_cross_entropy_with_logits(
+            logits[rows, classes.flatten()], mask_targets, reduction="none"
+        ).mean(dim=(1, 2))
         positive = positive.flatten()
         return _masked_sum(per_slot, positive) / positive.sum().clamp(min=1)
 
-    def _detect(self, features: dict[str, Tensor], proposals: Tensor, valid: Tensor,
-                image_shapes: list[tuple[int, int]]) -> list[dict[str, Tensor]]:
-        class_logits, box_regression = self.box_predictor(self.box_head(self.box_roi_pool(features, list(proposals),
-                                                                                          image_shapes)))
-        boxes, scores, labels, counts = self.postprocess_detections(class_logits, box_regression,
-                                                                    (proposals, valid), image_shapes)
-        result = [{"boxes": b, "scores": s, "labels": lab, "count": n}
-                  for b, s, lab, n in zip(boxes, scores, labels, counts)]
+    def _detect(
+        self,
+        features: dict[str, Tensor],
+        proposals: Tensor,
+        valid: Tensor,
+        image_shapes: list[tuple[int, int]],
+    ) -> list[dict[str, Tensor]]:
+        class_logits, box_regression = self.box_predictor(
+            self.box_head(self.box_roi_pool(features, list(proposals), image_shapes))
+        )
+        boxes, scores, labels, counts = self.postprocess_detections(
+            class_logits, box_regression, (proposals, valid), image_shapes
+        )
+        result = [
+            {"boxes": b, "scores": s, "labels": lab, "count": n}
+            for b, s, lab, n in zip(boxes, scores, labels, counts)
+        ]
         if self.has_mask():
-            logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, list(boxes), image_shapes)))
+            logits = self.mask_predictor(
+                self.mask_head(self.mask_roi_pool(features, list(boxes), image_shapes))
+            )
             rows = torch.arange(logits.shape[0], device=logits.device)
             probabilities = logits[rows, labels.flatten()].sigmoid()[:, None].unflatten(0, labels.shape)
             for image_result, masks in zip(result, probabilities):
                 image_result["masks"] = masks
         return result
 
-    def postprocess_detections(self, class_logits: Tensor, box_regression: Tensor, proposals: tuple[Tensor, Tensor],
-                               image_shapes: list[tuple[int, int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:class:`ExtRoIHeads`' detections as ``[B, D]`` slots (boxes, scores, labels) and ``[B]`` counts, with
-        its score and size filters and the proposal padding as NMS's ``valid`` mask."""
+    def postprocess_detections(
+        self,
+        class_logits: Tensor,
+        box_regression: Tensor,
+        proposals: tuple[Tensor, Tensor],
+        image_shapes: list[tuple[int, int]],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:class:`ExtRoIHeads`' detections as ``[B, D]`` slots (boxes, scores, labels) and ``[B]`` counts,
+        with its score and size filters and the proposal padding as NMS's ``valid`` mask."""
         proposal_boxes, proposal_valid = proposals
         num_images, num_proposals = proposal_valid.shape
         all_boxes = self.box_coder.decode(box_regression, list(proposal_boxes))
@@ -471,30 +591,45 @@ class SyncFreeRoIHeads(ExtRoIHeads):
             widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
             usable = (scores > self.score_thresh) & (widths >= 1e-2) & (heights >= 1e-2)
             usable &= proposal_ok[:, None].expand(-1, num_classes - 1).reshape(-1)
-            keep, count = batched_nms_padded(boxes, scores, labels, self.nms_thresh, self.detections_per_img,
-                                             valid=usable, max_class_size=num_proposals)
+            keep, count = batched_nms_padded(
+                boxes,
+                scores,
+                labels,
+                self.nms_thresh,
+                self.detections_per_img,
+                valid=usable,
+                max_class_size=num_proposals,
+            )
             keep = keep.clamp(min=0)
             kept.append((boxes[keep], scores[keep], labels[keep], count))
         return tuple(torch.stack(parts) for parts in zip(*kept))  # type: ignore[return-value]
 
 
 class _SyncFreeForward(nn.Module):
-    """``forward`` of a :mod:`sync_free <lit_amp_det.models.sync_free>` detector (mixed into torchvision's class)."""
+    """``forward`` of a :mod:`sync_free <lit_amp_det.models.sync_free>` detector (mixed into torchvision's
+    class)."""
 
-    def forward_padded(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
-                       ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
-        """Training: torchvision's loss dict. Inference: per image ``boxes [D, 4]``, ``scores [D]``, ``labels [D]``,
-        ``masks [D, 1, H, W]`` (booleans) and ``count`` (0-d): the first ``count`` slots are the detections."""
+    def forward_padded(
+        self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
+    ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
+        """Training: torchvision's loss dict. Inference: per image ``boxes [D, 4]``, ``scores [D]``, ``labels
+        [D]``, ``masks [D, 1, H, W]`` (booleans) and ``count`` (0-d): the first ``count`` slots are the
+        detections."""
         if self.training and targets is None:
             raise ValueError("targets should not be None in training mode")
         original_image_sizes = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
         batch, targets = self.transform(images, targets)
-        for index, target in enumerate(targets or []):  # torchvision's check (padding aside), read back if it fails
+        for index, target in enumerate(
+            targets or []
+        ):  # torchvision's check (padding aside), read back if it fails
             positive = (target["boxes"][:, 2:] > target["boxes"][:, :2]).all(1)
             if "valid" in target:
                 positive = positive | ~target["valid"]
-            torch._assert_async(positive.all(), f"All bounding boxes should have positive height and width: target "
-                                f"{index} has one that does not")
+            torch._assert_async(
+                positive.all(),
+                f"All bounding boxes should have positive height and width: target "
+                f"{index} has one that does not",
+            )
         features = self.backbone(batch.tensors)
         if isinstance(features, Tensor):
             features = OrderedDict([("0", features)])
@@ -504,13 +639,16 @@ class _SyncFreeForward(nn.Module):
             return {**detector_losses, **proposal_losses}
         return self.transform.postprocess(detections, batch.image_sizes, original_image_sizes)
 
-    def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
-                ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
+    def forward(
+        self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
+    ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
         """torchvision's outputs: the loss dict in training, per-image detection lists otherwise."""
         out = self.forward_padded(images, targets)
         if self.training:
             return out
-        counts = torch.stack([d["count"] for d in out]).tolist() if out else []  # the one read of the device per batch
+        counts = (
+            torch.stack([d["count"] for d in out]).tolist() if out else []
+        )  # the one read of the device per batch
         return [{k: v[:n] for k, v in d.items() if k != "count"} for d, n in zip(out, counts)]
 
 
@@ -523,8 +661,8 @@ class SyncFreeMaskRCNN(_SyncFreeForward, MaskRCNN):
 
 
 def is_fixed_shape(model: object) -> bool:
-    """Whether ``model`` is a fixed-shape detector (:func:`use_sync_free`): its training step's shapes are fixed by
-    the configuration and its inference returns detection slots (``forward_padded``).
+    """Whether ``model`` is a fixed-shape detector (:func:`use_sync_free`): its training step's shapes are
+    fixed by the configuration and its inference returns detection slots (``forward_padded``).
 
     Args:
         model: any object; a detector, or None.
@@ -536,14 +674,17 @@ def is_fixed_shape(model: object) -> bool:
 
 
 def use_sync_free(model: nn.Module) -> nn.Module:
-    """Switches a torchvision Faster/Mask R-CNN to the fixed-shape computation, in place, and returns it; applies
-    :func:`~lit_amp_det.models.ext_ops.use_extension_ops` too. Parameters, buffers and ``state_dict`` keys are kept."""
+    """Switches a torchvision Faster/Mask R-CNN to the fixed-shape computation, in place, and returns it;
+    applies :func:`~lit_amp_det.models.ext_ops.use_extension_ops` too. Parameters, buffers and ``state_dict``
+    keys are kept."""
     classes = {FasterRCNN: SyncFreeFasterRCNN, MaskRCNN: SyncFreeMaskRCNN}
     if type(model) in classes.values():
         return model
     if type(model) not in classes or model.roi_heads.has_keypoint():
-        raise TypeError(f"speedups.sync_free converts torchvision's FasterRCNN and MaskRCNN, got "
-                        f"{type(model).__qualname__}; turn it off with speedups.sync_free=null")
+        raise TypeError(
+            f"speedups.sync_free converts torchvision's FasterRCNN and MaskRCNN, got "
+            f"{type(model).__qualname__}; turn it off with speedups.sync_free=null"
+        )
     use_extension_ops(model)
     model.rpn.__class__ = SyncFreeRPN
     model.rpn.box_coder = device_box_coder(model.rpn.box_coder)

@@ -1,9 +1,10 @@
 """Loads the compiled ``lit_amp_det._C`` extension and decides, per call, whether an op can use it.
 
-Importing registers the C++ CPU kernels under ``torch.ops.lit_amp_det`` and, for CUDA tensors, the Triton kernels of
-:mod:`lit_amp_det.ops.triton` (registered without importing triton; it is imported on the first CUDA call). When the
-extension was not built, or a device has no kernels (CUDA without triton installed), the ops fall back to the
-pure-PyTorch implementations in :mod:`lit_amp_det.ops.reference` and say so once, with the command that builds it.
+Importing registers the C++ CPU kernels under ``torch.ops.lit_amp_det`` and, for CUDA tensors, the Triton
+kernels of :mod:`lit_amp_det.ops.triton` (registered without importing triton; it is imported on the first
+CUDA call). When the extension was not built, or a device has no kernels (CUDA without triton installed), the
+ops fall back to the pure-PyTorch implementations in :mod:`lit_amp_det.ops.reference` and say so once, with
+the command that builds it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ import warnings
 
 import torch
 
-__all__ = ["BUILD_HINT", "compiled_cuda_version", "extension_available", "extension_error", "has_kernel",
-           "triton_cuda_kernels"]
+__all__ = [
+    "BUILD_HINT",
+    "compiled_cuda_version",
+    "extension_available",
+    "extension_error",
+    "has_kernel",
+    "triton_cuda_kernels",
+]
 
-BUILD_HINT = ("Build it with `make install` (or `pip install --no-build-isolation -e .` in an environment that already "
-              "has torch); no CUDA toolkit is needed: the CUDA kernels are Triton kernels (the `triton` package that "
-              "comes with torch).")
+BUILD_HINT = (
+    "Build it with `make install` (or `pip install --no-build-isolation -e .` in an environment that already "
+    "has torch); no CUDA toolkit is needed: the CUDA kernels are Triton kernels (the `triton` package that "
+    "comes with torch)."
+)
 
 _LOAD_ERROR: str | None = None
 _WARNED: set[str] = set()
@@ -47,6 +56,7 @@ def _register_triton() -> bool:
     if not _LOADED:
         return False
     from lit_amp_det.ops.triton._register import register_cuda_kernels
+
     return register_cuda_kernels()
 
 
@@ -64,8 +74,9 @@ def extension_error() -> str | None:
 
 
 def compiled_cuda_version() -> int:
-    """CUDA version compiled into ``lit_amp_det._C``: -1, as the extension holds C++ CPU kernels only (the CUDA
-    kernels are Triton kernels, compiled at run time; :func:`triton_cuda_kernels` says whether they are registered)."""
+    """CUDA version compiled into ``lit_amp_det._C``: -1, as the extension holds C++ CPU kernels only (the
+    CUDA kernels are Triton kernels, compiled at run time; :func:`triton_cuda_kernels` says whether they are
+    registered)."""
     return _CUDA_VERSION
 
 
@@ -75,7 +86,8 @@ def triton_cuda_kernels() -> bool:
 
 
 def has_kernel(op_name: str, device: torch.device) -> bool:
-    """Whether ``lit_amp_det::<op_name>`` has a compiled kernel for ``device``; warns once per op and device if not.
+    """Whether ``lit_amp_det::<op_name>`` has a compiled kernel for ``device``; warns once per op and device
+    if not.
 
     Meta and fake tensors (``torch.compile`` tracing, ``register_fake``) count as covered whenever the
     extension is loaded, since every op registers a fake kernel.
@@ -85,8 +97,11 @@ def has_kernel(op_name: str, device: torch.device) -> bool:
         return False
     if device.type in ("cpu", "meta") or (device.type == "cuda" and _TRITON_CUDA):
         return True
-    reason = "triton is not installed, so there are no CUDA kernels" if device.type == "cuda" else (
-        f"lit_amp_det has no {device.type} kernels")
+    reason = (
+        "triton is not installed, so there are no CUDA kernels"
+        if device.type == "cuda"
+        else (f"lit_amp_det has no {device.type} kernels")
+    )
     _warn_once(device.type, op_name, reason)
     return False
 
@@ -96,5 +111,9 @@ def _warn_once(key: str, op_name: str, reason: str) -> None:
     if key in _WARNED:
         return
     _WARNED.add(key)
-    warnings.warn(f"lit_amp_det.ops.{op_name}: {reason}, so lit_amp_det's ops run on their pure-PyTorch fallback "
-                  f"(correct, slower). {BUILD_HINT}", RuntimeWarning, stacklevel=4)  # stacklevel: the op's caller
+    warnings.warn(
+        f"lit_amp_det.ops.{op_name}: {reason}, so lit_amp_det's ops run on their pure-PyTorch fallback "
+        f"(correct, slower). {BUILD_HINT}",
+        RuntimeWarning,
+        stacklevel=4,
+    )  # stacklevel: the op's caller

@@ -1,7 +1,8 @@
 """Pairwise box IoU for the anchor and proposal matchers, as one fused kernel.
 
-torchvision's ``box_iou`` builds several ``[N, M, 2]`` temporaries; the matcher only needs the IoU matrix, so the kernel
-writes it directly, in fp32 even for half-precision boxes (matcher thresholds such as 0.7 must not be compared in fp16).
+torchvision's ``box_iou`` builds several ``[N, M, 2]`` temporaries; the matcher only needs the IoU matrix, so
+the kernel writes it directly, in fp32 even for half-precision boxes (matcher thresholds such as 0.7 must not
+be compared in fp16).
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     integer_input = not (boxes1.is_floating_point() and boxes2.is_floating_point())
     if integer_input:
         boxes1, boxes2 = _exact_float(boxes1), _exact_float(boxes2)
-    if torch.jit.is_scripting():  # TorchScript compiles this branch only
-        iou = torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
-    elif has_kernel("box_iou", boxes1.device):
+    if torch.jit.is_scripting() or has_kernel("box_iou", boxes1.device):  # TorchScript compiles this branch only
         iou = torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
     else:
         iou = reference.box_iou(boxes1, boxes2)

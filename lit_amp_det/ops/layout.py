@@ -1,6 +1,6 @@
-"""Memory layouts: the one the ops give their outputs (ATen's ``suggest_memory_format``, which Python lacks), and
-the checks that pair tensors updated element by element in memory order (a parameter, its gradient and its optimizer
-state)."""
+"""Memory layouts: the one the ops give their outputs (ATen's ``suggest_memory_format``, which Python lacks),
+and the checks that pair tensors updated element by element in memory order (a parameter, its gradient and its
+optimizer state)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ __all__ = ["in_layout_of", "is_dense", "same_memory_order", "suggest_memory_form
 
 def suggest_memory_format(t: Tensor) -> torch.memory_format:
     """``torch.channels_last`` for a 4-D tensor laid out NHWC (and not also NCHW-contiguous), else
-    ``torch.contiguous_format``: the layout ATen's kernels, and lit_amp_det's C++ kernels, give their outputs."""
+    ``torch.contiguous_format``: the layout ATen's kernels, and lit_amp_det's C++ kernels, give their outputs.
+    """
     if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
     return torch.contiguous_format
@@ -37,8 +38,8 @@ def is_dense(t: Tensor) -> bool:
 
 
 def in_layout_of(param: Tensor, value: Tensor) -> Tensor:
-    """``value`` (``param``'s shape, any dtype) in ``param``'s memory order: ``value`` itself when it already is
-    (and dense), else a copy."""
+    """``value`` (``param``'s shape, any dtype) in ``param``'s memory order: ``value`` itself when it already
+    is (and dense), else a copy."""
     if same_memory_order(param, value) and is_dense(value):
         return value
     return torch.empty_like(param, dtype=value.dtype).copy_(value)

@@ -21,10 +21,10 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -
     """Greedy non-maximum suppression.
 
     Args:
-        boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)`` boxes, any float dtype (IoU is computed in fp32, fp64 for fp64).
-        scores (Tensor[N]): scores, any float dtype.
-        iou_threshold: a box is dropped when a kept box overlaps it with IoU strictly greater than this.
-        max_output: stop once this many boxes are kept; negative keeps all survivors.
+        boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)`` boxes, any float dtype (IoU is computed in fp32, fp64 for
+        fp64). scores (Tensor[N]): scores, any float dtype. iou_threshold: a box is dropped when a kept box
+        overlaps it with IoU strictly greater than this. max_output: stop once this many boxes are kept;
+        negative keeps all survivors.
 
     Returns:
         Tensor[M] (int64): indices of the kept boxes in decreasing score order (ties: lower index first),
@@ -41,7 +41,9 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -
     return reference.nms(boxes, scores, iou_threshold, max_output)
 
 
-def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
+def batched_nms(
+    boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1
+) -> Tensor:
     """Non-maximum suppression within each category of ``idxs``, with one global ``max_output``.
 
     Args:
@@ -65,26 +67,38 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return reference.batched_nms(boxes, scores, idxs, iou_threshold, max_output)
 
 
-def batched_nms_padded(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1, *,
-                       valid: Tensor | None = None, max_class_size: int | None = None) -> tuple[Tensor, Tensor]:
+def batched_nms_padded(
+    boxes: Tensor,
+    scores: Tensor,
+    idxs: Tensor,
+    iou_threshold: float,
+    max_output: int = -1,
+    *,
+    valid: Tensor | None = None,
+    max_class_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """:func:`batched_nms` with a result of fixed size, so that the caller never waits for the device.
 
     Args:
-        valid (Tensor[N], bool, optional): the boxes to consider; the others are neither kept nor suppress anything
+        valid (Tensor[N], bool, optional): the boxes to consider; the others are neither kept nor suppress
+        anything
             (a score or size filter applied without a gather of data-dependent size).
-        max_class_size: an upper bound on any one class's box count, when the caller knows it (the RPN's per-level
+        max_class_size: an upper bound on any one class's box count, when the caller knows it (the RPN's
+        per-level
             top-k); the CUDA kernel then sizes its IoU mask by it. A class larger than the bound gives wrong
             results there.
 
     Returns:
-        (keep, count): ``keep`` is ``Tensor[L]`` int64 with ``L = min(N, max_output)`` (``N`` when ``max_output < 0``),
-        the kept indices in decreasing score order followed by ``-1`` padding; ``count`` is a 0-d int64 tensor on the
-        boxes' device, the number kept (``keep[:count]`` is :func:`batched_nms` of the valid boxes).
+        (keep, count): ``keep`` is ``Tensor[L]`` int64 with ``L = min(N, max_output)`` (``N`` when
+        ``max_output < 0``), the kept indices in decreasing score order followed by ``-1`` padding; ``count``
+        is a 0-d int64 tensor on the boxes' device, the number kept (``keep[:count]`` is :func:`batched_nms`
+        of the valid boxes).
     """
     bound = -1 if max_class_size is None else int(max_class_size)
     if has_kernel("batched_nms_padded", boxes.device):
-        return torch.ops.lit_amp_det.batched_nms_padded(boxes, scores, idxs, valid, float(iou_threshold),
-                                                        int(max_output), bound)
+        return torch.ops.lit_amp_det.batched_nms_padded(
+            boxes, scores, idxs, valid, float(iou_threshold), int(max_output), bound
+        )
     return reference.batched_nms_padded(boxes, scores, idxs, iou_threshold, max_output, valid)
 
 
@@ -99,7 +113,9 @@ def _no_boxes(boxes: Tensor) -> Tensor:
 
 
 def _fake_kept_indices(boxes: Tensor, scores: Tensor, max_output: int) -> Tensor:
-    torch._check(boxes.dim() == 2 and boxes.shape[-1] == 4, lambda: f"boxes must be [N, 4], got {tuple(boxes.shape)}")
+    torch._check(
+        boxes.dim() == 2 and boxes.shape[-1] == 4, lambda: f"boxes must be [N, 4], got {tuple(boxes.shape)}"
+    )
     torch._check(scores.dim() == 1, lambda: f"scores must be [N], got {tuple(scores.shape)}")
     torch._check(scores.shape[0] == boxes.shape[0], lambda: "boxes and scores must have the same length")
     kept = torch.library.get_ctx().new_dynamic_size()
@@ -116,15 +132,22 @@ if extension_available():
         return _fake_kept_indices(boxes, scores, max_output)
 
     @torch.library.register_fake("lit_amp_det::batched_nms")
-    def _batched_nms_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float,
-                          max_output: int = -1) -> Tensor:
+    def _batched_nms_fake(
+        boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1
+    ) -> Tensor:
         torch._check(idxs.shape == scores.shape, lambda: "idxs must have one entry per box")
         return _fake_kept_indices(boxes, scores, max_output)
 
     @torch.library.register_fake("lit_amp_det::batched_nms_padded")
-    def _batched_nms_padded_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, valid: Tensor | None,
-                                 iou_threshold: float, max_output: int = -1,
-                                 max_class_size: int = -1) -> tuple[Tensor, Tensor]:
+    def _batched_nms_padded_fake(
+        boxes: Tensor,
+        scores: Tensor,
+        idxs: Tensor,
+        valid: Tensor | None,
+        iou_threshold: float,
+        max_output: int = -1,
+        max_class_size: int = -1,
+    ) -> tuple[Tensor, Tensor]:
         torch._check(idxs.shape == scores.shape, lambda: "idxs must have one entry per box")
         n = boxes.shape[0]
         limit = n if max_output < 0 else min(n, max_output)

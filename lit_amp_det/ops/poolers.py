@@ -1,10 +1,10 @@
 """Drop-in ``MultiScaleRoIAlign`` that pools all FPN levels with one kernel call.
 
-torchvision's module allocates a zeros output and, per level, selects that level's RoIs, pools them and scatters
-the rows back. This one infers the levels' scales and assigns each box its level exactly as torchvision does, then
-:func:`lit_amp_det.ops.multi_level_roi_align` writes every row in place in RoI order: same output, no scatter, and
-one backward call. The forward's helpers are ``torch.fx.wrap``-ed, as torchvision's are, so ``symbolic_trace``
-records them as leaves.
+torchvision's module allocates a zeros output and, per level, selects that level's RoIs, pools them and
+scatters the rows back. This one infers the levels' scales and assigns each box its level exactly as
+torchvision does, then :func:`lit_amp_det.ops.multi_level_roi_align` writes every row in place in RoI order:
+same output, no scatter, and one backward call. The forward's helpers are ``torch.fx.wrap``-ed, as
+torchvision's are, so ``symbolic_trace`` records them as leaves.
 """
 
 from __future__ import annotations
@@ -22,19 +22,26 @@ __all__ = ["MultiScaleRoIAlign", "assign_fpn_levels", "infer_spatial_scale", "po
 
 
 def infer_spatial_scale(feature: Tensor, image_size: Sequence[int]) -> float:
-    """A level's scale (1/stride) as torchvision infers it: the power of two nearest ``height / image height``.
+    """A level's scale (1/stride) as torchvision infers it: the power of two nearest ``height / image
+    height``.
 
     torchvision rounds ``log2`` of the ratio and uses the *height* ratio alone; so does this, so that both
-    modules pool from the same places. When the padded batch is much taller than the largest
-    image (a batch of panoramas, say) that ratio can be a power of two off, in both libraries; the scales
-    are inferred on the first call and kept, as in torchvision, so a first batch of ordinary images fixes them.
+    modules pool from the same places. When the padded batch is much taller than the largest image (a batch of
+    panoramas, say) that ratio can be a power of two off, in both libraries; the scales are inferred on the
+    first call and kept, as in torchvision, so a first batch of ordinary images fixes them.
     """
-    # Python's round() is half-to-even like torch.round; plain floats keep torch.compile from breaking the graph
+    # Python's round() is half-to-even like torch.round; plain floats keep torch.compile from breaking the
+    # graph
     return 2.0 ** round(math.log2(float(feature.shape[-2]) / float(image_size[0])))
 
 
-def assign_fpn_levels(boxes: Tensor | Sequence[Tensor], k_min: int, k_max: int, canonical_scale: int = 224,
-                      canonical_level: int = 4) -> Tensor:
+def assign_fpn_levels(
+    boxes: Tensor | Sequence[Tensor],
+    k_min: int,
+    k_max: int,
+    canonical_scale: int = 224,
+    canonical_level: int = 4,
+) -> Tensor:
     """FPN level of each box, relative to ``k_min`` (int64 ``[K]``): ``floor(k0 + log2(sqrt(area) / 224))``.
 
     ``boxes`` is one ``Tensor[K, 4]`` or one tensor per image (taken in order); the result is clamped to
@@ -66,13 +73,24 @@ def _infer_scales(features: list[Tensor], image_shapes: list[tuple[int, int]]) -
 
 
 @torch.fx.wrap  # a leaf for symbolic_trace, as torchvision's pooling step
-def pool_levels(features: list[Tensor], boxes: list[Tensor], scales: list[float], output_size: tuple[int, int],
-                sampling_ratio: int, canonical_scale: int, canonical_level: int, aligned: bool, *,
-                roi_align_fn: Callable[..., Tensor] = roi_align,
-                multi_level_fn: Callable[..., Tensor] = multi_level_roi_align) -> Tensor:
-    """The pooling step of :class:`MultiScaleRoIAlign`: levels assigned as torchvision does, then one kernel call.
+def pool_levels(
+    features: list[Tensor],
+    boxes: list[Tensor],
+    scales: list[float],
+    output_size: tuple[int, int],
+    sampling_ratio: int,
+    canonical_scale: int,
+    canonical_level: int,
+    aligned: bool,
+    *,
+    roi_align_fn: Callable[..., Tensor] = roi_align,
+    multi_level_fn: Callable[..., Tensor] = multi_level_roi_align,
+) -> Tensor:
+    """The pooling step of :class:`MultiScaleRoIAlign`: levels assigned as torchvision does, then one kernel
+    call.
 
-    ``roi_align_fn`` / ``multi_level_fn`` are the kernels' front ends (:mod:`lit_amp_det.ops.triton` passes its own).
+    ``roi_align_fn`` / ``multi_level_fn`` are the kernels' front ends (:mod:`lit_amp_det.ops.triton` passes
+    its own).
     """
     rois = boxes_to_rois(boxes)
     if len(features) == 1:
@@ -100,8 +118,16 @@ class MultiScaleRoIAlign(nn.Module):
     trace through the ops' fake kernels, or ``torchvision.ops.MultiScaleRoIAlign`` for a scripted model.
     """
 
-    def __init__(self, featmap_names: list[str], output_size: int | Sequence[int], sampling_ratio: int, *,
-                 canonical_scale: int = 224, canonical_level: int = 4, aligned: bool = False) -> None:
+    def __init__(
+        self,
+        featmap_names: list[str],
+        output_size: int | Sequence[int],
+        sampling_ratio: int,
+        *,
+        canonical_scale: int = 224,
+        canonical_level: int = 4,
+        aligned: bool = False,
+    ) -> None:
         super().__init__()
         if isinstance(featmap_names, str):
             raise TypeError(f"featmap_names must be a list of names, got the string {featmap_names!r}")
@@ -113,25 +139,42 @@ class MultiScaleRoIAlign(nn.Module):
         self.aligned = aligned
         self.scales: list[float] | None = None
 
-    def forward(self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]) -> Tensor:
+    def forward(
+        self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
+    ) -> Tensor:
         """Pools ``boxes`` (one ``Tensor[L_i, 4]`` per image) -> ``Tensor[sum L_i, C, *output_size]``."""
         features = _select_features(x, self.featmap_names)
         scales = self.scales if self.scales is not None else _infer_scales(features, image_shapes)
-        if self.scales is None and not isinstance(scales, torch.fx.Proxy):  # never keep a tracer's placeholder
+        if self.scales is None and not isinstance(
+            scales, torch.fx.Proxy
+        ):  # never keep a tracer's placeholder
             self.scales = scales
         return self._pool(features, boxes, scales)
 
     def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
-        """Pools with the compiled ops (an fx leaf); :mod:`lit_amp_det.ops.triton` overrides it with its kernels."""
-        return pool_levels(features, boxes, scales, self.output_size, self.sampling_ratio, self.canonical_scale,
-                           self.canonical_level, self.aligned)
+        """Pools with the compiled ops (an fx leaf); :mod:`lit_amp_det.ops.triton` overrides it with its
+        kernels."""
+        return pool_levels(
+            features,
+            boxes,
+            scales,
+            self.output_size,
+            self.sampling_ratio,
+            self.canonical_scale,
+            self.canonical_level,
+            self.aligned,
+        )
 
     def __prepare_scriptable__(self) -> nn.Module:
-        raise RuntimeError("lit_amp_det.ops.MultiScaleRoIAlign cannot be compiled with torch.jit.script (TorchScript "
-                           "is deprecated by PyTorch): use torch.compile or torch.export instead, which trace "
-                           "through the op's fake kernels, or build the model with speedups.ext_ops=null "
-                           "(torchvision's ops) for a scriptable one")
+        raise RuntimeError(
+            "lit_amp_det.ops.MultiScaleRoIAlign cannot be compiled with torch.jit.script (TorchScript "
+            "is deprecated by PyTorch): use torch.compile or torch.export instead, which trace "
+            "through the op's fake kernels, or build the model with speedups.ext_ops=null "
+            "(torchvision's ops) for a scriptable one"
+        )
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(featmap_names={self.featmap_names}, output_size={self.output_size}, "
-                f"sampling_ratio={self.sampling_ratio})")
+        return (
+            f"{type(self).__name__}(featmap_names={self.featmap_names}, output_size={self.output_size}, "
+            f"sampling_ratio={self.sampling_ratio})"
+        )

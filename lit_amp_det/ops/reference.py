@@ -1,9 +1,10 @@
 """Pure-PyTorch implementations of every op in :mod:`lit_amp_det.ops`.
 
-They define the semantics the compiled kernels must match (see ``lit_amp_det/csrc/README.md``), serve as the float64
-test reference, and are the fallback when the extension is not built. They favour clarity over speed but stay
-vectorised, so the fallback is usable for small models: NMS loops once per *kept* box over a shrinking list of
-survivors, RoIAlign gathers all bilinear samples of a chunk of RoIs at once and gets its gradient from autograd.
+They define the semantics the compiled kernels must match (see ``lit_amp_det/csrc/README.md``), serve as the
+float64 test reference, and are the fallback when the extension is not built. They favour clarity over speed
+but stay vectorised, so the fallback is usable for small models: NMS loops once per *kept* box over a
+shrinking list of survivors, RoIAlign gathers all bilinear samples of a chunk of RoIs at once and gets its
+gradient from autograd.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ __all__ = ["batched_nms", "batched_nms_padded", "box_iou", "multi_level_roi_alig
 
 
 def _accumulation_dtype(*tensors: Tensor) -> torch.dtype:
-    """fp64 when any input is fp64, fp32 otherwise: what the references compute in (half and bfloat16 in fp32)."""
+    """fp64 when any input is fp64, fp32 otherwise: what the references compute in (half and bfloat16 in
+    fp32)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -62,10 +64,15 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -
     return order[torch.stack(kept)]
 
 
-def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
-    """NMS within each class of ``idxs``; kept indices over all classes by decreasing score (ties: lower index)."""
-    kept = [members[nms(boxes[members], scores[members], iou_threshold, max_output)]
-            for members in (torch.nonzero(idxs == c).flatten() for c in torch.unique(idxs))]
+def batched_nms(
+    boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1
+) -> Tensor:
+    """NMS within each class of ``idxs``; kept indices over all classes by decreasing score (ties: lower
+    index)."""
+    kept = [
+        members[nms(boxes[members], scores[members], iou_threshold, max_output)]
+        for members in (torch.nonzero(idxs == c).flatten() for c in torch.unique(idxs))
+    ]
     if not kept:
         return idxs.new_empty(0, dtype=torch.int64)
     keep = torch.sort(torch.cat(kept)).values  # by index first, so the stable score sort breaks ties by index
@@ -73,9 +80,16 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return keep if max_output < 0 else keep[:max_output]
 
 
-def batched_nms_padded(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1,
-                       valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`batched_nms` of the ``valid`` boxes as ``(kept indices padded with -1 to min(N, max_output), count)``."""
+def batched_nms_padded(
+    boxes: Tensor,
+    scores: Tensor,
+    idxs: Tensor,
+    iou_threshold: float,
+    max_output: int = -1,
+    valid: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`batched_nms` of the ``valid`` boxes as ``(kept indices padded with -1 to min(N, max_output),
+    count)``."""
     n = boxes.shape[0]
     limit = n if max_output < 0 else min(n, max_output)
     members = torch.arange(n, device=boxes.device) if valid is None else torch.nonzero(valid).flatten()
@@ -85,8 +99,9 @@ def batched_nms_padded(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshol
     return padded, torch.tensor(keep.shape[0], device=boxes.device)
 
 
-def _sample_axis(start: Tensor, size: Tensor, bins: int, grid: Tensor, max_grid: int,
-                 limit: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _sample_axis(
+    start: Tensor, size: Tensor, bins: int, grid: Tensor, max_grid: int, limit: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Bilinear taps along one axis for every (roi, bin, sample): low index, high index, their weights.
 
     Samples outside ``[-1, limit]`` and padding samples beyond a roi's own grid get weight 0.
@@ -94,9 +109,11 @@ def _sample_axis(start: Tensor, size: Tensor, bins: int, grid: Tensor, max_grid:
     """
     step = size / bins
     sample = torch.arange(max_grid, device=start.device, dtype=start.dtype)
-    pos = (start[:, None, None]
-           + torch.arange(bins, device=start.device, dtype=start.dtype)[None, :, None] * step[:, None, None]
-           + (sample[None, None, :] + 0.5) * (step / grid.clamp(min=1))[:, None, None])
+    pos = (
+        start[:, None, None]
+        + torch.arange(bins, device=start.device, dtype=start.dtype)[None, :, None] * step[:, None, None]
+        + (sample[None, None, :] + 0.5) * (step / grid.clamp(min=1))[:, None, None]
+    )
     inside = (pos >= -1.0) & (pos <= limit) & (sample[None, None, :] < grid[:, None, None])
     pos = pos.clamp(min=0)
     low = pos.floor().long()
@@ -108,8 +125,9 @@ def _sample_axis(start: Tensor, size: Tensor, bins: int, grid: Tensor, max_grid:
     return low, high, (1 - frac) * inside, frac * inside
 
 
-def _roi_align_chunk(feature: Tensor, rois: Tensor, pooled: tuple[int, int], scale: float, sampling_ratio: int,
-                     aligned: bool) -> Tensor:
+def _roi_align_chunk(
+    feature: Tensor, rois: Tensor, pooled: tuple[int, int], scale: float, sampling_ratio: int, aligned: bool
+) -> Tensor:
     dtype = rois.dtype
     height, width = feature.shape[-2:]
     offset = 0.5 if aligned else 0.0
@@ -141,9 +159,18 @@ def _roi_align_chunk(feature: Tensor, rois: Tensor, pooled: tuple[int, int], sca
     return pooled_out.permute(0, 3, 1, 2)
 
 
-def roi_align(input: Tensor, rois: Tensor, output_size: int | Sequence[int], spatial_scale: float = 1.0,
-              sampling_ratio: int = -1, aligned: bool = False, *, chunk: int = 64) -> Tensor:
-    """torchvision's RoIAlign on ``input (Tensor[N, C, H, W])`` and ``rois (Tensor[K, 5])`` -> ``Tensor[K, C, ph, pw]``.
+def roi_align(
+    input: Tensor,
+    rois: Tensor,
+    output_size: int | Sequence[int],
+    spatial_scale: float = 1.0,
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+    *,
+    chunk: int = 64,
+) -> Tensor:
+    """torchvision's RoIAlign on ``input (Tensor[N, C, H, W])`` and ``rois (Tensor[K, 5])`` -> ``Tensor[K, C,
+    ph, pw]``.
 
     Computed in fp32 (fp64 for fp64 input) whatever the RoI dtype; the output has the input's dtype.
     RoIs go through in chunks of ``chunk`` to bound the memory of the gathered samples.
@@ -153,19 +180,31 @@ def roi_align(input: Tensor, rois: Tensor, output_size: int | Sequence[int], spa
     rois = rois.to(acc)
     if rois.shape[0] == 0:
         return input.new_zeros((0, input.shape[1], *pooled))
-    parts = [_roi_align_chunk(input, part, pooled, spatial_scale, sampling_ratio, aligned)
-             for part in rois.split(chunk)]
+    parts = [
+        _roi_align_chunk(input, part, pooled, spatial_scale, sampling_ratio, aligned)
+        for part in rois.split(chunk)
+    ]
     return torch.cat(parts).to(input.dtype)
 
 
-def multi_level_roi_align(features: Sequence[Tensor], rois: Tensor, levels: Tensor, spatial_scales: Sequence[float],
-                          output_size: int | Sequence[int], sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
-    """Row k is ``roi_align(features[levels[k]], rois[k], spatial_scales[levels[k]])``: ``Tensor[K, C, ph, pw]``."""
+def multi_level_roi_align(
+    features: Sequence[Tensor],
+    rois: Tensor,
+    levels: Tensor,
+    spatial_scales: Sequence[float],
+    output_size: int | Sequence[int],
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+) -> Tensor:
+    """Row k is ``roi_align(features[levels[k]], rois[k], spatial_scales[levels[k]])``: ``Tensor[K, C, ph,
+    pw]``."""
     pooled = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
     first = features[0]
     out = first.new_zeros((rois.shape[0], first.shape[1], *pooled))
     for level, (feature, scale) in enumerate(zip(features, spatial_scales)):
         rows = torch.nonzero(levels == level).flatten()
         if rows.numel():
-            out = out.index_put((rows,), roi_align(feature, rois[rows], pooled, scale, sampling_ratio, aligned))
+            out = out.index_put(
+                (rows,), roi_align(feature, rois[rows], pooled, scale, sampling_ratio, aligned)
+            )
     return out

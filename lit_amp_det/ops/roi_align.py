@@ -1,9 +1,10 @@
 """RoIAlign that runs natively in fp16/bf16 and pools every FPN level in one call.
 
 Under autocast torchvision's RoIAlign copies the feature map to fp32 and the result back. These kernels read
-fp16/bf16/fp32 features through their strides, channels_last included, take RoIs of any float dtype and accumulate
-in fp32: no copies, same numbers. :func:`multi_level_roi_align` pools RoIs of all FPN levels straight into one
-output in RoI order, replacing ``torchvision.ops.MultiScaleRoIAlign``'s zeros-then-scatter loop over levels.
+fp16/bf16/fp32 features through their strides, channels_last included, take RoIs of any float dtype and
+accumulate in fp32: no copies, same numbers. :func:`multi_level_roi_align` pools RoIs of all FPN levels
+straight into one output in RoI order, replacing ``torchvision.ops.MultiScaleRoIAlign``'s zeros-then-scatter
+loop over levels.
 
 Autocast policy: no autocast kernel is registered, so both ops run in the dtype they are given and return
 it; the backward accumulates in fp32 and returns the feature dtype.
@@ -44,7 +45,9 @@ def boxes_to_rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
     """
     if isinstance(boxes, Tensor):
         if boxes.dim() != 2 or boxes.shape[1] != 5:
-            raise ValueError(f"boxes as a tensor must be [K, 5] (batch_index, x1, y1, x2, y2), got {list(boxes.shape)}")
+            raise ValueError(
+                f"boxes as a tensor must be [K, 5] (batch_index, x1, y1, x2, y2), got {list(boxes.shape)}"
+            )
         return boxes
     for i, per_image in enumerate(boxes):
         if per_image.dim() != 2 or per_image.shape[1] != 4:
@@ -55,8 +58,14 @@ def boxes_to_rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
 
 
 @torch.fx.wrap  # a leaf for symbolic_trace, as torchvision's roi_align: the list handling is not traceable
-def roi_align(input: Tensor, boxes: Tensor | list[Tensor], output_size: int | tuple[int, int],
-              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
+def roi_align(
+    input: Tensor,
+    boxes: Tensor | list[Tensor],
+    output_size: int | tuple[int, int],
+    spatial_scale: float = 1.0,
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+) -> Tensor:
     """RoIAlign with torchvision's semantics (Mask R-CNN), native in fp16/bf16.
 
     Args:
@@ -76,20 +85,30 @@ def roi_align(input: Tensor, boxes: Tensor | list[Tensor], output_size: int | tu
     if torch.jit.is_scripting():  # TorchScript compiles this branch only
         scripted_rois = boxes if isinstance(boxes, Tensor) else _rois_from_list(boxes)
         if isinstance(output_size, int):
-            return torch.ops.lit_amp_det.roi_align(input, scripted_rois, spatial_scale, output_size, output_size,
-                                                   sampling_ratio, aligned)
-        return torch.ops.lit_amp_det.roi_align(input, scripted_rois, spatial_scale, output_size[0], output_size[1],
-                                               sampling_ratio, aligned)
+            return torch.ops.lit_amp_det.roi_align(
+                input, scripted_rois, spatial_scale, output_size, output_size, sampling_ratio, aligned
+            )
+        return torch.ops.lit_amp_det.roi_align(
+            input, scripted_rois, spatial_scale, output_size[0], output_size[1], sampling_ratio, aligned
+        )
     rois = boxes_to_rois(boxes)
     height, width = _pair(output_size)
     if has_kernel("roi_align", input.device):
-        return torch.ops.lit_amp_det.roi_align(input, rois, float(spatial_scale), height, width, int(sampling_ratio),
-                                               bool(aligned))
+        return torch.ops.lit_amp_det.roi_align(
+            input, rois, float(spatial_scale), height, width, int(sampling_ratio), bool(aligned)
+        )
     return reference.roi_align(input, rois, (height, width), spatial_scale, sampling_ratio, aligned)
 
 
-def multi_level_roi_align(features: Sequence[Tensor], rois: Tensor, levels: Tensor, spatial_scales: Sequence[float],
-                          output_size: int | Sequence[int], sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
+def multi_level_roi_align(
+    features: Sequence[Tensor],
+    rois: Tensor,
+    levels: Tensor,
+    spatial_scales: Sequence[float],
+    output_size: int | Sequence[int],
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+) -> Tensor:
     """RoIAlign of each RoI on its own FPN level, all levels written into one output in RoI order.
 
     Args:
@@ -105,18 +124,31 @@ def multi_level_roi_align(features: Sequence[Tensor], rois: Tensor, levels: Tens
         raise ValueError(f"got {len(features)} feature maps but {len(spatial_scales)} spatial_scales")
     height, width = _pair(output_size)
     if has_kernel("multi_level_roi_align", rois.device):
-        return torch.ops.lit_amp_det.multi_level_roi_align(list(features), rois, levels,
-                                                           [float(s) for s in spatial_scales], height, width,
-                                                           int(sampling_ratio), bool(aligned))
-    return reference.multi_level_roi_align(features, rois, levels, spatial_scales, (height, width), sampling_ratio,
-                                           aligned)
+        return torch.ops.lit_amp_det.multi_level_roi_align(
+            list(features),
+            rois,
+            levels,
+            [float(s) for s in spatial_scales],
+            height,
+            width,
+            int(sampling_ratio),
+            bool(aligned),
+        )
+    return reference.multi_level_roi_align(
+        features, rois, levels, spatial_scales, (height, width), sampling_ratio, aligned
+    )
 
 
 class RoIAlign(nn.Module):
     """Module form of :func:`roi_align`, a drop-in for ``torchvision.ops.RoIAlign``."""
 
-    def __init__(self, output_size: int | Sequence[int], spatial_scale: float, sampling_ratio: int,
-                 aligned: bool = False) -> None:
+    def __init__(
+        self,
+        output_size: int | Sequence[int],
+        spatial_scale: float,
+        sampling_ratio: int,
+        aligned: bool = False,
+    ) -> None:
         super().__init__()
         self.output_size = _pair(output_size)
         self.spatial_scale = spatial_scale
@@ -124,21 +156,30 @@ class RoIAlign(nn.Module):
         self.aligned = aligned
 
     def forward(self, input: Tensor, rois: Tensor | list[Tensor]) -> Tensor:
-        """Pools ``rois`` (``Tensor[K, 5]`` or one ``Tensor[L, 4]`` per image) -> ``Tensor[K, C, *output_size]``."""
+        """Pools ``rois`` (``Tensor[K, 5]`` or one ``Tensor[L, 4]`` per image) -> ``Tensor[K, C,
+        *output_size]``."""
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
-                f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned})")
+        return (
+            f"{type(self).__name__}(output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
+            f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned})"
+        )
 
 
 def _empty_like_layout(reference_tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=reference_tensor.device,
-                       memory_format=suggest_memory_format(reference_tensor))
+    return torch.empty(
+        shape,
+        dtype=dtype,
+        device=reference_tensor.device,
+        memory_format=suggest_memory_format(reference_tensor),
+    )
 
 
 def _check_rois(rois: Tensor) -> None:
-    torch._check(rois.dim() == 2 and rois.shape[-1] == 5, lambda: f"rois must be [K, 5], got {tuple(rois.shape)}")
+    torch._check(
+        rois.dim() == 2 and rois.shape[-1] == 5, lambda: f"rois must be [K, 5], got {tuple(rois.shape)}"
+    )
 
 
 if extension_available():
@@ -147,11 +188,24 @@ if extension_available():
     def _roi_align_fake(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
         torch._check(input.dim() == 4, lambda: f"input must be [N, C, H, W], got {input.dim()}-D")
         _check_rois(rois)
-        return _empty_like_layout(input, (rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
+        return _empty_like_layout(
+            input, (rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype
+        )
 
     @torch.library.register_fake("lit_amp_det::_roi_align_backward")
-    def _roi_align_backward_fake(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height,
-                                 width, sampling_ratio, aligned):
+    def _roi_align_backward_fake(
+        grad,
+        rois,
+        spatial_scale,
+        pooled_height,
+        pooled_width,
+        batch_size,
+        channels,
+        height,
+        width,
+        sampling_ratio,
+        aligned,
+    ):
         return _empty_like_layout(grad, (batch_size, channels, height, width), grad.dtype)
 
     def _roi_align_setup_context(ctx, inputs, output):
@@ -163,24 +217,31 @@ if extension_available():
     def _roi_align_backward(ctx, grad):
         (rois,) = ctx.saved_tensors
         spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned = ctx.params
-        grad_input = torch.ops.lit_amp_det._roi_align_backward(grad, rois, spatial_scale, pooled_height, pooled_width,
-                                                               *ctx.input_shape, sampling_ratio, aligned)
+        grad_input = torch.ops.lit_amp_det._roi_align_backward(
+            grad, rois, spatial_scale, pooled_height, pooled_width, *ctx.input_shape, sampling_ratio, aligned
+        )
         return grad_input, None, None, None, None, None, None
 
-    torch.library.register_autograd("lit_amp_det::roi_align", _roi_align_backward,
-                                    setup_context=_roi_align_setup_context)
+    torch.library.register_autograd(
+        "lit_amp_det::roi_align", _roi_align_backward, setup_context=_roi_align_setup_context
+    )
 
     @torch.library.register_fake("lit_amp_det::multi_level_roi_align")
-    def _multi_level_fake(features, rois, levels, spatial_scales, pooled_height, pooled_width, sampling_ratio, aligned):
+    def _multi_level_fake(
+        features, rois, levels, spatial_scales, pooled_height, pooled_width, sampling_ratio, aligned
+    ):
         torch._check(len(features) == len(spatial_scales), lambda: "one spatial scale per feature map")
         torch._check(levels.shape == rois.shape[:1], lambda: "levels must have one entry per RoI")
         _check_rois(rois)
         first = features[0]
-        return _empty_like_layout(first, (rois.shape[0], first.shape[1], pooled_height, pooled_width), first.dtype)
+        return _empty_like_layout(
+            first, (rois.shape[0], first.shape[1], pooled_height, pooled_width), first.dtype
+        )
 
     @torch.library.register_fake("lit_amp_det::_multi_level_roi_align_backward")
-    def _multi_level_backward_fake(grad, features, rois, levels, spatial_scales, pooled_height, pooled_width,
-                                   sampling_ratio, aligned):
+    def _multi_level_backward_fake(
+        grad, features, rois, levels, spatial_scales, pooled_height, pooled_width, sampling_ratio, aligned
+    ):
         return [_empty_like_layout(f, f.shape, grad.dtype) for f in features]
 
     def _multi_level_setup_context(ctx, inputs, output):
@@ -191,8 +252,11 @@ if extension_available():
 
     def _multi_level_backward(ctx, grad):
         rois, levels, *features = ctx.saved_tensors
-        grads = torch.ops.lit_amp_det._multi_level_roi_align_backward(grad, features, rois, levels, *ctx.params)
+        grads = torch.ops.lit_amp_det._multi_level_roi_align_backward(
+            grad, features, rois, levels, *ctx.params
+        )
         return list(grads), None, None, None, None, None, None, None
 
-    torch.library.register_autograd("lit_amp_det::multi_level_roi_align", _multi_level_backward,
-                                    setup_context=_multi_level_setup_context)
+    torch.library.register_autograd(
+        "lit_amp_det::multi_level_roi_align", _multi_level_backward, setup_context=_multi_level_setup_context
+    )

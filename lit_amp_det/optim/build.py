@@ -1,4 +1,5 @@
-"""Optimizers from a Hydra config: the fused kernels where the device has them, and the lr scaled to the global batch.
+"""Optimizers from a Hydra config: the fused kernels where the device has them, and the lr scaled to the
+global batch.
 
 Recipes quote their learning rate for a global batch (torchvision's Mask R-CNN: 0.02 for 16 images); with
 ``optim.reference_batch`` set, :func:`scale_lr` applies the linear scaling rule (Goyal et al., 2017: lr
@@ -28,8 +29,8 @@ def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Paramet
     """Instantiates ``config`` (a ``_target_`` mapping such as ``torch.optim.SGD``) for ``params``.
 
     ``fused: auto`` (read here, not passed on) picks the fused single-kernel implementation wherever every
-    parameter's device has one; ``fused: null`` leaves the choice to PyTorch (``foreach``). A fused optimizer gets a
-    step pre-hook that gives the gradients and the state their parameters' memory order first
+    parameter's device has one; ``fused: null`` leaves the choice to PyTorch (``foreach``). A fused optimizer
+    gets a step pre-hook that gives the gradients and the state their parameters' memory order first
     (:func:`~lit_amp_det.optim.memory_order.align_with_params`), which PyTorch's fused kernels assume."""
     if "_target_" not in config:
         raise ArgumentError("optimizer", dict(config), "needs a _target_ (e.g. torch.optim.SGD)")
@@ -48,14 +49,19 @@ def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Paramet
 def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_batches: int) -> int:
     """Images per optimizer step: ``per_device`` x processes (devices x nodes) x accumulated batches.
 
-    ``per_device`` is the data module's ``batch_size``; ``None`` (a data module without one, or loaders passed to
-    the Trainer directly) is an error, since the lr scaling cannot be computed without it."""
+    ``per_device`` is the data module's ``batch_size``; ``None`` (a data module without one, or loaders passed
+    to the Trainer directly) is an error, since the lr scaling cannot be computed without it."""
     if per_device is None:
-        raise ValueError("optim.reference_batch is set, so the lr is scaled to the global batch, but the per-device "
-                         "batch size is unknown: the Trainer has no data module with a batch_size attribute. Fit with "
-                         "a data module that has one, or set optim.reference_batch=null and give the lr for your batch")
-    for name, value in (("data.batch_size", per_device), ("world size", world_size),
-                        ("trainer.accumulate_grad_batches", accumulate_grad_batches)):
+        raise ValueError(
+            "optim.reference_batch is set, so the lr is scaled to the global batch, but the per-device "
+            "batch size is unknown: the Trainer has no data module with a batch_size attribute. Fit with "
+            "a data module that has one, or set optim.reference_batch=null and give the lr for your batch"
+        )
+    for name, value in (
+        ("data.batch_size", per_device),
+        ("world size", world_size),
+        ("trainer.accumulate_grad_batches", accumulate_grad_batches),
+    ):
         if int(value) < 1:
             raise ValueError(f"{name} must be >= 1 to compute the global batch, got {value}")
     return int(per_device) * int(world_size) * int(accumulate_grad_batches)
@@ -66,8 +72,12 @@ def check_reference_batch(reference_batch: Any) -> None:
     if reference_batch is None:
         return
     if isinstance(reference_batch, bool) or not isinstance(reference_batch, int) or reference_batch < 1:
-        raise ArgumentError("reference_batch", reference_batch, "must be a positive integer (the global batch the "
-                            "lr is given for, e.g. 16), or null to use the lr as it is")
+        raise ArgumentError(
+            "reference_batch",
+            reference_batch,
+            "must be a positive integer (the global batch the "
+            "lr is given for, e.g. 16), or null to use the lr as it is",
+        )
 
 
 def scale_lr(config: Mapping[str, Any], global_batch: int, reference_batch: int) -> dict[str, Any]:
@@ -76,6 +86,8 @@ def scale_lr(config: Mapping[str, Any], global_batch: int, reference_batch: int)
     ``reference_batch`` is the global batch the configured lr is meant for (``optim.reference_batch``)."""
     check_reference_batch(reference_batch)
     if "lr" not in config:
-        raise ValueError(f"optim.reference_batch={reference_batch} scales optimizer.lr, but the optimizer config "
-                         f"has no lr (keys {sorted(config)}); set optim.optimizer.lr")
+        raise ValueError(
+            f"optim.reference_batch={reference_batch} scales optimizer.lr, but the optimizer config "
+            f"has no lr (keys {sorted(config)}); set optim.optimizer.lr"
+        )
     return {**config, "lr": float(config["lr"]) * global_batch / reference_batch}

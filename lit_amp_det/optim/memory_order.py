@@ -1,11 +1,12 @@
-"""The memory-order alignment PyTorch's fused optimizer kernels need, so that a step never updates the wrong elements.
+"""The memory-order alignment PyTorch's fused optimizer kernels need, so that a step never updates the wrong
+elements.
 
-PyTorch's fused kernels (``torch.optim.SGD/Adam/AdamW(fused=True)``) walk a parameter, its gradient and its state
-(momentum buffer, Adam's moments) as flat arrays in memory order and trust the three to agree. After resuming a
-checkpoint whose optimizer state was saved in another layout (a ``channels_last`` run resumed without it, or the
-reverse), they do not, and the update lands on the wrong elements, silently. :func:`align_with_params`, run before
-every fused step by :func:`~lit_amp_det.optim.build_optimizer`, lays out whatever differs; it copies nothing when
-the layouts already agree (every step after the first)."""
+PyTorch's fused kernels (``torch.optim.SGD/Adam/AdamW(fused=True)``) walk a parameter, its gradient and its
+state (momentum buffer, Adam's moments) as flat arrays in memory order and trust the three to agree. After
+resuming a checkpoint whose optimizer state was saved in another layout (a ``channels_last`` run resumed
+without it, or the reverse), they do not, and the update lands on the wrong elements, silently.
+:func:`align_with_params`, run before every fused step by :func:`~lit_amp_det.optim.build_optimizer`, lays out
+whatever differs; it copies nothing when the layouts already agree (every step after the first)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,19 @@ __all__ = ["align_before_fused_step", "align_with_params"]
 
 
 def align_with_params(optimizer: torch.optim.Optimizer) -> int:
-    """Lays every gradient and every parameter-shaped state tensor (momentum buffers, Adam's moments) out in its
-    parameter's memory order, copying only those that differ; returns how many it copied.
+    """Lays every gradient and every parameter-shaped state tensor (momentum buffers, Adam's moments) out in
+    its parameter's memory order, copying only those that differ; returns how many it copied.
 
-    Why: fused kernels trust the three layouts to agree (see the module docstring); they disagree after resuming
-    optimizer state saved in another layout, or with a gradient set by hand."""
+    Why: fused kernels trust the three layouts to agree (see the module docstring); they disagree after
+    resuming optimizer state saved in another layout, or with a gradient set by hand."""
     copied = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
             strides = param.stride()
             grad = param.grad
-            if grad is not None and not grad.is_sparse and grad.stride() != strides:  # equal strides: the fast path
+            if (
+                grad is not None and not grad.is_sparse and grad.stride() != strides
+            ):  # equal strides: the fast path
                 aligned = in_layout_of(param, grad)
                 if aligned is not grad:
                     param.grad = aligned

@@ -1,4 +1,5 @@
-"""The learning-rate schedule of detection recipes: a linear warm-up, then multistep drops or cosine annealing.
+"""The learning-rate schedule of detection recipes: a linear warm-up, then multistep drops or cosine
+annealing.
 
 Detection recipes warm the learning rate up linearly for a few hundred steps (large early gradients from
 randomly initialised heads otherwise blow up the RPN) and then either drop it at fixed points
@@ -17,10 +18,17 @@ from torch.optim.lr_scheduler import LambdaLR
 __all__ = ["warmup_schedule"]
 
 
-def warmup_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int | float = 100,
-                    warmup_factor: float = 0.001, policy: Literal["multistep", "cosine", "constant"] = "multistep",
-                    milestones: Sequence[float] = (0.75, 0.92), gamma: float = 0.1,
-                    min_lr_ratio: float = 0.0) -> LambdaLR:
+def warmup_schedule(
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    warmup_steps: int | float = 100,
+    warmup_factor: float = 0.001,
+    policy: Literal["multistep", "cosine", "constant"] = "multistep",
+    milestones: Sequence[float] = (0.75, 0.92),
+    gamma: float = 0.1,
+    min_lr_ratio: float = 0.0,
+) -> LambdaLR:
     """Linear warm-up followed by a multistep, cosine or constant schedule.
 
     Args:
@@ -49,4 +57,5 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
             progress = min(step / total_steps, 1.0)
             return scale * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
         return scale
+
     return LambdaLR(optimizer, factor)

@@ -1,15 +1,16 @@
 """Mixed precision for detection: casting helpers, fp32 regions, low-precision weights with fp32 masters, the
 non-finite step guard, and the Lightning precision plugins built from ``trainer.precision``.
 
-:func:`force_fp32` / :func:`auto_fp16` mark methods of research modules; they take effect whenever the plugin (built by
-:func:`build_precision_plugin`) turns mixed precision on for the module, and are no-ops otherwise.
+:func:`force_fp32` / :func:`auto_fp16` mark methods of research modules; they take effect whenever the plugin
+(built by :func:`build_precision_plugin`) turns mixed precision on for the module, and are no-ops otherwise.
 :func:`use_low_precision_weights` is what ``trainer.precision=bf16-weights|16-weights`` does to the model;
-:func:`resolve_precision` is what ``trainer.precision=auto`` runs on a device (bf16 only where the CPU computes it
-natively). One module per job: ``casting`` (casts and regions on methods), ``regions`` (fp32 regions of a model),
-``master_weights`` (the weights conversion), ``skip`` and ``guard`` (the non-finite step guard), ``options`` (the
-settings both half-precision plugins take), ``full`` / ``mixed`` / ``low_precision_weights`` (the plugins), ``state``
-and ``build`` (checkpoint state, plugin from config). The names are imported on first access, so the accepted values in
-:mod:`lit_amp_det.precision.modes` can be read without importing torch or Lightning."""
+:func:`resolve_precision` is what ``trainer.precision=auto`` runs on a device (bf16 only where the CPU
+computes it natively). One module per job: ``casting`` (casts and regions on methods), ``regions`` (fp32
+regions of a model), ``master_weights`` (the weights conversion), ``skip`` and ``guard`` (the non-finite step
+guard), ``options`` (the settings both half-precision plugins take), ``full`` / ``mixed`` /
+``low_precision_weights`` (the plugins), ``state`` and ``build`` (checkpoint state, plugin from config). The
+names are imported on first access, so the accepted values in :mod:`lit_amp_det.precision.modes` can be read
+without importing torch or Lightning."""
 
 from __future__ import annotations
 
@@ -18,20 +19,46 @@ from typing import TYPE_CHECKING, Any
 
 #: public name -> the module that defines it
 _MODULES = {
-    **dict.fromkeys(("auto_fp16", "cast_tensor_type", "force_fp32", "mixed_precision_dtype", "set_mixed_precision",
-                     "wrap_method", "unwrap_method"), "casting"),
+    **dict.fromkeys(
+        (
+            "auto_fp16",
+            "cast_tensor_type",
+            "force_fp32",
+            "mixed_precision_dtype",
+            "set_mixed_precision",
+            "wrap_method",
+            "unwrap_method",
+        ),
+        "casting",
+    ),
     **dict.fromkeys(("MasterWeights", "use_low_precision_weights"), "master_weights"),
     **dict.fromkeys(("cpu_computes_bf16_natively", "resolve_precision"), "hardware"),
-    "install_fp32_regions": "regions", "NonFiniteStepGuard": "guard", "HalfPrecisionOptions": "options",
-    "FiniteStepPrecision": "full", "DetectionMixedPrecision": "mixed", "MasterWeightPrecision": "low_precision_weights",
-    **dict.fromkeys(("build_precision_plugin", "trained_precision", "warn_if_precision_changes"), "build")}
+    "install_fp32_regions": "regions",
+    "NonFiniteStepGuard": "guard",
+    "HalfPrecisionOptions": "options",
+    "FiniteStepPrecision": "full",
+    "DetectionMixedPrecision": "mixed",
+    "MasterWeightPrecision": "low_precision_weights",
+    **dict.fromkeys(("build_precision_plugin", "trained_precision", "warn_if_precision_changes"), "build"),
+}
 
 __all__ = list(_MODULES)
 
 if TYPE_CHECKING:
-    from lit_amp_det.precision.build import build_precision_plugin, trained_precision, warn_if_precision_changes
-    from lit_amp_det.precision.casting import (auto_fp16, cast_tensor_type, force_fp32, mixed_precision_dtype,
-                                               set_mixed_precision, unwrap_method, wrap_method)
+    from lit_amp_det.precision.build import (
+        build_precision_plugin,
+        trained_precision,
+        warn_if_precision_changes,
+    )
+    from lit_amp_det.precision.casting import (
+        auto_fp16,
+        cast_tensor_type,
+        force_fp32,
+        mixed_precision_dtype,
+        set_mixed_precision,
+        unwrap_method,
+        wrap_method,
+    )
     from lit_amp_det.precision.full import FiniteStepPrecision
     from lit_amp_det.precision.guard import NonFiniteStepGuard
     from lit_amp_det.precision.hardware import cpu_computes_bf16_natively, resolve_precision
@@ -45,7 +72,9 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in _MODULES:
         raise AttributeError(f"module 'lit_amp_det.precision' has no attribute {name!r}")
-    globals()[name] = value = getattr(importlib.import_module(f"lit_amp_det.precision.{_MODULES[name]}"), name)
+    globals()[name] = value = getattr(
+        importlib.import_module(f"lit_amp_det.precision.{_MODULES[name]}"), name
+    )
     return value
 
 

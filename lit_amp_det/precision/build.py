@@ -2,10 +2,10 @@
 
 Lightning refuses a precision string and a precision plugin together, so ``trainer.precision`` and the
 ``precision`` config node become one of lit_amp_det's plugins here: :class:`~lit_amp_det.precision.full.
-FiniteStepPrecision` (``32-true``), :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision` (``-mixed``) or
-:class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` (``-weights``). Each records the precision
-that ran in its checkpoint state, which :func:`trained_precision` reads back so that a resume in another precision
-can say so."""
+FiniteStepPrecision` (``32-true``), :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision` (``-mixed``)
+or :class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` (``-weights``). Each records
+the precision that ran in its checkpoint state, which :func:`trained_precision` reads back so that a resume in
+another precision can say so."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from lit_amp_det.precision.state import PRECISION_KEY
 
 __all__ = ["build_precision_plugin", "trained_precision", "warn_if_precision_changes"]
 
-#: the plugins whose checkpoint state records the precision (Lightning saves it under the class's ``__qualname__``)
+#: the plugins whose checkpoint state records the precision (Lightning saves it under the class's
+#: ``__qualname__``)
 _RECORDING_PLUGINS = (FiniteStepPrecision, DetectionMixedPrecision, MasterWeightPrecision)
 
 
@@ -51,11 +52,18 @@ def build_precision_plugin(
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     device = "cuda" if str(accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
     precision = resolve_precision(precision, device, fp16_on_cpu)
-    guard = {"max_consecutive_skips": max_consecutive_skips, "skip_check_every_n_steps": skip_check_every_n_steps}
+    guard = {
+        "max_consecutive_skips": max_consecutive_skips,
+        "skip_check_every_n_steps": skip_check_every_n_steps,
+    }
     if precision == "32-true":
         return FiniteStepPrecision(**guard)
-    options: dict[str, Any] = {"fp32_regions": fp32_regions, "init_scale": init_scale,
-                               "growth_interval": growth_interval, **guard}
+    options: dict[str, Any] = {
+        "fp32_regions": fp32_regions,
+        "init_scale": init_scale,
+        "growth_interval": growth_interval,
+        **guard,
+    }
     if precision in LOW_PRECISION_WEIGHTS:
         return MasterWeightPrecision(precision, device, **options)  # type: ignore[arg-type]
     return DetectionMixedPrecision(precision, device, **options)  # type: ignore[arg-type]
@@ -77,13 +85,16 @@ def warn_if_precision_changes(checkpoint: Mapping[str, Any], source: str, runnin
 
     Resuming across precisions works (weights, optimizer and schedule carry over; fp32 master weights are the
     checkpoint's weights under ``*-weights``), but the steps that follow compute differently: typically
-    ``trainer.precision=auto`` chose ``32-true`` on a CPU without native bf16 for a run started in ``bf16-mixed``
-    on one with it. Returns the warning, or ``None`` when nothing changed or the checkpoint does not say."""
+    ``trainer.precision=auto`` chose ``32-true`` on a CPU without native bf16 for a run started in
+    ``bf16-mixed`` on one with it. Returns the warning, or ``None`` when nothing changed or the checkpoint
+    does not say."""
     trained = trained_precision(checkpoint)
     if trained is None or trained == running:
         return None
-    message = (f"{source} was trained in {trained}; this fit continues it in {running} (the weights, optimizer "
-               f"and schedule carry over, the arithmetic of the steps changes). Pass trainer.precision={trained} "
-               "to continue as it was trained.")
+    message = (
+        f"{source} was trained in {trained}; this fit continues it in {running} (the weights, optimizer "
+        f"and schedule carry over, the arithmetic of the steps changes). Pass trainer.precision={trained} "
+        "to continue as it was trained."
+    )
     rank_zero_warn(message)
     return message

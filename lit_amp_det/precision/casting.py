@@ -1,10 +1,11 @@
 """Mixed-precision casting helpers: recursive dtype casts, per-module opt-in, and fp32/fp16 regions.
 
 Detection heads hold numerically fragile code (box decoding, IoU, losses, sampling) that must run in float32
-while the rest of the network runs in float16/bfloat16. As in MMCV's ``fp16_utils``, a module opts in through an
-attribute (:func:`set_mixed_precision`) and its methods mark regions with :func:`force_fp32` / :func:`auto_fp16`;
-:func:`wrap_method` does the same for one instance of a third-party class. Unlike MMCV this works with
-``torch.autocast`` on CUDA and CPU, knows bfloat16 and traces under ``torch.compile`` without graph breaks."""
+while the rest of the network runs in float16/bfloat16. As in MMCV's ``fp16_utils``, a module opts in through
+an attribute (:func:`set_mixed_precision`) and its methods mark regions with :func:`force_fp32` /
+:func:`auto_fp16`; :func:`wrap_method` does the same for one instance of a third-party class. Unlike MMCV this
+works with ``torch.autocast`` on CUDA and CPU, knows bfloat16 and traces under ``torch.compile`` without graph
+breaks."""
 
 from __future__ import annotations
 
@@ -21,8 +22,18 @@ from torch import nn
 
 from lit_amp_det.precision.modes import REGION_MODES, RegionMode
 
-__all__ = ["LOW_PRECISION_DTYPES", "AMP_DTYPE_ATTR", "REGION_ATTR", "cast_tensor_type", "mixed_precision_dtype",
-           "set_mixed_precision", "force_fp32", "auto_fp16", "wrap_method", "unwrap_method"]
+__all__ = [
+    "LOW_PRECISION_DTYPES",
+    "AMP_DTYPE_ATTR",
+    "REGION_ATTR",
+    "cast_tensor_type",
+    "mixed_precision_dtype",
+    "set_mixed_precision",
+    "force_fp32",
+    "auto_fp16",
+    "wrap_method",
+    "unwrap_method",
+]
 
 #: The dtypes a module may run in when mixed precision is on for it.
 LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
@@ -40,8 +51,8 @@ def _check_dtype(value: object, argument: str) -> torch.dtype:
 
 
 def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) -> Any:
-    """The recursion behind :func:`cast_tensor_type`, with arguments already validated. Containers are rebuilt as
-    their own type where it can be, else as a plain dict, list or tuple."""
+    """The recursion behind :func:`cast_tensor_type`, with arguments already validated. Containers are rebuilt
+    as their own type where it can be, else as a plain dict, list or tuple."""
     if isinstance(inputs, torch.Tensor):
         matches = inputs.is_floating_point() if src is None else inputs.dtype in src
         return inputs.to(dst) if matches and inputs.dtype != dst else inputs
@@ -53,7 +64,9 @@ def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) ->
             if isinstance(inputs, defaultdict):  # its constructor takes the factory first
                 return type(inputs)(inputs.default_factory, items)
             return type(inputs)(items)
-        except Exception:  # custom mappings with other constructors (MappingProxyType subclasses, configs, ...)
+        except (
+            Exception
+        ):  # custom mappings with other constructors (MappingProxyType subclasses, configs, ...)
             return dict(items)
     if isinstance(inputs, (list, tuple)):
         values = [_cast(v, src, dst) for v in inputs]
@@ -66,17 +79,23 @@ def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) ->
     return inputs  # str, bytes, numpy arrays, numbers, None, arbitrary objects
 
 
-def cast_tensor_type(inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] | None, dst_type: torch.dtype) -> Any:
+def cast_tensor_type(
+    inputs: Any, src_type: torch.dtype | Sequence[torch.dtype] | None, dst_type: torch.dtype
+) -> Any:
     """Returns ``inputs`` with every tensor of dtype ``src_type`` converted to ``dst_type``.
 
     Recurses through mappings (type kept where it can be rebuilt, else a dict), lists, tuples and namedtuples,
-    rebuilding rather than mutating them; everything else is left alone. ``src_type`` may be one dtype, several,
-    or None for any floating dtype. The casts are differentiable."""
+    rebuilding rather than mutating them; everything else is left alone. ``src_type`` may be one dtype,
+    several, or None for any floating dtype. The casts are differentiable."""
     if src_type is None or isinstance(src_type, torch.dtype):
-        src: tuple[torch.dtype, ...] | None = None if src_type is None else (src_type,)  # None: any floating dtype
+        src: tuple[torch.dtype, ...] | None = (
+            None if src_type is None else (src_type,)
+        )  # None: any floating dtype
     elif isinstance(src_type, (str, bytes)) or not isinstance(src_type, Iterable):
-        raise TypeError(f"src_type must be a torch.dtype, a sequence of them or None (any floating dtype), "
-                        f"got {src_type!r}")
+        raise TypeError(
+            f"src_type must be a torch.dtype, a sequence of them or None (any floating dtype), "
+            f"got {src_type!r}"
+        )
     else:
         src = tuple(_check_dtype(d, "every entry of src_type") for d in src_type)
     return _cast(inputs, src, _check_dtype(dst_type, "dst_type"))
@@ -120,27 +139,32 @@ def _first_tensor(values: Any) -> torch.Tensor | None:
     return next((found for found in map(_first_tensor, values) if found is not None), None)
 
 
-def _checked_apply_to(decorator: str, func: Callable[..., Any], signature: inspect.Signature,
-                      apply_to: Iterable[str] | None) -> frozenset[str] | None:
+def _checked_apply_to(
+    decorator: str, func: Callable[..., Any], signature: inspect.Signature, apply_to: Iterable[str] | None
+) -> frozenset[str] | None:
     """Validates ``apply_to`` against ``func``'s parameters (self excluded); None means all arguments."""
     if apply_to is None:
         return None
     if isinstance(apply_to, (str, bytes)):
-        raise TypeError(f"{decorator}(apply_to={apply_to!r}) must be a list of names, e.g. apply_to=[{apply_to!r}]")
+        raise TypeError(
+            f"{decorator}(apply_to={apply_to!r}) must be a list of names, e.g. apply_to=[{apply_to!r}]"
+        )
     names = list(apply_to)
     parameters = list(signature.parameters)[1:]  # the first one is self
     for name in names:
         if name not in parameters:
-            raise ValueError(f"{decorator}(apply_to={names!r}) names {name!r}, which is not a parameter of "
-                             f"{func.__qualname__}{signature}; use only the names after self, or apply_to=None for all")
+            raise ValueError(
+                f"{decorator}(apply_to={names!r}) names {name!r}, which is not a parameter of "
+                f"{func.__qualname__}{signature}; use only the names after self, or apply_to=None for all"
+            )
     return frozenset(names)
 
 
 @dataclasses.dataclass(frozen=True)
 class _ArgumentPlan:
     """Which positions and keywords of a call to cast, worked out once from the signature: per-call
-    ``Signature.bind`` breaks torch.compile graphs once traced code has mutated a dict; lookups against this plan
-    trace cleanly. ``None`` in place of a plan means "cast all but self"."""
+    ``Signature.bind`` breaks torch.compile graphs once traced code has mutated a dict; lookups against this
+    plan trace cleanly. ``None`` in place of a plan means "cast all but self"."""
 
     positions: frozenset[int]  # indices into args, self being index 0
     keywords: frozenset[str]  # keyword arguments to cast
@@ -165,8 +189,13 @@ class _ArgumentPlan:
                 var_positional_from = index  # positional parameters all come before *args
             if parameter.kind is kind.VAR_KEYWORD:
                 var_keyword = wanted
-        return cls(frozenset(positions), frozenset(keywords), var_positional_from, var_keyword,
-                   frozenset(parameter_keywords))
+        return cls(
+            frozenset(positions),
+            frozenset(keywords),
+            var_positional_from,
+            var_keyword,
+            frozenset(parameter_keywords),
+        )
 
     def casts_position(self, index: int) -> bool:
         start = self.var_positional_from
@@ -176,11 +205,13 @@ class _ArgumentPlan:
         return name in self.keywords or (self.var_keyword and name not in self.parameter_keywords)
 
 
-def _region_decorator(decorator: str, region: str, apply_to: Iterable[str] | None, to_low: bool,
-                      run: Callable[..., Any]) -> Callable[[_F], _F]:
-    """The decorator behind :func:`force_fp32` and :func:`auto_fp16`: while mixed precision is on for the instance,
-    the arguments ``apply_to`` names are cast to float32 (to its low dtype where ``to_low``) and the call returns
-    ``run(func, low dtype, args, kwargs)``; otherwise the method runs unchanged."""
+def _region_decorator(
+    decorator: str, region: str, apply_to: Iterable[str] | None, to_low: bool, run: Callable[..., Any]
+) -> Callable[[_F], _F]:
+    """The decorator behind :func:`force_fp32` and :func:`auto_fp16`: while mixed precision is on for the
+    instance, the arguments ``apply_to`` names are cast to float32 (to its low dtype where ``to_low``) and the
+    call returns ``run(func, low dtype, args, kwargs)``; otherwise the method runs unchanged."""
+
     def decorate(func: _F) -> _F:
         signature = inspect.signature(func)  # the argument plan is worked out once here, not per call
         names = _checked_apply_to(decorator, func, signature, apply_to)
@@ -198,8 +229,10 @@ def _region_decorator(decorator: str, region: str, apply_to: Iterable[str] | Non
                 args = tuple(_cast(a, src, dst) if plan.casts_position(i) else a for i, a in enumerate(args))
                 kwargs = {k: _cast(v, src, dst) if plan.casts_keyword(k) else v for k, v in kwargs.items()}
             return run(func, low, args, kwargs)
+
         setattr(wrapper, REGION_ATTR, region)  # callers can tell it is a region already and not wrap it again
         return wrapper  # type: ignore[return-value]
+
     return decorate
 
 
@@ -208,25 +241,32 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
 
     The arguments named in ``apply_to`` (all but self when None) have their float16/bfloat16 tensors cast to
     float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype."""
+
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with _autocast_off("cuda"), _autocast_off("cpu"):
             output = func(*args, **kwargs)
         return _cast(output, (torch.float32,), low) if out_fp16 else output
+
     return _region_decorator("force_fp32", "fp32", apply_to, to_low=False, run=run)
 
 
 def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> Callable[[_F], _F]:
-    """Decorates a method to run in its instance's low dtype when mixed precision is on for it (else unchanged).
+    """Decorates a method to run in its instance's low dtype when mixed precision is on for it (else
+    unchanged).
 
     The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the low
-    dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type (else the default
-    one); ``out_fp32`` casts low-precision outputs to float32."""
+    dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type (else the
+    default one); ``out_fp32`` casts low-precision outputs to float32."""
+
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensor = _first_tensor((args[1:], kwargs))
-        device_type = tensor.device.type if tensor is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        device_type = (
+            tensor.device.type if tensor is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         with torch.autocast(device_type=device_type, dtype=low):
             output = func(*args, **kwargs)
         return _cast(output, LOW_PRECISION_DTYPES, torch.float32) if out_fp32 else output
+
     return _region_decorator("auto_fp16", "fp16", apply_to, to_low=True, run=run)
 
 
@@ -234,15 +274,16 @@ WrapMode = RegionMode
 
 
 class _InstanceRegion:
-    """Callable stored on one instance in place of its method ``name``, running it as a precision region; a class
-    rather than a closure so that a deep copy or pickle of the owner calls the copied owner."""
+    """Callable stored on one instance in place of its method ``name``, running it as a precision region; a
+    class rather than a closure so that a deep copy or pickle of the owner calls the copied owner."""
 
     def __init__(self, owner: object, name: str, mode: WrapMode) -> None:
         bound = getattr(owner, name)
         # the unbound function where possible, so copies of the owner are not tied to this one
         is_method = inspect.ismethod(bound) and bound.__self__ is owner
         self.owner, self.name, self.mode = owner, name, mode
-        # a flag, not a sentinel (sentinels do not survive deepcopy): an instance callable to restore on unwrap
+        # a flag, not a sentinel (sentinels do not survive deepcopy): an instance callable to restore on
+        # unwrap
         self.shadowed_instance_attr = name in vars(owner)
         self.previous = vars(owner).get(name)
         self.function, self.is_method = (bound.__func__ if is_method else bound), is_method
@@ -254,7 +295,9 @@ class _InstanceRegion:
         return self.function.__get__(self.owner) if self.is_method else self.function
 
     def _call_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.function(self.owner, *args, **kwargs) if self.is_method else self.function(*args, **kwargs)
+        return (
+            self.function(self.owner, *args, **kwargs) if self.is_method else self.function(*args, **kwargs)
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if mixed_precision_dtype(self.owner) is None:  # decided per call: the policy may change
@@ -273,8 +316,9 @@ def _current(owner: object, name: str) -> Any:
     """``owner.<name>``, or an AttributeError naming the owner type, the name and the fix."""
     value = getattr(owner, name, None)
     if not callable(value):
-        raise AttributeError(f"{type(owner).__name__} has no method {name!r} to wrap; "
-                             "pass the name of one of its methods")
+        raise AttributeError(
+            f"{type(owner).__name__} has no method {name!r} to wrap; pass the name of one of its methods"
+        )
     return value
 
 
@@ -289,12 +333,16 @@ def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
     current = _current(owner, name)
     if isinstance(current, _InstanceRegion):
         if current.mode != mode:
-            raise ValueError(f"{type(owner).__name__}.{name} is already wrapped with mode={current.mode!r}; "
-                             f"call unwrap_method first to switch to mode={mode!r}")
+            raise ValueError(
+                f"{type(owner).__name__}.{name} is already wrapped with mode={current.mode!r}; "
+                f"call unwrap_method first to switch to mode={mode!r}"
+            )
         return
     if not hasattr(owner, "__dict__"):
-        raise TypeError(f"cannot wrap {type(owner).__name__}.{name}: it has no instance __dict__ (uses __slots__); "
-                        "decorate the class method with force_fp32 instead")
+        raise TypeError(
+            f"cannot wrap {type(owner).__name__}.{name}: it has no instance __dict__ (uses __slots__); "
+            "decorate the class method with force_fp32 instead"
+        )
     setattr(owner, name, _InstanceRegion(owner, name, mode))
 
 
@@ -307,4 +355,3 @@ def unwrap_method(owner: object, name: str) -> None:
         setattr(owner, name, current.previous)
     else:
         delattr(owner, name)  # the class attribute shows through again
-

@@ -39,12 +39,20 @@ class FiniteStepPrecision(Precision):
         self.guard = NonFiniteStepGuard(self.precision, max_consecutive_skips, skip_check_every_n_steps)
 
     @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: pl.LightningModule,  # type: ignore[override]
-                       closure: Callable[[], Any], **kwargs: Any) -> Any:
-        return guarded_optimizer_step(self, self.guard, optimizer, model, closure, self.step_if_finite, **kwargs)
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: pl.LightningModule,  # type: ignore[override]
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        return guarded_optimizer_step(
+            self, self.guard, optimizer, model, closure, self.step_if_finite, **kwargs
+        )
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        """The step after backward and Lightning's hooks, skipped on the device when a gradient is not finite."""
+        """The step after backward and Lightning's hooks, skipped on the device when a gradient is not finite.
+        """
         self.guard.step(optimizer, **kwargs)
 
     @override

@@ -1,9 +1,10 @@
-"""``trainer.precision=bf16-weights|16-weights``: bf16/fp16 weights with fp32 masters in the optimizer, no autocast.
+"""``trainer.precision=bf16-weights|16-weights``: bf16/fp16 weights with fp32 masters in the optimizer, no
+autocast.
 
 MMCV's ``wrap_fp16_model`` + ``Fp16OptimizerHook`` as a Lightning plugin; the conversion itself is
-:func:`~lit_amp_det.precision.master_weights.use_low_precision_weights`. Autocast casts every weight to the low dtype
-each time an op uses it; here the weights are in the low dtype already, so those casts go away, while the optimizer
-steps fp32 masters so that small updates are not lost to bf16/fp16 rounding."""
+:func:`~lit_amp_det.precision.master_weights.use_low_precision_weights`. Autocast casts every weight to the
+low dtype each time an op uses it; here the weights are in the low dtype already, so those casts go away,
+while the optimizer steps fp32 masters so that small updates are not lost to bf16/fp16 rounding."""
 
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ from lit_amp_det.precision.state import load_recorded_state, recorded_state
 
 __all__ = ["MasterWeightPrecision"]
 
-#: torchvision's RoI ops: their kernels refuse bf16/fp16 features with fp32 boxes outside autocast (whose kernel
-#: casts both to fp32), so under low-precision weights they run as fp32 regions (lit_amp_det's own ops take both).
-_TORCHVISION_ROI_OPS = (torchvision.ops.MultiScaleRoIAlign, torchvision.ops.RoIAlign, torchvision.ops.RoIPool,
-                        torchvision.ops.PSRoIAlign, torchvision.ops.PSRoIPool)
+#: torchvision's RoI ops: their kernels refuse bf16/fp16 features with fp32 boxes outside autocast (whose
+#: kernel casts both to fp32), so under low-precision weights they run as fp32 regions (lit_amp_det's own ops
+#: take both).
+_TORCHVISION_ROI_OPS = (
+    torchvision.ops.MultiScaleRoIAlign,
+    torchvision.ops.RoIAlign,
+    torchvision.ops.RoIPool,
+    torchvision.ops.PSRoIAlign,
+    torchvision.ops.PSRoIPool,
+)
 
 
 class MasterWeightPrecision(Precision):
@@ -40,9 +47,9 @@ class MasterWeightPrecision(Precision):
 
     What stays fp32 is as :mod:`lit_amp_det.precision.master_weights` says. After backward the low-precision
     gradients move to the fp32 masters, so gradient clipping and the non-finite check see fp32 gradients: from
-    ``on_before_optimizer_step`` on, the gradients are the ``.grad`` of ``optimizer.param_groups``' tensors (the
-    masters), not of ``model.parameters()``. ``16-weights`` scales the loss with a GradScaler and unscales the master
-    gradients before clipping; ``bf16-weights`` steps through the non-finite guard.
+    ``on_before_optimizer_step`` on, the gradients are the ``.grad`` of ``optimizer.param_groups``' tensors
+    (the masters), not of ``model.parameters()``. ``16-weights`` scales the loss with a GradScaler and
+    unscales the master gradients before clipping; ``bf16-weights`` steps through the non-finite guard.
 
     Args:
         precision: ``bf16-weights`` or ``16-weights``.
@@ -52,12 +59,18 @@ class MasterWeightPrecision(Precision):
 
     def __init__(self, precision: Literal["16-weights", "bf16-weights"], device: str, **options: Any) -> None:
         if precision not in LOW_PRECISION_WEIGHTS:
-            raise ValueError(f"trainer.precision={precision!r}; MasterWeightPrecision takes "
-                             f"{' or '.join(LOW_PRECISION_WEIGHTS)}")
+            raise ValueError(
+                f"trainer.precision={precision!r}; MasterWeightPrecision takes "
+                f"{' or '.join(LOW_PRECISION_WEIGHTS)}"
+            )
         super().__init__()
         settings = HalfPrecisionOptions(**options)
         self.precision = precision  # type: ignore[assignment]
-        self.device, self.scaler, self.fp32_regions = device, settings.scaler(precision, device), settings.regions()
+        self.device, self.scaler, self.fp32_regions = (
+            device,
+            settings.scaler(precision, device),
+            settings.regions(),
+        )
         self.guard, self.low_dtype = settings.guard(precision), half_dtype(precision)
         self.weights: MasterWeights | None = None
 
@@ -72,8 +85,9 @@ class MasterWeightPrecision(Precision):
         return module
 
     @override
-    def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                lr_schedulers: list[Any]) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Points every optimizer at the fp32 masters (Lightning calls this once the optimizers exist)."""
         for optimizer in optimizers:
             self._master_weights().attach(optimizer)
@@ -81,9 +95,11 @@ class MasterWeightPrecision(Precision):
 
     def _master_weights(self) -> MasterWeights:
         if self.weights is None:
-            raise RuntimeError(f"trainer.precision={self.precision}: the model has no fp32 masters yet; call the "
-                               "plugin's convert_module(model) before connecting optimizers (Lightning's Trainer does "
-                               "both)")
+            raise RuntimeError(
+                f"trainer.precision={self.precision}: the model has no fp32 masters yet; call the "
+                "plugin's convert_module(model) before connecting optimizers (Lightning's Trainer does "
+                "both)"
+            )
         return self.weights
 
     @override
@@ -93,22 +109,31 @@ class MasterWeightPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: pl.LightningModule,  # type: ignore[override]
-                       closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: pl.LightningModule,  # type: ignore[override]
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
         weights = self._master_weights()
 
         def closure_then_masters() -> Any:
             result = closure()
             weights.grads_to_masters()  # before the hooks, clipping and the non-finite check
             return result
+
         scaler = self.scaler
         if scaler is None:
-            return guarded_optimizer_step(self, self.guard, optimizer, model, closure_then_masters,
-                                          self.step_if_finite, **kwargs)
+            return guarded_optimizer_step(
+                self, self.guard, optimizer, model, closure_then_masters, self.step_if_finite, **kwargs
+            )
         # Lightning's MixedPrecision.optimizer_step with a GradScaler, on the masters' gradients
         closure_result = closure_then_masters()
         found = None
-        if closure_result is not None or not model.automatic_optimization:  # else backward was skipped on purpose
+        if (
+            closure_result is not None or not model.automatic_optimization
+        ):  # else backward was skipped on purpose
             found = non_finite(gradients(optimizer))  # what GradScaler finds: inf/NaN scaled gradients
             scaler.unscale_(optimizer)  # the masters' fp32 gradients, so that clipping sees true values
         run_after_closure_hooks(self, model, optimizer)
@@ -122,7 +147,8 @@ class MasterWeightPrecision(Precision):
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         """The step after backward and Lightning's hooks (``bf16-weights``): gradients to the masters, then
-        ``optimizer.step()`` skipped on the device when a gradient is not finite, then the weights from the masters."""
+        ``optimizer.step()`` skipped on the device when a gradient is not finite, then the weights from the
+        masters."""
         weights = self._master_weights()
         weights.grads_to_masters()  # a no-op when optimizer_step's closure moved them already
         self.guard.step(optimizer, **kwargs)

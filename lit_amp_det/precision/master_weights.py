@@ -1,10 +1,11 @@
-"""Low-precision weights with fp32 master copies: MMCV's ``wrap_fp16_model`` + ``patch_norm_fp32`` + fp32 masters.
+"""Low-precision weights with fp32 master copies: MMCV's ``wrap_fp16_model`` + ``patch_norm_fp32`` + fp32
+masters.
 
-Autocast keeps parameters in fp32 and casts each weight to bf16/fp16 at every use (and its gradient back in the
-backward). Here the model holds its weights in the low dtype, so forward and backward use them as they are, and
-the optimizer steps an fp32 *master* copy of each: after backward each low-precision gradient goes into its
-master's fp32 gradient, the optimizer updates the masters, and the low-precision weights are refreshed from them,
-so small updates accumulate in fp32 instead of vanishing in bf16 rounding.
+Autocast keeps parameters in fp32 and casts each weight to bf16/fp16 at every use (and its gradient back in
+the backward). Here the model holds its weights in the low dtype, so forward and backward use them as they
+are, and the optimizer steps an fp32 *master* copy of each: after backward each low-precision gradient goes
+into its master's fp32 gradient, the optimizer updates the masters, and the low-precision weights are
+refreshed from them, so small updates accumulate in fp32 instead of vanishing in bf16 rounding.
 
 What stays fp32:
 
@@ -12,12 +13,13 @@ What stays fp32:
   activations directly (their kernels compute statistics in fp32 and return the input dtype); the other norms
   get fp32 inputs and return the low dtype (MMCV's ``patch_norm_fp32``);
 * **buffers** of every other module;
-* **fp32 regions** of :mod:`lit_amp_det.precision.regions` (losses, box coding, post-processing). A module with
-  low-precision weights casts its floating inputs to its weights' dtype, so regions are for parameter-free code.
+* **fp32 regions** of :mod:`lit_amp_det.precision.regions` (losses, box coding, post-processing). A module
+  with low-precision weights casts its floating inputs to its weights' dtype, so regions are for
+  parameter-free code.
 
-The masters live beside the model (not in its ``_parameters``), so DDP, hooks and ``named_parameters`` see one set
-of parameters; ``state_dict()`` returns the fp32 masters under the parameters' keys and ``load_state_dict`` writes
-them too, so checkpoints hold fp32 weights that load into a model of any precision.
+The masters live beside the model (not in its ``_parameters``), so DDP, hooks and ``named_parameters`` see one
+set of parameters; ``state_dict()`` returns the fp32 masters under the parameters' keys and
+``load_state_dict`` writes them too, so checkpoints hold fp32 weights that load into a model of any precision.
 :meth:`MasterWeights.attach` points an optimizer at the masters."""
 
 from __future__ import annotations
@@ -33,16 +35,30 @@ from torch import Tensor, nn
 
 from lit_amp_det.precision.casting import LOW_PRECISION_DTYPES, cast_tensor_type
 
-__all__ = ["NORM_LAYERS", "MasterWeights", "full_precision_copy", "holds_masters", "master_weights_of",
-           "use_low_precision_weights"]
+__all__ = [
+    "NORM_LAYERS",
+    "MasterWeights",
+    "full_precision_copy",
+    "holds_masters",
+    "master_weights_of",
+    "use_low_precision_weights",
+]
 
 _BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 #: Norms that take a low-precision input with fp32 parameters natively; the others are given fp32 inputs.
 _NATIVE_MIXED_NORMS: tuple[type[nn.Module], ...] = (*_BATCH_NORMS, torchvision.ops.FrozenBatchNorm2d)
-#: Norm layers whose parameters and buffers stay fp32 (lit_amp_det's FrozenBatchNorm2d subclasses torchvision's).
-NORM_LAYERS: tuple[type[nn.Module], ...] = (*_NATIVE_MIXED_NORMS, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
-                                             nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
-                                             nn.LocalResponseNorm)
+#: Norm layers whose parameters and buffers stay fp32 (lit_amp_det's FrozenBatchNorm2d subclasses
+#: torchvision's).
+NORM_LAYERS: tuple[type[nn.Module], ...] = (
+    *_NATIVE_MIXED_NORMS,
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LocalResponseNorm,
+)
 #: Attribute of a converted module holding ``{parameter name: fp32 master}`` for its own parameters.
 _MASTERS_ATTR = "_lit_master_params"
 #: Attribute of a converted module holding its low dtype (for the input-cast hook).
@@ -51,9 +67,11 @@ _DTYPE_ATTR = "_lit_weight_dtype"
 _WEIGHTS_ATTR = "_lit_master_weights"
 
 
-# Hooks are module-level functions reading state from the module they run on, so a deep copy's hooks use its masters.
+# Hooks are module-level functions reading state from the module they run on, so a deep copy's hooks use its
+# masters.
 def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Forward pre-hook of a module with low-precision weights: floating inputs of another dtype are cast to it."""
+    """Forward pre-hook of a module with low-precision weights: floating inputs of another dtype are cast to
+    it."""
     return cast_tensor_type(args, None, getattr(module, _DTYPE_ATTR))
 
 
@@ -67,7 +85,9 @@ def _norm_output_to_low(module: nn.Module, args: tuple[Any, ...], output: Any) -
     return cast_tensor_type(output, (torch.float32,), getattr(module, _DTYPE_ATTR))
 
 
-def _masters_into_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _masters_into_state_dict(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     """State-dict post-hook: the fp32 masters replace the module's low-precision parameters (same keys)."""
     for name, master in getattr(module, _MASTERS_ATTR).items():
         key = prefix + name
@@ -76,8 +96,8 @@ def _masters_into_state_dict(module: nn.Module, state_dict: dict[str, Any], pref
 
 
 def _state_dict_into_masters(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Load-state-dict pre-hook: the loaded values also become the masters (in fp32, before rounding); mismatched
-    shapes are left to ``load_state_dict``, which reports them with the key."""
+    """Load-state-dict pre-hook: the loaded values also become the masters (in fp32, before rounding);
+    mismatched shapes are left to ``load_state_dict``, which reports them with the key."""
     for name, master in getattr(module, _MASTERS_ATTR).items():
         value = state_dict.get(prefix + name)
         if isinstance(value, Tensor) and value.shape == master.shape:
@@ -89,7 +109,8 @@ class MasterWeights:
     """The low-precision parameters of a converted module and their fp32 masters, pair by pair.
 
     Built by :func:`use_low_precision_weights`. The low-precision parameters are the model's own (converted in
-    place, so holders see the change); the masters are ``nn.Parameter`` objects held here and on their modules."""
+    place, so holders see the change); the masters are ``nn.Parameter`` objects held here and on their
+    modules."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -97,7 +118,9 @@ class MasterWeights:
         self.params: list[nn.Parameter] = []
         self.masters: list[nn.Parameter] = []
         self._grad_buffers: dict[int, Tensor] = {}  # index of a pair -> its master's reusable gradient tensor
-        self._attached: list[weakref.ReferenceType[torch.optim.Optimizer]] = []  # deepcopy keeps weak refs as they are
+        self._attached: list[
+            weakref.ReferenceType[torch.optim.Optimizer]
+        ] = []  # deepcopy keeps weak refs as they are
 
     def __len__(self) -> int:
         return len(self.params)
@@ -112,10 +135,13 @@ class MasterWeights:
         for name, param in module.named_parameters(recurse=False):
             if not param.is_floating_point() or param.dtype == self.dtype:
                 continue
-            # contiguous masters: fused optimizers clone and copy back every non-contiguous tensor at each step
+            # contiguous masters: fused optimizers clone and copy back every non-contiguous tensor at each
+            # step
             original = param.detach()
             fp32 = original.to(torch.float32).contiguous()
-            with torch.no_grad():  # in place, as nn.Module.to() does: identity, hooks and memory format are kept
+            with (
+                torch.no_grad()
+            ):  # in place, as nn.Module.to() does: identity, hooks and memory format are kept
                 param.data = original.to(self.dtype)
             masters[name] = master = nn.Parameter(fp32, requires_grad=param.requires_grad)
             self.names.append(prefix + name)
@@ -130,8 +156,9 @@ class MasterWeights:
         module.register_load_state_dict_pre_hook(_state_dict_into_masters)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Points ``optimizer`` at the masters in place of the low-precision parameters; its ``step()`` then moves
-        the gradients to the masters first and refreshes the low-precision parameters after (idempotent).
+        """Points ``optimizer`` at the masters in place of the low-precision parameters; its ``step()`` then
+        moves the gradients to the masters first and refreshes the low-precision parameters after
+        (idempotent).
 
         The optimizer must not have stepped the low-precision parameters yet (its state would be theirs)."""
         pairs = {id(low): (name, master) for name, low, master in zip(self.names, self.params, self.masters)}
@@ -141,10 +168,12 @@ class MasterWeights:
                     continue
                 name, master = pairs[id(param)]
                 if param in optimizer.state:
-                    raise RuntimeError(f"{type(optimizer).__name__} param_groups[{index}] has state for the "
-                                       f"low-precision parameter {name!r}: it stepped before the model got fp32 "
-                                       "masters. Build the optimizer after the precision plugin's convert_module "
-                                       "(Lightning does), then attach it.")
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} param_groups[{index}] has state for the "
+                        f"low-precision parameter {name!r}: it stepped before the model got fp32 "
+                        "masters. Build the optimizer after the precision plugin's convert_module "
+                        "(Lightning does), then attach it."
+                    )
                 if master.device != param.device:  # the model was moved after conversion
                     master.data = master.data.to(param.device)
                 group["params"][i] = master
@@ -163,8 +192,8 @@ class MasterWeights:
     def grads_to_masters(self) -> None:
         """Adds each low-precision gradient to its master's fp32 gradient and frees it (a no-op without any).
 
-        Called after backward (and DDP's all-reduce), before clipping and the step. Each master's gradient tensor
-        is reused across steps, so a large fp32 gradient is not freshly allocated every step."""
+        Called after backward (and DDP's all-reduce), before clipping and the step. Each master's gradient
+        tensor is reused across steps, so a large fp32 gradient is not freshly allocated every step."""
         for index, (low, master) in enumerate(self.pairs()):
             grad = low.grad
             if grad is None:
@@ -194,15 +223,18 @@ class MasterWeights:
 def use_low_precision_weights(module: nn.Module, dtype: torch.dtype) -> MasterWeights:
     """Converts ``module`` in place to ``dtype`` weights with fp32 masters; returns them (idempotent).
 
-    Every floating parameter outside norm layers (:data:`NORM_LAYERS`) becomes ``dtype``; norms and buffers stay fp32.
+    Every floating parameter outside norm layers (:data:`NORM_LAYERS`) becomes ``dtype``; norms and buffers
+    stay fp32.
     """
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
     existing = getattr(module, _WEIGHTS_ATTR, None)
     if existing is not None:
         if existing.dtype != dtype:
-            raise ValueError(f"{type(module).__name__} already has {existing.dtype} weights with fp32 masters; "
-                             f"build a new model for {dtype} (or load its fp32 checkpoint into one)")
+            raise ValueError(
+                f"{type(module).__name__} already has {existing.dtype} weights with fp32 masters; "
+                f"build a new model for {dtype} (or load its fp32 checkpoint into one)"
+            )
         return existing
     weights = MasterWeights(dtype)
     _convert_tree(weights, module, "")
@@ -230,9 +262,12 @@ def master_weights_of(module: nn.Module) -> MasterWeights | None:
 
 
 #: The hooks :func:`use_low_precision_weights` registers, by the ``nn.Module`` hook dict that holds them.
-_CONVERSION_HOOKS = {"_forward_pre_hooks": (_cast_inputs_to_weights, _norm_inputs_to_fp32),
-                     "_forward_hooks": (_norm_output_to_low,), "_state_dict_hooks": (_masters_into_state_dict,),
-                     "_load_state_dict_pre_hooks": (_state_dict_into_masters,)}
+_CONVERSION_HOOKS = {
+    "_forward_pre_hooks": (_cast_inputs_to_weights, _norm_inputs_to_fp32),
+    "_forward_hooks": (_norm_output_to_low,),
+    "_state_dict_hooks": (_masters_into_state_dict,),
+    "_load_state_dict_pre_hooks": (_state_dict_into_masters,),
+}
 
 
 def holds_masters(module: nn.Module) -> bool:
@@ -241,12 +276,15 @@ def holds_masters(module: nn.Module) -> bool:
 
 
 def full_precision_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of a module converted by :func:`use_low_precision_weights` (or of a part of one) as it would be
-    without the conversion: its fp32 masters as the parameters (in the parameters' memory format), no casting or
-    state-dict hooks, no masters. ``module`` itself is untouched. Used for fp32 baselines of ``-weights`` runs."""
+    """A deep copy of a module converted by :func:`use_low_precision_weights` (or of a part of one) as it
+    would be without the conversion: its fp32 masters as the parameters (in the parameters' memory format), no
+    casting or state-dict hooks, no masters. ``module`` itself is untouched. Used for fp32 baselines of
+    ``-weights`` runs."""
     if not holds_masters(module):
-        raise ValueError(f"{type(module).__name__} has no fp32 masters: it was not converted by "
-                         "use_low_precision_weights, so copy.deepcopy gives its full-precision copy")
+        raise ValueError(
+            f"{type(module).__name__} has no fp32 masters: it was not converted by "
+            "use_low_precision_weights, so copy.deepcopy gives its full-precision copy"
+        )
     clone = copy.deepcopy(module)
     clone.__dict__.pop(_WEIGHTS_ATTR, None)  # absent when ``module`` is a part of the converted tree
     for submodule in clone.modules():

@@ -1,9 +1,11 @@
-"""``trainer.precision=16-mixed|bf16-mixed``: Lightning's autocast plugin with fp32 regions and the step guard.
+"""``trainer.precision=16-mixed|bf16-mixed``: Lightning's autocast plugin with fp32 regions and the step
+guard.
 
-:class:`DetectionMixedPrecision` is Lightning's ``MixedPrecision`` (autocast in the forward, a GradScaler for fp16)
-with two additions: the fp32 regions of :mod:`lit_amp_det.precision.regions`, installed by ``convert_module``, and
-the non-finite step guard of :mod:`lit_amp_det.precision.guard`. bf16 has no GradScaler, so the guard checks and
-skips its steps on the device; fp16 keeps GradScaler's own skipping and the guard only counts the skips."""
+:class:`DetectionMixedPrecision` is Lightning's ``MixedPrecision`` (autocast in the forward, a GradScaler for
+fp16) with two additions: the fp32 regions of :mod:`lit_amp_det.precision.regions`, installed by
+``convert_module``, and the non-finite step guard of :mod:`lit_amp_det.precision.guard`. bf16 has no
+GradScaler, so the guard checks and skips its steps on the device; fp16 keeps GradScaler's own skipping and
+the guard only counts the skips."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ __all__ = ["DetectionMixedPrecision"]
 
 
 class DetectionMixedPrecision(MixedPrecision):
-    """``16-mixed`` / ``bf16-mixed`` autocast with fp32 regions, dynamic loss scaling (fp16) and the step guard.
+    """``16-mixed`` / ``bf16-mixed`` autocast with fp32 regions, dynamic loss scaling (fp16) and the step
+    guard.
 
     Args:
         precision: ``16-mixed`` (fp16 with a GradScaler) or ``bf16-mixed``.
@@ -36,8 +39,10 @@ class DetectionMixedPrecision(MixedPrecision):
 
     def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str, **options: Any) -> None:
         if precision not in MIXED_PRECISIONS:
-            raise ValueError(f"trainer.precision={precision!r}; DetectionMixedPrecision takes "
-                             f"{' or '.join(MIXED_PRECISIONS)}")
+            raise ValueError(
+                f"trainer.precision={precision!r}; DetectionMixedPrecision takes "
+                f"{' or '.join(MIXED_PRECISIONS)}"
+            )
         settings = HalfPrecisionOptions(**options)
         super().__init__(precision, device, settings.scaler(precision, device))
         self.fp32_regions, self.guard = settings.regions(), settings.guard(precision)
@@ -50,17 +55,27 @@ class DetectionMixedPrecision(MixedPrecision):
         return module
 
     @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: pl.LightningModule,  # type: ignore[override]
-                       closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: pl.LightningModule,  # type: ignore[override]
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
         if self.scaler is None:
-            return guarded_optimizer_step(self, self.guard, optimizer, model, closure, self.step_if_finite, **kwargs)
+            return guarded_optimizer_step(
+                self, self.guard, optimizer, model, closure, self.step_if_finite, **kwargs
+            )
         found: list[Tensor] = []
 
         def checked_closure() -> Any:
             result = closure()
             if result is not None or not model.automatic_optimization:  # Lightning's step unscales and steps
-                found.append(non_finite(gradients(optimizer)))  # what GradScaler finds: inf/NaN scaled gradients
+                found.append(
+                    non_finite(gradients(optimizer))
+                )  # what GradScaler finds: inf/NaN scaled gradients
             return result
+
         result = super().optimizer_step(optimizer, model=model, closure=checked_closure, **kwargs)
         if found:
             self.guard.record(found[0])
@@ -68,11 +83,13 @@ class DetectionMixedPrecision(MixedPrecision):
         return result
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        """The step after backward and Lightning's hooks (bf16), skipped on the device when a gradient is not finite;
-        fp16 steps through its GradScaler instead."""
+        """The step after backward and Lightning's hooks (bf16), skipped on the device when a gradient is not
+        finite; fp16 steps through its GradScaler instead."""
         if self.scaler is not None:
-            raise RuntimeError(f"trainer.precision={self.precision} steps through its GradScaler "
-                               "(scaler.step(optimizer)), not step_if_finite")
+            raise RuntimeError(
+                f"trainer.precision={self.precision} steps through its GradScaler "
+                "(scaler.step(optimizer)), not step_if_finite"
+            )
         self.guard.step(optimizer, **kwargs)
 
     @override

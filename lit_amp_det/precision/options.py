@@ -1,9 +1,9 @@
 """The settings both half-precision plugins take: fp32 regions, the fp16 GradScaler's and the step guard's.
 
 :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision` and
-:class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` accept these as keywords and build their
-GradScaler, fp32-region mapping and :class:`~lit_amp_det.precision.guard.NonFiniteStepGuard` from them here, so
-the two plugins cannot drift apart in a default."""
+:class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` accept these as keywords and build
+their GradScaler, fp32-region mapping and :class:`~lit_amp_det.precision.guard.NonFiniteStepGuard` from them
+here, so the two plugins cannot drift apart in a default."""
 
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ __all__ = ["GROWTH_INTERVAL", "INIT_SCALE", "HalfPrecisionOptions", "half_dtype"
 
 
 def half_dtype(precision: str) -> torch.dtype:
-    """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for ``bf16-*``."""
+    """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for ``bf16-*``.
+    """
     return torch.float16 if precision.startswith("16-") else torch.bfloat16
 
 
 #: GradScaler's first loss scale (``precision.init_scale``), torch's default
 INIT_SCALE = 2.0**16
-#: steps without an overflow before GradScaler doubles the scale (``precision.growth_interval``), torch's default
+#: steps without an overflow before GradScaler doubles the scale (``precision.growth_interval``), torch's
+#: default
 GROWTH_INTERVAL = 2000
 
 
@@ -47,8 +49,8 @@ class HalfPrecisionOptions:
     skip_check_every_n_steps: int = SKIP_CHECK_EVERY_N_STEPS
 
     def scaler(self, precision: str, device: str) -> torch.amp.GradScaler | None:
-        """A GradScaler for the fp16 precisions (``16-mixed``, ``16-weights``: fp16 gradients underflow without
-        one); ``None`` for the bf16 ones."""
+        """A GradScaler for the fp16 precisions (``16-mixed``, ``16-weights``: fp16 gradients underflow
+        without one); ``None`` for the bf16 ones."""
         if not precision.startswith("16-"):
             return None
         return torch.amp.GradScaler(device, init_scale=self.init_scale, growth_interval=self.growth_interval)

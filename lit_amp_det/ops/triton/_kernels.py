@@ -9,8 +9,8 @@ Numerics, shared by all kernels:
 * every load is converted to the accumulation type ``ACC`` right away (fp32, fp64 for fp64): bf16 arithmetic
   inside an interpreted kernel is wrong, and the GPU gains nothing from half-precision math here;
 * fp32 quotients use ``tl.div_rn`` (IEEE round-to-nearest; Triton's ``/`` is an approximate division on the
-  GPU) and the launchers pass ``enable_fp_fusion=False``, so no multiply-add is contracted into an FMA: IoUs and
-  RoIAlign sums are the ones the C++ CPU kernels (and torchvision's CPU kernels) compute, bit for bit;
+  GPU) and the launchers pass ``enable_fp_fusion=False``, so no multiply-add is contracted into an FMA: IoUs
+  and RoIAlign sums are the ones the C++ CPU kernels (and torchvision's CPU kernels) compute, bit for bit;
 * ``min``/``max`` are written as the C++ ``std::min``/``std::max`` selects, so NaN flows the same way;
 * integer offsets are formed in int64 (tensors past 2^31 elements).
 """
@@ -40,11 +40,12 @@ def _i64(v):
 def _sum(x, axis):
     """``tl.sum``, callable from the interpreted copy of this module too.
 
-    ``tl.sum`` is itself a ``@triton.jit`` function, so when triton was imported without TRITON_INTERPRET=1 (as in
-    any process that imported torch first) an interpreted kernel cannot call it. ``tl.reduce`` is a builtin, and
-    with triton's own ``_sum_combine`` the interpreter reduces with ``np.sum`` instead of element by element;
-    compiled, this is exactly what ``tl.sum`` does (checked with triton 3.8, the version torch 2.14 pins). For
-    the same reason the kernels use ``tl.full`` where ``tl.zeros`` (also ``@triton.jit``) would do.
+    ``tl.sum`` is itself a ``@triton.jit`` function, so when triton was imported without TRITON_INTERPRET=1
+    (as in any process that imported torch first) an interpreted kernel cannot call it. ``tl.reduce`` is a
+    builtin, and with triton's own ``_sum_combine`` the interpreter reduces with ``np.sum`` instead of element
+    by element; compiled, this is exactly what ``tl.sum`` does (checked with triton 3.8, the version torch
+    2.14 pins). For the same reason the kernels use ``tl.full`` where ``tl.zeros`` (also ``@triton.jit``)
+    would do.
     """
     return tl.reduce(x, axis, tl.standard._sum_combine)
 
@@ -83,8 +84,22 @@ def _pair_iou(ax1, ay1, ax2, ay2, a_area, bx1, by1, bx2, by2, b_area, FP64: tl.c
 
 
 @triton.jit
-def box_iou_kernel(a_ptr, b_ptr, out_ptr, n, m, sa0, sa1, sb0, sb1, ACC: tl.constexpr, FP64: tl.constexpr,
-                   INT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def box_iou_kernel(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    n,
+    m,
+    sa0,
+    sa1,
+    sb0,
+    sb1,
+    ACC: tl.constexpr,
+    FP64: tl.constexpr,
+    INT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """out[i, j] = IoU(a[i], b[j]); one [BLOCK_N, BLOCK_M] tile per program."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -102,22 +117,47 @@ def box_iou_kernel(a_ptr, b_ptr, out_ptr, n, m, sa0, sa1, sb0, sb1, ACC: tl.cons
     by2 = tl.load(b + 3 * sb1, mask=mm, other=0).to(ACC)
     a_area = (ax2 - ax1) * (ay2 - ay1)
     b_area = (bx2 - bx1) * (by2 - by1)
-    iou = _pair_iou(ax1[:, None], ay1[:, None], ax2[:, None], ay2[:, None], a_area[:, None],
-                    bx1[None, :], by1[None, :], bx2[None, :], by2[None, :], b_area[None, :], FP64, INT)
+    iou = _pair_iou(
+        ax1[:, None],
+        ay1[:, None],
+        ax2[:, None],
+        ay2[:, None],
+        a_area[:, None],
+        bx1[None, :],
+        by1[None, :],
+        bx2[None, :],
+        by2[None, :],
+        b_area[None, :],
+        FP64,
+        INT,
+    )
     out = out_ptr + rn.to(tl.int64)[:, None] * m + rm[None, :]
     tl.store(out, iou.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
 
 
 @triton.jit
-def nms_mask_kernel(boxes_ptr, s0, s1, order_ptr, cls_ptr, thr_ptr, mask_ptr, n, words, band, ACC: tl.constexpr,
-                    FP64: tl.constexpr):
+def nms_mask_kernel(
+    boxes_ptr,
+    s0,
+    s1,
+    order_ptr,
+    cls_ptr,
+    thr_ptr,
+    mask_ptr,
+    n,
+    words,
+    band,
+    ACC: tl.constexpr,
+    FP64: tl.constexpr,
+):
     """IoU bitmask of the boxes in visiting order, banded: bit t of mask[i, d] says "box i suppresses box
     64 (i // 64 + d) + t". Boxes are grouped by class (ascending), and no class spans more than ``band`` words
     past its first, so row i needs only the words [i // 64, i // 64 + band).
 
     One 64 x 64 tile per program, grid (band, words): tile (rb, rb + d). A tile is computed only if it holds a
-    pair of the same class, i.e. iff the class of its last row is >= that of its first column (always so on the
-    diagonal); the greedy pass never reads the others (a kept row is read only up to the end of its class).
+    pair of the same class, i.e. iff the class of its last row is >= that of its first column (always so on
+    the diagonal); the greedy pass never reads the others (a kept row is read only up to the end of its
+    class).
     """
     rb = tl.program_id(1)
     cb = rb + tl.program_id(0)
@@ -141,14 +181,30 @@ def nms_mask_kernel(boxes_ptr, s0, s1, order_ptr, cls_ptr, thr_ptr, mask_ptr, n,
             cy2 = tl.load(boxes_ptr + ci + 3 * s1, mask=cmask, other=0).to(ACC)
             r_area = (rx2 - rx1) * (ry2 - ry1)
             c_area = (cx2 - cx1) * (cy2 - cy1)
-            iou = _pair_iou(rx1[:, None], ry1[:, None], rx2[:, None], ry2[:, None], r_area[:, None],
-                            cx1[None, :], cy1[None, :], cx2[None, :], cy2[None, :], c_area[None, :], FP64, False)
+            iou = _pair_iou(
+                rx1[:, None],
+                ry1[:, None],
+                rx2[:, None],
+                ry2[:, None],
+                r_area[:, None],
+                cx1[None, :],
+                cy1[None, :],
+                cx2[None, :],
+                cy2[None, :],
+                c_area[None, :],
+                FP64,
+                False,
+            )
             r_cls = tl.load(cls_ptr + r, mask=rmask, other=0)
             c_cls = tl.load(cls_ptr + c, mask=cmask, other=0)
             # fp32 IoU against the double threshold, as torchvision's CPU kernel compares them
             threshold = tl.load(thr_ptr)
-            hit = ((iou.to(tl.float64) > threshold) & (r_cls[:, None] == c_cls[None, :]) & (c[None, :] > r[:, None])
-                   & cmask[None, :])
+            hit = (
+                (iou.to(tl.float64) > threshold)
+                & (r_cls[:, None] == c_cls[None, :])
+                & (c[None, :] > r[:, None])
+                & cmask[None, :]
+            )
             one = tl.full([64, 64], 1, tl.int64)
             # distinct powers of two: their sum is their OR (bit 63 wraps to the sign bit, as intended)
             bits = _sum(tl.where(hit, one << lane.to(tl.int64)[None, :], 0), axis=1)
@@ -156,15 +212,17 @@ def nms_mask_kernel(boxes_ptr, s0, s1, order_ptr, cls_ptr, thr_ptr, mask_ptr, n,
 
 
 @triton.jit
-def nms_greedy_kernel(mask_ptr, removed_ptr, cls_ptr, class_end_ptr, keep_ptr, n, words, band, limit,
-                      WORDS_BLOCK: tl.constexpr):
+def nms_greedy_kernel(
+    mask_ptr, removed_ptr, cls_ptr, class_end_ptr, keep_ptr, n, words, band, limit, WORDS_BLOCK: tl.constexpr
+):
     """The greedy pass, one program: boxes in visiting order (grouped by class, each class by score).
 
-    Box i is kept unless it starts removed (``removed_ptr``: one int64 of bits per word, set for boxes that must
-    not take part, and for the padding past n) or a kept box of its class suppressed it, and at most ``limit``
-    boxes per class are kept (a class never needs more: the global result is truncated at ``limit``). The removed
-    bits of all boxes live in registers, a word whose boxes are all removed is skipped in one test, and the mask
-    is read only for kept rows, up to the end of their class. Writes keep[i] = 1 for kept boxes.
+    Box i is kept unless it starts removed (``removed_ptr``: one int64 of bits per word, set for boxes that
+    must not take part, and for the padding past n) or a kept box of its class suppressed it, and at most
+    ``limit`` boxes per class are kept (a class never needs more: the global result is truncated at
+    ``limit``). The removed bits of all boxes live in registers, a word whose boxes are all removed is skipped
+    in one test, and the mask is read only for kept rows, up to the end of their class. Writes keep[i] = 1 for
+    kept boxes.
     """
     word_ids = tl.arange(0, WORDS_BLOCK)
     lane = tl.arange(0, 64)
@@ -216,8 +274,20 @@ def _axis_taps(start, bin_size, bin_index, s, grid, size, ACC: tl.constexpr, FP6
 
 
 @triton.jit
-def _roi_geometry(rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio,
-                  ALIGNED: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr):
+def _roi_geometry(
+    rois_ptr,
+    sr0,
+    sr1,
+    k,
+    scale_ptr,
+    batch,
+    pooled_h,
+    pooled_w,
+    sampling_ratio,
+    ALIGNED: tl.constexpr,
+    ACC: tl.constexpr,
+    FP64: tl.constexpr,
+):
     """Image index (and whether it is in [0, N)), start, bin size and sample grid of roi k."""
     roi = rois_ptr + _i64(k) * sr0
     b = tl.load(roi).to(ACC)
@@ -271,19 +341,48 @@ def _level_ok(levels_ptr, k, num_levels, HAS_LEVELS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio"])
 def roi_align_forward_kernel(
-    x_ptr, rois_ptr, levels_ptr, scale_ptr, out_ptr, level, num_levels, batch, channels, height, width,
-    sx_n, sx_c, sx_h, sx_w, sr0, sr1, so_k, so_c, so_h, so_w, pooled_h, pooled_w, sampling_ratio,
-    ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    x_ptr,
+    rois_ptr,
+    levels_ptr,
+    scale_ptr,
+    out_ptr,
+    level,
+    num_levels,
+    batch,
+    channels,
+    height,
+    width,
+    sx_n,
+    sx_c,
+    sx_h,
+    sx_w,
+    sr0,
+    sr1,
+    so_k,
+    so_c,
+    so_h,
+    so_w,
+    pooled_h,
+    pooled_w,
+    sampling_ratio,
+    ALIGNED: tl.constexpr,
+    HAS_LEVELS: tl.constexpr,
+    ACC: tl.constexpr,
+    FP64: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """out[k, c, ph, pw] for roi k and a block of channels, all bins at once; grid (K, cdiv(C, BLOCK_C)).
 
-    Reads x through its strides (contiguous or channels_last), sums samples in ACC in torchvision's order, writes
-    through the output's strides. A roi with an image index outside [0, N) (or an invalid level) pools to zeros.
+    Reads x through its strides (contiguous or channels_last), sums samples in ACC in torchvision's order,
+    writes through the output's strides. A roi with an image index outside [0, N) (or an invalid level) pools
+    to zeros.
     """
     k = tl.program_id(0)
     if _owns(levels_ptr, k, level, num_levels, HAS_LEVELS):
         in_batch, image, start_h, start_w, bin_h, bin_w, grid_h, grid_w, count = _roi_geometry(
-            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64)
+            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64
+        )
         in_batch = in_batch & _level_ok(levels_ptr, k, num_levels, HAS_LEVELS)
         p = tl.arange(0, BLOCK_P)
         bin_y = p // pooled_w
@@ -296,7 +395,9 @@ def roi_align_forward_kernel(
         for iy in range(0, grid_h):
             y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_taps(start_h, bin_h, bin_y, iy, grid_h, height, ACC, FP64)
             for ix in range(0, grid_w):
-                x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_taps(start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64)
+                x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_taps(
+                    start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64
+                )
                 ok = (y_ok & x_ok & pmask & in_batch)[:, None] & cmask[None, :]
                 y0 = y_lo.to(tl.int64) * sx_h
                 y1 = y_hi.to(tl.int64) * sx_h
@@ -312,17 +413,48 @@ def roi_align_forward_kernel(
                 w4 = (wy_hi * wx_hi)[:, None]
                 acc = acc + (w1 * v1 + w2 * v2 + w3 * v3 + w4 * v4)
         value = _div(acc, count, FP64)
-        out = (out_ptr + k.to(tl.int64) * so_k + c.to(tl.int64)[None, :] * so_c
-               + (bin_y.to(tl.int64) * so_h + bin_x.to(tl.int64) * so_w)[:, None])
+        out = (
+            out_ptr
+            + k.to(tl.int64) * so_k
+            + c.to(tl.int64)[None, :] * so_c
+            + (bin_y.to(tl.int64) * so_h + bin_x.to(tl.int64) * so_w)[:, None]
+        )
         tl.store(out, value.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio"])
 def roi_align_backward_atomic_kernel(
-    grad_ptr, rois_ptr, levels_ptr, scale_ptr, gx_ptr, level, num_levels, batch, channels, height, width,
-    sg_k, sg_c, sg_h, sg_w, sr0, sr1, sx_n, sx_c, sx_h, sx_w, pooled_h, pooled_w, sampling_ratio,
-    ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    grad_ptr,
+    rois_ptr,
+    levels_ptr,
+    scale_ptr,
+    gx_ptr,
+    level,
+    num_levels,
+    batch,
+    channels,
+    height,
+    width,
+    sg_k,
+    sg_c,
+    sg_h,
+    sg_w,
+    sr0,
+    sr1,
+    sx_n,
+    sx_c,
+    sx_h,
+    sx_w,
+    pooled_h,
+    pooled_w,
+    sampling_ratio,
+    ALIGNED: tl.constexpr,
+    HAS_LEVELS: tl.constexpr,
+    ACC: tl.constexpr,
+    FP64: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Scatters grad[k] into the ACC buffer gx with atomic adds; grid (K, cdiv(C, BLOCK_C)).
 
     Rois overlap, so two programs may add into the same pixel: the order of those fp32 additions is not
@@ -331,7 +463,8 @@ def roi_align_backward_atomic_kernel(
     k = tl.program_id(0)
     if _owns(levels_ptr, k, level, num_levels, HAS_LEVELS):
         in_batch, image, start_h, start_w, bin_h, bin_w, grid_h, grid_w, count = _roi_geometry(
-            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64)
+            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64
+        )
         in_batch = in_batch & _level_ok(levels_ptr, k, num_levels, HAS_LEVELS)
         p = tl.arange(0, BLOCK_P)
         bin_y = p // pooled_w
@@ -339,14 +472,20 @@ def roi_align_backward_atomic_kernel(
         pmask = p < pooled_h * pooled_w
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = c < channels
-        g_ptr = (grad_ptr + k.to(tl.int64) * sg_k + c.to(tl.int64)[None, :] * sg_c
-                 + (bin_y.to(tl.int64) * sg_h + bin_x.to(tl.int64) * sg_w)[:, None])
+        g_ptr = (
+            grad_ptr
+            + k.to(tl.int64) * sg_k
+            + c.to(tl.int64)[None, :] * sg_c
+            + (bin_y.to(tl.int64) * sg_h + bin_x.to(tl.int64) * sg_w)[:, None]
+        )
         g = _div(tl.load(g_ptr, mask=pmask[:, None] & cmask[None, :], other=0).to(ACC), count, FP64)
         base = gx_ptr + image * sx_n + c.to(tl.int64)[None, :] * sx_c
         for iy in range(0, grid_h):
             y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_taps(start_h, bin_h, bin_y, iy, grid_h, height, ACC, FP64)
             for ix in range(0, grid_w):
-                x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_taps(start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64)
+                x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_taps(
+                    start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64
+                )
                 ok = (y_ok & x_ok & pmask & in_batch)[:, None] & cmask[None, :]
                 y0 = y_lo.to(tl.int64) * sx_h
                 y1 = y_hi.to(tl.int64) * sx_h
@@ -380,9 +519,10 @@ def _add_corner(ptr, value, mask):
 
 @triton.jit
 def _bins_reaching(first, end, start, bin_size, pooled):
-    """[lo, hi) of the bins along one axis whose samples can land on pixels [first, end): bin b's samples lie in
-    [start + b * bin_size, start + (b + 1) * bin_size] and reach floor(pos) and floor(pos) + 1, clamped into the map;
-    two bins of slack each side absorb rounding. Every bin when start or bin_size is not finite or bin_size <= 0."""
+    """[lo, hi) of the bins along one axis whose samples can land on pixels [first, end): bin b's samples lie
+    in [start + b * bin_size, start + (b + 1) * bin_size] and reach floor(pos) and floor(pos) + 1, clamped
+    into the map; two bins of slack each side absorb rounding. Every bin when start or bin_size is not finite
+    or bin_size <= 0."""
     narrow = (bin_size > 0) & (bin_size < 1.0e30) & (start > -1.0e30) & (start < 1.0e30)  # NaN fails all
     safe_size = tl.where(narrow, bin_size, 1.0)
     safe_start = tl.where(narrow, start, 0.0)
@@ -395,16 +535,47 @@ def _bins_reaching(first, end, start, bin_size, pooled):
 
 @triton.jit(do_not_specialize=["pooled_h", "pooled_w", "sampling_ratio", "tile_h", "tile_w"])
 def roi_align_backward_owned_kernel(
-    grad_ptr, rois_ptr, levels_ptr, scale_ptr, gx_ptr, level, num_levels, num_rois, batch, channels, height, width,
-    sg_k, sg_c, sg_h, sg_w, sr0, sr1, sx_n, sx_c, sx_h, sx_w, pooled_h, pooled_w, sampling_ratio, tile_h, tile_w,
-    ALIGNED: tl.constexpr, HAS_LEVELS: tl.constexpr, ACC: tl.constexpr, FP64: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Deterministic backward: each program owns a tile_h x tile_w tile of one image's gx for a block of channels and
-    adds into it, in one fixed order (roi, bin, sample, corner), every contribution that lands in the tile, as the CPU
-    kernel's threads own channels. No two programs write the same element, so no atomics, and every element's sum
-    has the serial kernel's order whatever the tiling; grid (N * tiles, cdiv(C, BLOCK_C)).
+    grad_ptr,
+    rois_ptr,
+    levels_ptr,
+    scale_ptr,
+    gx_ptr,
+    level,
+    num_levels,
+    num_rois,
+    batch,
+    channels,
+    height,
+    width,
+    sg_k,
+    sg_c,
+    sg_h,
+    sg_w,
+    sr0,
+    sr1,
+    sx_n,
+    sx_c,
+    sx_h,
+    sx_w,
+    pooled_h,
+    pooled_w,
+    sampling_ratio,
+    tile_h,
+    tile_w,
+    ALIGNED: tl.constexpr,
+    HAS_LEVELS: tl.constexpr,
+    ACC: tl.constexpr,
+    FP64: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Deterministic backward: each program owns a tile_h x tile_w tile of one image's gx for a block of
+    channels and adds into it, in one fixed order (roi, bin, sample, corner), every contribution that lands in
+    the tile, as the CPU kernel's threads own channels. No two programs write the same element, so no atomics,
+    and every element's sum has the serial kernel's order whatever the tiling; grid (N * tiles, cdiv(C,
+    BLOCK_C)).
 
-    Each program checks every RoI (a few scalar loads) and walks only the bins that reach its tile, so the work
-    is the atomic kernel's plus that check and the bins straddling tile edges; it runs when
+    Each program checks every RoI (a few scalar loads) and walks only the bins that reach its tile, so the
+    work is the atomic kernel's plus that check and the bins straddling tile edges; it runs when
     ``torch.use_deterministic_algorithms(True)`` is on.
     """
     tiles_w = (width + tile_w - 1) // tile_w
@@ -419,9 +590,12 @@ def roi_align_backward_owned_kernel(
     cmask = c < channels
     base = gx_ptr + n.to(tl.int64) * sx_n + c.to(tl.int64) * sx_c
     for k in range(0, num_rois):
-        mine = _owns(levels_ptr, k, level, num_levels, HAS_LEVELS) & _level_ok(levels_ptr, k, num_levels, HAS_LEVELS)
+        mine = _owns(levels_ptr, k, level, num_levels, HAS_LEVELS) & _level_ok(
+            levels_ptr, k, num_levels, HAS_LEVELS
+        )
         in_batch, image, start_h, start_w, bin_h, bin_w, grid_h, grid_w, count = _roi_geometry(
-            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64)
+            rois_ptr, sr0, sr1, k, scale_ptr, batch, pooled_h, pooled_w, sampling_ratio, ALIGNED, ACC, FP64
+        )
         if mine & in_batch & (image == n):
             by_lo, by_hi = _bins_reaching(y_first, y_end, start_h, bin_h, pooled_h)
             bx_lo, bx_hi = _bins_reaching(x_first, x_end, start_w, bin_w, pooled_w)
@@ -432,12 +606,15 @@ def roi_align_backward_owned_kernel(
                     g_ptr = grad_ptr + _i64(k) * sg_k + c.to(tl.int64) * sg_c + bin_y * sg_h + bin_x * sg_w
                     g = _div(tl.load(g_ptr, mask=cmask, other=0).to(ACC), count, FP64)
                     for iy in range(0, grid_h):
-                        y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_tap(start_h, bin_h, bin_y, iy, grid_h, height, ACC, FP64)
+                        y_ok, y_lo, y_hi, wy_lo, wy_hi = _axis_tap(
+                            start_h, bin_h, bin_y, iy, grid_h, height, ACC, FP64
+                        )
                         lo_row = (y_lo >= y_first) & (y_lo < y_end)
                         hi_row = (y_hi >= y_first) & (y_hi < y_end)
                         for ix in range(0, grid_w):
-                            x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_tap(start_w, bin_w, bin_x, ix, grid_w, width, ACC,
-                                                                       FP64)
+                            x_ok, x_lo, x_hi, wx_lo, wx_hi = _axis_tap(
+                                start_w, bin_w, bin_x, ix, grid_w, width, ACC, FP64
+                            )
                             ok = cmask & y_ok & x_ok
                             lo_col = (x_lo >= x_first) & (x_lo < x_end)
                             hi_col = (x_hi >= x_first) & (x_hi < x_end)

@@ -1,6 +1,6 @@
 """The module forms of the Triton ops: :class:`lit_amp_det.ops.RoIAlign` and
-:class:`~lit_amp_det.ops.MultiScaleRoIAlign` (same constructors, forward, scales and level mapping) pooling with the
-Triton kernels."""
+:class:`~lit_amp_det.ops.MultiScaleRoIAlign` (same constructors, forward, scales and level mapping) pooling
+with the Triton kernels."""
 
 from __future__ import annotations
 
@@ -22,10 +22,19 @@ class RoIAlign(_CompiledRoIAlign):
 
 
 class MultiScaleRoIAlign(_CompiledMultiScaleRoIAlign):
-    """:class:`lit_amp_det.ops.MultiScaleRoIAlign` (torchvision's constructor, forward, scales and level mapping)
-    pooling with the Triton kernels."""
+    """:class:`lit_amp_det.ops.MultiScaleRoIAlign` (torchvision's constructor, forward, scales and level
+    mapping) pooling with the Triton kernels."""
 
     def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
-        return pool_levels(features, boxes, scales, self.output_size, self.sampling_ratio, self.canonical_scale,
-                           self.canonical_level, self.aligned, roi_align_fn=roi_align,
-                           multi_level_fn=multi_level_roi_align)
+        return pool_levels(
+            features,
+            boxes,
+            scales,
+            self.output_size,
+            self.sampling_ratio,
+            self.canonical_scale,
+            self.canonical_level,
+            self.aligned,
+            roi_align_fn=roi_align,
+            multi_level_fn=multi_level_roi_align,
+        )
