@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from lit_amp_det import MaskRCNNModule
-from lit_amp_det.models.speedups import ModelTransform
 from torch import Tensor, nn
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads
+
+from lit_amp_det import MaskRCNNModule
+from lit_amp_det.models.speedups import ModelTransform
 
 
 class WeightedLossMaskRCNN(MaskRCNNModule):

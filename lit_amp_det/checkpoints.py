@@ -215,8 +215,7 @@ def _summary(
     *,
     examples: bool = True,
 ) -> str:
-    """``6 tensors of other shapes (roi_heads...weight [7, 64] in the file, [4, 64] here, ...)``: a few names.
-    """
+    """``6 tensors of other shapes (roi_heads...weight [7, 64] in the file, [4, 64] here, ...)``: a few names."""
     parts = []
     for kind, keys in mismatch.items():
         if not keys:

@@ -128,8 +128,7 @@ MIN_FREE_MB = 64
 
 
 def _short_of_room() -> str | None:
-    """Why the runs folder's disk cannot take a run (``None`` when it can): said before anything is written.
-    """
+    """Why the runs folder's disk cannot take a run (``None`` when it can): said before anything is written."""
     root = Path(os.environ.get("LIT_AMP_DET_RUNS", "runs")).expanduser().absolute()
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free / 2**20

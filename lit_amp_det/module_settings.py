@@ -48,8 +48,7 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class EvaluationSettings:
-    """``mask_threshold`` (probability above which a mask pixel is the instance's) and the COCO ``backend``.
-    """
+    """``mask_threshold`` (probability above which a mask pixel is the instance's) and the COCO ``backend``."""
 
     mask_threshold: float = 0.5
     backend: str = "faster_coco_eval"
@@ -62,8 +61,7 @@ def _unknown_keys(node: str, given: Mapping[str, Any], known: tuple[str, ...]) -
 
 
 def check_optim(optim: Mapping[str, Any] | None) -> OptimSettings:
-    """``optim`` (``optimizer``, ``scheduler``, ``reference_batch``; missing keys take the defaults) checked.
-    """
+    """``optim`` (``optimizer``, ``scheduler``, ``reference_batch``; missing keys take the defaults) checked."""
     given = dict(optim or {})
     _unknown_keys("optim", given, ("optimizer", "scheduler", "reference_batch"))
     optimizer = given.get("optimizer", DEFAULT_OPTIMIZER)

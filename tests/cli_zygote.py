@@ -28,10 +28,11 @@ def _warm() -> None:
     """The imports a CLI run makes before it does anything; nothing here starts a thread or runs an op."""
     import hydra  # noqa: F401
     import lightning.pytorch  # noqa: F401
-    import lit_amp_det.app.tasks  # noqa: F401
-    import lit_amp_det.cli  # noqa: F401
     import torch  # noqa: F401
     import torchvision  # noqa: F401
+
+    import lit_amp_det.app.tasks  # noqa: F401
+    import lit_amp_det.cli  # noqa: F401
 
 
 def _child(request: dict, base_path: list[str]) -> None:

@@ -20,8 +20,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from lightning.pytorch.loggers import Logger
-from lit_amp_det.app.config import config_dir
 from omegaconf import DictConfig
+
+from lit_amp_det.app.config import config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,8 +47,7 @@ def _isolated_paths(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.fixture
 def cpu_bf16(monkeypatch: pytest.MonkeyPatch):
-    """Sets whether the CPU computes bf16 natively, for tests of what ``auto`` and the CPU fallbacks choose.
-    """
+    """Sets whether the CPU computes bf16 natively, for tests of what ``auto`` and the CPU fallbacks choose."""
     from lit_amp_det.precision import hardware
 
     def set_native(native: bool) -> None:

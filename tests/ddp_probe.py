@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
+
 from lit_amp_det.models.conv_bn import conv_bn_eval_enabled
 
 

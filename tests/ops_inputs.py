@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import lit_amp_det.ops as ops
 import pytest
 import torch
 from torch import Tensor
+
+import lit_amp_det.ops as ops
 
 #: skips a test without a CUDA GPU and marks it ``cuda``, the set ``make gpu-check`` runs (``pytest -m cuda``)
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]

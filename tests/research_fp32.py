@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.precision import force_fp32, mixed_precision_dtype
 

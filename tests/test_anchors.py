@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
-from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
 from conftest import compose_config
+from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
 
 SIZES = ((32,), (64,), (128,), (256,), (512,))
 RATIOS = ((0.5, 1.0, 2.0),) * 5

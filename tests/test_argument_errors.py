@@ -8,13 +8,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from omegaconf import open_dict
+
+from conftest import SMOKE, compose_config
 from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer, config_node
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
 from lit_amp_det.data.datamodule import CocoDataModule
 from lit_amp_det.errors import ArgumentError
-from omegaconf import open_dict
-
-from conftest import SMOKE, compose_config
 
 
 def test_message_names_the_argument_and_the_prefix_goes_in_front() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lit_amp_det.bench import ops as bench_ops
 from lit_amp_det.ops import extension_available
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from lit_amp_det.bench import repeats, state
 from lit_amp_det.bench.measure import shapes_batch, summarise, weights_sha256
 from lit_amp_det.bench.rows import Setting, compose

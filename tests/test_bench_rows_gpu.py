@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+
 from lit_amp_det.bench import gpu_check, measure
 from lit_amp_det.bench.measure import build_trainer, pad_training_targets, run_row, shapes_batch
 from lit_amp_det.bench.rows import BENCHES, PAD_INSTANCES, Setting, compose, device_defaults, row_overrides

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from lit_amp_det.precision.casting import (
     AMP_DTYPE_ATTR,
     LOW_PRECISION_DTYPES,
@@ -24,7 +26,6 @@ from lit_amp_det.precision.casting import (
     unwrap_method,
     wrap_method,
 )
-from torch import nn
 
 
 def _cpu_autocast_supports(dtype: torch.dtype) -> bool:

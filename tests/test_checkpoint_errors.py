@@ -15,10 +15,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
-from lit_amp_det import MaskRCNNModule
-from lit_amp_det.checkpoints import check_checkpoint
 
 from conftest import CONFIG_ERRORS, compose_config, run_cli
+from lit_amp_det import MaskRCNNModule
+from lit_amp_det.checkpoints import check_checkpoint
 
 R18 = "model.backbone.name=resnet18"
 

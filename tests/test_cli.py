@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lit_amp_det.data import ShapesDataModule
 from omegaconf import OmegaConf
 from pycocotools.coco import COCO
 
 from conftest import REPO, SMOKE, compose_config, only_run_dir, run_cli
+from lit_amp_det.data import ShapesDataModule
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
-"""Tests for `lit_amp_det.data.coco` and `lit_amp_det.data.transforms` on tiny COCO folders built in tmp_path.
-"""
+"""Tests for `lit_amp_det.data.coco` and `lit_amp_det.data.transforms` on tiny COCO folders built in tmp_path."""
 
 from __future__ import annotations
 
@@ -13,11 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+from pycocotools import mask as mask_utils
+
 from lit_amp_det.data import coco as coco_module
 from lit_amp_det.data.coco import CocoInstances, drop_crowd
 from lit_amp_det.data.transforms import Compose, RandomHorizontalFlip, ToFloat, collate_detection
-from PIL import Image
-from pycocotools import mask as mask_utils
 
 H, W = 30, 40  # images 1 and 2; image 3 is 20 wide x 50 high
 

@@ -10,13 +10,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import CONFIG_ERRORS, compose_config
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.app.config import check_config, config_groups
 from lit_amp_det.app.tasks import build_model, build_trainer
 from lit_amp_det.errors import ArgumentError
-from omegaconf import OmegaConf
-
-from conftest import CONFIG_ERRORS, compose_config
 
 GROUPS = config_groups()
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from lit_amp_det.app.console import quiet_console
-from lit_amp_det.callbacks.console_log import ConsoleLog
 
 from conftest import SMOKE, run_cli
+from lit_amp_det.app.console import quiet_console
+from lit_amp_det.callbacks.console_log import ConsoleLog
 
 CHATTER = ("faster_coco_eval", "Average Precision", "LeafSpec", "Tip:", "not supported by the model summary")
 
@@ -118,9 +118,8 @@ def test_every_trainer_argument_is_a_setting_without_a_plus() -> None:
 
 
 def test_a_fit_of_zero_steps_is_refused(tmp_path: Path) -> None:
-    from lit_amp_det.app.config import check_config
-
     from conftest import compose_config
+    from lit_amp_det.app.config import check_config
 
     for override in ("trainer.max_steps=0", "trainer.max_epochs=0"):
         with pytest.raises(ValueError, match=r"trainer.max_(steps|epochs)=0 trains nothing"):
@@ -140,9 +139,8 @@ def test_a_fit_of_zero_steps_is_refused(tmp_path: Path) -> None:
     ],
 )
 def test_numeric_settings_are_checked_naming_the_setting(tmp_path: Path, override: str, message: str) -> None:
-    from lit_amp_det.app.config import check_config
-
     from conftest import compose_config
+    from lit_amp_det.app.config import check_config
 
     with pytest.raises(ValueError) as err:
         check_config(compose_config([*SMOKE, override], tmp_path))

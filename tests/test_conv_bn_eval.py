@@ -17,6 +17,11 @@ import torch.nn.functional as F
 import torchvision
 from hydra.utils import instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.ops import Conv2dNormActivation, FrozenBatchNorm2d
+
+from conftest import SMOKE, compose_config, smooth_activations
 from lit_amp_det.callbacks.conv_bn_eval import ConvBNEval
 from lit_amp_det.models.conv_bn import (
     NORM_TYPES,
@@ -28,11 +33,6 @@ from lit_amp_det.models.conv_bn import (
     fold_conv_bn,
 )
 from lit_amp_det.models.maskrcnn import build_detector
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
-from torchvision.ops import Conv2dNormActivation, FrozenBatchNorm2d
-
-from conftest import SMOKE, compose_config, smooth_activations
 
 PAIRS = {"resnet18": 20, "resnet50": 53}
 
@@ -656,8 +656,7 @@ def test_callback_fails_early_without_pairs() -> None:
 
 
 class _NormEvalCounter(Callback):
-    """norm_eval for the detector (BatchNorm in eval mode before every batch), counting norm calls per kind.
-    """
+    """norm_eval for the detector (BatchNorm in eval mode before every batch), counting norm calls per kind."""
 
     def __init__(self) -> None:
         self.calls: Counter = Counter()

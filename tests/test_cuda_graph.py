@@ -20,6 +20,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import SMOKE, compose_config
 from lit_amp_det.app import tasks
 from lit_amp_det.callbacks import cuda_graph
 from lit_amp_det.callbacks.cuda_graph import (
@@ -29,10 +33,6 @@ from lit_amp_det.callbacks.cuda_graph import (
     restore_configuration,
 )
 from lit_amp_det.optim import build_optimizer
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from conftest import SMOKE, compose_config
 
 GRAPH = [
     "callbacks=[default,cuda_graph]",
@@ -98,8 +98,7 @@ def _fit(
     steps: int = 5,
     callbacks: tuple[pl.Callback, ...] = (),
 ) -> pl.Trainer:
-    """A smoke fit of ``steps`` steps, with ``callbacks`` added to the configured ones; returns its Trainer.
-    """
+    """A smoke fit of ``steps`` steps, with ``callbacks`` added to the configured ones; returns its Trainer."""
     built: list[pl.Trainer] = []
     build_trainer = tasks.build_trainer
 

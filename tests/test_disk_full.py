@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lit_amp_det import checkpoint_io
 from lit_amp_det.app import runs
 from lit_amp_det.app.console import report_user_error
@@ -118,8 +119,9 @@ class _Usage:
 
 
 def test_training_curves_on_a_full_disk_leave_no_partial_picture(tmp_path: Path, monkeypatch) -> None:
-    from lit_amp_det.callbacks import TrainingCurves
     from matplotlib.figure import Figure
+
+    from lit_amp_det.callbacks import TrainingCurves
 
     def full(self, path, **kwargs):
         Path(path).write_bytes(b"\x89PNG half")

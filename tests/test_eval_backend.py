@@ -10,14 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hydra.utils import instantiate
+
+from conftest import CONFIG_ERRORS, compose_config
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.app.config import config_groups
 from lit_amp_det.app.tasks import build_model
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.module import EVAL_BACKENDS, check_eval_backend
 from lit_amp_det.module_settings import check_evaluation
-
-from conftest import CONFIG_ERRORS, compose_config
 
 SIZE = 128  # large enough for COCO's small (< 32^2), medium and large (> 96^2) objects
 
@@ -122,8 +122,7 @@ def test_backends_agree_on_every_key(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_default_backend_follows_the_measured_image_sizes(tmp_path: Path) -> None:
-    """faster_coco_eval for the small-image configs (faster there), pycocotools at COCO sizes (faster there).
-    """
+    """faster_coco_eval for the small-image configs (faster there), pycocotools at COCO sizes (faster there)."""
     expected = {option: "faster_coco_eval" for option in config_groups()["model"]} | {
         "maskrcnn_r50_fpn": "pycocotools"
     }

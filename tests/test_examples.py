@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lit_amp_det.models.ext_ops import ExtRoIHeads
 from torch import nn
+
+from lit_amp_det.models.ext_ops import ExtRoIHeads
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
-from lit_amp_det import MaskRCNNModule
-from lit_amp_det.deploy import OUTPUTS, export_detector
 
 from conftest import SMOKE, compose_config, run_cli
+from lit_amp_det import MaskRCNNModule
+from lit_amp_det.deploy import OUTPUTS, export_detector
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -127,8 +127,7 @@ def test_images_without_a_detection_export_as_a_zero_count(exported: dict[str, P
 
 
 def _ops_graph(fn, *args) -> ort.InferenceSession:
-    """``fn`` (calling the package's ops) exported to ONNX with the translations, in an onnxruntime session.
-    """
+    """``fn`` (calling the package's ops) exported to ONNX with the translations, in an onnxruntime session."""
     from lit_amp_det.ops.onnx import translation_table
 
     class Graph(torch.nn.Module):

@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 from hydra.utils import instantiate
+from torchvision.models.detection.roi_heads import RoIHeads
+
+from conftest import compose_config
 from lit_amp_det import ops
 from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads, use_extension_ops
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.ops import MultiScaleRoIAlign
-from torchvision.models.detection.roi_heads import RoIHeads
-
-from conftest import compose_config
 from ops_inputs import needs_extension, random_boxes
 
 pytestmark = needs_extension

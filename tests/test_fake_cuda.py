@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
-from lit_amp_det.bench.rows import compose
 
 from fake_cuda_step import TINY, count_cuda_steps, tiny_batch
 from host_syncs import package_sites
+from lit_amp_det.bench.rows import compose
 
 #: the CUDA defaults (speedups, precision 16-mixed, AdamW) with targets padded as the data module pads them
 SYNC_FREE = ["trainer=gpu", "trainer.precision=16-mixed", *TINY, "data.pad_instances=32"]
@@ -66,8 +66,9 @@ def test_the_stand_in_sees_what_a_gpu_would_wait_for_in_the_dynamic_path(batch) 
 def test_the_sync_free_step_made_no_copy_where_torchvision_made_them(batch) -> None:
     """torchvision's transform and box coder, as the sync-free detector used them before, make tensors from
     host numbers in every step: the counter finds them when the detector's own replacements are undone."""
-    from lit_amp_det.models import sync_free
     from torchvision.models.detection._utils import BoxCoder
+
+    from lit_amp_det.models import sync_free
 
     cfg = compose(["model=maskrcnn_light", *SYNC_FREE])
     original = sync_free.device_box_coder

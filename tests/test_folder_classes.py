@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import compose_config
 from lit_amp_det.app.model_classes import folder_prediction_classes, predicts_on_a_folder, weights_classes
 from lit_amp_det.app.tasks import build_datamodule, build_model
 from lit_amp_det.checkpoints import saved_classes
 from lit_amp_det.data import CocoDataModule, ShapesDataModule
 from lit_amp_det.errors import ArgumentError
-
-from conftest import compose_config
 from test_predict_folder import pictures_folder
 
 CLASSES = {"num_classes": 3, "class_names": ["cat", "dog"], "category_ids": [17, 18]}

@@ -1,5 +1,4 @@
-"""FreezeNorm and the dtype-keeping FrozenBatchNorm2d: frozen statistics, frozen stages, checkpoints, errors.
-"""
+"""FreezeNorm and the dtype-keeping FrozenBatchNorm2d: frozen statistics, frozen stages, checkpoints, errors."""
 
 from __future__ import annotations
 
@@ -13,6 +12,11 @@ import torch
 import torchvision
 from hydra.utils import instantiate
 from lightning.pytorch import Callback
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision.models._utils import IntermediateLayerGetter
+
+from conftest import CONFIG_ERRORS, SMOKE, compose_config
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.app.tasks import build_trainer
 from lit_amp_det.callbacks.freeze_norm import FreezeNorm
@@ -20,11 +24,6 @@ from lit_amp_det.data.transforms import collate_detection
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.maskrcnn import BACKBONES, build_backbone
 from lit_amp_det.models.norms import FrozenBatchNorm2d, convert_frozen_batchnorm
-from torch import nn
-from torch.utils.data import DataLoader
-from torchvision.models._utils import IntermediateLayerGetter
-
-from conftest import CONFIG_ERRORS, SMOKE, compose_config
 
 BODY = "model.backbone.body."
 STEPS = 3

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lit_amp_det.bench import gpu_check
-from lit_amp_det.bench.rows import BENCHES
 
 from conftest import REPO
+from lit_amp_det.bench import gpu_check
+from lit_amp_det.bench.rows import BENCHES
 
 
 def test_make_gpu_check_runs_the_check_and_never_pip() -> None:
@@ -29,8 +29,7 @@ def test_make_gpu_check_runs_the_check_and_never_pip() -> None:
 
 
 def test_the_step_budgets_fit_six_minutes() -> None:
-    """The default run's design: every step has a budget, and they add up to at most six minutes on an H100.
-    """
+    """The default run's design: every step has a budget, and they add up to at most six minutes on an H100."""
     assert list(gpu_check.STEP_BUDGET_S) == ["build", "tests", "ops", "train", "infer"]
     assert all(seconds > 0 for seconds in gpu_check.STEP_BUDGET_S.values())
     assert sum(gpu_check.STEP_BUDGET_S.values()) <= 360
@@ -136,8 +135,9 @@ def _alive(pid: int) -> bool:
 def test_the_rows_gpu_check_runs_name_no_weights_to_download(bench: str) -> None:
     """A GPU machine reaches no network and starts with empty caches: the rows ``make gpu-check`` runs by
     default (R50-FPN from its seeded initialisation) must name no weights that torchvision would fetch."""
-    from lit_amp_det.bench.rows import Setting, compose, device_defaults, row_overrides
     from omegaconf import OmegaConf
+
+    from lit_amp_det.bench.rows import Setting, compose, device_defaults, row_overrides
 
     defaults = device_defaults("cuda")
     setting = Setting(

@@ -10,9 +10,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch import nn
+
 from lit_amp_det.precision import build_precision_plugin
 from lit_amp_det.precision._lightning_internals import run_after_closure_hooks
-from torch import nn
 
 
 def test_after_closure_has_the_signature_the_plugins_call() -> None:
@@ -35,8 +36,7 @@ class _Recording(pl.Callback):
 
 
 class _Module(pl.LightningModule):
-    """Large gradients, so that norm clipping at 0.01 changes them; records what the hooks and the step see.
-    """
+    """Large gradients, so that norm clipping at 0.01 changes them; records what the hooks and the step see."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -11,14 +11,14 @@ import pytest
 import torch
 import torchvision
 from hydra.utils import instantiate
-from lit_amp_det.precision import MasterWeightPrecision, build_precision_plugin
-from lit_amp_det.precision.master_weights import NORM_LAYERS, master_weights_of, use_low_precision_weights
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchvision.models.detection._utils import BoxCoder
 from torchvision.models.detection.rpn import RegionProposalNetwork
 
 from conftest import compose_config
+from lit_amp_det.precision import MasterWeightPrecision, build_precision_plugin
+from lit_amp_det.precision.master_weights import NORM_LAYERS, master_weights_of, use_low_precision_weights
 
 
 def _module(tmp_path: Path, *overrides: str):

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
-from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS
-from lit_amp_det.models.mask_paste import BinaryMaskTransform, paste_masks_binary, use_binary_mask_paste
 from torch import nn
 from torchvision.models.detection.roi_heads import paste_masks_in_image
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import clip_boxes_to_image
 
 from conftest import compose_config, smooth_activations
+from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS
+from lit_amp_det.models.mask_paste import BinaryMaskTransform, paste_masks_binary, use_binary_mask_paste
 
 
 def _detections(

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision.models.detection.roi_heads as tv_roi_heads
+from torch import Tensor
+
 from lit_amp_det.models import mask_targets
 from lit_amp_det.models.ext_ops import ExtRoIHeads, use_extension_ops
 from lit_amp_det.models.mask_targets import maskrcnn_loss, project_masks_on_boxes
 from lit_amp_det.models.maskrcnn import build_detector
-from torch import Tensor
-
 from ops_inputs import needs_extension, random_boxes
 
 pytestmark = needs_extension

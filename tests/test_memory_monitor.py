@@ -16,13 +16,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Callback
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from conftest import SMOKE, CaptureLogger, compose_config
 from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer
 from lit_amp_det.callbacks.memory_monitor import MemoryMonitor
 from lit_amp_det.callbacks.memory_savings import draw_batches
 from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader
-from torch.utils.data import DataLoader, Dataset, IterableDataset
-
-from conftest import SMOKE, CaptureLogger, compose_config
 
 #: Two steps per epoch, no validation, no checkpoints: only the monitor's behaviour is under test.
 SHORT = [*SMOKE, "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=0", "logger=none"]

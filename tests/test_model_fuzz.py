@@ -14,9 +14,9 @@ import math
 
 import pytest
 import torch
+
 from lit_amp_det.models.ext_ops import ExtRoIHeads, use_extension_ops
 from lit_amp_det.models.maskrcnn import build_detector
-
 from ops_inputs import needs_extension
 
 pytestmark = needs_extension

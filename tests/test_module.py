@@ -11,12 +11,6 @@ from typing import ClassVar
 import pytest
 import torch
 from hydra.utils import instantiate
-from lit_amp_det import MaskRCNNModule
-from lit_amp_det.errors import ArgumentError
-from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads
-from lit_amp_det.models.mask_paste import BinaryMaskTransform
-from lit_amp_det.models.maskrcnn import build_detector
-from lit_amp_det.models.speedups import ModelTransform
 from omegaconf import OmegaConf
 from torch import nn
 from torchvision.models.detection.roi_heads import RoIHeads
@@ -24,12 +18,17 @@ from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from conftest import CONFIG_ERRORS, compose_config
+from lit_amp_det import MaskRCNNModule
+from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.ext_ops import ExtRegionProposalNetwork, ExtRoIHeads
+from lit_amp_det.models.mask_paste import BinaryMaskTransform
+from lit_amp_det.models.maskrcnn import build_detector
+from lit_amp_det.models.speedups import ModelTransform
 from ops_inputs import needs_cuda
 
 
 def _tiny(tmp_path: Path, *overrides: str, configure: bool = True) -> MaskRCNNModule:
-    """The smoke model with 3 classes, its speedups applied as a Trainer applies them (``configure_model``).
-    """
+    """The smoke model with 3 classes, its speedups applied as a Trainer applies them (``configure_model``)."""
     cfg = compose_config(["experiment=smoke", *overrides], tmp_path)
     module = instantiate(cfg.model, num_classes=4, category_ids=[10, 20, 30])
     if configure:

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from lit_amp_det.data.sampler import ResumableBatchSampler
 
 from conftest import REPO, run_cli
+from lit_amp_det.data.sampler import ResumableBatchSampler
 
 pytestmark = pytest.mark.slow
 

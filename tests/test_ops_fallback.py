@@ -56,8 +56,9 @@ def test_the_extension_is_built_for_this_machine():
     every op must hold the Triton kernels; otherwise every op test above would be skipped, not failed."""
     import importlib.util
 
-    import lit_amp_det.ops as ops
     import torch
+
+    import lit_amp_det.ops as ops
     from lit_amp_det.ops._extension import triton_cuda_kernels
 
     assert ops.extension_available(), (

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import warnings
 
-import lit_amp_det.ops as ops
 import pytest
 import torch
 import torchvision
-from lit_amp_det.ops import reference
 
+import lit_amp_det.ops as ops
+from lit_amp_det.ops import reference
 from ops_inputs import distinct_scores, needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension
@@ -82,8 +82,7 @@ def test_levels_of_different_dtypes_are_pooled_in_the_first_levels_dtype():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_level_mapping_of_half_boxes_upcasts_before_the_area(dtype):
-    """fp16 areas overflow beyond 256 x 256 px (300 x 300 went to the top level); torchvision upcasts first.
-    """
+    """fp16 areas overflow beyond 256 x 256 px (300 x 300 went to the top level); torchvision upcasts first."""
     edges = [300.0, 1000.0, 223.0, 224.0, 225.0, 447.0, 448.0, 449.0, 111.0, 112.0, 113.0]
     boxes = torch.tensor([[0.0, 0.0, e, e] for e in edges]).to(dtype)
     x = _fpn([(256, 256), (128, 128), (64, 64), (32, 32)])

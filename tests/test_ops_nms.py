@@ -1,14 +1,13 @@
-"""NMS, batched NMS and box IoU: parity with torchvision and the pure-PyTorch reference, edge cases, compile.
-"""
+"""NMS, batched NMS and box IoU: parity with torchvision and the pure-PyTorch reference, edge cases, compile."""
 
 from __future__ import annotations
 
-import lit_amp_det.ops as ops
 import pytest
 import torch
 import torchvision
-from lit_amp_det.ops import reference
 
+import lit_amp_det.ops as ops
+from lit_amp_det.ops import reference
 from ops_inputs import DEVICES, distinct_scores, needs_extension, random_boxes
 
 pytestmark = needs_extension

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hydra.utils import instantiate
+
+from conftest import compose_config
 from lit_amp_det.optim import (
     align_with_params,
     build_optimizer,
@@ -16,8 +18,6 @@ from lit_amp_det.optim import (
     scale_lr,
     warmup_schedule,
 )
-
-from conftest import compose_config
 
 
 def _lrs(steps: int, **kwargs) -> list[float]:

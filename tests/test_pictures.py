@@ -16,6 +16,9 @@ import pycocotools.mask as mask_utils
 import pytest
 import torch
 from lightning.pytorch import Callback
+from PIL import Image
+
+from conftest import CONFIG_ERRORS, SMOKE, compose_config
 from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer, predict
 from lit_amp_det.callbacks import CocoPredictionWriter, TrainingCurves, ValidationImages
 from lit_amp_det.callbacks.drawing import (
@@ -26,9 +29,6 @@ from lit_amp_det.callbacks.drawing import (
     draw_ground_truth,
     side_by_side,
 )
-from PIL import Image
-
-from conftest import CONFIG_ERRORS, SMOKE, compose_config
 
 #: one epoch of 2 steps and one validation batch (4 images at the smoke size, 64 px)
 TINY_FIT = [
@@ -131,8 +131,9 @@ def _many_detections(n: int, h: int, w: int, seed: int = 0) -> dict[str, torch.T
 def test_masks_drawn_one_per_colour_make_torchvision_s_picture_of_them_all():
     """The disjoint (first-owner) masks merged per colour draw exactly what one torchvision call per detection
     would: 13 classes share tab10's 10 colours, and the masks overlap."""
-    from lit_amp_det.callbacks.drawing import _first_owner
     from torchvision.utils import draw_segmentation_masks
+
+    from lit_amp_det.callbacks.drawing import _first_owner
 
     image = torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     det = _many_detections(30, 48, 64)

@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-from lit_amp_det.app.tasks import train
 
 from conftest import REPO, SMOKE, compose_config, only_run_dir, run_cli
+from lit_amp_det.app.tasks import train
 
 
 @pytest.mark.slow

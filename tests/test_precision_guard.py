@@ -13,10 +13,11 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import pytest
 import torch
-from lit_amp_det.precision import NonFiniteStepGuard, build_precision_plugin
-from lit_amp_det.precision.skip import DeviceSkippedStep, gradients, non_finite
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from lit_amp_det.precision import NonFiniteStepGuard, build_precision_plugin
+from lit_amp_det.precision.skip import DeviceSkippedStep, gradients, non_finite
 
 #: the aten ops through which the host reads a tensor's value (``bool()``, ``.item()``, ``float()``,
 #: ``torch.equal``)

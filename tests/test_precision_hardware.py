@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import SMOKE, compose_config, only_run_dir, run_cli
 from lit_amp_det.app.config import check_config
 from lit_amp_det.precision import (
     DetectionMixedPrecision,
@@ -22,8 +24,6 @@ from lit_amp_det.precision import (
 )
 from lit_amp_det.precision.hardware import cpu_computes_bf16_natively, resolve_precision
 from lit_amp_det.precision.modes import PRECISIONS
-
-from conftest import SMOKE, compose_config, only_run_dir, run_cli
 
 
 def _resolve_quietly(precision: str, device: str, fp16_on_cpu: bool = False) -> str:

@@ -9,6 +9,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
+from torch import nn
+
+from conftest import compose_config
 from lit_amp_det.precision import (
     DetectionMixedPrecision,
     FiniteStepPrecision,
@@ -16,9 +19,6 @@ from lit_amp_det.precision import (
     build_precision_plugin,
 )
 from lit_amp_det.precision.casting import mixed_precision_dtype
-from torch import nn
-
-from conftest import compose_config
 
 LOW = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -186,8 +186,7 @@ def test_low_precision_weight_strings_map_to_the_master_weight_plugin(cpu_bf16) 
     ("plugin", "precision"), [(DetectionMixedPrecision, "16-mixed"), (MasterWeightPrecision, "16-weights")]
 )
 def test_both_half_plugins_take_the_same_options(plugin, precision) -> None:
-    """One settings object builds both plugins' GradScaler, regions and guard; an unknown keyword is refused.
-    """
+    """One settings object builds both plugins' GradScaler, regions and guard; an unknown keyword is refused."""
     built = plugin(
         precision,
         "cpu",

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+
 from lit_amp_det.data.datamodule import ShapesDataModule
 from lit_amp_det.data.image_folder import ImageFolder
-from PIL import Image
 
 
 def pictures_folder(folder: Path) -> dict[str, tuple[int, int]]:
@@ -95,8 +96,9 @@ def test_a_picture_stored_sideways_is_read_as_a_viewer_shows_it(
 ) -> None:
     """EXIF orientation (3: upside down, 6 and 8: a quarter turn), as PIL's ``exif_transpose`` applies it; for
     a WebP too, whose tag torchvision's decoder ignores. Annotated datasets keep the stored pixels."""
-    from lit_amp_det.data.image_io import read_rgb_image
     from PIL import ImageOps
+
+    from lit_amp_det.data.image_io import read_rgb_image
 
     (tmp_path / "pictures").mkdir()
     path = tmp_path / "pictures" / f"phone{suffix}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pycocotools.mask as mask_utils
 import torch
+
 from lit_amp_det.callbacks.prediction_writer import CocoPredictionWriter
 
 

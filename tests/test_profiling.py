@@ -12,8 +12,9 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lit_amp_det.profiling import HostSyncs, MemoryProbe, SavedTensorBytes, StepTimer, count_images, timed
 from torch import nn
+
+from lit_amp_det.profiling import HostSyncs, MemoryProbe, SavedTensorBytes, StepTimer, count_images, timed
 
 
 def test_saved_tensor_bytes_counts_distinct_storages_and_skips_model_state() -> None:
@@ -261,9 +262,8 @@ def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
     """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code
     does and at two known points of ``models/ext_ops.py`` (the RPN's filters, the mask head's positives; issue
     42 removes them): a new one fails here, with the list of call sites."""
-    from lit_amp_det.models.speedups import ExtensionOps
-
     from host_syncs import count, package_sites, tiny_model
+    from lit_amp_det.models.speedups import ExtensionOps
 
     syncs = count(ExtensionOps()(tiny_model()), train=True)
     ours = package_sites(syncs)
@@ -288,9 +288,8 @@ class _CountSyncsPerStep(pl.Callback):
 
 def _fit_step_syncs(tmp_path: Path, monkeypatch, overrides: Sequence[str] = ()) -> list[HostSyncs]:
     """The host syncs of each of two smoke ``fit`` steps (default callbacks, the precision plugin)."""
-    from lit_amp_det.app import tasks
-
     from conftest import SMOKE, compose_config
+    from lit_amp_det.app import tasks
 
     counter, build_trainer = _CountSyncsPerStep(), tasks.build_trainer
 

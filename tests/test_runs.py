@@ -1,5 +1,4 @@
-"""Run folders and ``ckpt_path``: unique folders, never reused, and ``last`` resuming only the run it should.
-"""
+"""Run folders and ``ckpt_path``: unique folders, never reused, and ``last`` resuming only the run it should."""
 
 from __future__ import annotations
 
@@ -11,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+
+from conftest import REPO, SMOKE, compose_config, run_cli
 from lit_amp_det.app.runs import (
     ResumeError,
     read_run,
@@ -19,9 +21,6 @@ from lit_amp_det.app.runs import (
     update_run_record,
     write_run_record,
 )
-from omegaconf import OmegaConf
-
-from conftest import REPO, SMOKE, compose_config, run_cli
 
 
 # ------------------------------------------------------------------------------------------ unit level
@@ -36,8 +35,7 @@ def _fake_run(
     resumed_from: str | None = None,
     pid: int | None = None,
 ) -> Path:
-    """A run folder as a fit leaves it: run.json, config_resolved.yaml and (optionally) checkpoints/last.ckpt.
-    """
+    """A run folder as a fit leaves it: run.json, config_resolved.yaml and (optionally) checkpoints/last.ckpt."""
     run_dir = root / "fit" / name
     run_dir.mkdir(parents=True)
     cfg = compose_config([*SMOKE, *overrides], output_dir=run_dir)
@@ -413,6 +411,7 @@ def test_kill_9_then_last_resumes_that_run_and_not_a_finished_one(tmp_path: Path
 # ------------------------------------------------------------------------------------------ small things
 def test_progress_bar_shows_the_learning_rate_readably(monkeypatch) -> None:
     from lightning.pytorch.callbacks import TQDMProgressBar
+
     from lit_amp_det.callbacks.console_log import ReadableProgressBar
 
     monkeypatch.setattr(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lit_amp_det.data.sampler import ResumableBatchSampler, ResumableDataLoader, aspect_ratio_groups
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from conftest import compose_config
 from lit_amp_det.app.config import config_dir
 from lit_amp_det.app.launch import ddp_child_command, rank_suffix
 from lit_amp_det.cli import hydra_argv
 from lit_amp_det.data.sampler import EvalShardSampler
-from omegaconf import OmegaConf
-
-from conftest import compose_config
 
 
 def _hydra_config(overrides: list[str]):

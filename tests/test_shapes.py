@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+from pycocotools.coco import COCO
+
 from lit_amp_det.data import shapes, shapes_spec
 from lit_amp_det.data.shapes import (
     MARKER_NAME,
@@ -19,8 +22,6 @@ from lit_amp_det.data.shapes import (
     render_shapes_image,
     shapes_dataset_dir,
 )
-from PIL import Image
-from pycocotools.coco import COCO
 
 # pycocotools' Cython decode trips a numpy-2 DeprecationWarning on every call; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
@@ -334,10 +335,11 @@ def test_the_yaml_and_the_code_share_the_generators_defaults():
     """``conf/data/shapes.yaml`` repeats ShapesSpec's defaults for the command line; they must not drift."""
     import inspect
 
+    from omegaconf import OmegaConf
+
     from lit_amp_det.app.config import config_dir
     from lit_amp_det.data import ShapesDataModule
     from lit_amp_det.data.shapes import ShapesSpec
-    from omegaconf import OmegaConf
 
     yaml = OmegaConf.load(config_dir() / "data" / "shapes.yaml")
     spec = ShapesSpec()

@@ -21,14 +21,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import OmegaConf
+
+from conftest import REPO, SMOKE, assert_same_last_weights, run_cli
 from lit_amp_det.app.runs import slurm_resume_point, write_run_record
 from lit_amp_det.app.tasks import start_checkpoint
 from lit_amp_det.callbacks import last_checkpoint
 from lit_amp_det.callbacks.last_checkpoint import LastCheckpoint
 from lit_amp_det.slurm import SlurmJob, current_job, requeue_signal
-from omegaconf import OmegaConf
-
-from conftest import REPO, SMOKE, assert_same_last_weights, run_cli
 
 COMMON = [*SMOKE, "trainer.deterministic=true"]
 #: what SLURM sets for the one task of batch job 4242

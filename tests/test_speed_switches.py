@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hydra.utils import instantiate
+
+from conftest import CONFIG_ERRORS, compose_config
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.models.speedups import (
     DEFAULT_SPEEDUPS,
@@ -15,8 +17,6 @@ from lit_amp_det.models.speedups import (
     apply_transforms,
     build_transforms,
 )
-
-from conftest import CONFIG_ERRORS, compose_config
 
 CHANNELS_LAST = {"_target_": "lit_amp_det.models.speedups.ChannelsLast"}
 

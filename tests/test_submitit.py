@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
-from lit_amp_det.app.sweep import FAILURE_FILE
 
 from conftest import SMOKE, run_cli
+from lit_amp_det.app.sweep import FAILURE_FILE
 
 pytestmark = pytest.mark.slow
 

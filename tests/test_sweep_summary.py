@@ -15,11 +15,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
-from lit_amp_det.app.config import config_dir
-from lit_amp_det.app.sweep import FAILURE_FILE, SweepSummary, collect_rows, summarize_sweep
 from omegaconf import OmegaConf
 
 from conftest import SMOKE, run_cli
+from lit_amp_det.app.config import config_dir
+from lit_amp_det.app.sweep import FAILURE_FILE, SweepSummary, collect_rows, summarize_sweep
 
 METRIC = "val/segm_mAP"
 COMMON = ["experiment=smoke", "command=fit"]

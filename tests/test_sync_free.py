@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
+from torchvision.models.detection.roi_heads import paste_masks_in_image
+
 from lit_amp_det.models import sync_free
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
@@ -22,10 +26,6 @@ from lit_amp_det.models.sync_free import (
     use_sync_free,
 )
 from lit_amp_det.profiling import HostSyncs
-from torch.utils._python_dispatch import TorchDispatchMode
-from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
-from torchvision.models.detection.roi_heads import paste_masks_in_image
-
 from ops_inputs import needs_extension, on_cuda_only, random_boxes
 
 pytestmark = needs_extension
@@ -346,9 +346,8 @@ def test_a_degenerate_box_is_refused_with_torchvisions_words():
 
 
 def test_compile_takes_the_whole_sync_free_detector():
-    from lit_amp_det.models.speedups import CompileBackbone
-
     from host_syncs import batch
+    from lit_amp_det.models.speedups import CompileBackbone
 
     model = _sync_free(_tiny()).train()
     eager = copy.deepcopy(model)
@@ -397,9 +396,8 @@ def _targets(counts: list[int]) -> list[dict[str, torch.Tensor]]:
 def test_padded_targets_give_every_training_step_the_same_shapes():
     """With ``data.pad_instances`` every step runs the same ops on the same shapes, whatever the images hold:
     no allocation depends on the data (with no host sync, what capturing the step in a CUDA graph needs)."""
-    from lit_amp_det.data.coco import pad_instances
-
     from host_syncs import batch
+    from lit_amp_det.data.coco import pad_instances
 
     model = _sync_free(_tiny()).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -416,9 +414,8 @@ def test_padded_targets_give_every_training_step_the_same_shapes():
 
 
 def test_padding_changes_no_anchor_draw_and_no_loss_term_kind():
-    from lit_amp_det.data.coco import pad_instances
-
     from host_syncs import batch
+    from lit_amp_det.data.coco import pad_instances
 
     model = _sync_free(_tiny()).train()
     images, _ = batch()
@@ -476,8 +473,9 @@ def test_a_whole_training_step_replays_as_one_cuda_graph(monkeypatch):
 # ------------------------------------------------------------------- no tensors from host numbers in a step
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_device_box_coder_codes_as_torchvision_does(dtype) -> None:
-    from lit_amp_det.models.sync_free import DeviceBoxCoder
     from torchvision.models.detection._utils import BoxCoder
+
+    from lit_amp_det.models.sync_free import DeviceBoxCoder
 
     g = torch.Generator().manual_seed(0)
     corners = torch.rand(300, 2, generator=g) * 500
@@ -496,8 +494,9 @@ def test_the_device_box_coder_codes_as_torchvision_does(dtype) -> None:
 
 
 def test_boxes_rescale_with_python_ratios_as_torchvision_rescales_them() -> None:
-    from lit_amp_det.models.sync_free import scale_boxes
     from torchvision.models.detection.transform import resize_boxes
+
+    from lit_amp_det.models.sync_free import scale_boxes
 
     g = torch.Generator().manual_seed(0)
     boxes = torch.rand(500, 4, generator=g) * 1333
@@ -514,10 +513,10 @@ def test_boxes_rescale_with_python_ratios_as_torchvision_rescales_them() -> None
 def test_the_fixed_shape_transform_normalises_and_resizes_as_torchvision() -> None:
     """The same images and targets as torchvision's transform, training and inference (one scale, so that both
     draw the same size); only the padding differs (a size bucket)."""
-    from lit_amp_det.models.sync_free import FixedShapeTransform
     from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
     from host_syncs import batch
+    from lit_amp_det.models.sync_free import FixedShapeTransform
 
     theirs = GeneralizedRCNNTransform(96, 160, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
     ours = FixedShapeTransform(theirs, 0.5)

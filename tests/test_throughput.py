@@ -11,12 +11,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lit_amp_det.app.tasks import build_trainer
-from lit_amp_det.callbacks.throughput import Throughput
 from torch import nn
 from torch.utils.data import DataLoader
 
 from conftest import SMOKE, CaptureLogger, compose_config
+from lit_amp_det.app.tasks import build_trainer
+from lit_amp_det.callbacks.throughput import Throughput
 
 STEP_KEYS = ("train/step_ms", "train/images_per_s")
 EPOCH_KEYS = ("train/step_ms_epoch", "train/images_per_s_epoch")

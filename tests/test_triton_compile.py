@@ -14,9 +14,9 @@ import re
 
 import pytest
 import torch
+
 from lit_amp_det.ops import triton as tops
 from lit_amp_det.ops.triton import _launch
-
 from ops_inputs import needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from lit_amp_det.ops.triton import _launch, _register
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lit_amp_det.ops.triton import _launch, _register
 from ops_inputs import needs_extension, random_boxes
 
 triton = pytest.importorskip("triton")
@@ -37,8 +37,7 @@ LAUNCHES = 1000
 
 @pytest.fixture(scope="module")
 def iou_launch() -> Iterator[triton_launch_overhead.Launch]:
-    """The IoU matrix's launch, compiled for sm_90, with the stand-in GPU active while the module's tests run.
-    """
+    """The IoU matrix's launch, compiled for sm_90, with the stand-in GPU active while the module's tests run."""
     kernels = _launch.load_kernels(interpret=False)
     with triton_launch_overhead.stand_in_gpu():
         launch = next(

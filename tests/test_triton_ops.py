@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import math
 
-import lit_amp_det.ops as ops
 import pytest
 import torch
 import torchvision
 import triton
 import triton.language as tl
+
+import lit_amp_det.ops as ops
 from lit_amp_det.ops import reference
 from lit_amp_det.ops import triton as tops
 from lit_amp_det.ops.triton import _launch, _register
-
 from ops_inputs import distinct_scores, needs_extension, random_boxes, random_rois
 
 pytestmark = needs_extension

@@ -5,15 +5,15 @@ with the host."""
 
 from __future__ import annotations
 
-import lit_amp_det.ops as ops
 import pytest
 import torch
-from lit_amp_det.models import ext_ops, sync_free
-from lit_amp_det.ops import triton as tops
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 
+import lit_amp_det.ops as ops
+from lit_amp_det.models import ext_ops, sync_free
+from lit_amp_det.ops import triton as tops
 from ops_inputs import distinct_scores, needs_extension, on_cuda_only, random_boxes, random_rois
 
 pytestmark = needs_extension

@@ -7,14 +7,14 @@ import os
 import shutil
 from pathlib import Path
 
-import lit_amp_det.data.verify as verify
 import numpy as np
 import pytest
-from lit_amp_det.data import CocoDataModule, ShapesDataModule
-from lit_amp_det.data.verify import BadImagesError, verify_images
 from PIL import Image
 
+import lit_amp_det.data.verify as verify
 from conftest import run_cli
+from lit_amp_det.data import CocoDataModule, ShapesDataModule
+from lit_amp_det.data.verify import BadImagesError, verify_images
 
 SPLITS = {
     f"{split}_{kind}": path

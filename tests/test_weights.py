@@ -15,6 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
+from torch import Tensor, nn
+from torchvision.models import ResNet18_Weights, ResNet50_Weights, WeightsEnum, resnet18
+from torchvision.models.detection import (
+    FasterRCNN_ResNet50_FPN_Weights,
+    MaskRCNN_ResNet50_FPN_Weights,
+    fasterrcnn_resnet50_fpn,
+    maskrcnn_resnet50_fpn,
+)
+
+from conftest import CONFIG_ERRORS, compose_config
 from lit_amp_det.app.tasks import build_datamodule, build_model, build_trainer
 from lit_amp_det.checkpoints import local_weights
 from lit_amp_det.data import ShapesDataModule
@@ -28,16 +38,6 @@ from lit_amp_det.models.weights import (
     cached_file,
     resolve_weights,
 )
-from torch import Tensor, nn
-from torchvision.models import ResNet18_Weights, ResNet50_Weights, WeightsEnum, resnet18
-from torchvision.models.detection import (
-    FasterRCNN_ResNet50_FPN_Weights,
-    MaskRCNN_ResNet50_FPN_Weights,
-    fasterrcnn_resnet50_fpn,
-    maskrcnn_resnet50_fpn,
-)
-
-from conftest import CONFIG_ERRORS, compose_config
 
 #: The R50-FPN settings of conf/model/maskrcnn_r50_fpn.yaml, for direct builder calls.
 R50_FPN = dict(
@@ -106,8 +106,7 @@ def _file(weights: WeightsEnum) -> dict[str, Tensor]:
 
 
 def _assert_loaded(module: nn.Module, saved: dict[str, Tensor], skip: tuple[str, ...] = ()) -> int:
-    """Every tensor of ``saved`` (but ``skip`` prefixes) equals the module's; returns how many were compared.
-    """
+    """Every tensor of ``saved`` (but ``skip`` prefixes) equals the module's; returns how many were compared."""
     own = module.state_dict()
     compared = 0
     for key, value in saved.items():
@@ -386,7 +385,6 @@ def test_coco_weights_predict_a_folder_under_coco_s_own_classes(
     torchvision's COCO model on one's own pictures. Its 91 labels (label ``i`` is COCO category id ``i``),
     every tensor loaded, the predictors included; no annotations anywhere."""
     from lit_amp_det.app.tasks import predict
-
     from test_predict_folder import pictures_folder
 
     pictures_folder(tmp_path / "pictures")

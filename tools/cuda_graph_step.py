@@ -19,11 +19,12 @@ import time
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
+
 from lit_amp_det.bench.rows import compose
 from lit_amp_det.data.coco import pad_instances
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
-from torch import Tensor
 
 
 def padded_targets(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
+
 from lit_amp_det.bench.rows import compose
 from lit_amp_det.deploy import deployed_detector, export_detector
 

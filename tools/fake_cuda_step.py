@@ -38,8 +38,6 @@ from typing import Any
 from unittest import mock
 
 import torch
-from lit_amp_det.models.sync_free import is_fixed_shape
-from lit_amp_det.profiling import SYNC_KINDS, HostSyncs
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -47,6 +45,8 @@ from torch._subclasses.fake_tensor import (
 )
 
 from host_syncs import PACKAGE
+from lit_amp_det.models.sync_free import is_fixed_shape
+from lit_amp_det.profiling import SYNC_KINDS, HostSyncs
 
 #: the tiny sizes every configuration runs at here (the model's own architecture, small images and head
 #: widths)
@@ -139,8 +139,7 @@ def cuda_available() -> Iterator[None]:
 
 
 def _refused_site(error: BaseException) -> str:
-    """``error`` and the innermost frame of its traceback outside torch and the counter: the code that asked.
-    """
+    """``error`` and the innermost frame of its traceback outside torch and the counter: the code that asked."""
     skipped = (str(Path(torch.__file__).parent) + "/", str(PACKAGE / "profiling.py"))
     site = "?"
     for frame, line in _frames(error.__traceback__):
@@ -190,9 +189,10 @@ def build_cuda_module(cfg: Any, module: Any) -> CudaModule:
     :func:`configure_for_cuda`) as ``fit`` builds it on a GPU, inside :func:`fake_cuda`: moved to ``cuda``,
     converted by the precision plugin of ``trainer.precision`` built for ``cuda``, and the optimizer of
     ``optim.optimizer`` on its parameters."""
+    from omegaconf import OmegaConf
+
     from lit_amp_det.optim import build_optimizer
     from lit_amp_det.precision import build_precision_plugin
-    from omegaconf import OmegaConf
 
     module.to("cuda")
     precision = OmegaConf.to_container(cfg.precision, resolve=True)

@@ -18,6 +18,7 @@ import copy
 from pathlib import Path
 
 import torch
+
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
 from lit_amp_det.profiling import HostSyncs

@@ -11,6 +11,7 @@ import argparse
 
 import torch
 from hydra.utils import instantiate
+
 from lit_amp_det import MaskRCNNModule
 from lit_amp_det.bench.rows import compose
 from lit_amp_det.models.speedups import DEFAULT_SPEEDUPS

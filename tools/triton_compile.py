@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
 from lit_amp_det.ops.triton import _launch
 
 __all__ = [

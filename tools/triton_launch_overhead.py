@@ -40,6 +40,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
 from lit_amp_det.ops.triton import _launch
 
 __all__ = ["Launch", "before", "main", "measure", "recorded_launches", "stand_in_gpu"]

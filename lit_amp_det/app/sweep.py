@@ -173,8 +173,7 @@ def _short_value(value: str) -> str:
 
 
 def _label(row: dict[str, Any], varying: Sequence[str]) -> str:
-    """``#2 precision=bf16-mixed callbacks=fast``: the last part of each dotted key unless that is ambiguous.
-    """
+    """``#2 precision=bf16-mixed callbacks=fast``: the last part of each dotted key unless that is ambiguous."""
     tails = [k.rsplit(".", 1)[-1] for k in varying]
     names = [tail if tails.count(tail) == 1 else key for key, tail in zip(varying, tails)]
     pairs = [f"{n}={_short_value(str(row[k]))}" for n, k in zip(names, varying) if row[k] != ""]

@@ -43,8 +43,7 @@ Pairs = list[tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]]  # (predic
 
 
 def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pairs]:
-    """The module (with ``checkpoint``'s weights) and its (predictions, targets) for every validation batch.
-    """
+    """The module (with ``checkpoint``'s weights) and its (predictions, targets) for every validation batch."""
     from lit_amp_det.app.tasks import build_datamodule, build_model
 
     weights = [f"model.weights={checkpoint}"] if checkpoint else []

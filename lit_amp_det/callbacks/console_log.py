@@ -151,8 +151,7 @@ class ConsoleLog(Callback):
 
 
 class ReadableProgressBar(TQDMProgressBar):
-    """Lightning's progress bar with the learning rate in scientific notation (``lr=1.2e-04``, not ``0.000``).
-    """
+    """Lightning's progress bar with the learning rate in scientific notation (``lr=1.2e-04``, not ``0.000``)."""
 
     @override
     def get_metrics(

@@ -170,8 +170,7 @@ def _forward_backward(
 
 
 class BaselineComparison:
-    """Measures the savings rows once per fit (see the module docstring); arguments as for ``MemoryMonitor``.
-    """
+    """Measures the savings rows once per fit (see the module docstring); arguments as for ``MemoryMonitor``."""
 
     def __init__(self, baseline_steps: int, warmup_steps: int) -> None:
         self.baseline_steps, self.warmup_steps = baseline_steps, warmup_steps

@@ -38,8 +38,7 @@ Split = Literal["train", "val", "test"]
 
 
 class _SeededAugmentation(Dataset):
-    """Applies training augmentation with the per-sample seed carried by the sampler's ``(index, seed)`` key.
-    """
+    """Applies training augmentation with the per-sample seed carried by the sampler's ``(index, seed)`` key."""
 
     def __init__(self, dataset: CocoInstances, transform: Any) -> None:
         self.dataset, self.transform = dataset, transform

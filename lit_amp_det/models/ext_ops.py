@@ -28,8 +28,7 @@ __all__ = ["ExtRegionProposalNetwork", "ExtRoIHeads", "use_extension_ops"]
 
 
 class ExtRegionProposalNetwork(RegionProposalNetwork):
-    """torchvision's RPN; proposal filtering stops NMS at ``post_nms_top_n`` and matching uses the fused IoU.
-    """
+    """torchvision's RPN; proposal filtering stops NMS at ``post_nms_top_n`` and matching uses the fused IoU."""
 
     def filter_proposals(
         self,
@@ -52,8 +51,7 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
     def _top_anchors_per_level(
         self, objectness: Tensor, num_anchors_per_level: list[int]
     ) -> tuple[Tensor, Tensor]:
-        """Indices ``[B, T]`` of each level's best anchors (into all anchors) and the level ``[T]`` of each.
-        """
+        """Indices ``[B, T]`` of each level's best anchors (into all anchors) and the level ``[T]`` of each."""
         indices, levels, offset = [], [], 0
         for level, scores in enumerate(objectness.split(num_anchors_per_level, dim=1)):
             top = scores.topk(min(self.pre_nms_top_n(), scores.shape[1]), dim=1).indices

@@ -324,8 +324,7 @@ def _rpn_kwarg(key: str, value: Any) -> str:
 
 
 def _roi_kwarg(key: str, value: Any) -> str:
-    """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*`` names.
-    """
+    """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*`` names."""
     name = key if key.startswith("box_") or key == "bbox_reg_weights" else f"box_{key}"
     if name not in _ROI_KWARGS:
         raise ArgumentError(

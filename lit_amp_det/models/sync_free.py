@@ -145,16 +145,14 @@ def scale_boxes(boxes: Tensor, old_size: tuple[int, int], new_size: tuple[int, i
 
 
 class DeviceConstants:
-    """Small constant tensors made once per device and dtype, so that a step never copies them from the host.
-    """
+    """Small constant tensors made once per device and dtype, so that a step never copies them from the host."""
 
     def __init__(self, values: list[float] | tuple[float, ...]) -> None:
         self.values = [float(v) for v in values]
         self._made: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def on(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """The values as a ``[len(values)]`` tensor on ``device`` in ``dtype`` (made on the first call only).
-        """
+        """The values as a ``[len(values)]`` tensor on ``device`` in ``dtype`` (made on the first call only)."""
         key = (device, dtype)
         if key not in self._made:
             with torch.inference_mode(False):  # usable in training after a first call under inference_mode
@@ -313,8 +311,7 @@ class FixedShapeTransform(BinaryMaskTransform):
         return image, target
 
     def rescale_boxes(self, boxes: Tensor, size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
-        """The detections' boxes back in the original image, by :func:`scale_boxes` (no tensor from the host).
-        """
+        """The detections' boxes back in the original image, by :func:`scale_boxes` (no tensor from the host)."""
         return scale_boxes(boxes, size, original_size)
 
 

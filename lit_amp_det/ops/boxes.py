@@ -34,7 +34,9 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     integer_input = not (boxes1.is_floating_point() and boxes2.is_floating_point())
     if integer_input:
         boxes1, boxes2 = _exact_float(boxes1), _exact_float(boxes2)
-    if torch.jit.is_scripting() or has_kernel("box_iou", boxes1.device):  # TorchScript compiles this branch only
+    if torch.jit.is_scripting() or has_kernel(
+        "box_iou", boxes1.device
+    ):  # TorchScript compiles this branch only
         iou = torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
     else:
         iou = reference.box_iou(boxes1, boxes2)

@@ -51,8 +51,7 @@ class FiniteStepPrecision(Precision):
         )
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        """The step after backward and Lightning's hooks, skipped on the device when a gradient is not finite.
-        """
+        """The step after backward and Lightning's hooks, skipped on the device when a gradient is not finite."""
         self.guard.step(optimizer, **kwargs)
 
     @override

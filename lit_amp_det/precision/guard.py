@@ -105,8 +105,7 @@ class NonFiniteStepGuard:
         return total, run, longest
 
     def check(self) -> None:
-        """Reads the counts and raises when a run of ``max_consecutive`` skips happened since the last read.
-        """
+        """Reads the counts and raises when a run of ``max_consecutive`` skips happened since the last read."""
         total, _, longest = self._read()
         self._unread = 0
         self._counts[2].copy_(self._counts[1])  # the next longest run starts from the current one

@@ -19,8 +19,7 @@ __all__ = ["GROWTH_INTERVAL", "INIT_SCALE", "HalfPrecisionOptions", "half_dtype"
 
 
 def half_dtype(precision: str) -> torch.dtype:
-    """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for ``bf16-*``.
-    """
+    """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for ``bf16-*``."""
     return torch.float16 if precision.startswith("16-") else torch.bfloat16
 
 

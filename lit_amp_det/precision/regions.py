@@ -22,8 +22,7 @@ _PATHS_HINT = "paths are relative to the LightningModule, e.g. 'model.rpn.comput
 
 
 def install_fp32_regions(module: nn.Module, regions: Mapping[str, RegionMode], dtype: torch.dtype) -> None:
-    """Marks ``module`` for mixed precision in ``dtype`` and wraps each region method in place (idempotent).
-    """
+    """Marks ``module`` for mixed precision in ``dtype`` and wraps each region method in place (idempotent)."""
     set_mixed_precision(module, dtype)  # also switches on the module's own @force_fp32/@auto_fp16 methods
     for path, mode in regions.items():
         if mode not in REGION_MODES:

@@ -222,8 +222,7 @@ def _check_boxes(op: str, name: str, boxes: Tensor, *, integer_ok: bool = False)
 
 
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
-    """IoU matrix ``[N, M]``: float32 (float64 if an input is float64; integer boxes are exact, float32 out).
-    """
+    """IoU matrix ``[N, M]``: float32 (float64 if an input is float64; integer boxes are exact, float32 out)."""
     _check_boxes("box_iou", "boxes1", boxes1, integer_ok=True)
     _check_boxes("box_iou", "boxes2", boxes2, integer_ok=True)
     if boxes1.device != boxes2.device:
@@ -591,8 +590,7 @@ def _backward(
     sampling_ratio: int,
     aligned: bool,
 ) -> list[Tensor]:
-    """One gradient per level, each of shape/format ``specs[l]`` and grad's dtype, accumulated in fp32 (fp64).
-    """
+    """One gradient per level, each of shape/format ``specs[l]`` and grad's dtype, accumulated in fp32 (fp64)."""
     acc = _acc_dtype(grad)
     # the accumulation buffers get the gradient's layout explicitly (torch.zeros would drop it)
     buffers = [
@@ -764,8 +762,7 @@ def multi_level_roi_align(
     sampling_ratio: int,
     aligned: bool,
 ) -> Tensor:
-    """The schema of ``lit_amp_det::multi_level_roi_align``: one launch per level, each writing its own rows.
-    """
+    """The schema of ``lit_amp_det::multi_level_roi_align``: one launch per level, each writing its own rows."""
     _check_multi_level(
         "multi_level_roi_align", features, rois, levels, spatial_scales, pooled_height, pooled_width
     )
@@ -785,8 +782,7 @@ def multi_level_roi_align_backward(
     sampling_ratio: int,
     aligned: bool,
 ) -> list[Tensor]:
-    """The schema of ``lit_amp_det::_multi_level_roi_align_backward``: one gradient per level, in its layout.
-    """
+    """The schema of ``lit_amp_det::_multi_level_roi_align_backward``: one gradient per level, in its layout."""
     op = "_multi_level_roi_align_backward"
     _check_multi_level(op, features, rois, levels, spatial_scales, pooled_height, pooled_width)
     if grad.dtype != features[0].dtype:
