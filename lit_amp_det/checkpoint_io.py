@@ -39,7 +39,8 @@ def fsync_folder(folder: Path) -> None:
 
 def _out_of_space(err: BaseException | None) -> bool:
     """Whether ``err`` (or what it arose from) is a full disk; torch's zip writer reports one as a
-    RuntimeError."""
+    RuntimeError.
+    """
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -51,7 +52,8 @@ def _out_of_space(err: BaseException | None) -> bool:
 
 class DurableCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to ``.<name>.tmp`` beside the checkpoint, fsync, rename, fsync the folder (see the
-    module)."""
+    module).
+    """
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None

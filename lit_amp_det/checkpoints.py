@@ -5,7 +5,8 @@ takes a bare ``state_dict`` of the torchvision model or a Lightning checkpoint; 
 checkpoints, checked by :func:`check_checkpoint` before Lightning restores them. Every problem is one
 :class:`CheckpointError` naming the file, what is wrong (empty, truncated, not a checkpoint, made for another
 model, with the differing hyper-parameters) and what to pass instead, rather than torch's unpickler text or
-the full list of mismatched keys."""
+the full list of mismatched keys.
+"""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ CLASS_HPARAMS = ("num_classes", "class_names", "category_ids")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used, with the file, the reason and the fix in its message; its ``repr`` is
-    the message itself, as Hydra reports errors raised inside ``instantiate`` by their ``repr``."""
+    the message itself, as Hydra reports errors raised inside ``instantiate`` by their ``repr``.
+    """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}: {self}"
@@ -89,14 +91,16 @@ def _unreadable(source: str, path: Path, err: Exception) -> CheckpointError:
 
 def names_a_checkpoint_file(ckpt_path: str | Path | None) -> bool:
     """Whether a (resolved) ``ckpt_path`` is a file this package reads: not ``None`` (no checkpoint) and not
-    Lightning's ``"best"`` (the fit's own best checkpoint, which Lightning finds and reads itself)."""
+    Lightning's ``"best"`` (the fit's own best checkpoint, which Lightning finds and reads itself).
+    """
     return ckpt_path is not None and str(ckpt_path) != "best"
 
 
 def local_weights(weights: str | Path | None) -> Path | None:
     """The local file ``model.weights`` names, or None when it names torchvision weights (``COCO_V1``) or
     none. A value is a file when it has a directory part or one of :data:`CHECKPOINT_SUFFIXES`; torchvision's
-    names have neither."""
+    names have neither.
+    """
     if weights is None or isinstance(weights, bool):
         return None
     text = str(weights)
@@ -107,7 +111,8 @@ def local_weights(weights: str | Path | None) -> Path | None:
 
 def read_checkpoint(path: str | Path, source: str = "model.weights") -> Any:
     """Loads ``path`` once with ``weights_only=True``; ``source`` is the config key that named it, for
-    messages."""
+    messages.
+    """
     path = Path(path)
     if path.is_dir():
         found = sorted(path.glob("**/last.ckpt")) or sorted(path.glob("**/*.ckpt"))
@@ -132,7 +137,8 @@ def read_checkpoint(path: str | Path, source: str = "model.weights") -> Any:
 
 def saved_classes(payload: Any) -> dict[str, Any]:
     """The class hyper-parameters (:data:`CLASS_HPARAMS`) a loaded Lightning checkpoint's module was built
-    with: only the keys it holds a value for; empty when it names no class count."""
+    with: only the keys it holds a value for; empty when it names no class count.
+    """
     hparams = payload.get("hyper_parameters") if isinstance(payload, dict) else None
     if not isinstance(hparams, Mapping) or not isinstance(hparams.get("num_classes"), int):
         return {}
@@ -189,7 +195,8 @@ def architecture_differences(
     saved: Mapping[str, Any], configured: Mapping[str, Any]
 ) -> list[tuple[str, Any, Any]]:
     """``(model.key, saved, configured)`` for every model hyper-parameter that differs and changes a tensor's
-    name or shape (layers, widths, class count); runtime settings and keys only one side has are skipped."""
+    name or shape (layers, widths, class count); runtime settings and keys only one side has are skipped.
+    """
     old, new = _flatten(saved), _flatten(configured)
     keys = [k for k in old if k in new and _is_structural(k) and old[k] != new[k]]
     return [(f"model.{k}", old[k], new[k]) for k in keys]
@@ -242,7 +249,8 @@ def _mismatch(
     configured: Mapping[str, Any],
 ) -> tuple[str, list[tuple[str, Any, Any]]]:
     """The first half of the error: which file, and what differs (hyper-parameters if known, else a few
-    tensors)."""
+    tensors).
+    """
     differences = architecture_differences(saved_hparams, configured)
     name = f"{source}={str(path)!r}"
     if not differences:
@@ -267,7 +275,8 @@ def load_model_weights(model: nn.Module, path: Path, *, hparams: Mapping[str, An
     class-dependent predictor layers when only the class count differs: those keep their fresh initialisation
     (fine-tuning on other classes) and one log line says so. Any other mismatch is one
     :class:`CheckpointError` naming the differing hyper-parameters (given ``hparams``, the module's) and the
-    fix."""
+    fix.
+    """
     payload = read_checkpoint(path, "model.weights")
     state = _state_dict_of(payload, "model.weights", path)
     if all(key.startswith("model.") for key in state):  # a Lightning checkpoint: the detector's tensors

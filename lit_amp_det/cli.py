@@ -163,7 +163,8 @@ def _used_run_dir(args: Sequence[str]) -> str | None:
     it.
 
     DDP's other ranks (started by Lightning, or another node's processes) are given the first rank's folder on
-    purpose, and a requeued SLURM job continues in its preempted attempt's folder."""
+    purpose, and a requeued SLURM job continues in its preempted attempt's folder.
+    """
     if launch_rank():
         return None
     job = current_job()
@@ -181,7 +182,8 @@ def hydra_argv(
     """Hydra's argv for ``args``: flags (with their values) first, then the overrides (passed through
     ``prepare``), then ``command=...``. Hydra's argparse rejects overrides on both sides of a flag (``seed=1
     --cfg job x=2``); moving the flags to the front accepts any order, and ``command=`` goes last so it is one
-    more override."""
+    more override.
+    """
     flags: list[str] = []
     overrides: list[str] = []
     position = 0

@@ -46,7 +46,8 @@ OUTPUTS = {
 
 class DeployedDetector(nn.Module):
     """``images [B, 3, H, W]`` (uint8 RGB, or float in [0, 1]) -> :data:`OUTPUTS` as a tuple, every shape
-    fixed."""
+    fixed.
+    """
 
     def __init__(self, detector: nn.Module) -> None:
         super().__init__()
@@ -65,7 +66,8 @@ class DeployedDetector(nn.Module):
 
 def deployed_detector(module: Any) -> DeployedDetector:
     """The fixed-shape graph of ``module``'s detector (a fresh copy with its weights; ``module`` is not
-    changed)."""
+    changed).
+    """
     from lit_amp_det.models.sync_free import use_sync_free
 
     hparams, saved = module.hparams, {key: module.hparams.get(key) for key in ("weights", "backbone")}
@@ -110,7 +112,8 @@ def export_detector(
 
     ``image_size`` ``(H, W)``: the input's size; ``None``: the model's inference size (short x long side).
     ``sample``: an input to trace instead of zeros of that size (its dtype and shape are the graph's).
-    ``exporter_args`` go to ``torch.onnx.export`` (``onnx``) or ``torch.export.export`` (``pt2``)."""
+    ``exporter_args`` go to ``torch.onnx.export`` (``onnx``) or ``torch.export.export`` (``pt2``).
+    """
     fmt = supported_format(fmt)
     graph = deployed_detector(module)
     transform = graph.detector.transform

@@ -1,5 +1,6 @@
 """Distributed helpers the library needs at evaluation time (launch plumbing is in
-:mod:`lit_amp_det.app.launch`)."""
+:mod:`lit_amp_det.app.launch`).
+"""
 
 from __future__ import annotations
 

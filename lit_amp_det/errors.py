@@ -20,7 +20,8 @@ class ArgumentError(ValueError):
     """``argument`` got ``value``, which ``problem`` explains (with what to pass instead); the message reads
     ``<argument>=<value!r> <problem>``. ``argument`` is dotted for a value inside a mapping argument
     (``backbone.name``); a caller that passed the mapping re-raises with :meth:`at`. Subclasses keep the
-    constructor's signature (pickling and :meth:`at` rely on it)."""
+    constructor's signature (pickling and :meth:`at` rely on it).
+    """
 
     def __init__(self, argument: str, value: Any, problem: str) -> None:
         self.argument, self.value, self.problem = argument, value, problem

@@ -283,7 +283,8 @@ class MaskRCNNModule(LightningModule):
         ONNX ops; padded detections and each image's count) traced on ``input_sample``, a ``[B, 3, H, W]``
         batch (uint8, or float in [0, 1]; default ``example_input_array``, else one image at the inference
         size). Saved to ``file_path`` with a JSON description beside it; returns the ``ONNXProgram``.
-        ``kwargs`` go to ``torch.onnx.export``."""
+        ``kwargs`` go to ``torch.onnx.export``.
+        """
         from lit_amp_det.deploy import export_detector
 
         sample = input_sample if input_sample is not None else self.example_input_array
@@ -291,7 +292,8 @@ class MaskRCNNModule(LightningModule):
 
     def to_torchscript(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: the detector calls the package's ops and hooks that TorchScript (deprecated) cannot
-        compile."""
+        compile.
+        """
         raise NotImplementedError(
             f"{type(self).__name__} cannot become TorchScript: its detector calls lit_amp_det's ops, which TorchScript "
             f"(deprecated by PyTorch) cannot compile. Use module.to_onnx(path) for ONNX, or torch.export through "
@@ -307,7 +309,8 @@ class MaskRCNNModule(LightningModule):
     @staticmethod
     def training_targets(targets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """Crowd regions are not objects to learn: they only matter for evaluation. ``valid`` marks padded
-        instances (``data.pad_instances``)."""
+        instances (``data.pad_instances``).
+        """
         kept = ("boxes", "labels", "masks", "valid")
         return [{k: v for k, v in drop_crowd(t).items() if k in kept} for t in targets]
 

@@ -39,7 +39,8 @@ EVAL_BACKENDS = {"faster_coco_eval": "faster-coco-eval", "pycocotools": "pycocot
 @dataclass(frozen=True)
 class OptimSettings:
     """``optimizer`` and ``scheduler`` (``_target_`` mappings; an empty scheduler means none) and the global
-    batch ``reference_batch`` the lr is given for (``None``: the lr is used as it is)."""
+    batch ``reference_batch`` the lr is given for (``None``: the lr is used as it is).
+    """
 
     optimizer: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_OPTIMIZER))
     scheduler: dict[str, Any] | None = field(default_factory=lambda: dict(DEFAULT_SCHEDULER))
@@ -86,7 +87,8 @@ def check_eval_backend(backend: object) -> None:
     """Raises unless ``backend`` is a name in :data:`EVAL_BACKENDS` whose package imports, so that a misspelt
     name or a missing package stops a run before any work rather than at the first validation:
     :class:`ArgumentError` (a ``ValueError``) for an unknown name, ``ModuleNotFoundError`` naming ``pip
-    install`` and the other backend for a missing package."""
+    install`` and the other backend for a missing package.
+    """
     if backend not in EVAL_BACKENDS:
         raise ArgumentError(
             "evaluation.backend", backend, f"is unknown; choose one of {', '.join(EVAL_BACKENDS)}"

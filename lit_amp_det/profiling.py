@@ -2,7 +2,8 @@
 
 The callbacks (``MemoryMonitor``, ``Throughput``, ``RunStats``), the benches and the tasks all measure through
 this one module, so a figure means the same thing wherever it is printed. It imports only the standard library
-and torch, so any layer may use it."""
+and torch, so any layer may use it.
+"""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def release_freed_cpu_memory() -> None:
 def pin_malloc_threshold(threshold: int = 128 * 1024) -> None:
     """Makes glibc hand large frees back to the OS (otherwise its mmap threshold grows and the resident set
     stays up), so that consecutive peaks are comparable. Costs page faults: :func:`unpin_malloc_threshold`
-    afterwards."""
+    afterwards.
+    """
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is None or not _mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX):
         return
@@ -108,7 +110,8 @@ class MemoryProbe:
 
     On a CPU the peak is the process's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``);
     where that is not allowed, ``ru_maxrss``, which only grows (``resettable`` False). ``source`` names what
-    is measured."""
+    is measured.
+    """
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -161,7 +164,8 @@ class SavedTensorBytes:
     (the parameters and buffers, resident anyway) are not counted. Of the total, ``weight_cast_bytes`` are
     dtype copies of trainable parameters (autocast's low-precision weight copies), and ``within_bytes`` are
     storages first saved during the forward of the module ``within``. It only observes, and counts tensors,
-    not allocator blocks."""
+    not allocator blocks.
+    """
 
     def __init__(self, exclude: Iterable[Tensor] = (), within: nn.Module | None = None) -> None:
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
@@ -231,7 +235,8 @@ def timed(fn: Callable[[], Any], device: torch.device | str) -> float:
 class StepTimer:
     """Times steps from :meth:`start` to :meth:`stop`, CUDA synchronised at both ends; the first ``warmup``
     steps are not timed (allocator growth, autotuning, lazy optimizer state). ``clock`` is swappable for
-    tests."""
+    tests.
+    """
 
     def __init__(
         self, device: torch.device | str, warmup: int = 0, clock: Callable[[], float] = time.perf_counter
@@ -265,7 +270,8 @@ class StepTimer:
 # ---------------------------------------------------------------------------------------------- images
 def count_images(batch: Any) -> int:
     """Images in a detection batch ``(images, targets)``: ``[3, H, W]`` tensors in a sequence, or ``[N, 3, H,
-    W]``."""
+    W]``.
+    """
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         images = batch[0]
         if isinstance(images, torch.Tensor) and images.dim() == 4:
@@ -376,7 +382,8 @@ class _MethodReads(torch.overrides.TorchFunctionMode):
     """Counts the Tensor methods that hand values to the host (``tolist``, ``numpy``, ``cpu``).
 
     ``to(device)`` is left to the copy count: in a step it usually names the step's own device, which on a CPU
-    run is the host."""
+    run is the host.
+    """
 
     def __init__(self, counter: HostSyncs) -> None:
         super().__init__()
@@ -398,7 +405,8 @@ class _DispatchCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
     ``torch.tensor(numbers, device=cuda)`` is one wait, counted as host data on a device: a fake tensor mode
     makes it as ``lift_fresh`` on the host then a copy, CUDA as a copy then ``lift_fresh`` on the device;
-    either way the copy is not counted again."""
+    either way the copy is not counted again.
+    """
 
     def __init__(self, counter: HostSyncs) -> None:
         super().__init__()
@@ -468,7 +476,8 @@ class HostSyncs:
     * explicit syncs: ``torch.cuda.synchronize`` and the stream, event and accelerator ``synchronize``.
 
     Copies and host data show only where tensors are on a device: run the step on CUDA, or on fake CUDA
-    tensors (``FakeTensorMode``) with this counter entered inside the fake mode."""
+    tensors (``FakeTensorMode``) with this counter entered inside the fake mode.
+    """
 
     def __init__(self) -> None:
         self.sites: dict[tuple[str, str], int] = {}
@@ -478,7 +487,8 @@ class HostSyncs:
 
     def add(self, kind: str, what: str) -> tuple[str, str] | None:
         """Counts one wait of ``kind`` (one of :data:`SYNC_KINDS`) for ``what`` at the caller's call site;
-        returns the site's key, or None when counting is quiet."""
+        returns the site's key, or None when counting is quiet.
+        """
         if self._quiet:
             return None
         key = (what, _call_site())
@@ -488,7 +498,8 @@ class HostSyncs:
 
     def reclassify(self, key: tuple[str, str], kind: str, new_kind: str, what: str) -> None:
         """Moves one wait counted at ``key`` from ``kind`` to ``new_kind``, named ``what`` (a copy found to be
-        part of a host-data tensor, say)."""
+        part of a host-data tensor, say).
+        """
         self.sites[key] -= 1
         if not self.sites[key]:
             del self.sites[key]

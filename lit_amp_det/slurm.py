@@ -38,7 +38,8 @@ SUBMITIT_SIGNAL_VARIABLE = "SUBMITIT_PREEMPT_SIGNAL"
 class SlurmJob:
     """The SLURM job this process runs in: ``job_id`` is ``<array job>_<task>`` for an array task (what
     ``scontrol requeue`` takes), else ``SLURM_JOB_ID``; ``restart_count`` is ``SLURM_RESTART_COUNT`` (0 on the
-    first attempt)."""
+    first attempt).
+    """
 
     job_id: str
     restart_count: int
@@ -63,7 +64,8 @@ def current_job(environ: os._Environ[str] | dict[str, str] | None = None) -> Slu
 
 def requeue_signal(environ: os._Environ[str] | dict[str, str] | None = None) -> signal.Signals:
     """The signal that announces the end of the job: ``SIGUSR1`` in a job submitted by hand, submitit's
-    (``SIGUSR2`` unless ``SUBMITIT_PREEMPT_SIGNAL`` names another) in a job submitit started."""
+    (``SIGUSR2`` unless ``SUBMITIT_PREEMPT_SIGNAL`` names another) in a job submitit started.
+    """
     env = os.environ if environ is None else environ
     if "SUBMITIT_EXECUTOR" in env:
         name = "SIG" + env.get(SUBMITIT_SIGNAL_VARIABLE, "USR2").removeprefix("SIG")
@@ -74,7 +76,8 @@ def requeue_signal(environ: os._Environ[str] | dict[str, str] | None = None) -> 
 
 def cluster_plugins() -> list[Any]:
     """Lightning's SLURM environment without its auto-requeue (``LastCheckpoint`` requeues after a clean
-    save); empty outside SLURM, where Lightning picks the environment itself."""
+    save); empty outside SLURM, where Lightning picks the environment itself.
+    """
     if current_job() is None:
         return []
     from lightning.fabric.plugins.environments import SLURMEnvironment  # deferred: imports torch
@@ -84,7 +87,8 @@ def cluster_plugins() -> list[Any]:
 
 def requeue(job: SlurmJob) -> bool:
     """Runs ``scontrol requeue <job id>``; whether it succeeded (a failure is logged, not raised: the
-    checkpoint is saved either way and the job can be resubmitted by hand)."""
+    checkpoint is saved either way and the job can be resubmitted by hand).
+    """
     command = ["scontrol", "requeue", job.job_id]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)

@@ -110,7 +110,8 @@ class _WarmParent:
     @staticmethod
     def _answer(parent: subprocess.Popen, timeout: float) -> dict | None:
         """The parent's next line, read from its pipe a byte at a time (a buffered read could take the next
-        answer too, and ``select`` would then wait for it in vain); ``None`` after ``timeout`` seconds."""
+        answer too, and ``select`` would then wait for it in vain); ``None`` after ``timeout`` seconds.
+        """
         line, deadline = b"", time.monotonic() + timeout
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
@@ -168,7 +169,8 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """Runs ``python -m lit_amp_det ...`` as a user would: in a process of its own, forked from a warm parent
     that has made the imports already (:mod:`cli_zygote`), or started afresh where that could differ
-    (``LIT_AMP_DET_TESTS_FRESH_PROCESSES=1`` starts every one afresh)."""
+    (``LIT_AMP_DET_TESTS_FRESH_PROCESSES=1`` starts every one afresh).
+    """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
     if (
         _WarmParent.takes(args, full_env) and _WarmParent.get() is not None
@@ -238,7 +240,8 @@ class CaptureLogger(Logger):
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (``make test``: two workers on the two cores of CI) each worker, and every command
-    it starts, computes with one torch thread: two workers of two threads each would contend for the cores."""
+    it starts, computes with one torch thread: two workers of two threads each would contend for the cores.
+    """
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -248,7 +251,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Runs the slow tests first. Tests marked ``long`` run only when the ``-m`` expression names them
     (``pytest -m long``); so do those marked ``bf16_training`` on a CPU without native bf16, where torch's
     bf16 kernels take slow paths (a 300-step bf16 parity run of the light model took 22 minutes on a 2-core
-    AVX2 EPYC, against about 1 minute in fp32)."""
+    AVX2 EPYC, against about 1 minute in fp32).
+    """
     markexpr = config.getoption("markexpr") or ""
     skips = {}
     if "long" not in markexpr:

@@ -1,5 +1,6 @@
 """A callback for the DDP tests: each rank writes what it saw (strategy, dtypes, regions, speedups, shards,
-weights)."""
+weights).
+"""
 
 from __future__ import annotations
 

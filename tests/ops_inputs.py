@@ -63,7 +63,8 @@ def random_boxes(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """``[n, 4]`` float32 boxes inside ``image`` (height, width); with ``clusters`` they jitter around a few
-    objects the way RPN proposals do, so NMS suppresses a lot."""
+    objects the way RPN proposals do, so NMS suppresses a lot.
+    """
     g = generator or torch.Generator().manual_seed(0)
     height, width = image
     size = min_size + torch.rand(n, 2, generator=g) * (max_size - min_size)

@@ -21,7 +21,8 @@ class SignalAtStep(Callback):
 
 class SignalAtValidationBatch(Callback):
     """Sends ``signum`` at validation batch ``batch`` of a fit (not the sanity check) and writes the time it
-    did to ``stamp``."""
+    did to ``stamp``.
+    """
 
     def __init__(self, batch: int, stamp: str, signum: str = "SIGTERM") -> None:
         self.batch, self.stamp, self.signum = batch, stamp, getattr(signal, signum)

@@ -1,5 +1,6 @@
 """Anchors stay fp32 under mixed precision (torchvision's generator rounds them to the feature maps' half
-dtype)."""
+dtype).
+"""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_half_feature_maps_give_the_fp32_anchors(half: torch.dtype) -> None:
 def test_torchvision_keeps_rounded_cell_anchors_after_a_half_call_and_ours_does_not() -> None:
     """torchvision converts ``cell_anchors`` in place: one bf16 call leaves later fp32 calls with rounded
     anchors where a cell anchor is not a bf16 number (here size 800, ratio 0.5: a half-width of 566 becomes
-    568)."""
+    568).
+    """
     sizes = (*SIZES[:4], (800,))
     reference = AnchorGenerator(sizes, RATIOS)(*_inputs(torch.float32))[0]
     theirs, ours = AnchorGenerator(sizes, RATIOS), FullPrecisionAnchorGenerator(sizes, RATIOS)

@@ -1,5 +1,6 @@
 """Library classes name their own argument in an error; the command line names the config path of the same
-value."""
+value.
+"""
 
 from __future__ import annotations
 

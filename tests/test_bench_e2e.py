@@ -61,7 +61,8 @@ def _keys(adds: list[str] | tuple[str, ...]) -> set[str]:
 @CUMULATIVE
 def test_each_row_adds_one_switch_to_the_row_above(kind: str) -> None:
     """The first row is torchvision's fp32 model without callbacks; every later row changes exactly its own
-    key."""
+    key.
+    """
     bench = BENCHES[kind]
     setting = dataclasses.replace(SETTING, half="bf16")  # every row changes something
     names = [row.name for row in bench.rows]
@@ -260,7 +261,8 @@ def test_the_compile_row_compiles_the_backbone() -> None:
 @pytest.mark.slow
 def test_a_failed_row_becomes_a_table_line(tmp_path: Path) -> None:
     """A row whose process fails is reported with its error's last line; the row after it compares with the
-    last row that ran."""
+    last row that ran.
+    """
     train = BENCHES["train"]
     failed = e2e.run_row_process(train, 1, dataclasses.replace(SETTING, model="no_such_model"))
     assert failed["status"] == "failed" and "no_such_model" in failed["error"] and failed["returncode"] == 2
@@ -318,7 +320,8 @@ def test_bad_arguments_name_the_option(
 
 def test_one_process_runs_the_rows_here_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--one-process`` (``make gpu-check``'s quick rows): no row process is started; each row is built anew
-    from the same state, and the report names how the rows ran."""
+    from the same state, and the report names how the rows ran.
+    """
     monkeypatch.setattr(e2e, "run_row_process", None)  # a row process would fail the run
     names = ["torchvision-fp32", "fused-optim"]
     e2e.main(

@@ -1,5 +1,6 @@
 """``bench ops``: each group runs both sides on the same inputs and reports them; bad groups are refused.
-Nothing is timed for its own sake: one call per side."""
+Nothing is timed for its own sake: one call per side.
+"""
 
 from __future__ import annotations
 

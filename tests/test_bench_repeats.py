@@ -1,5 +1,6 @@
 """What makes a bench figure trustworthy, without running a bench: the run order, the aggregation of repeats,
-the shared state's cache key and recipe, the timed batch and the weights hash."""
+the shared state's cache key and recipe, the timed batch and the weights hash.
+"""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def test_state_key_holds_what_the_state_depends_on(tmp_path: Path) -> None:
 
 def test_the_r50_state_trains_at_its_recipe_lr_scaled_to_the_bench_batch() -> None:
     """The R50-FPN's lr 0.02 is for 16 images: its state trains at 0.02 x batch / 16; the light models' lr is
-    used as configured."""
+    used as configured.
+    """
     r50 = compose(state.state_overrides(dataclasses.replace(SETTING, model="maskrcnn_r50_fpn")))
     tiny = compose(state.state_overrides(SETTING))
     assert r50.optim.optimizer.lr == pytest.approx(0.02 * 2 / 16) and tiny.optim.optimizer.lr == 0.02

@@ -46,7 +46,8 @@ TINY = Setting(
 
 def _gpu_check_setting(half: str) -> Setting:
     """The setting ``make gpu-check`` gives ``bench train`` on a GPU: the device's defaults and the quick
-    options."""
+    options.
+    """
     options = gpu_check.QUICK_OPTIONS
     defaults = device_defaults("cuda")
     return Setting(
@@ -66,7 +67,8 @@ def _gpu_check_setting(half: str) -> Setting:
 @pytest.fixture
 def cpu_stands_for_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """``callbacks.cuda_graph`` accepts a CPU device, and each capture is an eager replay; returns the replay
-    count."""
+    count.
+    """
     replays: list[int] = []
 
     def capture(step: Any) -> Any:
@@ -92,7 +94,8 @@ class _ReachedTheStep(Exception):
 
 class _StopBeforeTheStep(pl.Callback):
     """Last of the callbacks: records the run as built once every callback's ``on_fit_start`` took it, then
-    stops."""
+    stops.
+    """
 
     def __init__(self) -> None:
         self.seen: dict[str, Any] = {}
@@ -119,7 +122,8 @@ def test_a_quick_train_row_built_for_cuda_passes_its_callbacks_checks(
 ) -> None:
     """Each quick row for CUDA, run by the bench's :func:`run_row` up to its first step: the Trainer with the
     precision plugin CUDA gets, on this CPU; every callback's setup and fit-start checks take it (today the
-    step-graph row inherits half weights, which a CUDA graph refuses, and its targets are not padded)."""
+    step-graph row inherits half weights, which a CUDA graph refuses, and its targets are not padded).
+    """
     stop = _StopBeforeTheStep()
 
     def build_on_this_cpu(cfg: Any, callbacks: Any, **options: Any) -> pl.Trainer:
@@ -144,7 +148,8 @@ def test_a_quick_train_row_built_for_cuda_passes_its_callbacks_checks(
 
 def test_the_bench_pads_a_training_batch_as_the_data_module_does() -> None:
     """The step-graph row's batch: every target padded by the data module's own function, a ``valid`` flag
-    each."""
+    each.
+    """
     cfg = compose(row_overrides(TRAIN, NAMES.index("step-graph"), TINY))
     assert f"data.pad_instances={cfg.data.pad_instances}" == PAD_INSTANCES
     _, targets = shapes_batch("val", range(2), 64, 64, 4)
@@ -160,7 +165,8 @@ def test_the_bench_pads_a_training_batch_as_the_data_module_does() -> None:
 
 def test_the_step_graph_row_runs_on_the_cpu_as_the_bench_runs_it(cpu_stands_for_cuda: list[int]) -> None:
     """The bench's own row run: padded batches, the precision a graph holds, the capture after the warm-up
-    steps, then replays for the timed and memory steps."""
+    steps, then replays for the timed and memory steps.
+    """
     result = run_row(TRAIN, NAMES.index("step-graph"), TINY)
     assert result["precision"] == "bf16-mixed" and "sync_free" in result["speedups"]
     assert result["callbacks"] == ["FreezeNorm", "ConvBNEval", "CUDAGraphTraining"]
@@ -170,7 +176,8 @@ def test_the_step_graph_row_runs_on_the_cpu_as_the_bench_runs_it(cpu_stands_for_
 
 def test_a_cuda_row_above_adds_nothing_to_the_rows_below_it_on_a_cpu() -> None:
     """On a CPU the compile row below the step-graph row is the sync-free row plus compile (no CUDA-graph
-    callback); on CUDA it keeps the step graph."""
+    callback); on CUDA it keeps the step graph.
+    """
     compile_row = NAMES.index("compile")
     on_cpu = row_overrides(TRAIN, compile_row, TINY)
     assert on_cpu == [*row_overrides(TRAIN, NAMES.index("sync-free"), TINY), *TRAIN.rows[compile_row].adds]

@@ -70,7 +70,8 @@ def test_validate_reproduces_the_final_fit_metrics(
     trained: tuple[Path, str], tmp_path: Path, source: str
 ) -> None:
     """From the checkpoint as ``ckpt_path`` or as ``model.weights``, and on torchvision's model (the speedups
-    change how the model computes, not its detections)."""
+    change how the model computes, not its detections).
+    """
     run_dir, _ = trained
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     key, *more = source.split()
@@ -121,7 +122,8 @@ def test_predict_on_a_folder_of_pictures(trained: tuple[Path, str], tmp_path: Pa
     """``data.predict_images``: detections of unannotated pictures, with the images index that makes
     ``predictions.json`` readable by pycocotools' ``loadRes`` (ids, file names, sizes, categories), and
     pictures named after the files. With ``data=coco`` and no ``data.root``: the training data is not on this
-    machine, the classes come from the checkpoint."""
+    machine, the classes come from the checkpoint.
+    """
     from test_predict_folder import pictures_folder
 
     run_dir, _ = trained

@@ -146,7 +146,8 @@ def test_precisions_are_accepted(precision: str, tmp_path: Path) -> None:
 
 def test_the_common_trainer_settings_are_plain_overrides(tmp_path: Path) -> None:
     """What a Lightning user passes to the Trainer, and what the README names, needs no ``+`` (Hydra refuses a
-    key the config lacks without one): the values reach the Trainer."""
+    key the config lacks without one): the values reach the Trainer.
+    """
     cfg = compose_config(
         [
             "trainer.accumulate_grad_batches=2",
@@ -165,7 +166,8 @@ def test_the_common_trainer_settings_are_plain_overrides(tmp_path: Path) -> None
 def test_data_settings_of_another_data_option_name_the_keys(tmp_path: Path) -> None:
     """``experiment=smoke data=coco``: the smoke experiment's shapes settings reach CocoDataModule, which
     would fail in ``instantiate`` as an unexpected keyword argument; the check names every such key and the
-    way out."""
+    way out.
+    """
     with pytest.raises(
         CONFIG_ERRORS,
         match=r"data.image_size, data.test_size, data.train_size, data.val_size: not a "
@@ -214,7 +216,8 @@ def test_weights_for_another_architecture_name_the_mismatch(tmp_path: Path) -> N
 )
 def test_bad_model_settings_name_the_field(override: str, message: str, tmp_path: Path) -> None:
     """The builders name their argument (``backbone.name``); the command line adds the config node
-    (``model.``)."""
+    (``model.``).
+    """
     cfg = compose_config([override], tmp_path)
     with pytest.raises(ArgumentError, match=message):
         build_model(cfg, SimpleNamespace(num_classes=3))
@@ -223,7 +226,8 @@ def test_bad_model_settings_name_the_field(override: str, message: str, tmp_path
 def test_the_precision_config_and_the_python_defaults_agree(tmp_path: Path) -> None:
     """``conf/precision/default.yaml`` holds the same defaults as the plugin's own (one home each in Python:
     the guard's in ``precision.guard``, GradScaler's in ``precision.options``), so a plugin built without the
-    config (a research script) behaves as ``fit`` does."""
+    config (a research script) behaves as ``fit`` does.
+    """
     import dataclasses
     import inspect
 

@@ -21,7 +21,8 @@ CHATTER = ("faster_coco_eval", "Average Precision", "LeafSpec", "Tip:", "not sup
 def test_a_piped_fit_prints_its_own_lines_and_keeps_the_tables_in_the_log_file(tmp_path: Path) -> None:
     """Piped (not a terminal): a line after the first step; each validation adds at most 3 lines; COCO's
     tables, tips and internal warnings stay off the console but the log file has the tables; ``verbose=true``
-    shows them."""
+    shows them.
+    """
     quiet = run_cli(
         ["fit", *SMOKE, "trainer.max_epochs=2", "trainer.check_val_every_n_epoch=1"], cwd=tmp_path
     )

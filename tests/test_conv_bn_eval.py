@@ -1,5 +1,6 @@
 """Tune-mode conv-BN (lit_amp_det.models.conv_bn, ConvBNEval): equivalence with conv -> norm, pairing,
-callback."""
+callback.
+"""
 
 from __future__ import annotations
 
@@ -195,7 +196,8 @@ def test_tiny_maskrcnn_losses_and_gradients_match(dtype: torch.dtype) -> None:
     """Losses in fp32 and float64; gradients in float64 only: the detector is ill-conditioned in fp32 (in the
     plain model, moving the running means by 1e-6 moves the stem's weight gradient by 4e-4 and, with one torch
     thread on an AVX-512 CPU, loss_classifier by 5e-5), so fp32 losses get 2e-4; a wrong fold moves them by
-    far more."""
+    far more.
+    """
     torch.manual_seed(0)
     model = build_detector(
         7,
@@ -334,7 +336,8 @@ def test_only_when_cheaper_leaves_frozen_batchnorm_unfolded_while_recording_grad
 
 def test_autocast_bf16_is_as_accurate_as_plain_autocast() -> None:
     """bf16 rounding differs between the two (the folded weight is rounded, not the BatchNorm output), so each
-    is compared with the fp32 model: the fold must not be less accurate than plain autocast."""
+    is compared with the fp32 model: the fold must not be less accurate than plain autocast.
+    """
     reference, plain = _pair_of_models(_norm_eval(_resnet("resnet18")))
     disable_conv_bn_eval(plain)
     folded = copy.deepcopy(reference)

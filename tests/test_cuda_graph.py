@@ -64,7 +64,8 @@ class _OpTrace(TorchDispatchMode):
 
 class _EagerCapture:
     """Stands in for :func:`capture_graph` on the CPU: each replay runs the step on the same static buffers,
-    traced."""
+    traced.
+    """
 
     def __init__(self) -> None:
         self.captured = 0
@@ -321,7 +322,8 @@ def test_the_captured_step_replays_on_a_gpu(tmp_path, monkeypatch) -> None:
 
 class _OptimizerSeen(pl.Callback):
     """The optimizer as each training step left it: its capturable flags, fused flags, lr types and step
-    devices."""
+    devices.
+    """
 
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
@@ -360,7 +362,8 @@ def test_the_default_adamw_is_made_capturable_for_the_run_and_given_back(
 
 def _foreach_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW from conf/optim/adamw.yaml as the module builds it, with PyTorch's default implementation
-    (foreach)."""
+    (foreach).
+    """
     config = compose_config([*SMOKE, "optim.optimizer.fused=null"]).optim.optimizer
     return build_optimizer(dict(config), params)
 
@@ -401,7 +404,8 @@ def test_a_foreach_adamw_steps_capturably_on_fake_cuda_tensors() -> None:
 
 def test_what_cannot_be_made_capturable_is_named_with_what_to_change() -> None:
     """SGD has no capturable mode: fused, its kernel reads a device lr; foreach or for-loop, it reads it on
-    the host."""
+    the host.
+    """
     params = [torch.nn.Parameter(torch.zeros(3))]
     assert capture_refusal(torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)) is None
     assert capture_refusal(torch.optim.AdamW(params, lr=0.1, foreach=False)) is None
@@ -540,7 +544,8 @@ def test_warm_up_steps_and_captures_run_on_one_side_stream_and_share_one_pool(mo
 
 def test_the_counted_warm_up_step_runs_with_cuda_syncs_raising(monkeypatch) -> None:
     """On CUDA, the pre-capture step also runs under ``torch.cuda.set_sync_debug_mode("error")`` (the driver's
-    check of what the count cannot see), and the mode is put back, even when the step fails."""
+    check of what the count cannot see), and the mode is put back, even when the step fails.
+    """
     from lit_amp_det.callbacks import cuda_graph
 
     modes = [0]

@@ -22,7 +22,8 @@ def test_a_ddp_fit_stopped_by_ctrl_c_resumes_with_last_on_every_rank_under_the_p
     """Ctrl-C on a two-process fit saves one checkpoint; ``ckpt_path=last`` resumes it on both ranks (the
     second is started with the file rank 0 resolved, not with ``last`` again), here in bf16-mixed with
     ``callbacks=fast``: what every rank then runs (strategy, precision regions, speedups, frozen norms,
-    shards) is probed."""
+    shards) is probed.
+    """
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     ddp = [
         "experiment=smoke",

@@ -1,5 +1,6 @@
 """A full disk loses nothing already written (issue 43, point 4): checkpoints written in place and durably,
-the partial file removed, the run's record kept up to date from the room it already holds."""
+the partial file removed, the run's record kept up to date from the room it already holds.
+"""
 
 from __future__ import annotations
 

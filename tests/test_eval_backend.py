@@ -1,5 +1,6 @@
 """model.evaluation.backend: faster-coco-eval and pycocotools give the same COCO metrics; bad or missing
-backends fail early with the fix."""
+backends fail early with the fix.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _module(tmp_path: Path, backend: str) -> MaskRCNNModule:
 
 def _ellipse(box: torch.Tensor) -> torch.Tensor:
     """Boolean ``[SIZE, SIZE]`` ellipse inscribed in ``box`` (x0, y0, x1, y1): masks that differ from their
-    boxes."""
+    boxes.
+    """
     ys, xs = torch.meshgrid(torch.arange(SIZE) + 0.5, torch.arange(SIZE) + 0.5, indexing="ij")
     cx, cy, rx, ry = (
         (box[0] + box[2]) / 2,
@@ -42,7 +44,8 @@ def _ellipse(box: torch.Tensor) -> torch.Tensor:
 
 def _fixed_set() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """Seeded predictions and targets for 6 images: a small, a medium and a large object each (one crowd), and
-    jittered detections with random scores, one wrong label and one false positive per image."""
+    jittered detections with random scores, one wrong label and one false positive per image.
+    """
     gen = torch.Generator().manual_seed(0)
     sizes = torch.tensor([[20.0, 16.0], [60.0, 44.0], [124.0, 116.0]])  # ellipse areas 251, 2073, 11298
     preds, targets = [], []

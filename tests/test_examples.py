@@ -1,6 +1,7 @@
 """``examples/weighted_loss.py``, the research subclass the README points to, does what it says: its GroupNorm
 mask head is the model that trains, with the configured speedups it opts back into, and its loss weights
-apply. (It trains from the CLI in ``tests/test_cli.py``.)"""
+apply. (It trains from the CLI in ``tests/test_cli.py``.)
+"""
 
 from __future__ import annotations
 

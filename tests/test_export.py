@@ -1,6 +1,7 @@
 """``export``: the ONNX graph (onnxruntime) and the ``torch.export`` program give the eager model's
 detections; the ONNX translations of the ops match the ops; ``to_onnx`` / ``to_torchscript`` behave as
-Lightning documents (issue 44)."""
+Lightning documents (issue 44).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The Mask R-CNN on lit_amp_det's ops (the ``ext_ops`` speedup) against the same weights on torchvision's
-ops."""
+ops.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ MODEL = dict(
 def _pair(seed: int = 0):
     """The same weights on both op backends. The score layers get a wide init: an untrained model's scores
     all sit near 0.5 (objectness) or 1/7 (classes), so fp32 ties would make the NMS order arbitrary
-    (torchvision's batched_nms breaks ties by an unstable sort), and the comparison meaningless."""
+    (torchvision's batched_nms breaks ties by an unstable sort), and the comparison meaningless.
+    """
     torch.manual_seed(seed)
     ext = use_extension_ops(build_detector(**MODEL))
     torch.nn.init.normal_(ext.rpn.head.cls_logits.weight, std=0.5)
@@ -123,7 +125,8 @@ def test_fp32_training_step_equals_torchvision_ops():
 
 def test_autocast_training_step_is_as_accurate_as_torchvision_ops():
     """Under bf16 autocast torchvision's RoIAlign upcasts to fp32 and ours pools natively in bf16, so the two
-    differ by bf16 rounding; the gradient must stay as close to the fp32 one as torchvision's own is."""
+    differ by bf16 rounding; the gradient must stay as close to the fp32 one as torchvision's own is.
+    """
     ext, plain = _pair()
     _, fp32_grad = _losses_and_gradient(copy.deepcopy(plain), False)
     ext_losses, ext_grad = _losses_and_gradient(ext, True)
@@ -142,7 +145,8 @@ def test_torch_export_of_the_models_extension_op_path():
     """``torch.export`` traces the ops through their fake kernels, data-dependent NMS output size included:
     the eval model's backbone, NMS of given proposals, multi-level pooling and box head export as one program
     that gives the same scores. (The whole eval model does not export, with either op set: torchvision's box
-    decoding and per-detection mask pasting branch on data-dependent sizes; see the README.)"""
+    decoding and per-detection mask pasting branch on data-dependent sizes; see the README.)
+    """
     ext, _ = _pair()
     heads = ext.roi_heads
 

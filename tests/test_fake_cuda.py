@@ -3,7 +3,8 @@
 ``tools/fake_cuda_step.py`` builds the module as a GPU run builds it (the speedups for ``cuda``, the precision
 plugin for ``cuda``, the configured optimizer) on fake CUDA tensors and counts, by call site, every copy
 between the host and the device, every tensor made from host numbers on the device, every value read, and the
-ops fake tensors refuse for needing a device value. The sync-free step must wait for nothing."""
+ops fake tensors refuse for needing a device value. The sync-free step must wait for nothing.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_the_sync_free_cuda_step_waits_for_nothing(model, precision, batch) -> N
 def test_the_stand_in_sees_what_a_gpu_would_wait_for_in_the_dynamic_path(batch) -> None:
     """The same count on the dynamic path (lit_amp_det's ops without sync_free) finds torchvision's
     normalisation constants made from host numbers on the device, and stops at the first value read, named by
-    its line."""
+    its line.
+    """
     overrides = [
         "model=maskrcnn_light",
         "trainer=gpu",
@@ -65,7 +67,8 @@ def test_the_stand_in_sees_what_a_gpu_would_wait_for_in_the_dynamic_path(batch) 
 
 def test_the_sync_free_step_made_no_copy_where_torchvision_made_them(batch) -> None:
     """torchvision's transform and box coder, as the sync-free detector used them before, make tensors from
-    host numbers in every step: the counter finds them when the detector's own replacements are undone."""
+    host numbers in every step: the counter finds them when the detector's own replacements are undone.
+    """
     from torchvision.models.detection._utils import BoxCoder
 
     from lit_amp_det.models import sync_free
@@ -98,7 +101,8 @@ def test_every_gpu_check_row_runs_its_step_on_fake_cuda(bench, row) -> None:
     """Each row ``make gpu-check`` runs, composed as ``bench train|infer`` composes it for CUDA (the GPU
     check's model, at 128 px), builds and runs its step on fake CUDA tensors: a sync-free row waits for
     nothing; a dynamic row runs until fake tensors refuse its first data-dependent op (a GPU waits there), and
-    fails in no other way."""
+    fails in no other way.
+    """
     from lit_amp_det.bench import gpu_check
     from lit_amp_det.bench.measure import shapes_batch
     from lit_amp_det.bench.rows import BENCHES, Setting, device_defaults, row_overrides

@@ -131,7 +131,8 @@ def test_without_root_absolute_split_paths_are_read(tmp_path: Path) -> None:
 
 def test_predict_on_a_folder_with_the_shapes_data_generates_no_split(tmp_path: Path) -> None:
     """The shapes data is generated for the splits a run reads; ``predict`` on a folder with classes from a
-    checkpoint reads none, so nothing is generated (a fresh machine predicting with a trained model)."""
+    checkpoint reads none, so nothing is generated (a fresh machine predicting with a trained model).
+    """
     from lightning.pytorch import Trainer
 
     pictures_folder(tmp_path / "pictures")

@@ -41,7 +41,8 @@ def _one_thread() -> Iterator[None]:
 
 def _module(tmp_path: Path, *overrides: str, seed: int = 0) -> MaskRCNNModule:
     """The smoke model (resnet10, 32-channel FPN, 64-px images) with a constant lr, so every step moves
-    weights."""
+    weights.
+    """
     torch.manual_seed(seed)
     cfg = compose_config(
         [*SMOKE, "optim.scheduler.policy=constant", "optim.scheduler.warmup_steps=0", *overrides], tmp_path
@@ -82,7 +83,8 @@ def _trainer(*callbacks: Callback, steps: int = STEPS) -> pl.Trainer:
 
 class _CallsTrain(Callback):
     """Calls ``train()`` after every batch, as the default ``on_validation_model_train`` hook,
-    ``BaseFinetuning.make_trainable`` or user code do in the middle of an epoch."""
+    ``BaseFinetuning.make_trainable`` or user code do in the middle of an epoch.
+    """
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.train()
@@ -253,7 +255,8 @@ def test_model_config_and_freeze_norm_together_freeze_the_union(
     tmp_path: Path, frozen_stages: int, frozen: tuple[str, ...]
 ) -> None:
     """Both homes can freeze: ``model.backbone.trainable_layers`` / ``norm`` build the model, FreezeNorm acts
-    on it in setup() and only ever freezes more, so the stricter of the two wins for each stage."""
+    on it in setup() and only ever freezes more, so the stricter of the two wins for each stage.
+    """
     module = _module(tmp_path, "model.backbone.trainable_layers=3", "model.backbone.norm=frozen_bn")
     assert not any(p.requires_grad for n, p in module.named_parameters() if n.startswith(BODY + "layer1."))
     _fit(
@@ -300,7 +303,8 @@ def test_frozen_batchnorm_keeps_the_input_dtype_under_autocast(dtype: torch.dtyp
 
 def test_a_converted_trunk_stays_in_bf16_under_autocast() -> None:
     """torchvision's FrozenBatchNorm2d promotes bf16 activations to fp32; ours keeps them (and is what
-    ``model.backbone.norm=frozen_bn`` builds)."""
+    ``model.backbone.norm=frozen_bn`` builds).
+    """
     assert (
         build_backbone("resnet10", fpn_channels=32, norm="frozen_bn").body.bn1.__class__ is FrozenBatchNorm2d
     )

@@ -3,7 +3,8 @@ lease.
 
 The steps themselves need a GPU; here the CUDA queries and the step runner are stood in for, so what is
 checked is the command line of every step, its time limit and the report written after each. A real process
-that overruns its limit is stopped."""
+that overruns its limit is stopped.
+"""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def test_a_step_that_overruns_its_budget_is_recorded_and_the_next_runs(
 
 def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path: Path) -> None:
     """A real step that runs on (here: a child that sleeps, under a parent that sleeps) is stopped at its
-    limit, its output so far kept, and the stop written into its log."""
+    limit, its output so far kept, and the stop written into its log.
+    """
     child = "import time; time.sleep(60)"
     script = (
         f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
@@ -134,7 +136,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("bench", ["train", "infer"])
 def test_the_rows_gpu_check_runs_name_no_weights_to_download(bench: str) -> None:
     """A GPU machine reaches no network and starts with empty caches: the rows ``make gpu-check`` runs by
-    default (R50-FPN from its seeded initialisation) must name no weights that torchvision would fetch."""
+    default (R50-FPN from its seeded initialisation) must name no weights that torchvision would fetch.
+    """
     from omegaconf import OmegaConf
 
     from lit_amp_det.bench.rows import Setting, compose, device_defaults, row_overrides
@@ -175,7 +178,8 @@ def _flat(node: object, prefix: str = "model") -> dict[str, object]:
 def test_the_rehearsal_runs_every_step_with_no_network_pip_or_cache(tmp_path: Path) -> None:
     """``make gpu-check ARGS=--rehearse`` as a fresh GPU machine would start it: HOME and every cache empty,
     pip without an index, and any connection off the machine refused (a ``sitecustomize`` on PYTHONPATH).
-    Every step runs to its end and the report times each (long: about a minute on two cores)."""
+    Every step runs to its end and the report times each (long: about a minute on two cores).
+    """
     guard = tmp_path / "guard"
     guard.mkdir()
     (guard / "sitecustomize.py").write_text(

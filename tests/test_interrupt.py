@@ -1,5 +1,6 @@
 """Ctrl-C and SIGTERM mid-fit: a checkpoint and the metrics so far are saved, the resume command printed and
-exact."""
+exact.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def test_a_second_ctrl_c_exits_at_once_and_leaves_the_last_checkpoint_as_it_was(
 @pytest.mark.slow
 def test_sigterm_during_validation_stops_within_seconds_with_a_resumable_checkpoint(tmp_path: Path) -> None:
     """A 200-image validation is not waited for: the batch in progress ends, the training state is saved, exit
-    143; ``fit ckpt_path=last`` then finishes the run."""
+    143; ``fit ckpt_path=last`` then finishes the run.
+    """
     import time
 
     runs, stamp = tmp_path / "runs", tmp_path / "signalled_at"

@@ -155,7 +155,8 @@ def test_library_modules_import_only_from_their_layer_or_below():
 
 def test_application_modules_live_in_the_app_package():
     """Hydra/launch plumbing stays out of the library's top level: only the package face, ``cli`` and the
-    library layers sit directly in ``lit_amp_det``."""
+    library layers sit directly in ``lit_amp_det``.
+    """
     top_level = {name for name in _graph() if name.count(".") == 1}
     misplaced = {name for name in top_level if _layer(name) is None and name not in TOP + APPLICATION}
     assert not misplaced, f"move {sorted(misplaced)} into lit_amp_det/app/ or give them a library layer"
@@ -185,7 +186,8 @@ def _in_core(name: str) -> bool:
 
 def _transform_classes() -> dict[str, tuple[str, ...] | None]:
     """``module.Class`` -> the device types it declares (``default_devices``; None when it inherits them) for
-    every class of the package that subclasses a ``ModelTransform`` (read from the source, transitively)."""
+    every class of the package that subclasses a ``ModelTransform`` (read from the source, transitively).
+    """
     classes: dict[str, tuple[list[str], tuple[str, ...] | None]] = {}
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -222,7 +224,8 @@ def _transform_classes() -> dict[str, tuple[str, ...] | None]:
 def test_the_transform_scan_finds_the_packages_transforms_and_their_devices():
     """The check below relies on this scan: it finds every transform and reads the device types each declares
     (a transform that declared only ``cpu`` would be read as CPU-only the way ``SyncFree``'s ``cuda`` is read
-    here)."""
+    here).
+    """
     found = _transform_classes()
     assert {"lit_amp_det.models.speedups.ExtensionOps", "lit_amp_det.models.speedups.ChannelsLast"} <= set(
         found
@@ -233,7 +236,8 @@ def test_the_transform_scan_finds_the_packages_transforms_and_their_devices():
 
 def test_no_core_module_holds_or_imports_a_cpu_only_transform():
     """A speed trick for one CPU lives outside the core, applies only where it declares, and no core module
-    imports it: the core is what a GPU user runs."""
+    imports it: the core is what a GPU user runs.
+    """
     graph = _graph()
     cpu_only = {
         qualified.rpartition(".")[0]

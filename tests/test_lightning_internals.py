@@ -1,6 +1,7 @@
 """The private Lightning API of ``lit_amp_det.precision._lightning_internals``: still there, with the
 signature and the behaviour the precision plugins rely on. A Lightning upgrade that changes it fails here
-first."""
+first.
+"""
 
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ def test_weights_are_bf16_except_norms_and_the_masters_hold_the_fp32_values(
 def test_channels_last_weights_keep_their_layout_and_get_contiguous_masters(tmp_path: Path) -> None:
     """The bf16 convolution weights stay channels_last (``speedups.channels_last``) while their fp32 masters
     are contiguous: fused optimizers clone and copy back every non-contiguous tensor they step. A fused SGD
-    step on the masters then gives what plain SGD gives."""
+    step on the masters then gives what plain SGD gives.
+    """
     module = _channels_last_module(tmp_path)
     conv_weights = {n for n, p in module.named_parameters() if p.dim() == 4 and p.shape[-1] > 1}  # 1x1: both
     assert conv_weights and all(
@@ -216,7 +217,8 @@ def test_a_norm_without_mixed_kernels_gets_fp32_inputs() -> None:
 def test_gradient_equals_bf16_mixed_within_bf16_rounding(tmp_path: Path) -> None:
     """Both run the convolutions on the same bf16-rounded weights; the gradients differ only where the new
     mode sums a shared weight's per-use gradients in bf16 (the RPN head over the FPN levels), so by far less
-    than bf16's unit roundoff 2**-8 relative to the whole gradient."""
+    than bf16's unit roundoff 2**-8 relative to the whole gradient.
+    """
     base = _module(tmp_path)
     images, targets = _batch(96)
 
@@ -246,7 +248,8 @@ def test_gradient_equals_bf16_mixed_within_bf16_rounding(tmp_path: Path) -> None
 
 def test_torchvision_roi_ops_run_as_fp32_regions(tmp_path: Path) -> None:
     """torchvision's RoIAlign refuses bf16 features with fp32 boxes outside autocast; the plugin runs it in
-    fp32."""
+    fp32.
+    """
     module = _module(tmp_path)  # torchvision's model as built, its RoI ops included
     assert type(module.model.roi_heads.box_roi_pool) is torchvision.ops.MultiScaleRoIAlign
     plugin = build_precision_plugin("bf16-weights", "cpu")
@@ -262,7 +265,8 @@ def test_torchvision_roi_ops_run_as_fp32_regions(tmp_path: Path) -> None:
 
 class _Fit(pl.LightningModule):
     """The smoke Mask R-CNN on a fixed list of batches, SGD with momentum (constant lr); the samplers draw
-    from a seed per step, so a resumed run draws what the straight one drew without restoring any RNG."""
+    from a seed per step, so a resumed run draws what the straight one drew without restoring any RNG.
+    """
 
     def __init__(self, detector_module: pl.LightningModule) -> None:
         super().__init__()
@@ -316,7 +320,8 @@ def _trainer(max_steps: int, precision: str, root: Path, **kwargs) -> pl.Trainer
 
 def test_fit_checkpoint_and_resume_continue_exactly(tmp_path: Path) -> None:
     """2 + 2 steps with a checkpoint in between end where 4 straight steps end; the checkpoint is fp32. The
-    hooks see the fp32 master gradients."""
+    hooks see the fp32 master gradients.
+    """
 
     def fresh() -> _Fit:
         return _Fit(_module(tmp_path))
@@ -372,7 +377,8 @@ def test_memory_baseline_takes_half_weights_and_run_stats_count_the_masters(tmp_
     """MemoryMonitor's fp32 baseline of a half-weights run is measured on a copy with the masters as weights,
     so ``-weights`` is comparable while ``-true`` (no fp32 copies anywhere) is refused with the fix named; the
     order-free tensor-memory figure counts the fp32 masters and their gradients, which the model's
-    ``parameters()`` do not list."""
+    ``parameters()`` do not list.
+    """
     from types import SimpleNamespace
 
     from lit_amp_det.callbacks.memory_savings import check_comparable
@@ -398,7 +404,8 @@ def test_memory_baseline_takes_half_weights_and_run_stats_count_the_masters(tmp_
 def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_path: Path) -> None:
     """``full_precision_copy``: the masters (not their bf16 rounding) as parameters in the weights' memory
     format, no casting hooks or masters left, the same losses and gradients as an fp32 model with those
-    values; the converted model is untouched."""
+    values; the converted model is untouched.
+    """
     from lit_amp_det.precision.master_weights import full_precision_copy
 
     module = _channels_last_module(tmp_path)
@@ -452,7 +459,8 @@ def test_a_full_precision_copy_is_the_model_as_fp32_training_would_have_it(tmp_p
 def test_gradients_add_onto_master_gradients_left_by_zero_grad_without_set_to_none() -> None:
     """``zero_grad(set_to_none=False)`` keeps the masters' gradient tensors (zeroed): the next bf16 gradient
     is added onto them in fp32 instead of replacing them, and the step is the same as with
-    ``set_to_none=True``."""
+    ``set_to_none=True``.
+    """
     results = []
     for set_to_none in (True, False):
         model = _Scalar()
@@ -491,7 +499,8 @@ def test_a_skipped_step_leaves_the_masters_the_weights_and_the_optimizer_state_u
 ) -> None:
     """``bf16-weights`` steps AdamW (or SGD with momentum and weight decay) through the guard: a step with a
     NaN gradient leaves the fp32 masters, the bf16 weights and every optimizer state tensor (AdamW's step
-    count too) as they were; the steps around it train."""
+    count too) as they were; the steps around it train.
+    """
     model = _TinyConvNet()
     plugin = build_precision_plugin("bf16-weights", "cpu")
     plugin.convert_module(model)

@@ -1,6 +1,7 @@
 """The ``binary_mask_paste`` speedup: masks pasted as booleans box by box equal torchvision's float paste
 thresholded, bit for bit (``paste_masks_in_image`` is the reference), for every dtype, empty and degenerate
-inputs, and whole models."""
+inputs, and whole models.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _detections(
     count: int, height: int, width: int, seed: int, dtype: torch.dtype = torch.float32, mask_side: int = 28
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask probabilities and boxes as torchvision's RoI heads hand them over: boxes clipped to the image
-    (some of them crossing its border before clipping, some of zero width or height)."""
+    (some of them crossing its border before clipping, some of zero width or height).
+    """
     gen = torch.Generator().manual_seed(seed)
     masks = torch.rand(count, 1, mask_side, mask_side, generator=gen).to(dtype)
     corner = torch.rand(count, 2, generator=gen) * torch.tensor(

@@ -1,5 +1,6 @@
 """Mask targets of the whole batch in one RoIAlign call against torchvision's per-image
-``project_masks_on_boxes``."""
+``project_masks_on_boxes``.
+"""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def test_ext_heads_train_masks_with_batched_targets_and_the_switch_restores_torc
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A training step of the ext model calls the batched loss (not torchvision's) and gives torchvision's
-    losses; ``batched_mask_targets=False`` on the instance runs torchvision's own branch."""
+    losses; ``batched_mask_targets=False`` on the instance runs torchvision's own branch.
+    """
     torch.manual_seed(0)
     model = use_extension_ops(
         build_detector(

@@ -1,5 +1,6 @@
 """MemoryMonitor: real per-step/epoch peaks, the savings table with baseline and bf16 rows, the baseline never
-touching the model, optimizer, BatchNorm statistics or RNGs, conv-bn eval rows, and bad arguments."""
+touching the model, optimizer, BatchNorm statistics or RNGs, conv-bn eval rows, and bad arguments.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ RAM_MB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
 
 class Snapshot(Callback):
     """Copies the detector's state, gradients, optimizer state, RNG state and the number of precision forward
-    contexts entered so far, at the first training batch (``at_end``: when training ends)."""
+    contexts entered so far, at the first training batch (``at_end``: when training ends).
+    """
 
     def __init__(self, at_end: bool = False) -> None:
         self.at_end = at_end
@@ -93,7 +95,8 @@ def _fit(
 def _one_thread() -> Any:
     """One intra-op thread while these fits run: on a busy 2-core machine OpenMP threads waiting for each
     other make each step 10-50x slower. Behaviour, not speed, is tested here; the setting is restored
-    afterwards."""
+    afterwards.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -235,7 +238,8 @@ def test_conv_bn_eval_row_measures_copies_and_keeps_it_on_the_model(tmp_path: Pa
 
 def test_half_weights_rows_measure_an_fp32_baseline_from_the_masters(tmp_path: Path) -> None:
     """``bf16-weights``: the baseline runs on a full-precision copy (the masters as weights), the bf16-weights
-    row on a copy of the converted model; the real model's bf16 weights and masters are left as they were."""
+    row on a copy of the converted model; the real model's bf16 weights and masters are left as they were.
+    """
     from lit_amp_det.precision.master_weights import master_weights_of
 
     overrides = [

@@ -64,7 +64,8 @@ def _image_size(g: torch.Generator) -> tuple[int, int]:
 
 def _targets(height: int, width: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """0-200 boxes: ordinary ones, tiny ones (0.05 px), ones leaving the image or outside it, the whole image;
-    each with a mask of its box clipped to the image (empty when the box is outside)."""
+    each with a mask of its box clipped to the image (empty when the box is outside).
+    """
     count = int(torch.randint(0, 201, (1,), generator=g)) if torch.rand(1, generator=g) < 0.7 else 0
     size = torch.tensor([width, height], dtype=torch.float32)
     start = (torch.rand(count, 2, generator=g) * 1.4 - 0.2) * size
@@ -141,7 +142,8 @@ def test_fuzz_long(seed):
 
 def test_zero_area_ground_truth_is_refused_alike_by_both_op_sets():
     """torchvision refuses boxes of zero width or height in training; the ext model does not change that
-    (the data modules drop or reject them first, see ``data.invalid_boxes``)."""
+    (the data modules drop or reject them first, see ``data.invalid_boxes``).
+    """
     image = [torch.rand(3, 64, 64)]
     target = [
         {
@@ -158,7 +160,8 @@ def test_zero_area_ground_truth_is_refused_alike_by_both_op_sets():
 @pytest.mark.parametrize("ops", ["ext", "torchvision"])
 def test_built_models_pool_at_the_backbone_strides_whatever_the_first_batch(ops):
     """A first batch of panoramas would make torchvision infer every level a power of two off (height ratio
-    16 / 45 -> 1/2 for the stride-4 map); the models built here carry the strides instead."""
+    16 / 45 -> 1/2 for the stride-4 map); the models built here carry the strides instead.
+    """
     model = build_detector(
         **{
             **MODEL,

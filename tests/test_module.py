@@ -429,7 +429,8 @@ _ON_DEVICE = {
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=needs_cuda)])
 def test_a_trainer_applies_the_speedups_of_its_device(tmp_path: Path, accelerator: str) -> None:
     """Lightning calls ``configure_model`` before it moves the module: the Trainer's device decides, not the
-    module's (still on the CPU then)."""
+    module's (still on the CPU then).
+    """
     from lightning.pytorch import Trainer
 
     module = _tiny(tmp_path, "speedups=gpu", "model.roi_heads.score_thresh=0.0", configure=False)

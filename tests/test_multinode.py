@@ -46,7 +46,8 @@ def _probes(run_dir: Path, world: int) -> list[dict]:
 
 def _expected_ids(monkeypatch: pytest.MonkeyPatch, epoch: int, rank: int, world: int) -> list[list[int]]:
     """The image ids of each batch rank ``rank`` of ``world`` trains on in ``epoch`` (seed 0, shapes: id =
-    index + 1)."""
+    index + 1).
+    """
     monkeypatch.setattr("lit_amp_det.data.sampler._distributed_rank_and_size", lambda: (rank, world))
     sampler = ResumableBatchSampler(TRAIN, BATCH, seed=0, group_ids=[1] * TRAIN)
     sampler.set_epoch(epoch)

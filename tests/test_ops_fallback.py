@@ -1,5 +1,6 @@
 """Without the compiled extension, lit_amp_det imports, every op still works and one warning says how to
-build."""
+build.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_ops_fall_back_to_pure_pytorch_with_one_warning():
 
 def test_the_extension_is_built_for_this_machine():
     """`make install` must leave a loadable extension (C++ CPU kernels, no nvcc involved), and the CUDA key of
-    every op must hold the Triton kernels; otherwise every op test above would be skipped, not failed."""
+    every op must hold the Triton kernels; otherwise every op test above would be skipped, not failed.
+    """
     import importlib.util
 
     import torch
@@ -76,7 +78,8 @@ def test_the_extension_shares_torchs_cxx_runtime():
     """A ``TORCH_CHECK`` in a C++ kernel throws through torch's frames: with a private, statically linked copy
     of the C++ runtime (a toolchain whose ``g++`` has only ``libstdc++.a``) that crashes the process instead
     of raising. ``setup.py`` links the shared runtime torch loaded; the built ``_C`` must need it and define
-    none of the runtime's throw machinery itself."""
+    none of the runtime's throw machinery itself.
+    """
     import shutil
 
     import lit_amp_det._C as extension

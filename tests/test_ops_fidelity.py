@@ -36,7 +36,8 @@ def _fpn(sizes, channels=8, seed=0):
 def test_elongated_batch_pools_as_torchvision():
     """A 200 x 1000 image resized to 45 x 224 in a 64 x 224 padded batch: the height and width ratios of the
     stride-4 map (16 / 45, 56 / 224) round to different powers of two. torchvision takes the height's; the
-    module used to raise here (and crashed the default model on any 5:1 image)."""
+    module used to raise here (and crashed the default model on any 5:1 image).
+    """
     x = _fpn([(16, 56), (8, 28), (4, 14), (2, 7)])
     boxes = [torch.tensor([[0.0, 0, 224, 45], [10, 5, 60, 40], [100, 0, 223, 44]])]
     shapes = [(45, 224)]
@@ -290,7 +291,8 @@ def test_nms_and_batched_nms_on_empty_inputs_as_torchvision(max_output):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rois_outside_the_batch_pool_to_zeros_without_gradient(layout):
     """Batch index truncated toward zero as torchvision does; outside [0, N) (NaN too) gives a zero row and no
-    gradient, on every device (a GPU kernel cannot raise without a host sync)."""
+    gradient, on every device (a GPU kernel cannot raise without a host sync).
+    """
     x = torch.randn(2, 3, 12, 12).contiguous(memory_format=layout).requires_grad_()
     box = [1.0, 1, 9, 9]
     rois = torch.tensor([[i] + box for i in (0, 1, -1, 2, 7, math.nan, -0.5, 1.7)])

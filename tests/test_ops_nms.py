@@ -22,7 +22,8 @@ def _iou_precision(boxes):
 
 def _tv_nms(boxes, scores, threshold):
     """torchvision's CPU NMS on the same values in the same IoU precision: the results (and tie order) we
-    match."""
+    match.
+    """
     boxes = _iou_precision(boxes)
     return torchvision.ops.nms(boxes, scores.cpu().to(boxes.dtype), threshold)
 

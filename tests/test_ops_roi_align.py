@@ -1,5 +1,6 @@
 """RoIAlign, multi-level RoIAlign and MultiScaleRoIAlign: parity with torchvision and the float64 reference,
-mixed precision, channels_last, gradients, opcheck and compile."""
+mixed precision, channels_last, gradients, opcheck and compile.
+"""
 
 from __future__ import annotations
 

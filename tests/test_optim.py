@@ -137,7 +137,8 @@ def _resumed_run(
     """Two steps on a ``before``-laid-out 4-D parameter, its optimizer state saved; then a fresh parameter
     laid out ``after`` with that state loaded (what resuming a checkpoint after toggling
     ``model.channels_last`` does), two more steps. ``build``: optimizers from :func:`build_optimizer`, else
-    instantiated as the config says."""
+    instantiated as the config says.
+    """
     torch.manual_seed(3)
     start = torch.randn(16, 8, 3, 3)
     grads = [torch.randn(16, 8, 3, 3) for _ in range(4)]
@@ -176,7 +177,8 @@ def test_fused_steps_after_resuming_in_another_layout(
     """A fused optimizer from build_optimizer resumed under the other memory layout steps exactly as the
     for-loop implementation does, aligned by the pre-hook build_optimizer gives it. PyTorch's fused SGD and
     AdamW alone do not (the loaded state keeps the old layout, and their CPU kernels pair the tensors by
-    memory order): that is asserted too, so this test notices when PyTorch fixes it."""
+    memory order): that is asserted too, so this test notices when PyTorch fixes it.
+    """
     expected = _resumed_run({**config, "foreach": False}, before, after, build=False)
     fused = {**config, "fused": "auto"}
     torch.testing.assert_close(_resumed_run(fused, before, after), expected, rtol=1e-6, atol=1e-6)
@@ -189,7 +191,8 @@ def test_fused_steps_after_resuming_in_another_layout(
 
 def test_alignment_copies_only_what_differs() -> None:
     """align_with_params leaves tensors already in their parameter's order alone (the same objects), copies
-    the others into it, and counts the copies; scalar state (Adam's ``step``) is left alone."""
+    the others into it, and counts the copies; scalar state (Adam's ``step``) is left alone.
+    """
     param = torch.nn.Parameter(torch.randn(4, 3, 2, 2).contiguous(memory_format=CL))
     optimizer = torch.optim.AdamW([param], lr=0.01)
     param.grad = torch.randn(4, 3, 2, 2).contiguous(memory_format=CL)

@@ -1,5 +1,6 @@
 """Pictures: detections drawn by ``predict``, ground truth beside predictions at each validation, training
-curves."""
+curves.
+"""
 
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def _many_detections(n: int, h: int, w: int, seed: int = 0) -> dict[str, torch.T
 
 def test_masks_drawn_one_per_colour_make_torchvision_s_picture_of_them_all():
     """The disjoint (first-owner) masks merged per colour draw exactly what one torchvision call per detection
-    would: 13 classes share tab10's 10 colours, and the masks overlap."""
+    would: 13 classes share tab10's 10 colours, and the masks overlap.
+    """
     from torchvision.utils import draw_segmentation_masks
 
     from lit_amp_det.callbacks.drawing import _first_owner
@@ -151,7 +153,8 @@ def test_masks_drawn_one_per_colour_make_torchvision_s_picture_of_them_all():
 
 def test_large_images_are_drawn_shrunk_to_max_side():
     """A picture of a large image is the picture of that image shrunk (antialiased), its masks sampled at the
-    nearest pixel and its boxes scaled: nothing full-size is drawn."""
+    nearest pixel and its boxes scaled: nothing full-size is drawn.
+    """
     from torchvision.transforms.v2.functional import resize
 
     image = torch.randint(

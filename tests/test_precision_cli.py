@@ -1,5 +1,6 @@
 """Mixed precision end to end: a research fp32 region through the CLI, bf16 vs fp32 accuracy parity, and bf16
-weights with fp32 masters vs bf16 autocast."""
+weights with fp32 masters vs bf16 autocast.
+"""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def _assert_learns_alike(reference: tuple[dict, list[float]], other: tuple[dict,
     Measured on an AVX-512 BF16 CPU, seeds 0-2: segm/bbox mAP 0.091-0.118 / 0.091-0.131 in 32-true,
     0.077-0.164 / 0.098-0.195 in bf16-mixed, 0.115-0.167 / 0.116-0.183 in bf16-weights (every mAP@50 >= 0.16;
     same-seed pairs differ by up to 0.052 / 0.082, late loss means by up to 7.5 %). A broken precision path
-    does not learn: mAP@50 near 0."""
+    does not learn: mAP@50 near 0.
+    """
     (ref, ref_losses), (run, run_losses) = reference, other
     for metrics in (ref, run):
         assert metrics["val/segm_mAP_50"] > 0.12, metrics  # a model that learned something worth comparing
@@ -88,5 +90,6 @@ def test_bf16_training_matches_fp32_accuracy(tmp_path: Path) -> None:
 @pytest.mark.bf16_training
 def test_bf16_weights_training_matches_bf16_mixed_accuracy(tmp_path: Path) -> None:
     """bf16-weights runs the same bf16 convolutions as bf16-mixed (the first step's losses are bit-identical,
-    see tests/test_low_precision_weights.py) and steps fp32 masters, so it must learn as well."""
+    see tests/test_low_precision_weights.py) and steps fp32 masters, so it must learn as well.
+    """
     _assert_learns_alike(_fit(tmp_path, "bf16-mixed"), _fit(tmp_path, "bf16-weights"))

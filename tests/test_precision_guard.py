@@ -1,7 +1,8 @@
 """The non-finite step guard: the check and the skip stay on the device, a skipped step changes nothing
 (parameters and optimizer state, SGD with momentum and weight decay and AdamW, for-loop, foreach and fused),
 the counts are read on the host only every ``skip_check_every_n_steps`` steps, and a training step makes no
-host sync."""
+host sync.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ _HOST_READS = {
 
 class _HostReads(TorchDispatchMode):
     """Counts the host reads of tensor values made under it, by op (CPU tensors dispatch them as CUDA ones
-    do)."""
+    do).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,7 +104,8 @@ def _set_grads(params: list[nn.Parameter], step: int, bad: float | None = None) 
 
 def _state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, object]]:
     """The optimizer's state by parameter position (comparable across optimizers), copied; empty entries left
-    out."""
+    out.
+    """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {
         i: {k: v.clone() if isinstance(v, Tensor) else v for k, v in optimizer.state[p].items()}
@@ -113,7 +116,8 @@ def _state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, object]]:
 
 def _own_reads(name: str, optimizer: torch.optim.Optimizer, step: int) -> int:
     """Host reads the optimizer makes itself in a step (AdamW without ``capturable``/``fused`` reads its step
-    count, a CPU tensor even when the parameters are on a GPU), measured on a copy."""
+    count, a CPU tensor even when the parameters are on a GPU), measured on a copy.
+    """
     params = [nn.Parameter(p.detach().clone()) for group in optimizer.param_groups for p in group["params"]]
     copy = _OPTIMIZERS[name](params)
     copy.load_state_dict(copy_module.deepcopy(optimizer.state_dict()))
@@ -144,7 +148,8 @@ def _assert_next_finite_step_as_unguarded(
     step: int,
 ) -> None:
     """A finite step after a skipped one: the guarded optimizer ends where the unguarded one, which never saw
-    the skipped step, does (parameters and state bit for bit)."""
+    the skipped step, does (parameters and state bit for bit).
+    """
     _set_grads(params, step)
     skipper.step(optimizer, non_finite(gradients(optimizer)))
     _set_grads(reference, step)
@@ -160,7 +165,8 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_exactly_as_they_we
     name: str, bad: float
 ) -> None:
     """Two real steps (the optimizer has state), then a poisoned one: nothing moves, nothing is read on the
-    host; the next finite step is the one the optimizer would have taken without the poisoned step."""
+    host; the next finite step is the one the optimizer would have taken without the poisoned step.
+    """
     params, reference = _params(), _params()
     optimizer, expected = _OPTIMIZERS[name](params), _OPTIMIZERS[name](reference)
     skipper = DeviceSkippedStep()
@@ -189,7 +195,8 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_exactly_as_they_we
 @pytest.mark.parametrize("name", ["sgd-foreach", "adamw-foreach", "adamw-fused"])
 def test_a_skipped_first_step_leaves_no_state_behind(name: str) -> None:
     """On a parameter's first step the optimizer creates its state: the host decides (one read) and removes
-    it."""
+    it.
+    """
     params, reference = _params(), _params()
     optimizer, expected = _OPTIMIZERS[name](params), _OPTIMIZERS[name](reference)
     skipper = DeviceSkippedStep()
@@ -331,7 +338,8 @@ def _fit_counting(precision: str, steps: int, check_every: int, poison_steps: se
 def test_a_training_step_reads_nothing_on_the_host(precision: str) -> None:
     """Inside the plugin's ``optimizer_step`` (forward, backward, hooks, check, step, logging): no host read
     of a tensor, except once on the first step, where SGD creates its momentum buffers and the host decides
-    whether to keep them. The step that skips (the 5th) reads nothing either."""
+    whether to keep them. The step that skips (the 5th) reads nothing either.
+    """
     plugin, per_step = _fit_counting(precision, steps=8, check_every=3, poison_steps={4})
     assert len(per_step) == 8
     assert per_step[0] == {"aten._local_scalar_dense.default": 1}

@@ -1,5 +1,6 @@
 """``trainer.precision=auto`` and the CPU fallbacks: each device gets the precision it runs fast, and says
-why."""
+why.
+"""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def test_the_plugin_is_built_for_what_runs(cpu_bf16) -> None:
 
 def test_native_bf16_is_torchs_own_test(monkeypatch: pytest.MonkeyPatch) -> None:
     """The answer is torch's oneDNN bf16 device check; without that private op, torch's CPU capability
-    decides."""
+    decides.
+    """
     probe = hardware._native_bf16
     probe.cache_clear()
     try:
@@ -148,7 +150,8 @@ def test_auto_is_the_default_and_a_valid_value(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_metrics_json_records_the_precision_that_ran_and_a_resume_in_another_warns(tmp_path: Path) -> None:
     """A fit with ``trainer.precision=auto`` records what auto chose on this machine (and logs it); resuming
-    its checkpoint in another precision (as ``auto`` does on a machine with other bf16 support) says so."""
+    its checkpoint in another precision (as ``auto`` does on a machine with other bf16 support) says so.
+    """
     proc = run_cli(["fit", *SMOKE, "trainer.max_steps=1", "+trainer.limit_val_batches=1"], cwd=tmp_path)
     run_dir = only_run_dir(tmp_path / "runs")
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -177,7 +180,8 @@ def test_metrics_json_records_the_precision_that_ran_and_a_resume_in_another_war
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-weights", "16-weights"])
 def test_every_plugin_records_its_precision_in_the_checkpoint(precision: str) -> None:
     """Each plugin's state names its precision (Lightning saves it under the class name), and loads it back,
-    as it loads the state of checkpoints saved before the plugins recorded it."""
+    as it loads the state of checkpoints saved before the plugins recorded it.
+    """
     plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True)
     state = plugin.state_dict()
     checkpoint = {type(plugin).__qualname__: state, "state_dict": {}}

@@ -260,7 +260,8 @@ def test_an_inf_gradient_skips_the_step_and_training_recovers(precision: str) ->
 
 def test_too_many_consecutive_skips_stop_with_a_clear_error_at_the_next_read() -> None:
     """The counts are read on the host every ``skip_check_every_n_steps`` steps: the stop comes at the first
-    read after the limit, here the 4th step with a limit of 3; no step changed the weight."""
+    read after the limit, here the 4th step with a limit of 3; no step changed the weight.
+    """
     plugin = build_precision_plugin("bf16-mixed", "cpu", max_consecutive_skips=3, skip_check_every_n_steps=4)
     module = _Linear(poison_steps=set(range(100)))
     before = float(module.layer.weight.detach())

@@ -95,7 +95,8 @@ def test_a_picture_stored_sideways_is_read_as_a_viewer_shows_it(
     tmp_path: Path, suffix: str, orientation: int
 ) -> None:
     """EXIF orientation (3: upside down, 6 and 8: a quarter turn), as PIL's ``exif_transpose`` applies it; for
-    a WebP too, whose tag torchvision's decoder ignores. Annotated datasets keep the stored pixels."""
+    a WebP too, whose tag torchvision's decoder ignores. Annotated datasets keep the stored pixels.
+    """
     from PIL import ImageOps
 
     from lit_amp_det.data.image_io import read_rgb_image

@@ -53,7 +53,8 @@ def test_boxes_only_detections_have_no_segmentation(tmp_path):
 
 def test_the_images_index_names_the_categories_the_records_carry():
     """``predictions_images.json``'s categories: the dataset's category ids where the model has them, else the
-    labels 1..K, with the class names."""
+    labels 1..K, with the class names.
+    """
     from types import SimpleNamespace
 
     from lit_amp_det.callbacks.prediction_writer import _categories
@@ -67,7 +68,8 @@ def test_the_images_index_names_the_categories_the_records_carry():
 
 def test_the_images_index_leaves_out_torchvision_s_unused_coco_ids():
     """torchvision's COCO weights name 91 labels, the 10 ids COCO never uses ``N/A``: the index lists COCO's
-    80."""
+    80.
+    """
     from types import SimpleNamespace
 
     from lit_amp_det.app.model_classes import weights_classes

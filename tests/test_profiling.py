@@ -1,5 +1,6 @@
 """lit_amp_det.profiling: saved-tensor bytes (whole model and one module), the step timer's warm-up and clock,
-the memory probe's baseline, image counting, and the bench's peak-memory step that measures through them."""
+the memory probe's baseline, image counting, and the bench's peak-memory step that measures through them.
+"""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def _timer_run(plan: list[str], step: Any) -> Any:
 
 def test_bench_peak_step_counts_what_the_step_holds_not_the_heap_kept_before() -> None:
     """The bench's peak step: 96 MB allocated in small-ish blocks and freed (heap glibc may keep) before it,
-    then a step that holds 64 MB more than an empty step reads 64 MB more."""
+    then a step that holds 64 MB more than an empty step reads 64 MB more.
+    """
     if not MemoryProbe("cpu").resettable:
         pytest.skip("this kernel does not let the process reset its VmHWM")
 
@@ -123,7 +125,8 @@ def test_bench_peak_step_lifts_the_pinned_malloc_threshold_afterwards(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A process that goes on working must not keep the 128 KB threshold (every larger allocation would fault
-    in fresh pages): lifted after the peak step, and after a failed one; the timed steps run unpinned."""
+    in fresh pages): lifted after the peak step, and after a failed one; the timed steps run unpinned.
+    """
     from lit_amp_det.bench import measure
 
     calls: list[str] = []
@@ -171,7 +174,8 @@ def test_host_syncs_counts_what_waits_for_the_device_and_names_the_line() -> Non
 
 def test_host_syncs_counts_the_same_under_inference_mode() -> None:
     """Lightning predicts under ``torch.inference_mode``, where composite ops (``item``, one-argument
-    ``where``, ``nonzero(as_tuple=True)``) reach the mode whole instead of as their value-reading parts."""
+    ``where``, ``nonzero(as_tuple=True)``) reach the mode whole instead of as their value-reading parts.
+    """
     with torch.inference_mode():
         x = torch.randn(10)
         with HostSyncs() as syncs:
@@ -261,7 +265,8 @@ def test_host_syncs_counts_explicit_synchronisation_and_restores_it(monkeypatch)
 def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
     """The tiny Mask R-CNN's training step on lit_amp_det's ops waits for the device where torchvision's code
     does and at two known points of ``models/ext_ops.py`` (the RPN's filters, the mask head's positives; issue
-    42 removes them): a new one fails here, with the list of call sites."""
+    42 removes them): a new one fails here, with the list of call sites.
+    """
     from host_syncs import count, package_sites, tiny_model
     from lit_amp_det.models.speedups import ExtensionOps
 
@@ -273,7 +278,8 @@ def test_lit_amp_det_adds_no_host_sync_to_a_training_step() -> None:
 
 class _CountSyncsPerStep(pl.Callback):
     """Host syncs from each training batch's start (after its transfer) to its end: forward, backward,
-    optimizer and precision plugin, and the callbacks' per-step hooks."""
+    optimizer and precision plugin, and the callbacks' per-step hooks.
+    """
 
     def __init__(self) -> None:
         self.steps: list[HostSyncs] = []
@@ -309,7 +315,8 @@ def _fit_step_syncs(tmp_path: Path, monkeypatch, overrides: Sequence[str] = ()) 
 def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Path, monkeypatch) -> None:
     """A smoke ``fit`` step with the default callbacks and the precision plugin: the module, the data module
     (crowd instances dropped on the host), the plugin and the callbacks add no host sync to the model's own
-    after the first step."""
+    after the first step.
+    """
     from host_syncs import package_sites
 
     for step, syncs in enumerate(_fit_step_syncs(tmp_path, monkeypatch)):
@@ -329,7 +336,8 @@ def test_a_fit_step_waits_for_the_device_only_where_the_model_does(tmp_path: Pat
 def test_a_sync_free_fit_step_never_waits_for_the_device(tmp_path: Path, monkeypatch, precision) -> None:
     """With ``speedups.sync_free`` on the CPU, a whole fit step after the first (module, model, plugin,
     callbacks, optimizer; under 16-mixed the loss scaler too, which takes a fused optimizer's step without
-    reading its ``found_inf``) makes no host sync at all."""
+    reading its ``found_inf``) makes no host sync at all.
+    """
     first, second = _fit_step_syncs(
         tmp_path, monkeypatch, ["speedups.sync_free.devices=[cpu,cuda]", *precision]
     )

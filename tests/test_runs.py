@@ -91,7 +91,8 @@ CASES = ["finished", "other_data", "no_checkpoint", "still_running"]
 @pytest.mark.parametrize("case", CASES)
 def test_last_passes_over_newer_fits_it_cannot_resume(tmp_path: Path, case: str, caplog) -> None:
     """``fit ckpt_path=last`` is the newest unfinished fit with this model and data that saved a checkpoint: a
-    newer finished, other, checkpoint-less (named in a log line) or running fit does not stand in its way."""
+    newer finished, other, checkpoint-less (named in a log line) or running fit does not stand in its way.
+    """
     root = tmp_path / "runs"
     older = _fake_run(root, "a", status="interrupted", step=2, started=1.0)
     newest, sleeper = _newest_fit(root, case)
@@ -138,7 +139,8 @@ def test_last_refuses_with_the_reason_and_the_folder(tmp_path: Path, case: str, 
 @pytest.mark.parametrize("saved", ["fused_absent", "fused_null", "speedups_absent"])
 def test_last_resumes_across_settings_that_give_the_same_run(tmp_path: Path, saved: str, caplog) -> None:
     """``optim.optimizer.fused`` and the ``speedups`` change how a step is computed, not its result: a run
-    saved without the key (made before it existed) or with another value is still the run ``last`` resumes."""
+    saved without the key (made before it existed) or with another value is still the run ``last`` resumes.
+    """
     root = tmp_path / "runs"
     killed = _fake_run(
         root,
@@ -173,7 +175,8 @@ def test_last_resumes_under_other_implementation_settings(tmp_path: Path, caplog
     """Kernels, memory formats, compilation and the evaluation settings change how a step is computed or
     scored, not the model, data or recipe (as ``trainer.precision``, which is not compared): a run killed on
     one machine resumes with another's ``speedups``, and from other ``model.weights`` (a resume restores every
-    tensor)."""
+    tensor).
+    """
     root = tmp_path / "runs"
     killed = _fake_run(root, "a", status="interrupted", started=1.0)
     switches = [
@@ -264,7 +267,8 @@ def test_last_for_evaluation_takes_weights_across_settings_that_leave_them_usabl
     tmp_path: Path, command: str, caplog
 ) -> None:
     """Evaluating a fit's weights at another test size, score threshold, kernel or memory format is what one
-    does with weights: only a setting that changes a tensor's name or shape makes them another model's."""
+    does with weights: only a setting that changes a tensor's name or shape makes them another model's.
+    """
     root = tmp_path / "runs"
     fit = _fake_run(root, "a", status="finished", step=8, started=1.0)
     other = [
@@ -436,7 +440,8 @@ def test_coco_loader_defaults_follow_the_device() -> None:
 
 def test_loader_workers_are_clamped_where_the_data_is_loaded() -> None:
     """The config keeps what was asked (a SLURM job's ``cpus_per_task`` is sized from it on the submitting
-    host); the data module starts no more workers than the CPUs its process may use."""
+    host); the data module starts no more workers than the CPUs its process may use.
+    """
     from lit_amp_det.data import CocoDataModule
     from lit_amp_det.errors import ArgumentError
 

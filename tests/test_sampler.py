@@ -119,7 +119,8 @@ def test_training_shards_are_equal_sized_and_cover_every_sample_padding_with_rep
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """10 samples over 3 ranks: 4 each, so that every rank runs the same number of steps; the 2 extra slots
-    repeat samples (training shards overlap there; evaluation shards, EvalShardSampler, never do)."""
+    repeat samples (training shards overlap there; evaluation shards, EvalShardSampler, never do).
+    """
     seen = []
     for rank in range(3):
         monkeypatch.setattr("lit_amp_det.data.sampler._distributed_rank_and_size", lambda r=rank: (r, 3))

@@ -55,7 +55,8 @@ def test_the_sbatch_script_submitit_would_submit_for_2_nodes_of_8_gpus(
 ) -> None:
     """The launcher's parameters go to submitit as the plugin passes them (``BaseSubmititLauncher.launch``:
     the queue-independent keys as they are, the rest prefixed ``slurm_``); submitit writes the script, nothing
-    is submitted (a stand-in ``srun`` on PATH is all it looks for)."""
+    is submitted (a stand-in ``srun`` on PATH is all it looks for).
+    """
     import submitit
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
@@ -175,7 +176,8 @@ def test_eval_shards_cover_every_image_once(size: int, monkeypatch: pytest.Monke
 def test_the_readmes_batch_script_asks_slurm_for_what_its_command_runs() -> None:
     """The README's ``sbatch`` script: its ``srun`` command composes, and its allocation is the one
     ``hydra/launcher=slurm`` derives from that command's config (nodes, tasks and GPUs per node, CPUs per
-    task)."""
+    task).
+    """
     import re
     import shlex
 

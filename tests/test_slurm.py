@@ -116,7 +116,8 @@ def _srun(command: list[str], cwd: Path, env: dict[str, str], tasks: int) -> lis
     """``srun`` on one node: ``tasks`` processes of the command, each with its own ``SLURM_PROCID``; their
     exit codes and output. Each task writes to a file, as SLURM's ``--output`` does: a pipe read only after
     the first task ends fills up with the second task's output and blocks it inside a collective the first
-    task is waiting in."""
+    task is waiting in.
+    """
     with socket.socket() as sock:  # a port of this test's own (SLURM would derive one from the job id)
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -162,7 +163,8 @@ def _srun(command: list[str], cwd: Path, env: dict[str, str], tasks: int) -> lis
 def test_a_preempted_two_task_job_requeues_once_and_resumes_in_its_folder(tmp_path: Path) -> None:
     """``srun`` of two DDP tasks (the ranks SLURM starts, not Lightning) with the folder on the command line,
     as a user's sbatch script has it: SIGUSR1 reaches both tasks, rank 0 alone requeues, both stop after one
-    save, and both tasks of the next attempt resume from it."""
+    save, and both tasks of the next attempt resume from it.
+    """
     env = {**_fake_slurm(tmp_path), "SLURM_JOB_ID": "4243", "LIT_AMP_DET_RUNS": str(tmp_path / "runs")}
     folder = tmp_path / "shared" / "job-4243"
     command = [
@@ -227,7 +229,8 @@ def test_the_requeue_signal_is_usr1_by_hand_and_submitits_under_submitit() -> No
 def test_a_requeued_attempt_continues_in_the_folder_its_job_was_given(tmp_path: Path) -> None:
     """A job whose command fixes its folder (a sweep job's, as Hydra's submitit launcher reruns it on requeue)
     continues there: the one folder that an earlier run may be written into is its own job's earlier
-    attempt's."""
+    attempt's.
+    """
     env = {**_fake_slurm(tmp_path), "LIT_AMP_DET_RUNS": str(tmp_path / "runs")}
     folder = tmp_path / "runs" / "multirun" / "sweep" / "0"
     command = [
@@ -287,7 +290,8 @@ def test_every_task_of_a_requeued_attempt_resumes_from_the_same_file(
 ) -> None:
     """Under ``srun`` each task looks for the preempted attempt by itself, in the folder they share, while
     rank 0 replaces that folder's ``run.json`` with this attempt's record: before or after, task 1 finds rank
-    0's file."""
+    0's file.
+    """
     folder = _attempt(tmp_path / "runs", "job", "4243", 0, "requeued", 1.0, saved=True)
     checkpoint = folder / "checkpoints" / "last.ckpt"
     if rank_zero_wrote_first:
@@ -322,7 +326,8 @@ def test_a_task_started_by_srun_resolves_a_run_folder_as_rank_zero_does(tmp_path
 
 class _SignallingTrainer:
     """What ``LastCheckpoint.save`` uses of a Trainer; the write sends this process ``signum`` halfway
-    through."""
+    through.
+    """
 
     def __init__(self, signum: int) -> None:
         self.signum = signum

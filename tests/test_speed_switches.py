@@ -1,5 +1,6 @@
 """The speedups (``conf/speedups``, :mod:`lit_amp_det.models.speedups`): each keeps the state_dict and the
-results, applies only on the devices it declares, and a bad entry is refused naming it."""
+results, applies only on the devices it declares, and a bad entry is refused naming it.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Sweeps through submitit's local executor (``hydra/launcher=submitit_local``): every job a process of its
 own, the jobs that can finish finish, the sweep summary lists them all, and a failed job is named with its
 overrides, its error and its submitit logs. One sweep checks it all: each job is a fresh Python process (torch
-and Lightning imported again), the slow part on a 2-core machine."""
+and Lightning imported again), the slow part on a 2-core machine.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ TINY = [
 
 def test_submitit_sweep_finishes_the_good_jobs_and_names_the_failed_one_with_its_log(tmp_path: Path) -> None:
     """``fp16`` is not a precision: job 2 stops as it starts (the config check); jobs 0 and 1 train (``auto``:
-    the CPU's fast precision, bf16-mixed where it computes bf16 natively, else 32-true)."""
+    the CPU's fast precision, bf16-mixed where it computes bf16 natively, else 32-true).
+    """
     proc = run_cli(
         ["fit", "-m", "hydra/launcher=submitit_local", "trainer.precision=32-true,auto,fp16", *TINY],
         cwd=tmp_path,

@@ -60,7 +60,8 @@ def _job(sweep: Path, num: int, overrides: list[str], record: dict[str, Any] | s
 @pytest.fixture
 def sweep(tmp_path: Path) -> Path:
     """Jobs 0-3: the precision x callbacks grid (job 3 an old run without ``perf`` or mAP); 4: no
-    metrics.json; 5: truncated metrics.json; 10: a job that raised (numbered 10 to check numeric order)."""
+    metrics.json; 5: truncated metrics.json; 10: a job that raised (numbered 10 to check numeric order).
+    """
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
     for num, (precision, callbacks) in enumerate(GRID):
         record: dict[str, Any] = {

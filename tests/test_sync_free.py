@@ -1,6 +1,7 @@
 """The fixed-shape Mask R-CNN (``speedups.sync_free``): no host synchronisation in a training step, none in
 inference before the one read of the counts, one graph for ``torch.compile``, torchvision's matching and
-sampling statistics, torchvision's detections and masks."""
+sampling statistics, torchvision's detections and masks.
+"""
 
 from __future__ import annotations
 
@@ -264,7 +265,8 @@ def test_same_detections_and_masks_as_the_dynamic_path_on_the_validation_split()
 
 def test_training_draws_torchvisions_sample_sizes():
     """The RoI heads' draw keeps torchvision's counts: positives up to the fraction, negatives filling the
-    batch."""
+    batch.
+    """
     from host_syncs import batch
 
     model = _sync_free(_tiny()).train()
@@ -395,7 +397,8 @@ def _targets(counts: list[int]) -> list[dict[str, torch.Tensor]]:
 
 def test_padded_targets_give_every_training_step_the_same_shapes():
     """With ``data.pad_instances`` every step runs the same ops on the same shapes, whatever the images hold:
-    no allocation depends on the data (with no host sync, what capturing the step in a CUDA graph needs)."""
+    no allocation depends on the data (with no host sync, what capturing the step in a CUDA graph needs).
+    """
     from host_syncs import batch
     from lit_amp_det.data.coco import pad_instances
 
@@ -450,7 +453,8 @@ def test_padding_refuses_an_image_with_more_instances_and_a_detector_that_cannot
 def test_a_whole_training_step_replays_as_one_cuda_graph(monkeypatch):
     """Forward, backward and the fused optimizer step of the sync-free detector captured in one CUDA graph,
     replayed on static input buffers refilled with other images' padded targets (``tools/cuda_graph_step.py``
-    times it)."""
+    times it).
+    """
     from cuda_graph_step import capture_step, padded_targets
     from host_syncs import batch
 
@@ -512,7 +516,8 @@ def test_boxes_rescale_with_python_ratios_as_torchvision_rescales_them() -> None
 
 def test_the_fixed_shape_transform_normalises_and_resizes_as_torchvision() -> None:
     """The same images and targets as torchvision's transform, training and inference (one scale, so that both
-    draw the same size); only the padding differs (a size bucket)."""
+    draw the same size); only the padding differs (a size bucket).
+    """
     from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
     from host_syncs import batch

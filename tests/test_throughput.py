@@ -1,5 +1,6 @@
 """Throughput: exact step times and images/s from a fake clock, real ones from a real fit, config and bad
-input."""
+input.
+"""
 
 from __future__ import annotations
 

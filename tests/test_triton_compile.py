@@ -88,7 +88,8 @@ def test_every_kernel_compiles_for_sm90_with_the_promised_numerics(monkeypatch):
 def test_the_models_launches_compile_without_spills_on_hopper_and_blackwell():
     """``make gpu-compile`` on a subset (the heads' pools at 256 channels, both layouts, NMS and IoU at the
     model's sizes, every model dtype): no fp16/bf16/fp32 specialisation spills on sm_90 or sm_100, and the
-    memory-bound RoIAlign kernels stay within 128 registers a thread."""
+    memory-bound RoIAlign kernels stay within 128 registers a thread.
+    """
     import triton_compile
 
     launches = triton_compile.model_launches(

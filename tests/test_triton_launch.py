@@ -115,7 +115,8 @@ class _CountOps(TorchDispatchMode):
 
 def test_under_a_counting_dispatch_mode_the_launch_runs_directly(iou_launch, dispatcher_entries):
     """A profiler's ``TorchDispatchMode`` (not a trace) sees the ops around a launch; the launch itself runs
-    directly. Through ``wrap_triton`` it raised: its higher-order op has no rule for such a mode."""
+    directly. Through ``wrap_triton`` it raised: its higher-order op has no rule for such a mode.
+    """
     calls = _driver_calls()
     with _CountOps() as mode:
         _run(iou_launch)
@@ -159,7 +160,8 @@ def test_non_strict_export_records_each_launch(iou_launch):
 
 def test_while_dynamo_traces_the_launch_goes_through_wrap_triton(iou_launch, dispatcher_entries, monkeypatch):
     """Dynamo folds ``torch.compiler.is_compiling()`` to True; the launch it traces is the wrapped one (Dynamo
-    itself recognises Triton kernels only where a GPU is present, so its trace is checked on a GPU)."""
+    itself recognises Triton kernels only where a GPU is present, so its trace is checked on a GPU).
+    """
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     _run(iou_launch)
     assert dispatcher_entries[:1] == ["wrap_triton"]
@@ -170,7 +172,8 @@ def test_compile_fullgraph_over_the_op_runs_the_triton_launcher_when_the_graph_r
     """``lit_amp_det::box_iou`` with the Triton launcher as its kernel (on the CPU: interpreted, standing in
     for the CUDA kernel ``_register`` installs): one graph, the op in it through its fake kernel, and the
     launcher runs only when the compiled graph runs, outside any trace, which is where ``_launch`` launches
-    directly."""
+    directly.
+    """
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launches: list[tuple[bool, bool]] = []
     launch = _launch._launch

@@ -43,7 +43,8 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, atol: float = 0.0) -> None:
     """got (in ``dtype``) against expected (accumulation precision): exact rounding for fp16/fp32/fp64 up to
-    ``atol``, within 1 ulp for bf16 (the interpreter truncates bf16 stores)."""
+    ``atol``, within 1 ulp for bf16 (the interpreter truncates bf16 stores).
+    """
     assert got.dtype == dtype
     got, expected = got.double(), expected.double()
     if dtype == torch.bfloat16:
@@ -251,7 +252,8 @@ def test_roi_align_backward_matches_the_cpu_kernel_and_keeps_the_layout(dtype, l
 
 def _gpu_config(kernel: str, meta: dict) -> tuple:
     """What distinguishes one CUDA launch configuration from another: kernel, warps, tile (elements per
-    program)."""
+    program).
+    """
     tile = meta.get("BLOCK_P", 1) * meta["BLOCK_C"] if "BLOCK_C" in meta else None
     return kernel, meta.get("num_warps", 4), tile, meta.get("BLOCK_N"), meta.get("BLOCK_M")
 
@@ -263,7 +265,8 @@ def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monke
     several channel blocks, a partial last one) forward, atomic backward and owned backward, each against the
     CPU kernels. Every configuration the model's launches take on a GPU (``make gpu-compile``'s, recorded on
     fake CUDA tensors) must be among those run here: a launcher that gains one fails this test until it is
-    run."""
+    run.
+    """
     from triton_compile import model_launches
 
     ran = set()
@@ -353,7 +356,8 @@ def test_the_tiled_deterministic_backward_adds_in_the_serial_order(dtype, layout
     crossing tile edges, leaving the map, of zero and negative size, NaN and of an image outside the batch)
     gives bit for bit the sums of one tile a map (the serial walk), because every element still adds in (roi,
     bin, sample, corner) order; and agrees with the CPU kernel. Levels, aligned and adaptive sampling, every
-    float dtype."""
+    float dtype.
+    """
     features = [_features((2, 3, 70, 36), dtype, layout, 0), _features((2, 3, 20, 18), dtype, layout, 1)]
     g = torch.Generator().manual_seed(
         8
@@ -539,7 +543,8 @@ def _store_source(src, dst):
 
 def test_interpreter_truncates_bf16_stores():
     """Interpreted bf16 stores truncate where a GPU rounds to nearest: the reason bf16 outputs are compared to
-    1 ulp above. If a Triton upgrade makes them round, those comparisons can become exact."""
+    1 ulp above. If a Triton upgrade makes them round, those comparisons can become exact.
+    """
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = True
         kernel = triton.jit(_store_source)

@@ -1,7 +1,8 @@
 """NMS without host synchronisation: the padded results agree with the unpadded ones, the sync-free RPN's
 proposal slots and the detector's detection slots hold exactly what the per-filter paths select, with the C++
 op and with the Triton kernels (the CUDA path, interpreted), and on a GPU none of the Triton ops synchronises
-with the host."""
+with the host.
+"""
 
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def test_fit_with_a_corrupt_val_image_stops_before_training(damaged, tmp_path: P
 
 def test_the_checks_name_an_unknown_mode_before_reading_anything(tmp_path: Path) -> None:
     """``check_splits`` / ``check_folder`` called directly (not through the data module, which checks
-    ``data.bad_images`` itself) refuse a mode they do not know before decoding a file."""
+    ``data.bad_images`` itself) refuse a mode they do not know before decoding a file.
+    """
     from lit_amp_det.data.image_folder import ImageFolder
     from lit_amp_det.errors import ArgumentError
 

@@ -58,7 +58,8 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 def _random_state(model: nn.Module, seed: int) -> dict[str, Tensor]:
     """Random values for every float tensor of ``model`` (built on the meta device), no step counters: a
     stand-in for a published file that no initialisation could reproduce (small enough that activations stay
-    finite)."""
+    finite).
+    """
     gen = torch.Generator().manual_seed(seed)
     return {
         key: torch.rand(value.shape, generator=gen) + 0.5
@@ -337,7 +338,8 @@ def test_model_weights_is_a_local_file_when_it_looks_like_one(weights: object, p
 # ----------------------------------------------------------------------------- the experiment
 def test_finetune_coco_trains_a_step_on_own_coco_data(cached: Path, tmp_path: Path, cache_dir: Path) -> None:
     """experiment=finetune_coco on a small COCO-format folder (the embedded shapes data, 6 classes): COCO
-    weights but the predictors, and the lr scaled from 0.01 for 16 images to a global batch of 2."""
+    weights but the predictors, and the lr scaled from 0.01 for 16 images to a global batch of 2.
+    """
     shapes = ShapesDataModule(cache_dir, train_size=4, val_size=2, test_size=2, image_size=64)
     shapes.prepare_data()
     cfg = compose_config(
@@ -383,7 +385,8 @@ def test_coco_weights_predict_a_folder_under_coco_s_own_classes(
 ) -> None:
     """``predict model.weights=COCO_V1 data=coco data.predict_images=DIR`` without ``data.root``:
     torchvision's COCO model on one's own pictures. Its 91 labels (label ``i`` is COCO category id ``i``),
-    every tensor loaded, the predictors included; no annotations anywhere."""
+    every tensor loaded, the predictors included; no annotations anywhere.
+    """
     from lit_amp_det.app.tasks import predict
     from test_predict_folder import pictures_folder
 

@@ -57,7 +57,8 @@ def capture_step(
     warmup: int = 3,
 ) -> tuple[torch.cuda.CUDAGraph, Tensor]:
     """The graph of one training step on these buffers, after ``warmup`` eager steps on a side stream (which
-    compile the Triton kernels and create the optimizer state), and its static loss vector."""
+    compile the Triton kernels and create the optimizer state), and its static loss vector.
+    """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

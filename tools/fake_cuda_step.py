@@ -72,7 +72,8 @@ REFUSALS = (DataDependentOutputException, DynamicOutputShapeException)
 class StepCount:
     """What one step on fake CUDA tensors waited for: ``kinds`` (by :data:`SYNC_KINDS`), ``sites`` (``(what,
     path:line) -> count``) and ``refused`` (the op fake tensors refused, with its call site, where the step
-    stopped)."""
+    stopped).
+    """
 
     kinds: dict[str, int]
     sites: dict[tuple[str, str], int]
@@ -104,7 +105,8 @@ _FUSED_SGD_META: torch.library.Library | None = None
 def _register_fused_sgd_meta() -> None:
     """A meta kernel for ``aten::_fused_sgd_``, which PyTorch ships without one (fused Adam and AdamW have
     theirs): the op updates its tensor lists in place and returns nothing, so on fake tensors it has nothing
-    to do."""
+    to do.
+    """
     global _FUSED_SGD_META
     if _FUSED_SGD_META is not None:
         return
@@ -117,7 +119,8 @@ def _register_fused_sgd_meta() -> None:
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[FakeTensorMode]:
     """A fake tensor mode in which ``cuda`` tensors need no GPU; ``torch.cuda.current_device()`` answers 0
-    inside (Lightning's ``module.device`` asks it)."""
+    inside (Lightning's ``module.device`` asks it).
+    """
     _register_fused_sgd_meta()
     with (
         mock.patch.object(torch.cuda, "current_device", lambda: 0),
@@ -130,7 +133,8 @@ def fake_cuda() -> Iterator[FakeTensorMode]:
 def cuda_available() -> Iterator[None]:
     """``torch.cuda.is_available()`` and ``is_bf16_supported()`` true inside (a GPU of the H100's generation),
     so that what a GPU run builds and enters (autocast on ``cuda``, a GradScaler) is built as on that GPU;
-    only around that, since fake tensors ask ``is_available`` to decide whether to be fake."""
+    only around that, since fake tensors ask ``is_available`` to decide whether to be fake.
+    """
     with (
         mock.patch.object(torch.cuda, "is_available", lambda: True),
         mock.patch.object(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True),
@@ -169,7 +173,8 @@ def counted(step: Any) -> StepCount:
 @dataclasses.dataclass
 class CudaModule:
     """A module as a GPU run builds it, on fake CUDA tensors: the module with its CUDA speedups, the precision
-    plugin for ``cuda`` (it converted the module) and the configured optimizer."""
+    plugin for ``cuda`` (it converted the module) and the configured optimizer.
+    """
 
     module: Any
     plugin: Any
@@ -178,7 +183,8 @@ class CudaModule:
 
 def configure_for_cuda(module: Any) -> None:
     """``module.configure_model()`` as a Trainer on a GPU calls it, before the module moves there: the
-    speedups that apply on ``cuda`` are applied (the Trainer's root device is what the module asks)."""
+    speedups that apply on ``cuda`` are applied (the Trainer's root device is what the module asks).
+    """
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda")))
     with mock.patch.object(type(module), "trainer", trainer):
         module.configure_model()
@@ -188,7 +194,8 @@ def build_cuda_module(cfg: Any, module: Any) -> CudaModule:
     """``module`` (``cfg``'s, instantiated and configured for ``cuda`` on the host:
     :func:`configure_for_cuda`) as ``fit`` builds it on a GPU, inside :func:`fake_cuda`: moved to ``cuda``,
     converted by the precision plugin of ``trainer.precision`` built for ``cuda``, and the optimizer of
-    ``optim.optimizer`` on its parameters."""
+    ``optim.optimizer`` on its parameters.
+    """
     from omegaconf import OmegaConf
 
     from lit_amp_det.optim import build_optimizer
@@ -206,7 +213,8 @@ def build_cuda_module(cfg: Any, module: Any) -> CudaModule:
 
 def padded(batch: Any, pad_instances: int | None) -> Any:
     """``(images, targets)`` with the targets padded to ``pad_instances`` (``data.pad_instances``), as the
-    data module pads them on the host."""
+    data module pads them on the host.
+    """
     from lit_amp_det.data.coco import pad_instances as pad
 
     images, targets = batch
@@ -232,7 +240,8 @@ def _fake_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 def optimizer_step(built: CudaModule, loss: torch.Tensor) -> None:
     """The optimizer step the precision plugin takes after backward: GradScaler's scale, unscale, step and
-    update (16-mixed), or the plugin's step through the non-finite guard."""
+    update (16-mixed), or the plugin's step through the non-finite guard.
+    """
     plugin, optimizer = built.plugin, built.optimizer
     scaler = getattr(plugin, "scaler", None)
     _fake_gradients(optimizer)
@@ -249,7 +258,8 @@ def optimizer_step(built: CudaModule, loss: torch.Tensor) -> None:
 @contextlib.contextmanager
 def plugin_context(built: CudaModule) -> Iterator[None]:
     """The precision plugin's forward context (autocast on ``cuda``), entered as on a GPU
-    (:func:`cuda_available` only while it is entered: the step inside runs on fake tensors)."""
+    (:func:`cuda_available` only while it is entered: the step inside runs on fake tensors).
+    """
     with cuda_available():
         context = built.plugin.forward_context()
         context.__enter__()
@@ -261,7 +271,8 @@ def plugin_context(built: CudaModule) -> Iterator[None]:
 
 def training_step(built: CudaModule, batch: Any, with_optimizer: bool = True) -> torch.Tensor:
     """One training step as ``MaskRCNNModule.training_step`` computes it (forward, loss) under the plugin's
-    forward context, and the plugin's optimizer step; returns the loss."""
+    forward context, and the plugin's optimizer step; returns the loss.
+    """
     module = built.module
     images, targets = batch
     module.train()
@@ -276,7 +287,8 @@ def training_step(built: CudaModule, batch: Any, with_optimizer: bool = True) ->
 def warm_up_training(built: CudaModule, batch: Any) -> None:
     """A first training step: the forward and loss, a plain optimizer step that makes the optimizer's state
     (the non-finite guard reads its flag on the host at a parameter's first step, which fake tensors cannot),
-    then the plugin's step (its counters move to the device)."""
+    then the plugin's step (its counters move to the device).
+    """
     loss = training_step(built, batch, with_optimizer=False)
     _fake_gradients(built.optimizer)
     built.optimizer.step()
@@ -297,7 +309,8 @@ def count_cuda_steps(
     cfg: Any, batch: Any, steps: Sequence[str] = ("training", "inference")
 ) -> dict[str, StepCount]:
     """The waits of one training step and one padded inference call (``steps``: either or both) of ``cfg``'s
-    module on fake CUDA tensors, each after a warm-up call: ``{"training": ..., "inference": ...}``."""
+    module on fake CUDA tensors, each after a warm-up call: ``{"training": ..., "inference": ...}``.
+    """
     from lit_amp_det.bench.measure import instantiate_model
 
     torch.manual_seed(0)

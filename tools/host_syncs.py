@@ -63,7 +63,8 @@ def package_sites(syncs: HostSyncs) -> dict[str, int]:
 
 def count(model: torch.nn.Module, train: bool) -> HostSyncs:
     """Host syncs of one training step (from the forward's first op to the optimizer step's end) or inference
-    call."""
+    call.
+    """
     images, targets = batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(1)  # the samplers draw from the global RNG

@@ -40,7 +40,8 @@ def _bins_reaching(
     start: torch.Tensor, bin_size: torch.Tensor, first: torch.Tensor, tile: int
 ) -> torch.Tensor:
     """[RoIs, tiles]: how many of each RoI's bins along one axis reach each tile (the kernel's rule, no
-    slack)."""
+    slack).
+    """
     b = torch.arange(POOL, dtype=start.dtype)
     low = start[:, None, None] + b[None, None, :] * bin_size[:, None, None]
     reaches = (low + bin_size[:, None, None] >= first[None, :, None] - 1) & (

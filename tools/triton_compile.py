@@ -73,7 +73,8 @@ class Launch:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the launch's first floating-point tensor (what it computes on), else of its first
-        tensor."""
+        tensor.
+        """
         tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
         return next((t.dtype for t in tensors if t.dtype.is_floating_point), tensors[0].dtype)
 
@@ -115,7 +116,8 @@ def recorded_launches() -> Iterator[list[Launch]]:
 
 def compiled_kernels() -> ModuleType:
     """The kernels module decorated for compilation, whatever ``TRITON_INTERPRET`` said when it was first
-    imported."""
+    imported.
+    """
     return _launch.load_kernels(interpret=False)
 
 
@@ -195,7 +197,8 @@ def _deterministic() -> Iterator[None]:
 
 def _stand_in(value: Any) -> Any:
     """A recorded argument as Triton's binder sees it: a fake tensor becomes a 16-byte-aligned pointer of its
-    dtype."""
+    dtype.
+    """
     from triton.runtime.jit import MockTensor
 
     return MockTensor(value.dtype) if isinstance(value, torch.Tensor) else value
@@ -203,7 +206,8 @@ def _stand_in(value: Any) -> Any:
 
 def _bind(kernel: Any, launch: Launch, backend: Any) -> tuple[dict, Any, Any, Any]:
     """Triton's own binder on the recorded arguments: (launch keywords, bound arguments, specialisation,
-    options)."""
+    options).
+    """
     from triton.runtime.jit import create_function_from_signature
 
     meta = {**launch.meta, "enable_fp_fusion": False}  # as _launch passes it

@@ -61,7 +61,8 @@ class Launch:
 
 class _OnCuda(torch.Tensor):
     """A CPU tensor that reports ``cuda:0``: a real data pointer and dtype for Triton's binder, the device a
-    GPU launch reads. No ``__torch_dispatch__``, so the dispatcher sees a plain dense tensor."""
+    GPU launch reads. No ``__torch_dispatch__``, so the dispatcher sees a plain dense tensor.
+    """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -76,7 +77,8 @@ def _on_cuda(value: Any) -> Any:
 
 class _StandInLauncher:
     """Stands for the compiled kernel's C launcher (it packs the arguments and calls ``cuLaunchKernelEx``):
-    counts."""
+    counts.
+    """
 
     calls = 0
 
@@ -148,7 +150,8 @@ def stand_in_gpu() -> Iterator[None]:
 
 def _forget_stand_in_modules() -> None:
     """Marks the kernels loaded by the stand-in as unloaded: Triton unloads a kernel's module when the kernel
-    is collected, through whatever driver is active then, and after the block there is none to ask."""
+    is collected, through whatever driver is active then, and after the block there is none to ask.
+    """
     from triton.compiler.compiler import CompiledKernel
 
     for candidate in gc.get_objects():
@@ -160,7 +163,8 @@ def _forget_stand_in_modules() -> None:
 def recorded_launches(kernels: ModuleType) -> list[Launch]:
     """The launches of an IoU matrix (300 x 20 boxes) and of a RoIAlign forward (512 RoIs, 256 channels, 7 x
     7) with a GPU's launch configurations, recorded while the real launchers run on CPU tensors (nothing is
-    launched)."""
+    launched).
+    """
     launches: list[Launch] = []
 
     def record(kernel, grid, *args, **meta) -> None:
@@ -184,7 +188,8 @@ def recorded_launches(kernels: ModuleType) -> list[Launch]:
 
 def before(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """The launch as ``_launch`` made it before issue 53: ``wrap_triton`` inside a ``torch.cuda.device``
-    context."""
+    context.
+    """
     with torch.cuda.device(args[0].device if isinstance(args[0], torch.Tensor) else None):
         torch.library.wrap_triton(kernel)[grid](*args, enable_fp_fusion=False, **meta)
 

@@ -4,4 +4,5 @@
 checks), ``runs`` (run folders, ``run.json``, ``ckpt_path=last``), ``sweep`` (the multirun summary) and
 ``launch`` (DDP child processes under Hydra). Library modules (models, ops, precision, data, callbacks, the
 LightningModule) never import from here; errors raised by the library name constructor arguments, and this
-layer adds the config path."""
+layer adds the config path.
+"""

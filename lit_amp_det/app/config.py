@@ -1,7 +1,8 @@
 """Where the Hydra configuration lives, and the checks that run before anything is built.
 
 The YAML tree sits in the repository's ``conf/`` folder and is installed as the package
-``lit_amp_det.conf``, so ``python -m lit_amp_det`` finds it from a source checkout and from a wheel alike."""
+``lit_amp_det.conf``, so ``python -m lit_amp_det`` finds it from a source checkout and from a wheel alike.
+"""
 
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def _check_numbers(cfg: DictConfig) -> None:
 def _check_data_settings(cfg: DictConfig) -> None:
     """Settings of ``data`` its data module does not take: what an experiment written for one ``data`` option
     leaves when combined with another (``experiment=smoke data=coco``: ``data.train_size`` is the generated
-    shapes' setting), which ``instantiate`` would report as an unexpected keyword argument of ``__init__``."""
+    shapes' setting), which ``instantiate`` would report as an unexpected keyword argument of ``__init__``.
+    """
     from hydra.utils import get_class  # deferred: checks run before anything heavy is imported
 
     data = cfg.get("data")

@@ -1,7 +1,8 @@
 """What reaches the console: the package's own lines. Third-party output a user cannot act on --
 faster-coco-eval's per-evaluation tables, Lightning's advertising tips, deprecation warnings from inside
 Lightning -- stays in the run's log file (``<command>.log``) or is silenced where it is raised;
-``verbose=true`` shows everything."""
+``verbose=true`` shows everything.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class _FileOnly(logging.Filter):
 
 def quiet_console(verbose: bool = False) -> None:
     """Keeps third-party chatter off the console (see the module) unless ``verbose``; the log file keeps all
-    of it."""
+    of it.
+    """
     if verbose:
         return
     for pattern in SILENCED_WARNINGS:
@@ -69,7 +71,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 def report_user_error(err: BaseException, verbose: bool = False) -> bool:
     """For a :data:`USER_ERRORS` error (or one that wraps it): prints ``lit_amp_det: <message>`` to stderr,
     writes the traceback to the run's log file only, and returns True. False (the caller re-raises: a
-    traceback) for any other error, with ``verbose``, or with ``HYDRA_FULL_ERROR=1``."""
+    traceback) for any other error, with ``verbose``, or with ``HYDRA_FULL_ERROR=1``.
+    """
     cause = err if isinstance(err, USER_ERRORS) else err.__cause__
     if not isinstance(cause, USER_ERRORS) or verbose or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return False

@@ -9,7 +9,8 @@ job's directory.
 :func:`ddp_child_command` fixes both for the duration of a task, and at the job's end destroys its process
 group and undoes the environment variables Lightning set (``LOCAL_RANK``, ``MASTER_PORT``, ...), so the next
 job of a sweep starts its own ranks instead of waiting for the last job's. On SLURM
-(``hydra/launcher=submitit_slurm``) the scheduler starts every rank and none of this is used."""
+(``hydra/launcher=submitit_slurm``) the scheduler starts every rank and none of this is used.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ __all__ = ["adopt_launch_rank", "ddp_child_command", "launch_rank", "rank_suffix
 def rank_suffix() -> str:
     """``""`` in the first process of a run, ``"_rank<K>"`` in the others (for per-rank log files). Reads the
     environment Lightning's launcher (``LOCAL_RANK``, ``NODE_RANK``) or SLURM (``SLURM_PROCID``) sets before
-    the process starts, so it works while Hydra composes the config, before Lightning runs."""
+    the process starts, so it works while Hydra composes the config, before Lightning runs.
+    """
     if "SLURM_PROCID" in os.environ and "LOCAL_RANK" not in os.environ:
         rank = int(os.environ["SLURM_PROCID"])
         return "" if rank == 0 else f"_rank{rank}"
@@ -40,7 +42,8 @@ def rank_suffix() -> str:
 def launch_rank(devices_per_node: int = 1) -> int:
     """This process's global rank from its launcher's environment, before any process group exists: ``RANK``
     (torchrun), else ``SLURM_PROCID`` (srun), else ``NODE_RANK x devices_per_node + LOCAL_RANK`` (Lightning's
-    launcher on each node of a multi-node run)."""
+    launcher on each node of a multi-node run).
+    """
     for name in ("RANK", "SLURM_PROCID"):
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
@@ -52,7 +55,8 @@ def adopt_launch_rank(devices_per_node: int) -> None:
     """Tells Lightning's ``rank_zero_only`` this process's rank before the Trainer sets up its process group.
     Lightning reads ``RANK``, ``LOCAL_RANK`` and ``SLURM_PROCID`` on import; the first process of node ``k >
     0`` has only ``NODE_RANK``, so until the Trainer connects it would take itself for rank 0 and claim node
-    0's folder."""
+    0's folder.
+    """
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank := launch_rank(devices_per_node):
@@ -63,7 +67,8 @@ def adopt_launch_rank(devices_per_node: int) -> None:
 def ddp_child_command(cfg: DictConfig) -> Iterator[None]:
     """Within the block, Lightning's DDP launcher starts the other ranks as this job, in this job's directory.
     A no-op outside a Hydra app (notebooks, tests); ``sys.argv``, the environment and the Hydra run directory
-    are restored on exit, so a sweep's next job starts from the original state."""
+    are restored on exit, so a sweep's next job starts from the original state.
+    """
     import torch.distributed as dist
     from hydra.core.hydra_config import HydraConfig
 

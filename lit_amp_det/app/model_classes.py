@@ -15,7 +15,8 @@ takes ``dataset_meta`` from the checkpoint, and torchvision a COCO model's label
 
 A value set in the model config (``model.num_classes=...``) wins over all of them. So the training data need
 not be on the machine that predicts: ``predict ckpt_path=<fit> data=coco data.predict_images=DIR`` needs no
-``data.root``."""
+``data.root``.
+"""
 
 from __future__ import annotations
 
@@ -39,14 +40,16 @@ def predicts_on_a_folder(cfg: DictConfig) -> bool:
 
 def reads_no_split(cfg: DictConfig) -> bool:
     """A command that reads no data split, so the model's classes come from its weights: ``predict`` on a
-    folder of pictures, or ``export``."""
+    folder of pictures, or ``export``.
+    """
     return str(cfg.get("command")) == "export" or predicts_on_a_folder(cfg)
 
 
 def weights_classes(name: str, mask: bool) -> dict[str, Any]:
     """The classes of torchvision's detection weights ``name`` (``COCO_V1``, ``DEFAULT``) from their metadata,
     reading no file. torchvision's COCO detectors predict label ``i`` for COCO category id ``i`` (1..90, the
-    unused ids named ``N/A``), so the category ids are the labels themselves."""
+    unused ids named ``N/A``), so the category ids are the labels themselves.
+    """
     weights = resolve_weights(detection_checkpoint(mask).enum, name, "model.weights")
     categories = list(weights.meta["categories"])  # index 0 is the background
     return {
@@ -62,7 +65,8 @@ def folder_prediction_classes(
     """The class hyper-parameters ``predict`` on ``data.predict_images`` builds the model with (see the
     module): ``None`` when no weights name them (the data does, rule 4), else the keys the weights name less
     those ``cfg.model`` sets itself (the data is then not read for classes). ``checkpoint``: ``ckpt_path``'s
-    content, if already read."""
+    content, if already read.
+    """
     if names_a_checkpoint_file(ckpt_path):
         payload = checkpoint if checkpoint is not None else read_checkpoint(ckpt_path, "ckpt_path")
         found, source = saved_classes(payload), f"ckpt_path={ckpt_path}"

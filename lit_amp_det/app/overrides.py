@@ -42,7 +42,8 @@ def _keys(node: Any, prefix: str = "") -> list[str]:
 def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[str]:
     """``overrides`` with ``+`` added to Lightning ``Trainer`` arguments the trainer config lacks; for a
     single run, a key that is not a setting raises :class:`UnknownSetting` (a multirun's sweep values are
-    Hydra's to check)."""
+    Hydra's to check).
+    """
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
     values = [o for o in overrides if "=" in o and not o.startswith(("+", "~", "hydra."))]

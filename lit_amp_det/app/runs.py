@@ -4,7 +4,8 @@ Every command writes into its own new folder (``runs/<command>/<timestamp>``, su
 clash), where rank 0 keeps a small ``run.json``: the command, its state, the process id and host, and the
 checkpoint it resumed from. ``ckpt_path=last`` and ``ckpt_path=RUN_DIR`` are resolved from these records, so
 that ``fit ckpt_path=last`` only continues the newest unfinished fit made with the same model and data, and
-says why not."""
+says why not.
+"""
 
 from __future__ import annotations
 
@@ -72,14 +73,16 @@ _OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")
 
 class ResumeError(FileNotFoundError):
     """``ckpt_path`` names nothing that can be resumed or scored; the message says why and what to pass
-    instead."""
+    instead.
+    """
 
 
 # ------------------------------------------------------------------------------------------ run folders
 def unique_dir(path: str) -> str:
     """Creates ``path`` -- or ``path_1``, ``path_2``, ... when it exists -- exclusively, and returns it: the
     (cached) ``unique_dir`` resolver of ``hydra.run.dir``. ``mkdir`` fails when another process made the
-    folder first, so two runs never share one."""
+    folder first, so two runs never share one.
+    """
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(10_000):
@@ -107,7 +110,8 @@ RESERVED_RECORD_BYTES = 4096
 def _write_json(path: Path, record: Mapping[str, Any], reserve: int = 0) -> None:
     """``record`` written beside ``path`` and renamed over it (a kill never leaves half a record), padded to
     ``reserve`` bytes. On a full disk, a text that fits into the existing file is written into it in place
-    instead."""
+    instead.
+    """
     text = (json.dumps(record, indent=2) + "\n").encode()
     text += b" " * max(0, reserve - len(text))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -127,7 +131,8 @@ def write_run_record(
     run_dir: Path, command: str, resumed_from: str | None = None, **fields: Any
 ) -> dict[str, Any]:
     """Writes the ``running`` record of a run that starts now, with any extra ``fields`` (a SLURM job's id and
-    restart count); returns it."""
+    restart count); returns it.
+    """
     record = {
         "command": command,
         "status": "running",
@@ -185,7 +190,8 @@ class RunInfo:
 
 def read_run(path: Path) -> RunInfo | None:
     """The run in folder ``path``; ``None`` when it holds none. A folder without ``run.json`` counts as
-    finished when it holds ``metrics.json``, else as killed."""
+    finished when it holds ``metrics.json``, else as killed.
+    """
     path = Path(path)
     try:
         record = json.loads((path / RUN_RECORD).read_text())
@@ -239,7 +245,8 @@ def list_runs(runs_root: Path, command: str, exclude: Path | None = None) -> lis
 
 def resume_point(run_dir: Path, seen: Iterable[Path] = ()) -> Path | None:
     """The checkpoint that continues ``run_dir``: its ``checkpoints/last.ckpt``, or, when it saved none yet,
-    the checkpoint it had itself resumed from (a resumed run killed before its first save)."""
+    the checkpoint it had itself resumed from (a resumed run killed before its first save).
+    """
     own = Path(run_dir) / "checkpoints" / "last.ckpt"
     if own.is_file():
         return own
@@ -257,7 +264,8 @@ def resume_point(run_dir: Path, seen: Iterable[Path] = ()) -> Path | None:
 def is_earlier_attempt(folder: Path, job_id: str, restart_count: int) -> bool:
     """Whether ``folder`` holds an unfinished earlier attempt of SLURM job ``job_id`` (a lower restart count):
     the one kind of earlier run whose folder a run may continue in (a requeued sweep job is rerun with its
-    folder)."""
+    folder).
+    """
     info = read_run(folder)
     return info is not None and info.is_earlier_attempt_of(job_id, restart_count)
 
@@ -265,7 +273,8 @@ def is_earlier_attempt(folder: Path, job_id: str, restart_count: int) -> bool:
 def slurm_resume_point(runs_root: Path, job_id: str, restart_count: int) -> Path | None:
     """The resume point of the newest unfinished fit under ``runs_root`` whose ``run.json`` records SLURM job
     ``job_id`` with a lower restart count; ``None`` on a first attempt, or when the earlier attempts finished
-    or saved nothing. The attempt running now never counts, so every rank finds the same file."""
+    or saved nothing. The attempt running now never counts, so every rank finds the same file.
+    """
     if restart_count <= 0:
         return None
     earlier = (
@@ -297,7 +306,8 @@ def _comparable(cfg: Mapping[str, Any], sections: Iterable[str]) -> dict[str, An
 
 def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | None:
     """``sections`` of the run's saved ``config_resolved.yaml`` as plain containers; None when the file is
-    missing."""
+    missing.
+    """
     saved_file = Path(run_dir) / "config_resolved.yaml"
     if not saved_file.is_file():
         return None
@@ -307,7 +317,8 @@ def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | 
 
 def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ...]) -> list[str] | None:
     """``key: earlier -> now`` for every differing setting of ``sections`` (loader settings and
-    ``model.weights`` left out); None when the run's saved config is missing."""
+    ``model.weights`` left out); None when the run's saved config is missing.
+    """
     if (saved_sections := _saved_sections(run_dir, sections)) is None:
         return None
     saved = _comparable(saved_sections, sections)
@@ -326,7 +337,8 @@ def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ..
 def _implementation_settings() -> frozenset[str]:
     """Settings that change how a step is computed, not the model, data or recipe: the model's
     :data:`lit_amp_det.checkpoints.IMPLEMENTATION_HPARAMS` and the optimizer's kernel choice. A run may resume
-    under other values (on another machine, say); the ones that differ are logged."""
+    under other values (on another machine, say); the ones that differ are logged.
+    """
     from lit_amp_det.checkpoints import IMPLEMENTATION_HPARAMS  # deferred: imports torch
 
     return frozenset(
@@ -345,7 +357,8 @@ def config_differences(
 ) -> list[str]:
     """``key: earlier -> now`` for every setting of ``sections`` in which ``cfg`` differs from the run's saved
     ``config_resolved.yaml`` (loader and :func:`_implementation_settings` left out): what makes it another
-    run."""
+    run.
+    """
     if (differences := _setting_differences(run_dir, cfg, tuple(sections))) is None:
         return [f"{Path(run_dir) / 'config_resolved.yaml'} is missing"]
     return [d for d in differences if not _is_implementation(d)]
@@ -354,7 +367,8 @@ def config_differences(
 def _architecture_differences(run_dir: Path, cfg: DictConfig) -> list[str]:
     """``key: earlier -> now`` for every model setting that changes the weights' names or shapes
     (:func:`lit_amp_det.checkpoints.architecture_differences`): what stops the run's weights loading into
-    ``cfg``'s."""
+    ``cfg``'s.
+    """
     from lit_amp_det.checkpoints import architecture_differences as differing  # deferred: imports torch
 
     if (saved := _saved_sections(run_dir, ("model",))) is None:
@@ -377,7 +391,8 @@ def _describe(checkpoint: Path) -> str:
 
 def _continued(runs: list[RunInfo]) -> set[Path]:
     """Folders of runs whose resume point a later run already resumed from: that later run carries on their
-    work."""
+    work.
+    """
     resumed_at: dict[Path, float] = {}
     for info in runs:
         if info.resumed_from:
@@ -394,7 +409,8 @@ def _continued(runs: list[RunInfo]) -> set[Path]:
 def _resume_last(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
     """``fit ckpt_path=last``: the newest unfinished fit that saved a checkpoint and was made with this model
     and data (fits that saved none are skipped, and named in a log line); when none fits, an error about the
-    newest fit."""
+    newest fit.
+    """
     runs = list_runs(runs_root, "fit", exclude=run_dir)
     continued = _continued(runs)
     runs = [
@@ -490,7 +506,8 @@ def _newest_weights(cfg: DictConfig, run_dir: Path, runs_root: Path) -> Path:
 def remove_stale_temporaries(runs_root: Path) -> None:
     """Deletes the partial checkpoints (``checkpoints/.*.tmp``) that fits killed during a save left: their
     process is gone (``killed``: its pid no longer exists on this host), so nothing will finish or rename
-    them."""
+    them.
+    """
     for info in list_runs(Path(runs_root), "fit"):
         if info.status == "killed":
             for stale in (info.path / "checkpoints").glob(".*.tmp"):
@@ -503,7 +520,8 @@ _CLAIMS: dict[Path, int] = {}  # checkpoint folders this process resumes from: t
 def _claim(folder: Path) -> None:
     """Locks ``folder`` (a checkpoints folder being resumed from) for this process's lifetime, so that a
     second fit resuming it stops with the first one's pid; removes the temporary files its killed run left
-    there."""
+    there.
+    """
     folder = folder.resolve()
     if folder in _CLAIMS or not os.access(folder, os.W_OK):
         return
@@ -530,7 +548,8 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path, runs_root: Path) -> str | 
       still running, used other settings or saved nothing. For the other commands, the newest fit's last
       weights.
     * a run folder: that run's ``checkpoints/last.ckpt`` (or the checkpoint it had resumed from).
-    * a file: itself, once checked that it exists."""
+    * a file: itself, once checked that it exists.
+    """
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None or ckpt_path == "best":
         return ckpt_path

@@ -4,7 +4,8 @@ A multirun leaves one directory per job. :class:`SweepSummary`, a Hydra callback
 ``summary.{csv,md,png}`` into the sweep directory after each job and when the sweep ends;
 :func:`summarize_sweep` does the same from a notebook, and :func:`collect_rows` only reads. A job that crashed
 or whose ``metrics.json`` is missing or broken gets a row with its status instead of stopping the summary;
-under submitit, a failed job's row names its logs."""
+under submitit, a failed job's row names its logs.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ _NAN = float("nan")
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
     """Subdirectories holding a Hydra job (``.hydra/``) or its ``metrics.json``, numbered ones first, in job
-    order."""
+    order.
+    """
     jobs = [
         p
         for p in sweep_dir.iterdir()
@@ -74,7 +76,8 @@ def _read_overrides(job_dir: Path) -> list[str]:
 
 def _split_override(override: str) -> tuple[str, str]:
     """``+model.x=1`` -> ``("model.x", "1")``; a deletion ``~callbacks.x`` -> ``("callbacks.x",
-    "<deleted>")``."""
+    "<deleted>")``.
+    """
     key, sep, value = override.partition("=")
     return key.lstrip("+~"), (value if sep else "<deleted>")
 
@@ -118,7 +121,8 @@ def collect_rows(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
     ``job``, ``status`` (one of :data:`STATUSES`), ``overrides`` (as one string), one column per overridden
     key, ``objective`` (the value of ``metric``), every metric whose name contains ``mAP``, ``images_per_s``,
     ``step_ms``, ``peak_memory_mb``, ``step_memory_mb``, ``tensor_memory_mb``, ``device``, ``time_s``,
-    ``error``. Absent numbers are NaN, absent text is ``""``."""
+    ``error``. Absent numbers are NaN, absent text is ``""``.
+    """
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(
@@ -252,7 +256,8 @@ def _csv(rows: Sequence[dict[str, Any]]) -> str:
 def _plot(rows: Sequence[dict[str, Any]], metric: str | None, title: str, path: Path) -> None:
     """Two panels: objective vs. train images/s and vs. memory (tensor total on a CPU, peak on a GPU). Points
     carry job numbers that the legend maps to varying overrides (labels by points overlap); a job has one
-    colour and marker."""
+    colour and marker.
+    """
     from matplotlib.figure import Figure  # no pyplot: renders with Agg and never touches the global backend
     from matplotlib.lines import Line2D
 
@@ -316,7 +321,8 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def summarize_sweep(sweep_dir: Path, metric: str | None) -> list[dict[str, Any]]:
     """Writes ``summary.csv``, ``summary.md`` and (with matplotlib) ``summary.png`` into ``sweep_dir``;
-    returns the rows. ``metric`` is the objective column (the config's ``optimized_metric``)."""
+    returns the rows. ``metric`` is the objective column (the config's ``optimized_metric``).
+    """
     sweep_dir = Path(sweep_dir)
     rows = collect_rows(sweep_dir, metric)
     if not rows:
@@ -337,7 +343,8 @@ class SweepSummary(Callback):
     ``on_multirun_end`` writes the final one and prints it, with every job that did not finish named on stderr
     (its overrides, error and logs). A sweep stopped by a failed job gets the same as the command exits.
     Single runs are left alone. A problem while summarising is logged, never raised: a sweep must not fail, or
-    hide a job's own error, because of its report."""
+    hide a job's own error, because of its report.
+    """
 
     _open_sweep: DictConfig | None = None  # the config of a sweep that has not reached on_multirun_end
     _exit_registered = False

@@ -2,7 +2,8 @@
 
 Each builds data module, model, callbacks, loggers and trainer from a composed Hydra config's ``_target_``
 nodes, runs, and writes ``metrics.json``, ``config_resolved.yaml`` and ``run.json`` into the run directory.
-They are separate from the Hydra entry point so notebooks, tests and sweepers can call them."""
+They are separate from the Hydra entry point so notebooks, tests and sweepers can call them.
+"""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def _output_dir(cfg: DictConfig) -> Path:
 def config_node(path: str) -> Iterator[None]:
     """A library :class:`ArgumentError` raised inside the block comes out naming its config path
     (``path.argument``), unwrapped from Hydra's ``InstantiationException`` so the user reads the one line
-    naming the key to change."""
+    naming the key to change.
+    """
     try:
         yield
     except InstantiationException as err:
@@ -87,7 +89,8 @@ def config_node(path: str) -> Iterator[None]:
 
 def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     """Instantiates ``cfg.data`` and prepares it, except for a command that reads no split
-    (:func:`reads_no_split`)."""
+    (:func:`reads_no_split`).
+    """
     with config_node("data"):
         datamodule = instantiate(cfg.data)
     if not reads_no_split(cfg):
@@ -104,7 +107,8 @@ def build_model(
 ) -> pl.LightningModule:
     """Instantiates ``cfg.model``; class count, names and category ids come from ``classes`` if given, else
     from the data unless set. ``weights_from_checkpoint``: a ``ckpt_path`` will replace every tensor, so named
-    pretrained weights are not read (nor downloaded)."""
+    pretrained weights are not read (nor downloaded).
+    """
     from_data: dict[str, Any] = dict(classes) if classes is not None else {}
     with config_node("data"):  # the data module reads its annotations here; its errors name data.<argument>
         for key in CLASS_HPARAMS if classes is None else ():
@@ -134,7 +138,8 @@ _GROUP_ARGUMENTS = ("optim", "speedups")
 
 def _named_by_group(err: ArgumentError, model_cfg: DictConfig) -> ArgumentError:
     """``err`` naming ``optim.*`` / ``speedups.*`` instead of ``model.optim.*`` / ``model.speedups.*`` where
-    the model node reads that group (Hydra refuses overrides below an interpolation)."""
+    the model node reads that group (Hydra refuses overrides below an interpolation).
+    """
     argument = err.argument.removeprefix("model.")
     group = argument.split(".", 1)[0]
     if (
@@ -157,7 +162,8 @@ def _named_weights(cfg: DictConfig) -> list[str]:
 
 def instantiate_all(nodes: DictConfig | None, group: str = "") -> list[Any]:
     """Instantiates every ``_target_`` node of a group such as ``callbacks``; ``null`` entries are skipped.
-    ``group`` (the group's config path) prefixes the argument named by a library :class:`ArgumentError`."""
+    ``group`` (the group's config path) prefixes the argument named by a library :class:`ArgumentError`.
+    """
     built = []
     for name, node in (nodes or {}).items():
         if node is not None and "_target_" in node:
@@ -170,7 +176,8 @@ def build_trainer(cfg: DictConfig) -> pl.Trainer:
     """The Lightning ``Trainer`` of ``cfg.trainer`` with the configured callbacks, loggers and precision
     plugin. ``trainer.precision`` becomes a plugin configured by the ``precision`` node (Lightning refuses a
     precision string and a plugin together). :class:`RunStats` is always added, so ``metrics.json`` records
-    speed and peak memory; commands other than ``fit`` get no checkpoint callbacks."""
+    speed and peak memory; commands other than ``fit`` get no checkpoint callbacks.
+    """
     loggers = instantiate_all(cfg.get("logger"), "logger")
     precision_options = OmegaConf.to_container(cfg.get("precision") or {}, resolve=True)
     plugin = build_precision_plugin(
@@ -252,7 +259,8 @@ def _start(
 ) -> tuple[pl.LightningDataModule, pl.LightningModule, pl.Trainer, str | None]:
     """Checks the config, records the run, builds data, model and trainer and checks ``ckpt_path`` against the
     model. ``load_weights``: the checkpoint's weights go into the model here (a command no Trainer restores),
-    from the one read of the file."""
+    from the one read of the file.
+    """
     check_config(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
@@ -303,7 +311,8 @@ def _start(
 def start_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -> str | None:
     """The checkpoint this process starts from, resolved on every rank: the ranks Lightning starts get rank
     0's file pinned on their command line, the tasks ``srun`` starts (each its own command) resolve ``last``,
-    a run folder or a requeued job's attempt as rank 0 does."""
+    a run folder or a requeued job's attempt as rank 0 does.
+    """
     return resolve_ckpt_path(cfg, out, Path(cfg.paths.runs_root)) or _requeued_job_checkpoint(cfg, out, job)
 
 
@@ -440,7 +449,8 @@ def test(cfg: DictConfig) -> dict[str, float]:
 
 def predict(cfg: DictConfig) -> Path:
     """Writes COCO-format detections of ``data.predict_split`` (or of the pictures in ``data.predict_images``)
-    to ``predictions.json``; returns its path."""
+    to ``predictions.json``; returns its path.
+    """
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
     if ckpt_path is None and not _named_weights(cfg):
@@ -481,7 +491,8 @@ _TASKS = {"fit": train, "validate": validate, "test": test, "predict": predict, 
 
 def _route_lightning_logs() -> None:
     """Lets Lightning's messages reach the run's log file: under Hydra's logging, Lightning's own console
-    handler is dropped and its records propagate."""
+    handler is dropped and its records propagate.
+    """
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
@@ -494,7 +505,8 @@ def _route_lightning_logs() -> None:
 def run(cfg: DictConfig) -> Any:
     """Dispatches on ``cfg.command``; the return value is what a Hydra sweeper optimises. A fit stopped by
     SIGINT/SIGTERM exits with 128 + the signal's number (130 for Ctrl-C) once its checkpoint and metrics are
-    written; a run that raised is marked ``failed`` in its ``run.json``."""
+    written; a run that raised is marked ``failed`` in its ``run.json``.
+    """
     check_command(cfg.get("command"))  # the rest of the config is checked once, when the job starts
     devices = cfg.get("trainer", {}).get("devices")
     adopt_launch_rank(devices if isinstance(devices, int) else 1)  # node k > 0 must not claim the run folder

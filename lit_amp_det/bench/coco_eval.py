@@ -92,7 +92,8 @@ def time_metric(
 
 def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
     """Largest absolute difference per key of two metric dicts (tensors/floats); ``inf`` where shapes or keys
-    differ."""
+    differ.
+    """
     diffs = {}
     for key in sorted(set(reference) | set(other)):
         a, b = (torch.as_tensor(d[key]).double() if key in d else None for d in (reference, other))
@@ -110,7 +111,8 @@ def _ms(stats: dict[str, Any], part: str) -> str:
 
 def metric_table(stats: dict[str, dict[str, Any]], base: str) -> str:
     """Markdown: update, compute and total ms (median, IQR) per backend, speed-up of the total against
-    ``base``."""
+    ``base``.
+    """
     lines = ["| backend | update ms | compute ms | update + compute ms | speed-up |", "|---|---|---|---|---|"]
     lines += [
         f"| {backend} | {_ms(s, 'update')} | {_ms(s, 'compute')} | {_ms(s, 'total')} | "

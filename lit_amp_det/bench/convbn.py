@@ -153,7 +153,8 @@ CASES: dict[str, Case] = {
 
 class _Peak:
     """Peak memory of a block above what was held when it started, in MB (a :class:`MemoryProbe` window); on a
-    CPU with glibc's mmap threshold pinned first, so that freed tensors leave the resident set."""
+    CPU with glibc's mmap threshold pinned first, so that freed tensors leave the resident set.
+    """
 
     def __init__(self, device: str) -> None:
         if device != "cuda":

@@ -242,7 +242,8 @@ def _setting(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setti
 
 def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     """Runs ``bench.rows[index]`` in a fresh ``python -m lit_amp_det.bench.e2e <kind> --row=NAME`` process;
-    its measurements with ``status: ok``, or ``status: failed`` with the last line of its stderr."""
+    its measurements with ``status: ok``, or ``status: failed`` with the last line of its stderr.
+    """
     optional = {
         "state-file": setting.weights,
         "timing-lr": None if setting.lr is None else repr(setting.lr),
@@ -424,7 +425,8 @@ def write_report(
 ) -> str:
     """Adds to each ok row its ratios to the first ok row and to the ok row above (what its own switch
     changed), writes ``bench_<kind>.md`` and ``.json`` (``run``: command, environment, state, repeats) to
-    ``out``; returns the text."""
+    ``out``; returns the text.
+    """
     ok = [row for row in rows if row["status"] == "ok"]
     for above, row in zip([None, *ok], ok):
         row["speedup"] = row["images_per_s"] / ok[0]["images_per_s"]

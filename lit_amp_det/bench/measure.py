@@ -56,7 +56,8 @@ def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, nu
     """Images ``indices`` of ``split`` of the embedded shapes data at ``height`` x ``width``: ``uint8`` ``[3,
     H, W]`` images (as the loaders deliver them) and targets as the COCO loader builds them (one instance per
     labelled shape, its visible mask and the tight ``xyxy`` box of that mask, and the ``image_id``); the 6
-    shape classes fold onto the model's ``num_classes - 1`` foreground classes when it has fewer."""
+    shape classes fold onto the model's ``num_classes - 1`` foreground classes when it has fewer.
+    """
     from lit_amp_det.data.shapes import ShapesSpec, render_shapes_image
 
     if num_classes < 2:
@@ -114,7 +115,8 @@ def pad_training_targets(cfg: DictConfig, targets: Sequence[dict[str, Tensor]]) 
 
 def weights_sha256(module: torch.nn.Module) -> str:
     """SHA-256 of ``module``'s state dict (names, dtypes, shapes, values): equal in every row that loaded one
-    state."""
+    state.
+    """
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         value = tensor.detach().to("cpu").contiguous()
@@ -131,7 +133,8 @@ def summarise(seconds: Sequence[float], prefix: str) -> dict[str, Any]:
 
 class RowTimer(pl.Callback):
     """Times the batches of one fit or predict run by ``plan``: per batch index ``warmup``, a timing name, or
-    ``memory`` (the peak-memory step, last: on a CPU it pins glibc's mmap threshold while it runs)."""
+    ``memory`` (the peak-memory step, last: on a CPU it pins glibc's mmap threshold while it runs).
+    """
 
     def __init__(self, plan: Sequence[str]) -> None:
         self.plan, self.detections = list(plan), 0
@@ -228,7 +231,8 @@ class RowTimer(pl.Callback):
 def build_trainer(cfg: DictConfig, callbacks: Sequence[pl.Callback], **options: Any) -> pl.Trainer:
     """The ``Trainer`` of ``cfg.trainer`` with the precision plugin of ``trainer.precision`` and
     ``precision``, and ``callbacks``; no logger, checkpoints, progress bar or validation. ``options`` override
-    trainer arguments."""
+    trainer arguments.
+    """
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.paths.output_dir = tempfile.gettempdir()  # default_root_dir: nothing is written there

@@ -106,7 +106,8 @@ def _fwd_bwd(
     autocast: torch.dtype | None,
 ) -> list[OpCase]:
     """The forward and the forward+backward case (gradients of ``inputs``) of one op; torchvision's side under
-    ``torch.autocast`` to ``autocast`` when given, which is how it gets half inputs."""
+    ``torch.autocast`` to ``autocast`` when given, which is how it gets half inputs.
+    """
     context = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None else nullcontext
 
     def tv() -> Tensor:

@@ -30,7 +30,8 @@ def run_repeats(
 ) -> list[list[dict[str, Any]]]:
     """Calls ``run(row, round, position)`` for each entry of ``order``; each row's results in run order, with
     ``round`` and ``position`` (from 0) added. A row that fails once is reported failed: its later repeats are
-    skipped."""
+    skipped.
+    """
     results: list[list[dict[str, Any]]] = [[] for _ in range(rows)]
     for position, (round_, row) in enumerate(order):
         if not any(r.get("status") == "failed" for r in results[row]):
@@ -44,7 +45,8 @@ def aggregate(repeats: Sequence[dict[str, Any]], timings: Sequence[str]) -> dict
     them in run order, ``t_ms_repeat_spread`` is their ``(max - min) / median`` and ``t_ms_all`` pools every
     timed step. Other numbers are the median over repeats (the value itself where all agree); anything else is
     the first repeat's. A row with a failed repeat is that failed result. ``repeat_results`` keeps every
-    repeat as run."""
+    repeat as run.
+    """
     if not repeats:
         raise ValueError("aggregate needs at least one repeat's result")
     if failed := [r for r in repeats if r.get("status") == "failed"]:

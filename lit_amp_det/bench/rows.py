@@ -5,7 +5,8 @@ A row is the list of overrides that ``fit`` or ``predict`` would be given. Every
 :data:`BASELINE`. In ``train`` and ``infer`` each later row adds one switch to the row above (rows are
 cumulative), so the ratio to the row above is that switch's gain (a row that must undo a switch above says so
 in its label); on a CPU the rows that only run on CUDA add nothing to the rows below them. In ``precision``
-each row is the baseline plus its own precision settings. Every row of a run shares one :class:`Setting`."""
+each row is the baseline plus its own precision settings. Every row of a run shares one :class:`Setting`.
+"""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class Row:
     or ``32-true`` when the run's half precision is fp32) and ``{weights}`` for its low-precision-weights
     twin. ``when`` says which runs include the row unless ``--rows`` names it: ``always``; ``half``, not when
     the half precision is fp32 (the row would change nothing); ``cuda``, not on a CPU (fp16 there is emulated
-    and slow)."""
+    and slow).
+    """
 
     name: str
     label: str
@@ -72,7 +74,8 @@ class Row:
 class Bench:
     """The benches differ in ``stage``, ``fit`` (training steps) or ``predict`` (inference calls), and
     ``timings``, a row's timed series (``step``; ``latency`` at batch 1, ``batch`` at the bench batch), the
-    last giving images/s."""
+    last giving images/s.
+    """
 
     kind: str
     stage: str
@@ -169,7 +172,8 @@ class Setting:
     None for the seeded initialisation. ``lr``: the constant learning rate of the timed training steps (the
     state's final one); None runs the recipe's warm-up schedule from step 0, as a fresh run starts. ``half``:
     ``bf16``, ``fp16`` or ``fp32``, the precision of the rows that change it; None or ``auto`` is
-    ``trainer.precision=auto``'s choice."""
+    ``trainer.precision=auto``'s choice.
+    """
 
     device: str
     model: str
@@ -193,7 +197,8 @@ class Setting:
 
 def resolve_half(setting: Setting) -> str:
     """The rows' half precision: ``setting.half``, or what ``trainer.precision=auto`` computes in on the
-    device."""
+    device.
+    """
     if setting.half not in (None, "auto"):
         return str(setting.half)
     return {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}[auto_precision(setting.device)]
@@ -219,7 +224,8 @@ def row_overrides(bench: Bench, index: int, setting: Setting) -> list[str]:
     """The overrides of ``bench.rows[index]``: the setting's (the device's trainer, the model and its input
     size, the state), :data:`BASELINE`, the timing lr, then the row's own (in a cumulative bench, those of
     every row up to it but the CUDA rows above it on a CPU: a switch that cannot run there would stop every
-    row below it)."""
+    row below it).
+    """
     # min/max size equal to the image sides: the transform keeps the images at their size
     overrides = [
         f"trainer={'gpu' if setting.device == 'cuda' else 'cpu'}",

@@ -12,7 +12,8 @@ batch 2.
 
 The file is a Lightning-style checkpoint that rows load through ``model.weights``, as a user would; a JSON
 next to it records how it was made, the hash of its weights and the lr its schedule ended at (the rows' timing
-lr)."""
+lr).
+"""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ RECIPE_REFERENCE_BATCH = {"maskrcnn_r50_fpn": 16}
 
 def cache_root(given: str | Path | None = None) -> Path:
     """The benches' cache folder: ``given``, else ``$LIT_AMP_DET_CACHE``, else ``~/.cache/lit_amp_det`` (the
-    default of ``paths.cache_dir``, so that the benches and ``fit`` share it)."""
+    default of ``paths.cache_dir``, so that the benches and ``fit`` share it).
+    """
     return Path(given or os.environ.get("LIT_AMP_DET_CACHE") or "~/.cache/lit_amp_det").expanduser().resolve()
 
 
@@ -75,7 +77,8 @@ def _replace_file(path: Path, data: bytes) -> None:
 
 def state_overrides(setting: Setting) -> list[str]:
     """The first ``bench train`` row's overrides without a state to load, at the recipe's lr for the bench
-    batch."""
+    batch.
+    """
     overrides = row_overrides(BENCHES["train"], 0, dataclasses.replace(setting, weights=None, lr=None))
     reference = RECIPE_REFERENCE_BATCH.get(setting.model)
     if reference is not None:
@@ -86,7 +89,8 @@ def state_overrides(setting: Setting) -> list[str]:
 
 def state_key(setting: Setting, steps: int) -> dict[str, Any]:
     """Everything the state made for ``setting`` in ``steps`` steps depends on (its cache key), with
-    :data:`FORMAT`."""
+    :data:`FORMAT`.
+    """
     model = OmegaConf.to_container(compose(state_overrides(setting)).model, resolve=True)
     return {
         "format": FORMAT,
@@ -200,7 +204,8 @@ def make_state(setting: Setting, steps: int, path: Path, log: Any = sys.stderr) 
 
 def ensure_state(setting: Setting, steps: int, cache: Path, log: Any = sys.stderr) -> dict[str, Any]:
     """The cached state for ``setting`` and ``steps``, made first if the cache has none; its record (see
-    :func:`make_state`) with ``cached`` (whether it was there already) and ``key``."""
+    :func:`make_state`) with ``cached`` (whether it was there already) and ``key``.
+    """
     key = state_key(setting, steps)
     path, record_path = state_paths(key, cache)
     if path.is_file() and record_path.is_file():

@@ -6,7 +6,8 @@ lines instead (step, epoch, loss, learning rate, images/s; the first once the fi
 slow CPU run shows it started, then every ``every_n_steps`` steps or ``every_n_seconds``, whichever comes
 first; the metrics after every validation) through the ``lit_amp_det.progress`` logger, reaching the console
 and the run's log file alike. With ``console: auto`` they go to the console only when stdout is not a terminal
-(or the progress bar is off)."""
+(or the progress bar is off).
+"""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def emit(message: str, console: bool = True) -> None:
 
     Under the CLI, Hydra's logging sends ``lit_amp_det.progress`` records to stdout and to ``<command>.log``;
     without configured logging (a notebook calling :func:`~lit_amp_det.app.tasks.train`) the message is
-    printed."""
+    printed.
+    """
     if not logging.getLogger().handlers:
         if console:
             print(message, flush=True)
@@ -61,7 +63,8 @@ class ConsoleLog(Callback):
         every_n_steps: steps between two lines (step, loss, learning rate, images/s since the last line).
         every_n_seconds: the longest time between two lines while steps complete. console: ``auto`` (only when
         stdout is not a terminal or there is no progress bar), ``true``, ``false``;
-            the run's log file gets every line in any case."""
+            the run's log file gets every line in any case.
+    """
 
     def __init__(
         self, every_n_steps: int = 50, console: bool | str = "auto", every_n_seconds: float = 60.0

@@ -3,7 +3,8 @@
 With the norm on its running statistics, each pair runs as one convolution whose weight is folded on the fly:
 same outputs and gradients, but the conv output is not kept for BatchNorm's backward
 (:mod:`lit_amp_det.models.conv_bn`). The module tree and ``state_dict`` are unchanged, so checkpoints load
-with and without this callback."""
+with and without this callback.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class ConvBNEval(Callback):
             conv output outweighs the folded weight copy, or any pair without gradients (see
             :func:`~lit_amp_det.models.conv_bn.enable_conv_bn_eval`); ``False`` folds every call.
         fold_on_predict: before ``trainer.predict``, fold the pairs permanently (conv weight and bias folded,
-            norms replaced by ``nn.Identity``): one conv per pair at inference. The model stays folded."""
+            norms replaced by ``nn.Identity``): one conv per pair at inference. The model stays folded.
+    """
 
     def __init__(self, only_when_cheaper: bool = True, fold_on_predict: bool = False) -> None:
         for name, value in (("only_when_cheaper", only_when_cheaper), ("fold_on_predict", fold_on_predict)):

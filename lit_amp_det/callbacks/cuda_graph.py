@@ -181,7 +181,8 @@ def as_configured(saved: dict[str, Any], flags: CapturableFlags) -> dict[str, An
 
 def _as_built(group: dict[str, Any], capturable: bool | None) -> dict[str, Any]:
     """``group`` (a param group, changed in place and returned) as the optimizer was built: its lr a Python
-    float and its ``capturable`` flag the one it had (``None``: the optimizer has no such flag)."""
+    float and its ``capturable`` flag the one it had (``None``: the optimizer has no such flag).
+    """
     if capturable is not None:
         group["capturable"] = capturable
     if isinstance(group["lr"], Tensor):
@@ -204,7 +205,8 @@ def _place_step_counts(optimizer: torch.optim.Optimizer) -> None:
 
 def _scheduler_as_configured(saved: dict[str, Any]) -> dict[str, Any]:
     """A copy of an lr scheduler's ``state_dict()`` with the last lrs as floats (they are the device lrs'
-    copies)."""
+    copies).
+    """
     if "_last_lr" not in saved:
         return saved
     last = [float(lr) if isinstance(lr, Tensor) else lr for lr in saved["_last_lr"]]
@@ -215,7 +217,8 @@ def _scheduler_as_configured(saved: dict[str, Any]) -> dict[str, Any]:
 def _syncs_raise(device: torch.device) -> Iterator[None]:
     """On CUDA, makes every op that synchronises with the device raise (``torch.cuda.set_sync_debug_mode``):
     the driver's own check, beside :class:`~lit_amp_det.profiling.HostSyncs`' count, for what the count cannot
-    see."""
+    see.
+    """
     if device.type != "cuda":
         yield
         return
@@ -476,7 +479,8 @@ class CUDAGraphTraining(Callback):
 
     def _eager(self, step: Step, device: torch.device, count_syncs: bool) -> tuple[dict[str, Tensor], Tensor]:
         """A warm-up step, on the side stream as capture requires; the one before the capture counts host
-        syncs."""
+        syncs.
+        """
         side = self._side_stream(device) if device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())

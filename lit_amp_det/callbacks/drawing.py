@@ -3,7 +3,8 @@
 Shared by :class:`~lit_amp_det.callbacks.CocoPredictionWriter` and
 :class:`~lit_amp_det.callbacks.ValidationImages`. Drawing uses torchvision's drawing utilities on the CPU and
 returns ``uint8 [3, H, W]`` tensors that TensorBoard and :func:`save_png` both take. A class keeps its colour
-in every picture, so ground truth and predictions compare."""
+in every picture, so ground truth and predictions compare.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class DrawingWarning(UserWarning):
 
 def class_names_of(pl_module: Any) -> list[str]:
     """Names of classes 1..K of a LightningModule: its ``class_names`` attribute, else
-    ``hparams.class_names``."""
+    ``hparams.class_names``.
+    """
     names = getattr(pl_module, "class_names", None)
     if names is None:
         hparams = getattr(pl_module, "hparams", None)
@@ -64,7 +66,8 @@ def class_names_of(pl_module: Any) -> list[str]:
 
 def to_uint8(image: Tensor) -> Tensor:
     """A ``[3, H, W]`` (or ``[1, H, W]``) image, ``uint8`` or float in [0, 1], as a ``uint8 [3, H, W]`` CPU
-    copy."""
+    copy.
+    """
     if image.dim() != 3 or image.shape[0] not in (1, 3):
         raise ValueError(f"image has shape {tuple(image.shape)}; expected [3, H, W] or [1, H, W]")
     image = image.detach().cpu()
@@ -88,7 +91,8 @@ def _binary_masks(
 ) -> Tensor:
     """Boolean ``[N, H, W]`` on the CPU from boolean/uint8 ``[N, H, W]`` or soft ``[N, 1, H, W]`` (Mask R-CNN)
     masks. ``order``: the masks to keep, in that order; ``drawn``: the picture's size, each of its pixels the
-    nearest mask pixel. Both are taken in one gather, so no full-size copy of the masks is made on the way."""
+    nearest mask pixel. Both are taken in one gather, so no full-size copy of the masks is made on the way.
+    """
     shape = tuple(masks.shape)
     if masks.dim() == 4 and masks.shape[1] == 1:
         masks = masks[:, 0]
@@ -221,7 +225,8 @@ def draw_detections(
 
 def _written_on(picture: Tensor, text: str) -> Tensor:
     """``text`` in black on a white patch in the picture's top-left corner (a picture that shows nothing says
-    so)."""
+    so).
+    """
     page = Image.fromarray(picture.permute(1, 2, 0).numpy())
     draw = ImageDraw.Draw(page)
     left, top, right, bottom = draw.textbbox((2, 2), text)
@@ -234,7 +239,8 @@ def draw_ground_truth(
     image: Tensor, target: Mapping[str, Tensor], class_names: Sequence[str] = (), min_side: int = 0
 ) -> Tensor:
     """The annotated masks, boxes and class names of ``target`` (the dataset's target dict) drawn onto
-    ``image``; crowd regions are captioned ``<name> (crowd)``. ``min_side`` as in :func:`draw_detections`."""
+    ``image``; crowd regions are captioned ``<name> (crowd)``. ``min_side`` as in :func:`draw_detections`.
+    """
     boxes, labels = target["boxes"].detach().cpu(), target["labels"].detach().cpu()
     crowd = target["iscrowd"].detach().cpu().tolist() if "iscrowd" in target else [0] * len(labels)
     texts = [

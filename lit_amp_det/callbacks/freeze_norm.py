@@ -13,7 +13,8 @@ Lightning's ``BaseFinetuning``. :class:`FreezeNorm` offers the two standard ways
 nothing, 0 the stem (conv1 + bn1), k the stem and layer1..layerk. State-dict keys do not change, so
 checkpoints load with or without this callback. The model config (``model.backbone.norm`` /
 ``trainable_layers``) says what the model *is*; this callback is a training policy on top that only ever
-freezes more, so with both set their union is frozen."""
+freezes more, so with both set their union is frozen.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class FreezeNorm(Callback):
             :class:`~lit_amp_det.models.norms.FrozenBatchNorm2d`).
         affine_trainable: ``norm_eval`` only: whether BatchNorm weight and bias keep training.
         frozen_stages: -1 nothing, 0 the stem (conv1, bn1), k in 1..4 the stem and layer1..layerk of the
-            ResNet at ``pl_module.model.backbone.body``."""
+            ResNet at ``pl_module.model.backbone.body``.
+    """
 
     def __init__(
         self, mode: str = "norm_eval", affine_trainable: bool = True, frozen_stages: int = -1
@@ -112,7 +114,8 @@ class FreezeNorm(Callback):
 
     def _frozen_stages(self, pl_module: pl.LightningModule) -> list[nn.Module]:
         """The stem and stages to freeze, looked up each time (other code may swap modules, e.g.
-        SyncBatchNorm)."""
+        SyncBatchNorm).
+        """
         names = self.frozen_stage_names
         if not names:
             return []

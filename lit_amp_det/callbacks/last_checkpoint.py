@@ -14,7 +14,8 @@ after the same step.
 In a SLURM batch job (:mod:`lit_amp_det.slurm`) ``SIGUSR1`` (``#SBATCH --signal=USR1@90``; submitit's
 ``SIGUSR2`` in a job it started) does the same and then requeues the job with ``scontrol requeue``; the
 requeued attempt resumes from the checkpoint by itself. Signals that follow (SLURM ends a requeued job with
-``SIGTERM``) are logged and ignored while the run stops."""
+``SIGTERM``) are logged and ignored while the run stops.
+"""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class RunInterrupted(Exception):
     """A fit stopped by a signal after saving ``checkpoint`` (``None`` if saving was off); ``requeued_job`` is
-    the SLURM job id that ``scontrol requeue`` accepted, if any."""
+    the SLURM job id that ``scontrol requeue`` accepted, if any.
+    """
 
     def __init__(
         self, signum: int, checkpoint: str | None, global_step: int, requeued_job: str | None = None
@@ -69,7 +71,8 @@ class LastCheckpoint(Checkpoint):
         dirpath: folder of ``last.ckpt`` (the run's ``checkpoints/``). every_n_train_steps: save after every N
         optimizer steps; ``None`` or 0: not by steps. every_n_minutes: save when this many minutes of training
         passed since the last save; ``None``: not by time. save_on_signal: on SIGINT/SIGTERM during training,
-        save after the current step and stop. filename: name of the file in ``dirpath``."""
+        save after the current step and stop. filename: name of the file in ``dirpath``.
+    """
 
     def __init__(
         self,
@@ -107,7 +110,8 @@ class LastCheckpoint(Checkpoint):
     def save(self, trainer: pl.Trainer) -> str:
         """Writes ``last.ckpt`` now (all ranks must call it: the save is collective under DDP). The trainer's
         checkpoint IO writes it beside the old one and renames it over (``DurableCheckpointIO`` under the
-        CLI)."""
+        CLI).
+        """
         self._saving = True  # a signal now is answered after the write, never inside it
         try:
             trainer.save_checkpoint(self.path, weights_only=False)
@@ -157,7 +161,8 @@ class LastCheckpoint(Checkpoint):
     ) -> None:
         """A signal during a fit's validation stops it after the batch in progress, not after the whole split
         (which can outlast a preemption's grace period): the training state, unchanged since validation began,
-        is saved."""
+        is saved.
+        """
         during_fit = not trainer.sanity_checking and trainer.state.fn == "fit"
         if self.save_on_signal and during_fit and self._signalled(trainer):
             self._stop(trainer)
@@ -196,7 +201,8 @@ class LastCheckpoint(Checkpoint):
 
     def _requeue_after_save(self, trainer: pl.Trainer, signum: int) -> str | None:
         """Under SLURM, after the save that ``SIGUSR1`` asked for: rank 0 requeues the job; its id if
-        requeued."""
+        requeued.
+        """
         asked = self._job is not None and signum == self._requeue_signal
         if trainer.world_size > 1 and self._job is not None:
             asked = trainer.strategy.reduce_boolean_decision(asked, all=False)
@@ -250,7 +256,8 @@ class LastCheckpoint(Checkpoint):
 
 def _exit_now(signum: int, kept: str) -> None:
     """Exits the process at once with 128 + ``signum``, after one line saying so: the answer to a second
-    signal. Lightning's handler would tear the run down first, which takes seconds to minutes."""
+    signal. Lightning's handler would tear the run down first, which takes seconds to minutes.
+    """
     _announce(f"{signal.Signals(signum).name} received again: stopped at once; {kept}")
     logging.shutdown()
     os._exit(128 + signum)

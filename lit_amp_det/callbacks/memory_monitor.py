@@ -1,7 +1,8 @@
 """Logs peak memory per training step and epoch; optionally, what each memory optimisation of the run saves.
 
 Per-step peaks come from :class:`~lit_amp_det.profiling.MemoryProbe`, reset before each step; the savings
-comparison lives in :mod:`lit_amp_det.callbacks.memory_savings`, run here before the first step."""
+comparison lives in :mod:`lit_amp_det.callbacks.memory_savings`, run here before the first step.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class MemoryMonitor(Callback):
         compare_baseline: measure the baseline and per-optimisation rows (costs ``(warmup_steps +
             baseline_steps)`` forward+backward passes per row, and one extra copy of the model while it runs).
         baseline_steps: measured steps per row, on as many distinct training batches where the loader has
-        them. warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning)."""
+        them. warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning).
+    """
 
     def __init__(
         self, compare_baseline: bool = False, baseline_steps: int = 3, warmup_steps: int = 3

@@ -5,7 +5,8 @@ Rows are cumulative: a baseline with every optimisation off (fp32, conv-bn eval 
 precision, then conv-bn eval, each only if the run uses it. Each row runs forward and backward (no optimizer
 step) on a deep copy of ``pl_module.model`` over the first training batches, so the real model, optimizer,
 BatchNorm statistics, random generators and loader position are never touched. Driven by
-:class:`~lit_amp_det.callbacks.memory_monitor.MemoryMonitor`."""
+:class:`~lit_amp_det.callbacks.memory_monitor.MemoryMonitor`.
+"""
 
 from __future__ import annotations
 
@@ -188,7 +189,8 @@ class BaselineComparison:
     ) -> list[tuple[str, list[str], bool, bool]]:
         """Rows as ``(label, optimisations on, in the trainer's precision, disable conv-bn eval)``,
         cumulative; a row outside the trainer's precision runs in fp32 (on a full-precision copy for
-        ``*-weights`` models)."""
+        ``*-weights`` models).
+        """
         conv_bn = bool(conv_bn_eval_enabled(pl_module.model))
         precision = str(trainer.precision_plugin.precision)
         mixed = precision not in _FULL_PRECISIONS
@@ -206,7 +208,8 @@ class BaselineComparison:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, first_batch: Any, probe: MemoryProbe
     ) -> None:
         """Measures every row of :meth:`_plan` on deep copies of ``pl_module.model`` and logs the numbers;
-        called just before the first training step, so norms are in the train/eval mode training uses."""
+        called just before the first training step, so norms are in the train/eval mode training uses.
+        """
         device = pl_module.device
         batches = self._batches or [first_batch]  # the first real batch where the loader could not be sampled
         batches = [move_data_to_device(b, device) for b in batches]

@@ -4,7 +4,8 @@ Masks are run-length encoded batch by batch, so memory stays flat however many i
 ``num_images`` images are also drawn with their detections into ``<dirpath>/<images_dirname>/<image id>.png``.
 Images from a folder without annotations (``data.predict_images``) are drawn as ``<image id>_<file
 stem>.png``, and ``<results stem>_images.json`` beside the results holds the COCO ``images`` and
-``categories`` of the run, so the two files read as a COCO dataset with its results."""
+``categories`` of the run, so the two files read as a COCO dataset with its results.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class CocoPredictionWriter(BasePredictionWriter):
         so
             that captions stay readable; 0 keeps their size.
         max_side: images with a longer side above this are drawn shrunk to it (a phone photo's picture at full
-            size costs gigabytes of masks to draw); 0 keeps their size."""
+            size costs gigabytes of masks to draw); 0 keeps their size.
+    """
 
     def __init__(
         self,
@@ -121,7 +123,8 @@ class CocoPredictionWriter(BasePredictionWriter):
     def _draw_batch(self, pl_module: LightningModule, prediction: list[dict[str, Any]], batch: Any) -> None:
         """Pictures of the batch's first images. ``batch`` is ``(images, targets)`` as the loader gave it: the
         dataset's images, whose pixel coordinates the detections are in (torchvision's transform maps them
-        back from the resized input)."""
+        back from the resized input).
+        """
         if (
             not isinstance(batch, (tuple, list))
             or not batch
@@ -162,7 +165,8 @@ class CocoPredictionWriter(BasePredictionWriter):
 
     def _image_records(self, det: dict[str, Any]) -> list[dict[str, Any]]:
         """One image's detections above the threshold as COCO result records (one device->host copy per
-        field)."""
+        field).
+        """
         keep = det["scores"] >= self.score_threshold
         boxes = det["boxes"][keep].tolist()
         scores = det["scores"][keep].tolist()
@@ -207,7 +211,8 @@ UNUSED_CATEGORY_NAME = "N/A"
 def _categories(pl_module: LightningModule) -> list[dict[str, Any]]:
     """COCO ``categories`` of the model's classes: the ids the results carry (the dataset's category ids, else
     the labels 1..K) with their names. The ids torchvision's COCO weights name ``N/A`` are left out: COCO's
-    own annotation files list only its 80 used ids, and such a label is never a detection of something."""
+    own annotation files list only its 80 used ids, and such a label is never a detection of something.
+    """
     names = class_names_of(pl_module)
     hparams = getattr(pl_module, "hparams", {})
     category_ids = hparams.get("category_ids") if hasattr(hparams, "get") else None

@@ -3,7 +3,8 @@
 Lightning restores weights, optimizer, schedulers and loop progress, but not the global RNGs. Mask R-CNN
 draws from them every step (the RPN and RoI-head samplers pick positives and negatives with
 ``torch.randperm``), so a resumed run would diverge from an uninterrupted one without this callback.
-States are stored as tensors and plain data so checkpoints still load with ``weights_only=True``."""
+States are stored as tensors and plain data so checkpoints still load with ``weights_only=True``.
+"""
 
 from __future__ import annotations
 

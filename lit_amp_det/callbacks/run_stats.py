@@ -5,7 +5,8 @@ callbacks are measured the same way. It logs and prints nothing: ``train`` write
 ``metrics.json``. Steps are timed like :class:`~lit_amp_det.callbacks.throughput.Throughput`; memory is the
 largest per-step peak, so one-off work before training does not count. A CPU resident set also holds what
 earlier jobs of a sweep left behind; ``tensor_memory_mb`` does not: it adds up parameters, gradients,
-optimizer state and what autograd saved for backward, once, on the first timed step."""
+optimizer state and what autograd saved for backward, once, on the first timed step.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class RunStats(Callback):
     """Training images/s, median step time and peak memory of a fit (see :meth:`summary`).
 
     Args:
-        warmup_steps: steps at the start of the fit that are not timed or measured."""
+        warmup_steps: steps at the start of the fit that are not timed or measured.
+    """
 
     def __init__(self, warmup_steps: int = 2) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -103,7 +105,8 @@ class RunStats(Callback):
 
         Speed and memory are ``None`` when no step was timed (a fit shorter than the warm-up). Under DDP,
         images/s counts every process (this rank's rate times the world size: ranks step in lockstep) and the
-        peak memory is this process's (rank 0 writes ``metrics.json``)."""
+        peak memory is this process's (rank 0 writes ``metrics.json``).
+        """
         timed, probe = len(self._step_seconds), self._probe
         return {
             "device": None if probe is None else str(probe.device),
@@ -124,7 +127,8 @@ def resident_training_bytes(module: pl.LightningModule, optimizers: list[Any]) -
     """Bytes of the parameters, their gradients and the optimizers' state tensors (each storage once).
 
     The optimizers' own parameters count too: under ``trainer.precision=bf16-weights|16-weights`` they are the
-    fp32 masters (and their gradients), which the model's ``parameters()`` do not list."""
+    fp32 masters (and their gradients), which the model's ``parameters()`` do not list.
+    """
     seen: set[int] = set()
     total = 0
 

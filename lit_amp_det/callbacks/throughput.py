@@ -2,7 +2,8 @@
 
 A thin adapter over :class:`~lit_amp_det.profiling.StepTimer` that counts images of detection batches. A step
 runs from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer; not data loading
-or validation); the progress bar shows a moving median, which one slow step does not move."""
+or validation); the progress bar shows a moving median, which one slow step does not move.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class Throughput(Callback):
     Args:
         window: steps in the moving median of the progress-bar value (1: the last step's rate).
         warmup_steps: steps at the start of each fit that are not timed.
-        batch_size_fn: returns the number of images in a batch; default :func:`count_images`."""
+        batch_size_fn: returns the number of images in a batch; default :func:`count_images`.
+    """
 
     def __init__(
         self, window: int = 20, warmup_steps: int = 2, batch_size_fn: Callable[[Any], int] | None = None

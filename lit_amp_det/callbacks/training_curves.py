@@ -3,7 +3,8 @@ logger.
 
 The callback samples ``trainer.callback_metrics`` every few training steps and after each validation, so the
 picture exists with any logger or none. It is drawn at the end of ``fit``, also when ``fit`` stops on an
-exception, and the samples travel in checkpoints, so a resumed run draws its whole history."""
+exception, and the samples travel in checkpoints, so a resumed run draws its whole history.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class TrainingCurves(Callback):
     Args:
         path: the PNG file.
         every_n_steps: training steps between samples; ``None``: the trainer's ``log_every_n_steps``.
-        panels: panel title -> metric name patterns (``fnmatch``, e.g. ``train/loss*``), top to bottom."""
+        panels: panel title -> metric name patterns (``fnmatch``, e.g. ``train/loss*``), top to bottom.
+    """
 
     def __init__(
         self,

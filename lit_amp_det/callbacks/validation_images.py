@@ -51,7 +51,8 @@ class ValidationImages(Callback):
         are not drawn. png: ``"auto"``, ``True`` or ``False``: whether PNG files are written (see above).
         min_side: images with a shorter side below this are enlarged by an integer factor (whole pixels) so
         that
-            captions stay readable; 0 keeps their size."""
+            captions stay readable; 0 keeps their size.
+    """
 
     def __init__(
         self,

@@ -6,7 +6,8 @@ file, the record and the fix, and precomputes per-image arrays so ``__getitem__`
 masks. Items follow the torchvision detection convention: a uint8 ``[3, H, W]`` RGB image and a target dict
 with xyxy ``boxes``, contiguous ``labels`` (1..K, 0 is background), ``masks``, ``image_id``, ``area`` and
 ``iscrowd``. Crowd regions stay in the target because COCO evaluation needs them; `drop_crowd` removes them
-before the target reaches the model."""
+before the target reaches the model.
+"""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ class _ImageRecord:
 def drop_crowd(target: dict[str, Tensor]) -> dict[str, Tensor]:
     """Return a copy of ``target`` without ``iscrowd == 1`` instances, which the losses must not treat as
     objects. Every present field in `PER_INSTANCE_KEYS` is filtered with the same mask; other fields pass
-    through unchanged."""
+    through unchanged.
+    """
     out = dict(target)
     if "iscrowd" in target:
         keep = target["iscrowd"] == 0
@@ -90,7 +92,8 @@ def pad_instances(target: dict[str, Tensor], count: int) -> dict[str, Tensor]:
     """``target`` with every field of `PER_INSTANCE_KEYS` padded with zeros to ``count`` instances and a bool
     ``valid`` ``[count]`` marking the real ones, so that every training target has the same shapes (the static
     inputs of a fixed-shape step, ``speedups.sync_free``). A target with more instances raises, naming its
-    ``image_id``."""
+    ``image_id``.
+    """
     present = target["boxes"].shape[0]
     if present > count:
         raise ValueError(
@@ -127,7 +130,8 @@ class CocoInstances(torch.utils.data.Dataset):
         num_classes: ``len(category_ids) + 1`` (background included).
         image_ids: COCO image ids, one per item, in item order.
         skipped_boxes: degenerate annotations dropped under ``invalid_boxes="skip"``.
-        num_instances: kept annotations that are not crowd regions: what training learns from."""
+        num_instances: kept annotations that are not crowd regions: what training learns from.
+    """
 
     def __init__(
         self,
@@ -221,7 +225,8 @@ class CocoInstances(torch.utils.data.Dataset):
         self, record: Any, seen: Container[int], kind: str, section: str, missing: Callable[[], str]
     ) -> int:
         """Return ``record``'s integer id; raise ``missing()`` if it has none, or if ``seen`` holds it
-        already."""
+        already.
+        """
         if not isinstance(record, dict) or not isinstance(record.get("id"), int):
             raise ValueError(missing())
         if record["id"] in seen:
@@ -347,7 +352,8 @@ class CocoInstances(torch.utils.data.Dataset):
     def _segmentation_usable(self, ann: dict[str, Any], ann_id: Any, img: dict[str, Any]) -> bool:
         """Cheap shape check of a segmentation so bad ones fail at construction, not mid-epoch. Malformed
         structure always raises. A degenerate one (fewer than 3 points, no polygon) is treated like a
-        degenerate box: an error, or ``False`` (drop the annotation) under ``invalid_boxes="skip"``."""
+        degenerate box: an error, or ``False`` (drop the annotation) under ``invalid_boxes="skip"``.
+        """
         problem, degenerate = segmentation_problem(ann.get("segmentation"), img["height"], img["width"])
         if problem is None:
             return True
@@ -366,7 +372,8 @@ class CocoInstances(torch.utils.data.Dataset):
         per_image: dict[int, list[tuple[dict[str, Any], list[float]]]],
     ) -> list[_ImageRecord]:
         """Validated annotations as per-image numpy arrays (no parsing left for `__getitem__`), after
-        ``skip_empty``."""
+        ``skip_empty``.
+        """
         records = []
         for image_id, img in images.items():
             anns = per_image.get(image_id, [])
@@ -460,7 +467,8 @@ class CocoInstances(torch.utils.data.Dataset):
 
     def _to_rle(self, seg: Any, ann_id: Any, rec: _ImageRecord) -> dict[str, Any]:
         """Convert one COCO segmentation (polygons / RLE) to a compressed RLE, naming the annotation on
-        failure."""
+        failure.
+        """
         try:
             if isinstance(seg, list):
                 return mask_utils.merge(mask_utils.frPyObjects(seg, rec.height, rec.width))

@@ -2,7 +2,8 @@
 
 Pure functions over parsed JSON values, so :class:`~lit_amp_det.data.coco.CocoInstances` can validate a whole
 file at construction and name the record and the fix; compressed RLE strings are decoded to run lengths here,
-vectorised, because pycocotools would only say "invalid" (or crash) much later."""
+vectorised, because pycocotools would only say "invalid" (or crash) much later.
+"""
 
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def compressed_rle_runs(counts: str | bytes) -> np.ndarray | None:
     (pycocotools ``rleFrString``): each run is a little-endian sequence of 5-bit groups, one per character
     ``48 + bits`` with 0x20 as the continuation flag and 0x10 of the last group as the sign; runs from the
     fourth on are stored as deltas to the run two before. ~20-70 us per mask, far less than decoding the
-    image."""
+    image.
+    """
     raw = counts.encode("ascii") if isinstance(counts, str) else bytes(counts)
     chars = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) - 48
     if chars.size == 0:

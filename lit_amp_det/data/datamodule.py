@@ -5,7 +5,8 @@
 code, so the default path exercises the real COCO loader. Training batches come from a resumable,
 deterministic sampler (:mod:`lit_amp_det.data.sampler`), so a run killed mid-epoch resumes onto the same
 batches. Images stay ``uint8`` through the loader (less to pin and copy); the model converts them on the
-device."""
+device.
+"""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ class CocoDataModule(LightningDataModule):
         warning. pad_instances: pads every training target to this many instances, with a ``valid`` flag each,
         so that a step's
             shapes never change (for ``speedups.sync_free``: static inputs); ``None`` keeps each image's
-            count."""
+            count.
+    """
 
     def __init__(
         self,
@@ -312,7 +314,8 @@ class CocoDataModule(LightningDataModule):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts training batches the loop takes (exact mid-epoch resume), drops their crowd instances here,
         on the host (on a GPU each field's boolean index would make the step wait), and pads targets to
-        ``pad_instances``."""
+        ``pad_instances``.
+        """
         if self.trainer is not None and self.trainer.training and self._train_loader is not None:
             self._train_loader.mark_consumed()
             images, targets = batch
@@ -334,7 +337,8 @@ class ShapesDataModule(CocoDataModule):
         min_object_size, max_object_size: object diameter as a fraction of the image side.
         data_seed: seed of the generated content (``seed`` seeds the training order).
         The generation defaults are :class:`~lit_amp_det.data.shapes.ShapesSpec`'s.
-        **kwargs: :class:`CocoDataModule` loader options."""
+        **kwargs: :class:`CocoDataModule` loader options.
+    """
 
     classes = SHAPE_CLASSES
 
@@ -377,7 +381,8 @@ class ShapesDataModule(CocoDataModule):
     def prepare_data(self) -> None:
         """Generates the dataset once (atomically; later runs reuse it), except when a Trainer predicts on
         ``predict_images`` (no split read; :meth:`dataset` generates it if the classes must come from the
-        data)."""
+        data).
+        """
         if self.predict_images is not None and self.trainer is not None and self.trainer.predicting:
             return
         ensure_shapes(self.cache_dir, self.spec, splits=self.splits)

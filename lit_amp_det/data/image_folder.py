@@ -7,7 +7,8 @@ the id ``k + 1`` (kept when ``data.bad_images=skip`` leaves an unreadable pictur
 in ``predictions.json`` carry, and the prediction writer records each id's file name and size. Pictures are
 turned as their EXIF orientation tag says, as detectron2's ``read_image`` and OpenCV's ``imread``
 (MMDetection) do: a phone photo taken upright is often stored sideways with such a tag, and detections, sizes
-and drawings then refer to the picture as a viewer shows it."""
+and drawings then refer to the picture as a viewer shows it.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class ImageFolder(Dataset):
 
     Args:
         folder: the folder of pictures (``~`` expanded; relative to the working directory).
-        source: the config key that named it, for messages."""
+        source: the config key that named it, for messages.
+    """
 
     def __init__(self, folder: str | os.PathLike, source: str = "data.predict_images") -> None:
         path = Path(folder).expanduser()
@@ -59,7 +61,8 @@ class ImageFolder(Dataset):
 
     def drop(self, paths: Iterable[str | os.PathLike]) -> int:
         """Leaves the pictures at ``paths`` out (unreadable ones); the others keep their ids. Returns how
-        many."""
+        many.
+        """
         bad = {str(Path(p)) for p in paths}
         kept = [(path, image_id) for path, image_id in zip(self.files, self.ids) if str(path) not in bad]
         removed = len(self.files) - len(kept)

@@ -32,7 +32,8 @@ def read_rgb_image(path: str | Path, apply_exif_orientation: bool = False) -> Te
 
     ``apply_exif_orientation``: turn the pixels as the file's EXIF orientation tag says (a phone photo taken
     upright is often stored sideways with such a tag), so the picture is what a viewer shows. Off for
-    annotated datasets, whose annotations give the stored size."""
+    annotated datasets, whose annotations give the stored size.
+    """
     if decode_image is None or (apply_exif_orientation and _exif_orientation(path) not in (None, 1)):
         # PIL turns every format (torchvision's decoder ignores the tag of a WebP)
         return _read_with_pil(path, None, apply_exif_orientation)
@@ -49,7 +50,8 @@ def read_rgb_image(path: str | Path, apply_exif_orientation: bool = False) -> Te
 
 def _exif_orientation(path: str | Path) -> int | None:
     """The EXIF orientation tag (1..8) from the file's header, ``None`` without one or for a file PIL cannot
-    open (the decoder then names the problem)."""
+    open (the decoder then names the problem).
+    """
     try:
         with Image.open(path) as pil_image:
             return pil_image.getexif().get(_ORIENTATION)

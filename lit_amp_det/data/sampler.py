@@ -4,7 +4,8 @@ Exact mid-epoch resume needs what the stock ``DataLoader`` lacks: an epoch order
 (seed, epoch), augmentation independent of the loading worker, and a count of the batches the loop consumed
 (not prefetched). :class:`ResumableBatchSampler` shards ``(index, sample_seed)`` keys over ranks (so
 ``use_distributed_sampler=False``); :class:`ResumableDataLoader` adds Lightning's
-``state_dict``/``load_state_dict`` protocol to it."""
+``state_dict``/``load_state_dict`` protocol to it.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _splitmix64(value: int) -> int:
 class EvalShardSampler(Sampler[int]):
     """Evaluation order for this rank: every ``world``-th image from ``rank``, no padding, no shuffling. Each
     image is scored exactly once across the ranks (the metrics and the prediction writer gather the ranks'
-    results), unlike padded training shards, whose repeated images would be counted twice."""
+    results), unlike padded training shards, whose repeated images would be counted twice.
+    """
 
     def __init__(self, dataset_size: int) -> None:
         self.dataset_size = dataset_size
@@ -64,7 +66,8 @@ class EvalShardSampler(Sampler[int]):
 
 class EpochSampler(Sampler[int]):
     """This rank's sample indices for one epoch: a permutation drawn from ``seed + epoch``, sharded by rank.
-    Lightning calls :meth:`set_epoch` on ``dataloader.batch_sampler.sampler`` at every epoch start."""
+    Lightning calls :meth:`set_epoch` on ``dataloader.batch_sampler.sampler`` at every epoch start.
+    """
 
     def __init__(self, dataset_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if dataset_size < 1:
@@ -99,7 +102,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         group_ids: optional group per sample; a batch then holds samples of one group only
             (aspect-ratio grouping keeps padding small).
         drop_last: drop the last incomplete batch of the epoch.
-        shuffle: shuffle (training) or keep dataset order."""
+        shuffle: shuffle (training) or keep dataset order.
+    """
 
     def __init__(
         self,
@@ -164,7 +168,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableBatchSampler` that Lightning can checkpoint mid-epoch.
     Lightning prefetches a batch ahead, so "batches yielded" overstates progress; the count kept here is
-    advanced by :meth:`mark_consumed`, which the data module calls when the training loop takes a batch."""
+    advanced by :meth:`mark_consumed`, which the data module calls when the training loop takes a batch.
+    """
 
     def __init__(self, dataset: Any, batch_sampler: ResumableBatchSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
@@ -190,7 +195,8 @@ class ResumableDataLoader(DataLoader):
         epoch alone, and each of W processes takes every W-th image of it; so a checkpoint taken between
         epochs resumes on any number of processes. One taken mid-epoch resumes only on as many processes as
         saved it: with another count the shares change and images would be seen twice or not at all.
-        Checkpoints without a ``world_size`` are not checked."""
+        Checkpoints without a ``world_size`` are not checked.
+        """
         saved_world, world = int(state_dict.get("world_size", 0)), _distributed_rank_and_size()[1]
         consumed, epoch_batches = int(state_dict["consumed_batches"]), int(state_dict.get("epoch_batches", 0))
         if saved_world and saved_world != world and 0 < consumed < epoch_batches:

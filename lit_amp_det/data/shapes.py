@@ -6,7 +6,8 @@ path exercises the same COCO loader, mask decoding and evaluation code as real d
 shapes occlude one another, only their visible region is labelled, and both polygon and compressed-RLE
 segmentations occur. Each image has its own PCG64 stream keyed by (seed, split, index), so output is
 byte-identical across runs, and the dataset is published with an atomic rename plus a completion marker, so an
-interrupted or concurrent generation never looks complete."""
+interrupted or concurrent generation never looks complete.
+"""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ _PNG_COMPRESS_LEVEL = 1  # faster than the default, files barely larger (noise d
 
 def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[float, float]]:
     """Sutherland-Hodgman clip of a polygon to the image rectangle [0, W] x [0, H] (one piece for our shapes:
-    each is star-shaped about a centre inside the image)."""
+    each is star-shaped about a centre inside the image).
+    """
     points = [(float(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
     for axis, bound, keep_above in (
         (0, 0.0, True),
@@ -97,7 +99,8 @@ def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[
 
 def _polygon_segmentation(inst: ShapeInstance, height: int, width: int) -> list[list[float]] | None:
     """COCO polygon for a fully visible, hole-free instance, or None if RLE is needed; used only if it
-    re-rasterises to the visible mask pixel for pixel, so polygon and RLE annotations are equally exact."""
+    re-rasterises to the visible mask pixel for pixel, so polygon and RLE annotations are equally exact.
+    """
     if inst.hole_vertices is not None or not np.array_equal(inst.visible_mask, inst.full_mask):
         return None
     flat: list[float] = []
@@ -196,7 +199,8 @@ def _read_marker(root: Path) -> dict[str, Any] | None:
 def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool) -> None:
     """Atomically move the finished ``tmp`` dataset to ``root``. An existing ``root`` is first renamed aside
     (rename is atomic, rmtree is not), so ``root`` is always absent, the old dataset, or the complete new one.
-    Losing a race to a process publishing the same parameters is success."""
+    Losing a race to a process publishing the same parameters is success.
+    """
     for _attempt in range(3):
         if (marker := _read_marker(root)) is not None and not overwrite:
             if marker.get("params") == params_json:
@@ -234,7 +238,8 @@ def generate_shapes(
     """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path. ``spec`` says what is
     drawn (:class:`ShapesSpec`), ``splits`` how many images each split gets. If ``root`` already holds a
     complete dataset with the same parameters nothing is done; one with other parameters raises
-    FileExistsError unless ``overwrite``. A ``root`` without the completion marker is regenerated."""
+    FileExistsError unless ``overwrite``. A ``root`` without the completion marker is regenerated.
+    """
     params = _make_params(spec, splits)
     root, params_json = Path(root), params.to_json()
     if root.exists() and not overwrite:
@@ -273,7 +278,8 @@ def shapes_dataset_dir(
     splits: Mapping[str, int] = DEFAULT_SPLITS,
 ) -> Path:
     """``cache_dir / "shapes-<hash>"`` for these parameters (validated, not created). The hash covers every
-    generation parameter and the format version, so changing any selects a fresh folder."""
+    generation parameter and the format version, so changing any selects a fresh folder.
+    """
     return Path(cache_dir) / f"shapes-{_make_params(spec, splits).short_hash()}"
 
 
@@ -284,7 +290,8 @@ def ensure_shapes(
     splits: Mapping[str, int] = DEFAULT_SPLITS,
 ) -> Path:
     """Return the dataset dir for these parameters, generating it only if incomplete (one small file read when
-    it exists, so training calls it on every start)."""
+    it exists, so training calls it on every start).
+    """
     root = shapes_dataset_dir(cache_dir, spec, splits=splits)
     if _read_marker(root) is not None:
         return root

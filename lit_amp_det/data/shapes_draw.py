@@ -2,7 +2,8 @@
 
 Every image is drawn from its own ``numpy`` PCG64 stream keyed by (seed, split, index), so the output is
 byte-identical across runs and independent per split; :mod:`lit_amp_det.data.shapes` writes the images and
-their COCO annotations."""
+their COCO annotations.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ _POLYGON_SIDES = {"circle": CIRCLE_VERTICES, "square": 4, "triangle": 3}
 class ShapeInstance:
     """One drawn shape: its class, geometry and masks (bool HxW arrays). ``full_mask`` is the shape clipped to
     the image but ignoring occlusion; ``visible_mask`` is what remains after later shapes were drawn over it.
-    Instances with ``labelled=False`` were drawn but are too hidden to be annotated."""
+    Instances with ``labelled=False`` were drawn but are too hidden to be annotated.
+    """
 
     category_id: int
     colour: tuple[int, int, int]
@@ -62,7 +64,8 @@ class RenderedImage:
 
 def _unit_direction(rng: np.random.Generator) -> tuple[float, float]:
     """Random direction from a small integer vector. Normalising by sqrt (correctly rounded by IEEE 754)
-    instead of cos/sin of a random angle keeps background pixels bit-identical across libm implementations."""
+    instead of cos/sin of a random angle keeps background pixels bit-identical across libm implementations.
+    """
     while True:
         a, b = (int(v) for v in rng.integers(-4, 5, size=2))
         if a or b:
@@ -127,7 +130,8 @@ def _shape_outline(
     name: str, radius: float, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Local (origin-centred) outline of a shape fitting a circle of ``radius``, and that of its hole (rings
-    only)."""
+    only).
+    """
     angle = 2.0 * math.pi * rng.random()
     if name in _POLYGON_SIDES:
         return _regular_polygon(_POLYGON_SIDES[name], radius, angle), None
@@ -167,14 +171,16 @@ def _shape_outline(
 def _flat(points: np.ndarray) -> tuple[float, ...]:
     """Round to 1/100 px and flatten to COCO's [x1, y1, x2, y2, ...]. Rounding before both rasterising and
     writing makes the JSON exactly describe the drawn shape and hides last-bit differences between libm
-    implementations."""
+    implementations.
+    """
     return tuple(round(float(v), 2) for v in points.reshape(-1))
 
 
 def _rasterise(flat: Sequence[float], height: int, width: int) -> np.ndarray:
     """Bool mask of a polygon via pycocotools, without antialiasing. The COCO rasteriser is used (not PIL) so
     a written polygon decodes with ``annToMask`` to exactly the pixels painted into the image; PIL's fill
-    convention differs by about half a pixel, a large error for 20 px shapes."""
+    convention differs by about half a pixel, a large error for 20 px shapes.
+    """
     return mask_utils.decode(mask_utils.frPyObjects([list(flat)], height, width))[:, :, 0].astype(bool)
 
 

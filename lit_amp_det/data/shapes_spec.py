@@ -2,7 +2,8 @@
 
 :class:`ShapesSpec` holds every drawing parameter with the defaults of the embedded dataset; the code
 (:mod:`lit_amp_det.data.shapes`, :class:`lit_amp_det.data.ShapesDataModule`) takes its defaults from it and
-``conf/data/shapes.yaml`` repeats them for the command line (a test keeps the two equal)."""
+``conf/data/shapes.yaml`` repeats them for the command line (a test keeps the two equal).
+"""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class ShapesSpec:
         min_objects, max_objects: shapes per image (``max_objects`` inclusive).
         min_size, max_size: shape diameter as a fraction of the shorter image side.
         empty_prob: fraction of images drawn with no shape at all (as in real COCO).
-        seed: seed of the content (each image has its own stream keyed by seed, split and index)."""
+        seed: seed of the content (each image has its own stream keyed by seed, split and index).
+    """
 
     image_size: int | tuple[int, int] = 160
     min_objects: int = 1

@@ -4,7 +4,8 @@ Each transform takes a uint8 ``[3, H, W]`` image and a torchvision-style target 
 transformed pair, keeping ``boxes`` and ``masks`` consistent with the image. Randomness is drawn only from an
 explicit ``torch.Generator`` passed at call time (never from the global RNG), and every random transform draws
 the same amount whatever the outcome, so a data pipeline seeded per sample replays exactly when training
-resumes."""
+resumes.
+"""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class Compose:
 class RandomHorizontalFlip:
     """Mirror image, boxes and masks left-right with probability ``p``. Exactly one number is drawn from
     ``generator`` per call (even for ``p`` of 0 or 1), so the random stream does not depend on the outcome or
-    on ``p``."""
+    on ``p``.
+    """
 
     def __init__(self, p: float = 0.5) -> None:
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= float(p) <= 1.0:
@@ -106,5 +108,6 @@ class ToFloat:
 
 def collate_detection(batch: Sequence[tuple[Tensor, Target]]) -> tuple[list[Tensor], list[Target]]:
     """Collate detection samples into ``(images, targets)`` lists. Images differ in size and targets in
-    instance count, so nothing is stacked; the detection model batches the images itself."""
+    instance count, so nothing is stacked; the detection model batches the images itself.
+    """
     return [image for image, _ in batch], [target for _, target in batch]

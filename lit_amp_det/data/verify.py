@@ -3,7 +3,8 @@
 :func:`verify_images` decodes the files with the loader's own reader in a thread pool and checks each image's
 size against its annotation record; files that decoded before are cached by path, size and modification time.
 :func:`check_splits` runs it over the splits of a stage and raises one :class:`BadImagesError` listing every
-unreadable file, or (``bad_images="skip"``) drops them from their split with one warning."""
+unreadable file, or (``bad_images="skip"``) drops them from their split with one warning.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ BAD_IMAGE_MODES = ("error", "skip")
 class BadImagesError(OSError):
     """Images that cannot be decoded (or whose size is not the annotated one); ``problems`` maps path ->
     reason. ``remedy`` says what to do with the files before the generic ways out (skip them, or skip the
-    check)."""
+    check).
+    """
 
     def __init__(self, problems: Mapping[str, str], total: int, remedy: str = _SPLIT_REMEDY) -> None:
         self.problems = dict(problems)
@@ -93,7 +95,8 @@ def verify_images(
 ) -> dict[str, str]:
     """Decodes every ``(path, (width, height) or None)``; returns ``{path: reason}`` for those that fail. With
     ``cache_dir``, files whose path, size and modification time match an earlier successful check are not read
-    again, and the successes of this call are added to the cache."""
+    again, and the successes of this call are added to the cache.
+    """
     items = list(dict.fromkeys((str(p), tuple(s) if s is not None else None) for p, s in images))
     if not items:
         return {}
@@ -155,7 +158,8 @@ def check_splits(
 ) -> None:
     """Verifies every image of ``datasets`` (split name -> dataset) before training or evaluation starts.
     ``mode="error"`` raises one :class:`BadImagesError` listing every bad file of every split; ``"skip"``
-    drops them from their splits and logs one warning per split."""
+    drops them from their splits and logs one warning per split.
+    """
     _check_mode(mode)
     # the records are CocoInstances' own index (path and annotated size of every item)
     entries = {
@@ -190,7 +194,8 @@ def check_folder(
 ) -> None:
     """Verifies every picture of a ``predict`` folder (no annotated sizes to compare) before the model runs.
     ``mode="error"`` raises one :class:`BadImagesError` listing every unreadable picture; ``"skip"`` leaves
-    them out of ``folder`` (the others keep their ids) with one warning."""
+    them out of ``folder`` (the others keep their ids) with one warning.
+    """
     _check_mode(mode)
     total = len(folder)
     problems = verify_images([(str(path), None) for path in folder.files], cache_dir, workers)

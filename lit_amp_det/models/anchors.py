@@ -10,7 +10,8 @@ anchor that is not a bf16 number stays rounded in later fp32 calls, evaluation i
 :class:`FullPrecisionAnchorGenerator` hands torchvision's code a zero-stride fp32 stand-in of each half
 feature map (the generator reads only its shape, dtype and device; nothing is allocated), so the anchors and
 the cell anchors stay fp32. fp32 and fp64 feature maps pass through unchanged: the anchors are torchvision's,
-bit for bit."""
+bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _fp32_stand_in(feature_map: Tensor) -> Tensor:
 class FullPrecisionAnchorGenerator(AnchorGenerator):
     """torchvision's ``AnchorGenerator`` with anchors in fp32 when the feature maps are bf16/fp16.
 
-    Same arguments, attributes and (empty) state dict as ``AnchorGenerator``, so checkpoints are unchanged."""
+    Same arguments, attributes and (empty) state dict as ``AnchorGenerator``, so checkpoints are unchanged.
+    """
 
     def forward(self, image_list: ImageList, feature_maps: list[Tensor]) -> list[Tensor]:
         if feature_maps and feature_maps[0].dtype in _HALF:

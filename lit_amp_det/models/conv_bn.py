@@ -7,7 +7,8 @@ autograd keeps a weight-sized copy instead of the conv output (Huang et al., "Tu
 Efficient Transfer Learning", 2024). :func:`enable_conv_bn_eval` installs this without changing the module
 tree or ``state_dict`` keys, and decides per call: a BatchNorm in training mode, or (``only_when_cheaper``) a
 pair where the weight copy would cost more than the activation it saves, runs as plain ``conv -> norm``.
-:func:`fold_conv_bn` is the permanent version for prediction and export."""
+:func:`fold_conv_bn` is the permanent version for prediction and export.
+"""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def folded_weight_and_bias(conv: nn.Conv2d, norm: Norm) -> tuple[Tensor, Tensor]
 
     Built from the live parameters and buffers with autograd on, so gradients flow to the conv's and norm's
     parameters. Computed in at least float32 and returned in ``conv.weight.dtype``. Uses the running
-    statistics whatever the norm's mode."""
+    statistics whatever the norm's mode.
+    """
     dtype = torch.promote_types(conv.weight.dtype, torch.float32)
     mean = norm.running_mean.to(dtype)
     scale = torch.rsqrt(norm.running_var.to(dtype) + norm.eps)
@@ -95,7 +97,8 @@ def _fold_is_cheaper(conv: nn.Conv2d, norm: Norm, x: Tensor) -> bool:
     """Whether folding reduces the memory kept for backward (always, when nothing is kept).
 
     The folded conv keeps a weight copy instead of its parameter, which pays only when the norm would keep a
-    larger conv output: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale."""
+    larger conv output: BatchNorm keeps its input, FrozenBatchNorm2d just a per-channel scale.
+    """
     tensors = (x, conv.weight, conv.bias, norm.weight, norm.bias)
     if not (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)):
         return True
@@ -117,7 +120,8 @@ class _FoldedConv:
 
     A class rather than a closure so that deep copies and pickles of the model point at the copied conv and
     norm. The folded output is remembered (weakly) so :class:`_PassThroughNorm` can check it receives exactly
-    that tensor."""
+    that tensor.
+    """
 
     def __init__(self, conv: nn.Conv2d, norm: Norm, names: Pair, only_when_cheaper: bool) -> None:
         self.conv, self.norm, self.names = conv, norm, names
@@ -218,7 +222,8 @@ def _structural_pairs(module: nn.Module) -> list[Pair]:
 
     Relies on the dataflow of those classes' own ``forward`` (checked by identity, so subclasses that change
     it are skipped), including two torchvision internals (``ResNet._forward_impl`` and
-    ``IntermediateLayerGetter``)."""
+    ``IntermediateLayerGetter``).
+    """
     forward, children = type(module).forward, list(module.named_children())
     named = dict(children)
     if forward is resnet.ResNet.forward and type(module)._forward_impl is resnet.ResNet._forward_impl:
@@ -264,7 +269,8 @@ def find_conv_norm_pairs(model: nn.Module, *, method: str = "auto") -> list[Pair
             never traces.
 
     Norms: :data:`NORM_TYPES`; BatchNorms only with running statistics. A conv or norm called more than once,
-    or a conv whose output has a second user, is not paired."""
+    or a conv whose output has a second user, is not paired.
+    """
     if method not in ("auto", "structure"):
         raise ValueError(f"method must be 'auto' or 'structure', got {method!r}")
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
@@ -298,7 +304,8 @@ def conv_bn_eval_pairs(model: nn.Module) -> list[Pair]:
     """The ``(conv, norm)`` pairs of ``model`` that run through the fold now, by their current names.
 
     A pair whose norm was replaced since :func:`enable_conv_bn_eval` (e.g. by ``convert_sync_batchnorm``) is
-    missing here: enable again to pick up the new module."""
+    missing here: enable again to pick up the new module.
+    """
     names = {id(module): name for name, module in model.named_modules()}
     pairs = []
     for name, module in model.named_modules():
@@ -324,7 +331,8 @@ def enable_conv_bn_eval(model: nn.Module, *, only_when_cheaper: bool = True) -> 
             recorded. Without an autograd graph every pair folds. ``False`` folds every call.
 
     Returns:
-        The ``(conv, norm)`` pairs installed."""
+        The ``(conv, norm)`` pairs installed.
+    """
     disable_conv_bn_eval(model)
     modules = dict(model.named_modules())
     installed = []
@@ -350,7 +358,8 @@ def fold_conv_bn(model: nn.Module) -> nn.Module:
 
     Each conv gets the folded weight and a bias, each norm becomes ``nn.Identity``: outputs equal the eval
     model's, but the ``state_dict`` changes and the norms cannot train any more. BatchNorms must be in eval
-    mode."""
+    mode.
+    """
     pairs = find_conv_norm_pairs(model)
     modules = dict(model.named_modules())
     training = [norm for _, norm in pairs if not _uses_running_stats(modules[norm])]

@@ -8,7 +8,8 @@ RoIAlign call for a training batch's mask targets (:mod:`lit_amp_det.models.mask
 switches a built torchvision model by changing the class of its ``rpn`` and ``roi_heads`` (torchvision offers
 no hook to pass others); ``state_dict`` keys, checkpoints and the fp32 regions are unchanged. The poolers
 become :class:`lit_amp_det.ops.MultiScaleRoIAlign` (level scales carried over); the losses are the same
-numbers."""
+numbers.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class ExtRegionProposalNetwork(RegionProposalNetwork):
         num_anchors_per_level: list[int],
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Per image: best ``pre_nms_top_n`` anchors of each level -> clip, drop small and low-scoring boxes
-        -> NMS per level, stopped at ``post_nms_top_n`` kept proposals."""
+        -> NMS per level, stopped at ``post_nms_top_n`` kept proposals.
+        """
         num_images = proposals.shape[0]
         objectness = objectness.detach().reshape(num_images, -1)  # proposals never backprop into objectness
         candidates, levels = self._top_anchors_per_level(objectness, num_anchors_per_level)
@@ -90,7 +92,8 @@ class ExtRoIHeads(RoIHeads):
     ``detections_per_img``, and a training step crops the mask targets of all images with one RoIAlign call.
 
     ``batched_mask_targets`` (class attribute; set it on an instance to A/B) switches the last back to
-    torchvision's per-image ``project_masks_on_boxes``."""
+    torchvision's per-image ``project_masks_on_boxes``.
+    """
 
     batched_mask_targets: bool = True
 
@@ -102,7 +105,8 @@ class ExtRoIHeads(RoIHeads):
         targets: list[dict[str, Tensor]] | None = None,
     ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
         """torchvision's ``RoIHeads.forward``; training a mask head (without keypoints) takes
-        :meth:`_train_masks`."""
+        :meth:`_train_masks`.
+        """
         if self.training and self.batched_mask_targets and self.has_mask() and not self.has_keypoint():
             return [], self._train_masks(features, proposals, image_shapes, targets)
         return super().forward(features, proposals, image_shapes, targets)
@@ -116,7 +120,8 @@ class ExtRoIHeads(RoIHeads):
     ) -> dict[str, Tensor]:
         """The training branch of torchvision's forward for box and mask heads, step for step, with the mask
         loss of :func:`lit_amp_det.models.mask_targets.maskrcnn_loss` (one RoIAlign call for the batch's
-        targets)."""
+        targets).
+        """
         if targets is None:
             raise ValueError(
                 "targets should not be None"
@@ -216,7 +221,8 @@ def use_extension_ops(model: GeneralizedRCNN) -> GeneralizedRCNN:
     """Switches a torchvision Faster/Mask R-CNN over to lit_amp_det's ops, in place; returns it.
 
     Only exact torchvision classes are converted: a subclass of torchvision's RPN or RoI heads has its own
-    behaviour that a class change would silently drop, so it raises instead."""
+    behaviour that a class change would silently drop, so it raises instead.
+    """
     for name, expected, replacement in (
         ("rpn", RegionProposalNetwork, ExtRegionProposalNetwork),
         ("roi_heads", RoIHeads, ExtRoIHeads),

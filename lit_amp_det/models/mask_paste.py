@@ -8,7 +8,8 @@ the caller thresholds that: gigabytes for a large photo with many detections, to
 its box exactly as torchvision resizes it, compared with the threshold there, and only the boolean box region
 is written into a boolean ``[N, 1, H, W]`` result, equal to ``paste_masks_in_image(...) > threshold`` bit for
 bit. :class:`BinaryMaskTransform` is torchvision's transform with that paste, and
-:func:`use_binary_mask_paste` installs it (``model.binary_mask_paste``)."""
+:func:`use_binary_mask_paste` installs it (``model.binary_mask_paste``).
+"""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class BinaryMaskTransform(GeneralizedRCNNTransform):
     (:func:`paste_masks_binary`).
 
     Resizing, normalisation, batching and the box rescaling are torchvision's own; only the mask paste
-    differs, and its result is ``torchvision's masks > mask_threshold``."""
+    differs, and its result is ``torchvision's masks > mask_threshold``.
+    """
 
     def __init__(self, transform: GeneralizedRCNNTransform, mask_threshold: float) -> None:
         super().__init__(
@@ -87,18 +89,21 @@ class BinaryMaskTransform(GeneralizedRCNNTransform):
 
     def rescale_boxes(self, boxes: Tensor, size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
         """``[N, 4]`` boxes in the resized image of ``size`` -> in the original image (torchvision's
-        rescaling)."""
+        rescaling).
+        """
         return resize_boxes(boxes, size, original_size)
 
     def paste(self, masks: Tensor, boxes: Tensor, image_size: tuple[int, int]) -> Tensor:
         """``[N, 1, M, M]`` probabilities in their boxes -> ``[N, 1, H, W]`` booleans at
-        :attr:`mask_threshold`."""
+        :attr:`mask_threshold`.
+        """
         return paste_masks_binary(masks, boxes, image_size, self.mask_threshold)
 
 
 def use_binary_mask_paste(detector: nn.Module, mask_threshold: float) -> bool:
     """Replaces ``detector.transform`` (torchvision's) with :class:`BinaryMaskTransform`; ``False`` when the
-    detector has no such transform or predicts no masks, and nothing was switched."""
+    detector has no such transform or predicts no masks, and nothing was switched.
+    """
     transform = getattr(detector, "transform", None)
     heads = getattr(detector, "roi_heads", None)
     if type(transform) is not GeneralizedRCNNTransform or heads is None or not heads.has_mask():

@@ -8,7 +8,8 @@ RoI indexes its matched mask in it (``offset_i + matched_idx``), and :func:`lit_
 them all at once, writing the targets straight in batch order. Images of different sizes (RoIAlign clamps
 samples at each mask's own border, so padding them to one size would change the crops at the border) take one
 call per size: one call for the usual fixed-size batch. The numbers are torchvision's (same RoIs, same
-RoIAlign semantics)."""
+RoIAlign semantics).
+"""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def project_masks_on_boxes(
     Returns:
         Tensor[sum K_i, size, size] in the proposals' dtype: row ``k`` is what torchvision's
         ``project_masks_on_boxes`` gives for the ``k``-th proposal in image order. Images without proposals
-        (no positives, or no ground truth) contribute no rows."""
+        (no positives, or no ground truth) contribute no rows.
+    """
     if not (len(gt_masks) == len(proposals) == len(matched_idxs)):
         raise ValueError(
             f"one entry per image expected, got {len(gt_masks)} mask tensors, {len(proposals)} proposal "
@@ -104,7 +106,8 @@ def maskrcnn_loss(
 
     Returns:
         The mean binary cross-entropy of each proposal's own-class mask logits against its target; ``0 * sum``
-        of the logits (so the graph keeps every parameter) when the batch has no positive proposal."""
+        of the logits (so the graph keeps every parameter) when the batch has no positive proposal.
+    """
     labels = positive_labels(gt_labels, mask_matched_idxs)
     targets = project_masks_on_boxes(gt_masks, proposals, mask_matched_idxs, mask_logits.shape[-1])
     if targets.numel() == 0:  # binary_cross_entropy_with_logits' mean of nothing would be NaN

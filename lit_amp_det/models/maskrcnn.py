@@ -4,7 +4,8 @@ Everything a user would sweep (backbone depth, FPN width, image sizes, anchors, 
 head widths) is an argument here, so the Hydra ``model`` node maps one to one onto these functions and
 :class:`lit_amp_det.MaskRCNNModule` stays free of construction details. Pretrained weights are named as
 torchvision names them (``"IMAGENET1K_V1"`` for a trunk, ``"COCO_V1"`` for a detector) and fetched by
-:mod:`lit_amp_det.models.weights`."""
+:mod:`lit_amp_det.models.weights`.
+"""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def build_backbone(
             ``DEFAULT``; None for random initialisation. Loaded into the trunk before it is frozen, into
             whichever norm layers ``norm`` gives (frozen ones included), from torch hub's cache.
         load_weights: False checks ``weights`` but leaves the trunk at its initialisation, for a caller that
-            loads other tensors over it (a detection checkpoint, a local checkpoint)."""
+            loads other tensors over it (a detection checkpoint, a local checkpoint).
+    """
     if name not in BACKBONES:
         raise ArgumentError("name", name, f"is unknown; choose one of {sorted(BACKBONES)}")
     if norm not in NORM_LAYERS:
@@ -180,7 +182,8 @@ def build_detector(
             class-dependent predictor layers keep their fresh initialisation and everything else is loaded. It
             includes the trunk, so ``backbone.weights`` is then checked but not loaded (as torchvision does).
         load_weights: False checks ``weights`` and ``backbone.weights`` (names and architecture) but loads
-            neither, for a caller that loads other tensors over them (a local checkpoint)."""
+            neither, for a caller that loads other tensors over them (a local checkpoint).
+    """
     if num_classes < 2:
         raise ArgumentError("num_classes", num_classes, "must count background plus at least one class")
     pretrained = _detection_weights(weights, mask)

@@ -7,7 +7,8 @@ every following conv casts it back and the trunk's activations take twice the me
 :class:`FrozenBatchNorm2d` here folds the buffers into a per-channel scale and shift in fp32, casts those to
 the input dtype and applies them, so a bf16 trunk stays bf16. It subclasses torchvision's class (code that
 looks for that class finds ours) and has the same state-dict keys as :class:`torch.nn.BatchNorm2d` apart from
-``num_batches_tracked``, so checkpoints move between frozen and unfrozen models in both directions."""
+``num_batches_tracked``, so checkpoints move between frozen and unfrozen models in both directions.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class FrozenBatchNorm2d(torchvision.ops.FrozenBatchNorm2d):
 
     Args:
         num_features (int): number of channels ``C`` of an input of shape ``[N, C, H, W]``.
-        eps (float): added to the variance for numerical stability. Default: 1e-5."""
+        eps (float): added to the variance for numerical stability. Default: 1e-5.
+    """
 
     # BatchNorm2d's loader fills in the absent num_batches_tracked for state dicts older than its version 2;
     # pinning ours at 1 is what lets a frozen state dict load strictly into a model with BatchNorm2d.
@@ -55,7 +57,8 @@ class FrozenBatchNorm2d(torchvision.ops.FrozenBatchNorm2d):
     def from_batchnorm(cls, bn: _Convertible, name: str = "") -> FrozenBatchNorm2d:
         """A frozen copy of ``bn`` (BatchNorm2d, SyncBatchNorm or torchvision's FrozenBatchNorm2d).
 
-        Buffers keep ``bn``'s device and dtype. ``name`` is only used in the error message."""
+        Buffers keep ``bn``'s device and dtype. ``name`` is only used in the error message.
+        """
         if bn.running_mean is None or bn.running_var is None:
             raise ValueError(
                 f"{name or type(bn).__name__} has no running statistics (track_running_stats=False), so "
@@ -79,7 +82,8 @@ def convert_frozen_batchnorm(module: nn.Module) -> nn.Module:
     The running statistics and affine values are copied; torchvision's FrozenBatchNorm2d is replaced too
     (same values, dtype-keeping forward). Children are swapped in place; the return value is ``module``
     itself, or its frozen copy when ``module`` is a BatchNorm: use the return value, as with
-    ``nn.SyncBatchNorm.convert_sync_batchnorm``."""
+    ``nn.SyncBatchNorm.convert_sync_batchnorm``.
+    """
     return _convert(module, "")
 
 

@@ -16,7 +16,8 @@ a user adds their own the same way.
   (:mod:`lit_amp_det.models.sync_free`);
 * :class:`ChannelsLast` -- NHWC weights and activations (tensor-core convolutions without layout copies on a
   GPU);
-* :class:`CompileBackbone` -- ``torch.compile`` of the ResNet+FPN, the part with static shapes."""
+* :class:`CompileBackbone` -- ``torch.compile`` of the ResNet+FPN, the part with static shapes.
+"""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class ModelTransform(ABC):
 
     Subclasses set :attr:`name` and implement :meth:`__call__`, which may change the model in place and must
     keep its ``state_dict`` keys and shapes. ``devices`` (the device types it applies to, a subset of
-    :data:`DEVICE_TYPES`) defaults to the class's :attr:`default_devices`."""
+    :data:`DEVICE_TYPES`) defaults to the class's :attr:`default_devices`.
+    """
 
     name: ClassVar[str]
     default_devices: ClassVar[tuple[str, ...]] = DEVICE_TYPES
@@ -98,7 +100,8 @@ class ExtensionOps(ModelTransform):
 
     They stop NMS at the number of boxes kept afterwards, pool every FPN level in one call, keep fp16/bf16
     features in their dtype and crop a training batch's mask targets in one call; the detections are
-    torchvision's."""
+    torchvision's.
+    """
 
     name = "ext_ops"
 
@@ -112,7 +115,8 @@ class BinaryMaskPaste(ModelTransform):
     torchvision's masks thresholded, bit for bit, without its float image-size canvas per detection (gigabytes
     for a large photo with many detections). :meth:`~lit_amp_det.MaskRCNNModule.postprocess` then receives
     boolean masks; without this transform it receives torchvision's probabilities. A detector without a mask
-    head, or with another transform than torchvision's, is left as it is."""
+    head, or with another transform than torchvision's, is left as it is.
+    """
 
     name = "binary_mask_paste"
 
@@ -136,7 +140,8 @@ class SyncFree(ModelTransform):
     losses as masked sums, batches padded to size buckets (:mod:`lit_amp_det.models.sync_free`): the training
     step makes no host synchronisation, inference reads the detection counts once per batch, and the model
     traces as one graph. On CUDA by default, where the host waiting is what costs; ``devices: [cpu, cuda]``
-    runs it on a CPU too."""
+    runs it on a CPU too.
+    """
 
     name = "sync_free"
     default_devices = ("cuda",)
@@ -158,7 +163,8 @@ class ChannelsLast(ModelTransform):
     cuDNN's tensor-core convolutions and lit_amp_det's RoIAlign read NHWC without transposes, so under mixed
     precision on a GPU the backbone, FPN and heads skip the NCHW<->NHWC copies cuDNN otherwise makes around
     every convolution. torchvision's transform batches the images NCHW: a pre-hook on the backbone converts
-    them, and the convolutions propagate the format through the FPN and the RoI heads."""
+    them, and the convolutions propagate the format through the FPN and the RoI heads.
+    """
 
     name = "channels_last"
 
@@ -180,7 +186,8 @@ class CompileBackbone(ModelTransform):
     size; the RPN and RoI heads have data-dependent shapes (proposal counts) that would recompile or break the
     graph every step, so they stay eager, unless ``sync_free`` fixed them: then the training forward is one
     graph, and inference one graph before the read of the detection counts. ``options`` are
-    ``torch.compile``'s keyword arguments."""
+    ``torch.compile``'s keyword arguments.
+    """
 
     name = "compile"
 
@@ -199,7 +206,8 @@ def build_transforms(config: Mapping[str, Mapping[str, Any] | None] | None) -> l
     """The transforms a ``speedups`` mapping names, in its order; entries set to ``null`` are off.
 
     Each value is a ``_target_`` mapping (``{"_target_": "lit_amp_det.models.speedups.ChannelsLast",
-    "devices": ["cuda"]}``) naming a :class:`ModelTransform`."""
+    "devices": ["cuda"]}``) naming a :class:`ModelTransform`.
+    """
     if config is None:
         return []
     if not isinstance(config, Mapping):

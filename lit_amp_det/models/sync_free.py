@@ -17,7 +17,8 @@ computes the same detector with every shape known before the step runs, as NVIDI
   ``positive_fraction * batch_size_per_image`` positive slots of each image, weighted by validity;
 * inference keeps ``detections_per_img`` slots per image and pastes all their masks in one vectorised pass:
   :meth:`SyncFreeMaskRCNN.forward_padded` returns them with each image's count, ``forward`` reads the counts
-  once per batch and returns torchvision's per-image lists."""
+  once per batch and returns torchvision's per-image lists.
+"""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def match(quality: Tensor, matcher: Matcher, valid: Tensor | None = None) -> Ten
     """torchvision's ``matcher(quality)`` without a boolean index: each column of the ``[G, N]`` IoU matrix
     gets its best row, ``-1`` below the low threshold, ``-2`` between them; with ``allow_low_quality_matches``
     the columns that are some row's best keep their best row. Rows not ``valid`` (bool ``[G]``, padding) match
-    nothing."""
+    nothing.
+    """
     if valid is not None:
         quality = torch.where(valid[:, None], quality, -1.0)  # below any threshold, below any real IoU
     values, best = quality.max(dim=0)
@@ -90,7 +92,8 @@ def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> t
     ``min(#positives, int(batch_size * positive_fraction))`` positives and ``min(#negatives, batch_size -
     that)`` negatives uniformly at random (the top-k of uniform keys drawn on the device is a uniform subset).
     Returns ``(index [S], valid [S], positive [S])``: the drawn positives fill the first slots, the negatives
-    the next; slots past the draw are not ``valid`` (their index is arbitrary)."""
+    the next; slots past the draw are not ``valid`` (their index is arbitrary).
+    """
     n = labels.shape[0]
     slots = min(batch_size, n)
     keys = torch.rand(n, device=labels.device)
@@ -114,14 +117,16 @@ def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> t
 
 def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
     """Sum of ``values`` where ``mask`` holds; selected rather than multiplied by the mask, since ``inf * 0``
-    is NaN."""
+    is NaN.
+    """
     return torch.where(mask, values, 0.0).sum()
 
 
 def _float32_ratio(new: int, old: int) -> float:
     """``new / old`` rounded to float32, as torchvision divides two float32 tensors of the sizes; exact as a
     Python float, so that multiplying a float32 tensor by it gives torchvision's products without a tensor
-    from the host."""
+    from the host.
+    """
     return float(np.float32(new) / np.float32(old))
 
 
@@ -163,7 +168,8 @@ class DeviceConstants:
 class DeviceBoxCoder(BoxCoder):
     """torchvision's ``BoxCoder`` without tensors made from host numbers in a step: the encoding weights are
     made once per device and dtype, and the decoding halves the box sizes with a Python scalar (the same
-    values)."""
+    values).
+    """
 
     def __init__(self, weights: tuple[float, float, float, float], bbox_xform_clip: float) -> None:
         super().__init__(weights, bbox_xform_clip)
@@ -213,7 +219,8 @@ def paste_masks_padded(
     is resized to the box as ``F.interpolate(bilinear, align_corners=False)`` resizes it (its source
     coordinates and weights, separable: along x, then y), read at every image pixel the box covers; a value
     within rounding of the threshold may compare the other way (about one pixel in 10^6). Costs ``D x H x W``
-    work instead of the boxes' areas."""
+    work instead of the boxes' areas.
+    """
     height, width = int(image_size[0]), int(image_size[1])
     padded, scale = expand_masks(masks, padding=padding)
     padded = padded[:, 0]
@@ -256,7 +263,8 @@ class FixedShapeTransform(BinaryMaskTransform):
     Batches are padded to a bucket, ``(S, L)``, ``(L, S)`` or ``(L, L)`` with ``S`` and ``L`` the largest
     resized short (at inference: the inference size) and long sides rounded up to ``size_divisible`` (a batch
     that fits none, with resizing skipped, is padded as torchvision pads it). The training scale is drawn with
-    Python's ``random`` (seeded by Lightning's ``seed_everything``), not read back from a tensor."""
+    Python's ``random`` (seeded by Lightning's ``seed_everything``), not read back from a tensor.
+    """
 
     def __init__(self, transform: GeneralizedRCNNTransform, mask_threshold: float) -> None:
         super().__init__(transform, mask_threshold)
@@ -300,7 +308,8 @@ class FixedShapeTransform(BinaryMaskTransform):
         self, image: Tensor, target: dict[str, Tensor] | None = None
     ) -> tuple[Tensor, dict[str, Tensor] | None]:
         """torchvision's resize (the same size choice and interpolation), with the boxes rescaled by
-        :func:`scale_boxes`."""
+        :func:`scale_boxes`.
+        """
         if self.training and self._skip_resize:
             return image, target
         size = self.torch_choice(self.min_size) if self.training else self.min_size[-1]
@@ -317,7 +326,8 @@ class FixedShapeTransform(BinaryMaskTransform):
 
 class SyncFreeRPN(ExtRegionProposalNetwork):
     """The RPN with ``post_nms_top_n`` proposal slots per image (``(boxes [B, P, 4], valid [B, P])``) and a
-    training loss over anchors drawn by :func:`sample_slots`."""
+    training loss over anchors drawn by :func:`sample_slots`.
+    """
 
     def forward(
         self, images: ImageList, features: dict[str, Tensor], targets: list[dict[str, Tensor]] | None = None
@@ -347,7 +357,8 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
         num_anchors_per_level: list[int],
     ) -> tuple[Tensor, Tensor]:
         """The per-filter selection of :class:`ExtRegionProposalNetwork` as fixed slots: each image's kept
-        proposals in score order, then padding marked not valid."""
+        proposals in score order, then padding marked not valid.
+        """
         num_images = proposals.shape[0]
         objectness = objectness.detach().reshape(num_images, -1)
         candidates, levels = self._top_anchors_per_level(objectness, num_anchors_per_level)
@@ -377,7 +388,8 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
         self, anchors: list[Tensor], targets: list[dict[str, Tensor]]
     ) -> tuple[Tensor, Tensor]:
         """``[B * A]`` labels of the drawn anchors (1 object, 0 background, -1 not drawn) and ``[B * A, 4]``
-        regression targets: torchvision's ``assign_targets_to_anchors`` and ``fg_bg_sampler``."""
+        regression targets: torchvision's ``assign_targets_to_anchors`` and ``fg_bg_sampler``.
+        """
         labels, matched_boxes = [], []
         sampler = self.fg_bg_sampler
         for image_anchors, target in zip(anchors, targets):
@@ -422,7 +434,8 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
 
 class SyncFreeRoIHeads(ExtRoIHeads):
     """The RoI heads on the RPN's proposal slots: ``batch_size_per_image`` drawn slots per training image, and
-    ``detections_per_img`` detection slots per image with their count at inference."""
+    ``detections_per_img`` detection slots per image with their count at inference.
+    """
 
     def forward(
         self,
@@ -448,7 +461,8 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         gt_valid: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
         """One image's drawn slots: ``(boxes, matched gt index, label, valid, positive)``, torchvision's
-        ``select_training_samples`` (ground truth added to the proposals, matched, drawn)."""
+        ``select_training_samples`` (ground truth added to the proposals, matched, drawn).
+        """
         boxes = torch.cat([boxes, gt_boxes.to(boxes.dtype)])
         usable = torch.cat([valid, valid.new_ones(gt_boxes.shape[0]) if gt_valid is None else gt_valid])
         if gt_boxes.shape[0] == 0:  # background only
@@ -518,7 +532,8 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         targets: list[dict[str, Tensor]],
     ) -> Tensor:
         """torchvision's mask loss over the positive slots (the first ``positive_fraction *
-        batch_size_per_image`` of each image, weighted by :func:`sample_slots`' ``positive``)."""
+        batch_size_per_image`` of each image, weighted by :func:`sample_slots`' ``positive``).
+        """
         slots = min(
             int(self.fg_bg_sampler.batch_size_per_image * self.fg_bg_sampler.positive_fraction),
             boxes.shape[1],
@@ -573,7 +588,8 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         image_shapes: list[tuple[int, int]],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """:class:`ExtRoIHeads`' detections as ``[B, D]`` slots (boxes, scores, labels) and ``[B]`` counts,
-        with its score and size filters and the proposal padding as NMS's ``valid`` mask."""
+        with its score and size filters and the proposal padding as NMS's ``valid`` mask.
+        """
         proposal_boxes, proposal_valid = proposals
         num_images, num_proposals = proposal_valid.shape
         all_boxes = self.box_coder.decode(box_regression, list(proposal_boxes))
@@ -604,14 +620,16 @@ class SyncFreeRoIHeads(ExtRoIHeads):
 
 class _SyncFreeForward(nn.Module):
     """``forward`` of a :mod:`sync_free <lit_amp_det.models.sync_free>` detector (mixed into torchvision's
-    class)."""
+    class).
+    """
 
     def forward_padded(
         self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
     ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
         """Training: torchvision's loss dict. Inference: per image ``boxes [D, 4]``, ``scores [D]``, ``labels
         [D]``, ``masks [D, 1, H, W]`` (booleans) and ``count`` (0-d): the first ``count`` slots are the
-        detections."""
+        detections.
+        """
         if self.training and targets is None:
             raise ValueError("targets should not be None in training mode")
         original_image_sizes = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
@@ -673,7 +691,8 @@ def is_fixed_shape(model: object) -> bool:
 def use_sync_free(model: nn.Module) -> nn.Module:
     """Switches a torchvision Faster/Mask R-CNN to the fixed-shape computation, in place, and returns it;
     applies :func:`~lit_amp_det.models.ext_ops.use_extension_ops` too. Parameters, buffers and ``state_dict``
-    keys are kept."""
+    keys are kept.
+    """
     classes = {FasterRCNN: SyncFreeFasterRCNN, MaskRCNN: SyncFreeMaskRCNN}
     if type(model) in classes.values():
         return model

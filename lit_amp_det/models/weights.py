@@ -7,7 +7,8 @@ file already in ``$TORCH_HOME/hub/checkpoints/`` is loaded without the network, 
 against its hash, so an offline machine works once the file is copied there; otherwise one
 :class:`WeightsUnavailableError` names the file, the URL and the folder. A COCO checkpoint loaded into a model
 with another class count loads everything but the class-dependent predictor layers (:data:`CLASS_DEPENDENT`):
-the usual fine-tuning start."""
+the usual fine-tuning start.
+"""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class DetectionCheckpoint:
         builder: torchvision's function that builds the architecture, for messages.
         enum: its weight enum.
         mask: whether it has the mask branch (Mask R-CNN) or not (Faster R-CNN).
-        architecture: config key -> value the model must have for every tensor to fit (and mean the same)."""
+        architecture: config key -> value the model must have for every tensor to fit (and mean the same).
+    """
 
     builder: str
     enum: type[WeightsEnum]
@@ -113,7 +115,8 @@ DETECTION_CHECKPOINTS: dict[str, DetectionCheckpoint] = {
 
 class WeightsUnavailableError(ArgumentError, FileNotFoundError):
     """Named weights that are not in the cache and could not be downloaded (or are in it but unreadable); its
-    ``repr`` is the message, as Hydra reports errors raised inside ``instantiate`` by their ``repr``."""
+    ``repr`` is the message, as Hydra reports errors raised inside ``instantiate`` by their ``repr``.
+    """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}: {self}"
@@ -129,7 +132,8 @@ class WeightsMismatchError(ArgumentError):
 def resolve_weights(enum: type[WeightsEnum], name: str, argument: str) -> WeightsEnum:
     """The member of ``enum`` called ``name`` (``"IMAGENET1K_V1"``, ``"DEFAULT"`` or
     ``"ResNet50_Weights.DEFAULT"``); an unknown name is an :class:`ArgumentError` on ``argument`` that lists
-    the valid ones."""
+    the valid ones.
+    """
     member = str(name).removeprefix(f"{enum.__name__}.")
     if member not in enum.__members__:
         raise ArgumentError(
@@ -149,7 +153,8 @@ def detection_checkpoint(mask: bool) -> DetectionCheckpoint:
 
 def architecture_mismatches(checkpoint: DetectionCheckpoint, configured: Mapping[str, Any]) -> list[str]:
     """``"backbone.fpn_channels=64 (needs 256)"`` for every setting that differs from the checkpoint's;
-    ``configured`` maps the names of ``checkpoint.architecture`` to the model's effective values."""
+    ``configured`` maps the names of ``checkpoint.architecture`` to the model's effective values.
+    """
     return [
         f"{key}={_as_override(configured.get(key))} (needs {_as_override(value)})"
         for key, value in checkpoint.architecture.items()
@@ -178,7 +183,8 @@ def fetch_state_dict(weights: WeightsEnum, argument: str, name: str) -> dict[str
 
     ``argument`` and ``name`` (the argument and the name it was given) are for messages. Raises
     :class:`WeightsUnavailableError` naming the file, URL and folder when the file is not cached and the
-    download fails, or when a cached file cannot be read."""
+    download fails, or when a cached file cannot be read.
+    """
     path = cached_file(weights)
     was_cached = path.is_file()
     try:
@@ -223,7 +229,8 @@ def _check_fit(
     allowed_missing: Sequence[str] = (),
 ) -> None:
     """Raises :class:`WeightsMismatchError` unless every tensor of ``state`` fits ``module`` and only step
-    counters and ``allowed_missing`` prefixes are absent from it."""
+    counters and ``allowed_missing`` prefixes are absent from it.
+    """
     own = module.state_dict()
     missing = [
         k
@@ -261,7 +268,8 @@ def load_backbone_weights(trunk: nn.Module, weights: WeightsEnum, argument: str,
     """Loads ImageNet ``weights`` into a torchvision ResNet ``trunk`` (classifier included), as torchvision
     does.
 
-    The trunk's norms may be ``BatchNorm2d`` or ``FrozenBatchNorm2d``: both start from the same statistics."""
+    The trunk's norms may be ``BatchNorm2d`` or ``FrozenBatchNorm2d``: both start from the same statistics.
+    """
     state = fetch_state_dict(weights, argument, name)
     _check_fit(trunk, state, argument, name, cached_file(weights))
     trunk.load_state_dict(state, strict=False)  # only step counters can be absent: checked above
@@ -276,7 +284,8 @@ def load_detection_weights(
     """Loads a torchvision detection checkpoint into ``detector`` (built for ``num_classes``).
 
     With the checkpoint's own class count everything is loaded; with another, the :data:`CLASS_DEPENDENT`
-    predictor layers keep their fresh initialisation, everything else is loaded, and one log line says so."""
+    predictor layers keep their fresh initialisation, everything else is loaded, and one log line says so.
+    """
     state = fetch_state_dict(weights, argument, name)
     path = cached_file(weights)
     trained_classes = len(weights.meta["categories"])

@@ -76,7 +76,8 @@ def extension_error() -> str | None:
 def compiled_cuda_version() -> int:
     """CUDA version compiled into ``lit_amp_det._C``: -1, as the extension holds C++ CPU kernels only (the
     CUDA kernels are Triton kernels, compiled at run time; :func:`triton_cuda_kernels` says whether they are
-    registered)."""
+    registered).
+    """
     return _CUDA_VERSION
 
 

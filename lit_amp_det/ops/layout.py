@@ -1,6 +1,7 @@
 """Memory layouts: the one the ops give their outputs (ATen's ``suggest_memory_format``, which Python lacks),
 and the checks that pair tensors updated element by element in memory order (a parameter, its gradient and its
-optimizer state)."""
+optimizer state).
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def suggest_memory_format(t: Tensor) -> torch.memory_format:
 
 def same_memory_order(a: Tensor, b: Tensor) -> bool:
     """Same shape and the same order in memory: the strides agree on every dimension of size > 1 (a 1x1
-    convolution's weight has different strides in NCHW and channels_last for the same bytes)."""
+    convolution's weight has different strides in NCHW and channels_last for the same bytes).
+    """
     return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
@@ -39,7 +41,8 @@ def is_dense(t: Tensor) -> bool:
 
 def in_layout_of(param: Tensor, value: Tensor) -> Tensor:
     """``value`` (``param``'s shape, any dtype) in ``param``'s memory order: ``value`` itself when it already
-    is (and dense), else a copy."""
+    is (and dense), else a copy.
+    """
     if same_memory_order(param, value) and is_dense(value):
         return value
     return torch.empty_like(param, dtype=value.dtype).copy_(value)

@@ -153,7 +153,8 @@ class MultiScaleRoIAlign(nn.Module):
 
     def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
         """Pools with the compiled ops (an fx leaf); :mod:`lit_amp_det.ops.triton` overrides it with its
-        kernels."""
+        kernels.
+        """
         return pool_levels(
             features,
             boxes,

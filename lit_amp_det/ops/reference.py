@@ -19,7 +19,8 @@ __all__ = ["batched_nms", "batched_nms_padded", "box_iou", "multi_level_roi_alig
 
 def _accumulation_dtype(*tensors: Tensor) -> torch.dtype:
     """fp64 when any input is fp64, fp32 otherwise: what the references compute in (half and bfloat16 in
-    fp32)."""
+    fp32).
+    """
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -68,7 +69,8 @@ def batched_nms(
     boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, max_output: int = -1
 ) -> Tensor:
     """NMS within each class of ``idxs``; kept indices over all classes by decreasing score (ties: lower
-    index)."""
+    index).
+    """
     kept = [
         members[nms(boxes[members], scores[members], iou_threshold, max_output)]
         for members in (torch.nonzero(idxs == c).flatten() for c in torch.unique(idxs))
@@ -89,7 +91,8 @@ def batched_nms_padded(
     valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`batched_nms` of the ``valid`` boxes as ``(kept indices padded with -1 to min(N, max_output),
-    count)``."""
+    count)``.
+    """
     n = boxes.shape[0]
     limit = n if max_output < 0 else min(n, max_output)
     members = torch.arange(n, device=boxes.device) if valid is None else torch.nonzero(valid).flatten()
@@ -197,7 +200,8 @@ def multi_level_roi_align(
     aligned: bool = False,
 ) -> Tensor:
     """Row k is ``roi_align(features[levels[k]], rois[k], spatial_scales[levels[k]])``: ``Tensor[K, C, ph,
-    pw]``."""
+    pw]``.
+    """
     pooled = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
     first = features[0]
     out = first.new_zeros((rois.shape[0], first.shape[1], *pooled))

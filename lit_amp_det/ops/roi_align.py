@@ -157,7 +157,8 @@ class RoIAlign(nn.Module):
 
     def forward(self, input: Tensor, rois: Tensor | list[Tensor]) -> Tensor:
         """Pools ``rois`` (``Tensor[K, 5]`` or one ``Tensor[L, 4]`` per image) -> ``Tensor[K, C,
-        *output_size]``."""
+        *output_size]``.
+        """
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
 
     def __repr__(self) -> str:

@@ -3,7 +3,8 @@
 * :mod:`~lit_amp_det.optim.build`: optimizers from a Hydra config (``fused: auto``), the lr scaled to the
   global batch.
 * :mod:`~lit_amp_det.optim.schedule`: the warm-up + multistep/cosine schedule.
-* :mod:`~lit_amp_det.optim.memory_order`: the memory-order alignment PyTorch's fused kernels need."""
+* :mod:`~lit_amp_det.optim.memory_order`: the memory-order alignment PyTorch's fused kernels need.
+"""
 
 from lit_amp_det.optim.build import (
     build_optimizer,

@@ -3,7 +3,8 @@ global batch.
 
 Recipes quote their learning rate for a global batch (torchvision's Mask R-CNN: 0.02 for 16 images); with
 ``optim.reference_batch`` set, :func:`scale_lr` applies the linear scaling rule (Goyal et al., 2017: lr
-proportional to the global batch), so one config serves 1 GPU and 8 GPUs alike."""
+proportional to the global batch), so one config serves 1 GPU and 8 GPUs alike.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Paramet
     ``fused: auto`` (read here, not passed on) picks the fused single-kernel implementation wherever every
     parameter's device has one; ``fused: null`` leaves the choice to PyTorch (``foreach``). A fused optimizer
     gets a step pre-hook that gives the gradients and the state their parameters' memory order first
-    (:func:`~lit_amp_det.optim.memory_order.align_with_params`), which PyTorch's fused kernels assume."""
+    (:func:`~lit_amp_det.optim.memory_order.align_with_params`), which PyTorch's fused kernels assume.
+    """
     if "_target_" not in config:
         raise ArgumentError("optimizer", dict(config), "needs a _target_ (e.g. torch.optim.SGD)")
     options = dict(config)
@@ -50,7 +52,8 @@ def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_b
     """Images per optimizer step: ``per_device`` x processes (devices x nodes) x accumulated batches.
 
     ``per_device`` is the data module's ``batch_size``; ``None`` (a data module without one, or loaders passed
-    to the Trainer directly) is an error, since the lr scaling cannot be computed without it."""
+    to the Trainer directly) is an error, since the lr scaling cannot be computed without it.
+    """
     if per_device is None:
         raise ValueError(
             "optim.reference_batch is set, so the lr is scaled to the global batch, but the per-device "
@@ -83,7 +86,8 @@ def check_reference_batch(reference_batch: Any) -> None:
 def scale_lr(config: Mapping[str, Any], global_batch: int, reference_batch: int) -> dict[str, Any]:
     """A copy of the optimizer ``config`` with ``lr`` scaled by ``global_batch / reference_batch``.
 
-    ``reference_batch`` is the global batch the configured lr is meant for (``optim.reference_batch``)."""
+    ``reference_batch`` is the global batch the configured lr is meant for (``optim.reference_batch``).
+    """
     check_reference_batch(reference_batch)
     if "lr" not in config:
         raise ValueError(

@@ -6,7 +6,8 @@ state (momentum buffer, Adam's moments) as flat arrays in memory order and trust
 resuming a checkpoint whose optimizer state was saved in another layout (a ``channels_last`` run resumed
 without it, or the reverse), they do not, and the update lands on the wrong elements, silently.
 :func:`align_with_params`, run before every fused step by :func:`~lit_amp_det.optim.build_optimizer`, lays out
-whatever differs; it copies nothing when the layouts already agree (every step after the first)."""
+whatever differs; it copies nothing when the layouts already agree (every step after the first).
+"""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def align_with_params(optimizer: torch.optim.Optimizer) -> int:
     its parameter's memory order, copying only those that differ; returns how many it copied.
 
     Why: fused kernels trust the three layouts to agree (see the module docstring); they disagree after
-    resuming optimizer state saved in another layout, or with a gradient set by hand."""
+    resuming optimizer state saved in another layout, or with a gradient set by hand.
+    """
     copied = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -50,5 +52,6 @@ def align_with_params(optimizer: torch.optim.Optimizer) -> int:
 
 def align_before_fused_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Step pre-hook of the fused optimizers :func:`~lit_amp_det.optim.build_optimizer` makes:
-    :func:`align_with_params`."""
+    :func:`align_with_params`.
+    """
     align_with_params(optimizer)

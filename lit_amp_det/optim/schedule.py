@@ -4,7 +4,8 @@ annealing.
 Detection recipes warm the learning rate up linearly for a few hundred steps (large early gradients from
 randomly initialised heads otherwise blow up the RPN) and then either drop it at fixed points
 (multistep, the Detectron/MMDetection "1x" schedule) or anneal it (cosine). Milestones may be given
-as fractions of the run so one config serves any run length. Schedules step per optimizer step."""
+as fractions of the run so one config serves any run length. Schedules step per optimizer step.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def warmup_schedule(
             is a fraction of ``total_steps``.
         milestones: multistep drop points, in steps, or as fractions of ``total_steps`` when all are <= 1.
         gamma: multistep decay per milestone.
-        min_lr_ratio: cosine floor as a fraction of the base lr."""
+        min_lr_ratio: cosine floor as a fraction of the base lr.
+    """
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     if policy not in ("multistep", "cosine", "constant"):

@@ -10,7 +10,8 @@ regions of a model), ``master_weights`` (the weights conversion), ``skip`` and `
 guard), ``options`` (the settings both half-precision plugins take), ``full`` / ``mixed`` /
 ``low_precision_weights`` (the plugins), ``state`` and ``build`` (checkpoint state, plugin from config). The
 names are imported on first access, so the accepted values in :mod:`lit_amp_det.precision.modes` can be read
-without importing torch or Lightning."""
+without importing torch or Lightning.
+"""
 
 from __future__ import annotations
 

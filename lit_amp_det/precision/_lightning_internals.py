@@ -1,7 +1,8 @@
 """The private Lightning API the precision plugins use, one function each, so that a Lightning upgrade that
 changes it breaks here rather than somewhere inside a training step.
 
-Checked against lightning 2.6.6. Each function says why no public hook does the job."""
+Checked against lightning 2.6.6. Each function says why no public hook does the job.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def run_after_closure_hooks(
     Why private: a plugin that must act between the hooks and ``optimizer.step()`` (GradScaler's unscale
     before clipping, the non-finite guard's check after it) cannot hand Lightning a closure and let
     ``optimizer.step`` run it; Lightning's own ``MixedPrecision.optimizer_step`` calls
-    ``Precision._after_closure(model, optimizer)`` for this."""
+    ``Precision._after_closure(model, optimizer)`` for this.
+    """
     plugin._after_closure(model, optimizer)
 
 
@@ -50,7 +52,8 @@ def carry_step_count(trainer: pl.Trainer, to_manual: bool) -> None:
     under manual optimisation from a checkpoint of automatic optimisation, and back after it).
 
     Why private: Lightning keeps the two counts apart and restores both from a checkpoint; no hook carries one
-    over."""
+    over.
+    """
     manual = _manual_progress(trainer).total
     automatic = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
     source, target = (automatic, manual) if to_manual else (manual, automatic)

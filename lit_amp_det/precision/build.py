@@ -5,7 +5,8 @@ Lightning refuses a precision string and a precision plugin together, so ``train
 FiniteStepPrecision` (``32-true``), :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision` (``-mixed``)
 or :class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` (``-weights``). Each records
 the precision that ran in its checkpoint state, which :func:`trained_precision` reads back so that a resume in
-another precision can say so."""
+another precision can say so.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def build_precision_plugin(
 
     ``auto`` and the half precisions on a CPU first become what runs fast there
     (:func:`~lit_amp_det.precision.hardware.resolve_precision`: ``32-true`` on a CPU without native bf16);
-    the plugin's ``precision`` attribute is what runs."""
+    the plugin's ``precision`` attribute is what runs.
+    """
     if precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     device = "cuda" if str(accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
@@ -72,7 +74,8 @@ def build_precision_plugin(
 def trained_precision(checkpoint: Mapping[str, Any]) -> str | None:
     """The ``trainer.precision`` that ran when a Lightning ``checkpoint`` (the loaded dict) was saved.
 
-    ``None`` for a checkpoint of another precision plugin, or one saved before the plugins recorded it."""
+    ``None`` for a checkpoint of another precision plugin, or one saved before the plugins recorded it.
+    """
     for plugin in _RECORDING_PLUGINS:
         state = checkpoint.get(plugin.__qualname__)
         if isinstance(state, Mapping) and isinstance(state.get(PRECISION_KEY), str):
@@ -87,7 +90,8 @@ def warn_if_precision_changes(checkpoint: Mapping[str, Any], source: str, runnin
     checkpoint's weights under ``*-weights``), but the steps that follow compute differently: typically
     ``trainer.precision=auto`` chose ``32-true`` on a CPU without native bf16 for a run started in
     ``bf16-mixed`` on one with it. Returns the warning, or ``None`` when nothing changed or the checkpoint
-    does not say."""
+    does not say.
+    """
     trained = trained_precision(checkpoint)
     if trained is None or trained == running:
         return None

@@ -5,7 +5,8 @@ while the rest of the network runs in float16/bfloat16. As in MMCV's ``fp16_util
 an attribute (:func:`set_mixed_precision`) and its methods mark regions with :func:`force_fp32` /
 :func:`auto_fp16`; :func:`wrap_method` does the same for one instance of a third-party class. Unlike MMCV this
 works with ``torch.autocast`` on CUDA and CPU, knows bfloat16 and traces under ``torch.compile`` without graph
-breaks."""
+breaks.
+"""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def _check_dtype(value: object, argument: str) -> torch.dtype:
 
 def _cast(inputs: Any, src: tuple[torch.dtype, ...] | None, dst: torch.dtype) -> Any:
     """The recursion behind :func:`cast_tensor_type`, with arguments already validated. Containers are rebuilt
-    as their own type where it can be, else as a plain dict, list or tuple."""
+    as their own type where it can be, else as a plain dict, list or tuple.
+    """
     if isinstance(inputs, torch.Tensor):
         matches = inputs.is_floating_point() if src is None else inputs.dtype in src
         return inputs.to(dst) if matches and inputs.dtype != dst else inputs
@@ -86,7 +88,8 @@ def cast_tensor_type(
 
     Recurses through mappings (type kept where it can be rebuilt, else a dict), lists, tuples and namedtuples,
     rebuilding rather than mutating them; everything else is left alone. ``src_type`` may be one dtype,
-    several, or None for any floating dtype. The casts are differentiable."""
+    several, or None for any floating dtype. The casts are differentiable.
+    """
     if src_type is None or isinstance(src_type, torch.dtype):
         src: tuple[torch.dtype, ...] | None = (
             None if src_type is None else (src_type,)
@@ -108,7 +111,8 @@ def mixed_precision_dtype(obj: object) -> torch.dtype | None:
 
 def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> None:
     """Turns mixed precision on (``dtype`` float16/bfloat16) or off (None) for ``obj`` and, for a module, all
-    its submodules, so every decorated method below it sees the same setting."""
+    its submodules, so every decorated method below it sees the same setting.
+    """
     if dtype is not None and dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or None (off), got {dtype!r}")
     for target in obj.modules() if isinstance(obj, nn.Module) else (obj,):
@@ -123,7 +127,8 @@ def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> N
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """A context switching autocast off for ``device_type`` if it is on now, else a no-op context. Entered by
-    ``with`` (not an ExitStack) because torch.compile traces only autocast contexts entered so."""
+    ``with`` (not an ExitStack) because torch.compile traces only autocast contexts entered so.
+    """
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
@@ -164,7 +169,8 @@ def _checked_apply_to(
 class _ArgumentPlan:
     """Which positions and keywords of a call to cast, worked out once from the signature: per-call
     ``Signature.bind`` breaks torch.compile graphs once traced code has mutated a dict; lookups against this
-    plan trace cleanly. ``None`` in place of a plan means "cast all but self"."""
+    plan trace cleanly. ``None`` in place of a plan means "cast all but self".
+    """
 
     positions: frozenset[int]  # indices into args, self being index 0
     keywords: frozenset[str]  # keyword arguments to cast
@@ -210,7 +216,8 @@ def _region_decorator(
 ) -> Callable[[_F], _F]:
     """The decorator behind :func:`force_fp32` and :func:`auto_fp16`: while mixed precision is on for the
     instance, the arguments ``apply_to`` names are cast to float32 (to its low dtype where ``to_low``) and the
-    call returns ``run(func, low dtype, args, kwargs)``; otherwise the method runs unchanged."""
+    call returns ``run(func, low dtype, args, kwargs)``; otherwise the method runs unchanged.
+    """
 
     def decorate(func: _F) -> _F:
         signature = inspect.signature(func)  # the argument plan is worked out once here, not per call
@@ -240,7 +247,8 @@ def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) ->
     """Decorates a method to run in float32 when mixed precision is on for its instance (else unchanged).
 
     The arguments named in ``apply_to`` (all but self when None) have their float16/bfloat16 tensors cast to
-    float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype."""
+    float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype.
+    """
 
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with _autocast_off("cuda"), _autocast_off("cpu"):
@@ -256,7 +264,8 @@ def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> 
 
     The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the low
     dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type (else the
-    default one); ``out_fp32`` casts low-precision outputs to float32."""
+    default one); ``out_fp32`` casts low-precision outputs to float32.
+    """
 
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensor = _first_tensor((args[1:], kwargs))
@@ -275,7 +284,8 @@ WrapMode = RegionMode
 
 class _InstanceRegion:
     """Callable stored on one instance in place of its method ``name``, running it as a precision region; a
-    class rather than a closure so that a deep copy or pickle of the owner calls the copied owner."""
+    class rather than a closure so that a deep copy or pickle of the owner calls the copied owner.
+    """
 
     def __init__(self, owner: object, name: str, mode: WrapMode) -> None:
         bound = getattr(owner, name)
@@ -327,7 +337,8 @@ def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
 
     ``mode="fp32"`` behaves like :func:`force_fp32`; ``mode="fp32_outputs"`` casts the method's low-precision
     outputs to float32. Both do nothing while ``mixed_precision_dtype(owner)`` is None (checked per call).
-    Wrapping again in the same mode is a no-op."""
+    Wrapping again in the same mode is a no-op.
+    """
     if mode not in REGION_MODES:
         raise ValueError(f"mode must be one of {REGION_MODES}, got {mode!r}")
     current = _current(owner, name)

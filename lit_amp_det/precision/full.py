@@ -26,7 +26,8 @@ class FiniteStepPrecision(Precision):
 
     Args:
         max_consecutive_skips, skip_check_every_n_steps: the guard's settings
-            (:class:`~lit_amp_det.precision.guard.NonFiniteStepGuard`)."""
+            (:class:`~lit_amp_det.precision.guard.NonFiniteStepGuard`).
+    """
 
     precision = "32-true"
 

@@ -6,7 +6,8 @@ here. The check, the skip (:mod:`lit_amp_det.precision.skip`) and the counters s
 needs no host sync. The host reads the counters every ``check_every_n_steps`` steps, when a checkpoint is
 saved, and when asked (:attr:`NonFiniteStepGuard.skipped`), so the stop after ``max_consecutive`` skips in a
 row can come up to ``check_every_n_steps - 1`` steps late; skipped steps change nothing, so those cost time
-only."""
+only.
+"""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class NonFiniteStepGuard:
 
     def step(self, optimizer: torch.optim.Optimizer, tick: bool = True, **kwargs: Any) -> None:
         """``optimizer.step(**kwargs)`` unless a gradient is inf or NaN (decided and skipped on the device);
-        counted (``tick``: see :meth:`record`)."""
+        counted (``tick``: see :meth:`record`).
+        """
         skip = non_finite(gradients(optimizer))
         self._skipper.step(optimizer, skip, **kwargs)
         self.record(skip, tick)
@@ -76,7 +78,8 @@ class NonFiniteStepGuard:
     def record(self, skipped: Tensor, tick: bool = True) -> None:
         """Counts one optimizer step, skipped where ``skipped`` (a 0-dim bool tensor) is set, in place on the
         device (so a CUDA graph can hold it), then :meth:`tick` unless ``tick`` is false (a captured step
-        ticks on replay)."""
+        ticks on replay).
+        """
         self._counts = self._counts.to(skipped.device)  # the tensor itself where it is on that device already
         skip = skipped.to(torch.int64)
         total, run, longest = self._counts.unbind()
@@ -100,7 +103,8 @@ class NonFiniteStepGuard:
 
     def _read(self) -> tuple[int, int, int]:
         """The counts on the host (one transfer, a sync on a GPU): skipped, current run, longest run since
-        last read."""
+        last read.
+        """
         total, run, longest = self._counts.tolist()
         return total, run, longest
 
@@ -150,7 +154,8 @@ def guarded_optimizer_step(
 ) -> Any:
     """A plugin's ``optimizer_step`` without a GradScaler: forward and backward (``closure``), Lightning's
     ``on_before_optimizer_step`` hooks and gradient clipping, then ``step(optimizer, **kwargs)`` (the plugin's
-    guarded step), as Lightning's ``MixedPrecision`` orders them; returns the closure's result."""
+    guarded step), as Lightning's ``MixedPrecision`` orders them; returns the closure's result.
+    """
     closure_result = closure()
     run_after_closure_hooks(plugin, model, optimizer)
     if closure_result is None and model.automatic_optimization:

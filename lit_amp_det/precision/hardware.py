@@ -10,7 +10,8 @@ slow paths, and a bf16 training step runs many times slower than an fp32 one. So
 - ``16-mixed`` / ``16-weights`` on a CPU (unless ``precision.fp16_on_cpu=true``) run as their bf16 twin where
   bf16 is native and as ``32-true`` where it is not, with a warning that says which and why.
 - ``bf16-mixed`` / ``bf16-weights`` asked for by name run as asked, with a warning on a CPU without native
-  bf16."""
+  bf16.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def cpu_computes_bf16_natively() -> bool:
 
     The test torch makes before it hands a bf16 matmul to oneDNN (``mkldnn_bf16_device_check``); where that
     private op is missing, torch's CPU capability stands in: only its AVX-512 levels have the fast path. Asked
-    once per process."""
+    once per process.
+    """
     return _native_bf16()
 
 
@@ -72,14 +74,16 @@ def _no_native_bf16() -> str:
 
 def auto_precision(device: str) -> str:
     """What ``trainer.precision=auto`` runs on ``device`` (see the module; no log line:
-    :func:`resolve_precision`)."""
+    :func:`resolve_precision`).
+    """
     return "16-mixed" if device == "cuda" else "bf16-mixed" if cpu_computes_bf16_natively() else "32-true"
 
 
 def resolve_precision(precision: str, device: str, fp16_on_cpu: bool = False) -> str:
     """The precision that runs for ``trainer.precision=precision`` on ``device`` (``"cpu"`` or ``"cuda"``), by
     the rules of the module docstring, logged or warned as it says. Any other value is returned as it is (the
-    caller checks it)."""
+    caller checks it).
+    """
     native_bf16 = device != "cpu" or cpu_computes_bf16_natively()
     if precision == AUTO:
         chosen = auto_precision(device)

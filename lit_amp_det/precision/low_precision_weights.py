@@ -4,7 +4,8 @@ autocast.
 MMCV's ``wrap_fp16_model`` + ``Fp16OptimizerHook`` as a Lightning plugin; the conversion itself is
 :func:`~lit_amp_det.precision.master_weights.use_low_precision_weights`. Autocast casts every weight to the
 low dtype each time an op uses it; here the weights are in the low dtype already, so those casts go away,
-while the optimizer steps fp32 masters so that small updates are not lost to bf16/fp16 rounding."""
+while the optimizer steps fp32 masters so that small updates are not lost to bf16/fp16 rounding.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class MasterWeightPrecision(Precision):
         precision: ``bf16-weights`` or ``16-weights``.
         device: ``cuda`` or ``cpu`` (the GradScaler's device).
         **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`, as for
-            :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision`."""
+            :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision`.
+    """
 
     def __init__(self, precision: Literal["16-weights", "bf16-weights"], device: str, **options: Any) -> None:
         if precision not in LOW_PRECISION_WEIGHTS:
@@ -148,7 +150,8 @@ class MasterWeightPrecision(Precision):
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         """The step after backward and Lightning's hooks (``bf16-weights``): gradients to the masters, then
         ``optimizer.step()`` skipped on the device when a gradient is not finite, then the weights from the
-        masters."""
+        masters.
+        """
         weights = self._master_weights()
         weights.grads_to_masters()  # a no-op when optimizer_step's closure moved them already
         self.guard.step(optimizer, **kwargs)

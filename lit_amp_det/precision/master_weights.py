@@ -20,7 +20,8 @@ What stays fp32:
 The masters live beside the model (not in its ``_parameters``), so DDP, hooks and ``named_parameters`` see one
 set of parameters; ``state_dict()`` returns the fp32 masters under the parameters' keys and
 ``load_state_dict`` writes them too, so checkpoints hold fp32 weights that load into a model of any precision.
-:meth:`MasterWeights.attach` points an optimizer at the masters."""
+:meth:`MasterWeights.attach` points an optimizer at the masters.
+"""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ _WEIGHTS_ATTR = "_lit_master_weights"
 # masters.
 def _cast_inputs_to_weights(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Forward pre-hook of a module with low-precision weights: floating inputs of another dtype are cast to
-    it."""
+    it.
+    """
     return cast_tensor_type(args, None, getattr(module, _DTYPE_ATTR))
 
 
@@ -97,7 +99,8 @@ def _masters_into_state_dict(
 
 def _state_dict_into_masters(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook: the loaded values also become the masters (in fp32, before rounding);
-    mismatched shapes are left to ``load_state_dict``, which reports them with the key."""
+    mismatched shapes are left to ``load_state_dict``, which reports them with the key.
+    """
     for name, master in getattr(module, _MASTERS_ATTR).items():
         value = state_dict.get(prefix + name)
         if isinstance(value, Tensor) and value.shape == master.shape:
@@ -110,7 +113,8 @@ class MasterWeights:
 
     Built by :func:`use_low_precision_weights`. The low-precision parameters are the model's own (converted in
     place, so holders see the change); the masters are ``nn.Parameter`` objects held here and on their
-    modules."""
+    modules.
+    """
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -160,7 +164,8 @@ class MasterWeights:
         moves the gradients to the masters first and refreshes the low-precision parameters after
         (idempotent).
 
-        The optimizer must not have stepped the low-precision parameters yet (its state would be theirs)."""
+        The optimizer must not have stepped the low-precision parameters yet (its state would be theirs).
+        """
         pairs = {id(low): (name, master) for name, low, master in zip(self.names, self.params, self.masters)}
         for index, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
@@ -193,7 +198,8 @@ class MasterWeights:
         """Adds each low-precision gradient to its master's fp32 gradient and frees it (a no-op without any).
 
         Called after backward (and DDP's all-reduce), before clipping and the step. Each master's gradient
-        tensor is reused across steps, so a large fp32 gradient is not freshly allocated every step."""
+        tensor is reused across steps, so a large fp32 gradient is not freshly allocated every step.
+        """
         for index, (low, master) in enumerate(self.pairs()):
             grad = low.grad
             if grad is None:
@@ -244,7 +250,8 @@ def use_low_precision_weights(module: nn.Module, dtype: torch.dtype) -> MasterWe
 
 def _convert_tree(weights: MasterWeights, module: nn.Module, prefix: str) -> None:
     """Converts ``module`` and its descendants, norm layers (and anything inside them) excepted: those without
-    mixed-dtype kernels get their inputs in fp32 and their outputs in the low dtype."""
+    mixed-dtype kernels get their inputs in fp32 and their outputs in the low dtype.
+    """
     if isinstance(module, NORM_LAYERS):
         if not isinstance(module, _NATIVE_MIXED_NORMS):
             setattr(module, _DTYPE_ATTR, weights.dtype)
@@ -279,7 +286,8 @@ def full_precision_copy(module: nn.Module) -> nn.Module:
     """A deep copy of a module converted by :func:`use_low_precision_weights` (or of a part of one) as it
     would be without the conversion: its fp32 masters as the parameters (in the parameters' memory format), no
     casting or state-dict hooks, no masters. ``module`` itself is untouched. Used for fp32 baselines of
-    ``-weights`` runs."""
+    ``-weights`` runs.
+    """
     if not holds_masters(module):
         raise ValueError(
             f"{type(module).__name__} has no fp32 masters: it was not converted by "

@@ -5,7 +5,8 @@ guard.
 fp16) with two additions: the fp32 regions of :mod:`lit_amp_det.precision.regions`, installed by
 ``convert_module``, and the non-finite step guard of :mod:`lit_amp_det.precision.guard`. bf16 has no
 GradScaler, so the guard checks and skips its steps on the device; fp16 keeps GradScaler's own skipping and
-the guard only counts the skips."""
+the guard only counts the skips.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class DetectionMixedPrecision(MixedPrecision):
     Args:
         precision: ``16-mixed`` (fp16 with a GradScaler) or ``bf16-mixed``.
         device: ``cuda`` or ``cpu`` (the autocast device type).
-        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`."""
+        **options: the fields of :class:`~lit_amp_det.precision.options.HalfPrecisionOptions`.
+    """
 
     def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str, **options: Any) -> None:
         if precision not in MIXED_PRECISIONS:
@@ -84,7 +86,8 @@ class DetectionMixedPrecision(MixedPrecision):
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         """The step after backward and Lightning's hooks (bf16), skipped on the device when a gradient is not
-        finite; fp16 steps through its GradScaler instead."""
+        finite; fp16 steps through its GradScaler instead.
+        """
         if self.scaler is not None:
             raise RuntimeError(
                 f"trainer.precision={self.precision} steps through its GradScaler "

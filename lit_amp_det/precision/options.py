@@ -3,7 +3,8 @@
 :class:`~lit_amp_det.precision.mixed.DetectionMixedPrecision` and
 :class:`~lit_amp_det.precision.low_precision_weights.MasterWeightPrecision` accept these as keywords and build
 their GradScaler, fp32-region mapping and :class:`~lit_amp_det.precision.guard.NonFiniteStepGuard` from them
-here, so the two plugins cannot drift apart in a default."""
+here, so the two plugins cannot drift apart in a default.
+"""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class HalfPrecisionOptions:
             (:mod:`lit_amp_det.precision.regions`). ``None`` takes the module's ``fp32_regions()``; an empty
             mapping turns regions off (plain autocast).
         init_scale, growth_interval: GradScaler settings, used by the fp16 precisions only.
-        max_consecutive_skips, skip_check_every_n_steps: the guard's settings."""
+        max_consecutive_skips, skip_check_every_n_steps: the guard's settings.
+    """
 
     fp32_regions: Mapping[str, RegionMode] | None = None
     init_scale: float = INIT_SCALE
@@ -49,7 +51,8 @@ class HalfPrecisionOptions:
 
     def scaler(self, precision: str, device: str) -> torch.amp.GradScaler | None:
         """A GradScaler for the fp16 precisions (``16-mixed``, ``16-weights``: fp16 gradients underflow
-        without one); ``None`` for the bf16 ones."""
+        without one); ``None`` for the bf16 ones.
+        """
         if not precision.startswith("16-"):
             return None
         return torch.amp.GradScaler(device, init_scale=self.init_scale, growth_interval=self.growth_interval)

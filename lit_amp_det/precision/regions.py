@@ -4,7 +4,8 @@ Plain autocast is not enough for detection: losses, box coding, proposal filteri
 accuracy or overflow in half precision. A region is a method path relative to the LightningModule
 (``model.rpn.compute_loss``) mapped to ``fp32`` (inputs cast to fp32, autocast off inside) or ``fp32_outputs``
 (run as usual, outputs cast to fp32). The wrapping is done on the module's own objects, so it also holds under
-DDP, where Lightning ignores the module a plugin's ``convert_module`` returns."""
+DDP, where Lightning ignores the module a plugin's ``convert_module`` returns.
+"""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def install_fp32_regions(module: nn.Module, regions: Mapping[str, RegionMode], d
 
 def regions_for(module: nn.Module, configured: Mapping[str, RegionMode] | None) -> Mapping[str, RegionMode]:
     """The configured fp32 regions, or the module's own ``fp32_regions()`` when none are configured
-    (``None``)."""
+    (``None``).
+    """
     return (
         configured
         if configured is not None

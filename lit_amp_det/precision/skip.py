@@ -10,7 +10,8 @@ where the flag is set. Either way a skipped step leaves parameters and optimizer
 
 Where the select cannot work (a parameter's first step, a replaced state tensor or changed Python number,
 state on another device than the gradients) the host decides after the step and restores what it created or
-replaced."""
+replaced.
+"""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def _identities(state: dict[str, Any] | None) -> dict[str, int]:
 
 class DeviceSkippedStep:
     """``optimizer.step()`` undone on the device where a flag says the step must not happen (see the module);
-    holds one reusable copy buffer per tensor the step writes."""
+    holds one reusable copy buffer per tensor the step writes.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[int, Tensor] = {}
@@ -67,7 +69,8 @@ class DeviceSkippedStep:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, skip: Tensor, **kwargs: Any) -> None:
         """Runs ``optimizer.step(**kwargs)``; where ``skip`` (a 0-dim bool tensor) is set, the stepped
-        parameters and their optimizer state are left exactly as they were."""
+        parameters and their optimizer state are left exactly as they were.
+        """
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # the optimizer's own kernel skips a step flagged in its ``found_inf`` attribute: a fused torch
         # optimizer with every stepped parameter on the flag's device and past its first step (a skipped first

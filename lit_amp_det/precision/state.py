@@ -1,5 +1,6 @@
 """What the precision plugins put in a checkpoint besides the GradScaler's state: the step guard's counts and
-the ``trainer.precision`` that ran, which :func:`lit_amp_det.precision.build.trained_precision` reads back."""
+the ``trainer.precision`` that ran, which :func:`lit_amp_det.precision.build.trained_precision` reads back.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ GUARD_KEY = "guard"
 
 def recorded_state(precision: str, guard: NonFiniteStepGuard) -> dict[str, Any]:
     """The guard's counts and the precision, to merge into a plugin's ``state_dict()`` (a host read of the
-    counts)."""
+    counts).
+    """
     return {GUARD_KEY: guard.state_dict(), PRECISION_KEY: precision}
 
 
@@ -26,7 +28,8 @@ def load_recorded_state(state_dict: Mapping[str, Any], guard: NonFiniteStepGuard
     """Loads the guard's counts from a plugin's checkpoint state; returns the rest (the GradScaler's state, if
     any).
 
-    States saved before the plugins recorded the precision or the guard load too (nothing to restore)."""
+    States saved before the plugins recorded the precision or the guard load too (nothing to restore).
+    """
     state = dict(state_dict)
     guard.load_state_dict(state.pop(GUARD_KEY, {}))
     state.pop(PRECISION_KEY, None)

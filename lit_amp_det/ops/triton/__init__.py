@@ -80,7 +80,8 @@ def batched_nms_padded(
     max_class_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`lit_amp_det.ops.batched_nms_padded` (arguments and result) on the Triton kernels: what the op
-    runs on CUDA tensors."""
+    runs on CUDA tensors.
+    """
     return _launch.batched_nms_padded(
         boxes, scores, idxs, iou_threshold, max_output, valid=valid, max_class_size=max_class_size
     )

@@ -53,7 +53,8 @@ def _sum(x, axis):
 @triton.jit
 def _flag(condition):
     """A comparison result that can be broadcast safely: the interpreter labels a float comparison's result
-    with the float type, and splatting such a scalar turns it into floats that ``&`` then rejects."""
+    with the float type, and splatting such a scalar turns it into floats that ``&`` then rejects.
+    """
     return tl.where(condition, 1, 0) != 0
 
 
@@ -522,7 +523,8 @@ def _bins_reaching(first, end, start, bin_size, pooled):
     """[lo, hi) of the bins along one axis whose samples can land on pixels [first, end): bin b's samples lie
     in [start + b * bin_size, start + (b + 1) * bin_size] and reach floor(pos) and floor(pos) + 1, clamped
     into the map; two bins of slack each side absorb rounding. Every bin when start or bin_size is not finite
-    or bin_size <= 0."""
+    or bin_size <= 0.
+    """
     narrow = (bin_size > 0) & (bin_size < 1.0e30) & (start > -1.0e30) & (start < 1.0e30)  # NaN fails all
     safe_size = tl.where(narrow, bin_size, 1.0)
     safe_start = tl.where(narrow, start, 0.0)

@@ -8,7 +8,8 @@ synchronise with the host (their result size is data-dependent).
 ``torch.compile`` and ``torch.export`` see ``torch.ops.lit_amp_det`` as custom ops with fake kernels and run
 these launchers only when the graph runs, eagerly; an eager launch goes straight to Triton's launcher. Only a
 trace through the launchers themselves (calling :mod:`lit_amp_det.ops.triton` under ``torch.compile``,
-``make_fx`` or non-strict export) records each launch with ``torch.library.wrap_triton`` (:func:`_launch`)."""
+``make_fx`` or non-strict export) records each launch with ``torch.library.wrap_triton`` (:func:`_launch`).
+"""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ _KERNELS_MODULE = "lit_amp_det.ops.triton._kernels"
 
 def _interpreted() -> ModuleType:
     """The kernels module loaded a second time with Triton's interpreter on (or the first one if it already
-    is)."""
+    is).
+    """
     global _INTERPRETED
     if _INTERPRETED is None:
         from triton.runtime.interpreter import InterpretedFunction
@@ -68,7 +70,8 @@ def _interpreted() -> ModuleType:
 def load_kernels(interpret: bool) -> ModuleType:
     """A fresh copy of the kernels module, decorated for Triton's interpreter or for compilation whatever
     ``TRITON_INTERPRET`` said when the module was first imported (the AOT compile report takes the compiled
-    one)."""
+    one).
+    """
     import triton
 
     name = _KERNELS_MODULE + ("_interpreted" if interpret else "_compiled")
@@ -103,7 +106,8 @@ _GPU_CONFIGS_ON_CPU = False
 @contextlib.contextmanager
 def gpu_launch_configs() -> Iterator[None]:
     """For tests: within the block, CPU tensors (the interpreter) get the launch configurations of a CUDA
-    device, so the block shapes a GPU runs are executed and checked without one."""
+    device, so the block shapes a GPU runs are executed and checked without one.
+    """
     global _GPU_CONFIGS_ON_CPU
     previous, _GPU_CONFIGS_ON_CPU = _GPU_CONFIGS_ON_CPU, True
     try:
@@ -121,7 +125,8 @@ _INTERPRETED_FUNCTION: type | None = None
 
 def _interpreted_function() -> type:
     """Triton's ``InterpretedFunction``, imported once: an import statement in every launch would add to its
-    host time, and Dynamo warns about a ``functools.cache``."""
+    host time, and Dynamo warns about a ``functools.cache``.
+    """
     global _INTERPRETED_FUNCTION
     if _INTERPRETED_FUNCTION is None:
         from triton.runtime.interpreter import InterpretedFunction
@@ -132,7 +137,8 @@ def _interpreted_function() -> type:
 
 def _without_data(tensors: Sequence[Tensor]) -> bool:
     """Whether a tensor has no data of its own to launch on: fake, functional or another
-    ``__torch_dispatch__`` subclass."""
+    ``__torch_dispatch__`` subclass.
+    """
     return any(type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__ for t in tensors)
 
 
@@ -147,7 +153,8 @@ _TRACING_MODE_KEYS = (
 def _tracing_mode() -> bool:
     """Whether a tracing mode is on the dispatch stack: ``make_fx``'s proxy mode, fake tensors or
     functionalization (the modes ``wrap_triton``'s higher-order op has rules for; under any other
-    ``TorchDispatchMode``, a profiler's counter, it raises ``NotImplementedError``)."""
+    ``TorchDispatchMode``, a profiler's counter, it raises ``NotImplementedError``).
+    """
     if not torch._C._len_torch_dispatch_stack():  # the common case, one call
         return False
     return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
@@ -411,7 +418,8 @@ def nms_padded(
     boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1, *, valid: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """NMS without host synchronisation: ``(keep [L] int64 padded with -1, count 0-d int64)``,
-    ``L = min(N, max_output)``; boxes with ``valid`` False (bool ``[N]``) neither are kept nor suppress."""
+    ``L = min(N, max_output)``; boxes with ``valid`` False (bool ``[N]``) neither are kept nor suppress.
+    """
     return _nms_padded(boxes, scores, None, iou_threshold, max_output, "nms", valid)
 
 
@@ -428,13 +436,15 @@ def batched_nms_padded(
     """Per-class NMS without host synchronisation; same result layout as :func:`nms_padded`.
 
     ``max_class_size``, when the caller knows that no class has more boxes, bounds the IoU mask to
-    ``N x (max_class_size / 64 + 2)`` words instead of ``N x N / 64``."""
+    ``N x (max_class_size / 64 + 2)`` words instead of ``N x N / 64``.
+    """
     return _nms_padded(boxes, scores, idxs, iou_threshold, max_output, "batched_nms", valid, max_class_size)
 
 
 def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
     """Kept indices (int64) by decreasing score; reads the kept count once (the result size is
-    data-dependent)."""
+    data-dependent).
+    """
     keep, count = nms_padded(boxes, scores, iou_threshold, max_output)
     return keep[: int(count)]
 
@@ -487,7 +497,8 @@ NMS_MASK_WARPS = 16
 
 def _blocks(channels: int, bins: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_C, num_warps) of a RoIAlign launch: all bins of one RoI, as many channels as the tile
-    holds."""
+    holds.
+    """
     block_p = _next_pow2(bins)
     if not _gpu_configs(device):  # the interpreter: fewer, larger programs (each costs Python overhead)
         return block_p, max(1, min(_next_pow2(channels), 64)), 4
@@ -504,7 +515,8 @@ OWNED_TILE = 16
 def _owned_blocks(channels: int, height: int, width: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_C, num_warps, tile_h, tile_w) of the deterministic backward: one warp of channel lanes and
     ``OWNED_TILE``-pixel tiles on a GPU; in the interpreter (every program costs Python overhead) one tile a
-    map."""
+    map.
+    """
     if _gpu_configs(device):
         return max(1, min(_next_pow2(channels), 32)), 1, OWNED_TILE, OWNED_TILE
     return max(1, min(_next_pow2(channels), 64)), 4, height, width
@@ -698,7 +710,8 @@ def roi_align_backward(
     aligned: bool,
 ) -> Tensor:
     """The schema of ``lit_amp_det::_roi_align_backward``: grad_input in grad's dtype and
-    ``suggest_memory_format``."""
+    ``suggest_memory_format``.
+    """
     op = "_roi_align_backward"
     _check_feature(op, "grad", grad)
     _check_rois(op, rois, grad.device)

@@ -25,7 +25,8 @@ _LAUNCHERS: ModuleType | None = None
 
 def _launchers() -> ModuleType:
     """:mod:`._launch`, imported on the first CUDA call and kept: an import statement in every op call would
-    add to the host time that each launch saves by not going through the dispatcher."""
+    add to the host time that each launch saves by not going through the dispatcher.
+    """
     global _LAUNCHERS
     if _LAUNCHERS is None:
         from lit_amp_det.ops.triton import _launch

@@ -1,6 +1,7 @@
 """The module forms of the Triton ops: :class:`lit_amp_det.ops.RoIAlign` and
 :class:`~lit_amp_det.ops.MultiScaleRoIAlign` (same constructors, forward, scales and level mapping) pooling
-with the Triton kernels."""
+with the Triton kernels.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class RoIAlign(_CompiledRoIAlign):
 
 class MultiScaleRoIAlign(_CompiledMultiScaleRoIAlign):
     """:class:`lit_amp_det.ops.MultiScaleRoIAlign` (torchvision's constructor, forward, scales and level
-    mapping) pooling with the Triton kernels."""
+    mapping) pooling with the Triton kernels.
+    """
 
     def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
         return pool_levels(
