@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lit_amp_det-installed
 ARGS   ?=
 
-.PHONY: install ext fit test gpu-check gpu-compile clean-runs
+.PHONY: install ext fit test lint gpu-check gpu-compile clean-runs
 
 install: $(STAMP) ext
 
@@ -44,6 +44,12 @@ fit: install
 # taking over the other's queue, so that both end together: tests/conftest.py.
 test: install
 	$(PY) -m pytest -q -n 2 --dist worksteal tests $(ARGS)
+
+# The formatter's layout and the linter's rules (pyproject.toml: [tool.ruff]) over the package, tests and tools; CI
+# runs it before the tests. `$(VENV)/bin/ruff format .` and `$(VENV)/bin/ruff check --fix .` repair most findings.
+lint: install
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
 
 # On a GPU machine, within six minutes on an H100 (each step has its time budget, lit_amp_det/bench/gpu_check.py): the
 # extension's build, the op tests on CUDA (compiled Triton kernels), bench ops and short train/infer rows (R50-FPN

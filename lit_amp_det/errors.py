@@ -31,7 +31,9 @@ class ArgumentError(ValueError):
         return (type(self), (self.argument, self.value, self.problem))
 
     def at(self, prefix: str) -> ArgumentError:
-        """The same error (same type), its argument named from ``prefix`` (a config node such as ``model``)."""
+        """The same error (same type), its argument named from ``prefix`` (a config node such as
+        ``model``).
+        """
         moved = copy.copy(self)
         moved.argument = f"{prefix}.{self.argument}" if prefix else self.argument
         moved.args = (f"{moved.argument}={self.value!r} {self.problem}",)

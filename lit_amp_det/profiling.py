@@ -78,7 +78,9 @@ def _mallopt(param: int, value: int) -> bool:
 
 
 def release_freed_cpu_memory() -> None:
-    """Returns freed heap to the OS, so a resident-set peak measures this step, not the last one's leftovers."""
+    """Returns freed heap to the OS, so a resident-set peak measures this step, not the last one's
+    leftovers.
+    """
     gc.collect()
     trim = getattr(_LIBC, "malloc_trim", None)  # glibc; musl has none
     if trim is not None:
@@ -151,7 +153,9 @@ class MemoryProbe:
         return None if rss is None else 1024 * rss
 
     def baseline_bytes(self) -> int:
-        """What a later peak is measured above: in use now, or the peak so far where the peak cannot be reset."""
+        """What a later peak is measured above: in use now, or the peak so far where the peak cannot be
+        reset.
+        """
         in_use = self.in_use_bytes()
         return in_use if self.resettable and in_use is not None else self.peak_bytes()
 
@@ -369,7 +373,9 @@ def _value_read(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 
 def _call_site() -> str:
-    """``path:line`` of the innermost frame outside torch and this module: the code that asked for the value."""
+    """``path:line`` of the innermost frame outside torch and this module: the code that asked for the
+    value.
+    """
     frame = sys._getframe(2)
     while frame is not None and (
         frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__

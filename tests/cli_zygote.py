@@ -16,6 +16,7 @@ when the child ends. It answers ``{"ready": true}`` once warm.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -76,10 +77,8 @@ def _finish() -> None:
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):  # a closed stream has nothing to flush
                 stream.flush()
-            except Exception:  # noqa: BLE001, S110 -- a closed stream has nothing to flush
-                pass
 
 
 def main() -> None:

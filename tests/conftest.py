@@ -47,7 +47,9 @@ def _isolated_paths(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.fixture
 def cpu_bf16(monkeypatch: pytest.MonkeyPatch):
-    """Sets whether the CPU computes bf16 natively, for tests of what ``auto`` and the CPU fallbacks choose."""
+    """Sets whether the CPU computes bf16 natively, for tests of what ``auto`` and the CPU fallbacks
+    choose.
+    """
     from lit_amp_det.precision import hardware
 
     def set_native(native: bool) -> None:
@@ -262,8 +264,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
         if not cpu_computes_bf16_natively():
             skips["bf16_training"] = pytest.mark.skip(
-                reason=f"bf16 training on a CPU without native bf16 (torch capability {cpu_capability()}) takes 20+ "
-                "minutes; run with `pytest -m bf16_training`"
+                reason=f"bf16 training on a CPU without native bf16 (torch capability {cpu_capability()}) "
+                "takes 20+ minutes; run with `pytest -m bf16_training`"
             )
     for item in items:
         for marker, skip in skips.items():

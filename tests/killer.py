@@ -29,5 +29,6 @@ class RecordBatches(Callback):
         params = float(sum(p.detach().double().sum() for p in pl_module.parameters()))
         with open(self.path, "a") as f:
             f.write(
-                f"{trainer.global_step} {trainer.current_epoch} {batch_idx} {ids} {fingerprint} {params:.10f}\n"
+                f"{trainer.global_step} {trainer.current_epoch} {batch_idx} {ids} "
+                f"{fingerprint} {params:.10f}\n"
             )

@@ -41,7 +41,8 @@ def assert_as_close_as_theirs(
     if got.device.type == "cpu":
         limit = atol + relative * theirs.double().abs()
         assert ((got.double() - theirs.double()).abs() <= limit).all(), (
-            f"ours differs from theirs by {(got.double() - theirs.double()).abs().max().item():.3g} (atol {atol})"
+            f"ours differs from theirs by {(got.double() - theirs.double()).abs().max().item():.3g} "
+            f"(atol {atol})"
         )
         return
     truth = truth.double().cpu()

@@ -118,7 +118,9 @@ def test_precision_rows_each_add_their_own_settings_to_the_baseline() -> None:
 
 
 def test_precision_rows_follow_the_device_and_the_chosen_half_precision(cpu_bf16) -> None:
-    """``--precision auto`` is ``trainer.precision=auto``'s choice; a named half precision is used as named."""
+    """``--precision auto`` is ``trainer.precision=auto``'s choice; a named half precision is used as
+    named.
+    """
     train = BENCHES["train"]
     auto = dataclasses.replace(SETTING, half=None)
     cuda = dataclasses.replace(auto, device="cuda")
@@ -137,7 +139,9 @@ def test_precision_rows_follow_the_device_and_the_chosen_half_precision(cpu_bf16
 
 @pytest.mark.parametrize("kind", ["train", "infer", "precision"])
 def test_default_rows_leave_out_what_changes_nothing_here(kind: str) -> None:
-    """fp32 runs leave out the rows that only act in half precision; a CPU leaves out the fp16 precision rows."""
+    """fp32 runs leave out the rows that only act in half precision; a CPU leaves out the fp16 precision
+    rows.
+    """
     bench = BENCHES[kind]
     half = default_rows(bench, dataclasses.replace(SETTING, half="bf16"))
     fp32 = default_rows(bench, SETTING)
@@ -154,7 +158,9 @@ def test_default_rows_leave_out_what_changes_nothing_here(kind: str) -> None:
 
 
 def test_a_training_row_builds_every_switch_but_compile_as_fit_does() -> None:
-    """The half-weights row (every train switch but compile) runs through Lightning with each switch in force."""
+    """The half-weights row (every train switch but compile) runs through Lightning with each switch in
+    force.
+    """
     train = BENCHES["train"]
     index = [row.name for row in train.rows].index("low-precision-weights")
     result = run_row(train, index, dataclasses.replace(SETTING, half="bf16"))
@@ -252,7 +258,9 @@ def test_bench_train_runs_rows_in_processes_and_writes_the_report(tmp_path: Path
 
 @pytest.mark.long
 def test_the_compile_row_compiles_the_backbone() -> None:
-    """``torch.compile`` of the backbone under Lightning (long: Inductor compiles its forward and backward)."""
+    """``torch.compile`` of the backbone under Lightning (long: Inductor compiles its forward and
+    backward).
+    """
     train = BENCHES["train"]
     result = run_row(train, len(train.rows) - 1, dataclasses.replace(SETTING, compile_warmup=1))
     assert result["speedups"] == ["ext_ops", "channels_last", "compile"] and result["warmup_steps"] == 1

@@ -30,7 +30,9 @@ def test_make_gpu_check_runs_the_check_and_never_pip() -> None:
 
 
 def test_the_step_budgets_fit_six_minutes() -> None:
-    """The default run's design: every step has a budget, and they add up to at most six minutes on an H100."""
+    """The default run's design: every step has a budget, and they add up to at most six minutes on an
+    H100.
+    """
     assert list(gpu_check.STEP_BUDGET_S) == ["build", "tests", "ops", "train", "infer"]
     assert all(seconds > 0 for seconds in gpu_check.STEP_BUDGET_S.values())
     assert sum(gpu_check.STEP_BUDGET_S.values()) <= 360
@@ -186,7 +188,8 @@ def test_the_rehearsal_runs_every_step_with_no_network_pip_or_cache(tmp_path: Pa
         "import socket\n_connect = socket.socket.connect\n\n\n"
         "def _local_only(self, address):\n"
         "    host = address[0] if isinstance(address, tuple) else None\n"
-        "    if self.family in (socket.AF_INET, socket.AF_INET6) and host not in ('127.0.0.1', 'localhost', '::1'):\n"
+        "    local = ('127.0.0.1', 'localhost', '::1')\n"
+        "    if self.family in (socket.AF_INET, socket.AF_INET6) and host not in local:\n"
         "        raise OSError(f'no network on a GPU machine: {address}')\n"
         "    return _connect(self, address)\n\n\n"
         "socket.socket.connect = _local_only\n"

@@ -1,4 +1,6 @@
-"""Benchmarks (``python -m lit_amp_det bench <name>``): measured side by side, never part of the test suite."""
+"""Benchmarks (``python -m lit_amp_det bench <name>``): measured side by side, never part of the test
+suite.
+"""
 
 from __future__ import annotations
 

@@ -43,7 +43,9 @@ Pairs = list[tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]]  # (predic
 
 
 def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pairs]:
-    """The module (with ``checkpoint``'s weights) and its (predictions, targets) for every validation batch."""
+    """The module (with ``checkpoint``'s weights) and its (predictions, targets) for every validation
+    batch.
+    """
     from lit_amp_det.app.tasks import build_datamodule, build_model
 
     weights = [f"model.weights={checkpoint}"] if checkpoint else []
@@ -169,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     diffs = {b: compare(results[base], results[b]) for b in backends if b != base}
     header = (
         f"{images} images, {detections} detections, iou_type={module.build_metric().iou_type}, "
-        f"weights={args.checkpoint or 'random'}, overrides={args.overrides}; threads={torch.get_num_threads()}, "
+        f"weights={args.checkpoint or 'random'}, overrides={args.overrides}; "
+        f"threads={torch.get_num_threads()}, "
         f"warm-up={args.warmup}, repeats={args.repeats} (median, IQR), torch {torch.__version__}, "
         + ", ".join(f"{name} {version(name)}" for name in ("torchmetrics", *EVAL_BACKENDS.values()))
     )

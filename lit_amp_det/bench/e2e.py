@@ -154,8 +154,8 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
             "--precision",
             choices=HALF_CHOICES,
             default="auto",
-            help="half precision of the rows that change precision; auto: fp16 on cuda, bf16 on a CPU with native "
-            "bf16, fp32 on other CPUs, where the rows that change nothing in fp32 are left out",
+            help="half precision of the rows that change precision; auto: fp16 on cuda, bf16 on a CPU with "
+            "native bf16, fp32 on other CPUs, where the rows that change nothing in fp32 are left out",
         )
     add(
         "--rows",
@@ -172,15 +172,15 @@ def _parser(bench: Bench) -> argparse.ArgumentParser:
     add(
         "--one-process",
         action="store_true",
-        help="run every row and repeat in this process, each built anew from the same state (the imports and the "
-        "CUDA context paid once); refused for rows that compile",
+        help="run every row and repeat in this process, each built anew from the same state (the imports and "
+        "the CUDA context paid once); refused for rows that compile",
     )
     add(
         "--state",
         choices=["trained", "random"],
         default="trained",
-        help="model state every row loads: trained (default; --state-steps of the SGD recipe on the shapes data, "
-        "made once and cached) or random (the seeded initialisation)",
+        help="model state every row loads: trained (default; --state-steps of the SGD recipe on the shapes "
+        "data, made once and cached) or random (the seeded initialisation)",
     )
     add(
         "--state-steps",
@@ -390,8 +390,9 @@ def _header(bench: Bench, rows: Sequence[dict[str, Any]], setting: Setting, run:
         "",
         f"- torch {env['torch']}, torchvision {env['torchvision']}, lightning {env['lightning']}"
         + (f", CUDA {env['cuda']}" if env["cuda"] else f", CPU capability {env['cpu_capability']}"),
-        f"- model `{setting.model}` ({setting.num_classes} classes), batch {setting.batch}, image {setting.size}, "
-        f"{setting.steps} timed steps after {setting.warmup} warm-up ({setting.compile_warmup} for compile)",
+        f"- model `{setting.model}` ({setting.num_classes} classes), batch {setting.batch}, "
+        f"image {setting.size}, {setting.steps} timed steps after {setting.warmup} warm-up "
+        f"({setting.compile_warmup} for compile)",
         f"- command: `{run['command']}`",
     ]
     if bench.cumulative:
@@ -414,8 +415,8 @@ def _header(bench: Bench, rows: Sequence[dict[str, Any]], setting: Setting, run:
     return [
         *lines,
         f"- repeats: {run['repeats']} per row, {where}, rows interleaved with the order "
-        "rotated every round; times are the median over repeats of each repeat's median, `repeats` the range of "
-        "the repeat medians and (max - min) / median",
+        "rotated every round; times are the median over repeats of each repeat's median, `repeats` the range "
+        "of the repeat medians and (max - min) / median",
         f"- peak MB: one more step, above what was in use once the model was built ({source})",
     ]
 
@@ -483,8 +484,8 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
     selected = args.rows or default_rows(bench, setting)
     if args.one_process and (compiled := [name for name in selected if name in ONE_PROCESS_REFUSED]):
         parser.error(
-            f"--one-process: rows {compiled} compile, and what they compile would stay in the process for the "
-            "rows after them; leave them out (--rows) or run every row in its own process"
+            f"--one-process: rows {compiled} compile, and what they compile would stay in the process for "
+            "the rows after them; leave them out (--rows) or run every row in its own process"
         )
     state = None
     if setting.state == "trained":

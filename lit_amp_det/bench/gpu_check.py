@@ -162,7 +162,8 @@ def _ending(outcome: Outcome) -> str:
     return "timed out" if outcome.timed_out else f"exit code {outcome.code}"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _arguments(argv: Sequence[str] | None) -> tuple[argparse.Namespace, set[str]]:
+    """The command line, checked, and the set of steps to skip; exits with the reason when it cannot run."""
     parser = argparse.ArgumentParser(
         prog="python -m lit_amp_det.bench.gpu_check",
         description=__doc__,
@@ -197,6 +198,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if unknown := skip - set(STEP_BUDGET_S):
         raise SystemExit(f"--skip: unknown step(s) {sorted(unknown)}; choose from {', '.join(STEP_BUDGET_S)}")
+    return args, skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, skip = _arguments(argv)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = (args.out or Path(os.environ.get("LIT_AMP_DET_RUNS", "runs")) / "gpu_check" / stamp).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -264,7 +264,9 @@ def instantiate_model(cfg: DictConfig) -> Any:
 
 
 def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
-    """Runs ``bench.rows[index]`` for ``setting`` in this process; its step times, peak memory and what ran."""
+    """Runs ``bench.rows[index]`` for ``setting`` in this process; its step times, peak memory and what
+    ran.
+    """
     from lit_amp_det.app.tasks import instantiate_all
 
     cfg = compose(row_overrides(bench, index, setting))

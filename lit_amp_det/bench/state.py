@@ -211,8 +211,8 @@ def ensure_state(setting: Setting, steps: int, cache: Path, log: Any = sys.stder
     if path.is_file() and record_path.is_file():
         return {**json.loads(record_path.read_text()), "file": str(path), "cached": True, "key": key}
     print(
-        f"making the bench state: {setting.model}, {steps} training steps at {setting.size}, batch {setting.batch} "
-        f"(once; cached in {path.parent}) ...",
+        f"making the bench state: {setting.model}, {steps} training steps at {setting.size}, "
+        f"batch {setting.batch} (once; cached in {path.parent}) ...",
         file=log,
         flush=True,
     )
