@@ -161,6 +161,23 @@ class MemoryProbe:
 
 
 # ------------------------------------------------------------------------------------ saved for backward
+def _is_parameter_cast(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a dtype copy of a trainable parameter: one of autocast's low-precision weight
+    copies, which it makes afresh each forward and autograd saves alongside the activations.
+
+    Such a copy is the output of a ``to`` (``ToCopyBackward0``) whose input is an ``nn.Parameter``'s gradient
+    accumulator; a copy of a frozen parameter or of a buffer has no gradient edge, so it is not one.
+    """
+    fn = tensor.grad_fn
+    return (
+        fn is not None
+        and fn.name() == "ToCopyBackward0"
+        and any(
+            isinstance(getattr(next_fn, "variable", None), nn.Parameter) for next_fn, _ in fn.next_functions
+        )
+    )
+
+
 class SavedTensorBytes:
     """Counts the bytes autograd saves for backward while the context is open.
 
@@ -190,16 +207,7 @@ class SavedTensorBytes:
                 self.bytes += storage.nbytes()
                 if self._inside:
                     self.within_bytes += storage.nbytes()
-                fn = (
-                    tensor.grad_fn
-                )  # a dtype copy of a trainable parameter? (autocast's low-precision weight copies)
-                if (
-                    fn is not None
-                    and fn.name() == "ToCopyBackward0"
-                    and any(
-                        isinstance(getattr(f, "variable", None), nn.Parameter) for f, _ in fn.next_functions
-                    )
-                ):
+                if _is_parameter_cast(tensor):
                     self.weight_cast_bytes += storage.nbytes()
         return tensor
 

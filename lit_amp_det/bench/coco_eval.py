@@ -60,6 +60,22 @@ def collect(checkpoint: str | None, overrides: Sequence[str]) -> tuple[Any, Pair
         ]
 
 
+def _score(module: Any, backend: str, pairs: Pairs) -> tuple[float, float, dict[str, Tensor]]:
+    """Scores ``pairs`` with a fresh metric of ``backend``: seconds of ``update()`` over every batch, seconds
+    of ``compute()``, and ``compute()``'s dict.
+
+    A fresh metric per call, so that no round's ``update()`` inherits the states of the round before it.
+    """
+    module.evaluation_settings = dataclasses.replace(module.evaluation_settings, backend=backend)
+    metric = module.build_metric()
+    start = time.perf_counter()
+    for predictions, targets in pairs:
+        metric.update(predictions, targets)
+    updated = time.perf_counter()
+    results = metric.compute()
+    return updated - start, time.perf_counter() - updated, results
+
+
 def time_metric(
     module: Any, pairs: Pairs, backends: Sequence[str], warmup: int, repeats: int
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Tensor]]]:
@@ -70,14 +86,7 @@ def time_metric(
     results: dict[str, dict[str, Tensor]] = {}
     for round_ in range(warmup + repeats):
         for backend in backends:  # interleaved: load drift on a shared machine hits both alike
-            module.evaluation_settings = dataclasses.replace(module.evaluation_settings, backend=backend)
-            metric = module.build_metric()  # a fresh one: time update() over every batch, then compute()
-            start = time.perf_counter()
-            for predictions, targets in pairs:
-                metric.update(predictions, targets)
-            updated = time.perf_counter()
-            results[backend] = metric.compute()
-            update_s, compute_s = updated - start, time.perf_counter() - updated
+            update_s, compute_s, results[backend] = _score(module, backend, pairs)
             if round_ >= warmup:
                 for key, value in (
                     ("update", update_s),
@@ -99,8 +108,12 @@ def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float
     diffs = {}
     for key in sorted(set(reference) | set(other)):
         a, b = (torch.as_tensor(d[key]).double() if key in d else None for d in (reference, other))
-        same_shape = a is not None and b is not None and a.shape == b.shape
-        diffs[key] = (float((a - b).abs().max()) if a.numel() else 0.0) if same_shape else float("inf")
+        if a is None or b is None or a.shape != b.shape:
+            diffs[key] = float("inf")
+        elif a.numel() == 0:
+            diffs[key] = 0.0
+        else:
+            diffs[key] = float((a - b).abs().max())
     return diffs
 
 

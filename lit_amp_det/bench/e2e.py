@@ -219,9 +219,8 @@ def _setting(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setti
         )
     height, width = args.size or defaults["size"]
     warmup = defaults["warmup"] if args.warmup is None else args.warmup
-    num_classes = args.num_classes or (
-        81 if model == "maskrcnn_r50_fpn" else 7
-    )  # COCO's, else the shapes data's 6 + 1
+    # COCO's, else the shapes data's 6 + 1
+    num_classes = args.num_classes or (81 if model == "maskrcnn_r50_fpn" else 7)
     return Setting(
         device=device,
         model=model,
@@ -240,21 +239,19 @@ def _setting(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setti
     )
 
 
-def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
-    """Runs ``bench.rows[index]`` in a fresh ``python -m lit_amp_det.bench.e2e <kind> --row=NAME`` process;
-    its measurements with ``status: ok``, or ``status: failed`` with the last line of its stderr.
+def _setting_argv(setting: Setting) -> list[str]:
+    """The command-line options that make a row process's :func:`_setting` return ``setting`` again.
+
+    A row process parses its setting back from its argv, so every field it reads is passed, the optional
+    ones (the state file, the timing lr, the precision) only where set; the lr as its ``repr`` so that the
+    float comes back exactly.
     """
     optional = {
         "state-file": setting.weights,
         "timing-lr": None if setting.lr is None else repr(setting.lr),
         "precision": setting.half,
     }
-    command = [
-        sys.executable,
-        "-m",
-        "lit_amp_det.bench.e2e",
-        bench.kind,
-        f"--row={bench.rows[index].name}",
+    return [
         f"--device={setting.device}",
         f"--model={setting.model}",
         f"--batch={setting.batch}",
@@ -265,6 +262,20 @@ def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any
         f"--compile-warmup={setting.compile_warmup}",
         f"--state={setting.state}",
         *(f"--{flag}={value}" for flag, value in optional.items() if value is not None),
+    ]
+
+
+def run_row_process(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
+    """Runs ``bench.rows[index]`` in a fresh ``python -m lit_amp_det.bench.e2e <kind> --row=NAME`` process;
+    its measurements with ``status: ok``, or ``status: failed`` with the last line of its stderr.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "lit_amp_det.bench.e2e",
+        bench.kind,
+        f"--row={bench.rows[index].name}",
+        *_setting_argv(setting),
     ]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -384,7 +395,8 @@ def _columns(bench: Bench, setting: Setting) -> list[tuple[str, Callable[[dict[s
 
 def _header(bench: Bench, rows: Sequence[dict[str, Any]], setting: Setting, run: dict[str, Any]) -> list[str]:
     """What every figure depends on besides the row's switches: device, versions, setting, state, repeats."""
-    env, state = run["environment"], run.get("state")
+    env = run["environment"]
+    state = run.get("state")
     lines = [
         f"# bench {bench.kind}: {env['device_name']}",
         "",
@@ -462,6 +474,23 @@ def write_report(
     return text
 
 
+def _out_dir(kind: str) -> Path:
+    """A directory no earlier run has taken, ``<runs>/bench/<kind>/<start time>`` (``runs`` unless
+    ``LIT_AMP_DET_RUNS`` is set), numbered after the time where a run in the same second took it.
+
+    Each run writes its report and its repeats file into its own directory, so that no run adds to or
+    overwrites another's.
+    """
+    root = Path(os.environ.get("LIT_AMP_DET_RUNS") or "runs") / "bench" / kind
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    out = root / stamp
+    number = 1
+    while out.exists():  # two runs in one second
+        out = root / f"{stamp}_{number}"
+        number += 1
+    return out
+
+
 def main(kind: str, argv: Sequence[str] | None = None) -> None:
     """``bench <kind> [options]``: every selected row's repeats in their own processes, then the report."""
     from lit_amp_det.bench.measure import run_row
@@ -492,13 +521,7 @@ def main(kind: str, argv: Sequence[str] | None = None) -> None:
         state = ensure_state(setting, setting.state_steps, cache_root(args.cache_dir))
         setting = dataclasses.replace(setting, weights=state["file"], lr=state["final_lr"])
     order = repeats.run_order(len(selected), args.repeats)
-    out = args.out
-    if out is None:
-        root = Path(os.environ.get("LIT_AMP_DET_RUNS") or "runs") / "bench" / kind
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        out, n = root / stamp, 1
-        while out.exists():  # two runs in one second
-            out, n = root / f"{stamp}_{n}", n + 1
+    out = args.out or _out_dir(kind)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"bench_{kind}_repeats.jsonl"  # one line per finished repeat: a run cut short keeps them
 

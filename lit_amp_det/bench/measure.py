@@ -69,10 +69,8 @@ def shapes_batch(split: str, indices: Sequence[int], height: int, width: int, nu
         shapes = [inst for inst in rendered.instances if inst.labelled]
         boxes = []
         for inst in shapes:
-            rows, cols = (
-                inst.visible_mask.any(axis=1).nonzero()[0],
-                inst.visible_mask.any(axis=0).nonzero()[0],
-            )
+            rows = inst.visible_mask.any(axis=1).nonzero()[0]
+            cols = inst.visible_mask.any(axis=0).nonzero()[0]
             boxes.append([float(cols[0]), float(rows[0]), float(cols[-1] + 1), float(rows[-1] + 1)])
         masks = (
             np.stack([inst.visible_mask for inst in shapes]) if shapes else np.zeros((0, height, width), bool)
@@ -137,11 +135,14 @@ class RowTimer(pl.Callback):
     """
 
     def __init__(self, plan: Sequence[str]) -> None:
-        self.plan, self.detections = list(plan), 0
+        self.plan = list(plan)
         self.times: dict[str, list[float]] = {}
+        self.detections = 0
         self.peak: dict[str, float] = {}
         self.probe: MemoryProbe | None = None  # set when the run starts
-        self._baseline, self._started, self._pinned = 0, 0.0, False
+        self._baseline = 0
+        self._started = 0.0
+        self._pinned = False
         self._syncs: HostSyncs | None = None
 
     def _end_memory_step(self) -> None:
@@ -263,6 +264,31 @@ def instantiate_model(cfg: DictConfig) -> Any:
     return instantiate(cfg.model, _convert_="all")
 
 
+def _plan(bench: Bench, setting: Setting, cfg: DictConfig) -> tuple[list[str], DataLoader]:
+    """What each batch of the row's run is for (see :class:`RowTimer`), and the loader that serves them.
+
+    A compiled row warms up for longer (``setting.compile_warmup`` steps), so that its compile time stays out
+    of the timed steps. A ``fit`` run repeats one training batch, its targets padded as the row's data module
+    would pad them; a ``predict`` run warms up at batch one and at the full batch before anything is timed
+    (compile traces each input shape), then times latency at batch one and throughput at the full batch.
+    """
+    warmup = setting.compile_warmup if cfg.speedups.get("compile") else setting.warmup
+    images, targets = shapes_batch(
+        "val", range(setting.batch), setting.height, setting.width, setting.num_classes
+    )
+    if bench.stage == "fit":
+        plan = ["warmup"] * warmup + ["step"] * setting.steps + ["memory"]
+        batches = [(images, pad_training_targets(cfg, targets))] * len(plan)
+    else:
+        single = (images[:1], targets[:1])
+        full = (images, targets)
+        plan = ["warmup"] * 2 * warmup + ["latency"] * setting.steps + ["batch"] * setting.steps + ["memory"]
+        batches = (
+            [single] * warmup + [full] * warmup + [single] * setting.steps + [full] * (setting.steps + 1)
+        )
+    return plan, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)  # type: ignore[arg-type]
+
+
 def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     """Runs ``bench.rows[index]`` for ``setting`` in this process; its step times, peak memory and what
     ran.
@@ -274,21 +300,7 @@ def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:
     torch.manual_seed(0)  # the random state's weights; model.weights, when set, replaces them all
     module = instantiate_model(cfg)
     loaded = weights_sha256(module.model)
-    # what each batch of the run is for (see RowTimer), and the loader that serves the batches
-    warmup = setting.compile_warmup if cfg.speedups.get("compile") else setting.warmup
-    images, targets = shapes_batch(
-        "val", range(setting.batch), setting.height, setting.width, setting.num_classes
-    )
-    if bench.stage == "fit":
-        plan = ["warmup"] * warmup + ["step"] * setting.steps + ["memory"]
-        batches = [(images, pad_training_targets(cfg, targets))] * len(plan)
-    else:  # every batch size warms up before anything is timed (compile traces each input shape)
-        single, full = (images[:1], targets[:1]), (images, targets)
-        plan = ["warmup"] * 2 * warmup + ["latency"] * setting.steps + ["batch"] * setting.steps + ["memory"]
-        batches = (
-            [single] * warmup + [full] * warmup + [single] * setting.steps + [full] * (setting.steps + 1)
-        )
-    loader = DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)  # type: ignore[arg-type]
+    plan, loader = _plan(bench, setting, cfg)
     timer = RowTimer(plan)
     callbacks = [timer, *instantiate_all(cfg.get("callbacks"), "callbacks")]
     trainer = build_trainer(cfg, callbacks)

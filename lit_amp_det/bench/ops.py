@@ -56,6 +56,18 @@ def _scores(n: int, seed: int) -> Tensor:
     return torch.rand(n, generator=torch.Generator().manual_seed(seed))
 
 
+def _rois(k: int, seed: int) -> Tensor:
+    """``k`` RoIs ``Tensor[K, 5]`` over a batch of two images, as RoIAlign takes them: each row the index of
+    its image (as a float) and a box ``x1, y1, x2, y2``.
+
+    The boxes are clustered, as proposals are, and both columns come from ``seed``, so that ours and
+    torchvision's pool the same regions in every run.
+    """
+    boxes = _boxes(k, 30, seed, max_size=600)
+    batch_index = torch.randint(2, (k, 1), generator=torch.Generator().manual_seed(seed)).float()
+    return torch.cat([batch_index, boxes], 1)
+
+
 def _compare(
     name: str,
     size: str,
@@ -123,10 +135,8 @@ def _fwd_bwd(
 def _nms_cases(device: str) -> list[OpCase]:
     rpn_boxes, rpn_scores = _boxes(12000, 300, 0).to(device), _scores(12000, 0).to(device)
     level_boxes = torch.cat([_boxes(2000, 60, seed) for seed in range(5)]).to(device)
-    level_scores, levels = (
-        _scores(10000, 1).to(device),
-        torch.arange(5, device=device).repeat_interleave(2000),
-    )
+    level_scores = _scores(10000, 1).to(device)
+    levels = torch.arange(5, device=device).repeat_interleave(2000)
     det_boxes, det_scores = _boxes(5000, 100, 2).to(device), _scores(5000, 2).to(device)
     labels = torch.randint(80, (5000,), generator=torch.Generator().manual_seed(2)).to(device)
     full_boxes, full_scores = _boxes(5000, 100, 3).to(device), _scores(5000, 3).to(device)
@@ -164,7 +174,8 @@ def _nms_cases(device: str) -> list[OpCase]:
 
 
 def _iou_cases(device: str) -> list[OpCase]:
-    gt, anchors = _boxes(20, 20, 4).to(device), _boxes(240_000, 1000, 5).to(device)
+    gt = _boxes(20, 20, 4).to(device)
+    anchors = _boxes(240_000, 1000, 5).to(device)
     proposals = _boxes(2000, 100, 6).to(device)
     return [
         (
@@ -195,8 +206,7 @@ def _roi_align_cases(device: str, half: torch.dtype) -> list[OpCase]:
         (f"{str(half).split('.')[-1]} (tv: autocast)", base.to(half), torch.contiguous_format, half),
     ]
     for head, k, out in (("box head", 512, 7), ("mask head", 128, 14)):
-        batch_index = torch.randint(2, (k, 1), generator=torch.Generator().manual_seed(8)).float()
-        rois = torch.cat([batch_index, _boxes(k, 30, 8, max_size=600)], 1).to(device)
+        rois = _rois(k, 8).to(device)
         size = f"{head}: {k} RoIs {out}x{out}, 2x256x{IMAGE[0] // 8}x{IMAGE[1] // 8}"
         for label, features, layout, autocast in variants:
             x = features.contiguous(memory_format=layout).requires_grad_()
@@ -219,7 +229,8 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[OpCase]:
     g = torch.Generator().manual_seed(9)
     boxes = [_boxes(512, 40, seed, max_size=700).clamp(min=0).to(device) for seed in (10, 11)]
     shapes = [IMAGE, IMAGE]
-    ours_pool, tv_pool = ops.MultiScaleRoIAlign(names, 7, 2), torchvision.ops.MultiScaleRoIAlign(names, 7, 2)
+    ours_pool = ops.MultiScaleRoIAlign(names, 7, 2)
+    tv_pool = torchvision.ops.MultiScaleRoIAlign(names, 7, 2)
     cases = []
     half_label = f"{str(half).split('.')[-1]} (tv: autocast)"
     for label, dtype, autocast in (("fp32", torch.float32, None), (half_label, half, half)):
@@ -241,6 +252,23 @@ def _pooler_cases(device: str, half: torch.dtype) -> list[OpCase]:
             autocast,
         )
     return cases
+
+
+def _table(rows: list[dict[str, Any]], header: str) -> str:
+    """The report: ``header``, then a markdown table with a line per op case of ``rows``: both medians in ms
+    and the speed-up of ours over torchvision's.
+    """
+    lines = [
+        header,
+        "| op | size | dtype / layout | ours ms | torchvision ms | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['op']} | {r['size']} | {r['dtype']} | {r['ours_ms']:.2f} | {r['torchvision_ms']:.2f} "
+        f"| **{r['speedup']:.2f}x** |"
+        for r in rows
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -293,17 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"device={args.device} ({device_name(args.device)}) torch={torch.__version__} "
         f"torchvision={torchvision.__version__} repeats={repeats} (median; warm-up {args.warmup} excluded)"
     )
-    lines = [
-        header,
-        "| op | size | dtype / layout | ours ms | torchvision ms | speed-up |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['op']} | {r['size']} | {r['dtype']} | {r['ours_ms']:.2f} | {r['torchvision_ms']:.2f} "
-        f"| **{r['speedup']:.2f}x** |"
-        for r in rows
-    ]
-    print("\n".join(lines))
+    print(_table(rows, header))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=2))

@@ -139,13 +139,16 @@ class _Losses(pl.Callback):
     """Records each step's loss, prints progress to ``log`` and stops on a loss that is not finite."""
 
     def __init__(self, steps: int, log: Any) -> None:
-        self.steps, self.stream, self.losses = steps, log, []
+        self.steps = steps
+        self.stream = log
+        self.losses: list[float] = []
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss, step = float(outputs["loss"]), len(self.losses) + 1
+        loss = float(outputs["loss"])
+        step = len(self.losses) + 1
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         if not math.isfinite(loss):
             raise RuntimeError(
