@@ -222,7 +222,7 @@ def _summary(
     *,
     examples: bool = True,
 ) -> str:
-    """``6 tensors of other shapes (roi_heads...weight [7, 64] in the file, [4, 64] here, ...)``: a few names."""
+    """A few of the names: ``6 tensors of other shapes (roi_heads...weight [7, 64] in the file, ...)``."""
     parts = []
     for kind, keys in mismatch.items():
         if not keys:

@@ -25,13 +25,14 @@ from lit_amp_det.slurm import current_job
 __all__ = ["hydra_argv", "main", "usage"]
 
 _DESCRIPTIONS = {
-    "fit": "train, validating every trainer.check_val_every_n_epoch epochs; ckpt_path=last resumes the newest "
-    "unfinished fit",
+    "fit": "train, validating every trainer.check_val_every_n_epoch epochs; ckpt_path=last resumes the "
+    "newest unfinished fit",
     "validate": "score a checkpoint (ckpt_path=... or model.weights=...) on the validation split",
     "test": "score a checkpoint on the test split",
-    "predict": "write COCO-format detections of data.predict_split (or of the pictures in data.predict_images) "
-    "to predictions.json",
-    "export": "write the model (ckpt_path=... or model.weights=...) as format=onnx|pt2 with a JSON description",
+    "predict": "write COCO-format detections of data.predict_split (or of the pictures in "
+    "data.predict_images) to predictions.json",
+    "export": "write the model (ckpt_path=... or model.weights=...) as format=onnx|pt2 with a JSON "
+    "description",
     "bench": "benchmarks: `bench train|infer` (each optimisation added in turn), "
     "`bench precision|ops|convbn|coco_eval`",
 }
@@ -102,8 +103,8 @@ def _main(argv: Sequence[str] | None) -> None:
     if (used := _used_run_dir(rest)) is not None:
         sys.exit(
             f"lit_amp_det: hydra.run.dir={used} already holds a run (run.json, metrics.json or checkpoints); "
-            f"runs never write into an earlier run's folder. Choose another folder (or leave hydra.run.dir out: "
-            f"each run gets a new one), or resume that run into a new folder with ckpt_path={used}"
+            "runs never write into an earlier run's folder. Choose another folder (or leave hydra.run.dir "
+            f"out: each run gets a new one), or resume that run into a new folder with ckpt_path={used}"
         )
     if launch_rank() and not any(arg.startswith("hydra.output_subdir=") for arg in rest):
         rest = [*rest, "hydra.output_subdir=null"]  # another node's first process: rank 0 writes .hydra/
@@ -128,16 +129,18 @@ MIN_FREE_MB = 64
 
 
 def _short_of_room() -> str | None:
-    """Why the runs folder's disk cannot take a run (``None`` when it can): said before anything is written."""
+    """Why the runs folder's disk cannot take a run (``None`` when it can): said before anything is
+    written.
+    """
     root = Path(os.environ.get("LIT_AMP_DET_RUNS", "runs")).expanduser().absolute()
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free / 2**20
     if free >= MIN_FREE_MB:
         return None
     return (
-        f"lit_amp_det: {free:.0f} MB free on the disk of {root}, where runs are written: a run needs room for its "
-        f"config, logs and checkpoints (at least {MIN_FREE_MB} MB). Free space there, or set LIT_AMP_DET_RUNS "
-        "to a folder on another disk"
+        f"lit_amp_det: {free:.0f} MB free on the disk of {root}, where runs are written: a run needs room "
+        f"for its config, logs and checkpoints (at least {MIN_FREE_MB} MB). Free space there, or set "
+        "LIT_AMP_DET_RUNS to a folder on another disk"
     )
 
 

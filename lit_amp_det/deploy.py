@@ -68,7 +68,7 @@ def deployed_detector(module: Any) -> DeployedDetector:
     """The fixed-shape graph of ``module``'s detector (a fresh copy with its weights; ``module`` is not
     changed).
     """
-    from lit_amp_det.models.sync_free import use_sync_free
+    from lit_amp_det.models.sync_free import fixed_shape_detector
 
     hparams, saved = module.hparams, {key: module.hparams.get(key) for key in ("weights", "backbone")}
     hparams["weights"] = None  # the module's tensors replace every weight: nothing named is read
@@ -80,7 +80,7 @@ def deployed_detector(module: Any) -> DeployedDetector:
         hparams.update(saved)
     detector.load_state_dict(module.model.state_dict())
     try:
-        detector = use_sync_free(detector.to(module.device))
+        detector = fixed_shape_detector(detector.to(module.device))
     except TypeError:
         raise TypeError(
             f"export writes the fixed-shape computation of torchvision's FasterRCNN or MaskRCNN; "

@@ -20,12 +20,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch import LightningModule
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 from torchmetrics.detection import MeanAveragePrecision
 
@@ -38,19 +37,51 @@ from lit_amp_det.models.speedups import DEFAULT_SPEEDUPS, ModelTransform, apply_
 from lit_amp_det.models.sync_free import is_fixed_shape
 from lit_amp_det.module_settings import EVAL_BACKENDS, check_eval_backend, check_evaluation, check_optim
 from lit_amp_det.optim import build_optimizer, global_batch_size, scale_lr
+from lit_amp_det.settings import (
+    BackboneSettings,
+    DetectorSettings,
+    RoIHeadsSettings,
+    RPNSettings,
+    TransformSettings,
+    plain_settings,
+)
 
-__all__ = ["EVAL_BACKENDS", "MaskRCNNModule", "check_eval_backend"]
+__all__ = ["EVAL_BACKENDS", "CapturedStep", "MaskRCNNModule", "check_eval_backend"]
 
 log = logging.getLogger(__name__)
 
 Batch = tuple[Sequence[Tensor], Sequence[dict[str, Tensor]]]
 
 
-def _plain(value: Any) -> Any:
-    """OmegaConf containers -> builtin dicts/lists, so hyper-parameters pickle without OmegaConf."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
+class CapturedStep(Protocol):
+    """A whole training step that :meth:`MaskRCNNModule.training_step` hands a batch to: forward, loss,
+    backward and the optimizer step, e.g. replayed as one CUDA graph (``callbacks.cuda_graph``).
+
+    Installed with :meth:`MaskRCNNModule.set_captured_step`.
+    """
+
+    def run(
+        self,
+        module: MaskRCNNModule,
+        images: Sequence[Tensor],
+        targets: Sequence[dict[str, Tensor]],
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        """Trains one step on a batch.
+
+        Args:
+            module: the module that trains.
+            images: the batch's ``[3, H, W]`` images, as the loader delivers them.
+            targets: the batch's targets, as the loader delivers them (padded: ``data.pad_instances``).
+
+        Returns:
+            ``(loss_dict, loss)``: the losses of the step, for logging.
+        """
+        ...
+
+
+def _metric_name(key: str) -> str:
+    """torchmetrics' ``bbox_map_50`` as logged (``bbox_mAP_50``); other keys as they are."""
+    return key.replace("map", "mAP", 1) if key.startswith(("bbox_map", "segm_map")) else key
 
 
 class MaskRCNNModule(LightningModule):
@@ -65,7 +96,12 @@ class MaskRCNNModule(LightningModule):
         class_names: names of classes 1..K, for logs and predictions.
         category_ids: dataset category id of each class 1..K, so predictions map back to the dataset.
         mask: predict instance masks (Mask R-CNN); ``False`` gives Faster R-CNN.
-        backbone, transform, rpn, roi_heads: see :func:`lit_amp_det.models.maskrcnn.build_detector`.
+        backbone: the ResNet trunk and FPN, :class:`~lit_amp_det.settings.BackboneSettings` or a mapping of
+            some of its keys (the others take its defaults, ``conf/model/maskrcnn_light``'s; so for the next
+            three).
+        transform: resizing and normalisation, :class:`~lit_amp_det.settings.TransformSettings` or a mapping.
+        rpn: the region proposal network, :class:`~lit_amp_det.settings.RPNSettings` or a mapping.
+        roi_heads: the box and mask heads, :class:`~lit_amp_det.settings.RoIHeadsSettings` or a mapping.
         weights: where the weights come from: a torchvision COCO checkpoint for this architecture by name
             (``"COCO_V1"``, ``"DEFAULT"``; see :func:`~lit_amp_det.models.maskrcnn.build_detector`), fetched
             through torch hub's cache, or a local file: a state dict of the detector or a Lightning
@@ -95,10 +131,10 @@ class MaskRCNNModule(LightningModule):
         class_names: Sequence[str] | None = None,
         category_ids: Sequence[int] | None = None,
         mask: bool = True,
-        backbone: Mapping[str, Any] | None = None,
-        transform: Mapping[str, Any] | None = None,
-        rpn: Mapping[str, Any] | None = None,
-        roi_heads: Mapping[str, Any] | None = None,
+        backbone: BackboneSettings | Mapping[str, Any] | None = None,
+        transform: TransformSettings | Mapping[str, Any] | None = None,
+        rpn: RPNSettings | Mapping[str, Any] | None = None,
+        roi_heads: RoIHeadsSettings | Mapping[str, Any] | None = None,
         weights: str | None = None,
         optim: Mapping[str, Any] | None = None,
         evaluation: Mapping[str, Any] | None = None,
@@ -109,7 +145,13 @@ class MaskRCNNModule(LightningModule):
         # checkpoints load with weights_only=True
         self.save_hyperparameters()
         for key, value in list(self.hparams.items()):
-            self.hparams[key] = _plain(value)
+            self.hparams[key] = plain_settings(value)
+        self.detector_settings = DetectorSettings.of(
+            backbone=backbone,
+            transform=transform,
+            rpn=rpn,
+            roi_heads=roi_heads,
+        )
         self.optim_settings = check_optim(optim)
         self.evaluation_settings = check_evaluation(evaluation)
         self.configured_speedups = build_transforms(DEFAULT_SPEEDUPS if speedups is None else speedups)
@@ -117,7 +159,7 @@ class MaskRCNNModule(LightningModule):
         self.model = self.build_model()
         local = local_weights(weights)
         if local is not None:
-            named = (backbone or {}).get("weights")
+            named = self.detector_settings.backbone.weights
             if named:
                 log.info(
                     "weights=%r supplies the weights: backbone.weights=%r checked but not loaded",
@@ -128,9 +170,7 @@ class MaskRCNNModule(LightningModule):
         self.val_metric = self.build_metric()
         self.test_metric = self.build_metric()
         self.last_validated_step: int | None = None  # lets train() tell whether the final weights were scored
-        self.captured_step: Any = (
-            None  # the CUDAGraphTraining callback while it trains (callbacks.cuda_graph)
-        )
+        self._captured_step: CapturedStep | None = None  # see set_captured_step
         self._lookup: Tensor | None = None  # category_ids on the device (predict_step)
         self._lookup_key: tuple[Any, ...] | None = None
 
@@ -162,6 +202,24 @@ class MaskRCNNModule(LightningModule):
         if transforms:
             log.info("speedups on %s: %s", device.type, ", ".join(self.applied_speedups) or "none")
 
+    @property
+    def captured_step(self) -> CapturedStep | None:
+        """The step :meth:`training_step` hands each batch to (:meth:`set_captured_step`), or ``None``."""
+        return self._captured_step
+
+    def set_captured_step(self, step: CapturedStep | None) -> None:
+        """Installs ``step`` as what :meth:`training_step` runs on each batch, or removes it (``None``).
+
+        A captured step takes the optimizer step itself, so the module optimises manually while one is
+        installed and automatically again once it is removed. ``callbacks.cuda_graph`` installs itself when
+        fit starts and removes itself at teardown.
+
+        Args:
+            step: the step that trains each batch; ``None``: Lightning's automatic optimisation again.
+        """
+        self._captured_step = step
+        self.automatic_optimization = step is None
+
     # ------------------------------------------------------------------------------ override points
     def build_model(self) -> nn.Module:
         """Constructs the detector from ``self.hparams``. Override to change the architecture."""
@@ -172,10 +230,7 @@ class MaskRCNNModule(LightningModule):
         return build_detector(
             hp.num_classes,
             mask=hp.mask,
-            backbone=hp.backbone,
-            transform=hp.transform,
-            rpn=hp.rpn,
-            roi_heads=hp.roi_heads,
+            **self.detector_settings.build_kwargs(),
             weights=None if local else weights,
             load_weights=not local,
         )
@@ -295,9 +350,10 @@ class MaskRCNNModule(LightningModule):
         compile.
         """
         raise NotImplementedError(
-            f"{type(self).__name__} cannot become TorchScript: its detector calls lit_amp_det's ops, which TorchScript "
-            f"(deprecated by PyTorch) cannot compile. Use module.to_onnx(path) for ONNX, or torch.export through "
-            f"`python -m lit_amp_det export format=pt2` / lit_amp_det.deploy.export_detector(module, path, 'pt2')"
+            f"{type(self).__name__} cannot become TorchScript: its detector calls lit_amp_det's ops, which "
+            "TorchScript (deprecated by PyTorch) cannot compile. Use module.to_onnx(path) for ONNX, or "
+            "torch.export through `python -m lit_amp_det export format=pt2` / "
+            "lit_amp_det.deploy.export_detector(module, path, 'pt2')"
         )
 
     # ------------------------------------------------------------------------------------ forward
@@ -305,6 +361,13 @@ class MaskRCNNModule(LightningModule):
     def prepare_images(images: Sequence[Tensor]) -> list[Tensor]:
         """``uint8`` images (as the loaders deliver them) become float in [0, 1] on their device."""
         return [img.float().div_(255) if img.dtype == torch.uint8 else img for img in images]
+
+    @property
+    def instances_per_image(self) -> int | None:
+        """The instance count the fixed-shape detector's training targets are padded to
+        (``speedups.sync_free.instances_per_image``; the data module pads to it), or None.
+        """
+        return self.model.instances_per_image if is_fixed_shape(self.model) else None
 
     @staticmethod
     def training_targets(targets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
@@ -325,8 +388,9 @@ class MaskRCNNModule(LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         images, targets = batch
-        if self.captured_step is not None:  # forward, backward and optimizer step as one CUDA graph replay
-            loss_dict, loss = self.captured_step.run(self, images, targets)
+        captured = self._captured_step
+        if captured is not None:  # forward, backward and optimizer step as one CUDA graph replay
+            loss_dict, loss = captured.run(self, images, targets)
         else:
             targets = self.training_targets(targets)
             if targets and "valid" in targets[0] and not is_fixed_shape(self.model):
@@ -341,7 +405,7 @@ class MaskRCNNModule(LightningModule):
         self.log_dict({f"train/{k}": v.detach().float() for k, v in loss_dict.items()}, batch_size=batch_size)
         # the progress bar reads what it shows at every refresh: a captured step would wait for the device
         # each step
-        shown = self.captured_step is None
+        shown = captured is None
         self.log("train/loss", loss.detach(), prog_bar=shown, batch_size=batch_size)
         lr = self.optimizers().param_groups[0]["lr"]
         if not isinstance(
@@ -386,7 +450,7 @@ class MaskRCNNModule(LightningModule):
         metric.reset()
         wanted = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large", "mar_100")
         values = {
-            f"{stage}/{key.replace('map', 'mAP', 1) if key.startswith(('bbox_map', 'segm_map')) else key}": value
+            f"{stage}/{_metric_name(key)}": value
             for key, value in results.items()
             if key.split("_", 1)[-1] in wanted and value.numel() == 1
         }

@@ -3,7 +3,8 @@ read.
 
 The module takes them as two plain mappings (``optim``, ``evaluation``), so that its hyper-parameters stay
 plain data in every checkpoint; these dataclasses are what the module reads, made once in its constructor,
-which fails before any work on a wrong value and names the setting.
+which fails before any work on a wrong value and names the setting. :class:`OptimSettings` and its defaults
+(``conf/optim/adamw.yaml``'s) live in :mod:`lit_amp_det.settings` with the model's other typed settings.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.optim import check_reference_batch
+from lit_amp_det.settings import OptimSettings
 
 __all__ = [
     "EVAL_BACKENDS",
@@ -26,10 +28,6 @@ __all__ = [
     "check_optim",
 ]
 
-#: The optimizer and schedule a module gets when ``optim`` names none (``conf/optim`` gives its own).
-DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4}
-DEFAULT_SCHEDULER = {"_target_": "lit_amp_det.optim.warmup_schedule", "warmup_steps": 100}
-
 #: ``evaluation.backend`` (the library behind torchmetrics' ``MeanAveragePrecision``) -> the pip package
 #: providing it. Both give the same numbers; faster-coco-eval computes faster, its mask encoding is slower on
 #: large images.
@@ -37,19 +35,10 @@ EVAL_BACKENDS = {"faster_coco_eval": "faster-coco-eval", "pycocotools": "pycocot
 
 
 @dataclass(frozen=True)
-class OptimSettings:
-    """``optimizer`` and ``scheduler`` (``_target_`` mappings; an empty scheduler means none) and the global
-    batch ``reference_batch`` the lr is given for (``None``: the lr is used as it is).
-    """
-
-    optimizer: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_OPTIMIZER))
-    scheduler: dict[str, Any] | None = field(default_factory=lambda: dict(DEFAULT_SCHEDULER))
-    reference_batch: int | None = None
-
-
-@dataclass(frozen=True)
 class EvaluationSettings:
-    """``mask_threshold`` (probability above which a mask pixel is the instance's) and the COCO ``backend``."""
+    """``mask_threshold`` (probability above which a mask pixel is the instance's) and the COCO
+    ``backend``.
+    """
 
     mask_threshold: float = 0.5
     backend: str = "faster_coco_eval"
@@ -62,13 +51,26 @@ def _unknown_keys(node: str, given: Mapping[str, Any], known: tuple[str, ...]) -
 
 
 def check_optim(optim: Mapping[str, Any] | None) -> OptimSettings:
-    """``optim`` (``optimizer``, ``scheduler``, ``reference_batch``; missing keys take the defaults) checked."""
+    """``optim`` checked.
+
+    Args:
+        optim: ``optimizer``, ``scheduler`` and ``reference_batch``; missing keys take the defaults of
+            :class:`~lit_amp_det.settings.OptimSettings` (``conf/optim/adamw.yaml``'s). ``None``: all of them.
+
+    Returns:
+        The settings the module reads.
+
+    Raises:
+        ArgumentError: an unknown key, an optimizer or scheduler without a ``_target_``, or a bad
+            ``reference_batch``; the message names the key.
+    """
     given = dict(optim or {})
     _unknown_keys("optim", given, ("optimizer", "scheduler", "reference_batch"))
-    optimizer = given.get("optimizer", DEFAULT_OPTIMIZER)
+    defaults = OptimSettings()
+    optimizer = given.get("optimizer", defaults.optimizer)
     if not isinstance(optimizer, Mapping) or not optimizer.get("_target_"):
-        raise ArgumentError("optim.optimizer", optimizer, "needs a _target_ (e.g. torch.optim.SGD)")
-    scheduler = given.get("scheduler", DEFAULT_SCHEDULER)
+        raise ArgumentError("optim.optimizer", optimizer, "needs a _target_ (e.g. torch.optim.AdamW)")
+    scheduler = given.get("scheduler", defaults.scheduler)
     if scheduler and (not isinstance(scheduler, Mapping) or not scheduler.get("_target_")):
         raise ArgumentError(
             "optim.scheduler",
@@ -99,8 +101,8 @@ def check_eval_backend(backend: object) -> None:
         package = EVAL_BACKENDS[str(backend)]
         other = next(name for name in EVAL_BACKENDS if name != backend)
         raise ModuleNotFoundError(
-            f"model.evaluation.backend={backend!r} needs the {package!r} package, which does not import ({err}). "
-            f"Install it with `pip install {package}` (`make install` does), or set "
+            f"model.evaluation.backend={backend!r} needs the {package!r} package, which does not import "
+            f"({err}). Install it with `pip install {package}` (`make install` does), or set "
             f"model.evaluation.backend={other}."
         ) from err
 

@@ -29,19 +29,21 @@ def test_message_names_the_argument_and_the_prefix_goes_in_front() -> None:
 
 
 def test_config_node_prefixes_only_argument_errors() -> None:
-    with pytest.raises(ArgumentError, match=r"^callbacks\.x\.steps=0 must be >= 1$"):
-        with config_node("callbacks.x"):
-            raise ArgumentError("steps", 0, "must be >= 1")
+    with (
+        pytest.raises(ArgumentError, match=r"^callbacks\.x\.steps=0 "),
+        config_node("callbacks.x"),
+    ):
+        raise ArgumentError("steps", 0, "must be >= 1")
     with pytest.raises(RuntimeError, match="^unrelated$"), config_node("callbacks.x"):
         raise RuntimeError("unrelated")
 
 
 def test_library_classes_name_their_argument() -> None:
-    with pytest.raises(ArgumentError, match=r"^predict_split='dev' is unknown; choose train, val or test"):
+    with pytest.raises(ArgumentError, match=r"^predict_split='dev' .*train, val or test"):
         CocoDataModule(root="/nonexistent", predict_split="dev")
-    with pytest.raises(ArgumentError, match=r"^bad_images='ignore' is unknown; choose error or skip"):
+    with pytest.raises(ArgumentError, match=r"^bad_images='ignore' .*error or skip"):
         CocoDataModule(root="/nonexistent", bad_images="ignore")
-    with pytest.raises(ArgumentError, match=r"^warmup_steps=-1 must be an integer >= 0"):
+    with pytest.raises(ArgumentError, match=r"^warmup_steps=-1 "):
         MemoryMonitor(warmup_steps=-1)
 
 
@@ -57,7 +59,7 @@ def test_library_classes_name_their_argument() -> None:
         (
             "model.evaluation.mask_threshold=1.5",
             "model",
-            r"^model\.evaluation\.mask_threshold=1\.5 must be a probability",
+            r"^model\.evaluation\.mask_threshold=1\.5 ",
         ),
         (
             "+model.evaluation.threshold=0.4",
@@ -66,9 +68,9 @@ def test_library_classes_name_their_argument() -> None:
         ),
         # model.optim and model.speedups read the top-level groups, whose keys are the ones a user can
         # override
-        ("optim.reference_batch=0", "model", r"^optim\.reference_batch=0 must be a positive integer"),
+        ("optim.reference_batch=0", "model", r"^optim\.reference_batch=0 "),
         ("optim.optimizer._target_=null", "model", r"^optim\.optimizer=\{.*\} needs a _target_"),
-        ("speedups.ext_ops=true", "model", r"^speedups\.ext_ops=True must be a _target_ mapping"),
+        ("speedups.ext_ops=true", "model", r"^speedups\.ext_ops=True .*_target_"),
         (
             "+speedups.mine={_target_:torch.nn.Identity}",
             "model",
@@ -78,7 +80,7 @@ def test_library_classes_name_their_argument() -> None:
         (
             "model.optim={reference_batch:0}",
             "model",
-            r"^model\.optim\.reference_batch=0 must be a positive integer",
+            r"^model\.optim\.reference_batch=0 ",
         ),
     ],
 )
@@ -103,7 +105,5 @@ def test_a_callback_added_in_code_gets_its_path_too(tmp_path: Path) -> None:
             "_target_": "lit_amp_det.callbacks.MemoryMonitor",
             "baseline_steps": 0,
         }
-    with pytest.raises(
-        ArgumentError, match=r"^callbacks\.memory_monitor\.baseline_steps=0 must be an integer >= 1"
-    ):
+    with pytest.raises(ArgumentError, match=r"^callbacks\.memory_monitor\.baseline_steps=0 "):
         build_trainer(cfg)

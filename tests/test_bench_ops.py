@@ -46,5 +46,5 @@ def test_both_sides_of_the_nms_and_iou_cases_agree() -> None:
 
 
 def test_unknown_group_is_refused() -> None:
-    with pytest.raises(SystemExit, match=r"--only: unknown group\(s\) \['winograd'\]"):
+    with pytest.raises(SystemExit, match=r"--only.*\['winograd'\]"):
         bench_ops.main(["--device=cpu", "--only=winograd"])

@@ -132,7 +132,7 @@ def test_cast_tensor_type_keeps_gradients_flowing() -> None:
 
 
 def test_cast_tensor_type_rejects_bad_dtypes() -> None:
-    with pytest.raises(TypeError, match="dst_type must be a torch.dtype"):
+    with pytest.raises(TypeError, match=r"\bdst_type\b"):
         cast_tensor_type(torch.ones(1), torch.float32, "float16")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="src_type"):
         cast_tensor_type(torch.ones(1), "float32", torch.float16)  # type: ignore[arg-type]
@@ -160,7 +160,7 @@ def test_set_mixed_precision_covers_submodules_and_plain_objects_and_turns_off()
     assert mixed_precision_dtype(obj) == torch.bfloat16
     set_mixed_precision(obj, None)
     assert mixed_precision_dtype(obj) is None
-    with pytest.raises(ValueError, match="dtype must be torch.float16, torch.bfloat16 or None"):
+    with pytest.raises(ValueError, match=r"\bdtype\b.*torch\.float32"):
         set_mixed_precision(obj, torch.float32)
 
 
@@ -285,7 +285,7 @@ def test_decorated_methods_keep_metadata_and_carry_the_region_marker() -> None:
 
 
 def test_unknown_apply_to_name_raises_at_decoration_time() -> None:
-    expected = r"force_fp32\(apply_to=\['x'\]\) names 'x', .*Box\.loss\(self, cls_score, bbox_pred\)"
+    expected = r"apply_to=\['x'\].*Box\.loss\(self, cls_score, bbox_pred\)"
     with pytest.raises(ValueError, match=expected):
 
         class Box:
@@ -293,9 +293,9 @@ def test_unknown_apply_to_name_raises_at_decoration_time() -> None:
             def loss(self, cls_score, bbox_pred):  # type: ignore[no-untyped-def]
                 return cls_score
 
-    with pytest.raises(ValueError, match="auto_fp16.*names 'self'"):
+    with pytest.raises(ValueError, match=r"auto_fp16.*'self'"):
         auto_fp16(apply_to=["self"])(lambda self, x: x)
-    with pytest.raises(TypeError, match=r"must be a list of names, e.g. apply_to=\['x'\]"):
+    with pytest.raises(TypeError, match=r"apply_to=\['x'\]"):
         force_fp32(apply_to="x")(lambda self, x: x)
 
 
@@ -385,7 +385,7 @@ def test_wrap_method_is_idempotent_and_unwrap_restores() -> None:
     first = lin.forward
     wrap_method(lin, "forward", "fp32")
     assert lin.forward is first and first.function is nn.Linear.forward  # not wrapped twice
-    with pytest.raises(ValueError, match="already wrapped with mode='fp32'.*unwrap_method"):
+    with pytest.raises(ValueError, match=r"mode='fp32'.*unwrap_method"):
         wrap_method(lin, "forward", "fp32_outputs")
 
     unwrap_method(lin, "forward")
@@ -423,11 +423,11 @@ def test_wrap_method_on_plain_object_and_instance_level_callables() -> None:
 
 
 def test_wrap_method_unknown_name_and_bad_mode() -> None:
-    with pytest.raises(AttributeError, match="Linear has no method 'nope'"):
+    with pytest.raises(AttributeError, match=r"Linear.*'nope'"):
         wrap_method(nn.Linear(1, 1), "nope", "fp32")
-    with pytest.raises(AttributeError, match="Linear has no method 'in_features'"):
+    with pytest.raises(AttributeError, match=r"Linear.*'in_features'"):
         wrap_method(nn.Linear(1, 1), "in_features", "fp32")
-    with pytest.raises(ValueError, match="mode must be one of"):
+    with pytest.raises(ValueError, match=r"\bmode\b.*'fp16'"):
         wrap_method(nn.Linear(1, 1), "forward", "fp16")  # type: ignore[arg-type]
 
 

@@ -57,7 +57,11 @@ def test_fit_writes_config_checkpoints_logs_and_metrics(trained: tuple[Path, str
     ] == {  # plain data, as conf/speedups/default.yaml names them
         "ext_ops": {"_target_": "lit_amp_det.models.speedups.ExtensionOps"},
         "binary_mask_paste": {"_target_": "lit_amp_det.models.speedups.BinaryMaskPaste"},
-        "sync_free": {"_target_": "lit_amp_det.models.speedups.SyncFree", "devices": ["cuda"]},
+        "sync_free": {
+            "_target_": "lit_amp_det.models.speedups.SyncFree",
+            "devices": ["cuda"],
+            "instances_per_image": None,
+        },
         "channels_last": None,
         "compile": None,
     }

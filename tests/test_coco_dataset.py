@@ -1,4 +1,6 @@
-"""Tests for `lit_amp_det.data.coco` and `lit_amp_det.data.transforms` on tiny COCO folders built in tmp_path."""
+"""Tests for `lit_amp_det.data.coco` and `lit_amp_det.data.transforms` on tiny COCO folders built in
+tmp_path.
+"""
 
 from __future__ import annotations
 
@@ -391,7 +393,7 @@ def test_invalid_boxes_skip_counts_and_drops(tmp_path, caplog):
 
 
 def test_unknown_invalid_boxes_policy(folder):
-    with pytest.raises(ValueError, match="invalid_boxes must be 'error' or 'skip', got 'drop'"):
+    with pytest.raises(ValueError, match=r"invalid_boxes.*'drop'"):
         CocoInstances(*folder, invalid_boxes="drop")
 
 
@@ -552,7 +554,7 @@ def test_flip_rejects_bad_probability(p):
 
 
 def test_to_float_rejects_float_input():
-    with pytest.raises(TypeError, match="ToFloat expects a uint8 image, got torch.float32"):
+    with pytest.raises(TypeError, match=r"ToFloat .*torch\.float32"):
         ToFloat()(torch.zeros(3, 2, 2), {})
 
 

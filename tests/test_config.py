@@ -2,23 +2,49 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 from urllib.error import URLError
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from conftest import CONFIG_ERRORS, compose_config
 from lit_amp_det import MaskRCNNModule
-from lit_amp_det.app.config import check_config, config_groups
+from lit_amp_det.app import tasks
+from lit_amp_det.app.config import RENAMED_SETTINGS, check_config, config_groups
+from lit_amp_det.app.overrides import UnknownSetting, prepare_overrides
 from lit_amp_det.app.tasks import build_model, build_trainer
+from lit_amp_det.data import ShapesDataModule
 from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.speedups import DEFAULT_SPEEDUPS
+from lit_amp_det.module_settings import EvaluationSettings, OptimSettings
+from lit_amp_det.precision import HalfPrecisionOptions, build_precision_plugin
+from lit_amp_det.settings import (
+    BackboneSettings,
+    DetectorSettings,
+    PrecisionSettings,
+    RoIHeadsSettings,
+    RPNSettings,
+    TransformSettings,
+)
 
 GROUPS = config_groups()
+#: The model's typed nested settings, by their key under ``model``.
+SCHEMAS = {
+    "backbone": BackboneSettings,
+    "transform": TransformSettings,
+    "rpn": RPNSettings,
+    "roi_heads": RoIHeadsSettings,
+}
 
 
 def test_expected_groups_exist() -> None:
@@ -170,8 +196,7 @@ def test_data_settings_of_another_data_option_name_the_keys(tmp_path: Path) -> N
     """
     with pytest.raises(
         CONFIG_ERRORS,
-        match=r"data.image_size, data.test_size, data.train_size, data.val_size: not a "
-        r"setting of CocoDataModule.*experiment=smoke.*CocoDataModule takes: root",
+        match=r"^data\.image_size, data\.test_size, data\.train_size, data\.val_size: .*CocoDataModule",
     ):
         check_config(compose_config(["experiment=smoke", "data=coco"], tmp_path))
     check_config(compose_config(["data=coco"], tmp_path))  # the option's own keys pass
@@ -179,8 +204,25 @@ def test_data_settings_of_another_data_option_name_the_keys(tmp_path: Path) -> N
 
 
 def test_bad_precision_names_the_field(tmp_path: Path) -> None:
-    with pytest.raises(CONFIG_ERRORS, match=r"trainer.precision='16'.*32-true, 16-mixed, bf16-mixed"):
+    """One check (``precision.build.check_precision``): the plugin builder runs it, and the command runs it
+    first, before the data or the model is built.
+    """
+    with pytest.raises(CONFIG_ERRORS, match=r"trainer\.precision='16'"):
         check_config(compose_config(["trainer.precision=16"], tmp_path))
+    with pytest.raises(ValueError, match=r"trainer\.precision='16'"):
+        build_precision_plugin("16")
+
+
+def test_a_bad_precision_stops_the_command_before_anything_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def built(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built before trainer.precision was checked")
+
+    monkeypatch.setattr(tasks, "build_datamodule", built)
+    monkeypatch.setattr(tasks, "build_model", built)
+    with pytest.raises(ValueError, match=r"trainer\.precision='fp16'"):
+        tasks.train(compose_config(["experiment=smoke", "trainer.precision=fp16"], tmp_path))
 
 
 def test_weights_for_another_architecture_name_the_mismatch(tmp_path: Path) -> None:
@@ -188,15 +230,13 @@ def test_weights_for_another_architecture_name_the_mismatch(tmp_path: Path) -> N
     cfg = compose_config(["model.weights=COCO_V1"], tmp_path)  # maskrcnn_light: R18, 64-wide FPN, slim heads
     with pytest.raises(
         ArgumentError,
-        match=r"^model.weights='COCO_V1' names torchvision's maskrcnn_resnet50_fpn.*"
-        r"backbone.name=resnet18 \(needs resnet50\)",
+        match=r"^model\.weights='COCO_V1' .*backbone\.name=resnet18 \(needs resnet50\)",
     ):
         build_model(cfg, datamodule)
     cfg = compose_config(["model=maskrcnn_tiny", "model.backbone.weights=IMAGENET1K_V1"], tmp_path)
     with pytest.raises(
         ArgumentError,
-        match=r"^model.backbone.weights='IMAGENET1K_V1' cannot be used: torchvision "
-        r"publishes no weights for name='resnet10'",
+        match=r"^model\.backbone\.weights='IMAGENET1K_V1' .*name='resnet10'",
     ):
         build_model(cfg, datamodule)
 
@@ -224,21 +264,138 @@ def test_bad_model_settings_name_the_field(override: str, message: str, tmp_path
 
 
 def test_the_precision_config_and_the_python_defaults_agree(tmp_path: Path) -> None:
-    """``conf/precision/default.yaml`` holds the same defaults as the plugin's own (one home each in Python:
-    the guard's in ``precision.guard``, GradScaler's in ``precision.options``), so a plugin built without the
-    config (a research script) behaves as ``fit`` does.
+    """``conf/precision/default.yaml`` holds the same defaults as the plugin's own (one home in Python:
+    ``settings.PrecisionSettings``, which the guard's and GradScaler's constants read), so a plugin built
+    without the config (a research script) behaves as ``fit`` does.
     """
-    import dataclasses
-    import inspect
-
-    from lit_amp_det.precision import HalfPrecisionOptions, build_precision_plugin
-
-    composed = dict(compose_config([], tmp_path).precision)
+    composed = OmegaConf.to_container(compose_config([], tmp_path).precision)
     options = {f.name: f.default for f in dataclasses.fields(HalfPrecisionOptions)}
     keywords = {
         name: parameter.default
         for name, parameter in inspect.signature(build_precision_plugin).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     }
-    assert composed == keywords
+    assert composed == dataclasses.asdict(PrecisionSettings()) == keywords
     assert {key: composed[key] for key in options} == options
+
+
+def _listed(node: DictConfig) -> dict[str, Any]:
+    """What a composed node lists, as plain data."""
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def test_the_default_config_lists_the_python_defaults(tmp_path: Path) -> None:
+    """Each default has one home in Python (``lit_amp_det.settings``, ``models.speedups.DEFAULT_SPEEDUPS``);
+    the default config lists the same values, so ``MaskRCNNModule(num_classes)`` in a script is the model that
+    ``fit`` trains.
+    """
+    cfg = compose_config([], tmp_path)
+    detector = DetectorSettings()
+    for name in ("backbone", "transform", "rpn", "roi_heads"):
+        assert _listed(cfg.model[name]) == dataclasses.asdict(getattr(detector, name)), name
+    assert _listed(cfg.optim) == dataclasses.asdict(OptimSettings())
+    assert _listed(cfg.model.evaluation) == dataclasses.asdict(EvaluationSettings())
+    assert {
+        name: node for name, node in _listed(cfg.speedups).items() if node is not None
+    } == DEFAULT_SPEEDUPS
+    configured = instantiate(cfg.model, _convert_="all", num_classes=3)
+    assert configured.detector_settings == MaskRCNNModule(3).detector_settings == detector
+
+
+@pytest.mark.parametrize("option", GROUPS["model"])
+def test_every_model_option_is_typed(option: str, tmp_path: Path) -> None:
+    """Every model option starts from the typed schemas, and what it sets is what the module reads."""
+    model = compose_config([f"model={option}"], tmp_path).model
+    for name, kind in SCHEMAS.items():
+        assert OmegaConf.get_type(model[name]) is kind, (option, name)
+    settings = DetectorSettings.of(**{name: model[name] for name in SCHEMAS})
+    assert settings.build_kwargs() == {name: _listed(model[name]) for name in SCHEMAS}
+
+
+@pytest.mark.parametrize(
+    ("group", "kind"),
+    [("precision", PrecisionSettings), ("optim", OptimSettings)],
+)
+def test_every_option_of_the_runtime_groups_is_typed(group: str, kind: type, tmp_path: Path) -> None:
+    for option in GROUPS[group]:
+        assert OmegaConf.get_type(compose_config([f"{group}={option}"], tmp_path)[group]) is kind, option
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "model.rpn.nms_thresh=high",
+        "model.backbone.fpn_channels=1.5",
+        "model.roi_heads.mask_head_layers=[a]",
+        "precision.init_scale=big",
+        "precision.growth_interval=often",
+        "optim.reference_batch=many",
+        "optim.optimizer=adam",
+    ],
+)
+def test_the_schemas_refuse_a_wrong_type_at_composition(override: str, tmp_path: Path) -> None:
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigCompositionException, match=re.escape(override)) as caught:
+        compose_config([override], tmp_path)
+    assert str(getattr(caught.value.__cause__, "full_key", "")).startswith(key)
+
+
+@pytest.mark.parametrize(
+    ("override", "close"),
+    [
+        ("model.rpn.nms_threshold=0.5", "model.rpn.nms_thresh"),
+        ("model.roi_heads.detections_per_image=5", "model.roi_heads.detections_per_img"),
+        ("precision.init_scal=8", "precision.init_scale"),
+    ],
+)
+def test_a_key_the_schema_lacks_names_the_closest_setting(override: str, close: str) -> None:
+    key = override.split("=", 1)[0]
+    with pytest.raises(UnknownSetting, match=rf"{re.escape(key)} .*{re.escape(close)}"):
+        prepare_overrides([override])
+
+
+def test_the_module_takes_typed_settings_and_keeps_plain_hyperparameters() -> None:
+    backbone = BackboneSettings(name="resnet10", fpn_channels=32)
+    module = MaskRCNNModule(3, backbone=backbone, rpn={"nms_thresh": 0.6}, speedups={})
+    assert module.detector_settings.backbone == backbone
+    assert module.detector_settings.rpn == RPNSettings(nms_thresh=0.6)  # the other keys: the defaults
+    assert module.hparams.backbone == dataclasses.asdict(backbone)  # plain data in every checkpoint
+    assert module.hparams.rpn == {"nms_thresh": 0.6}
+    assert module.model.rpn.nms_thresh == 0.6
+    assert module.model.backbone.fpn.inner_blocks[0][0].out_channels == 32
+    with pytest.raises(ArgumentError, match=r"^rpn\.nms_threshold=0\.6"):
+        MaskRCNNModule(3, rpn={"nms_threshold": 0.6})
+
+
+@pytest.mark.parametrize(("old", "new"), list(RENAMED_SETTINGS.items()))
+def test_an_old_setting_name_is_refused_naming_the_new_one(old: str, new: str, tmp_path: Path) -> None:
+    for multirun in (False, True):
+        with pytest.raises(UnknownSetting, match=rf"{re.escape(old)} .*{re.escape(new)}"):
+            prepare_overrides([f"{old}=3"], multirun)
+        with pytest.raises(UnknownSetting, match=rf"{re.escape(old)} .*{re.escape(new)}"):
+            prepare_overrides([f"+{old}=3"], multirun)
+    written_for_the_old_name = compose_config([f"+{old}=3"], tmp_path)  # an experiment file of the user's
+    with pytest.raises(ValueError, match=rf"{re.escape(old)} .*{re.escape(new)}"):
+        check_config(written_for_the_old_name)
+
+
+def test_the_data_seeds_reach_the_data_module(tmp_path: Path) -> None:
+    shapes = instantiate(compose_config([], tmp_path).data)
+    assert (shapes.sampler_seed, shapes.spec.seed) == (0, 0)  # seed: 0 and the generator's default
+    cfg = compose_config(["seed=4", "data.generation_seed=7"], tmp_path)
+    shapes = instantiate(cfg.data)
+    assert (shapes.sampler_seed, shapes.spec.seed) == (4, 7)  # the sampler follows the global seed
+    cfg = compose_config(["seed=4", "data.sampler_seed=5"], tmp_path)
+    assert instantiate(cfg.data).sampler_seed == 5
+    coco = instantiate(
+        compose_config(["data=coco", f"data.root={tmp_path}", "data.sampler_seed=6"], tmp_path).data
+    )
+    assert coco.sampler_seed == 6
+
+
+@pytest.mark.parametrize(("old", "new"), [("seed", "sampler_seed"), ("data_seed", "generation_seed")])
+def test_the_data_module_refuses_an_old_argument_naming_the_new_one(
+    old: str, new: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ArgumentError, match=rf"^{old}=3 .*{new}"):
+        ShapesDataModule(tmp_path, **{old: 3})

@@ -74,7 +74,7 @@ def test_console_log_writes_after_the_first_step_then_by_steps_or_seconds(monkey
         trainer.global_step, clock[0] = step, clock[0] + seconds
         callback.on_train_batch_end(trainer, None, None, [[], []], step)
     assert [line.split("  ")[0] for line in written] == ["step 1", "step 4", "step 50"]
-    with pytest.raises(ValueError, match="every_n_seconds=0 must be a number > 0"):
+    with pytest.raises(ValueError, match=r"every_n_seconds=0\b"):
         ConsoleLog(every_n_seconds=0)
 
 
@@ -111,9 +111,7 @@ def test_every_trainer_argument_is_a_setting_without_a_plus() -> None:
     assert prepare_overrides(["trainer.limit_val_batches=1,2"], multirun=True) == [
         "+trainer.limit_val_batches=1,2"
     ]
-    with pytest.raises(
-        UnknownSetting, match=r"data.batchsize is not a setting. Did you mean data.batch_size"
-    ):
+    with pytest.raises(UnknownSetting, match=r"data\.batchsize .*data\.batch_size\b"):
         prepare_overrides(["data.batchsize=3"])
     assert prepare_overrides(["model=no_such_model"]) == ["model=no_such_model"]  # Hydra lists the options
 
@@ -123,7 +121,7 @@ def test_a_fit_of_zero_steps_is_refused(tmp_path: Path) -> None:
     from lit_amp_det.app.config import check_config
 
     for override in ("trainer.max_steps=0", "trainer.max_epochs=0"):
-        with pytest.raises(ValueError, match=r"trainer.max_(steps|epochs)=0 trains nothing"):
+        with pytest.raises(ValueError, match=r"trainer\.max_(steps|epochs)=0\b"):
             check_config(compose_config([override], tmp_path))
 
 

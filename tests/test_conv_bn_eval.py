@@ -659,7 +659,9 @@ def test_callback_fails_early_without_pairs() -> None:
 
 
 class _NormEvalCounter(Callback):
-    """norm_eval for the detector (BatchNorm in eval mode before every batch), counting norm calls per kind."""
+    """norm_eval for the detector (BatchNorm in eval mode before every batch), counting norm calls per
+    kind.
+    """
 
     def __init__(self) -> None:
         self.calls: Counter = Counter()

@@ -1,4 +1,4 @@
-"""Lightning DDP with 2 CPU processes (gloo) on the tiny config: ranks, shards, precision, regions, callbacks."""
+"""DDP with 2 CPU processes (gloo) on the tiny config: ranks, shards, precision, regions, callbacks."""
 
 from __future__ import annotations
 

@@ -70,13 +70,16 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_removes_the_partial_file(
     target = tmp_path / "last.ckpt"
     io.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, target)
     before = target.read_bytes()
+    # the writer closes the file it opened (as it closes open()'s), so no context manager here
     monkeypatch.setattr(
-        checkpoint_io, "open", lambda path, mode: _FullFile(open(path, mode), 100), raising=False
+        checkpoint_io,
+        "open",
+        lambda path, mode: _FullFile(open(path, mode), 100),  # noqa: SIM115
+        raising=False,
     )
     with pytest.raises(
         DiskFull,
-        match=r"no space left on the disk of .* to save last.ckpt .*the partial file is "
-        r"removed, the previous last.ckpt is kept\). Free space, then resume",
+        match=r"(?i)no space left.*last\.ckpt",
     ):
         io.save_checkpoint({"global_step": 2, "w": torch.ones(1000)}, target)
     monkeypatch.undo()
@@ -107,8 +110,7 @@ def test_a_command_on_a_full_disk_says_why_it_cannot_start(tmp_path: Path, monke
     monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: _Usage(5 * 2**20))
     with pytest.raises(
         SystemExit,
-        match=r"lit_amp_det: 5 MB free on the disk of .*runs, where runs are written: "
-        r"a run needs room .* \(at least 64 MB\)",
+        match=r"\b5 MB.*runs.*\b64 MB",
     ):
         cli.main(["fit"])
     assert not (tmp_path / "runs").exists()

@@ -128,7 +128,9 @@ def test_images_without_a_detection_export_as_a_zero_count(exported: dict[str, P
 
 
 def _ops_graph(fn, *args) -> ort.InferenceSession:
-    """``fn`` (calling the package's ops) exported to ONNX with the translations, in an onnxruntime session."""
+    """``fn`` (calling the package's ops) exported to ONNX with the translations, in an onnxruntime
+    session.
+    """
     from lit_amp_det.ops.onnx import translation_table
 
     class Graph(torch.nn.Module):

@@ -123,6 +123,22 @@ def test_fp32_training_step_equals_torchvision_ops():
     torch.testing.assert_close(ext_grad, plain_grad, rtol=1e-3, atol=1e-5)
 
 
+def test_faster_rcnn_box_losses_are_torchvisions_training_branch():
+    """Without a mask head the RoI heads train on the shared core's box losses: the numbers of torchvision's
+    own training branch (``fastrcnn_loss``) on the same heads, up to float rounding.
+    """
+    torch.manual_seed(0)
+    ext = use_extension_ops(build_detector(**MODEL, mask=False))
+    reference = copy.deepcopy(ext)
+    heads = reference.roi_heads
+    heads.forward = lambda *args: RoIHeads.forward(heads, *args)  # torchvision's branch, same ops
+    (losses, grad), (expected, expected_grad) = (_losses_and_gradient(m, False) for m in (ext, reference))
+    assert losses.keys() == expected.keys() and "loss_box_reg" in losses
+    for key in losses:
+        torch.testing.assert_close(losses[key], expected[key], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
+
+
 def test_autocast_training_step_is_as_accurate_as_torchvision_ops():
     """Under bf16 autocast torchvision's RoIAlign upcasts to fp32 and ours pools natively in bf16, so the two
     differ by bf16 rounding; the gradient must stay as close to the fp32 one as torchvision's own is.
@@ -191,7 +207,10 @@ def test_use_extension_ops_refuses_a_subclassed_head():
         pass
 
     model = build_detector(**MODEL)
-    model.roi_heads.__class__ = MyHeads
+    heads = model.roi_heads
+    model.roi_heads = MyHeads(
+        heads.box_roi_pool, heads.box_head, heads.box_predictor, 0.5, 0.5, 512, 0.25, None, 0.05, 0.5, 100
+    )
     with pytest.raises(TypeError, match="MyHeads"):
         use_extension_ops(model)
     assert use_extension_ops(ext) is ext  # converting twice is harmless

@@ -13,8 +13,9 @@ import copy
 import pytest
 import torch
 
-from fake_cuda_step import TINY, count_cuda_steps, tiny_batch
+from fake_cuda_step import TINY, configure_for_cuda, count_cuda_steps, instance_count, tiny_batch
 from host_syncs import package_sites
+from lit_amp_det.bench.measure import instantiate_model
 from lit_amp_det.bench.rows import compose
 
 #: the CUDA defaults (speedups, precision 16-mixed, AdamW) with targets padded as the data module pads them
@@ -39,10 +40,29 @@ def test_the_sync_free_cuda_step_waits_for_nothing(model, precision, batch) -> N
     overrides = [f"model={model}", *SYNC_FREE, f"trainer.precision={precision}"]
     counts = count_cuda_steps(compose(overrides), copy.deepcopy(batch))
     assert set(counts) == {"training", "inference"}
-    for step, count in counts.items():
+    for count in counts.values():
         assert count.refused is None, _describe(counts)
         assert count.copies == 0 and count.host_data == 0, _describe(counts)
         assert count.total == 0, _describe(counts)
+
+
+def test_the_detectors_own_instance_count_pads_the_targets_as_the_data_setting_did(batch) -> None:
+    """``speedups.sync_free.instances_per_image`` instead of ``data.pad_instances``: the targets are padded to
+    the model's count, and the training step still waits for nothing.
+    """
+    overrides = [
+        "model=maskrcnn_light",
+        "trainer=gpu",
+        "trainer.precision=16-mixed",
+        *TINY,
+        "speedups.sync_free.instances_per_image=32",
+    ]
+    cfg = compose(overrides)
+    module = instantiate_model(cfg)
+    configure_for_cuda(module)
+    assert cfg.data.pad_instances is None and instance_count(cfg, module) == 32
+    training = count_cuda_steps(cfg, copy.deepcopy(batch), steps=["training"])["training"]
+    assert training.refused is None and training.total == 0, training.table()
 
 
 def test_the_stand_in_sees_what_a_gpu_would_wait_for_in_the_dynamic_path(batch) -> None:

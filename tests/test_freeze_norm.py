@@ -1,4 +1,4 @@
-"""FreezeNorm and the dtype-keeping FrozenBatchNorm2d: frozen statistics, frozen stages, checkpoints, errors."""
+"""FreezeNorm and the dtype-keeping FrozenBatchNorm2d: frozen statistics and stages, checkpoints, errors."""
 
 from __future__ import annotations
 
@@ -371,7 +371,7 @@ def test_convert_swaps_batchnorms_and_state_dicts_load_both_ways() -> None:
 
 def test_batchnorm_without_running_statistics_cannot_be_frozen() -> None:
     net = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Sequential(nn.BatchNorm2d(8, track_running_stats=False)))
-    with pytest.raises(ValueError, match=r"1\.0 has no running statistics \(track_running_stats=False\)"):
+    with pytest.raises(ValueError, match=r"1\.0.*track_running_stats=False"):
         convert_frozen_batchnorm(net)
 
 
@@ -431,11 +431,11 @@ def test_frozen_bn_checkpoints_load_without_the_callback_and_back(tmp_path: Path
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"mode": "x"}, r"^mode='x' is unknown; choose one of \['norm_eval', 'frozen_bn'\]"),
-        ({"frozen_stages": 5}, r"^frozen_stages=5 must be an integer in \[-1, 4\]"),
-        ({"frozen_stages": -2}, r"^frozen_stages=-2 must be an integer in \[-1, 4\]"),
-        ({"frozen_stages": True}, r"^frozen_stages=True must be an integer"),
-        ({"affine_trainable": "no"}, r"^affine_trainable='no' must be true or false"),
+        ({"mode": "x"}, r"^mode='x'.*\['norm_eval', 'frozen_bn'\]"),
+        ({"frozen_stages": 5}, r"^frozen_stages=5.*\[-1, 4\]"),
+        ({"frozen_stages": -2}, r"^frozen_stages=-2.*\[-1, 4\]"),
+        ({"frozen_stages": True}, r"^frozen_stages=True\b"),
+        ({"affine_trainable": "no"}, r"^affine_trainable='no'"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict, match: str) -> None:
@@ -462,9 +462,7 @@ def test_frozen_stages_need_a_resnet_body_and_fail_before_training() -> None:
     module = _NoDetector()
     with pytest.raises(
         ValueError,
-        match=r"FreezeNorm\(frozen_stages=1\) needs a torchvision ResNet trunk at "
-        r"pl_module\.model\.backbone\.body.*_NoDetector\.model is missing.*"
-        r"set frozen_stages=-1",
+        match=r"frozen_stages=1.*pl_module\.model\.backbone\.body.*_NoDetector\.model.*frozen_stages=-1",
     ):
         _trainer(FreezeNorm(mode="frozen_bn", frozen_stages=1), steps=1).fit(
             module, DataLoader(torch.zeros(4, 1))
@@ -483,7 +481,7 @@ def test_missing_stages_are_named() -> None:
     assert not module.model.backbone.body.layer2[0].conv1.weight.requires_grad
     with pytest.raises(
         ValueError,
-        match=r"FreezeNorm\(frozen_stages=3\) freezes .* has no \['layer3'\] .*lower frozen_stages",
+        match=r"frozen_stages=3.*\['layer3'\]",
     ):
         FreezeNorm(frozen_stages=3).setup(None, module, "fit")
 
@@ -491,7 +489,7 @@ def test_missing_stages_are_named() -> None:
 def test_no_batchnorm_warns() -> None:
     module = _NoDetector()
     module.net = nn.Conv2d(3, 4, 1)
-    with pytest.warns(UserWarning, match="found no BatchNorm in _NoDetector"):
+    with pytest.warns(UserWarning, match=r"BatchNorm.*_NoDetector"):
         FreezeNorm().setup(None, module, "fit")
 
 

@@ -37,7 +37,7 @@ class _Recording(pl.Callback):
 
 
 class _Module(pl.LightningModule):
-    """Large gradients, so that norm clipping at 0.01 changes them; records what the hooks and the step see."""
+    """Large gradients, so norm clipping at 0.01 changes them; records what the hooks and the step see."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -179,6 +179,6 @@ def test_nothing_is_switched_for_a_detector_without_masks_or_with_its_own_transf
         module.configure_model()
     assert type(module.model.transform) is OwnTransform
     assert (
-        "speedups.binary_mask_paste: the detector has no mask head or not torchvision's transform (OwnTransform)"
-        in caplog.text
+        "speedups.binary_mask_paste: the detector has no mask head or not torchvision's "
+        "transform (OwnTransform)" in caplog.text
     )

@@ -324,9 +324,9 @@ def test_streaming_loaders_fall_back_to_the_first_real_batch() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"baseline_steps": 0}, r"^baseline_steps=0 must be an integer >= 1"),
-        ({"warmup_steps": -1}, r"^warmup_steps=-1 must be an integer >= 0"),
-        ({"compare_baseline": "yes"}, r"^compare_baseline='yes' must be true or false"),
+        ({"baseline_steps": 0}, r"^baseline_steps=0\b"),
+        ({"warmup_steps": -1}, r"^warmup_steps=-1\b"),
+        ({"compare_baseline": "yes"}, r"^compare_baseline='yes'"),
     ],
 )
 def test_bad_arguments_fail_in_the_constructor_naming_the_argument(
@@ -340,8 +340,7 @@ def test_compare_baseline_needs_a_detector_module() -> None:
     trainer = SimpleNamespace(precision_plugin=SimpleNamespace(precision="32-true"))
     with pytest.raises(
         ValueError,
-        match=r"compare_baseline=True\) measures deep copies of `pl_module.model`.*"
-        r"compare_baseline=false",
+        match=r"`pl_module\.model`.*compare_baseline=false",
     ):
         MemoryMonitor(compare_baseline=True).setup(trainer, pl.LightningModule(), "fit")
     MemoryMonitor(compare_baseline=False).setup(

@@ -28,7 +28,7 @@ from ops_inputs import needs_cuda
 
 
 def _tiny(tmp_path: Path, *overrides: str, configure: bool = True) -> MaskRCNNModule:
-    """The smoke model with 3 classes, its speedups applied as a Trainer applies them (``configure_model``)."""
+    """The smoke model with 3 classes, speedups applied as a Trainer applies them (``configure_model``)."""
     cfg = compose_config(["experiment=smoke", *overrides], tmp_path)
     module = instantiate(cfg.model, num_classes=4, category_ids=[10, 20, 30])
     if configure:
@@ -75,6 +75,38 @@ def test_training_loss_is_finite_and_crowd_is_ignored(tmp_path: Path) -> None:
     assert [len(t["boxes"]) for t in seen[0]] == [1, 1]  # the crowd instance never reaches the heads
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+
+
+class _RecordedStep:
+    """A CapturedStep that records what it is handed and returns fixed losses (the model is not run)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, object, object]] = []
+
+    def run(self, module, images, targets):
+        self.calls.append((module, images, targets))
+        return {"loss_mask": torch.tensor(0.25)}, torch.tensor(1.5)
+
+
+def test_an_installed_captured_step_trains_every_batch_until_removed(tmp_path: Path, monkeypatch) -> None:
+    """set_captured_step: training_step hands the batch over as the loader delivered it, the module optimises
+    manually meanwhile, and automatically again once the step is removed.
+    """
+    module = _tiny(tmp_path)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    monkeypatch.setattr(module, "optimizers", lambda: optimizer)
+    step = _RecordedStep()
+    module.set_captured_step(step)
+    assert module.captured_step is step and not module.automatic_optimization
+    images, targets = _batch()
+    loss = module.training_step((images, targets), 0)
+    assert float(loss) == 1.5 and len(step.calls) == 1
+    handed = step.calls[0]
+    assert handed[0] is module and handed[1] is images and handed[2] is targets
+    module.set_captured_step(None)
+    assert module.captured_step is None and module.automatic_optimization
+    with pytest.raises(AttributeError):
+        module.captured_step = step  # installed only through set_captured_step
 
 
 @pytest.mark.parametrize("speedups", ["default", "none"])
@@ -199,9 +231,9 @@ def test_another_class_count_fine_tunes_without_a_switch(
 def test_unsafe_or_missing_checkpoints_are_refused(tmp_path: Path) -> None:
     pickled = tmp_path / "code.pt"
     torch.save({"state_dict": {"x": torch.zeros(1)}, "fn": _HalfMaskLoss}, pickled)
-    with pytest.raises(CONFIG_ERRORS, match="could not be loaded with weights_only=True"):
+    with pytest.raises(CONFIG_ERRORS, match=r"weights_only=True"):
         _tiny(tmp_path, f"model.weights={pickled}")
-    with pytest.raises(CONFIG_ERRORS, match="does not exist"):
+    with pytest.raises(CONFIG_ERRORS, match=r"nope\.pt"):
         _tiny(tmp_path, f"model.weights={tmp_path / 'nope.pt'}")
 
 
@@ -233,38 +265,39 @@ _CHANNELS_LAST = "lit_amp_det.models.speedups.ChannelsLast"
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"optim": {"optimizer": {"lr": 0.1}}}, r"^optim\.optimizer=\{'lr': 0\.1\} needs a _target_"),
+        ({"optim": {"optimizer": {"lr": 0.1}}}, r"^optim\.optimizer=\{'lr': 0\.1\}.*_target_"),
         (
             {"optim": {"optimizer": {"_target_": None}}},
-            r"^optim\.optimizer=\{'_target_': None\} needs a _target_",
+            r"^optim\.optimizer=\{'_target_': None\}",
         ),
         (
             {"optim": {"scheduler": {"warmup_steps": 3}}},
-            r"^optim\.scheduler=\{'warmup_steps': 3\} needs a _target_",
+            r"^optim\.scheduler=\{'warmup_steps': 3\}.*_target_",
         ),
-        ({"optim": {"reference_batch": 0}}, r"^optim\.reference_batch=0 must be a positive integer"),
+        ({"optim": {"reference_batch": 0}}, r"^optim\.reference_batch=0\b"),
         (
             {"optim": {"optimiser": {"_target_": "torch.optim.SGD"}}},
-            r"^optim=.* has unknown keys \['optimiser'\]",
+            r"^optim=.*\['optimiser'\]",
         ),
         (
             {"evaluation": {"mask_threshold": 1.0}},
-            r"^evaluation\.mask_threshold=1\.0 must be a probability in \[0, 1\)",
+            r"^evaluation\.mask_threshold=1\.0\b",
         ),
-        ({"evaluation": {"mask_threshold": True}}, r"^evaluation\.mask_threshold=True must be a probability"),
+        ({"evaluation": {"mask_threshold": True}}, r"^evaluation\.mask_threshold=True\b"),
         (
             {"evaluation": {"threshold": 0.5}},
-            r"^evaluation=\{'threshold': 0\.5\} has unknown keys \['threshold'\]",
+            r"^evaluation=\{'threshold': 0\.5\}.*\['threshold'\]",
         ),
-        ({"evaluation": {"backend": "cocoapi"}}, r"^evaluation\.backend='cocoapi' is unknown"),
+        ({"evaluation": {"backend": "cocoapi"}}, r"^evaluation\.backend='cocoapi'"),
         (
             {"speedups": {"channels_last": {"_target_": _CHANNELS_LAST, "devices": ["tpu"]}}},
-            r"^speedups\.channels_last\.devices=\['tpu'\] must list device types among \['cpu', 'cuda'\]",
+            r"^speedups\.channels_last\.devices=\['tpu'\].*\['cpu', 'cuda'\]",
         ),
-        ({"speedups": {"ext_ops": True}}, r"^speedups\.ext_ops=True must be a _target_ mapping"),
+        ({"speedups": {"ext_ops": True}}, r"^speedups\.ext_ops=True.*_target_"),
         (
             {"speedups": {"mine": {"_target_": "torch.nn.Identity"}}},
-            r"^speedups\.mine\._target_='torch\.nn\.Identity' made a Identity, not a lit_amp_det\.models\.speedups",
+            r"^speedups\.mine\._target_='torch\.nn\.Identity' made a Identity, not a "
+            r"lit_amp_det\.models\.speedups",
         ),
     ],
 )
@@ -281,7 +314,7 @@ def test_settings_errors_name_the_setting_before_any_work(
 
 def test_settings_missing_keys_take_the_defaults(tmp_path: Path) -> None:
     module = _smoke_module(tmp_path, optim={"reference_batch": 8}, evaluation={"backend": "pycocotools"})
-    assert module.optim_settings.optimizer["_target_"] == "torch.optim.SGD"
+    assert module.optim_settings.optimizer["_target_"] == "torch.optim.AdamW"
     assert module.optim_settings.scheduler["_target_"] == "lit_amp_det.optim.warmup_schedule"
     assert module.optim_settings.reference_batch == 8
     assert (module.evaluation_settings.mask_threshold, module.evaluation_settings.backend) == (

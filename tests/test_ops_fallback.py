@@ -31,11 +31,17 @@ SCRIPT = textwrap.dedent(
         torch.testing.assert_close(ops.box_iou(boxes, boxes), torchvision.ops.box_iou(boxes, boxes))
         x = torch.randn(2, 4, 32, 32, requires_grad=True)
         rois = torch.cat([torch.randint(2, (200, 1)).float(), boxes / 4], dim=1)
-        torch.testing.assert_close(ops.roi_align(x, rois, 7, 0.25, 2), torchvision.ops.roi_align(x, rois, 7, 0.25, 2))
-        pooled = ops.multi_level_roi_align([x, x[:, :, ::2, ::2]], rois, idxs.clamp(max=1), [0.25, 0.125], 7, 2)
+        expected = torchvision.ops.roi_align(x, rois, 7, 0.25, 2)
+        torch.testing.assert_close(ops.roi_align(x, rois, 7, 0.25, 2), expected)
+        levels = [x, x[:, :, ::2, ::2]]
+        pooled = ops.multi_level_roi_align(levels, rois, idxs.clamp(max=1), [0.25, 0.125], 7, 2)
         pooled.sum().backward()
         assert x.grad.abs().sum() > 0
-    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "lit_amp_det" in str(w.message)]
+    messages = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, RuntimeWarning) and "lit_amp_det" in str(w.message)
+    ]
     assert len(messages) == 1, messages
     assert "make install" in messages[0] and "LIT_AMP_DET_NO_EXT=1" in messages[0], messages[0]
     print("ok")
@@ -90,7 +96,8 @@ def test_the_extension_shares_torchs_cxx_runtime():
         ["nm", "-D", "--defined-only", extension.__file__], capture_output=True, text=True, check=True
     ).stdout
     assert " __cxa_throw" not in defined and "__gxx_personality_v0" not in defined, (
-        f"{extension.__file__} carries its own C++ runtime: rebuild with `python setup.py build_ext --inplace`"
+        f"{extension.__file__} carries its own C++ runtime: "
+        "rebuild with `python setup.py build_ext --inplace`"
     )
     undefined = subprocess.run(
         ["nm", "-D", "--undefined-only", extension.__file__], capture_output=True, text=True, check=True

@@ -61,11 +61,11 @@ def test_scales_are_inferred_once_and_kept_as_torchvision():
 
 
 def test_scales_of_a_torchvision_pooler_that_already_ran_are_carried_over():
-    from lit_amp_det.models.ext_ops import _lit_pooler
+    from lit_amp_det.models.ext_ops import lit_pooler
 
     theirs = torchvision.ops.MultiScaleRoIAlign(["0", "1"], 3, 2)
     theirs(_fpn([(32, 32), (16, 16)]), [random_boxes(4, image=(128, 128))], [(128, 128)])
-    assert _lit_pooler(theirs).scales == theirs.scales == [0.25, 0.125]
+    assert lit_pooler(theirs).scales == theirs.scales == [0.25, 0.125]
 
 
 def test_levels_of_different_dtypes_are_pooled_in_the_first_levels_dtype():
@@ -83,7 +83,7 @@ def test_levels_of_different_dtypes_are_pooled_in_the_first_levels_dtype():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_level_mapping_of_half_boxes_upcasts_before_the_area(dtype):
-    """fp16 areas overflow beyond 256 x 256 px (300 x 300 went to the top level); torchvision upcasts first."""
+    """fp16 areas overflow past 256 x 256 px (300 x 300 went to the top level); torchvision upcasts first."""
     edges = [300.0, 1000.0, 223.0, 224.0, 225.0, 447.0, 448.0, 449.0, 111.0, 112.0, 113.0]
     boxes = torch.tensor([[0.0, 0.0, e, e] for e in edges]).to(dtype)
     x = _fpn([(256, 256), (128, 128), (64, 64), (32, 32)])

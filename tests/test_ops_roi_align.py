@@ -31,7 +31,7 @@ def _working_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _torchvision(x: Tensor, rois: Tensor, *args) -> Tensor:
-    """torchvision on the exact values we were given, in our working precision: the reference to compare with."""
+    """torchvision on the exact values given, in our working precision: the reference to compare with."""
     dtype = _working_dtype(x.dtype)
     return torchvision.ops.roi_align(x.to(dtype).contiguous(), rois.to(dtype), *args).double()
 
@@ -156,7 +156,7 @@ def test_roi_align_backward_matches_torchvision(device, dtype, layout):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("channels", [1, 17, 67])
 def test_half_channels_last_at_odd_channel_counts(dtype, channels):
-    """The wide (AVX-512 / AVX2) channel loops of half-precision channels_last features, remainders included."""
+    """The wide (AVX-512 / AVX2) channel loops of half channels_last features, remainders included."""
     x = _features((2, channels, 40, 60), dtype, torch.channels_last).requires_grad_()
     rois = random_rois(50, 2, (320, 480))
     grad_out = torch.randn(50, channels, 7, 7, generator=torch.Generator().manual_seed(3)).to(dtype)

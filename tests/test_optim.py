@@ -56,7 +56,7 @@ def test_bad_policy_and_steps() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="policy='step'"):
         warmup_schedule(opt, total_steps=10, policy="step")
-    with pytest.raises(ValueError, match="total_steps must be >= 1"):
+    with pytest.raises(ValueError, match=r"total_steps\b"):
         warmup_schedule(opt, total_steps=0)
 
 
@@ -81,17 +81,16 @@ def test_lr_scales_linearly_with_the_global_batch() -> None:
     }
     assert scale_lr(config, 32, 16)["lr"] == pytest.approx(0.04) and config["lr"] == 0.02  # a copy
     assert global_batch_size(2, 8, 1) == 16 and global_batch_size(2, 4, 3) == 24
-    with pytest.raises(ValueError, match=r"^reference_batch=0 must be a positive integer"):
+    with pytest.raises(ValueError, match=r"^reference_batch=0 "):
         scale_lr(config, 2, 0)
-    with pytest.raises(ValueError, match=r"^reference_batch=16.0 must be a positive integer"):
+    with pytest.raises(ValueError, match=r"^reference_batch=16\.0 "):
         check_reference_batch(16.0)
     with pytest.raises(
         ValueError,
-        match=r"optim.reference_batch=16 scales optimizer.lr, but the optimizer config "
-        r"has no lr",
+        match=r"optim\.reference_batch=16 .*optimizer\.lr",
     ):
         scale_lr({"_target_": "torch.optim.SGD"}, 2, 16)
-    with pytest.raises(ValueError, match="trainer.accumulate_grad_batches must be >= 1"):
+    with pytest.raises(ValueError, match=r"trainer\.accumulate_grad_batches\b"):
         global_batch_size(2, 1, 0)
 
 
@@ -184,8 +183,8 @@ def test_fused_steps_after_resuming_in_another_layout(
     torch.testing.assert_close(_resumed_run(fused, before, after), expected, rtol=1e-6, atol=1e-6)
     plain_fused = _resumed_run({**config, "fused": True}, before, after, build=False)
     assert (plain_fused - expected).abs().max() > 1e-3, (  # SGD: 1.19, AdamW: 0.027 on parameters of about 4
-        f"torch {torch.__version__}'s fused {config['_target_']} now steps mixed layouts right: the alignment hook of "
-        "lit_amp_det.optim.build_optimizer may go"
+        f"torch {torch.__version__}'s fused {config['_target_']} now steps mixed layouts right: the "
+        "alignment hook of lit_amp_det.optim.build_optimizer may go"
     )
 
 

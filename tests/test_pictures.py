@@ -181,9 +181,9 @@ def test_the_writer_encodes_each_mask_as_pycocotools_encodes_the_stack(tmp_path)
         {**det, "masks": det["masks"][:, None]}
     )
     assert [r["segmentation"] for r in soft] == expected  # [N, 1, H, W] as torchvision's output has them
-    with pytest.raises(ValueError, match=r"max_side=-1 must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"\bmax_side=-1\b"):
         CocoPredictionWriter(tmp_path, max_side=-1)
-    with pytest.raises(ValueError, match=r"min_side=512 is above max_side=256"):
+    with pytest.raises(ValueError, match=r"min_side=512.*max_side=256"):
         CocoPredictionWriter(tmp_path, min_side=512, max_side=256)
 
 
@@ -193,7 +193,7 @@ def test_a_mask_count_other_than_the_box_count_fails():
         "labels": torch.tensor([1]),
         "scores": torch.tensor([1.0]),
     }
-    with pytest.raises(ValueError, match="2 masks for 1 boxes"):
+    with pytest.raises(ValueError, match=r"\b2 masks.*\b1 boxes"):
         draw_ground_truth(_gray(), {**det, "masks": torch.zeros(2, 40, 60, dtype=torch.uint8)})
 
 
@@ -231,7 +231,7 @@ def test_masks_of_another_size_fail_with_both_shapes():
         "scores": torch.tensor([1.0]),
         "masks": torch.ones(1, 1, 20, 20),
     }
-    with pytest.raises(ValueError, match=r"masks have shape \(1, 1, 20, 20\); expected \[N, 40, 60\]"):
+    with pytest.raises(ValueError, match=r"\(1, 1, 20, 20\).*\[N, 40, 60\]"):
         draw_detections(_gray(), det)
 
 
@@ -240,7 +240,7 @@ def test_side_by_side_places_pictures_under_captions():
     page = side_by_side([left, right], ["a", "b"])
     assert page.shape == (3, 12 + 12, 20 + 4 + 8)
     assert torch.equal(page[:, 12:22, :20], left) and torch.equal(page[:, 12:24, 24:], right)
-    with pytest.raises(ValueError, match="2 pictures and 1 captions"):
+    with pytest.raises(ValueError, match=r"\b2 pictures.*\b1 captions"):
         side_by_side([left, right], ["a"])
 
 
@@ -292,17 +292,13 @@ def test_writer_warns_about_a_picture_it_cannot_draw_and_keeps_the_records(tmp_p
     writer.on_predict_start(SimpleNamespace(is_global_zero=True), None)
     batch, dets = _writer_batch(2, [1, 2])
     batch[0][0] = torch.rand(3, 8, 8)  # not the size the masks have
-    with pytest.warns(
-        DrawingWarning, match=r"no picture .*1\.png: ValueError: masks have shape \(1, 16, 16\)"
-    ):
+    with pytest.warns(DrawingWarning, match=r"1\.png.*ValueError.*\(1, 16, 16\)"):
         writer.write_on_batch_end(None, None, dets, None, batch, 0, 0)
     assert len(writer._records) == 2 and [p.name for p in (tmp_path / "predictions").iterdir()] == ["2.png"]
 
 
 def test_writer_rejects_a_negative_image_count(tmp_path):
-    with pytest.raises(
-        ValueError, match=r"callbacks.prediction_writer.num_images=-1 must be an integer >= 0"
-    ):
+    with pytest.raises(ValueError, match=r"callbacks\.prediction_writer\.num_images=-1\b"):
         CocoPredictionWriter(tmp_path, num_images=-1)
 
 
@@ -448,12 +444,12 @@ def _saved(state: dict, tmp_path: Path) -> Path:
     [
         (
             "callbacks.validation_images.num_images=-1",
-            r"callbacks.validation_images.num_images=-1 must be an integer",
+            r"callbacks\.validation_images\.num_images=-1\b",
         ),
-        ("callbacks.validation_images.png=maybe", r"callbacks.validation_images.png='maybe'; choose auto"),
+        ("callbacks.validation_images.png=maybe", r"callbacks\.validation_images\.png='maybe'"),
         (
             "callbacks.training_curves.every_n_steps=0",
-            r"callbacks.training_curves.every_n_steps=0 must be an integer",
+            r"callbacks\.training_curves\.every_n_steps=0\b",
         ),
     ],
 )

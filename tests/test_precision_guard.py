@@ -260,9 +260,8 @@ def test_a_run_that_reached_the_limit_stops_at_the_next_read_even_after_it_ended
         guard.record(torch.tensor(skipped))
     with pytest.raises(
         RuntimeError,
-        match=r"^2 consecutive optimizer steps had non-finite gradients under "
-        r"trainer.precision=32-true \(2 skipped in all; the limit is "
-        r"precision.max_consecutive_skips=2\).*gradient_clip_val",
+        match=r"^2 consecutive.*trainer\.precision=32-true.*precision\.max_consecutive_skips=2.*"
+        r"gradient_clip_val",
     ):
         guard.record(torch.tensor(False))
 
@@ -274,9 +273,9 @@ def test_the_guard_state_round_trips_and_the_settings_are_checked() -> None:
     assert guard.state_dict() == {"skipped": 8, "consecutive": 3}
     guard.load_state_dict({})  # the state of a checkpoint saved before the guard existed
     assert guard.state_dict() == {"skipped": 0, "consecutive": 0}
-    with pytest.raises(ValueError, match="max_consecutive_skips must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"precision\.max_consecutive_skips.*\b0\b"):
         NonFiniteStepGuard("32-true", max_consecutive=0)
-    with pytest.raises(ValueError, match="skip_check_every_n_steps must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"precision\.skip_check_every_n_steps.*\b0\b"):
         NonFiniteStepGuard("32-true", check_every_n_steps=0)
 
 
@@ -363,7 +362,7 @@ def test_the_plugin_reads_the_counts_every_n_steps_and_stops_a_diverged_run_then
     )
     module = _Tiny(poison_steps=set(range(100)))
     before = [p.detach().clone() for p in module.parameters()]
-    with pytest.raises(RuntimeError, match=r"^5 consecutive optimizer steps.*max_consecutive_skips=3"):
+    with pytest.raises(RuntimeError, match=r"^5 consecutive.*max_consecutive_skips=3"):
         trainer.fit(module)
     assert (
         len(reads) == 1 and trainer.global_step == 4

@@ -54,14 +54,10 @@ def test_auto_on_cuda_is_fp16_autocast(cpu_bf16) -> None:
 @pytest.mark.parametrize("precision", ["16-mixed", "16-weights"])
 def test_fp16_on_a_cpu_without_native_bf16_runs_fp32(cpu_bf16, precision: str) -> None:
     cpu_bf16(False)
-    with pytest.warns(
-        UserWarning, match=rf"{precision} on a CPU runs as 32-true .*no native bf16.*fp16_on_cpu=true"
-    ):
+    with pytest.warns(UserWarning, match=rf"{precision}.*32-true.*fp16_on_cpu=true"):
         assert resolve_precision(precision, "cpu") == "32-true"
     cpu_bf16(True)
-    with pytest.warns(
-        UserWarning, match=rf"{precision} on a CPU runs as bf{precision} \(fp16 on CPUs is slow"
-    ):
+    with pytest.warns(UserWarning, match=rf"{precision}.*bf{precision}"):
         assert resolve_precision(precision, "cpu") == f"bf{precision}"
     assert _resolve_quietly(precision, "cpu", fp16_on_cpu=True) == precision  # forced: as asked, no warning
 
@@ -89,14 +85,14 @@ def test_other_values_pass_through(cpu_bf16) -> None:
 def test_the_plugin_is_built_for_what_runs(cpu_bf16) -> None:
     cpu_bf16(False)
     assert isinstance(build_precision_plugin("auto", "cpu"), FiniteStepPrecision)
-    with pytest.warns(UserWarning, match="runs as 32-true"):
+    with pytest.warns(UserWarning, match=r"16-weights.*32-true"):
         assert isinstance(build_precision_plugin("16-weights", "cpu"), FiniteStepPrecision)
     cpu_bf16(True)
     plugin = build_precision_plugin("auto", "cpu")
     assert isinstance(plugin, DetectionMixedPrecision) and plugin.precision == "bf16-mixed"
-    with pytest.warns(UserWarning, match="runs as bf16-weights"):
+    with pytest.warns(UserWarning, match=r"16-weights.*bf16-weights"):
         assert isinstance(build_precision_plugin("16-weights", "cpu"), MasterWeightPrecision)
-    with pytest.raises(ValueError, match=r"trainer.precision='automatic'; choose one of auto, 32-true"):
+    with pytest.raises(ValueError, match=r"trainer\.precision='automatic'.*auto, 32-true"):
         build_precision_plugin("automatic", "cpu")
 
 

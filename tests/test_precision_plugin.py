@@ -9,14 +9,19 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from conftest import compose_config
 from lit_amp_det.precision import (
     DetectionMixedPrecision,
+    DetectionPrecision,
     FiniteStepPrecision,
     MasterWeightPrecision,
+    NonFiniteStepGuard,
     build_precision_plugin,
+    detection_precision,
+    loss_scaler,
 )
 from lit_amp_det.precision.casting import mixed_precision_dtype
 
@@ -151,7 +156,7 @@ def test_regions_are_configurable_and_checked(tmp_path: Path) -> None:
 def test_precision_strings_map_to_plugins(cpu_bf16) -> None:
     cpu_bf16(True)
     assert isinstance(build_precision_plugin("32-true"), FiniteStepPrecision)
-    with pytest.warns(UserWarning, match="16-mixed on a CPU runs as bf16-mixed"):
+    with pytest.warns(UserWarning, match=r"16-mixed.*bf16-mixed"):
         fallback = build_precision_plugin("16-mixed", "cpu")
     assert isinstance(fallback, DetectionMixedPrecision) and fallback.precision == "bf16-mixed"
     assert fallback.scaler is None
@@ -159,7 +164,7 @@ def test_precision_strings_map_to_plugins(cpu_bf16) -> None:
     assert forced.precision == "16-mixed" and forced.scaler.get_scale() == 1024.0
     assert forced.scaler.get_growth_interval() == 7
     assert forced.state_dict()["scale"] == 1024.0  # the scaler state goes into checkpoints
-    with pytest.raises(ValueError, match="trainer.precision='fp8'"):
+    with pytest.raises(ValueError, match=r"trainer\.precision='fp8'"):
         build_precision_plugin("fp8")
 
 
@@ -168,7 +173,7 @@ def test_low_precision_weight_strings_map_to_the_master_weight_plugin(cpu_bf16) 
     weights = build_precision_plugin("bf16-weights", "cpu")
     assert isinstance(weights, MasterWeightPrecision) and weights.precision == "bf16-weights"
     assert weights.scaler is None and weights.low_dtype == torch.bfloat16
-    with pytest.warns(UserWarning, match="16-weights on a CPU runs as bf16-weights"):
+    with pytest.warns(UserWarning, match=r"16-weights.*bf16-weights"):
         assert build_precision_plugin("16-weights", "cpu").precision == "bf16-weights"
     forced = build_precision_plugin("16-weights", "cpu", fp16_on_cpu=True, init_scale=512.0)
     assert forced.precision == "16-weights" and forced.low_dtype == torch.float16
@@ -176,17 +181,53 @@ def test_low_precision_weight_strings_map_to_the_master_weight_plugin(cpu_bf16) 
     for name in ("bf16-true", "16-true"):  # Lightning's names: everything low, no masters; not ours
         with pytest.raises(ValueError, match="bf16-weights"):
             build_precision_plugin(name)
-    with pytest.raises(ValueError, match="MasterWeightPrecision takes 16-weights or bf16-weights"):
+    with pytest.raises(ValueError, match=r"'bf16-mixed'"):
         MasterWeightPrecision("bf16-mixed", "cpu")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="DetectionMixedPrecision takes 16-mixed or bf16-mixed"):
+    with pytest.raises(ValueError, match=r"'bf16-weights'"):
         DetectionMixedPrecision("bf16-weights", "cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("precision", "scaled", "low_dtype"),
+    [
+        ("32-true", False, None),
+        ("bf16-mixed", False, torch.bfloat16),
+        ("16-mixed", True, torch.float16),
+        ("bf16-weights", False, torch.bfloat16),
+        ("16-weights", True, torch.float16),
+    ],
+)
+def test_every_built_plugin_is_what_callbacks_read(cpu_bf16, precision, scaled, low_dtype) -> None:
+    """Each plugin that build_precision_plugin makes is a DetectionPrecision with its GradScaler, low dtype
+    and guard, found on the Trainer by detection_precision.
+    """
+    cpu_bf16(True)
+    plugin = build_precision_plugin(precision, "cpu", fp16_on_cpu=True)
+    assert plugin.precision == precision and isinstance(plugin, DetectionPrecision)
+    assert isinstance(plugin.scaler, torch.amp.GradScaler) if scaled else plugin.scaler is None
+    assert plugin.low_dtype == low_dtype and isinstance(plugin.guard, NonFiniteStepGuard)
+    trainer = pl.Trainer(accelerator="cpu", plugins=[plugin], logger=False, enable_checkpointing=False)
+    assert detection_precision(trainer) is plugin
+    assert loss_scaler(plugin) is plugin.scaler
+
+
+def test_a_plugin_the_user_passes_is_not_read_as_lit_amp_dets() -> None:
+    """Lightning's own plugins have no guard: callbacks see none; the loss scale of MixedPrecision is still
+    read.
+    """
+    mixed = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    for plugin in (Precision(), mixed):
+        trainer = pl.Trainer(accelerator="cpu", plugins=[plugin], logger=False, enable_checkpointing=False)
+        assert trainer.precision_plugin is plugin and detection_precision(trainer) is None
+    assert loss_scaler(mixed) is mixed.scaler and isinstance(mixed.scaler, torch.amp.GradScaler)
+    assert loss_scaler(Precision()) is None
 
 
 @pytest.mark.parametrize(
     ("plugin", "precision"), [(DetectionMixedPrecision, "16-mixed"), (MasterWeightPrecision, "16-weights")]
 )
 def test_both_half_plugins_take_the_same_options(plugin, precision) -> None:
-    """One settings object builds both plugins' GradScaler, regions and guard; an unknown keyword is refused."""
+    """One settings object makes both plugins' GradScaler, regions and guard; unknown keywords are refused."""
     built = plugin(
         precision,
         "cpu",

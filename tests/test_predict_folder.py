@@ -85,7 +85,7 @@ def test_without_a_folder_predict_runs_on_the_split(tmp_path: Path) -> None:
     )
     datamodule.setup("predict")
     assert "val" in datamodule.datasets and len(datamodule.predict_dataloader().dataset) == 2
-    with pytest.raises(ValueError, match="data.predict_images is not set"):
+    with pytest.raises(ValueError, match=r"data\.predict_images\b"):
         datamodule.predict_folder()
 
 
@@ -131,7 +131,7 @@ def test_an_unreadable_picture_stops_predict_before_the_model_runs(tmp_path: Pat
     )
     with pytest.raises(
         BadImagesError,
-        match=r"(?s)1 of 4 images cannot be used:\n  .*b_broken.jpg: cannot read "
+        match=r"(?s)1 of 4 images.*b_broken\.jpg"
         r".*Replace these files or move them out of the folder, or set "
         r"data.bad_images=skip",
     ):
@@ -169,7 +169,7 @@ def test_bad_images_skip_leaves_the_picture_out_and_keeps_the_ids(
         (folder / name).write_bytes(b"")
     from lit_amp_det.data.verify import BadImagesError
 
-    with pytest.raises(BadImagesError, match="4 of 4 images cannot be used"):
+    with pytest.raises(BadImagesError, match="4 of 4 images"):
         ShapesDataModule(
             tmp_path / "cache",
             train_size=4,

@@ -1,4 +1,6 @@
-"""Every example command of the README's "Command line" section runs as written, in order, after a smoke fit."""
+"""Every example command of the README's "Command line" section runs as written, in order, after a smoke
+fit.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ ENV = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHO
 
 
 def readme_commands() -> list[list[str]]:
-    """The argument lists of the ``python -m lit_amp_det`` lines in the README's Command-line examples block."""
+    """The argument lists of the ``python -m lit_amp_det`` lines in the README's Command-line examples
+    block.
+    """
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Command line") : text.index("## Mixed precision")]
     block = re.search(r"Examples[^\n]*\n\n```bash\n(.*?)```", section, re.S)

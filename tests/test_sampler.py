@@ -135,8 +135,8 @@ def test_training_shards_are_equal_sized_and_cover_every_sample_padding_with_rep
     ("kwargs", "message"),
     [
         ({"dataset_size": 0, "batch_size": 2}, "training split is empty"),
-        ({"dataset_size": 4, "batch_size": 0}, "data.batch_size must be >= 1"),
-        ({"dataset_size": 4, "batch_size": 2, "group_ids": [0]}, "group_ids has 1 entries for 4 samples"),
+        ({"dataset_size": 4, "batch_size": 0}, r"data\.batch_size\b"),
+        ({"dataset_size": 4, "batch_size": 2, "group_ids": [0]}, r"group_ids .*1 entries"),
     ],
 )
 def test_bad_arguments(kwargs: dict, message: str) -> None:

@@ -349,7 +349,7 @@ def test_the_yaml_and_the_code_share_the_generators_defaults():
         yaml.max_objects,
         yaml.min_object_size,
         yaml.max_object_size,
-        yaml.data_seed,
+        yaml.generation_seed,
     ) == (spec.image_size, spec.min_objects, spec.max_objects, spec.min_size, spec.max_size, spec.seed)
     defaults = {k: p.default for k, p in inspect.signature(ShapesDataModule).parameters.items()}
     assert (defaults["max_objects"], defaults["min_object_size"]) == (spec.max_objects, spec.min_size)

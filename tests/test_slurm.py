@@ -200,7 +200,8 @@ def test_a_preempted_two_task_job_requeues_once_and_resumes_in_its_folder(tmp_pa
     assert (
         json.loads((folder / "metrics.json").read_text())["global_step"] == 4
     )  # 16 images / (4 x 2 tasks) x 2
-    resumes = f"SLURM job 4243, restart 1: resuming its preempted attempt from {folder / 'checkpoints' / 'last.ckpt'}"
+    last = folder / "checkpoints" / "last.ckpt"
+    resumes = f"SLURM job 4243, restart 1: resuming its preempted attempt from {last}"
     for log in ("fit.log", "fit_rank1.log"):  # each task found the attempt by itself
         assert resumes in (folder / log).read_text(), log
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4243\n"

@@ -120,3 +120,21 @@ def test_the_gpu_option_adds_channels_last_and_compile_on_cuda_only() -> None:
 def test_bad_entries_are_refused_naming_them(entry: str, match: str) -> None:
     with pytest.raises(CONFIG_ERRORS, match=match):
         _module(entry)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["speedups.ext_ops=null"],
+        ["+speedups.ext_ops.devices=[cuda]"],
+    ],
+)
+def test_sync_free_asks_for_the_extension_ops_instead_of_applying_them(overrides: list[str]) -> None:
+    """The fixed-shape heads are lit_amp_det's heads: without ``speedups.ext_ops`` on the same device,
+    ``sync_free`` names both settings instead of applying the ops itself.
+    """
+    on_cpu = "speedups.sync_free.devices=[cpu,cuda]"
+    with pytest.raises(ValueError, match=r"speedups\.sync_free") as refused:
+        _module(on_cpu, *overrides)
+    assert "speedups.ext_ops" in str(refused.value)
+    assert _module(on_cpu).applied_speedups == ["ext_ops", "binary_mask_paste", "sync_free"]

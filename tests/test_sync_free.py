@@ -16,20 +16,32 @@ from torchvision.models.detection._utils import BalancedPositiveNegativeSampler,
 from torchvision.models.detection.roi_heads import paste_masks_in_image
 
 from lit_amp_det.models import sync_free
+from lit_amp_det.models.detection_core import paste_masks_padded
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
 from lit_amp_det.models.sync_free import (
     FixedShapeTransform,
     SyncFreeMaskRCNN,
+    fixed_shape_detector,
     match,
-    paste_masks_padded,
     sample_slots,
-    use_sync_free,
 )
 from lit_amp_det.profiling import HostSyncs
 from ops_inputs import needs_extension, on_cuda_only, random_boxes
 
 pytestmark = needs_extension
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread in every test: the comparisons below are bitwise, and a reduction split over
+    another number of threads may round differently (the suite runs with any ``OMP_NUM_THREADS``, and under
+    xdist).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _sync_free(model: torch.nn.Module) -> torch.nn.Module:
@@ -330,11 +342,56 @@ def test_faster_rcnn_trains_without_a_host_sync_and_detects_as_the_dynamic_path(
 def test_sync_free_keeps_the_weights_and_refuses_other_detectors():
     model = _tiny()
     keys = list(model.state_dict())
-    converted = use_sync_free(model)
+    converted = fixed_shape_detector(model)
     assert type(converted) is SyncFreeMaskRCNN and list(converted.state_dict()) == keys
-    assert use_sync_free(converted) is converted
-    with pytest.raises(TypeError, match="speedups.sync_free=null"):
-        use_sync_free(torch.nn.Linear(2, 2))
+    assert fixed_shape_detector(converted) is converted
+    with pytest.raises(TypeError, match=r"speedups\.sync_free=null"):
+        fixed_shape_detector(torch.nn.Linear(2, 2))
+
+
+def test_the_fixed_shape_detector_is_built_from_the_parts_and_leaves_the_model_as_it_was():
+    """A new detector of new heads around the same submodules: the given model keeps its classes (nothing is
+    re-classed), the two share their parameters, and the heads carry the settings over.
+    """
+    from torchvision.models.detection import MaskRCNN
+    from torchvision.models.detection.roi_heads import RoIHeads
+    from torchvision.models.detection.rpn import RegionProposalNetwork
+
+    model = build_detector(
+        5,
+        backbone={"name": "resnet10", "fpn_channels": 32},
+        rpn={"post_nms_top_n_train": 77, "nms_thresh": 0.6, "fg_iou_thresh": 0.65},
+        roi_heads={"detections_per_img": 9, "score_thresh": 0.2, "batch_size_per_image": 40},
+    ).eval()
+    fixed = sync_free.fixed_shape_detector(model)
+    assert fixed is not model and sync_free.is_fixed_shape(fixed) and not sync_free.is_fixed_shape(model)
+    assert type(model) is MaskRCNN and type(model.rpn) is RegionProposalNetwork
+    assert type(model.roi_heads) is RoIHeads
+    assert type(fixed.rpn) is sync_free.SyncFreeRPN and type(fixed.roi_heads) is sync_free.SyncFreeRoIHeads
+    assert not fixed.training and not fixed.rpn.training and not fixed.roi_heads.training
+    assert fixed.backbone is model.backbone and fixed.roi_heads.box_head is model.roi_heads.box_head
+    assert fixed.rpn.head is model.rpn.head and fixed.rpn.anchor_generator is model.rpn.anchor_generator
+    assert fixed.rpn._post_nms_top_n == model.rpn._post_nms_top_n and fixed.rpn.post_nms_top_n() == 1000
+    for name in ("nms_thresh", "score_thresh", "min_size"):
+        assert getattr(fixed.rpn, name) == getattr(model.rpn, name), name
+    assert fixed.rpn.proposal_matcher.high_threshold == 0.65
+    for name in ("detections_per_img", "score_thresh", "nms_thresh"):
+        assert getattr(fixed.roi_heads, name) == getattr(model.roi_heads, name), name
+    assert fixed.roi_heads.fg_bg_sampler.batch_size_per_image == 40
+    assert fixed.roi_heads.box_coder.weights == model.roi_heads.box_coder.weights
+    assert list(fixed.state_dict()) == list(model.state_dict())
+
+
+def test_build_detector_builds_the_fixed_shape_detector() -> None:
+    settings = dict(backbone={"name": "resnet10", "fpn_channels": 32}, transform={"min_size": 96})
+    torch.manual_seed(0)
+    fixed = build_detector(3, fixed_shape=True, **settings)
+    torch.manual_seed(0)
+    dynamic = build_detector(3, **settings)
+    assert type(fixed) is SyncFreeMaskRCNN and type(fixed.transform) is FixedShapeTransform
+    assert type(build_detector(3, mask=False, fixed_shape=True, **settings)).__name__ == "SyncFreeFasterRCNN"
+    expected = dynamic.state_dict()
+    assert all(torch.equal(value, expected[key]) for key, value in fixed.state_dict().items())
 
 
 def test_a_degenerate_box_is_refused_with_torchvisions_words():
@@ -439,7 +496,9 @@ def test_padding_refuses_an_image_with_more_instances_and_a_detector_that_cannot
     from lit_amp_det.data.coco import pad_instances
 
     target = {**_targets([3])[0], "image_id": torch.tensor(42)}
-    with pytest.raises(ValueError, match=r"data.pad_instances=2 is less than the 3 instances of image_id 42"):
+    with pytest.raises(
+        ValueError, match=r"data\.pad_instances=2\) is less than the 3 instances of image_id 42"
+    ):
         pad_instances(target, 2)
     module = MaskRCNNModule(
         7, backbone={"name": "resnet10", "fpn_channels": 32}, transform={"min_size": 128, "max_size": 128}
@@ -536,3 +595,39 @@ def test_the_fixed_shape_transform_normalises_and_resizes_as_torchvision() -> No
             assert torch.equal(got.tensors[region], expected.tensors[region])
         for g, e in zip(got_targets or [], expected_targets or []):
             assert torch.equal(g["boxes"], e["boxes"]) and torch.equal(g["masks"], e["masks"])
+
+
+def test_the_data_module_pads_to_the_fixed_shape_detectors_instance_count():
+    """``speedups.sync_free.instances_per_image`` is the one setting: the detector carries it, the module
+    exposes it, the data module pads a training batch to it; a disagreeing ``data.pad_instances`` is refused.
+    """
+    from types import SimpleNamespace
+
+    from hydra.utils import instantiate
+
+    from conftest import compose_config
+    from lit_amp_det import MaskRCNNModule
+    from lit_amp_det.models.speedups import DEFAULT_SPEEDUPS
+
+    sync_free_on_cpu = {
+        **DEFAULT_SPEEDUPS,
+        "sync_free": {**DEFAULT_SPEEDUPS["sync_free"], "devices": ["cpu"], "instances_per_image": 4},
+    }
+    settings = dict(backbone={"name": "resnet10", "fpn_channels": 32}, transform={"min_size": 128})
+    module = MaskRCNNModule(7, speedups=sync_free_on_cpu, **settings)
+    module.configure_model()
+    assert module.instances_per_image == module.model.instances_per_image == 4
+    data = instantiate(compose_config().data)
+    data.trainer = SimpleNamespace(lightning_module=module)
+    assert data.pad_instances is None and data.padded_instance_count() == 4
+    data.pad_instances = 4
+    assert data.padded_instance_count() == 4
+    data.pad_instances = 6
+    with pytest.raises(ValueError, match=r"speedups\.sync_free\.instances_per_image=4"):
+        data.padded_instance_count()
+    dynamic = MaskRCNNModule(7, **settings)
+    dynamic.configure_model()  # on a CPU: no sync_free
+    data.trainer = SimpleNamespace(lightning_module=dynamic)
+    assert dynamic.instances_per_image is None and data.padded_instance_count() == 6
+    with pytest.raises(ValueError, match=r"instances_per_image=0"):
+        SyncFree(instances_per_image=0)

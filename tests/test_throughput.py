@@ -115,9 +115,9 @@ def test_an_epoch_of_warmup_steps_logs_no_epoch_values() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"window": 0}, r"callbacks.throughput.window=0 must be an integer >= 1"),
-        ({"window": 2.5}, r"callbacks.throughput.window=2.5 must be an integer >= 1"),
-        ({"warmup_steps": -1}, r"callbacks.throughput.warmup_steps=-1 must be an integer >= 0"),
+        ({"window": 0}, r"callbacks\.throughput\.window=0\b"),
+        ({"window": 2.5}, r"callbacks\.throughput\.window=2\.5\b"),
+        ({"warmup_steps": -1}, r"callbacks\.throughput\.warmup_steps=-1\b"),
     ],
 )
 def test_bad_arguments_fail_in_setup_with_the_field_named(kwargs: dict[str, Any], message: str) -> None:

@@ -15,7 +15,6 @@ import re
 import pytest
 import torch
 
-from lit_amp_det.ops import triton as tops
 from lit_amp_det.ops.triton import _launch
 from ops_inputs import needs_extension, random_boxes, random_rois
 
@@ -37,22 +36,38 @@ def _record_launches(monkeypatch) -> list[tuple[str, tuple, dict]]:
     g = torch.Generator().manual_seed(0)
     boxes = random_boxes(70, image=(100, 100), max_size=50)
     scores = torch.rand(70, generator=g)
-    tops.box_iou(boxes.half(), boxes[:5].half())
-    tops.box_iou(boxes.long(), boxes[:5].long())
-    tops.batched_nms(boxes.bfloat16(), scores, torch.randint(3, (70,), generator=g), 0.5, 10)
-    tops.nms(boxes.double(), scores, 0.5)
+    _launch.box_iou(boxes.half(), boxes[:5].half())
+    _launch.box_iou(boxes.long(), boxes[:5].long())
+    _launch.batched_nms(boxes.bfloat16(), scores, torch.randint(3, (70,), generator=g), 0.5, 10)
+    _launch.nms(boxes.double(), scores, 0.5)
     rois = random_rois(3, 2, (32, 32))
     for dtype, layout in ((torch.bfloat16, torch.channels_last), (torch.float64, torch.contiguous_format)):
-        x = torch.randn(2, 4, 8, 8, dtype=dtype).contiguous(memory_format=layout).requires_grad_()
-        tops.roi_align(x, rois.to(dtype), 2, 0.25, -1, True).sum().backward()
-    features = [torch.randn(2, 4, 8, 8, requires_grad=True), torch.randn(2, 4, 4, 4, requires_grad=True)]
-    tops.multi_level_roi_align(features, rois, torch.tensor([0, 1, 1]), [0.25, 0.125], 2, 2).sum().backward()
-    torch.use_deterministic_algorithms(True)
+        x = torch.randn(2, 4, 8, 8, dtype=dtype).contiguous(memory_format=layout)
+        _roi_align_and_backward(x, rois.to(dtype), 0.25, -1, True)
+    features = [torch.randn(2, 4, 8, 8), torch.randn(2, 4, 4, 4)]
+    levels, scales, args = torch.tensor([0, 1, 1]), [0.25, 0.125], (2, 2, 2, False)
+    pooled = _launch.multi_level_roi_align(features, rois, levels, scales, *args)
+    _launch.multi_level_roi_align_backward(torch.ones_like(pooled), features, rois, levels, scales, *args)
+    torch.use_deterministic_algorithms(True)  # the owned (atomic-free) backward
     try:
-        tops.roi_align(features[0], rois, 2, 0.25, 2).sum().backward()
+        _roi_align_and_backward(features[0], rois, 0.25, 2, False)
     finally:
         torch.use_deterministic_algorithms(False)
     return launches
+
+
+def _roi_align_and_backward(
+    x: torch.Tensor,
+    rois: torch.Tensor,
+    scale: float,
+    sampling_ratio: int,
+    aligned: bool,
+) -> None:
+    """A 2 x 2 RoIAlign of ``x`` and its backward, launched as ``lit_amp_det.ops.roi_align`` runs them on
+    CUDA.
+    """
+    pooled = _launch.roi_align(x, rois, scale, 2, 2, sampling_ratio, aligned)
+    _launch.roi_align_backward(torch.ones_like(pooled), rois, scale, 2, 2, *x.shape, sampling_ratio, aligned)
 
 
 def test_every_kernel_compiles_for_sm90_with_the_promised_numerics(monkeypatch):

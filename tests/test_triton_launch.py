@@ -37,7 +37,7 @@ LAUNCHES = 1000
 
 @pytest.fixture(scope="module")
 def iou_launch() -> Iterator[triton_launch_overhead.Launch]:
-    """The IoU matrix's launch, compiled for sm_90, with the stand-in GPU active while the module's tests run."""
+    """The IoU matrix's launch, compiled for sm_90, the stand-in GPU active while the module's tests run."""
     kernels = _launch.load_kernels(interpret=False)
     with triton_launch_overhead.stand_in_gpu():
         launch = next(

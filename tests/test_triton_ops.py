@@ -1,11 +1,11 @@
 """The Triton kernels (the CUDA kernels of every op) executed by Triton's interpreter on CPU tensors.
 
-Each op of :mod:`lit_amp_det.ops.triton` is compared with the C++ CPU kernel (``torch.ops.lit_amp_det``) and
-with :mod:`lit_amp_det.ops.reference` on every dtype and layout, at sizes small enough for the interpreter but
-large enough to span several tiles. Interpreter facts these tests rely on: the kernels upcast right after
-every load (bf16 arithmetic inside an interpreted kernel is wrong), and interpreted bf16 stores truncate
-instead of rounding, so bf16 outputs are compared to within 1 ulp; fp16 stores round, so they are compared
-exactly.
+Each launcher of :mod:`lit_amp_det.ops.triton._launch` (what the ops run on CUDA tensors) is compared with the
+C++ CPU kernel (``torch.ops.lit_amp_det``) and with :mod:`lit_amp_det.ops.reference` on every dtype and
+layout, at sizes small enough for the interpreter but large enough to span several tiles. Interpreter facts
+these tests rely on: the kernels upcast right after every load (bf16 arithmetic inside an interpreted kernel
+is wrong), and interpreted bf16 stores truncate instead of rounding, so bf16 outputs are compared to within 1
+ulp; fp16 stores round, so they are compared exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import triton.language as tl
 
 import lit_amp_det.ops as ops
 from lit_amp_det.ops import reference
-from lit_amp_det.ops import triton as tops
 from lit_amp_det.ops.triton import _launch, _register
 from ops_inputs import distinct_scores, needs_extension, random_boxes, random_rois
 
@@ -73,7 +72,7 @@ def test_box_iou_matches_the_cpu_kernel_across_tiles(dtype):
         a, b = a.to(dtype), b.to(dtype)
     else:
         a, b = a.round().to(dtype), b.round().to(dtype)
-    got = tops.box_iou(a, b)
+    got = _launch.box_iou(a, b)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     if dtype.is_floating_point:
         assert torch.equal(got, cpu_kernels.box_iou(a, b))
@@ -88,15 +87,15 @@ def test_box_iou_matches_the_cpu_kernel_across_tiles(dtype):
 def test_box_iou_is_never_nan():
     inf, nan = math.inf, math.nan
     a = torch.tensor([[0.0, 0, 1, 1], [0, 0, inf, 1], [-inf, 0, inf, 1], [nan, 0, 1, 1], [0, 0, 0, 0]])
-    got = tops.box_iou(a, a)
+    got = _launch.box_iou(a, a)
     assert not got.isnan().any()
     assert got[0, 0] == 1 and got[0, 1] == 0 and got[2, 2] == 0 and got[3, 3] == 0 and got[4, 4] == 0
 
 
 def test_box_iou_empty_and_fp64_mixed():
-    assert tops.box_iou(torch.zeros(0, 4), torch.rand(3, 4)).shape == (0, 3)
+    assert _launch.box_iou(torch.zeros(0, 4), torch.rand(3, 4)).shape == (0, 3)
     a, b = random_boxes(5).double(), random_boxes(4)
-    got = tops.box_iou(a, b)
+    got = _launch.box_iou(a, b)
     assert got.dtype == torch.float64
     assert torch.equal(got, reference.box_iou(a, b))
 
@@ -114,7 +113,7 @@ def _nms_inputs(n: int, dtype: torch.dtype, clusters: int = 0):
 @pytest.mark.parametrize("clusters", [0, 6])
 def test_nms_matches_the_cpu_kernel_and_torchvision(dtype, clusters):
     boxes, scores = _nms_inputs(200, dtype, clusters)  # 4 mask words: tiles off the diagonal too
-    got = tops.nms(boxes, scores, 0.5)
+    got = _launch.nms(boxes, scores, 0.5)
     assert got.dtype == torch.int64
     assert torch.equal(got, cpu_kernels.nms(boxes, scores, 0.5))
     expected = torchvision.ops.nms(boxes.to(_acc(dtype)), scores.to(_acc(dtype)), 0.5)
@@ -127,9 +126,9 @@ def test_nms_max_output_is_a_prefix_and_padded_agrees(max_output):
     boxes, scores = _nms_inputs(200, torch.float32, clusters=10)
     full = cpu_kernels.nms(boxes, scores, 0.6)
     assert full.numel() > 7
-    got = tops.nms(boxes, scores, 0.6, max_output)
+    got = _launch.nms(boxes, scores, 0.6, max_output)
     assert torch.equal(got, full[:max_output])
-    keep, count = tops.nms_padded(boxes, scores, 0.6, max_output)
+    keep, count = _launch.nms_padded(boxes, scores, 0.6, max_output)
     assert keep.shape == (min(200, max_output),) and count.dim() == 0 and count.dtype == torch.int64
     assert torch.equal(keep[: int(count)], got)
     assert (keep[int(count) :] == -1).all()
@@ -138,31 +137,33 @@ def test_nms_max_output_is_a_prefix_and_padded_agrees(max_output):
 def test_nms_ties_nan_scores_and_threshold_rounding():
     boxes = random_boxes(150, image=(100, 100), max_size=60)
     tied = torch.randint(0, 4, (150,), generator=torch.Generator().manual_seed(3)).float()
-    assert torch.equal(tops.nms(boxes, tied, 0.3), torchvision.ops.nms(boxes, tied, 0.3))
+    assert torch.equal(_launch.nms(boxes, tied, 0.3), torchvision.ops.nms(boxes, tied, 0.3))
     tied[::7] = math.nan
-    assert torch.equal(tops.nms(boxes, tied, 0.3), cpu_kernels.nms(boxes, tied, 0.3))
+    assert torch.equal(_launch.nms(boxes, tied, 0.3), cpu_kernels.nms(boxes, tied, 0.3))
     # IoU 1/10 in fp32 is above the double 0.1: torchvision suppresses, so must we
     pair = torch.tensor([[0.0, 0, 10, 1], [0, 0, 1, 1]])
     two = torch.tensor([0.9, 0.8])
-    assert tops.nms(pair, two, 0.1).tolist() == torchvision.ops.nms(pair, two, 0.1).tolist() == [0]
+    assert _launch.nms(pair, two, 0.1).tolist() == torchvision.ops.nms(pair, two, 0.1).tolist() == [0]
     # IoU exactly at the threshold does not suppress (fp64 keeps the double threshold)
     exact = torch.tensor([[0.0, 0, 2, 1], [0, 0, 1, 1]])
     for dtype in (torch.float32, torch.float64, torch.float16):
-        assert tops.nms(exact.to(dtype), two, 0.5).tolist() == [0, 1]
-        assert tops.nms(exact.to(dtype), two, 0.4999).tolist() == [0]
+        assert _launch.nms(exact.to(dtype), two, 0.5).tolist() == [0, 1]
+        assert _launch.nms(exact.to(dtype), two, 0.4999).tolist() == [0]
 
 
 def test_nms_empty_zero_area_and_out_of_image():
-    empty = tops.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
+    empty = _launch.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
     assert empty.dtype == torch.int64 and empty.numel() == 0
-    keep, count = tops.nms_padded(torch.zeros(0, 4), torch.zeros(0), 0.5)
+    keep, count = _launch.nms_padded(torch.zeros(0, 4), torch.zeros(0), 0.5)
     assert keep.numel() == 0 and int(count) == 0
     boxes = torch.tensor(
         [[3.0, 3, 3, 3], [3, 3, 3, 3], [-50, -50, -10, -10], [-49, -50, -10, -10], [0, 0, 5, 5]]
     )
     scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5])
     assert (
-        tops.nms(boxes, scores, 0.5).tolist() == cpu_kernels.nms(boxes, scores, 0.5).tolist() == [0, 1, 2, 4]
+        _launch.nms(boxes, scores, 0.5).tolist()
+        == cpu_kernels.nms(boxes, scores, 0.5).tolist()
+        == [0, 1, 2, 4]
     )
 
 
@@ -173,30 +174,28 @@ def test_batched_nms_keeps_classes_apart(dtype, max_output):
     g = torch.Generator().manual_seed(4)
     # a few large and negative class ids, unevenly sized classes
     classes = torch.tensor([-7, 0, 3, 10**12])[torch.randint(4, (180,), generator=g)]
-    got = tops.batched_nms(boxes, scores, classes, 0.4, max_output)
+    got = _launch.batched_nms(boxes, scores, classes, 0.4, max_output)
     assert torch.equal(got, cpu_kernels.batched_nms(boxes, scores, classes, 0.4, max_output))
     # torchvision's coordinate-offset trick loses precision with ids like 1e12: the per-class reference is the
     # oracle
     assert torch.equal(got, reference.batched_nms(boxes, scores, classes, 0.4, max_output))
-    keep, count = tops.batched_nms_padded(boxes, scores, classes, 0.4, max_output)
+    keep, count = _launch.batched_nms_padded(boxes, scores, classes, 0.4, max_output)
     assert torch.equal(keep[: int(count)], got)
 
 
 def test_nms_inputs_are_checked():
-    with pytest.raises(
-        ValueError, match=r"boxes should be a 2-D tensor of shape \[N, 4\], got shape \[3, 5\]"
-    ):
-        tops.nms(torch.zeros(3, 5), torch.zeros(3), 0.5)
-    with pytest.raises(ValueError, match="scores should be a 1-D tensor of shape"):
-        tops.nms(torch.zeros(3, 4), torch.zeros(2), 0.5)
-    with pytest.raises(TypeError, match="idxs should be an integer tensor"):
-        tops.batched_nms(torch.zeros(3, 4), torch.zeros(3), torch.zeros(3), 0.5)
+    with pytest.raises(ValueError, match=r"boxes.*\[N, 4\].*\[3, 5\]"):
+        _launch.nms(torch.zeros(3, 5), torch.zeros(3), 0.5)
+    with pytest.raises(ValueError, match=r"\bscores\b.*\[2\]"):
+        _launch.nms(torch.zeros(3, 4), torch.zeros(2), 0.5)
+    with pytest.raises(TypeError, match=r"\bidxs\b"):
+        _launch.batched_nms(torch.zeros(3, 4), torch.zeros(3), torch.zeros(3), 0.5)
 
 
 def test_cpu_tensors_without_the_interpreter_say_what_to_do(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        tops.box_iou(torch.zeros(1, 4), torch.zeros(1, 4))
+        _launch.box_iou(torch.zeros(1, 4), torch.zeros(1, 4))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -224,7 +223,7 @@ def test_roi_align_forward_matches_the_cpu_kernel(dtype, layout, aligned, sampli
     x = _features((2, 6, 16, 20), dtype, layout)
     rois = _rois()
     args = (0.25, 3, 2, sampling_ratio, aligned)
-    got = tops.roi_align(x, rois, (3, 2), 0.25, sampling_ratio, aligned)
+    got = _launch.roi_align(x, rois, *args)
     assert got.shape == (12, 6, 3, 2) and got.is_contiguous(memory_format=layout)
     # the same values in the accumulation precision: the sums are the CPU kernel's, bit for bit
     expected = cpu_kernels.roi_align(x.to(_acc(dtype)), rois.to(_acc(dtype)), *args)
@@ -279,14 +278,14 @@ def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monke
     with _launch.gpu_launch_configs():
         monkeypatch.setattr(_launch, "_launch", record)
         boxes, scores = _nms_inputs(1100, torch.float32, clusters=40)
-        iou = tops.box_iou(boxes[:70].half(), boxes[:5].half())
+        iou = _launch.box_iou(boxes[:70].half(), boxes[:5].half())
         torch.testing.assert_close(
             iou, cpu_kernels.box_iou(boxes[:70].half(), boxes[:5].half()), rtol=0, atol=0
         )
-        assert torch.equal(tops.nms(boxes, scores, 0.5), cpu_kernels.nms(boxes, scores, 0.5))
+        assert torch.equal(_launch.nms(boxes, scores, 0.5), cpu_kernels.nms(boxes, scores, 0.5))
         classes = torch.randint(3, (1100,), generator=torch.Generator().manual_seed(2))
         assert torch.equal(
-            tops.batched_nms(boxes, scores, classes, 0.5, 300),
+            _launch.batched_nms(boxes, scores, classes, 0.5, 300),
             cpu_kernels.batched_nms(boxes, scores, classes, 0.5, 300),
         )
         rois = _rois(5, 2, (48, 56))
@@ -298,7 +297,7 @@ def test_every_gpu_launch_configuration_runs_in_the_interpreter_and_agrees(monke
             x = _features((2, 9, 12, 14), dtype, layout, seed=3)
             block_p, block_c, _ = _launch._blocks(9, pool * pool, x.device)
             assert block_p * block_c >= _launch.GPU_TILE and 9 % block_c in (1, 0 if block_c == 1 else 1)
-            got = tops.roi_align(x, rois, pool, 0.25, 2, True)
+            got = _launch.roi_align(x, rois, 0.25, pool, pool, 2, True)
             assert_matches(
                 got, cpu_kernels.roi_align(x.to(_acc(dtype)), rois, 0.25, pool, pool, 2, True), dtype
             )
@@ -402,7 +401,7 @@ class _deterministic:
 
 
 def test_rois_of_other_images_and_bad_batch_indices():
-    x = _features((3, 4, 12, 12), torch.float32, torch.contiguous_format).requires_grad_()
+    x = _features((3, 4, 12, 12), torch.float32, torch.contiguous_format).requires_grad_()  # for torchvision
     rois = torch.tensor(
         [
             [0, 1.0, 1, 20, 20],
@@ -413,25 +412,42 @@ def test_rois_of_other_images_and_bad_batch_indices():
             [2.9, 2, 2, 12, 12],
         ]
     )
-    got = tops.roi_align(x, rois, 2, 0.25, 2)
+    got = _launch.roi_align(x, rois, 0.25, 2, 2, 2, False)
     assert torch.equal(got[2:4], torch.zeros_like(got[2:4]))  # index 3 and -1 are outside [0, 3)
     good = torch.tensor([0, 1, 4, 5])
     torch.testing.assert_close(
         got[good], torchvision.ops.roi_align(x, rois[good], 2, 0.25, 2), rtol=0, atol=1e-6
     )
-    got.sum().backward()
+    grad = _launch.roi_align_backward(torch.ones_like(got), rois, 0.25, 2, 2, *x.shape, 2, False)
     expected = torch.autograd.grad(torchvision.ops.roi_align(x, rois[good], 2, 0.25, 2).sum(), x)[0]
-    torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-6)
 
 
 def test_roi_align_empty_inputs():
-    x = _features((1, 3, 8, 8), torch.float16, torch.channels_last).requires_grad_()
-    out = tops.roi_align(x, torch.zeros(0, 5), 7, 1.0)
+    x = _features((1, 3, 8, 8), torch.float16, torch.channels_last)
+    out = _launch.roi_align(x, torch.zeros(0, 5), 1.0, 7, 7, -1, False)
     assert out.shape == (0, 3, 7, 7) and out.dtype == torch.float16
-    out.sum().backward()
-    assert torch.equal(x.grad, torch.zeros_like(x)) and x.grad.is_contiguous(
-        memory_format=torch.channels_last
-    )
+    grad = _launch.roi_align_backward(out, torch.zeros(0, 5), 1.0, 7, 7, *x.shape, -1, False)
+    assert grad.dtype == torch.float16 and torch.equal(grad, torch.zeros_like(x))
+
+
+class _LaunchedRoIAlign(torch.autograd.Function):
+    """The forward and backward launchers paired as ``lit_amp_det.ops.roi_align``'s autograd formula pairs the
+    two ops whose CUDA kernels they are (``roi_align`` and ``_roi_align_backward``).
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, rois: torch.Tensor, *args) -> torch.Tensor:
+        ctx.save_for_backward(rois)
+        ctx.shape, ctx.args = tuple(input.shape), args
+        return _launch.roi_align(input, rois, *args)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rois,) = ctx.saved_tensors
+        scale, pooled_height, pooled_width, sampling_ratio, aligned = ctx.args
+        args = (scale, pooled_height, pooled_width, *ctx.shape, sampling_ratio, aligned)
+        return _launch.roi_align_backward(grad, rois, *args), None, *(None for _ in ctx.args)
 
 
 @pytest.mark.slow
@@ -439,7 +455,7 @@ def test_roi_align_gradcheck_fp64():
     x = _features((1, 2, 4, 5), torch.float64, torch.contiguous_format, seed=7).requires_grad_()
     rois = torch.tensor([[0, 0.3, 0.6, 4.1, 3.7], [0, 1.2, -0.5, 6.5, 4.2]], dtype=torch.float64)
     assert torch.autograd.gradcheck(
-        lambda t: tops.roi_align(t, rois, 2, 1.0, 2, True), (x,), eps=1e-6, atol=1e-8
+        lambda t: _LaunchedRoIAlign.apply(t, rois, 1.0, 2, 2, 2, True), (x,), eps=1e-6, atol=1e-8
     )
 
 
@@ -454,7 +470,7 @@ def test_multi_level_matches_the_cpu_kernel(dtype, layout):
     rois = _rois(14, 2, (64, 80))
     levels = torch.randint(3, (14,), generator=torch.Generator().manual_seed(9))
     scales, args = [0.25, 0.125, 0.0625], (3, 3, -1, False)
-    got = tops.multi_level_roi_align(features, rois, levels, scales, 3)
+    got = _launch.multi_level_roi_align(features, rois, levels, scales, *args)
     assert got.is_contiguous(memory_format=layout)
     acc = [f.float() for f in features]
     assert_matches(got, cpu_kernels.multi_level_roi_align(acc, rois, levels, scales, *args), dtype)
@@ -464,23 +480,6 @@ def test_multi_level_matches_the_cpu_kernel(dtype, layout):
     for g, e, f in zip(grads, expected, features):
         assert g.shape == f.shape and g.is_contiguous(memory_format=layout)
         assert_matches(g, e, dtype, atol=1e-5)
-
-
-def test_multi_scale_roi_align_module_matches_the_extension_one():
-    names = ["0", "1"]
-    features = {
-        "0": _features((2, 3, 16, 16), torch.float32, torch.contiguous_format, 0).requires_grad_(),
-        "1": _features((2, 3, 8, 8), torch.float32, torch.contiguous_format, 1),
-        "pool": torch.zeros(2, 3, 4, 4),
-    }
-    boxes = [random_boxes(5, image=(64, 64), max_size=60), random_boxes(4, image=(64, 64), max_size=60)]
-    ours = tops.MultiScaleRoIAlign(names, 3, 2)
-    assert repr(ours).startswith("MultiScaleRoIAlign(featmap_names=['0', '1']")
-    got = ours(features, boxes, [(64, 64), (60, 64)])
-    expected = ops.MultiScaleRoIAlign(names, 3, 2)(features, boxes, [(64, 64), (60, 64)])
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    got.sum().backward()
-    assert features["0"].grad is not None and features["0"].grad.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 
 import lit_amp_det.ops as ops
 from lit_amp_det.models import ext_ops, sync_free
-from lit_amp_det.ops import triton as tops
+from lit_amp_det.ops.triton import _launch as tops
 from ops_inputs import distinct_scores, needs_extension, on_cuda_only, random_boxes, random_rois
 
 pytestmark = needs_extension
@@ -39,8 +39,7 @@ def _rpn(training: bool, cls: type = ext_ops.ExtRegionProposalNetwork) -> ext_op
         score_thresh=0.3,
     )
     rpn.min_size = 6.0
-    rpn.__class__ = cls
-    return rpn.train(training)
+    return cls.from_rpn(rpn.train(training))
 
 
 def _triton_nms(monkeypatch) -> None:
@@ -109,7 +108,7 @@ def test_detection_slots_hold_the_per_image_detections(monkeypatch, kernel):
     heads = RoIHeads(
         None, None, None, 0.5, 0.5, 16, 0.25, None, score_thresh=0.1, nms_thresh=0.5, detections_per_img=15
     )
-    heads.__class__ = ext_ops.ExtRoIHeads
+    heads = ext_ops.ExtRoIHeads.from_roi_heads(heads)
     g = torch.Generator().manual_seed(3)
     proposals = torch.stack(
         [
@@ -132,7 +131,7 @@ def test_detection_slots_hold_the_per_image_detections(monkeypatch, kernel):
     )
     if kernel == "triton":
         _triton_nms(monkeypatch)
-    heads.__class__ = sync_free.SyncFreeRoIHeads
+    heads = sync_free.SyncFreeRoIHeads.from_roi_heads(heads)
     boxes, scores, labels, counts = heads.postprocess_detections(
         class_logits, box_regression, (proposals, valid), [(64, 80), (60, 70)]
     )

@@ -120,8 +120,8 @@ def test_the_checks_name_an_unknown_mode_before_reading_anything(tmp_path: Path)
     from lit_amp_det.errors import ArgumentError
 
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
-    with pytest.raises(ArgumentError, match=r"^mode='ignore' is unknown; choose error or skip"):
+    with pytest.raises(ArgumentError, match=r"^mode='ignore' "):
         verify.check_folder(ImageFolder(tmp_path), "ignore", tmp_path / "cache")
-    with pytest.raises(ArgumentError, match=r"^mode='warn' is unknown; choose error or skip"):
+    with pytest.raises(ArgumentError, match=r"^mode='warn' "):
         verify.check_splits({}, "warn", tmp_path / "cache")
     assert not (tmp_path / "cache").exists()

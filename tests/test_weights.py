@@ -107,7 +107,9 @@ def _file(weights: WeightsEnum) -> dict[str, Tensor]:
 
 
 def _assert_loaded(module: nn.Module, saved: dict[str, Tensor], skip: tuple[str, ...] = ()) -> int:
-    """Every tensor of ``saved`` (but ``skip`` prefixes) equals the module's; returns how many were compared."""
+    """Every tensor of ``saved`` (but ``skip`` prefixes) equals the module's; returns how many were
+    compared.
+    """
     own = module.state_dict()
     compared = 0
     for key, value in saved.items():
@@ -276,9 +278,9 @@ def test_an_unreadable_cached_file_says_to_replace_it(
     with pytest.raises(WeightsUnavailableError) as info:
         build_detector(91, weights="DEFAULT", **R50_FPN)
     assert str(info.value) == (
-        f"weights='DEFAULT' cannot be loaded: the cached file {path} is unreadable (UnpicklingError; 29 bytes starting "
-        "with b'<html>pr'): it is truncated or not the published checkpoint. Delete it to download it again, or "
-        "replace it with a complete copy of https://download.pytorch.org/models/maskrcnn_resnet50_fpn_coco-bf2d0c1e.pth"
+        f"weights='DEFAULT' cannot be loaded: the cached file {path} is unreadable (UnpicklingError; "
+        "29 bytes starting with b'<html>pr'): it is truncated or not the published checkpoint. Delete it "
+        "to download it again, or replace it with a complete copy of https://download.pytorch.org/models/maskrcnn_resnet50_fpn_coco-bf2d0c1e.pth"
     )
 
 

@@ -143,7 +143,9 @@ def cuda_available() -> Iterator[None]:
 
 
 def _refused_site(error: BaseException) -> str:
-    """``error`` and the innermost frame of its traceback outside torch and the counter: the code that asked."""
+    """``error`` and the innermost frame of its traceback outside torch and the counter: the code that
+    asked.
+    """
     skipped = (str(Path(torch.__file__).parent) + "/", str(PACKAGE / "profiling.py"))
     site = "?"
     for frame, line in _frames(error.__traceback__):
@@ -212,7 +214,7 @@ def build_cuda_module(cfg: Any, module: Any) -> CudaModule:
 
 
 def padded(batch: Any, pad_instances: int | None) -> Any:
-    """``(images, targets)`` with the targets padded to ``pad_instances`` (``data.pad_instances``), as the
+    """``(images, targets)`` with the targets padded to ``pad_instances`` (:func:`instance_count`), as the
     data module pads them on the host.
     """
     from lit_amp_det.data.coco import pad_instances as pad
@@ -221,6 +223,14 @@ def padded(batch: Any, pad_instances: int | None) -> Any:
     if pad_instances is None:
         return images, targets
     return images, [pad(t, pad_instances) for t in targets]
+
+
+def instance_count(cfg: Any, module: Any) -> int | None:
+    """The count the data module pads ``module``'s training targets to: the fixed-shape detector's
+    (``speedups.sync_free.instances_per_image``), else ``data.pad_instances``.
+    """
+    wanted = module.instances_per_image
+    return cfg.data.get("pad_instances") if wanted is None else wanted
 
 
 def cuda_batch(batch: Any) -> Any:
@@ -316,7 +326,7 @@ def count_cuda_steps(
     torch.manual_seed(0)
     module = instantiate_model(cfg)
     configure_for_cuda(module)
-    batch = padded(batch, cfg.data.get("pad_instances"))
+    batch = padded(batch, instance_count(cfg, module))
     with fake_cuda():
         built = build_cuda_module(cfg, module)
         device_batch = cuda_batch(batch)

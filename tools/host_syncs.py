@@ -21,6 +21,7 @@ import torch
 
 from lit_amp_det.models.maskrcnn import build_detector
 from lit_amp_det.models.speedups import BinaryMaskPaste, ExtensionOps, SyncFree
+from lit_amp_det.models.sync_free import is_fixed_shape
 from lit_amp_det.profiling import HostSyncs
 
 
@@ -87,7 +88,7 @@ def graph_breaks(model: torch.nn.Module, train: bool) -> int:
     model.train(train)
     torch._dynamo.reset()
     torch.manual_seed(1)
-    explain = torch._dynamo.explain(getattr(model, "forward_padded", model))
+    explain = torch._dynamo.explain(model.forward_padded if is_fixed_shape(model) else model)
     return (explain(images, targets) if train else explain(images)).graph_break_count
 
 

@@ -330,8 +330,8 @@ def report(rows: Sequence[Usage]) -> str:
     for row in sorted(worst.values(), key=lambda r: (r.target, r.kernel, r.dtype, r.block)):
         mark = " (fp64: may spill)" if not row.required and row.spill_bytes else ""
         lines.append(
-            f"| {row.target} | {row.kernel} | {row.dtype} | {row.block} | {row.num_warps} | {row.registers} | "
-            f"{row.spill_bytes}{mark} | {row.shared_bytes} |"
+            f"| {row.target} | {row.kernel} | {row.dtype} | {row.block} | {row.num_warps} | {row.registers} "
+            f"| {row.spill_bytes}{mark} | {row.shared_bytes} |"
         )
     return "\n".join(lines)
 
@@ -353,8 +353,8 @@ def main(argv: Sequence[str]) -> None:
         for launch in specialisations(kernels, launches, target):
             rows.append(usage(kernels, launch, target))
             print(
-                f"{rows[-1].target} {rows[-1].kernel} {rows[-1].dtype} {rows[-1].block}: {rows[-1].registers} "
-                f"registers, {rows[-1].spill_bytes} bytes spilled",
+                f"{rows[-1].target} {rows[-1].kernel} {rows[-1].dtype} {rows[-1].block}: "
+                f"{rows[-1].registers} registers, {rows[-1].spill_bytes} bytes spilled",
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -282,15 +282,16 @@ def report(rows: Sequence[dict[str, Any]], repeats: int, launches: int) -> str:
     import triton
 
     lines = [
-        f"{_cpu_model()}, torch {torch.__version__}, triton {triton.__version__}; median of {repeats} interleaved "
-        f"repeats of {launches} launches, up to the (stubbed) driver call",
+        f"{_cpu_model()}, torch {torch.__version__}, triton {triton.__version__}; median of {repeats} "
+        f"interleaved repeats of {launches} launches, up to the (stubbed) driver call",
         "",
         "| kernel | path | us per launch | ratio to before | side-table entries per launch |",
         "|---|---|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['kernel']} | {row['path']} | {row['us']:.1f} | {row['ratio']:.3f} | {row['side_table']:g} |"
+            f"| {row['kernel']} | {row['path']} | {row['us']:.1f} | {row['ratio']:.3f} | "
+            f"{row['side_table']:g} |"
         )
     return "\n".join(lines)
 

@@ -17,9 +17,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lit_amp_det.app.launch import rank_suffix
 from lit_amp_det.app.runs import unique_dir
 from lit_amp_det.errors import ArgumentError
-from lit_amp_det.precision.modes import PRECISIONS
+from lit_amp_det.settings import RENAMED_SETTINGS, register_schemas
 
-__all__ = ["COMMANDS", "check_command", "check_config", "compose", "config_dir", "config_groups"]
+__all__ = [
+    "COMMANDS",
+    "RENAMED_SETTINGS",
+    "check_command",
+    "check_config",
+    "compose",
+    "config_dir",
+    "config_groups",
+    "renamed_setting",
+]
 
 #: Subcommands of ``python -m lit_amp_det``.
 COMMANDS = ("fit", "validate", "test", "predict", "export")
@@ -42,6 +51,7 @@ OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replac
 # hydra.launcher.cpus_per_task under SLURM: a rank's loader workers plus the rank itself
 OmegaConf.register_new_resolver("cpus_per_rank", lambda loader_workers: int(loader_workers) + 1, replace=True)
 OmegaConf.register_new_resolver("pin_memory", _pin_memory, replace=True)
+register_schemas()  # the typed schemas the YAML defaults lists start from (lit_amp_det.settings)
 
 
 def config_dir() -> Path:
@@ -77,11 +87,42 @@ def compose(overrides: Sequence[str]) -> DictConfig:
         return hydra_compose("config", overrides=list(overrides))
 
 
+def renamed_setting(key: str) -> str | None:
+    """The message refusing ``key`` when it is the old name of a setting (``None`` when it is not).
+
+    Args:
+        key: a dotted setting, as a command line or a config file names it (``data.seed``).
+
+    Returns:
+        ``data.seed was renamed data.sampler_seed: ...``, or ``None``.
+    """
+    new = RENAMED_SETTINGS.get(key)
+    if new is None:
+        return None
+    return f"{key} was renamed {new}: set {new} instead (same meaning)"
+
+
+def _check_renamed(cfg: DictConfig) -> None:
+    """A composed config that still sets an old name (in an experiment file of the user's) stops here."""
+    for old in RENAMED_SETTINGS:
+        if OmegaConf.select(cfg, old, default=None, throw_on_resolution_failure=False) is not None:
+            raise ValueError(f"{renamed_setting(old)}; the config sets {old}")
+
+
 def check_config(cfg: DictConfig) -> None:
-    """Rejects values that would otherwise fail deep inside Lightning with a less helpful message."""
+    """Rejects values that would otherwise fail deep inside Lightning with a less helpful message.
+
+    Args:
+        cfg: the composed config of a command.
+
+    Raises:
+        ValueError: a setting with a bad value or an old name; the message names the setting and the fix.
+    """
+    from lit_amp_det.precision.build import check_precision  # deferred: torch, only once a command runs
+
     check_command(cfg.get("command"))
-    if (precision := str(cfg.trainer.get("precision", "32-true"))) not in PRECISIONS:
-        raise ValueError(f"trainer.precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    _check_renamed(cfg)
+    check_precision(str(cfg.trainer.get("precision", "32-true")))
     _check_sync_batchnorm(cfg)
     _check_data_settings(cfg)
     _check_numbers(cfg)

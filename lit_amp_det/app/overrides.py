@@ -4,6 +4,8 @@
   list (``trainer.limit_val_batches=2``) is added as Hydra's ``+trainer.limit_val_batches=2`` would add it.
 * A key that is not a setting stops the command with one message that names the closest settings
   (``trainer.max_epoch=2``: did you mean ``trainer.max_epochs``?), instead of Hydra's "not in struct".
+* A setting's old name (:data:`~lit_amp_det.app.config.RENAMED_SETTINGS`: ``data.seed``) stops the command,
+  naming the new one, in a multirun too.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from lit_amp_det.app.config import compose
+from lit_amp_det.app.config import compose, renamed_setting
 
 __all__ = ["UnknownSetting", "prepare_overrides"]
 
@@ -34,18 +37,41 @@ def _keys(node: Any, prefix: str = "") -> list[str]:
     """Every dotted key of a composed config (mappings inside lists are not descended into)."""
     if not isinstance(node, DictConfig) or node._is_missing() or node._is_none():
         return []
-    return [
-        k for key in node.keys() for k in (f"{prefix}{key}", *_keys(node._get_node(key), f"{prefix}{key}."))
-    ]
+    return [k for key in node for k in (f"{prefix}{key}", *_keys(node._get_node(key), f"{prefix}{key}."))]
+
+
+def _is_unknown_key(error: BaseException | None) -> bool:
+    """Whether OmegaConf refused a key as missing from the config: a plain node in struct mode ("not in
+    struct") or a typed schema (``lit_amp_det.settings``: "not in 'RPNSettings'").
+    """
+    return isinstance(error, (ConfigAttributeError, ConfigKeyError)) and " not in " in str(error)
+
+
+def _refuse_renamed(overrides: Sequence[str]) -> None:
+    """Raises :class:`UnknownSetting` for an override of a setting's old name, naming the new one."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if (message := renamed_setting(key)) is not None:
+            raise UnknownSetting(f"lit_amp_det: {message}")
 
 
 def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[str]:
-    """``overrides`` with ``+`` added to Lightning ``Trainer`` arguments the trainer config lacks; for a
-    single run, a key that is not a setting raises :class:`UnknownSetting` (a multirun's sweep values are
-    Hydra's to check).
+    """``overrides`` with ``+`` added to Lightning ``Trainer`` arguments the trainer config lacks.
+
+    Args:
+        overrides: the command line's ``key=value`` overrides.
+        multirun: a sweep (``-m``): its values are Hydra's to check.
+
+    Returns:
+        The overrides as Hydra should read them.
+
+    Raises:
+        UnknownSetting: an old setting name (always), or for a single run a key that is not a setting; the
+            message names the setting meant.
     """
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
+    _refuse_renamed(overrides)
     values = [o for o in overrides if "=" in o and not o.startswith(("+", "~", "hydra."))]
     choices = [o for o in values if "." not in o.split("=", 1)[0] and "," not in o]
     try:
@@ -67,7 +93,7 @@ def prepare_overrides(overrides: Sequence[str], multirun: bool = False) -> list[
         compose(prepared)
     except ConfigCompositionException as err:
         key = getattr(err.__cause__, "full_key", None)
-        if not key or "not in struct" not in str(err.__cause__):
+        if not key or not _is_unknown_key(err.__cause__):
             return prepared  # Hydra reports it, with its own message
         known = list(dict.fromkeys([*_keys(base), *(f"trainer.{name}" for name in arguments)]))
         close = difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)

@@ -25,6 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_amp_det.app.launch import launch_rank
+from lit_amp_det.settings import RENAMED_SETTINGS, model_defaults
 
 __all__ = [
     "RUN_RECORD",
@@ -304,6 +305,19 @@ def _comparable(cfg: Mapping[str, Any], sections: Iterable[str]) -> dict[str, An
     return flat
 
 
+def _under_current_names(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved run's flattened settings as today's config names them: renamed keys
+    (:data:`~lit_amp_det.settings.RENAMED_SETTINGS`) under their new name, and the model's typed keys it did
+    not list at the defaults it ran with (:func:`~lit_amp_det.settings.model_defaults`), so that a run saved
+    before either change is still the same run.
+    """
+    current = {RENAMED_SETTINGS.get(key, key): value for key, value in saved.items()}
+    if any(key.startswith("model.") for key in current):
+        for key, value in model_defaults().items():
+            current.setdefault(key, value)
+    return current
+
+
 def _saved_sections(run_dir: Path, sections: Iterable[str]) -> dict[str, Any] | None:
     """``sections`` of the run's saved ``config_resolved.yaml`` as plain containers; None when the file is
     missing.
@@ -321,7 +335,7 @@ def _setting_differences(run_dir: Path, cfg: DictConfig, sections: tuple[str, ..
     """
     if (saved_sections := _saved_sections(run_dir, sections)) is None:
         return None
-    saved = _comparable(saved_sections, sections)
+    saved = _under_current_names(_comparable(saved_sections, sections))
     now = _comparable(
         {s: OmegaConf.to_container(cfg[s], resolve=True) for s in sections if cfg.get(s) is not None},
         sections,

@@ -177,7 +177,9 @@ def _short_value(value: str) -> str:
 
 
 def _label(row: dict[str, Any], varying: Sequence[str]) -> str:
-    """``#2 precision=bf16-mixed callbacks=fast``: the last part of each dotted key unless that is ambiguous."""
+    """``#2 precision=bf16-mixed callbacks=fast``: the last part of each dotted key, unless that is
+    ambiguous.
+    """
     tails = [k.rsplit(".", 1)[-1] for k in varying]
     names = [tail if tails.count(tail) == 1 else key for key, tail in zip(varying, tails)]
     pairs = [f"{n}={_short_value(str(row[k]))}" for n, k in zip(names, varying) if row[k] != ""]
@@ -227,9 +229,10 @@ def _markdown(rows: Sequence[dict[str, Any]], sweep_dir: Path, metric: str | Non
         lines += [f"Highest `{metric}`: {best['objective']:.4f}, job {_label(best, varying)}.", ""]
     if any(str(r.get("device", "")).startswith("cpu") for r in rows):
         lines += [
-            "On a CPU, `peak_memory_mb` is the process's resident set, shared by a sweep's jobs, so it depends "
-            "on job order; compare settings by `tensor_memory_mb` (parameters, gradients, optimizer state and "
-            "the activations saved for backward of one step), which does not, and which the plot uses.",
+            "On a CPU, `peak_memory_mb` is the process's resident set, shared by a sweep's jobs, so it "
+            "depends on job order; compare settings by `tensor_memory_mb` (parameters, gradients, optimizer "
+            "state and the activations saved for backward of one step), which does not, and which the plot "
+            "uses.",
             "",
         ]
     if common:
@@ -395,7 +398,7 @@ class SweepSummary(Callback):
 def _record_failure(job_dir: Path, job_return: JobReturn) -> None:
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # it also prints what the sweeper prints again later
-            job_return.return_value  # the public way to the exception: it re-raises it
+            _ = job_return.return_value  # the public way to the exception: it re-raises it
     except Exception as err:  # noqa: BLE001 -- whatever the job raised is what we record
         error = f"{type(err).__name__}: {err}"
         if (

@@ -362,7 +362,18 @@ def _requeued_job_checkpoint(cfg: DictConfig, out: Path, job: SlurmJob | None) -
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Fits the model (resuming from ``cfg.ckpt_path`` if set); returns the final metrics."""
+    """Fits the model, resuming from ``cfg.ckpt_path`` if set.
+
+    Args:
+        cfg: the composed config (:func:`lit_amp_det.app.config.compose`, or the one ``@hydra.main`` gives).
+
+    Returns:
+        The final metrics (``metrics.json``'s), by name.
+
+    Raises:
+        ValueError: a setting with a bad value or an old name, before anything is built (its message names
+            the setting).
+    """
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)
     try:
@@ -438,18 +449,50 @@ def _evaluate(cfg: DictConfig, stage: str) -> dict[str, float]:
 
 
 def validate(cfg: DictConfig) -> dict[str, float]:
-    """Scores the model on the validation split; returns the metrics."""
+    """Scores the model on the validation split.
+
+    Args:
+        cfg: the composed config (:func:`lit_amp_det.app.config.compose`, or the one ``@hydra.main`` gives).
+
+    Returns:
+        The metrics, by name.
+
+    Raises:
+        ValueError: a setting with a bad value or an old name, before anything is built (its message names
+            the setting).
+    """
     return _evaluate(cfg, "validate")
 
 
 def test(cfg: DictConfig) -> dict[str, float]:
-    """Scores the model on the test split; returns the metrics."""
+    """Scores the model on the test split.
+
+    Args:
+        cfg: the composed config (:func:`lit_amp_det.app.config.compose`, or the one ``@hydra.main`` gives).
+
+    Returns:
+        The metrics, by name.
+
+    Raises:
+        ValueError: a setting with a bad value or an old name, before anything is built (its message names
+            the setting).
+    """
     return _evaluate(cfg, "test")
 
 
 def predict(cfg: DictConfig) -> Path:
     """Writes COCO-format detections of ``data.predict_split`` (or of the pictures in ``data.predict_images``)
-    to ``predictions.json``; returns its path.
+    to ``predictions.json``.
+
+    Args:
+        cfg: the composed config (:func:`lit_amp_det.app.config.compose`, or the one ``@hydra.main`` gives).
+
+    Returns:
+        The path of ``predictions.json``.
+
+    Raises:
+        ValueError: a setting with a bad value or an old name, before anything is built (its message names
+            the setting).
     """
     started = time.perf_counter()
     datamodule, model, trainer, ckpt_path = _start(cfg)

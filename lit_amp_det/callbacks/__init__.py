@@ -1,4 +1,4 @@
-"""Lightning callbacks shipped with lit_amp_det (one module per callback, one YAML each in conf/callbacks/)."""
+"""Lightning callbacks shipped with lit_amp_det (a module per callback, a YAML each in conf/callbacks/)."""
 
 from lit_amp_det.callbacks.console_log import ConsoleLog
 from lit_amp_det.callbacks.conv_bn_eval import ConvBNEval

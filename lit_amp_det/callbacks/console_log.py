@@ -60,10 +60,16 @@ class ConsoleLog(Callback):
     ``every_n_seconds``, whichever comes first, and one per validation.
 
     Args:
-        every_n_steps: steps between two lines (step, loss, learning rate, images/s since the last line).
-        every_n_seconds: the longest time between two lines while steps complete. console: ``auto`` (only when
-        stdout is not a terminal or there is no progress bar), ``true``, ``false``;
-            the run's log file gets every line in any case.
+        every_n_steps (int): steps between two lines (step, loss, learning rate, images/s since the last
+            line). Default: 50.
+        console (bool or str): ``"auto"`` writes lines to the console only when stdout is not a terminal or
+            there is no progress bar; ``True`` always, ``False`` never. The run's log file gets every line in
+            any case. Default: ``"auto"``.
+        every_n_seconds (float): the longest time between two lines while steps complete. Default: 60.0.
+
+    Raises:
+        ValueError: if ``every_n_steps`` is not an integer >= 1, ``every_n_seconds`` is not a number > 0, or
+            ``console`` is not ``"auto"``, ``True`` or ``False``.
     """
 
     def __init__(
@@ -154,7 +160,7 @@ class ConsoleLog(Callback):
 
 
 class ReadableProgressBar(TQDMProgressBar):
-    """Lightning's progress bar with the learning rate in scientific notation (``lr=1.2e-04``, not ``0.000``)."""
+    """Lightning's progress bar showing the learning rate in scientific notation (``lr=1.2e-04``)."""
 
     @override
     def get_metrics(

@@ -76,7 +76,7 @@ class ConvBNEval(Callback):
         )
 
     def _refresh(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Re-installs when the strategy replaced modules after ``setup`` (e.g. BatchNorm -> SyncBatchNorm)."""
+        """Re-installs when the strategy replaced modules after ``setup`` (BatchNorm -> SyncBatchNorm)."""
         model = _target(pl_module)
         if conv_bn_eval_pairs(model) != self._pairs:
             self._enable(model)

@@ -28,7 +28,9 @@ from typing_extensions import override
 
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.sync_free import is_fixed_shape
+from lit_amp_det.module import MaskRCNNModule
 from lit_amp_det.precision._lightning_internals import carry_step_count, count_manual_step
+from lit_amp_det.precision.plugin import DetectionPrecision, detection_precision
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.profiling import HostSyncs
 
@@ -43,6 +45,8 @@ __all__ = [
 ]
 
 Step = Callable[[], tuple[dict[str, Tensor], Tensor]]
+#: the precisions whose step it captures
+_CAPTURED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
@@ -103,9 +107,9 @@ def capture_refusal(optimizer: torch.optim.Optimizer) -> str | None:
         return None
     name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
     return (
-        f"{name} has no capturable mode in torch {torch.__version__} and is not fused, so its step reads the lr on "
-        "the host: build it fused (optim.optimizer.fused=auto, the default, or true), or use an optimizer with a "
-        "capturable mode (torch.optim.AdamW, torch.optim.Adam)"
+        f"{name} has no capturable mode in torch {torch.__version__} and is not fused, so its step reads the "
+        "lr on the host: build it fused (optim.optimizer.fused=auto, the default, or true), or use an "
+        "optimizer with a capturable mode (torch.optim.AdamW, torch.optim.Adam)"
     )
 
 
@@ -289,6 +293,7 @@ class CUDAGraphTraining(Callback):
             None  # the one side stream of the warm-up steps and the captures
         )
         self._pool: tuple[int, int] | None = None  # the memory pool the graphs share
+        self._precision: DetectionPrecision | None = None  # the precision plugin, from fit start to teardown
 
     # ------------------------------------------------------------------------------ what the graph cannot
     # hold
@@ -297,23 +302,38 @@ class CUDAGraphTraining(Callback):
         """After ``configure_model`` (the speedups), the precision plugin's setup and
         ``configure_optimizers``: refuses, or takes the step.
         """
-        refuse = self._refusal(trainer, pl_module, trainer.strategy.root_device) or self._optimizer_refusal(
-            trainer
-        )
-        if refuse:
+        precision = detection_precision(trainer)
+        refuse = self._refusal(trainer, pl_module, precision) or self._optimizer_refusal(trainer, precision)
+        # a module of another class and another precision plugin are refused too; named for the type checker
+        if refuse or precision is None or not isinstance(pl_module, MaskRCNNModule):
             raise RuntimeError(f"callbacks.cuda_graph cannot capture this training step: {refuse}")
         self._entries = {}
-        pl_module.automatic_optimization = False
-        pl_module.captured_step = self
+        self._precision = precision
+        pl_module.set_captured_step(self)
 
-    def _refusal(self, trainer: pl.Trainer, module: pl.LightningModule, device: torch.device) -> str | None:
+    def _refusal(
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        precision: DetectionPrecision | None,
+    ) -> str | None:
+        device = trainer.strategy.root_device
         if device.type not in self.device_types:
             return f"it runs on {device.type}; CUDA graphs need trainer.accelerator=gpu"
         if trainer.world_size > 1:
-            return f"{trainer.world_size} processes; it captures a single-process step (DDP's buckets are not captured)"
-        step_owner = next(c for c in type(module).__mro__ if "training_step" in vars(c))
-        if not hasattr(module, "captured_step") or step_owner.__module__ != "lit_amp_det.module":
-            return f"{type(module).__name__} is not a MaskRCNNModule with its training_step"
+            return (
+                f"{trainer.world_size} processes; it captures a single-process step "
+                "(DDP's buckets are not captured)"
+            )
+        if not isinstance(module, MaskRCNNModule):
+            return (
+                f"{type(module).__name__} is not a MaskRCNNModule, whose training_step runs the captured step"
+            )
+        if type(module).training_step is not MaskRCNNModule.training_step:
+            return (
+                f"{type(module).__name__} overrides MaskRCNNModule.training_step, which runs the captured "
+                "step: customise compute_loss or build_model instead"
+            )
         if trainer.gradient_clip_val or trainer.accumulate_grad_batches != 1:
             return (
                 "trainer.gradient_clip_val and trainer.accumulate_grad_batches are not captured: unset them"
@@ -327,31 +347,36 @@ class CUDAGraphTraining(Callback):
         ]
         if hooks:
             return f"{', '.join(hooks)} would run once, at capture, and never again"
-        if not is_fixed_shape(getattr(module, "model", None)):
+        if not is_fixed_shape(module.model):
             return (
                 "its shapes change from step to step: apply speedups.sync_free on cuda "
-                "(speedups.sync_free.devices=[cuda]) and pad the targets (data.pad_instances=100)"
+                "(speedups.sync_free.devices=[cuda]) and pad the targets "
+                "(speedups.sync_free.instances_per_image=100)"
             )
         scales = getattr(getattr(module.model, "transform", None), "min_size", ())
         if len(scales) > 1:
             return f"model.transform.min_size={list(scales)} draws a scale per batch; give one size"
-        plugin = trainer.precision_plugin
-        if not hasattr(plugin, "guard") or trainer.precision not in ("32-true", "bf16-mixed", "16-mixed"):
-            return f"trainer.precision={trainer.precision}; it captures 32-true, bf16-mixed and 16-mixed"
+        if precision is None:
+            return (
+                f"the Trainer's precision plugin is {type(trainer.precision_plugin).__name__}; it captures "
+                "the steps of lit_amp_det's plugins (pass trainer.precision instead of a plugin)"
+            )
+        if trainer.precision not in _CAPTURED_PRECISIONS:
+            return f"trainer.precision={trainer.precision}; it captures {', '.join(_CAPTURED_PRECISIONS)}"
         return None
 
-    def _optimizer_refusal(self, trainer: pl.Trainer) -> str | None:
+    def _optimizer_refusal(self, trainer: pl.Trainer, precision: DetectionPrecision | None) -> str | None:
         if len(trainer.optimizers) != 1:
             return f"{len(trainer.optimizers)} optimizers; it captures one"
         optimizer = trainer.optimizers[0]
         if refuse := capture_refusal(optimizer):
             return refuse
-        scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
+        scaled = precision is not None and precision.scaler is not None
         if scaled and not getattr(optimizer, "_step_supports_amp_scaling", False):
             return (
-                f"trainer.precision={trainer.precision} with an unfused {type(optimizer).__name__}: GradScaler reads "
-                "whether its gradients were finite on the host before stepping it; build it fused "
-                "(optim.optimizer.fused=auto, the default, or true)"
+                f"trainer.precision={trainer.precision} with an unfused {type(optimizer).__name__}: "
+                "GradScaler reads whether its gradients were finite on the host before stepping it; "
+                "build it fused (optim.optimizer.fused=auto, the default, or true)"
             )
         if any(config.reduce_on_plateau for config in trainer.lr_scheduler_configs):
             return "ReduceLROnPlateau reads a metric on the host; use a schedule by step or epoch"
@@ -404,7 +429,8 @@ class CUDAGraphTraining(Callback):
                 raise RuntimeError(
                     f"callbacks.cuda_graph: a batch of a new shape signature (images {shapes}) after "
                     f"{len(self._entries)} captured (callbacks.cuda_graph.max_graphs={self.max_graphs})"
-                    ". Feed images of fixed sizes and pad the targets (data.pad_instances), or raise "
+                    ". Feed images of fixed sizes and pad the targets "
+                    "(speedups.sync_free.instances_per_image), or raise "
                     "max_graphs (each graph adds its memory to the pool the graphs share)"
                 )
             moved = [i.to(device, copy=True) for i in images]
@@ -422,15 +448,31 @@ class CUDAGraphTraining(Callback):
         return entry.images, entry.targets
 
     def run(
-        self, module: Any, images: Sequence[Tensor], targets: Sequence[dict[str, Tensor]]
+        self,
+        module: MaskRCNNModule,
+        images: Sequence[Tensor],
+        targets: Sequence[dict[str, Tensor]],
     ) -> tuple[dict[str, Tensor], Tensor]:
         """One training step on ``images``/``targets`` (copied into their signature's static buffers): eager
-        during warm-up, a replay after; returns the losses (copies, safe to keep).
+        during warm-up, a replay after (:class:`~lit_amp_det.module.CapturedStep`).
+
+        Args:
+            module: the module that trains (it calls this from its ``training_step``).
+            images: the batch's ``[3, H, W]`` images.
+            targets: the batch's targets, padded (``data.pad_instances``).
+
+        Returns:
+            ``(loss_dict, loss)``: copies of the step's losses, safe to keep.
+
+        Raises:
+            RuntimeError: for unpadded targets, or outside a fit this callback started.
         """
+        guard = self._running_precision().guard
         if "valid" not in (targets[0] if targets else {}):
             raise RuntimeError(
-                "callbacks.cuda_graph: the training targets are not padded; set data.pad_instances "
-                "(e.g. 100) so that every batch has the same shapes"
+                "callbacks.cuda_graph: the training targets are not padded; set data.pad_instances or "
+                "speedups.sync_free.instances_per_image (e.g. speedups.sync_free.instances_per_image=100) "
+                "so that every batch has the same shapes"
             )
         static_images, static_targets = self.feed(images, targets, images[0].device)
         entry = self._entries[_signature(static_images, static_targets)]
@@ -449,12 +491,21 @@ class CUDAGraphTraining(Callback):
         # the automatic count too: a checkpoint written now then resumes at this step without the callback as
         # well
         carry_step_count(trainer, to_manual=False)
-        trainer.precision_plugin.guard.tick()
-        trainer.precision_plugin.guard.log(module)
+        guard.tick()
+        guard.log(module)
         for config in trainer.lr_scheduler_configs:
             if config.interval == "step" and trainer.global_step % config.frequency == 0:
                 config.scheduler.step()
         return {k: v.clone() for k, v in loss_dict.items()}, loss.clone()
+
+    def _running_precision(self) -> DetectionPrecision:
+        """The precision plugin of the fit that :meth:`on_fit_start` accepted."""
+        if self._precision is None:
+            raise RuntimeError(
+                "callbacks.cuda_graph: run() trains a step of a fit it started (MaskRCNNModule.training_step "
+                "calls it between on_fit_start and teardown)"
+            )
+        return self._precision
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream of every warm-up step and capture, made once: the caching allocator keeps freed
@@ -502,19 +553,26 @@ class CUDAGraphTraining(Callback):
             found = counter.table() if isinstance(counter, HostSyncs) else ""
             driver = f"\nCUDA's sync check: {failure}" if failure is not None else ""
             raise RuntimeError(
-                f"callbacks.cuda_graph: the training step makes the host wait for the device {counted} time(s) "
-                f"counted, which a CUDA graph cannot hold:\n{found}{driver}\n"
+                f"callbacks.cuda_graph: the training step makes the host wait for the device {counted} "
+                f"time(s) counted, which a CUDA graph cannot hold:\n{found}{driver}\n"
                 "Remove the read at these sites (the step must be speedups.sync_free's)"
             ) from failure
         return outputs
 
-    def _step_function(self, module: Any, images: list[Tensor], targets: list[dict[str, Tensor]]) -> Step:
+    def _step_function(
+        self,
+        module: MaskRCNNModule,
+        images: list[Tensor],
+        targets: list[dict[str, Tensor]],
+    ) -> Step:
         """Forward and loss under the precision's autocast (its cast cache off, as capture requires),
         backward, then the optimizer step as the precision plugin takes it (GradScaler or the non-finite
         guard), on device.
         """
-        plugin, optimizer = module.trainer.precision_plugin, module.trainer.optimizers[0]
-        scaler, low = getattr(plugin, "scaler", None), getattr(plugin, "low_dtype", None)
+        plugin = self._running_precision()
+        optimizer = module.trainer.optimizers[0]
+        scaler = plugin.scaler
+        low = plugin.low_dtype
         device_type = images[0].device.type
 
         def step() -> tuple[dict[str, Tensor], Tensor]:
@@ -555,13 +613,13 @@ class CUDAGraphTraining(Callback):
         """Hands the step back to Lightning and the optimizer back as it was built
         (:func:`restore_configuration`), and frees the graphs.
         """
-        if stage == "fit" and getattr(pl_module, "captured_step", None) is self:
-            pl_module.captured_step = None
+        if stage == "fit" and isinstance(pl_module, MaskRCNNModule) and pl_module.captured_step is self:
+            pl_module.set_captured_step(None)
             carry_step_count(trainer, to_manual=False)
-            pl_module.automatic_optimization = True
             if self._flags is not None and trainer.optimizers:
                 restore_configuration(trainer.optimizers[0], self._flags)
             self._entries = {}
             self._flags = None
             self._stream = None
             self._pool = None
+            self._precision = None

@@ -70,7 +70,7 @@ class FreezeNorm(Callback):
 
     @property
     def frozen_stage_names(self) -> list[str]:
-        """Children of the ResNet trunk that ``frozen_stages`` freezes, e.g. ``["conv1", "bn1", "layer1"]``."""
+        """The ResNet trunk's children that ``frozen_stages`` freezes, e.g. ``["conv1", "bn1", "layer1"]``."""
         if self.frozen_stages < 0:
             return []
         return ["conv1", "bn1", *(f"layer{k}" for k in range(1, self.frozen_stages + 1))]

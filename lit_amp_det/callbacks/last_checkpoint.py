@@ -44,6 +44,15 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class RunInterrupted(Exception):
     """A fit stopped by a signal after saving ``checkpoint`` (``None`` if saving was off); ``requeued_job`` is
     the SLURM job id that ``scontrol requeue`` accepted, if any.
+
+    Args:
+        signum (int): the number of the signal that stopped the fit (``signal.SIGINT``, ``signal.SIGTERM``, or
+            the SLURM job's requeue signal); ``signal_name`` and :attr:`exit_code` derive from it.
+        checkpoint (str, optional): path of the checkpoint saved before stopping; ``None`` if nothing was
+            saved.
+        global_step (int): the trainer's ``global_step`` when the fit stopped.
+        requeued_job (str, optional): the SLURM job id that ``scontrol requeue`` accepted; ``None`` if the job
+            was not requeued. Default: ``None``.
     """
 
     def __init__(
@@ -68,10 +77,17 @@ class LastCheckpoint(Checkpoint):
     """Keeps ``<dirpath>/last.ckpt`` up to date and turns Ctrl-C/SIGTERM into a saved, resumable stop.
 
     Args:
-        dirpath: folder of ``last.ckpt`` (the run's ``checkpoints/``). every_n_train_steps: save after every N
-        optimizer steps; ``None`` or 0: not by steps. every_n_minutes: save when this many minutes of training
-        passed since the last save; ``None``: not by time. save_on_signal: on SIGINT/SIGTERM during training,
-        save after the current step and stop. filename: name of the file in ``dirpath``.
+        dirpath (str or os.PathLike): folder of ``last.ckpt`` (the run's ``checkpoints/``).
+        every_n_train_steps (int, optional): save after every N optimizer steps; ``None`` or 0: not by steps.
+            Default: 1000.
+        every_n_minutes (float, optional): save when this many minutes of training passed since the last
+            save; ``None``: not by time. Default: 10.0.
+        save_on_signal (bool): on SIGINT/SIGTERM (and, in a SLURM job, its requeue signal) during training,
+            save after the current step and stop with :class:`RunInterrupted`. Default: ``True``.
+        filename (str): name of the file in ``dirpath``. Default: ``"last.ckpt"``.
+
+    Raises:
+        ValueError: if ``every_n_train_steps`` is a bool or negative, or ``every_n_minutes`` is not > 0.
     """
 
     def __init__(

@@ -42,10 +42,20 @@ class MemoryMonitor(Callback):
     fit the savings table is printed and written to ``<trainer.log_dir>/memory_savings.md`` and ``.json``.
 
     Args:
-        compare_baseline: measure the baseline and per-optimisation rows (costs ``(warmup_steps +
+        compare_baseline (bool): measure the baseline and per-optimisation rows (costs ``(warmup_steps +
             baseline_steps)`` forward+backward passes per row, and one extra copy of the model while it runs).
-        baseline_steps: measured steps per row, on as many distinct training batches where the loader has
-        them. warmup_steps: unmeasured steps per row before those (lazy initialisation, autotuning).
+            Default: ``False``.
+        baseline_steps (int): measured steps per row, on as many distinct training batches where the loader
+            has them. Default: 3.
+        warmup_steps (int): unmeasured steps per row before those (lazy initialisation, autotuning).
+            Default: 3.
+
+    Raises:
+        ~lit_amp_det.errors.ArgumentError: (a ``ValueError``) if ``compare_baseline`` is not a bool,
+            ``baseline_steps`` is not an integer >= 1 or ``warmup_steps`` is not an integer >= 0.
+        ValueError: in ``setup()`` of a fit with ``compare_baseline``, if the module has no ``model`` to copy
+            or lacks ``MaskRCNNModule``'s step methods, or the trainer's precision stores parameters in low
+            precision without fp32 copies (``*-true`` other than full precision).
     """
 
     def __init__(

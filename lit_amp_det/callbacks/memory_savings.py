@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_amp_det.models.conv_bn import conv_bn_eval_enabled, disable_conv_bn_eval
 from lit_amp_det.precision.master_weights import full_precision_copy, holds_masters
+from lit_amp_det.precision.plugin import loss_scaler
 from lit_amp_det.profiling import (
     MB,
     MemoryProbe,
@@ -171,7 +172,7 @@ def _forward_backward(
 
 
 class BaselineComparison:
-    """Measures the savings rows once per fit (see the module docstring); arguments as for ``MemoryMonitor``."""
+    """Measures the savings rows once per fit (see the module docstring); arguments as ``MemoryMonitor``'s."""
 
     def __init__(self, baseline_steps: int, warmup_steps: int) -> None:
         self.baseline_steps, self.warmup_steps = baseline_steps, warmup_steps
@@ -244,7 +245,7 @@ class BaselineComparison:
             disable_conv_bn_eval(model)
         plugin = trainer.precision_plugin
         context = plugin.forward_context if in_precision else contextlib.nullcontext
-        scaler = getattr(plugin, "scaler", None)
+        scaler = loss_scaler(plugin)
         loss_scale = (
             float(scaler.get_scale()) if in_precision and scaler is not None else 1.0
         )  # fp16: as trained
@@ -339,11 +340,14 @@ def format_savings_table(data: dict[str, Any]) -> str:
         "## Memory savings",
         "",
         f"device={data['device']} precision={data['precision']} model={data['model']} images/batch="
-        f"{','.join(map(str, data['images_per_batch']))} torch={data['torch']}; memory: {data['memory_source']}",
+        f"{','.join(map(str, data['images_per_batch']))} torch={data['torch']}; memory: "
+        f"{data['memory_source']}",
         f"Rows: forward+backward (no optimizer step) on deep copies of the model, {data['measured_steps']} "
-        f"measured steps after {data['warmup_steps']} warm-up; each row adds one optimisation to the row above.",
+        f"measured steps after {data['warmup_steps']} warm-up; "
+        "each row adds one optimisation to the row above.",
         "",
-        "| configuration | peak MB | peak vs baseline | step MB | step MB vs baseline | saved for backward MB "
+        "| configuration | peak MB | peak vs baseline | step MB | step MB vs baseline "
+        "| saved for backward MB "
         "| saved vs baseline | of which weight casts MB | step ms | time vs baseline |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -383,8 +387,8 @@ def format_savings_table(data: dict[str, Any]) -> str:
         "",
         "peak MB: the highest memory during a step; step MB: that peak minus what was in use when the step "
         "started; saved for backward: tensors autograd keeps for backward (parameters and buffers excluded; "
-        "weight casts: autocast's low-precision copies of trainable weights, included in it). The training row "
-        "includes the optimizer step and its state; its time is the median after the warm-up steps.",
+        "weight casts: autocast's low-precision copies of trainable weights, included in it). The training "
+        "row includes the optimizer step and its state; its time is the median after the warm-up steps.",
     ]
     return "\n".join(lines)
 

@@ -149,7 +149,7 @@ class TrainingCurves(Callback):
         self._last_step = int(state_dict["last_step"])
 
     def write(self) -> Path | None:
-        """Draws the recorded curves into :attr:`path` (atomically); ``None`` when nothing was recorded yet."""
+        """Draws the recorded curves into :attr:`path` (atomically); ``None`` while nothing is recorded."""
         if not self.history:
             return None
         from matplotlib.figure import (

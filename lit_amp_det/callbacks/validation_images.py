@@ -46,12 +46,19 @@ class ValidationImages(Callback):
     drawn is reported with a :class:`~lit_amp_det.callbacks.drawing.DrawingWarning` and the run goes on.
 
     Args:
-        dirpath: folder that receives ``val_images/`` (the run folder). num_images: images drawn per
-        validation (taken from the first batches); 0 draws none. score_threshold: detections scoring below it
-        are not drawn. png: ``"auto"``, ``True`` or ``False``: whether PNG files are written (see above).
-        min_side: images with a shorter side below this are enlarged by an integer factor (whole pixels) so
-        that
-            captions stay readable; 0 keeps their size.
+        dirpath (str or Path): folder that receives ``val_images/`` (the run folder).
+        num_images (int): images drawn per validation (taken from the first batches); 0 draws none.
+            Default: 4.
+        score_threshold (float): detections scoring below it are not drawn; in [0, 1]. Default: 0.5.
+        png (bool or str): ``"auto"``, ``True`` or ``False``: whether PNG files are written (see above).
+            Default: ``"auto"``.
+        min_side (int): images with a shorter side below this are enlarged by an integer factor (whole
+            pixels) so that captions stay readable; 0 keeps their size. Default: 256.
+
+    Raises:
+        ValueError: in ``setup()`` (the constructor only stores the values), if ``num_images`` or
+            ``min_side`` is not an integer >= 0, ``score_threshold`` is not a number in [0, 1], or ``png`` is
+            not ``"auto"``, ``True`` or ``False``.
     """
 
     def __init__(

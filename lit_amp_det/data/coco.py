@@ -89,15 +89,26 @@ def drop_crowd(target: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def pad_instances(target: dict[str, Tensor], count: int) -> dict[str, Tensor]:
-    """``target`` with every field of `PER_INSTANCE_KEYS` padded with zeros to ``count`` instances and a bool
-    ``valid`` ``[count]`` marking the real ones, so that every training target has the same shapes (the static
-    inputs of a fixed-shape step, ``speedups.sync_free``). A target with more instances raises, naming its
-    ``image_id``.
+    """``target`` with its instances padded to ``count``, so that every training target has the same shapes
+    (the static inputs of a fixed-shape step, ``speedups.sync_free``).
+
+    Args:
+        target: one image's training target; its fields of `PER_INSTANCE_KEYS` are ``[N, ...]``.
+        count: the instance count to pad to (``speedups.sync_free.instances_per_image``, or
+            ``data.pad_instances``).
+
+    Returns:
+        The target with those fields padded with zeros to ``[count, ...]`` and a bool ``valid`` ``[count]``
+        marking the ``N`` real instances.
+
+    Raises:
+        ValueError: the target has more than ``count`` instances (the message names its ``image_id``).
     """
     present = target["boxes"].shape[0]
     if present > count:
         raise ValueError(
-            f"data.pad_instances={count} is less than the {present} instances of image_id "
+            f"the padded instance count {count} (speedups.sync_free.instances_per_image, or "
+            f"data.pad_instances={count}) is less than the {present} instances of image_id "
             f"{int(target.get('image_id', torch.tensor(-1)))}; raise it, or set it to null"
         )
     out = dict(target)
@@ -112,15 +123,19 @@ class CocoInstances(torch.utils.data.Dataset):
     """Instance-segmentation dataset over any COCO-format folder.
 
     Args:
-        image_dir: folder that the images' ``file_name`` entries are relative to. annotation_file: COCO
-        ``instances_*.json`` file. transforms: optional ``transforms(image, target) -> (image, target)``.
+        image_dir: folder that the images' ``file_name`` entries are relative to.
+        annotation_file: COCO ``instances_*.json`` file.
+        transforms: optional ``transforms(image, target) -> (image, target)``.
         with_masks: decode segmentations into a ``masks`` field; ``False`` omits it (Faster R-CNN).
         invalid_boxes: ``"error"`` fails on degenerate boxes (w or h <= 0, non-finite, or completely outside
-        the
-            image); ``"skip"`` drops them and counts them in `skipped_boxes`.
-        skip_empty: drop images that have no (remaining) annotations from the index. category_ids: COCO
-        category ids in label order to reuse another split's label mapping (label ``i + 1`` is
-            ``category_ids[i]``); default: this file's categories sorted by id.
+            the image); ``"skip"`` drops them and counts them in `skipped_boxes`.
+        skip_empty: drop images that have no (remaining) annotations from the index.
+        category_ids: COCO category ids in label order to reuse another split's label mapping (label
+            ``i + 1`` is ``category_ids[i]``); default: this file's categories sorted by id.
+
+    Raises:
+        ValueError: ``invalid_boxes`` is not a known mode, or the annotation file is malformed (the message
+            names the entry).
 
     Attributes:
         coco: ``pycocotools.coco.COCO`` index over the file's images, categories and kept annotations, for
@@ -213,7 +228,7 @@ class CocoInstances(torch.utils.data.Dataset):
                 names,
                 "category",
                 "categories",
-                lambda: (
+                lambda position=position, cat=cat: (
                     f"category #{position} in {self.annotation_file} has no integer 'id' (got {cat!r}); "
                     "each category must look like {'id': 3, 'name': 'cat'}"
                 ),
@@ -280,9 +295,9 @@ class CocoInstances(torch.utils.data.Dataset):
                 seen_ids,
                 "annotation",
                 "annotations",
-                lambda: (
-                    f"annotation #{position} in {self.annotation_file} has no integer 'id' ({str(ann)[:80]}); "
-                    "COCO evaluation needs a unique integer id per annotation"
+                lambda position=position, ann=ann: (
+                    f"annotation #{position} in {self.annotation_file} has no integer 'id' "
+                    f"({str(ann)[:80]}); COCO evaluation needs a unique integer id per annotation"
                 ),
             )
             seen_ids.add(ann_id)
@@ -493,5 +508,6 @@ class CocoInstances(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(annotation_file={str(self.annotation_file)!r}, images={len(self)}, "
-            f"num_classes={self.num_classes}, with_masks={self.with_masks}, skipped_boxes={self.skipped_boxes})"
+            f"num_classes={self.num_classes}, with_masks={self.with_masks}, "
+            f"skipped_boxes={self.skipped_boxes})"
         )

@@ -32,6 +32,7 @@ from lit_amp_det.data.shapes import SHAPE_CLASSES, ShapesSpec, ensure_shapes, sh
 from lit_amp_det.data.transforms import RandomHorizontalFlip, collate_detection
 from lit_amp_det.data.verify import BAD_IMAGE_MODES, check_folder, check_splits
 from lit_amp_det.errors import ArgumentError
+from lit_amp_det.settings import RENAMED_SETTINGS
 
 __all__ = ["CocoDataModule", "ShapesDataModule"]
 
@@ -39,7 +40,9 @@ Split = Literal["train", "val", "test"]
 
 
 class _SeededAugmentation(Dataset):
-    """Applies training augmentation with the per-sample seed carried by the sampler's ``(index, seed)`` key."""
+    """Applies training augmentation with the per-sample seed that the sampler's ``(index, seed)`` key
+    carries.
+    """
 
     def __init__(self, dataset: CocoInstances, transform: Any) -> None:
         self.dataset, self.transform = dataset, transform
@@ -58,33 +61,44 @@ class CocoDataModule(LightningDataModule):
 
     Args:
         root: dataset folder that relative image and annotation paths are resolved against (only needed when a
-        split
-            with relative paths is read).
-        train_images, val_images, test_images: image folders of each split. train_annotations,
-        val_annotations, test_annotations: ``instances_*.json`` of each split. A test split left as
-            ``None`` reuses the validation split.
-        predict_split: which split ``predict`` runs on. predict_images: a folder of pictures without
-        annotations that ``predict`` runs on instead of ``predict_split``
-            (relative to the working directory). The model's classes then come from its weights where they
-            name them, else from the training annotations.
-        batch_size: training images per batch and process; ``eval_batch_size`` defaults to it. num_workers,
-        pin_memory, persistent_workers: ``DataLoader`` settings. flip_prob: probability of a horizontal flip
-        of a training image. aspect_ratio_grouping: batch portrait and landscape images separately (less
-        padding). invalid_boxes: ``error`` stops at the first degenerate box with its file and annotation id;
-        ``skip`` drops such
-            boxes and counts them.
+            split with relative paths is read).
+        train_images: image folder of the training split.
+        train_annotations: ``instances_*.json`` of the training split.
+        val_images: image folder of the validation split.
+        val_annotations: ``instances_*.json`` of the validation split.
+        test_images: image folder of the test split; ``None`` (with ``test_annotations``) reuses the
+            validation split.
+        test_annotations: ``instances_*.json`` of the test split, or ``None``.
+        predict_split: which split ``predict`` runs on.
+        predict_images: a folder of pictures without annotations that ``predict`` runs on instead of
+            ``predict_split`` (relative to the working directory). The model's classes then come from its
+            weights where they name them, else from the training annotations.
+        batch_size: training images per batch and process.
+        eval_batch_size: images per evaluation batch; ``None``: ``batch_size``.
+        num_workers: ``DataLoader`` worker processes.
+        pin_memory: ``DataLoader`` pinned memory.
+        persistent_workers: keep the workers between epochs (with ``num_workers`` > 0).
+        flip_prob: probability of a horizontal flip of a training image.
+        aspect_ratio_grouping: batch portrait and landscape images separately (less padding).
+        invalid_boxes: ``error`` stops at the first degenerate box with its file and annotation id; ``skip``
+            drops such boxes and counts them.
         skip_empty_train: drop training images that have no annotations.
         allow_empty_train: accept a training split without a single (non-crowd) annotation, with a warning
             (negative-only data); by default ``fit`` stops before training, naming the file.
-        with_masks: decode instance masks (``False`` for Faster R-CNN). seed: seed of the training order and
-        augmentation. verify_images: decode every image a stage reads before it starts (cached by file size
-        and modification time
-            under ``verify_cache_dir``, default ``$LIT_AMP_DET_CACHE``).
+        with_masks: decode instance masks (``False`` for Faster R-CNN).
+        sampler_seed: seed of the training sampler, from which the order of every epoch and each image's
+            augmentation follow (``data.seed`` before).
+        verify_images: decode every image a stage reads before it starts (cached by file size and
+            modification time under ``verify_cache_dir``).
         bad_images: ``error`` stops with every unreadable image listed; ``skip`` leaves them out with a
-        warning. pad_instances: pads every training target to this many instances, with a ``valid`` flag each,
-        so that a step's
-            shapes never change (for ``speedups.sync_free``: static inputs); ``None`` keeps each image's
-            count.
+            warning.
+        verify_cache_dir: where ``verify_images`` caches what it checked; ``None``: ``$LIT_AMP_DET_CACHE``.
+        pad_instances: pads every training target to this many instances, with a ``valid`` flag each, so that
+            a step's shapes never change (for ``speedups.sync_free``: static inputs); ``None`` pads to the
+            fixed-shape detector's ``speedups.sync_free.instances_per_image``, or keeps each image's count.
+
+    Raises:
+        ArgumentError: an unknown ``predict_split``, ``invalid_boxes`` or ``bad_images``.
     """
 
     def __init__(
@@ -110,7 +124,7 @@ class CocoDataModule(LightningDataModule):
         skip_empty_train: bool = False,
         allow_empty_train: bool = False,
         with_masks: bool = True,
-        seed: int = 0,
+        sampler_seed: int = 0,
         verify_images: bool = True,
         bad_images: Literal["error", "skip"] = "error",
         verify_cache_dir: str | os.PathLike | None = None,
@@ -155,9 +169,9 @@ class CocoDataModule(LightningDataModule):
         self.flip = RandomHorizontalFlip(flip_prob)
         self.aspect_ratio_grouping, self.invalid_boxes = aspect_ratio_grouping, invalid_boxes
         self.skip_empty_train, self.allow_empty_train = skip_empty_train, allow_empty_train
-        self.with_masks, self.seed, self.verify_images, self.bad_images = (
+        self.with_masks, self.sampler_seed, self.verify_images, self.bad_images = (
             with_masks,
-            seed,
+            sampler_seed,
             verify_images,
             bad_images,
         )
@@ -257,7 +271,12 @@ class CocoDataModule(LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         dataset = self.dataset("train")
         groups = aspect_ratio_groups(dataset.aspect_ratios()) if self.aspect_ratio_grouping else None
-        sampler = ResumableBatchSampler(len(dataset), self.batch_size, seed=self.seed, group_ids=groups)
+        sampler = ResumableBatchSampler(
+            len(dataset),
+            self.batch_size,
+            seed=self.sampler_seed,
+            group_ids=groups,
+        )
         if (
             self._resume_state
         ):  # before the loader exists, so even eagerly prefetching workers start at the right batch
@@ -267,7 +286,7 @@ class CocoDataModule(LightningDataModule):
             _SeededAugmentation(dataset, self.flip),
             sampler,
             collate_fn=collate_detection,
-            generator=torch.Generator().manual_seed(self.seed),  # keeps the global RNG untouched
+            generator=torch.Generator().manual_seed(self.sampler_seed),  # keeps the global RNG untouched
             **self.loader_options,
         )
         return self._train_loader
@@ -279,7 +298,7 @@ class CocoDataModule(LightningDataModule):
             batch_size=self.eval_batch_size,
             sampler=EvalShardSampler(len(dataset)),  # one shard per DDP rank; the whole split otherwise
             collate_fn=collate_detection,
-            generator=torch.Generator().manual_seed(self.seed),
+            generator=torch.Generator().manual_seed(self.sampler_seed),
             **self.loader_options,
         )
 
@@ -311,6 +330,25 @@ class CocoDataModule(LightningDataModule):
         """Lightning restores this before it builds the loaders; the next training loader resumes there."""
         self._resume_state = dict(state_dict) or None
 
+    def padded_instance_count(self) -> int | None:
+        """The instance count training targets are padded to: the model's
+        (``speedups.sync_free.instances_per_image``, read from the trainer's module), else ``pad_instances``.
+
+        Raises:
+            ValueError: both are set, to different counts.
+        """
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        wanted = getattr(module, "instances_per_image", None)
+        if wanted is None:
+            return self.pad_instances
+        if self.pad_instances is not None and self.pad_instances != wanted:
+            raise ValueError(
+                f"data.pad_instances={self.pad_instances} but the fixed-shape detector pads to "
+                f"speedups.sync_free.instances_per_image={wanted}; set only the latter "
+                "(data.pad_instances=null)"
+            )
+        return wanted
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts training batches the loop takes (exact mid-epoch resume), drops their crowd instances here,
         on the host (on a GPU each field's boolean index would make the step wait), and pads targets to
@@ -320,24 +358,45 @@ class CocoDataModule(LightningDataModule):
             self._train_loader.mark_consumed()
             images, targets = batch
             targets = [{k: v for k, v in drop_crowd(t).items() if k != "iscrowd"} for t in targets]
-            if self.pad_instances is not None:
-                targets = [pad_instances(t, self.pad_instances) for t in targets]
+            count = self.padded_instance_count()
+            if count is not None:
+                targets = [pad_instances(t, count) for t in targets]
             batch = images, targets
         return batch
+
+
+def _refuse_renamed_arguments(kwargs: dict[str, Any]) -> None:
+    """Raises :class:`ArgumentError` for an argument under a setting's old name (``seed``, ``data_seed``),
+    naming the new one, instead of Python's "unexpected keyword argument".
+    """
+    for old, new in RENAMED_SETTINGS.items():
+        argument = old.removeprefix("data.")
+        if argument in kwargs:
+            renamed = new.removeprefix("data.")
+            raise ArgumentError(argument, kwargs[argument], f"was renamed {renamed}: pass {renamed}= instead")
 
 
 class ShapesDataModule(CocoDataModule):
     """The embedded synthetic dataset, generated into ``cache_dir`` on first use, then read as COCO.
 
+    The generation defaults are :class:`~lit_amp_det.data.shapes.ShapesSpec`'s.
+
     Args:
         cache_dir: where generated datasets live; one sub-folder per set of generation parameters.
-        train_size, val_size, test_size: images per split.
+        train_size: images of the training split.
+        val_size: images of the validation split.
+        test_size: images of the test split.
         image_size: side of the square images in pixels.
-        min_objects, max_objects: objects per image.
-        min_object_size, max_object_size: object diameter as a fraction of the image side.
-        data_seed: seed of the generated content (``seed`` seeds the training order).
-        The generation defaults are :class:`~lit_amp_det.data.shapes.ShapesSpec`'s.
+        min_objects: fewest objects per image.
+        max_objects: most objects per image (inclusive).
+        min_object_size: smallest object diameter as a fraction of the image side.
+        max_object_size: largest object diameter as a fraction of the image side.
+        generation_seed: seed of the generated images and annotations (``data.data_seed`` before;
+            ``sampler_seed`` seeds the training order).
         **kwargs: :class:`CocoDataModule` loader options.
+
+    Raises:
+        ArgumentError: an argument under its old name (``seed``, ``data_seed``), naming the new one.
     """
 
     classes = SHAPE_CLASSES
@@ -354,16 +413,17 @@ class ShapesDataModule(CocoDataModule):
         max_objects: int = ShapesSpec.max_objects,
         min_object_size: float = ShapesSpec.min_size,
         max_object_size: float = ShapesSpec.max_size,
-        data_seed: int = ShapesSpec.seed,
+        generation_seed: int = ShapesSpec.seed,
         **kwargs: Any,
     ) -> None:
+        _refuse_renamed_arguments(kwargs)
         self.spec = ShapesSpec(
             image_size=image_size,
             min_objects=min_objects,
             max_objects=max_objects,
             min_size=min_object_size,
             max_size=max_object_size,
-            seed=data_seed,
+            seed=generation_seed,
         )
         self.splits = {"train": train_size, "val": val_size, "test": test_size}
         self.cache_dir = Path(cache_dir).expanduser()

@@ -34,6 +34,7 @@ from lit_amp_det.data.shapes_draw import (
     render_shapes_image,
 )
 from lit_amp_det.data.shapes_spec import (
+    DEFAULT_SPEC,
     DEFAULT_SPLITS,
     FORMAT_VERSION,
     SHAPE_CLASSES,
@@ -74,27 +75,39 @@ def _clip_polygon(flat: Sequence[float], width: int, height: int) -> list[tuple[
     ):
         if not points:
             break
-
-        def inside(p: tuple[float, float]) -> bool:
-            return p[axis] >= bound if keep_above else p[axis] <= bound
-
-        def cross(p: tuple[float, float], q: tuple[float, float]) -> tuple[float, float]:
-            t = (bound - p[axis]) / (q[axis] - p[axis])
-            other = p[1 - axis] + t * (q[1 - axis] - p[1 - axis])
-            return (bound, other) if axis == 0 else (other, bound)
-
-        clipped: list[tuple[float, float]] = []
-        prev = points[-1]
-        for cur in points:
-            if inside(cur):
-                if not inside(prev):
-                    clipped.append(cross(prev, cur))
-                clipped.append(cur)
-            elif inside(prev):
-                clipped.append(cross(prev, cur))
-            prev = cur
-        points = clipped
+        points = _clip_to_half_plane(points, axis, bound, keep_above)
     return points
+
+
+def _clip_to_half_plane(
+    points: Sequence[tuple[float, float]],
+    axis: int,
+    bound: float,
+    keep_above: bool,
+) -> list[tuple[float, float]]:
+    """One Sutherland-Hodgman step: ``points`` clipped to ``p[axis] >= bound`` (``keep_above``) or
+    ``p[axis] <= bound``.
+    """
+
+    def inside(p: tuple[float, float]) -> bool:
+        return p[axis] >= bound if keep_above else p[axis] <= bound
+
+    def cross(p: tuple[float, float], q: tuple[float, float]) -> tuple[float, float]:
+        t = (bound - p[axis]) / (q[axis] - p[axis])
+        other = p[1 - axis] + t * (q[1 - axis] - p[1 - axis])
+        return (bound, other) if axis == 0 else (other, bound)
+
+    clipped: list[tuple[float, float]] = []
+    prev = points[-1]
+    for cur in points:
+        if inside(cur):
+            if not inside(prev):
+                clipped.append(cross(prev, cur))
+            clipped.append(cur)
+        elif inside(prev):
+            clipped.append(cross(prev, cur))
+        prev = cur
+    return clipped
 
 
 def _polygon_segmentation(inst: ShapeInstance, height: int, width: int) -> list[list[float]] | None:
@@ -230,15 +243,26 @@ def _publish(tmp: Path, root: Path, params_json: dict[str, Any], overwrite: bool
 
 def generate_shapes(
     root: str | os.PathLike[str],
-    spec: ShapesSpec = ShapesSpec(),
+    spec: ShapesSpec = DEFAULT_SPEC,
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
     overwrite: bool = False,
 ) -> Path:
-    """Write the shapes dataset as COCO under ``root`` and return ``root`` as a Path. ``spec`` says what is
-    drawn (:class:`ShapesSpec`), ``splits`` how many images each split gets. If ``root`` already holds a
-    complete dataset with the same parameters nothing is done; one with other parameters raises
-    FileExistsError unless ``overwrite``. A ``root`` without the completion marker is regenerated.
+    """Write the shapes dataset as COCO under ``root``. If ``root`` already holds a complete dataset with the
+    same parameters nothing is done; a ``root`` without the completion marker is regenerated.
+
+    Args:
+        root: the dataset folder.
+        spec: what is drawn (:class:`ShapesSpec`).
+        splits: how many images each split gets.
+        overwrite: replace a complete dataset of other parameters instead of refusing it.
+
+    Returns:
+        ``root`` as a Path.
+
+    Raises:
+        FileExistsError: ``root`` holds a dataset with other parameters (and not ``overwrite``), or is not a
+            directory.
     """
     params = _make_params(spec, splits)
     root, params_json = Path(root), params.to_json()
@@ -273,7 +297,7 @@ def generate_shapes(
 
 def shapes_dataset_dir(
     cache_dir: str | os.PathLike[str],
-    spec: ShapesSpec = ShapesSpec(),
+    spec: ShapesSpec = DEFAULT_SPEC,
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
 ) -> Path:
@@ -285,12 +309,20 @@ def shapes_dataset_dir(
 
 def ensure_shapes(
     cache_dir: str | os.PathLike[str],
-    spec: ShapesSpec = ShapesSpec(),
+    spec: ShapesSpec = DEFAULT_SPEC,
     *,
     splits: Mapping[str, int] = DEFAULT_SPLITS,
 ) -> Path:
     """Return the dataset dir for these parameters, generating it only if incomplete (one small file read when
     it exists, so training calls it on every start).
+
+    Args:
+        cache_dir: where generated datasets live, one sub-folder per set of parameters.
+        spec: what is drawn (:class:`ShapesSpec`).
+        splits: images per split.
+
+    Returns:
+        The dataset folder, complete.
     """
     root = shapes_dataset_dir(cache_dir, spec, splits=splits)
     if _read_marker(root) is not None:

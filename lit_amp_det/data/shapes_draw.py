@@ -17,6 +17,7 @@ from pycocotools import mask as mask_utils
 
 from lit_amp_det.data.shapes_spec import (
     CIRCLE_VERTICES,
+    DEFAULT_SPEC,
     FORMAT_VERSION,
     MIN_VISIBLE_FRACTION,
     MIN_VISIBLE_PIXELS,
@@ -192,7 +193,7 @@ def _shape_colour(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray
     return colour
 
 
-def render_shapes_image(split: str, index: int, spec: ShapesSpec = ShapesSpec()) -> RenderedImage:
+def render_shapes_image(split: str, index: int, spec: ShapesSpec = DEFAULT_SPEC) -> RenderedImage:
     """Render image ``index`` of ``split`` exactly as :func:`generate_shapes` writes it for ``spec``. Exposed
     so callers and tests can inspect full (unoccluded) and visible masks, which the COCO files do not carry.
     """

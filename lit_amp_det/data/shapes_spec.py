@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_SPLITS", "SHAPE_CLASSES", "ShapesSpec"]
+__all__ = ["DEFAULT_SPEC", "DEFAULT_SPLITS", "SHAPE_CLASSES", "ShapesSpec"]
 
 SHAPE_CLASSES: tuple[str, ...] = ("circle", "square", "triangle", "star", "ring", "cross")
 """Category names; category id ``i + 1`` is ``SHAPE_CLASSES[i]``."""
@@ -58,6 +58,10 @@ class ShapesSpec:
     max_size: float = 0.45
     empty_prob: float = DEFAULT_EMPTY_PROB
     seed: int = 0
+
+
+#: The spec a function that takes one uses when it is not given (immutable, so one instance serves all).
+DEFAULT_SPEC = ShapesSpec()
 
 
 @dataclass(frozen=True)

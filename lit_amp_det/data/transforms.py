@@ -75,7 +75,9 @@ class RandomHorizontalFlip:
 
 
 def hflip(image: Tensor, target: Target) -> tuple[Tensor, Target]:
-    """Deterministically mirror ``image`` [..., H, W] and its target; returns new tensors, inputs untouched."""
+    """Deterministically mirror ``image`` [..., H, W] and its target; returns new tensors, inputs
+    untouched.
+    """
     width, out = image.shape[-1], dict(target)
     if "boxes" in target:
         boxes = target[

@@ -68,7 +68,9 @@ def _signature(path: str) -> str | None:
 
 
 def _check_one(path: str, size: tuple[int, int] | None) -> str | None:
-    """``None`` if ``path`` decodes (to ``size`` = (width, height) when given), else the reason it does not."""
+    """``None`` if ``path`` decodes (to ``size`` = (width, height) when given), else the reason it does
+    not.
+    """
     try:
         image = read_rgb_image(path)
     except Exception as err:  # noqa: BLE001 -- decoders raise many types; each becomes a listed reason

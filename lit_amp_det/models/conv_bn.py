@@ -180,7 +180,9 @@ class _PassThroughNorm:
 
 
 class _PairTracer(fx.Tracer):
-    """Keeps convs and norms as single ``call_module`` nodes (FrozenBatchNorm2d lives outside ``torch.nn``)."""
+    """Keeps convs and norms as single ``call_module`` nodes (FrozenBatchNorm2d lives outside
+    ``torch.nn``).
+    """
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, (nn.Conv2d, *NORM_TYPES)) or super().is_leaf_module(m, module_qualified_name)

@@ -4,7 +4,8 @@ torchvision's ``GeneralizedRCNNTransform.postprocess`` pastes every detection's 
 into a float32 image of the original size (a zero canvas per detection, then a stacked copy of them all), and
 the caller thresholds that: gigabytes for a large photo with many detections, to produce booleans.
 
-:func:`paste_masks_binary` computes the same thing in the order that needs no canvas: each mask is resized to
+:func:`~lit_amp_det.models.detection_core.paste_masks_binary` (the dynamic pipeline's paste, beside the
+fixed-shape one) computes the same thing in the order that needs no canvas: each mask is resized to
 its box exactly as torchvision resizes it, compared with the threshold there, and only the boolean box region
 is written into a boolean ``[N, 1, H, W]`` result, equal to ``paste_masks_in_image(...) > threshold`` bit for
 bit. :class:`BinaryMaskTransform` is torchvision's transform with that paste, and
@@ -13,42 +14,12 @@ bit. :class:`BinaryMaskTransform` is torchvision's transform with that paste, an
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.models.detection.roi_heads import expand_boxes, expand_masks
 from torchvision.models.detection.transform import GeneralizedRCNNTransform, resize_boxes, resize_keypoints
 
+from lit_amp_det.models.detection_core import paste_masks_binary
+
 __all__ = ["BinaryMaskTransform", "paste_masks_binary", "use_binary_mask_paste"]
-
-
-def paste_masks_binary(
-    masks: Tensor, boxes: Tensor, image_size: tuple[int, int], threshold: float, padding: int = 1
-) -> Tensor:
-    """``[N, 1, M, M]`` mask probabilities in their ``[N, 4]`` boxes (x1, y1, x2, y2 in image pixels) -> ``[N,
-    1, H, W]`` booleans: ``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` without its
-    float canvases. Pixels outside a box compare torchvision's zero with the threshold, as its result would.
-    """
-    height, width = int(image_size[0]), int(image_size[1])
-    count = masks.shape[0]
-    pasted = torch.full((count, 1, height, width), threshold < 0.0, dtype=torch.bool, device=masks.device)
-    if count == 0:
-        return pasted
-    padded, scale = expand_masks(masks, padding=padding)
-    corners = expand_boxes(boxes, scale).to(dtype=torch.int64).tolist()  # one host copy, not 4 N item reads
-    for k, (x0, y0, x1, y1) in enumerate(corners):
-        box_w, box_h = max(x1 - x0 + 1, 1), max(y1 - y0 + 1, 1)
-        left, right = max(x0, 0), min(x1 + 1, width)
-        top, bottom = max(y0, 0), min(y1 + 1, height)
-        if right <= left or bottom <= top:  # the box lies outside the image
-            continue
-        resized = F.interpolate(padded[k : k + 1], size=(box_h, box_w), mode="bilinear", align_corners=False)[
-            0, 0
-        ]
-        pasted[k, 0, top:bottom, left:right] = (
-            resized[top - y0 : bottom - y0, left - x0 : right - x0] > threshold
-        )
-    return pasted
 
 
 class BinaryMaskTransform(GeneralizedRCNNTransform):

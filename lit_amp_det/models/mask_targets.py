@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from lit_amp_det.models.detection_core import mask_head_loss
 from lit_amp_det.ops import roi_align
 
 __all__ = ["maskrcnn_loss", "positive_labels", "project_masks_on_boxes"]
@@ -105,15 +105,13 @@ def maskrcnn_loss(
         gt_labels (List[Tensor[M_i]], int64): each image's ground-truth classes.
 
     Returns:
-        The mean binary cross-entropy of each proposal's own-class mask logits against its target; ``0 * sum``
-        of the logits (so the graph keeps every parameter) when the batch has no positive proposal.
+        :func:`~lit_amp_det.models.detection_core.mask_head_loss`: the mean binary cross-entropy of each
+        proposal's own-class mask logits against its target; 0, connected to the logits (so the graph keeps
+        every parameter), when the batch has no positive proposal.
     """
     labels = positive_labels(gt_labels, mask_matched_idxs)
     targets = project_masks_on_boxes(gt_masks, proposals, mask_matched_idxs, mask_logits.shape[-1])
-    if targets.numel() == 0:  # binary_cross_entropy_with_logits' mean of nothing would be NaN
-        return mask_logits.sum() * 0
-    rows = torch.arange(labels.shape[0], device=labels.device)
-    return F.binary_cross_entropy_with_logits(mask_logits[rows, labels], targets)
+    return mask_head_loss(mask_logits, labels, targets)
 
 
 def positive_labels(gt_labels: Sequence[Tensor], mask_matched_idxs: Sequence[Tensor]) -> Tensor:

@@ -26,7 +26,9 @@ from torchvision.ops.poolers import initLevelMapper  # not in torchvision's __al
 
 from lit_amp_det.errors import ArgumentError
 from lit_amp_det.models.anchors import FullPrecisionAnchorGenerator
+from lit_amp_det.models.ext_ops import use_extension_ops
 from lit_amp_det.models.norms import FrozenBatchNorm2d
+from lit_amp_det.models.sync_free import fixed_shape_detector
 from lit_amp_det.models.weights import (
     BACKBONE_WEIGHTS,
     NO_WEIGHTS,
@@ -120,6 +122,13 @@ def build_backbone(
             whichever norm layers ``norm`` gives (frozen ones included), from torch hub's cache.
         load_weights: False checks ``weights`` but leaves the trunk at its initialisation, for a caller that
             loads other tensors over it (a detection checkpoint, a local checkpoint).
+
+    Returns:
+        torchvision's ``BackboneWithFPN``: the trunk's ``returned_layers`` feeding an FPN of ``fpn_channels``
+        channels, plus a max-pooled level.
+
+    Raises:
+        ArgumentError: a setting is unknown or out of range, or ``weights`` names no weights of the trunk.
     """
     if name not in BACKBONES:
         raise ArgumentError("name", name, f"is unknown; choose one of {sorted(BACKBONES)}")
@@ -159,14 +168,18 @@ def build_detector(
     roi_heads: Mapping[str, Any] | None = None,
     weights: str | None = None,
     load_weights: bool = True,
+    fixed_shape: bool = False,
+    instances_per_image: int | None = None,
 ) -> FasterRCNN:
     """Builds a torchvision Mask R-CNN (``mask=True``) or Faster R-CNN (``mask=False``) on torchvision's ops.
 
     lit_amp_det's kernels are an implementation choice applied afterwards
-    (:class:`lit_amp_det.models.speedups.ExtensionOps`).
+    (:class:`lit_amp_det.models.speedups.ExtensionOps`), as is the fixed-shape computation
+    (:class:`~lit_amp_det.models.speedups.SyncFree`), which ``fixed_shape`` builds here instead.
 
     Args:
         num_classes: number of classes including background.
+        mask: a Mask R-CNN (with the mask head) when True, a Faster R-CNN when False.
         backbone: keyword arguments of :func:`build_backbone`.
         transform: ``min_size``, ``max_size``, ``image_mean``, ``image_std``, ``size_divisible``.
         rpn: ``anchor_sizes`` (one per FPN level), ``aspect_ratios``, ``pre_nms_top_n_train/test``,
@@ -183,9 +196,30 @@ def build_detector(
             includes the trunk, so ``backbone.weights`` is then checked but not loaded (as torchvision does).
         load_weights: False checks ``weights`` and ``backbone.weights`` (names and architecture) but loads
             neither, for a caller that loads other tensors over them (a local checkpoint).
+        fixed_shape: build the fixed-shape detector
+            (:func:`lit_amp_det.models.sync_free.fixed_shape_detector`, on lit_amp_det's ops): the same
+            parameters and ``state_dict`` keys, shapes fixed by these settings.
+        instances_per_image: with ``fixed_shape``, the instance count every training target is padded to
+            (:class:`~lit_amp_det.models.sync_free.SyncFreeMaskRCNN`); None keeps each image's count.
+
+    Returns:
+        The detector: torchvision's ``MaskRCNN`` or ``FasterRCNN``, or with ``fixed_shape`` its fixed-shape
+        subclass (:class:`~lit_amp_det.models.sync_free.SyncFreeMaskRCNN`,
+        :class:`~lit_amp_det.models.sync_free.SyncFreeFasterRCNN`).
+
+    Raises:
+        ArgumentError: a setting is unknown or out of range, or ``weights`` names no checkpoint, or
+            ``instances_per_image`` is given without ``fixed_shape``.
+        WeightsMismatchError: ``weights`` names a checkpoint whose architecture the settings do not match.
     """
     if num_classes < 2:
         raise ArgumentError("num_classes", num_classes, "must count background plus at least one class")
+    if instances_per_image is not None and not fixed_shape:
+        raise ArgumentError(
+            "instances_per_image",
+            instances_per_image,
+            "pads the fixed-shape detector's targets: set fixed_shape",
+        )
     pretrained = _detection_weights(weights, mask)
     backbone_cfg = dict(backbone or {})
     if pretrained is not None and load_weights and backbone_cfg.get("weights") not in NO_WEIGHTS:
@@ -274,6 +308,8 @@ def build_detector(
     _fix_pooler_scales(detector, returned_layers)
     if pretrained is not None and load_weights:
         load_detection_weights(detector, pretrained[1], num_classes, "weights", str(weights))
+    if fixed_shape:
+        return fixed_shape_detector(use_extension_ops(detector), instances_per_image)
     return detector
 
 
@@ -327,7 +363,9 @@ def _rpn_kwarg(key: str, value: Any) -> str:
 
 
 def _roi_kwarg(key: str, value: Any) -> str:
-    """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*`` names."""
+    """Maps config names (``fg_iou_thresh``, ``detections_per_img`` ...) onto torchvision's ``box_*``
+    names.
+    """
     name = key if key.startswith("box_") or key == "bbox_reg_weights" else f"box_{key}"
     if name not in _ROI_KWARGS:
         raise ArgumentError(

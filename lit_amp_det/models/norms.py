@@ -12,17 +12,16 @@ looks for that class finds ours) and has the same state-dict keys as :class:`tor
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 import torchvision.ops
 from torch import Tensor, nn
 
 __all__ = ["FrozenBatchNorm2d", "convert_frozen_batchnorm"]
 
-#: What :func:`convert_frozen_batchnorm` replaces (torchvision's frozen class too: ours keeps the dtype).
+#: What :func:`convert_frozen_batchnorm` replaces (torchvision's frozen class too: ours keeps the
+#: dtype).
 _CONVERTIBLE = (nn.BatchNorm2d, nn.SyncBatchNorm, torchvision.ops.FrozenBatchNorm2d)
-_Convertible = Union[nn.BatchNorm2d, nn.SyncBatchNorm, torchvision.ops.FrozenBatchNorm2d]
+_Convertible = nn.BatchNorm2d | nn.SyncBatchNorm | torchvision.ops.FrozenBatchNorm2d
 
 
 class FrozenBatchNorm2d(torchvision.ops.FrozenBatchNorm2d):

@@ -32,9 +32,9 @@ from hydra.utils import instantiate
 from torch import Tensor, nn
 
 from lit_amp_det.errors import ArgumentError
-from lit_amp_det.models.ext_ops import use_extension_ops
+from lit_amp_det.models.ext_ops import use_extension_ops, uses_extension_ops
 from lit_amp_det.models.mask_paste import use_binary_mask_paste
-from lit_amp_det.models.sync_free import is_fixed_shape, use_sync_free
+from lit_amp_det.models.sync_free import checked_instance_count, fixed_shape_detector, is_fixed_shape
 
 __all__ = [
     "DEFAULT_SPEEDUPS",
@@ -67,7 +67,8 @@ class ModelTransform(ABC):
     """An implementation choice: ``transform(model)`` returns the model computing the same function another
     way.
 
-    Subclasses set :attr:`name` and implement :meth:`__call__`, which may change the model in place and must
+    Subclasses set :attr:`name` and implement :meth:`__call__`, which may change the model in place or
+    return a new one made of its modules, and must
     keep its ``state_dict`` keys and shapes. ``devices`` (the device types it applies to, a subset of
     :data:`DEVICE_TYPES`) defaults to the class's :attr:`default_devices`.
     """
@@ -88,7 +89,7 @@ class ModelTransform(ABC):
 
     @abstractmethod
     def __call__(self, model: nn.Module) -> nn.Module:
-        """The transformed model (usually ``model`` itself, changed in place)."""
+        """The transformed model: ``model`` itself, changed in place, or a new one made of its modules."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={list(self.devices)})"
@@ -125,7 +126,8 @@ class BinaryMaskPaste(ModelTransform):
             model, 0.5
         ):  # MaskRCNNModule.forward sets evaluation.mask_threshold per call
             log.info(
-                "speedups.binary_mask_paste: the detector has no mask head or not torchvision's transform (%s), "
+                "speedups.binary_mask_paste: the detector has no mask head or not torchvision's "
+                "transform (%s), "
                 "so its masks are pasted as it pastes them",
                 type(getattr(model, "transform", None)).__name__,
             )
@@ -141,13 +143,45 @@ class SyncFree(ModelTransform):
     step makes no host synchronisation, inference reads the detection counts once per batch, and the model
     traces as one graph. On CUDA by default, where the host waiting is what costs; ``devices: [cpu, cuda]``
     runs it on a CPU too.
+
+    The fixed-shape heads are lit_amp_det's heads (:class:`ExtensionOps`) with fixed shapes, so it needs
+    ``speedups.ext_ops`` applied before it on the same devices, and says so rather than applying it
+    silently. It returns a new detector (:func:`~lit_amp_det.models.sync_free.fixed_shape_detector`) made of
+    the given one's modules.
+
+    Args:
+        devices: the device types it applies to (CUDA by default).
+        instances_per_image: pad every training target to this many instances (a ``valid`` flag each), so
+            that every step has the same shapes (what a CUDA graph replays). The detector carries it and the
+            data module pads to it; ``None`` keeps each image's count.
+
+    Raises:
+        ValueError: (when called) the detector's heads are not lit_amp_det's: ``speedups.ext_ops`` is
+            missing, off on this device, or listed after ``speedups.sync_free``.
     """
 
     name = "sync_free"
     default_devices = ("cuda",)
 
+    def __init__(self, devices: Sequence[str] | None = None, instances_per_image: int | None = None) -> None:
+        super().__init__(devices)
+        self.instances_per_image = checked_instance_count(instances_per_image)
+
     def __call__(self, model: nn.Module) -> nn.Module:
-        return use_sync_free(model)
+        if not uses_extension_ops(model):
+            raise ValueError(
+                f"speedups.sync_free builds on lit_amp_det's heads, but this {type(model).__name__} has "
+                f"{type(getattr(model, 'rpn', None)).__name__} and "
+                f"{type(getattr(model, 'roi_heads', None)).__name__}: list speedups.ext_ops before it, on "
+                f"the same devices ({'/'.join(self.devices)}), or set speedups.sync_free=null"
+            )
+        return fixed_shape_detector(model, self.instances_per_image)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(devices={list(self.devices)}, "
+            f"instances_per_image={self.instances_per_image})"
+        )
 
 
 def _to_channels_last(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -18,6 +18,12 @@ computes the same detector with every shape known before the step runs, as NVIDI
 * inference keeps ``detections_per_img`` slots per image and pastes all their masks in one vectorised pass:
   :meth:`SyncFreeMaskRCNN.forward_padded` returns them with each image's count, ``forward`` reads the counts
   once per batch and returns torchvision's per-image lists.
+
+The rules it shares with the dynamic heads (labels from matches, candidate filters, box and mask losses,
+mask paste) are the functions of :mod:`lit_amp_det.models.detection_core`; here they get ``valid`` masks
+instead of gathered rows. :func:`fixed_shape_detector` builds the detector from a torchvision one's modules
+(the ``sync_free`` speedup and ``build_detector(fixed_shape=True)`` call it), and :func:`is_fixed_shape` is
+how code recognises it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,17 +39,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection._utils import BoxCoder, Matcher, encode_boxes
+from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
 from torchvision.models.detection.image_list import ImageList
-from torchvision.models.detection.roi_heads import expand_boxes, expand_masks
 from torchvision.models.detection.rpn import concat_box_prediction_layers
 from torchvision.models.detection.transform import GeneralizedRCNNTransform, _resize_image_and_masks
-from torchvision.ops import boxes as box_ops
 
+from lit_amp_det.errors import ArgumentError
+from lit_amp_det.models.detection_core import (
+    background_labels,
+    box_head_losses,
+    detection_candidates,
+    labels_from_matches,
+    mask_head_loss,
+    masked_sum,
+    paste_masks_padded,
+    smooth_l1_per_row,
+)
 from lit_amp_det.models.ext_ops import (
     ExtRegionProposalNetwork,
     ExtRoIHeads,
     _check_target_types,
-    use_extension_ops,
 )
 from lit_amp_det.models.mask_paste import BinaryMaskTransform
 from lit_amp_det.models.mask_targets import project_masks_on_boxes
@@ -51,17 +67,17 @@ from lit_amp_det.ops import batched_nms_padded, box_iou
 __all__ = [
     "DeviceBoxCoder",
     "DeviceConstants",
+    "checked_instance_count",
     "FixedShapeTransform",
     "SyncFreeFasterRCNN",
     "SyncFreeMaskRCNN",
     "SyncFreeRPN",
     "SyncFreeRoIHeads",
-    "match",
-    "paste_masks_padded",
+    "fixed_shape_detector",
     "is_fixed_shape",
+    "match",
     "sample_slots",
     "scale_boxes",
-    "use_sync_free",
 ]
 
 
@@ -115,13 +131,6 @@ def sample_slots(labels: Tensor, batch_size: int, positive_fraction: float) -> t
     return index, slot < num_positives + num_negatives, slot < num_positives
 
 
-def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    """Sum of ``values`` where ``mask`` holds; selected rather than multiplied by the mask, since ``inf * 0``
-    is NaN.
-    """
-    return torch.where(mask, values, 0.0).sum()
-
-
 def _float32_ratio(new: int, old: int) -> float:
     """``new / old`` rounded to float32, as torchvision divides two float32 tensors of the sizes; exact as a
     Python float, so that multiplying a float32 tensor by it gives torchvision's products without a tensor
@@ -150,14 +159,18 @@ def scale_boxes(boxes: Tensor, old_size: tuple[int, int], new_size: tuple[int, i
 
 
 class DeviceConstants:
-    """Small constant tensors made once per device and dtype, so that a step never copies them from the host."""
+    """Small constant tensors made once per device and dtype, so that a step never copies them from the
+    host.
+    """
 
     def __init__(self, values: list[float] | tuple[float, ...]) -> None:
         self.values = [float(v) for v in values]
         self._made: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def on(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """The values as a ``[len(values)]`` tensor on ``device`` in ``dtype`` (made on the first call only)."""
+        """The values as a ``[len(values)]`` tensor on ``device`` in ``dtype`` (made on the first call
+        only).
+        """
         key = (device, dtype)
         if key not in self._made:
             with torch.inference_mode(False):  # usable in training after a first call under inference_mode
@@ -206,55 +219,6 @@ class DeviceBoxCoder(BoxCoder):
 def device_box_coder(coder: BoxCoder) -> DeviceBoxCoder:
     """A :class:`DeviceBoxCoder` with ``coder``'s weights and clip."""
     return DeviceBoxCoder(coder.weights, coder.bbox_xform_clip)
-
-
-_PASTE_CHUNK = 16  # detections pasted at a time: the full-image temporaries of a large photo stay bounded
-
-
-def paste_masks_padded(
-    masks: Tensor, boxes: Tensor, image_size: tuple[int, int], threshold: float, padding: int = 1
-) -> Tensor:
-    """``paste_masks_in_image(masks, boxes, image_size, padding) > threshold`` for all ``[D, 1, M, M]`` masks
-    at once, with no per-detection loop and no host read: ``[D, 1, H, W]`` booleans. Each box's expanded mask
-    is resized to the box as ``F.interpolate(bilinear, align_corners=False)`` resizes it (its source
-    coordinates and weights, separable: along x, then y), read at every image pixel the box covers; a value
-    within rounding of the threshold may compare the other way (about one pixel in 10^6). Costs ``D x H x W``
-    work instead of the boxes' areas.
-    """
-    height, width = int(image_size[0]), int(image_size[1])
-    padded, scale = expand_masks(masks, padding=padding)
-    padded = padded[:, 0]
-    corners = expand_boxes(boxes, scale).to(dtype=torch.int64)
-    size = padded.shape[-1]
-
-    def axis(start: Tensor, end: Tensor, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        extent = (end - start + 1).clamp(min=1)  # torchvision's box side, at least one pixel
-        offset = torch.arange(length, device=masks.device)[None, :] - start[:, None]
-        ratio = (size / extent.to(torch.float32))[:, None]
-        source = (ratio * (offset.to(torch.float32) + 0.5) - 0.5).clamp(min=0)
-        low = source.to(torch.int64).clamp(max=size - 1)
-        high_weight = (source - low).clamp(0, 1)
-        high = low + (low < size - 1).to(torch.int64)
-        inside = (offset >= 0) & (offset < extent[:, None])
-        return low, high, 1 - high_weight, high_weight, inside
-
-    x_low, x_high, x_w0, x_w1, x_in = axis(corners[:, 0], corners[:, 2], width)
-    y_low, y_high, y_w0, y_w1, y_in = axis(corners[:, 1], corners[:, 3], height)
-    rows, pasted = padded.shape[1], []
-    for k in (slice(i, i + _PASTE_CHUNK) for i in range(0, max(masks.shape[0], 1), _PASTE_CHUNK)):
-        along_x = (
-            padded[k].gather(2, x_low[k, None, :].expand(-1, rows, -1)) * x_w0[k, None, :]
-            + padded[k].gather(2, x_high[k, None, :].expand(-1, rows, -1)) * x_w1[k, None, :]
-        )
-        values = (
-            along_x.gather(1, y_low[k, :, None].expand(-1, -1, width)) * y_w0[k, :, None]
-            + along_x.gather(1, y_high[k, :, None].expand(-1, -1, width)) * y_w1[k, :, None]
-        )
-        inside = (
-            y_in[k, :, None] & x_in[k, None, :]
-        )  # outside its box a mask reads 0 (no bool where: ONNX lacks it)
-        pasted.append(inside & (values > threshold) if threshold >= 0 else ~inside | (values > threshold))
-    return torch.cat(pasted)[:, None]
 
 
 class FixedShapeTransform(BinaryMaskTransform):
@@ -320,14 +284,23 @@ class FixedShapeTransform(BinaryMaskTransform):
         return image, target
 
     def rescale_boxes(self, boxes: Tensor, size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
-        """The detections' boxes back in the original image, by :func:`scale_boxes` (no tensor from the host)."""
+        """The detections' boxes back in the original image, by :func:`scale_boxes` (no tensor from the
+        host).
+        """
         return scale_boxes(boxes, size, original_size)
 
 
 class SyncFreeRPN(ExtRegionProposalNetwork):
     """The RPN with ``post_nms_top_n`` proposal slots per image (``(boxes [B, P, 4], valid [B, P])``) and a
     training loss over anchors drawn by :func:`sample_slots`.
+
+    Takes ``RegionProposalNetwork``'s arguments (:meth:`from_rpn` builds one from a built RPN); its box coder
+    is a :class:`DeviceBoxCoder`.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.box_coder = device_box_coder(self.box_coder)
 
     def forward(
         self, images: ImageList, features: dict[str, Tensor], targets: list[dict[str, Tensor]] | None = None
@@ -349,30 +322,23 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
         )
         return boxes, {"loss_objectness": loss_objectness, "loss_rpn_box_reg": loss_rpn_box_reg}
 
-    def filter_proposals(
+    def nms_per_image(
         self,
-        proposals: Tensor,
-        objectness: Tensor,
-        image_shapes: list[tuple[int, int]],
-        num_anchors_per_level: list[int],
+        candidates: list[tuple[Tensor, Tensor]],
+        scores: Tensor,
+        levels: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        """The per-filter selection of :class:`ExtRegionProposalNetwork` as fixed slots: each image's kept
+        """:class:`ExtRegionProposalNetwork`'s selection (same arguments) as fixed slots: each image's kept
         proposals in score order, then padding marked not valid.
+
+        Returns:
+            ``(boxes [B, P, 4], valid [B, P])`` with ``P = post_nms_top_n``: what ``filter_proposals``
+            returns.
         """
-        num_images = proposals.shape[0]
-        objectness = objectness.detach().reshape(num_images, -1)
-        candidates, levels = self._top_anchors_per_level(objectness, num_anchors_per_level)
-        rows = torch.arange(num_images, device=proposals.device)[:, None]
-        scores, candidates = torch.sigmoid(objectness[rows, candidates]), proposals[rows, candidates]
         kept, valid = [], []
-        for boxes, image_scores, shape in zip(candidates, scores, image_shapes):
-            boxes = box_ops.clip_boxes_to_image(boxes, shape)
-            widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-            usable = (
-                (widths >= self.min_size) & (heights >= self.min_size) & (image_scores >= self.score_thresh)
-            )
+        for (image_boxes, usable), image_scores in zip(candidates, scores):
             keep, count = batched_nms_padded(
-                boxes,
+                image_boxes,
                 image_scores,
                 levels,
                 self.nms_thresh,
@@ -380,7 +346,7 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
                 valid=usable,
                 max_class_size=self.pre_nms_top_n(),
             )
-            kept.append(boxes[keep.clamp(min=0)])
+            kept.append(image_boxes[keep.clamp(min=0)])
             valid.append(torch.arange(keep.shape[0], device=keep.device) < count)
         return torch.stack(kept), torch.stack(valid)
 
@@ -422,20 +388,24 @@ class SyncFreeRPN(ExtRegionProposalNetwork):
     ) -> tuple[Tensor, Tensor]:
         """torchvision's RPN losses over the drawn anchors of ``labels`` (see :meth:`anchor_targets`)."""
         count = (labels >= 0).sum().clamp(min=1)
-        regression_targets = torch.where(
-            labels[:, None] > 0, regression_targets, 0.0
-        )  # a blank image's are inf
-        box_loss = F.smooth_l1_loss(pred_bbox_deltas, regression_targets, beta=1 / 9, reduction="none").sum(1)
+        box_loss = smooth_l1_per_row(pred_bbox_deltas, regression_targets, labels > 0)
         objectness_loss = F.binary_cross_entropy_with_logits(
             objectness.flatten(), labels.clamp(min=0), reduction="none"
         )
-        return _masked_sum(objectness_loss, labels >= 0) / count, _masked_sum(box_loss, labels > 0) / count
+        return masked_sum(objectness_loss, labels >= 0) / count, masked_sum(box_loss, labels > 0) / count
 
 
 class SyncFreeRoIHeads(ExtRoIHeads):
     """The RoI heads on the RPN's proposal slots: ``batch_size_per_image`` drawn slots per training image, and
     ``detections_per_img`` detection slots per image with their count at inference.
+
+    Takes ``RoIHeads``' arguments (:meth:`from_roi_heads` builds them from built heads); the box coder is a
+    :class:`DeviceBoxCoder`.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.box_coder = device_box_coder(self.box_coder)
 
     def forward(
         self,
@@ -465,14 +435,11 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         """
         boxes = torch.cat([boxes, gt_boxes.to(boxes.dtype)])
         usable = torch.cat([valid, valid.new_ones(gt_boxes.shape[0]) if gt_valid is None else gt_valid])
-        if gt_boxes.shape[0] == 0:  # background only
-            matched = labels = torch.zeros(boxes.shape[0], dtype=torch.int64, device=boxes.device)
+        if gt_boxes.shape[0] == 0:
+            matched, labels = background_labels(boxes.shape[0], boxes.device)
         else:
             matches = match(box_iou(gt_boxes, boxes), self.proposal_matcher, gt_valid)
-            matched = matches.clamp(min=0)
-            labels = gt_labels[matched].to(torch.int64)
-            labels = labels.masked_fill(matches == self.proposal_matcher.BELOW_LOW_THRESHOLD, 0)
-            labels = labels.masked_fill(matches == self.proposal_matcher.BETWEEN_THRESHOLDS, -1)
+            matched, labels = labels_from_matches(matches, gt_labels, self.proposal_matcher)
         labels = labels.masked_fill(~usable, -1)  # proposal padding is never drawn
         index, drawn, positive = sample_slots(
             labels, self.fg_bg_sampler.batch_size_per_image, self.fg_bg_sampler.positive_fraction
@@ -500,24 +467,18 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         class_logits, box_regression = self.box_predictor(
             self.box_head(self.box_roi_pool(features, list(boxes), image_shapes))
         )
-        labels, drawn = labels.flatten(), drawn.flatten()
-        count = drawn.sum().clamp(min=1)
-        classes = labels.clamp(min=0)
-        rows = torch.arange(classes.shape[0], device=classes.device)
-        classifier = F.cross_entropy(class_logits, classes, reduction="none")
-        box_deltas = box_regression.reshape(classes.shape[0], -1, 4)[rows, classes]
-        regressed = drawn & (labels > 0)
-        # a padding slot's degenerate box codes to inf or NaN, whose gradient would be NaN even where not
-        # summed
-        regression_targets = torch.where(regressed[:, None], regression_targets, 0.0)
-        box_loss = F.smooth_l1_loss(box_deltas, regression_targets, beta=1 / 9, reduction="none").sum(1)
-        losses = {
-            "loss_classifier": _masked_sum(classifier, drawn) / count,
-            "loss_box_reg": _masked_sum(box_loss, regressed) / count,
-        }
+        loss_classifier, loss_box_reg = box_head_losses(
+            class_logits,
+            box_regression,
+            labels.flatten(),
+            regression_targets,
+            sampled=drawn.flatten(),
+        )
+        losses = {"loss_classifier": loss_classifier, "loss_box_reg": loss_box_reg}
         if self.has_mask():
+            classes = labels.clamp(min=0)
             losses["loss_mask"] = self._mask_loss(
-                features, boxes, matched, classes.view_as(matched), positive, image_shapes, targets
+                features, boxes, matched, classes, positive, image_shapes, targets
             )
         return losses
 
@@ -546,12 +507,7 @@ class SyncFreeRoIHeads(ExtRoIHeads):
             for t in targets
         ]
         mask_targets = project_masks_on_boxes(gt_masks, list(boxes), list(matched), logits.shape[-1])
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        per_slot = F.binary_cross_entropy_with_logits(
-            logits[rows, classes.flatten()], mask_targets, reduction="none"
-        ).mean(dim=(1, 2))
-        positive = positive.flatten()
-        return _masked_sum(per_slot, positive) / positive.sum().clamp(min=1)
+        return mask_head_loss(logits, classes.flatten(), mask_targets, positive.flatten())
 
     def _detect(
         self,
@@ -596,13 +552,9 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         all_boxes = all_boxes.reshape(num_images, num_proposals, -1, 4)
         all_scores = F.softmax(class_logits, -1).reshape(num_images, num_proposals, -1)
         num_classes = all_scores.shape[-1]
-        labels = torch.arange(1, num_classes, device=all_scores.device).repeat(num_proposals)
         kept = []
         for boxes, scores, proposal_ok, shape in zip(all_boxes, all_scores, proposal_valid, image_shapes):
-            boxes = box_ops.clip_boxes_to_image(boxes, shape)[:, 1:].reshape(-1, 4)  # every (box, class) pair
-            scores = scores[:, 1:].reshape(-1)  # column 0 is background
-            widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-            usable = (scores > self.score_thresh) & (widths >= 1e-2) & (heights >= 1e-2)
+            boxes, scores, labels, usable = detection_candidates(boxes, scores, shape, self.score_thresh)
             usable &= proposal_ok[:, None].expand(-1, num_classes - 1).reshape(-1)
             keep, count = batched_nms_padded(
                 boxes,
@@ -618,10 +570,35 @@ class SyncFreeRoIHeads(ExtRoIHeads):
         return tuple(torch.stack(parts) for parts in zip(*kept))  # type: ignore[return-value]
 
 
-class _SyncFreeForward(nn.Module):
-    """``forward`` of a :mod:`sync_free <lit_amp_det.models.sync_free>` detector (mixed into torchvision's
-    class).
+class _SyncFreeForward(GeneralizedRCNN):
+    """A :mod:`sync_free <lit_amp_det.models.sync_free>` detector: built from its parts, with the fixed-shape
+    ``forward`` (mixed into torchvision's class, so that ``isinstance(model, MaskRCNN)`` still holds).
+
+    Args:
+        backbone: the feature extractor (an ``out_channels`` attribute, as torchvision's).
+        rpn: the fixed-shape RPN.
+        roi_heads: the fixed-shape RoI heads.
+        transform: the fixed-shape transform.
+        instances_per_image: the number of ground-truth instances every training target is padded to (a
+            ``valid`` flag each), so that a step's shapes never change; the data module pads to it
+            (:func:`lit_amp_det.data.coco.pad_instances`). None: each image's own count.
+
+    Raises:
+        ArgumentError: ``instances_per_image`` is not a positive whole number.
     """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        rpn: SyncFreeRPN,
+        roi_heads: SyncFreeRoIHeads,
+        transform: FixedShapeTransform,
+        instances_per_image: int | None = None,
+    ) -> None:
+        # torchvision's FasterRCNN/MaskRCNN constructors only build these parts from settings; here they
+        # come built, so the class skips to the constructor that takes them
+        GeneralizedRCNN.__init__(self, backbone, rpn, roi_heads, transform)
+        self.instances_per_image = checked_instance_count(instances_per_image)
 
     def forward_padded(
         self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None
@@ -667,17 +644,49 @@ class _SyncFreeForward(nn.Module):
         return [{k: v[:n] for k, v in d.items() if k != "count"} for d, n in zip(out, counts)]
 
 
+def checked_instance_count(instances_per_image: int | None) -> int | None:
+    """The ``instances_per_image`` setting checked.
+
+    Args:
+        instances_per_image: the padded instance count of a training target, or None.
+
+    Returns:
+        It as an ``int``, or None.
+
+    Raises:
+        ArgumentError: it is not a whole number of at least 1.
+    """
+    if instances_per_image is None:
+        return None
+    whole = not isinstance(instances_per_image, bool) and int(instances_per_image) == instances_per_image
+    if not whole or instances_per_image < 1:
+        raise ArgumentError(
+            "instances_per_image",
+            instances_per_image,
+            "must be a whole number of at least 1, or null to keep each image's count",
+        )
+    return int(instances_per_image)
+
+
 class SyncFreeFasterRCNN(_SyncFreeForward, FasterRCNN):
-    """torchvision's ``FasterRCNN`` computed with fixed shapes (:func:`use_sync_free`)."""
+    """torchvision's ``FasterRCNN`` computed with fixed shapes (:func:`fixed_shape_detector`)."""
 
 
 class SyncFreeMaskRCNN(_SyncFreeForward, MaskRCNN):
-    """torchvision's ``MaskRCNN`` computed with fixed shapes (:func:`use_sync_free`)."""
+    """torchvision's ``MaskRCNN`` computed with fixed shapes (:func:`fixed_shape_detector`)."""
+
+
+_FIXED_SHAPE_CLASSES: dict[type[nn.Module], type[_SyncFreeForward]] = {
+    FasterRCNN: SyncFreeFasterRCNN,
+    MaskRCNN: SyncFreeMaskRCNN,
+}
 
 
 def is_fixed_shape(model: object) -> bool:
-    """Whether ``model`` is a fixed-shape detector (:func:`use_sync_free`): its training step's shapes are
-    fixed by the configuration and its inference returns detection slots (``forward_padded``).
+    """Whether ``model`` is a fixed-shape detector (:func:`fixed_shape_detector`): its training step's shapes
+    are fixed by the configuration and its inference returns detection slots (``forward_padded``).
+
+    The one test for it: code that treats the fixed-shape detector differently asks this, not ``hasattr``.
 
     Args:
         model: any object; a detector, or None.
@@ -688,24 +697,45 @@ def is_fixed_shape(model: object) -> bool:
     return isinstance(model, _SyncFreeForward)
 
 
-def use_sync_free(model: nn.Module) -> nn.Module:
-    """Switches a torchvision Faster/Mask R-CNN to the fixed-shape computation, in place, and returns it;
-    applies :func:`~lit_amp_det.models.ext_ops.use_extension_ops` too. Parameters, buffers and ``state_dict``
-    keys are kept.
+def fixed_shape_detector(model: nn.Module, instances_per_image: int | None = None) -> nn.Module:
+    """The fixed-shape detector with ``model``'s backbone, heads' submodules and settings.
+
+    The RPN, RoI heads and transform are built anew (:meth:`SyncFreeRPN.from_rpn`,
+    :meth:`SyncFreeRoIHeads.from_roi_heads`, :class:`FixedShapeTransform`) around ``model``'s modules, which
+    move over, not copied: the result shares ``model``'s parameters, and its ``state_dict`` has the same keys.
+    The fixed-shape heads are built on lit_amp_det's ops (they extend :mod:`~lit_amp_det.models.ext_ops`'
+    heads), so torchvision's poolers become lit_amp_det's.
+
+    Args:
+        model: torchvision's ``FasterRCNN`` or ``MaskRCNN`` (its heads torchvision's or lit_amp_det's), or a
+            fixed-shape detector.
+        instances_per_image: the training targets' padded instance count (see :class:`SyncFreeMaskRCNN`);
+            it is set on a ``model`` that already is fixed-shape when given.
+
+    Returns:
+        A :class:`SyncFreeFasterRCNN` or :class:`SyncFreeMaskRCNN` in ``model``'s training mode; ``model``
+        itself if it already is one.
+
+    Raises:
+        TypeError: ``model`` is another module, has keypoint heads, or heads of a subclass lit_amp_det
+            does not know.
+        ArgumentError: ``instances_per_image`` is not a positive whole number.
     """
-    classes = {FasterRCNN: SyncFreeFasterRCNN, MaskRCNN: SyncFreeMaskRCNN}
-    if type(model) in classes.values():
+    if is_fixed_shape(model):
+        if instances_per_image is not None:
+            model.instances_per_image = checked_instance_count(instances_per_image)
         return model
-    if type(model) not in classes or model.roi_heads.has_keypoint():
+    detector_class = _FIXED_SHAPE_CLASSES.get(type(model))
+    if detector_class is None or model.roi_heads.has_keypoint():
         raise TypeError(
             f"speedups.sync_free converts torchvision's FasterRCNN and MaskRCNN, got "
             f"{type(model).__qualname__}; turn it off with speedups.sync_free=null"
         )
-    use_extension_ops(model)
-    model.rpn.__class__ = SyncFreeRPN
-    model.rpn.box_coder = device_box_coder(model.rpn.box_coder)
-    model.roi_heads.__class__ = SyncFreeRoIHeads
-    model.roi_heads.box_coder = device_box_coder(model.roi_heads.box_coder)
-    model.transform = FixedShapeTransform(model.transform, getattr(model.transform, "mask_threshold", 0.5))
-    model.__class__ = classes[type(model)]
-    return model
+    detector = detector_class(
+        model.backbone,
+        SyncFreeRPN.from_rpn(model.rpn),
+        SyncFreeRoIHeads.from_roi_heads(model.roi_heads),
+        FixedShapeTransform(model.transform, getattr(model.transform, "mask_threshold", 0.5)),
+        instances_per_image,
+    )
+    return detector.train(model.training)

@@ -116,6 +116,11 @@ DETECTION_CHECKPOINTS: dict[str, DetectionCheckpoint] = {
 class WeightsUnavailableError(ArgumentError, FileNotFoundError):
     """Named weights that are not in the cache and could not be downloaded (or are in it but unreadable); its
     ``repr`` is the message, as Hydra reports errors raised inside ``instantiate`` by their ``repr``.
+
+    Args:
+        argument: the setting that named the weights (``weights``, ``backbone.weights``).
+        value: the name it gave.
+        problem: what went wrong and what to do about it.
     """
 
     def __repr__(self) -> str:
@@ -123,7 +128,13 @@ class WeightsUnavailableError(ArgumentError, FileNotFoundError):
 
 
 class WeightsMismatchError(ArgumentError):
-    """Named weights whose tensors do not fit the model built from the arguments (``repr``: the message)."""
+    """Named weights whose tensors do not fit the model built from the arguments (``repr``: the message).
+
+    Args:
+        argument: the setting that named the weights (``weights``, ``backbone.weights``).
+        value: the name it gave.
+        problem: which of the model's settings differ from the checkpoint's architecture.
+    """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}: {self}"
@@ -206,8 +217,9 @@ def fetch_state_dict(weights: WeightsEnum, argument: str, name: str) -> dict[str
             argument,
             name,
             f"needs {path.name}, which is not in the torch hub cache, and downloading it "
-            f"from {weights.url} failed ({type(err).__name__}: {err}). On a machine without internet access, "
-            f"download that URL elsewhere and put the file into {path.parent}/ (the folder follows $TORCH_HOME), "
+            f"from {weights.url} failed ({type(err).__name__}: {err}). On a machine without internet "
+            f"access, download that URL elsewhere and put the file into {path.parent}/ (the folder "
+            "follows $TORCH_HOME), "
             "or set it to null",
         ) from err
     if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):

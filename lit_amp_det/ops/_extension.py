@@ -64,12 +64,22 @@ _TRITON_CUDA = _register_triton()
 
 
 def extension_available() -> bool:
-    """Whether the compiled extension was imported (its kernels are registered)."""
+    """Whether the compiled extension was imported (its kernels are registered).
+
+    Returns:
+        bool: ``True`` when ``lit_amp_det._C`` was imported; ``False`` when it is missing, was built against
+        another torch, or ``LIT_AMP_DET_NO_EXT=1`` disabled it (:func:`extension_error` says which).
+    """
     return _LOADED
 
 
 def extension_error() -> str | None:
-    """Why the compiled extension could not be imported, or None when it was."""
+    """Why the compiled extension could not be imported, or None when it was.
+
+    Returns:
+        str or None: the import error (``"<type>: <message>"``) or ``"disabled by LIT_AMP_DET_NO_EXT=1"``;
+        ``None`` when the extension is loaded.
+    """
     return _LOAD_ERROR
 
 
@@ -77,6 +87,10 @@ def compiled_cuda_version() -> int:
     """CUDA version compiled into ``lit_amp_det._C``: -1, as the extension holds C++ CPU kernels only (the
     CUDA kernels are Triton kernels, compiled at run time; :func:`triton_cuda_kernels` says whether they are
     registered).
+
+    Returns:
+        int: the CUDA version compiled in (``13000`` for 13.0), -1 for a CPU-only build, as this package's
+        builds are, and -1 when the extension is not loaded.
     """
     return _CUDA_VERSION
 

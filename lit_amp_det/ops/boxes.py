@@ -34,13 +34,18 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     integer_input = not (boxes1.is_floating_point() and boxes2.is_floating_point())
     if integer_input:
         boxes1, boxes2 = _exact_float(boxes1), _exact_float(boxes2)
-    if torch.jit.is_scripting() or has_kernel(
-        "box_iou", boxes1.device
-    ):  # TorchScript compiles this branch only
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only
         iou = torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
     else:
-        iou = reference.box_iou(boxes1, boxes2)
+        iou = _eager_box_iou(boxes1, boxes2)
     return iou.float() if integer_input else iou
+
+
+def _eager_box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
+    """The compiled kernel where the extension has one for the device, the reference otherwise."""
+    if has_kernel("box_iou", boxes1.device):
+        return torch.ops.lit_amp_det.box_iou(boxes1, boxes2)
+    return reference.box_iou(boxes1, boxes2)
 
 
 def _exact_float(boxes: Tensor) -> Tensor:
@@ -53,6 +58,9 @@ if extension_available():
     @torch.library.register_fake("lit_amp_det::box_iou")
     def _box_iou_fake(boxes1: Tensor, boxes2: Tensor) -> Tensor:
         for name, boxes in (("boxes1", boxes1), ("boxes2", boxes2)):
-            torch._check(boxes.dim() == 2 and boxes.shape[-1] == 4, lambda: f"{name} must be [N, 4]")
+            torch._check(
+                boxes.dim() == 2 and boxes.shape[-1] == 4,
+                lambda name=name: f"{name} must be [N, 4]",
+            )
         dtype = torch.float64 if torch.float64 in (boxes1.dtype, boxes2.dtype) else torch.float32
         return boxes1.new_empty((boxes1.shape[0], boxes2.shape[0]), dtype=dtype)

@@ -20,17 +20,25 @@ __all__ = ["batched_nms", "batched_nms_padded", "nms"]
 def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, max_output: int = -1) -> Tensor:
     """Greedy non-maximum suppression.
 
+    Scriptable with ``torch.jit.script`` when the compiled extension is loaded, like torchvision's.
+
     Args:
         boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)`` boxes, any float dtype (IoU is computed in fp32, fp64 for
-        fp64). scores (Tensor[N]): scores, any float dtype. iou_threshold: a box is dropped when a kept box
-        overlaps it with IoU strictly greater than this. max_output: stop once this many boxes are kept;
-        negative keeps all survivors.
+            fp64).
+        scores (Tensor[N]): scores, any float dtype.
+        iou_threshold (float): a box is dropped when a kept box overlaps it with IoU strictly greater than
+            this.
+        max_output (int): stop once this many boxes are kept; negative keeps all survivors. Default: -1.
 
     Returns:
         Tensor[M] (int64): indices of the kept boxes in decreasing score order (ties: lower index first),
         equal to the first ``max_output`` of the unlimited result; empty when ``boxes`` is.
 
-    Scriptable with ``torch.jit.script`` when the compiled extension is loaded, like torchvision's.
+    Raises:
+        RuntimeError: on the CPU (compiled kernel), if ``boxes`` is not ``[N, 4]``, ``scores`` is not ``[N]``,
+            they are on different devices, or either is not float16, bfloat16, float32 or float64.
+        ValueError: on CUDA (Triton kernels), for a wrong shape or device, or more boxes than one call takes.
+        TypeError: on CUDA (Triton kernels), for a dtype other than float16, bfloat16, float32 or float64.
     """
     if torch.jit.is_scripting():  # TorchScript compiles this branch only
         return torch.ops.lit_amp_det.nms(boxes, scores, iou_threshold, max_output)
@@ -80,19 +88,33 @@ def batched_nms_padded(
     """:func:`batched_nms` with a result of fixed size, so that the caller never waits for the device.
 
     Args:
+        boxes (Tensor[N, 4]): ``(x1, y1, x2, y2)`` boxes, any float dtype.
+        scores (Tensor[N]): scores, any float dtype.
+        idxs (Tensor[N]): integer category of each box (class label, or FPN level in the RPN); boxes of
+            different categories never suppress each other.
+        iou_threshold (float): IoU above which a lower-scored box of the same category is dropped.
+        max_output (int): the most boxes kept over all categories, and the length of ``keep``; negative
+            keeps all. Default: -1.
         valid (Tensor[N], bool, optional): the boxes to consider; the others are neither kept nor suppress
-        anything
-            (a score or size filter applied without a gather of data-dependent size).
-        max_class_size: an upper bound on any one class's box count, when the caller knows it (the RPN's
-        per-level
-            top-k); the CUDA kernel then sizes its IoU mask by it. A class larger than the bound gives wrong
-            results there.
+            anything (a score or size filter applied without a gather of data-dependent size). Default:
+            ``None`` (all boxes).
+        max_class_size (int, optional): an upper bound on any one class's box count, when the caller knows it
+            (the RPN's per-level top-k); the CUDA kernel then sizes its IoU mask by it. A class larger than
+            the bound gives wrong results there. Default: ``None`` (no bound).
 
     Returns:
         (keep, count): ``keep`` is ``Tensor[L]`` int64 with ``L = min(N, max_output)`` (``N`` when
         ``max_output < 0``), the kept indices in decreasing score order followed by ``-1`` padding; ``count``
         is a 0-d int64 tensor on the boxes' device, the number kept (``keep[:count]`` is :func:`batched_nms`
         of the valid boxes).
+
+    Raises:
+        RuntimeError: on the CPU (compiled kernel), if ``boxes``, ``scores`` or ``idxs`` has the wrong shape,
+            dtype or device, or ``valid`` is not a bool ``Tensor[N]`` on the boxes' device.
+        ValueError: on CUDA (Triton kernels), for a wrong shape or device (``valid`` included), or more
+            boxes than one call takes.
+        TypeError: on CUDA (Triton kernels), if ``boxes`` or ``scores`` is not a float tensor or ``idxs`` not
+            an integer one.
     """
     bound = -1 if max_class_size is None else int(max_class_size)
     if has_kernel("batched_nms_padded", boxes.device):

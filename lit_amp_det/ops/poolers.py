@@ -10,7 +10,7 @@ torchvision's are, so ``symbolic_trace`` records them as leaves.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -29,6 +29,13 @@ def infer_spatial_scale(feature: Tensor, image_size: Sequence[int]) -> float:
     modules pool from the same places. When the padded batch is much taller than the largest image (a batch of
     panoramas, say) that ratio can be a power of two off, in both libraries; the scales are inferred on the
     first call and kept, as in torchvision, so a first batch of ordinary images fixes them.
+
+    Args:
+        feature (Tensor[N, C, H, W]): the level's feature map; only its height is read.
+        image_size (Tuple[int, int]): ``(height, width)`` of the (largest) input image.
+
+    Returns:
+        float: ``2 ** round(log2(H / image_size[0]))``, e.g. 0.25 for a stride-4 level.
     """
     # Python's round() is half-to-even like torch.round; plain floats keep torch.compile from breaking the
     # graph
@@ -44,9 +51,20 @@ def assign_fpn_levels(
 ) -> Tensor:
     """FPN level of each box, relative to ``k_min`` (int64 ``[K]``): ``floor(k0 + log2(sqrt(area) / 224))``.
 
-    ``boxes`` is one ``Tensor[K, 4]`` or one tensor per image (taken in order); the result is clamped to
-    ``[k_min, k_max]``. Coordinates are cast to float32 (float64 stays) *before* the area is formed, as
-    torchvision's ``box_area`` does: a half-precision area overflows beyond 256 x 256 pixels.
+    Coordinates are cast to float32 (float64 stays) *before* the area is formed, as torchvision's
+    ``box_area`` does: a half-precision area overflows beyond 256 x 256 pixels.
+
+    Args:
+        boxes (Tensor[K, 4] or List[Tensor[L, 4]]): ``(x1, y1, x2, y2)`` boxes, or one tensor per image
+            (taken in order).
+        k_min (int): the finest level (log2 of its stride); levels below are clamped to it.
+        k_max (int): the coarsest level (log2 of its stride); levels above are clamped to it.
+        canonical_scale (int): box side that maps to ``canonical_level`` (``224`` in the FPN paper).
+            Default: 224.
+        canonical_level (int): the level ``k0`` of a box of side ``canonical_scale``. Default: 4.
+
+    Returns:
+        Tensor[K] (int64): each box's level minus ``k_min``, in ``[0, k_max - k_min]``.
     """
     all_boxes = boxes if isinstance(boxes, Tensor) else torch.cat(list(boxes))
     all_boxes = all_boxes.to(torch.promote_types(all_boxes.dtype, torch.float32))
@@ -82,40 +100,42 @@ def pool_levels(
     canonical_scale: int,
     canonical_level: int,
     aligned: bool,
-    *,
-    roi_align_fn: Callable[..., Tensor] = roi_align,
-    multi_level_fn: Callable[..., Tensor] = multi_level_roi_align,
 ) -> Tensor:
     """The pooling step of :class:`MultiScaleRoIAlign`: levels assigned as torchvision does, then one kernel
     call.
-
-    ``roi_align_fn`` / ``multi_level_fn`` are the kernels' front ends (:mod:`lit_amp_det.ops.triton` passes
-    its own).
     """
     rois = boxes_to_rois(boxes)
     if len(features) == 1:
-        return roi_align_fn(features[0], rois, output_size, scales[0], sampling_ratio, aligned)
+        return roi_align(features[0], rois, output_size, scales[0], sampling_ratio, aligned)
     # autocast can leave levels in different dtypes; torchvision's output takes the first level's
     features = [f.to(features[0].dtype) for f in features]
     k_min, k_max = int(-math.log2(scales[0])), int(-math.log2(scales[-1]))
     # the RoIs already hold every image's boxes in order: no second concatenation
     levels = assign_fpn_levels(rois[:, 1:], k_min, k_max, canonical_scale, canonical_level)
-    return multi_level_fn(features, rois, levels, scales, output_size, sampling_ratio, aligned)
+    return multi_level_roi_align(features, rois, levels, scales, output_size, sampling_ratio, aligned)
 
 
 class MultiScaleRoIAlign(nn.Module):
     """Multi-level RoIAlign for FPN features; same constructor, ``forward`` and ``scales`` as torchvision's.
 
-    Args:
-        featmap_names: keys of the feature dict to pool from (others, like the max-pool level, are ignored).
-        output_size: pooled ``(height, width)`` or one int.
-        sampling_ratio: bilinear samples per bin along each axis (<= 0: adaptive).
-        canonical_scale, canonical_level: the FPN level-mapping constants (224, 4).
-        aligned: pixel-shifted RoIAlign (torchvision's module always uses ``aligned=False``).
-
     ``scales`` (one float per level) is inferred from the first batch and kept, as torchvision does.
     TorchScript is not supported (PyTorch deprecated it): use ``torch.compile`` or ``torch.export``, which
     trace through the ops' fake kernels, or ``torchvision.ops.MultiScaleRoIAlign`` for a scripted model.
+
+    Args:
+        featmap_names (List[str]): keys of the feature dict to pool from (others, like the max-pool level,
+            are ignored).
+        output_size (int or Tuple[int, int]): pooled ``(height, width)`` or one int.
+        sampling_ratio (int): bilinear samples per bin along each axis (<= 0: adaptive).
+        canonical_scale (int): box side that maps to ``canonical_level`` in the FPN level mapping.
+            Default: 224.
+        canonical_level (int): the FPN level of a box of side ``canonical_scale``. Default: 4.
+        aligned (bool): pixel-shifted RoIAlign (torchvision's module always uses ``aligned=False``).
+            Default: ``False``.
+
+    Raises:
+        TypeError: if ``featmap_names`` is a string rather than a list of names.
+        ValueError: if ``output_size`` is not a positive int or pair of positive ints.
     """
 
     def __init__(
@@ -152,9 +172,7 @@ class MultiScaleRoIAlign(nn.Module):
         return self._pool(features, boxes, scales)
 
     def _pool(self, features: list[Tensor], boxes: list[Tensor], scales: list[float]) -> Tensor:
-        """Pools with the compiled ops (an fx leaf); :mod:`lit_amp_det.ops.triton` overrides it with its
-        kernels.
-        """
+        """Pools with the package's ops (an fx leaf)."""
         return pool_levels(
             features,
             boxes,

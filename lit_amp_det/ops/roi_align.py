@@ -42,6 +42,14 @@ def boxes_to_rois(boxes: Tensor | Sequence[Tensor]) -> Tensor:
 
     Args:
         boxes (Tensor[K, 5] or List[Tensor[L, 4]]): RoIs as they are, or one box tensor per image.
+
+    Returns:
+        Tensor[K, 5]: ``boxes`` itself when it is a tensor; otherwise the boxes of every image in order, each
+        row led by its image's index in the list (in the boxes' dtype).
+
+    Raises:
+        ValueError: if a tensor ``boxes`` is not ``[K, 5]``, a per-image tensor is not ``[L, 4]``, or the list
+            is empty.
     """
     if isinstance(boxes, Tensor):
         if boxes.dim() != 2 or boxes.shape[1] != 5:
@@ -115,10 +123,22 @@ def multi_level_roi_align(
         features (List[Tensor[N, C, H_l, W_l]]): one map per level, same N, C and dtype.
         rois (Tensor[K, 5]): ``(batch_index, x1, y1, x2, y2)``, any float dtype.
         levels (Tensor[K], int64): level of each RoI, in ``[0, len(features))``.
-        spatial_scales: 1/stride of each level.
+        spatial_scales (List[float]): 1/stride of each level.
+        output_size (int or Tuple[int, int]): ``(height, width)`` of the pooled output, or one int for both.
+        sampling_ratio (int): bilinear samples per bin along each axis; <= 0 adapts to the RoI size.
+            Default: -1.
+        aligned (bool): shift by -0.5 pixel (detectron2's ``ROIAlignV2``). Default: ``False``.
 
     Returns:
         Tensor[K, C, output_size[0], output_size[1]]: row k pooled from ``features[levels[k]]``.
+
+    Raises:
+        ValueError: if ``features`` and ``spatial_scales`` differ in length, or ``output_size`` is not a
+            positive int or pair of positive ints.
+        RuntimeError: from the CPU kernel, if the levels differ in N, C or dtype, ``rois`` is not a float
+            ``[K, 5]``, or ``levels`` is not int64 ``[K]``.
+        ValueError: from the CUDA (Triton) kernels, for the same shape and device checks.
+        TypeError: from the CUDA (Triton) kernels, if a level or ``rois`` has an unsupported dtype.
     """
     if len(features) != len(spatial_scales):
         raise ValueError(f"got {len(features)} feature maps but {len(spatial_scales)} spatial_scales")
@@ -140,7 +160,17 @@ def multi_level_roi_align(
 
 
 class RoIAlign(nn.Module):
-    """Module form of :func:`roi_align`, a drop-in for ``torchvision.ops.RoIAlign``."""
+    """Module form of :func:`roi_align`, a drop-in for ``torchvision.ops.RoIAlign``.
+
+    Args:
+        output_size (int or Tuple[int, int]): ``(height, width)`` of the pooled output, or one int for both.
+        spatial_scale (float): feature size / image size (1/stride).
+        sampling_ratio (int): bilinear samples per bin along each axis; <= 0 adapts to the RoI size.
+        aligned (bool): shift by -0.5 pixel (detectron2's ``ROIAlignV2``). Default: ``False``.
+
+    Raises:
+        ValueError: if ``output_size`` is not a positive int or pair of positive ints.
+    """
 
     def __init__(
         self,

@@ -21,7 +21,14 @@ __all__ = ["build_optimizer", "check_reference_batch", "fused_available", "globa
 
 
 def fused_available(params: Iterable[torch.Tensor]) -> bool:
-    """True when every parameter lives on a device with fused optimizer kernels (CUDA, and CPU since 2.4)."""
+    """Whether every parameter lives on a device with fused optimizer kernels (CUDA, and CPU since 2.4).
+
+    Args:
+        params: the parameters an optimizer will step.
+
+    Returns:
+        ``True`` when there is at least one and all are on such a device.
+    """
     devices = {p.device.type for p in params}
     return bool(devices) and devices <= {"cuda", "cpu"}
 
@@ -33,6 +40,16 @@ def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Paramet
     parameter's device has one; ``fused: null`` leaves the choice to PyTorch (``foreach``). A fused optimizer
     gets a step pre-hook that gives the gradients and the state their parameters' memory order first
     (:func:`~lit_amp_det.optim.memory_order.align_with_params`), which PyTorch's fused kernels assume.
+
+    Args:
+        config: the ``optim.optimizer`` mapping: ``_target_`` and the optimizer's keywords.
+        params: the parameters to optimise.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ArgumentError: ``config`` has no ``_target_``.
     """
     if "_target_" not in config:
         raise ArgumentError("optimizer", dict(config), "needs a _target_ (e.g. torch.optim.SGD)")
@@ -51,8 +68,17 @@ def build_optimizer(config: Mapping[str, Any], params: Sequence[torch.nn.Paramet
 def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_batches: int) -> int:
     """Images per optimizer step: ``per_device`` x processes (devices x nodes) x accumulated batches.
 
-    ``per_device`` is the data module's ``batch_size``; ``None`` (a data module without one, or loaders passed
-    to the Trainer directly) is an error, since the lr scaling cannot be computed without it.
+    Args:
+        per_device: the data module's ``batch_size``; ``None`` (a data module without one, or loaders passed
+            to the Trainer directly) is an error, since the lr scaling cannot be computed without it.
+        world_size: processes (devices x nodes).
+        accumulate_grad_batches: ``trainer.accumulate_grad_batches``.
+
+    Returns:
+        The global batch.
+
+    Raises:
+        ValueError: ``per_device`` is unknown or a factor is below 1, naming the setting.
     """
     if per_device is None:
         raise ValueError(
@@ -71,7 +97,14 @@ def global_batch_size(per_device: int | None, world_size: int, accumulate_grad_b
 
 
 def check_reference_batch(reference_batch: Any) -> None:
-    """``reference_batch`` is ``None`` or a positive integer."""
+    """Checks ``optim.reference_batch``.
+
+    Args:
+        reference_batch: the global batch the lr is given for, or ``None``.
+
+    Raises:
+        ArgumentError: ``reference_batch`` is neither ``None`` nor a positive integer.
+    """
     if reference_batch is None:
         return
     if isinstance(reference_batch, bool) or not isinstance(reference_batch, int) or reference_batch < 1:
@@ -86,7 +119,17 @@ def check_reference_batch(reference_batch: Any) -> None:
 def scale_lr(config: Mapping[str, Any], global_batch: int, reference_batch: int) -> dict[str, Any]:
     """A copy of the optimizer ``config`` with ``lr`` scaled by ``global_batch / reference_batch``.
 
-    ``reference_batch`` is the global batch the configured lr is meant for (``optim.reference_batch``).
+    Args:
+        config: the ``optim.optimizer`` mapping.
+        global_batch: the run's images per optimizer step (:func:`global_batch_size`).
+        reference_batch: the global batch the configured lr is meant for (``optim.reference_batch``).
+
+    Returns:
+        The mapping with the scaled ``lr``.
+
+    Raises:
+        ArgumentError: a bad ``reference_batch``.
+        ValueError: ``config`` has no ``lr``.
     """
     check_reference_batch(reference_batch)
     if "lr" not in config:

@@ -23,10 +23,16 @@ __all__ = ["align_before_fused_step", "align_with_params"]
 
 def align_with_params(optimizer: torch.optim.Optimizer) -> int:
     """Lays every gradient and every parameter-shaped state tensor (momentum buffers, Adam's moments) out in
-    its parameter's memory order, copying only those that differ; returns how many it copied.
+    its parameter's memory order, copying only those that differ.
 
     Why: fused kernels trust the three layouts to agree (see the module docstring); they disagree after
     resuming optimizer state saved in another layout, or with a gradient set by hand.
+
+    Args:
+        optimizer: the optimizer whose parameters' gradients and state are aligned in place.
+
+    Returns:
+        How many tensors were copied.
     """
     copied = 0
     for group in optimizer.param_groups:

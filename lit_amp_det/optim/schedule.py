@@ -33,12 +33,22 @@ def warmup_schedule(
     """Linear warm-up followed by a multistep, cosine or constant schedule.
 
     Args:
+        optimizer: the optimizer whose lr is scheduled.
         total_steps: optimizer steps in the whole run (Lightning's ``estimated_stepping_batches``).
         warmup_steps: steps of linear warm-up from ``warmup_factor * lr`` to ``lr``; a value below 1
             is a fraction of ``total_steps``.
         milestones: multistep drop points, in steps, or as fractions of ``total_steps`` when all are <= 1.
         gamma: multistep decay per milestone.
+        warmup_factor: the lr at the first step, as a fraction of ``lr``.
+        policy: after the warm-up, ``multistep`` (drops by ``gamma`` at ``milestones``), ``cosine`` (to
+            ``min_lr_ratio``) or ``constant``.
         min_lr_ratio: cosine floor as a fraction of the base lr.
+
+    Returns:
+        A step-wise ``LambdaLR``.
+
+    Raises:
+        ValueError: ``total_steps`` below 1 or an unknown ``policy``.
     """
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")

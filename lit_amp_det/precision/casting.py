@@ -87,8 +87,22 @@ def cast_tensor_type(
     """Returns ``inputs`` with every tensor of dtype ``src_type`` converted to ``dst_type``.
 
     Recurses through mappings (type kept where it can be rebuilt, else a dict), lists, tuples and namedtuples,
-    rebuilding rather than mutating them; everything else is left alone. ``src_type`` may be one dtype,
-    several, or None for any floating dtype. The casts are differentiable.
+    rebuilding rather than mutating them; everything else (modules included) is left alone. The casts are
+    differentiable.
+
+    Args:
+        inputs (Any): a tensor, or a mapping, list or tuple holding tensors at any depth.
+        src_type (torch.dtype or Sequence[torch.dtype] or None): the dtype(s) to convert; ``None`` converts
+            every floating tensor.
+        dst_type (torch.dtype): the dtype the matching tensors are converted to.
+
+    Returns:
+        Any: ``inputs`` rebuilt with the matching tensors converted; the same object when it is neither a
+        tensor nor a container.
+
+    Raises:
+        TypeError: if ``src_type`` is not a dtype, a sequence of dtypes or ``None``, or ``dst_type`` is not a
+            ``torch.dtype``.
     """
     if src_type is None or isinstance(src_type, torch.dtype):
         src: tuple[torch.dtype, ...] | None = (
@@ -105,13 +119,29 @@ def cast_tensor_type(
 
 
 def mixed_precision_dtype(obj: object) -> torch.dtype | None:
-    """The low-precision dtype ``obj`` runs in, or None when mixed precision is off for it."""
+    """The low-precision dtype ``obj`` runs in, or None when mixed precision is off for it.
+
+    Args:
+        obj (object): a module or plain object that :func:`set_mixed_precision` may have marked.
+
+    Returns:
+        torch.dtype or None: ``torch.float16`` or ``torch.bfloat16`` while mixed precision is on for ``obj``,
+        else ``None``.
+    """
     return getattr(obj, AMP_DTYPE_ATTR, None)
 
 
 def set_mixed_precision(obj: nn.Module | object, dtype: torch.dtype | None) -> None:
     """Turns mixed precision on (``dtype`` float16/bfloat16) or off (None) for ``obj`` and, for a module, all
     its submodules, so every decorated method below it sees the same setting.
+
+    Args:
+        obj (nn.Module or object): the module (with its submodules) or plain object to mark.
+        dtype (torch.dtype, optional): ``torch.float16`` or ``torch.bfloat16`` to turn mixed precision on,
+            ``None`` to turn it off.
+
+    Raises:
+        ValueError: if ``dtype`` is neither ``torch.float16``, ``torch.bfloat16`` nor ``None``.
     """
     if dtype is not None and dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or None (off), got {dtype!r}")
@@ -246,8 +276,23 @@ def _region_decorator(
 def force_fp32(apply_to: Iterable[str] | None = None, out_fp16: bool = False) -> Callable[[_F], _F]:
     """Decorates a method to run in float32 when mixed precision is on for its instance (else unchanged).
 
-    The arguments named in ``apply_to`` (all but self when None) have their float16/bfloat16 tensors cast to
-    float32 and the body runs with autocast off; ``out_fp16`` casts float32 outputs back to the low dtype.
+    The arguments named in ``apply_to`` have their float16/bfloat16 tensors cast to float32 and the body
+    runs with autocast off (CUDA and CPU).
+
+    Args:
+        apply_to (Iterable[str], optional): names of the method's parameters to cast (not ``self``); ``None``
+            casts every argument but ``self``. Default: ``None``.
+        out_fp16 (bool): cast the method's float32 outputs back to the instance's low dtype. Default:
+            ``False``.
+
+    Returns:
+        Callable: the decorator; the method it returns keeps the original's name and docstring.
+
+    Raises:
+        TypeError: when the decorator is applied, if ``apply_to`` is a single string instead of a list of
+            names.
+        ValueError: when the decorator is applied, if ``apply_to`` names something that is not a parameter of
+            the method.
     """
 
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -262,9 +307,22 @@ def auto_fp16(apply_to: Iterable[str] | None = None, out_fp32: bool = False) -> 
     """Decorates a method to run in its instance's low dtype when mixed precision is on for it (else
     unchanged).
 
-    The arguments named in ``apply_to`` (all but self when None) have their float32 tensors cast to the low
-    dtype and the body runs under ``torch.autocast`` on the first tensor argument's device type (else the
-    default one); ``out_fp32`` casts low-precision outputs to float32.
+    The arguments named in ``apply_to`` have their float32 tensors cast to the low dtype and the body runs
+    under ``torch.autocast`` on the first tensor argument's device type (else CUDA when available, else CPU).
+
+    Args:
+        apply_to (Iterable[str], optional): names of the method's parameters to cast (not ``self``); ``None``
+            casts every argument but ``self``. Default: ``None``.
+        out_fp32 (bool): cast the method's float16/bfloat16 outputs to float32. Default: ``False``.
+
+    Returns:
+        Callable: the decorator; the method it returns keeps the original's name and docstring.
+
+    Raises:
+        TypeError: when the decorator is applied, if ``apply_to`` is a single string instead of a list of
+            names.
+        ValueError: when the decorator is applied, if ``apply_to`` names something that is not a parameter of
+            the method.
     """
 
     def run(func: Callable[..., Any], low: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -338,6 +396,18 @@ def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
     ``mode="fp32"`` behaves like :func:`force_fp32`; ``mode="fp32_outputs"`` casts the method's low-precision
     outputs to float32. Both do nothing while ``mixed_precision_dtype(owner)`` is None (checked per call).
     Wrapping again in the same mode is a no-op.
+
+    Args:
+        owner (object): the instance whose method is wrapped; it needs an instance ``__dict__``.
+        name (str): the name of the method (or other callable attribute) to wrap.
+        mode (str): ``"fp32"`` or ``"fp32_outputs"``.
+
+    Raises:
+        ValueError: if ``mode`` is not ``"fp32"`` or ``"fp32_outputs"``, or the method is already wrapped in
+            the other mode (:func:`unwrap_method` first).
+        AttributeError: if ``owner`` has no callable attribute ``name``.
+        TypeError: if ``owner`` has no instance ``__dict__`` (``__slots__``); decorate the class's method
+            with :func:`force_fp32` instead.
     """
     if mode not in REGION_MODES:
         raise ValueError(f"mode must be one of {REGION_MODES}, got {mode!r}")
@@ -358,7 +428,15 @@ def wrap_method(owner: object, name: str, mode: WrapMode) -> None:
 
 
 def unwrap_method(owner: object, name: str) -> None:
-    """Undoes :func:`wrap_method` on ``owner.<name>``; a no-op when it is not wrapped."""
+    """Undoes :func:`wrap_method` on ``owner.<name>``; a no-op when it is not wrapped.
+
+    Args:
+        owner (object): the instance whose method was wrapped.
+        name (str): the name of the wrapped method.
+
+    Raises:
+        AttributeError: if ``owner`` has no callable attribute ``name``.
+    """
     current = _current(owner, name)
     if not isinstance(current, _InstanceRegion):
         return

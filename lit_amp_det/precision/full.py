@@ -16,17 +16,24 @@ from lit_amp_det.precision.guard import (
     NonFiniteStepGuard,
     guarded_optimizer_step,
 )
+from lit_amp_det.precision.plugin import DetectionPrecision
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
 
 __all__ = ["FiniteStepPrecision"]
 
 
-class FiniteStepPrecision(Precision):
+class FiniteStepPrecision(Precision, DetectionPrecision):
     """``32-true`` whose optimizer steps are skipped (on the device) when a gradient is inf or NaN.
 
     Args:
-        max_consecutive_skips, skip_check_every_n_steps: the guard's settings
-            (:class:`~lit_amp_det.precision.guard.NonFiniteStepGuard`).
+        max_consecutive_skips (int): stop the run as diverged once this many steps in a row were skipped
+            (``precision.max_consecutive_skips``; its default is ``PrecisionSettings``').
+        skip_check_every_n_steps (int): read the skip counters on the host every this many steps
+            (``precision.skip_check_every_n_steps``; its default is ``PrecisionSettings``').
+
+    Raises:
+        ValueError: if ``max_consecutive_skips`` or ``skip_check_every_n_steps`` is < 1 (from
+            :class:`~lit_amp_det.precision.guard.NonFiniteStepGuard`).
     """
 
     precision = "32-true"
@@ -37,6 +44,9 @@ class FiniteStepPrecision(Precision):
         skip_check_every_n_steps: int = SKIP_CHECK_EVERY_N_STEPS,
     ) -> None:
         super().__init__()
+        # fp32 throughout: no loss to scale, no low dtype to compute in
+        self.scaler: torch.amp.GradScaler | None = None
+        self.low_dtype: torch.dtype | None = None
         self.guard = NonFiniteStepGuard(self.precision, max_consecutive_skips, skip_check_every_n_steps)
 
     @override
@@ -52,7 +62,7 @@ class FiniteStepPrecision(Precision):
         )
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        """The step after backward and Lightning's hooks, skipped on the device when a gradient is not finite."""
+        """The step after backward and Lightning's hooks, skipped on the device when a gradient is inf/NaN."""
         self.guard.step(optimizer, **kwargs)
 
     @override

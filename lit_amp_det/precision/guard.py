@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lit_amp_det.precision._lightning_internals import run_after_closure_hooks
 from lit_amp_det.precision.skip import DeviceSkippedStep, gradients, non_finite
+from lit_amp_det.settings import PrecisionSettings
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
@@ -29,10 +30,12 @@ __all__ = [
     "guarded_optimizer_step",
 ]
 
-#: ``precision.max_consecutive_skips``'s default: the skips in a row that stop a run as diverged
-MAX_CONSECUTIVE_SKIPS = 20
-#: ``precision.skip_check_every_n_steps``'s default: the recorded steps between two host reads of the counts
-SKIP_CHECK_EVERY_N_STEPS = 50
+#: ``precision.max_consecutive_skips``'s default (its home: :class:`~lit_amp_det.settings.PrecisionSettings`):
+#: the skips in a row that stop a run as diverged
+MAX_CONSECUTIVE_SKIPS: int = PrecisionSettings.max_consecutive_skips
+#: ``precision.skip_check_every_n_steps``'s default (:class:`~lit_amp_det.settings.PrecisionSettings`): the
+#: recorded steps between two host reads of the counts
+SKIP_CHECK_EVERY_N_STEPS: int = PrecisionSettings.skip_check_every_n_steps
 
 
 class NonFiniteStepGuard:
@@ -40,10 +43,14 @@ class NonFiniteStepGuard:
     run.
 
     Args:
-        precision: the ``trainer.precision`` that runs (for the messages). max_consecutive: raise once this
-        many steps in a row were skipped (``precision.max_consecutive_skips``). check_every_n_steps: read the
-        counters on the host every this many recorded steps
+        precision: the ``trainer.precision`` that runs (for the messages).
+        max_consecutive: raise once this many steps in a row were skipped
+            (``precision.max_consecutive_skips``).
+        check_every_n_steps: read the counters on the host every this many recorded steps
             (``precision.skip_check_every_n_steps``); the stop comes at most this many steps minus one late.
+
+    Raises:
+        ValueError: ``max_consecutive`` or ``check_every_n_steps`` below 1, naming the setting.
     """
 
     def __init__(
@@ -53,9 +60,11 @@ class NonFiniteStepGuard:
         check_every_n_steps: int = SKIP_CHECK_EVERY_N_STEPS,
     ) -> None:
         if max_consecutive < 1:
-            raise ValueError(f"precision.max_consecutive_skips must be >= 1, got {max_consecutive}")
+            raise ValueError(f"precision.max_consecutive_skips={max_consecutive!r}: give an integer >= 1")
         if check_every_n_steps < 1:
-            raise ValueError(f"precision.skip_check_every_n_steps must be >= 1, got {check_every_n_steps}")
+            raise ValueError(
+                f"precision.skip_check_every_n_steps={check_every_n_steps!r}: give an integer >= 1"
+            )
         self.precision, self.max_consecutive, self.check_every_n_steps = (
             precision,
             max_consecutive,
@@ -109,7 +118,9 @@ class NonFiniteStepGuard:
         return total, run, longest
 
     def check(self) -> None:
-        """Reads the counts and raises when a run of ``max_consecutive`` skips happened since the last read."""
+        """Reads the counts and raises when a run of ``max_consecutive`` skips happened since the last
+        read.
+        """
         total, _, longest = self._read()
         self._unread = 0
         self._counts[2].copy_(self._counts[1])  # the next longest run starts from the current one
@@ -117,8 +128,9 @@ class NonFiniteStepGuard:
             raise RuntimeError(
                 f"{longest} consecutive optimizer steps had non-finite gradients under trainer.precision="
                 f"{self.precision} ({total} skipped in all; the limit is precision.max_consecutive_skips="
-                f"{self.max_consecutive}); training has diverged. Lower the learning rate (optim.optimizer.lr), clip "
-                "gradients (trainer.gradient_clip_val=1.0), or raise precision.max_consecutive_skips. Checkpoints "
+                f"{self.max_consecutive}); training has diverged. Lower the learning rate "
+                "(optim.optimizer.lr), clip gradients (trainer.gradient_clip_val=1.0), or raise "
+                "precision.max_consecutive_skips. Checkpoints "
                 "written so far are kept."
             )
 

@@ -46,6 +46,10 @@ def cpu_computes_bf16_natively() -> bool:
     The test torch makes before it hands a bf16 matmul to oneDNN (``mkldnn_bf16_device_check``); where that
     private op is missing, torch's CPU capability stands in: only its AVX-512 levels have the fast path. Asked
     once per process.
+
+    Returns:
+        bool: ``True`` where bf16 matmuls and convolutions take oneDNN's fast kernels; ``False`` where they do
+        not, or torch has no oneDNN (mkldnn).
     """
     return _native_bf16()
 
@@ -67,8 +71,8 @@ def _torch_bf16_op() -> Callable[[], bool] | None:
 
 def _no_native_bf16() -> str:
     return (
-        f"this CPU has no native bf16 (torch CPU capability {cpu_capability()}; bf16 matmuls and convolutions "
-        "take slow paths)"
+        f"this CPU has no native bf16 (torch CPU capability {cpu_capability()}; bf16 matmuls and "
+        "convolutions take slow paths)"
     )
 
 
@@ -83,6 +87,15 @@ def resolve_precision(precision: str, device: str, fp16_on_cpu: bool = False) ->
     """The precision that runs for ``trainer.precision=precision`` on ``device`` (``"cpu"`` or ``"cuda"``), by
     the rules of the module docstring, logged or warned as it says. Any other value is returned as it is (the
     caller checks it).
+
+    Args:
+        precision (str): the ``trainer.precision`` asked for (``auto``, ``32-true``, ``16-mixed``, ...).
+        device (str): ``"cpu"`` or ``"cuda"``.
+        fp16_on_cpu (bool): run ``16-mixed`` / ``16-weights`` on a CPU as asked rather than as their bf16 twin
+            or ``32-true`` (``precision.fp16_on_cpu``). Default: ``False``.
+
+    Returns:
+        str: the ``trainer.precision`` value that runs.
     """
     native_bf16 = device != "cpu" or cpu_computes_bf16_natively()
     if precision == AUTO:

@@ -25,6 +25,7 @@ from lit_amp_det.precision.guard import guarded_optimizer_step
 from lit_amp_det.precision.master_weights import MasterWeights, use_low_precision_weights
 from lit_amp_det.precision.modes import LOW_PRECISION_WEIGHTS
 from lit_amp_det.precision.options import HalfPrecisionOptions, half_dtype
+from lit_amp_det.precision.plugin import DetectionPrecision
 from lit_amp_det.precision.regions import install_fp32_regions, regions_for
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
@@ -43,7 +44,7 @@ _TORCHVISION_ROI_OPS = (
 )
 
 
-class MasterWeightPrecision(Precision):
+class MasterWeightPrecision(Precision, DetectionPrecision):
     """``bf16-weights`` / ``16-weights``: bf16/fp16 weights, fp32 masters in the optimizer, no autocast.
 
     What stays fp32 is as :mod:`lit_amp_det.precision.master_weights` says. After backward the low-precision
@@ -62,18 +63,17 @@ class MasterWeightPrecision(Precision):
     def __init__(self, precision: Literal["16-weights", "bf16-weights"], device: str, **options: Any) -> None:
         if precision not in LOW_PRECISION_WEIGHTS:
             raise ValueError(
-                f"trainer.precision={precision!r}; MasterWeightPrecision takes "
-                f"{' or '.join(LOW_PRECISION_WEIGHTS)}"
+                f"MasterWeightPrecision takes {' or '.join(LOW_PRECISION_WEIGHTS)}, not {precision!r}; "
+                "build_precision_plugin gives each trainer.precision value its plugin"
             )
         super().__init__()
         settings = HalfPrecisionOptions(**options)
         self.precision = precision  # type: ignore[assignment]
-        self.device, self.scaler, self.fp32_regions = (
-            device,
-            settings.scaler(precision, device),
-            settings.regions(),
-        )
-        self.guard, self.low_dtype = settings.guard(precision), half_dtype(precision)
+        self.device = device
+        self.scaler = settings.scaler(precision, device)
+        self.fp32_regions = settings.regions()
+        self.guard = settings.guard(precision)
+        self.low_dtype = half_dtype(precision)
         self.weights: MasterWeights | None = None
 
     @override

@@ -114,6 +114,10 @@ class MasterWeights:
     Built by :func:`use_low_precision_weights`. The low-precision parameters are the model's own (converted in
     place, so holders see the change); the masters are ``nn.Parameter`` objects held here and on their
     modules.
+
+    Args:
+        dtype (torch.dtype): the low-precision dtype of the converted parameters (``torch.float16`` or
+            ``torch.bfloat16``).
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -208,7 +212,7 @@ class MasterWeights:
                 master.data = master.data.to(low.device)
             if master.grad is None:
                 master.grad = self._grad_buffer(index, master).copy_(grad)
-            else:  # accumulating onto a gradient someone left (zero_grad(set_to_none=False), several backwards)
+            else:  # onto a gradient someone left (zero_grad(set_to_none=False), several backwards)
                 master.grad += grad.to(torch.float32)  # a cast and a same-dtype add: faster than a mixed add
             low.grad = None
 
@@ -231,6 +235,18 @@ def use_low_precision_weights(module: nn.Module, dtype: torch.dtype) -> MasterWe
 
     Every floating parameter outside norm layers (:data:`NORM_LAYERS`) becomes ``dtype``; norms and buffers
     stay fp32.
+
+    Args:
+        module (nn.Module): the model to convert in place.
+        dtype (torch.dtype): ``torch.float16`` or ``torch.bfloat16``.
+
+    Returns:
+        MasterWeights: the converted parameters and their fp32 masters; the existing ones when ``module`` was
+        already converted to ``dtype``.
+
+    Raises:
+        ValueError: if ``dtype`` is not ``torch.float16`` or ``torch.bfloat16``, or ``module`` was already
+            converted to the other low dtype.
     """
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lit_amp_det.precision.guard import guarded_optimizer_step
 from lit_amp_det.precision.modes import MIXED_PRECISIONS
 from lit_amp_det.precision.options import HalfPrecisionOptions, half_dtype
+from lit_amp_det.precision.plugin import DetectionPrecision
 from lit_amp_det.precision.regions import install_fp32_regions, regions_for
 from lit_amp_det.precision.skip import gradients, non_finite
 from lit_amp_det.precision.state import load_recorded_state, recorded_state
@@ -29,7 +30,7 @@ from lit_amp_det.precision.state import load_recorded_state, recorded_state
 __all__ = ["DetectionMixedPrecision"]
 
 
-class DetectionMixedPrecision(MixedPrecision):
+class DetectionMixedPrecision(MixedPrecision, DetectionPrecision):
     """``16-mixed`` / ``bf16-mixed`` autocast with fp32 regions, dynamic loss scaling (fp16) and the step
     guard.
 
@@ -42,8 +43,8 @@ class DetectionMixedPrecision(MixedPrecision):
     def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str, **options: Any) -> None:
         if precision not in MIXED_PRECISIONS:
             raise ValueError(
-                f"trainer.precision={precision!r}; DetectionMixedPrecision takes "
-                f"{' or '.join(MIXED_PRECISIONS)}"
+                f"DetectionMixedPrecision takes {' or '.join(MIXED_PRECISIONS)}, not {precision!r}; "
+                "build_precision_plugin gives each trainer.precision value its plugin"
             )
         settings = HalfPrecisionOptions(**options)
         super().__init__(precision, device, settings.scaler(precision, device))

@@ -15,32 +15,38 @@ import torch
 
 from lit_amp_det.precision.guard import MAX_CONSECUTIVE_SKIPS, SKIP_CHECK_EVERY_N_STEPS, NonFiniteStepGuard
 from lit_amp_det.precision.modes import RegionMode
+from lit_amp_det.settings import PrecisionSettings
 
 __all__ = ["GROWTH_INTERVAL", "INIT_SCALE", "HalfPrecisionOptions", "half_dtype"]
 
 
 def half_dtype(precision: str) -> torch.dtype:
-    """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for ``bf16-*``."""
+    """The dtype a half-precision ``trainer.precision`` computes in: fp16 for ``16-*``, bf16 for
+    ``bf16-*``.
+    """
     return torch.float16 if precision.startswith("16-") else torch.bfloat16
 
 
-#: GradScaler's first loss scale (``precision.init_scale``), torch's default
-INIT_SCALE = 2.0**16
+#: GradScaler's first loss scale (``precision.init_scale``), torch's default; its home is
+#: :class:`~lit_amp_det.settings.PrecisionSettings`
+INIT_SCALE: float = PrecisionSettings.init_scale
 #: steps without an overflow before GradScaler doubles the scale (``precision.growth_interval``), torch's
-#: default
-GROWTH_INTERVAL = 2000
+#: default (:class:`~lit_amp_det.settings.PrecisionSettings`)
+GROWTH_INTERVAL: int = PrecisionSettings.growth_interval
 
 
 @dataclass(frozen=True)
 class HalfPrecisionOptions:
     """What a half-precision plugin is configured with besides its precision and device.
 
-    Attributes:
+    Args:
         fp32_regions: method paths relative to the LightningModule mapped to ``fp32`` or ``fp32_outputs``
             (:mod:`lit_amp_det.precision.regions`). ``None`` takes the module's ``fp32_regions()``; an empty
             mapping turns regions off (plain autocast).
-        init_scale, growth_interval: GradScaler settings, used by the fp16 precisions only.
-        max_consecutive_skips, skip_check_every_n_steps: the guard's settings.
+        init_scale: GradScaler's first loss scale, used by the fp16 precisions only.
+        growth_interval: overflow-free steps before GradScaler doubles the scale (fp16 precisions only).
+        max_consecutive_skips: the guard stops a fit after this many skipped steps in a row.
+        skip_check_every_n_steps: optimizer steps between two host reads of the guard's counts.
     """
 
     fp32_regions: Mapping[str, RegionMode] | None = None
@@ -62,4 +68,5 @@ class HalfPrecisionOptions:
         return None if self.fp32_regions is None else dict(self.fp32_regions)
 
     def guard(self, precision: str) -> NonFiniteStepGuard:
+        """The non-finite step guard of a plugin running ``precision``, with these settings."""
         return NonFiniteStepGuard(precision, self.max_consecutive_skips, self.skip_check_every_n_steps)

@@ -23,7 +23,20 @@ _PATHS_HINT = "paths are relative to the LightningModule, e.g. 'model.rpn.comput
 
 
 def install_fp32_regions(module: nn.Module, regions: Mapping[str, RegionMode], dtype: torch.dtype) -> None:
-    """Marks ``module`` for mixed precision in ``dtype`` and wraps each region method in place (idempotent)."""
+    """Marks ``module`` for mixed precision in ``dtype``, wraps each region method in place (idempotent).
+
+    Args:
+        module (nn.Module): the LightningModule (or model) the region paths start from; it and its
+            submodules are marked for mixed precision.
+        regions (Mapping[str, str]): method path relative to ``module`` (``"model.rpn.compute_loss"``) ->
+            ``"fp32"`` or ``"fp32_outputs"``.
+        dtype (torch.dtype): the low-precision dtype, ``torch.float16`` or ``torch.bfloat16``.
+
+    Raises:
+        ValueError: if ``dtype`` is not ``torch.float16`` or ``torch.bfloat16``, a mode is not ``"fp32"`` or
+            ``"fp32_outputs"``, or a path does not lead to a method (a missing attribute, an owner that is
+            ``None``, a name that is not callable).
+    """
     set_mixed_precision(module, dtype)  # also switches on the module's own @force_fp32/@auto_fp16 methods
     for path, mode in regions.items():
         if mode not in REGION_MODES:

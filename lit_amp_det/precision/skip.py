@@ -112,7 +112,7 @@ class DeviceSkippedStep:
                     optimizer.state.pop(p, None)
 
     def _copy(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Copies of ``tensors`` into buffers kept from the previous step where their tensor is still there."""
+        """Copies of ``tensors`` into the previous step's buffers where their tensor is still there."""
         buffers: dict[int, Tensor] = {}
         for tensor in tensors:
             buffer = self._buffers.get(id(tensor))

@@ -295,10 +295,7 @@ def _roi_geometry(
     in_batch = _flag((b > -1) & (b < batch))  # truncated toward zero, the index lands in [0, N)
     image = tl.where(in_batch, b, 0).to(tl.int64)
     scale = tl.load(scale_ptr).to(ACC)
-    if ALIGNED:
-        offset = 0.5
-    else:
-        offset = 0.0
+    offset = 0.5 if ALIGNED else 0.0
     start_w = tl.load(roi + sr1).to(ACC) * scale - offset
     start_h = tl.load(roi + 2 * sr1).to(ACC) * scale - offset
     roi_w = (tl.load(roi + 3 * sr1).to(ACC) * scale - offset) - start_w

@@ -1,13 +1,13 @@
 """Device-agnostic launchers of the Triton kernels: check inputs, allocate outputs, pick blocks, launch.
 
-They serve the CUDA kernels registered for ``torch.ops.lit_amp_det`` and :mod:`lit_amp_det.ops.triton`. CUDA
+They are the CUDA kernels registered for ``torch.ops.lit_amp_det`` (:mod:`._register`). CUDA
 tensors run the compiled kernels; CPU tensors run them through Triton's interpreter under
 ``TRITON_INTERPRET=1`` (so every kernel can be tested without a GPU). Only :func:`nms` / :func:`batched_nms`
 synchronise with the host (their result size is data-dependent).
 
 ``torch.compile`` and ``torch.export`` see ``torch.ops.lit_amp_det`` as custom ops with fake kernels and run
 these launchers only when the graph runs, eagerly; an eager launch goes straight to Triton's launcher. Only a
-trace through the launchers themselves (calling :mod:`lit_amp_det.ops.triton` under ``torch.compile``,
+trace through the launchers themselves (calling them under ``torch.compile``,
 ``make_fx`` or non-strict export) records each launch with ``torch.library.wrap_triton`` (:func:`_launch`).
 """
 
@@ -229,7 +229,7 @@ def _check_boxes(op: str, name: str, boxes: Tensor, *, integer_ok: bool = False)
 
 
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
-    """IoU matrix ``[N, M]``: float32 (float64 if an input is float64; integer boxes are exact, float32 out)."""
+    """IoU matrix ``[N, M]``: float32 (float64 if an input is; integer boxes are exact, float32 out)."""
     _check_boxes("box_iou", "boxes1", boxes1, integer_ok=True)
     _check_boxes("box_iou", "boxes2", boxes2, integer_ok=True)
     if boxes1.device != boxes2.device:
@@ -602,7 +602,7 @@ def _backward(
     sampling_ratio: int,
     aligned: bool,
 ) -> list[Tensor]:
-    """One gradient per level, each of shape/format ``specs[l]`` and grad's dtype, accumulated in fp32 (fp64)."""
+    """A gradient per level, of shape/format ``specs[l]`` and grad's dtype, accumulated in fp32 (fp64)."""
     acc = _acc_dtype(grad)
     # the accumulation buffers get the gradient's layout explicitly (torch.zeros would drop it)
     buffers = [
@@ -775,7 +775,7 @@ def multi_level_roi_align(
     sampling_ratio: int,
     aligned: bool,
 ) -> Tensor:
-    """The schema of ``lit_amp_det::multi_level_roi_align``: one launch per level, each writing its own rows."""
+    """The schema of ``lit_amp_det::multi_level_roi_align``: a launch per level, each writing its own rows."""
     _check_multi_level(
         "multi_level_roi_align", features, rois, levels, spatial_scales, pooled_height, pooled_width
     )
@@ -795,7 +795,7 @@ def multi_level_roi_align_backward(
     sampling_ratio: int,
     aligned: bool,
 ) -> list[Tensor]:
-    """The schema of ``lit_amp_det::_multi_level_roi_align_backward``: one gradient per level, in its layout."""
+    """The schema of ``lit_amp_det::_multi_level_roi_align_backward``: a gradient per level, in its layout."""
     op = "_multi_level_roi_align_backward"
     _check_multi_level(op, features, rois, levels, spatial_scales, pooled_height, pooled_width)
     if grad.dtype != features[0].dtype:
