@@ -177,7 +177,8 @@ def export_detector(
 
 def _onnx_program(graph: DeployedDetector, sample: Tensor, exporter_args: dict[str, Any]) -> Any:
     try:
-        import onnxscript  # noqa: F401  # the exporter's dependency, named here so its absence is one clear line
+        # the exporter's dependency, named here so that its absence is one clear line
+        import onnxscript  # noqa: F401
     except ImportError:
         raise ImportError(
             "format=onnx needs onnx and onnxscript: pip install 'lit_amp_det[export]' (or use format=pt2)"

@@ -209,7 +209,9 @@ class PrecisionSettings:
         skip_check_every_n_steps: how often, in optimizer steps, the guard reads its counts on the host.
     """
 
-    fp32_regions: Optional[dict[str, str]] = None
+    # a dict or None: Hydra's command-line dict override (``precision.fp32_regions={}``) of a typed dict node
+    # that holds None is lost or fails in hydra-core 1.3, so the value is checked where it is read
+    fp32_regions: Any = None
     init_scale: float = 2.0**16
     growth_interval: int = 2000
     fp16_on_cpu: bool = False

@@ -286,7 +286,8 @@ def _plan(bench: Bench, setting: Setting, cfg: DictConfig) -> tuple[list[str], D
         batches = (
             [single] * warmup + [full] * warmup + [single] * setting.steps + [full] * (setting.steps + 1)
         )
-    return plan, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)  # type: ignore[arg-type]
+    loader = DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)  # type: ignore[arg-type]
+    return plan, loader
 
 
 def run_row(bench: Bench, index: int, setting: Setting) -> dict[str, Any]:

@@ -253,8 +253,8 @@ def _find(module: nn.Module, prefix: str, use_fx: bool) -> list[Pair]:
     if use_fx:
         try:
             return [(_join(prefix, a), _join(prefix, b)) for a, b in _fx_pairs(module)]
-        except Exception:  # noqa: BLE001 - any tracing failure (data-dependent control flow, ...) means: look inside
-            pass
+        except Exception:  # noqa: BLE001
+            pass  # any tracing failure (data-dependent control flow, ...) means: look inside
     pairs = [(_join(prefix, a), _join(prefix, b)) for a, b in _structural_pairs(module)]
     for name, child in module.named_children():
         pairs += _find(child, _join(prefix, name), use_fx)

@@ -59,7 +59,11 @@ DEVICE_TYPES = ("cpu", "cuda")
 DEFAULT_SPEEDUPS: dict[str, dict[str, Any]] = {
     "ext_ops": {"_target_": "lit_amp_det.models.speedups.ExtensionOps"},
     "binary_mask_paste": {"_target_": "lit_amp_det.models.speedups.BinaryMaskPaste"},
-    "sync_free": {"_target_": "lit_amp_det.models.speedups.SyncFree", "devices": ["cuda"]},
+    "sync_free": {
+        "_target_": "lit_amp_det.models.speedups.SyncFree",
+        "devices": ["cuda"],
+        "instances_per_image": None,
+    },
 }
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_amp_det.errors import ArgumentError
 from lit_amp_det.precision.guard import MAX_CONSECUTIVE_SKIPS, SKIP_CHECK_EVERY_N_STEPS, NonFiniteStepGuard
 from lit_amp_det.precision.modes import RegionMode
 from lit_amp_det.settings import PrecisionSettings
@@ -64,8 +65,20 @@ class HalfPrecisionOptions:
         return torch.amp.GradScaler(device, init_scale=self.init_scale, growth_interval=self.growth_interval)
 
     def regions(self) -> dict[str, RegionMode] | None:
-        """A copy of ``fp32_regions`` (``None`` stays ``None``: the module's own regions)."""
-        return None if self.fp32_regions is None else dict(self.fp32_regions)
+        """A copy of ``fp32_regions`` (``None`` stays ``None``: the module's own regions).
+
+        Raises:
+            ArgumentError: ``fp32_regions`` is neither None nor a mapping.
+        """
+        if self.fp32_regions is None:
+            return None
+        if not isinstance(self.fp32_regions, Mapping):
+            raise ArgumentError(
+                "precision.fp32_regions",
+                self.fp32_regions,
+                "must map method paths to fp32 or fp32_outputs ({} for none), or be null (the module's own)",
+            )
+        return dict(self.fp32_regions)
 
     def guard(self, precision: str) -> NonFiniteStepGuard:
         """The non-finite step guard of a plugin running ``precision``, with these settings."""
